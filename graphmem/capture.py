@@ -1,0 +1,319 @@
+"""Run ONE training step on fake tensors and record it as a StepGraph.
+
+How: a TorchDispatchMode stacked on FakeTensorMode sees every aten op in the order eager
+autograd runs it (forward, loss, backward), below autograd, so the saved set is exactly what
+eager autograd saves. ``saved_tensors_hooks`` report which storage each grad_fn saves; the
+packed handle's destruction is autograd releasing it. A weakref on each storage reports when
+it is freed. Nothing real is allocated: parameters, buffers and inputs become fresh fake
+tensors of the same shape/stride/dtype on the target device, and the user's module runs on
+them through ``torch.func.functional_call`` (its own tensors are not touched).
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import CaptureError, DataDependentError, GraphmemError, UnsupportedOpError
+from .step import LossFn, run_step
+from .stepgraph import SaveEvent, StepGraph, Storage
+
+_NODE = "_graphmem_node"  # attribute set on each fake tensor: the fx node that produced it
+_TAG = "graphmem_module"  # key in grad_fn.metadata: module path of the forward op
+
+
+_METADATA_OPS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "is_nonzero")
+    if hasattr(torch.ops.aten, name) and hasattr(getattr(torch.ops.aten, name), "default")
+)
+
+
+class _Packed:
+    """What the pack hook returns; its destruction is autograd releasing the saved tensor."""
+
+    __slots__ = ("tensor", "event", "cap")
+
+    def __init__(self, tensor: torch.Tensor, event: SaveEvent, cap: "_Recorder") -> None:
+        self.tensor = tensor
+        self.event = event
+        self.cap = cap
+
+    def __del__(self) -> None:
+        if not self.cap.closed:
+            self.event.released_at = len(self.cap.ops) - 1
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, paths: dict[int, str]) -> None:
+        super().__init__()
+        self.graph = fx.Graph()
+        self.ops: list[fx.Node] = []
+        self.storages: dict[int, Storage] = {}
+        self.live: dict[int, Storage] = {}  # StorageImpl address -> live Storage
+        self.refs: dict[int, weakref.ref] = {}
+        self.saves: list[SaveEvent] = []
+        self.paths = paths
+        self.stack: list[str] = [""]
+        self.phase = "forward"
+        self.phase_start: dict[str, int] = {}
+        self.closed = False
+
+    # -- storages -----------------------------------------------------------------
+    def storage(self, t: torch.Tensor, kind: str, name: str, created: int, module: str) -> Storage:
+        st = t.untyped_storage()
+        key = st._cdata
+        s = self.live.get(key)
+        if s is None:
+            s = Storage(len(self.storages), st.nbytes(), kind, created, None, module, name,
+                        str(t.dtype).replace("torch.", ""), tuple(t.shape))
+            self.storages[s.sid] = s
+            self.live[key] = s
+            self.refs[s.sid] = weakref.ref(st, lambda _r, key=key, s=s: self._freed(key, s))
+        return s
+
+    def _freed(self, key: int, s: Storage) -> None:
+        if self.closed:
+            return
+        s.freed = len(self.ops) - 1
+        if self.live.get(key) is s:
+            del self.live[key]
+
+    def preexisting(self, t: torch.Tensor, kind: str, name: str) -> None:
+        s = self.storage(t, kind, name, -1, "")
+        node = self.graph.placeholder(name.replace(".", "_"))
+        node.meta.update(shape=tuple(t.shape), dtype=t.dtype, storage=s.sid, kind=kind)
+        setattr(t, _NODE, node)
+
+    # -- ops ----------------------------------------------------------------------
+    def _arg(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            node = getattr(a, _NODE, None)
+            if node is None:  # a tensor made outside the recorded step (e.g. a constant)
+                self.preexisting(a, "external", f"external_{len(self.storages)}")
+                node = getattr(a, _NODE)
+            return node
+        if isinstance(a, (list, tuple)):
+            return [self._arg(x) for x in a]
+        return a
+
+    def module_now(self) -> str:
+        if self.phase == "backward":
+            fn = torch._C._current_autograd_node()
+            return fn.metadata.get(_TAG, "") if fn is not None else ""
+        return self.stack[-1]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "prim" or func in _METADATA_OPS:  # queries, never allocate
+            return out
+        index = len(self.ops)
+        node = self.graph.create_node("call_function", func, tuple(self._arg(a) for a in args),
+                                      {k: self._arg(v) for k, v in kwargs.items()})
+        self.ops.append(node)
+        module = self.module_now()
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        metas = []
+        new_bytes = 0
+        for i, t in enumerate(outs):
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = self.storage(t, "activation", str(func), index, module)
+            if s.created == index:
+                new_bytes += s.nbytes
+                if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+                    src = self.live.get(args[0].untyped_storage()._cdata)
+                    s.source = src.sid if src is not None else None
+            metas.append((tuple(t.shape), t.dtype, s.sid))
+            if outs is out:
+                item = self.graph.call_function(operator.getitem, (node, i))
+                setattr(t, _NODE, item)
+            else:
+                setattr(t, _NODE, node)
+        node.meta.update(index=index, phase=self.phase, module=module, outputs=tuple(metas),
+                         bytes=new_bytes)
+        if metas:
+            node.meta.update(shape=metas[0][0], dtype=metas[0][1], storage=metas[0][2])
+        return out
+
+    # -- autograd hooks -----------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> _Packed:
+        s = self.storage(t, "external", "saved", len(self.ops) - 1, self.stack[-1])
+        ev = SaveEvent(s.sid, len(self.ops) - 1, None, self.stack[-1], self.phase,
+                       tuple(t.shape), str(t.dtype).replace("torch.", ""))
+        self.saves.append(ev)
+        return _Packed(t, ev, self)
+
+    @staticmethod
+    def unpack(h: _Packed) -> torch.Tensor:
+        if not h.event.grad_fn:
+            fn = torch._C._current_autograd_node()
+            h.event.grad_fn = fn.name() if fn is not None else ""
+        return h.tensor
+
+    # -- module paths -------------------------------------------------------------
+    def pre_hook(self, module: nn.Module, args: Any) -> None:
+        self.stack.append(self.paths.get(id(module), type(module).__name__))
+
+    def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        path = self.stack.pop()
+        if self.phase == "forward":
+            _tag_grad_fns(output, path)
+
+    def set_phase(self, phase: str) -> None:
+        # The loss's autograd nodes stay untagged: their backward ops belong to the root ("").
+        self.phase = phase
+        self.phase_start[phase] = len(self.ops)
+        self.stack = [""]
+
+
+def _tag_grad_fns(output: Any, path: str) -> None:
+    """Label the autograd nodes a module created with its path (innermost module wins:
+    inner modules finish, and tag, first; the walk stops at nodes already tagged)."""
+    todo = []
+    for t in _tensors(output):
+        if t.grad_fn is not None:
+            todo.append(t.grad_fn)
+    while todo:
+        fn = todo.pop()
+        md = fn.metadata
+        if _TAG in md:
+            continue
+        md[_TAG] = path
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                todo.append(nxt)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+Inputs = Union[tuple, Callable[[], tuple]]
+
+
+def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+    return fake.requires_grad_(t.requires_grad) if t.is_floating_point() else fake
+
+
+def capture(
+    model: nn.Module,
+    inputs: Inputs,
+    loss_fn: Optional[LossFn] = None,
+    device: Union[str, torch.device] = "cpu",
+) -> StepGraph:
+    """Record one training step of ``model`` on fake tensors.
+
+    ``inputs`` is a tuple of tensors (real, meta or fake: only their shapes and dtypes are
+    used) or a zero-argument callable run under the fake mode with ``device`` as the default
+    device (so ``torch.randint(...)`` inside it makes fake tensors).
+    """
+    device = torch.device(device)
+    paths = {id(m): name for name, m in model.named_modules()}
+    cap = _Recorder(paths)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    training = [(m, m.training) for m in model.modules()]
+    handles = []
+    try:
+        model.train()
+        with fake_mode:
+            state: dict[str, torch.Tensor] = {}
+            seen: dict[int, torch.Tensor] = {}
+            for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
+                                ("buffer", model.named_buffers(remove_duplicate=False))):
+                for name, p in named:
+                    if id(p) not in seen:
+                        seen[id(p)] = _fake_like(p, device)
+                        cap.preexisting(seen[id(p)], kind, name)
+                    state[name] = seen[id(p)]
+            with torch.device(device):
+                raw = inputs() if callable(inputs) else inputs
+            if not isinstance(raw, (tuple, list)):
+                raw = (raw,)
+            fake_inputs = tuple(
+                (x if fake_mode is getattr(x, "fake_mode", None) else _fake_like(x, device))
+                if isinstance(x, torch.Tensor) else x
+                for x in raw
+            )
+            for i, x in enumerate(fake_inputs):
+                if isinstance(x, torch.Tensor):
+                    cap.preexisting(x, "input", f"input_{i}")
+        handles = [
+            nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
+            nn.modules.module.register_module_forward_hook(cap.post_hook),
+        ]
+
+        def forward(*args: Any) -> Any:
+            return torch.func.functional_call(model, state, args, strict=False, tie_weights=True)
+
+        try:
+            with fake_mode, cap, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack):
+                out, loss = run_step(forward, fake_inputs, loss_fn, cap.set_phase)
+                grads = [p.grad for p in seen.values() if p.grad is not None]
+                gradient_sids = list(dict.fromkeys(
+                    cap.storage(g, "activation", "grad", len(cap.ops) - 1, "").sid for g in grads))
+        except GraphmemError:
+            raise
+        except Exception as e:  # translate into a one-line error that names the fix
+            raise _translate(e, cap) from e
+        phase_start = dict(cap.phase_start)
+        phase_start["end"] = len(cap.ops)
+        cap.closed = True
+        return StepGraph(cap.graph, cap.ops, cap.storages, cap.saves, phase_start, str(device),
+                         gradient_sids, type(model).__name__,
+                         [name for name, _ in model.named_modules()])
+    finally:
+        cap.closed = True
+        for h in handles:
+            h.remove()
+        for m, was in training:
+            m.training = was
+
+
+def _translate(e: Exception, cap: _Recorder) -> GraphmemError:
+    where = cap.stack[-1] or "the model"
+    if cap.phase == "backward":
+        where = "backward"
+    elif cap.phase == "loss":
+        where = "the loss"
+    if isinstance(e, DataDependentOutputException):
+        return DataDependentError(
+            f"{where} reads tensor values ({e.func}), which fake tensors do not have; graphmem "
+            "analyzes without running real data: replace .item()/.tolist()/value-dependent "
+            "`if` with shape-based code or Python constants"
+        )
+    if isinstance(e, DynamicOutputShapeException):
+        return DataDependentError(
+            f"{where} calls {e.func}, whose output shape depends on tensor values (e.g. "
+            "torch.nonzero or boolean-mask indexing); use a fixed-shape form such as "
+            "torch.where(mask, x, 0) or a mask multiply"
+        )
+    if isinstance(e, UnsupportedOperatorException):
+        return UnsupportedOpError(
+            f"operator {e.func} (in {where}) has no fake-tensor implementation; register one "
+            "with torch.library.register_fake, or replace the op"
+        )
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return CaptureError(
+        f"{where} raised {type(e).__name__}: {msg} (while running the {cap.phase} on fake "
+        "tensors); check that the input shape fits the model, or rerun with --debug for the traceback"
+    )

@@ -1,0 +1,38 @@
+"""Errors graphmem raises. Each message says what went wrong and what to do.
+
+Only the CLI turns these into a stderr line and an exit code: ``UsageError`` → 2 (the
+command line or model file is wrong), every other ``GraphmemError`` → 1 (the analysis failed).
+"""
+from __future__ import annotations
+
+
+class GraphmemError(Exception):
+    """Base class: a one-line message naming the fix."""
+
+    exit_code = 1
+
+
+class UsageError(GraphmemError):
+    """Bad input from the user: a malformed shape, a missing file, a file without a model."""
+
+    exit_code = 2
+
+
+class ModelLoadError(UsageError):
+    """The model file or preset could not be turned into an nn.Module."""
+
+
+class CaptureError(GraphmemError):
+    """The training step could not be run on fake tensors."""
+
+
+class DataDependentError(CaptureError):
+    """The model needs real tensor values (``.item()``, ``nonzero`` used for indexing, ...)."""
+
+
+class UnsupportedOpError(CaptureError):
+    """An operator has no fake/meta implementation."""
+
+
+class PassError(GraphmemError):
+    """A pass found the StepGraph inconsistent; names the pass and the node."""

@@ -1,0 +1,90 @@
+"""Ground truth from a REAL run of the same training step (graphmem/step.py) on the CPU.
+
+- Saved bytes: ``saved_tensors_hooks`` on the real forward and loss, deduplicated by storage,
+  parameters and buffers excluded — the definition of activation bytes.
+- Peak: the CPU allocator's own events, read from ``torch.profiler`` with
+  ``profile_memory=True`` (every c10 CPU allocation and free, with its size). The peak is the
+  bytes live before the step (parameters, buffers, inputs) plus the largest running sum of
+  those events during the step.
+
+These functions allocate real memory: use small shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from .step import LossFn, run_step
+
+
+@dataclass(frozen=True)
+class Measured:
+    saved_bytes: int  # distinct non-parameter storages saved for backward (forward + loss)
+    peak_bytes: int  # baseline + largest running sum of allocator events
+    baseline_bytes: int  # parameters, buffers and inputs, live before the step
+    allocations: int  # allocator events seen
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> tuple[set[int], int]:
+    keys: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        keys[st._cdata] = st.nbytes()
+    return set(keys), sum(keys.values())
+
+
+def measure_saved(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = None) -> int:
+    """Bytes of the distinct storages autograd saves in a real forward + loss."""
+    state = [*model.parameters(), *model.buffers()]
+    excluded, _ = _storage_bytes(state)
+    saved: dict[int, int] = {}
+    phase = ["forward"]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if phase[0] != "backward" and st._cdata not in excluded:
+            saved[st._cdata] = st.nbytes()
+        return t
+
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_step(model, inputs, loss_fn, lambda p: phase.__setitem__(0, p))
+    model.zero_grad(set_to_none=True)
+    return sum(saved.values())
+
+
+def _allocation_events(prof: Any) -> list[tuple[int, int]]:
+    events: list[tuple[int, int]] = []
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+        todo.extend(e.children)
+    events.sort()
+    return events
+
+
+def measure_peak(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = None) -> Measured:
+    """Real CPU step under the profiler; the peak from the allocator's events."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    tensors = [*model.parameters(), *model.buffers(), *(x for x in inputs if isinstance(x, torch.Tensor))]
+    _, baseline = _storage_bytes(tensors)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out, loss = run_step(model, inputs, loss_fn)
+    del out, loss
+    events = _allocation_events(prof)
+    running = high = 0
+    for _, size in events:
+        running += size
+        high = max(high, running)
+    model.zero_grad(set_to_none=True)
+    saved = measure_saved(model, inputs, loss_fn)
+    return Measured(saved, baseline + high, baseline, len(events))

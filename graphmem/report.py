@@ -1,0 +1,86 @@
+"""Report: the frozen result of one analysis (pass results + what was analyzed)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from graphmem.passes import LiveTensor, Liveness, ModuleSaved, SavedSet, SavedTensor
+from graphmem.stepgraph import StepGraph
+
+
+@dataclass(frozen=True)
+class Report:
+    model: str
+    device: str
+    input_shapes: tuple[tuple[int, ...], ...]
+    loss: str  # how the loss was made
+    parameter_bytes: int
+    buffer_bytes: int
+    input_bytes: int
+    gradient_bytes: int
+    activation_bytes: int
+    by_category: dict[str, int]
+    peak_bytes: int
+    peak_index: int
+    peak_phase: str
+    peak_op: str
+    peak_module: str
+    live_at_peak: tuple[LiveTensor, ...]
+    baseline_bytes: int
+    saved: tuple[SavedTensor, ...]
+    modules: tuple[ModuleSaved, ...]
+    num_ops: int
+    phase_start: dict[str, int]
+    step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
+    liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
+
+    @staticmethod
+    def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str) -> "Report":
+        kinds: dict[str, int] = {}
+        for s in g.storages.values():
+            if s.created < 0:
+                kinds[s.kind] = kinds.get(s.kind, 0) + s.nbytes
+        node = g.ops[lv.peak_index] if lv.peak_index >= 0 else None
+        return Report(
+            model=model, device=g.device, input_shapes=input_shapes, loss=loss,
+            parameter_bytes=kinds.get("parameter", 0), buffer_bytes=kinds.get("buffer", 0),
+            input_bytes=kinds.get("input", 0),
+            gradient_bytes=sum(g.storages[s].nbytes for s in g.gradients),
+            activation_bytes=sv.activation_bytes, by_category=dict(sv.by_category),
+            peak_bytes=lv.peak_bytes, peak_index=lv.peak_index, peak_phase=lv.peak_phase,
+            peak_op=str(node.target) if node is not None else "(before the step)",
+            peak_module=node.meta["module"] if node is not None else "",
+            live_at_peak=lv.live_at_peak, baseline_bytes=lv.baseline_bytes,
+            saved=sv.tensors, modules=sv.modules, num_ops=g.num_ops,
+            phase_start=dict(g.phase_start), step=g, liveness=lv,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: exact integers, no units."""
+        return {
+            "model": self.model,
+            "target": {"device": self.device},
+            "input_shapes": [list(s) for s in self.input_shapes],
+            "loss": self.loss,
+            "activation_bytes": self.activation_bytes,
+            "peak_bytes": self.peak_bytes,
+            "parameter_bytes": self.parameter_bytes,
+            "buffer_bytes": self.buffer_bytes,
+            "input_bytes": self.input_bytes,
+            "gradient_bytes": self.gradient_bytes,
+            "by_category": dict(self.by_category),
+            "peak": {
+                "index": self.peak_index, "phase": self.peak_phase, "op": self.peak_op,
+                "module": self.peak_module, "baseline_bytes": self.baseline_bytes,
+                "live": [{"name": t.name, "kind": t.kind, "module": t.module, "shape": list(t.shape),
+                          "dtype": t.dtype, "bytes": t.nbytes, "created": t.created, "freed": t.freed}
+                         for t in self.live_at_peak],
+            },
+            "saved": [{"op": t.op, "module": t.module, "shape": list(t.shape), "dtype": t.dtype,
+                       "bytes": t.bytes, "category": t.category, "created": t.created,
+                       "released": t.released, "saved_by": list(t.saved_by)} for t in self.saved],
+            "modules": [{"path": m.path, "activation_bytes": m.activation_bytes, "self_bytes": m.self_bytes,
+                         "count": m.count} for m in self.modules],
+            "num_ops": self.num_ops,
+            "phases": dict(self.phase_start),
+        }

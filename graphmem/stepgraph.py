@@ -1,0 +1,99 @@
+"""The StepGraph: one training step as a torch.fx.Graph plus autograd's save/release events.
+
+Every recorded op is a ``call_function`` node whose ``meta`` holds:
+``index`` (op index, 0-based, in the order eager autograd ran it), ``phase``
+("forward", "loss" or "backward"), ``module`` (dotted module path, "" for the root),
+``outputs`` (a tuple of ``(shape, dtype, storage id)`` per output tensor), ``shape`` and
+``dtype`` (of the first output), ``storage`` (its storage id) and ``bytes`` (bytes of the
+storages this op allocated). Tensors that exist before the step (parameters, buffers, the
+batch) are placeholders. Views and in-place ops resolve to their base storage: they allocate
+nothing and their outputs carry the base's storage id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.fx as fx
+
+from .errors import PassError
+
+PHASES = ("forward", "loss", "backward")
+
+
+@dataclass
+class Storage:
+    """One storage (allocation) seen during the step."""
+
+    sid: int
+    nbytes: int
+    kind: str  # "parameter" | "buffer" | "input" | "activation" (made by an op) | "external"
+    created: int  # op index that allocated it; -1 if it existed before the step
+    freed: Optional[int]  # dead after this op index; None if still alive when the step ends
+    module: str  # module path of the creating op ("" for the root / before the step)
+    name: str  # parameter/buffer/input name, or the creating op
+    dtype: str
+    shape: tuple[int, ...]
+    source: Optional[int] = None  # for a copy (aten._to_copy) made in forward: the source storage
+
+
+@dataclass
+class SaveEvent:
+    """Autograd saved a tensor (pack hook) and later released it."""
+
+    sid: int
+    packed_at: int  # index of the last op recorded when the pack hook ran
+    released_at: Optional[int]  # index of the last op recorded when autograd released it
+    module: str  # module active when it was saved
+    phase: str
+    shape: tuple[int, ...]
+    dtype: str
+    grad_fn: str = ""  # the backward node that used it (known once unpacked)
+
+
+@dataclass
+class StepGraph:
+    graph: fx.Graph
+    ops: list[fx.Node]
+    storages: dict[int, Storage]
+    saves: list[SaveEvent]
+    phase_start: dict[str, int]  # first op index of each phase; "end" = number of ops
+    device: str
+    gradients: list[int] = field(default_factory=list)  # storage ids of the final .grad tensors
+    root: str = ""  # class name of the model
+    modules: list[str] = field(default_factory=list)  # module paths, named_modules() order
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+    def phase_of(self, index: int) -> str:
+        if index < 0:
+            return "before"
+        phase = "forward"
+        for p in PHASES:
+            if self.phase_start.get(p, self.num_ops) <= index:
+                phase = p
+        return phase
+
+    def check(self) -> None:
+        """Raise PassError if the graph and event tables disagree (tests call this)."""
+        n = self.num_ops
+        for i, node in enumerate(self.ops):
+            if node.meta.get("index") != i:
+                raise PassError(f"StepGraph.check: node {node.name} has index {node.meta.get('index')}, expected {i}")
+            for _, _, sid in node.meta["outputs"]:
+                if sid not in self.storages:
+                    raise PassError(f"StepGraph.check: node {node.name} outputs unknown storage {sid}")
+        for s in self.storages.values():
+            if not -1 <= s.created < n:
+                raise PassError(f"StepGraph.check: storage {s.sid} created at {s.created}, outside [-1, {n})")
+            if s.freed is not None and not s.created <= s.freed < n:
+                raise PassError(f"StepGraph.check: storage {s.sid} ({s.name}) freed at {s.freed} before created at {s.created}")
+            if s.nbytes < 0:
+                raise PassError(f"StepGraph.check: storage {s.sid} has negative size")
+        for e in self.saves:
+            if e.sid not in self.storages:
+                raise PassError(f"StepGraph.check: save event of unknown storage {e.sid}")
+            if e.released_at is not None and e.released_at < e.packed_at:
+                raise PassError(f"StepGraph.check: storage {e.sid} released at {e.released_at} before saved at {e.packed_at}")
