@@ -11,6 +11,7 @@ them through ``torch.func.functional_call`` (its own tensors are not touched).
 from __future__ import annotations
 
 import operator
+import re
 import weakref
 from typing import Any, Callable, Optional, Union
 
@@ -274,7 +275,7 @@ def capture(
         except GraphmemError:
             raise
         except Exception as e:  # translate into a one-line error that names the fix
-            raise _translate(e, cap) from e
+            raise _translate(e, cap, type(model).__name__) from e
         phase_start = dict(cap.phase_start)
         phase_start["end"] = len(cap.ops)
         cap.closed = True
@@ -289,8 +290,8 @@ def capture(
             m.training = was
 
 
-def _translate(e: Exception, cap: _Recorder) -> GraphmemError:
-    where = cap.stack[-1] or "the model"
+def _translate(e: Exception, cap: _Recorder, root: str) -> GraphmemError:
+    where = f"module {cap.stack[-1]!r}" if cap.stack[-1] else f"{root}.forward"
     if cap.phase == "backward":
         where = "backward"
     elif cap.phase == "loss":
@@ -313,6 +314,13 @@ def _translate(e: Exception, cap: _Recorder) -> GraphmemError:
             "with torch.library.register_fake, or replace the op"
         )
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    fake_impl = re.search(r"no fake impl registered for <CustomOpDef\((\S+)\)>", msg)
+    if fake_impl:
+        return UnsupportedOpError(
+            f"custom op {fake_impl.group(1)} (in {where}) has no fake-tensor implementation; add one "
+            f"with @{fake_impl.group(1).split('::')[-1]}.register_fake (torch.library.register_fake), "
+            "returning an empty tensor of the output's shape"
+        )
     return CaptureError(
         f"{where} raised {type(e).__name__}: {msg} (while running the {cap.phase} on fake "
         "tensors); check that the input shape fits the model, or rerun with --debug for the traceback"

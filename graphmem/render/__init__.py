@@ -1,0 +1,14 @@
+"""Renderers: Report -> str."""
+import json
+
+from graphmem.report import Report
+
+from .text import render_text
+from .units import fmt_bytes
+
+
+def render_json(report: Report) -> str:
+    return json.dumps(report.to_dict(), indent=2) + "\n"
+
+
+__all__ = ["render_text", "render_json", "fmt_bytes"]

@@ -1,0 +1,72 @@
+"""Command line: parses arguments, calls the library, turns GraphmemError into one stderr
+line and an exit code (2: usage, 1: analysis failed). ``--debug`` shows tracebacks."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn, Optional, Sequence
+
+from .errors import GraphmemError, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="graphmem", description="Exact activation memory of one PyTorch training step, on fake tensors.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    a = sub.add_parser("analyze", help="analyze one training step (forward, loss, backward)")
+    a.add_argument("model", help="a model file (defines `model`) or a preset name, see `graphmem presets`")
+    a.add_argument("--input-shape", required=True, metavar="SHAPE", help="e.g. 32x1024 (tokens) or 8x3x224x224")
+    a.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="target device (default cpu)")
+    a.add_argument("--json", action="store_true", help="print the report as JSON (exact integers)")
+    a.add_argument("--depth", type=int, default=3, help="module table depth (default 3)")
+    a.add_argument("--top", type=int, default=10, help="rows in the largest-tensor tables (default 10)")
+    a.add_argument("--debug", action="store_true", help="show tracebacks")
+    pr = sub.add_parser("presets", help="list the bundled model presets")
+    pr.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "presets":
+        from graphmem import models
+
+        for name, (family, cfg) in models.PRESETS.items():
+            print(f"{name:14s} {family:7s} {cfg}")
+        return 0
+    from . import analyze
+    from .render import render_json, render_text
+    from .target import check_device
+
+    check_device(args.device)
+    report = analyze(args.model, input_shape=args.input_shape, device=args.device)
+    sys.stdout.write(render_json(report) if args.json else render_text(report, depth=args.depth, top=args.top))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        return _run(_parser().parse_args(argv))
+    except GraphmemError as e:
+        if debug:
+            raise
+        print(f"graphmem: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("graphmem: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug in graphmem: still one line unless --debug
+        if debug:
+            raise
+        print(f"graphmem: internal error: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''} "
+              "(rerun with --debug and report the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

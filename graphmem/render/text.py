@@ -1,0 +1,72 @@
+"""Report -> text tables (tabulate). Takes a Report, returns a str; never prints."""
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from graphmem.report import Report
+
+from .units import fmt_bytes, fmt_share
+
+ROOT = "(model)"
+
+
+def _where(report: Report, index: int) -> str:
+    if index < 0:
+        return "before"
+    for phase, label in (("backward", "bwd"), ("loss", "loss"), ("forward", "fwd")):
+        if report.phase_start.get(phase, report.num_ops) <= index:
+            return f"{label} {index}"
+    return str(index)
+
+
+def _lifetime(report: Report, created: int, released: int | None) -> str:
+    end = _where(report, released) if released is not None else "end"
+    return f"{_where(report, created)} → {end}"
+
+
+def _module(path: str, report: Report | None = None, created: int = -1) -> str:
+    if not path and report is not None and created >= report.phase_start.get("loss", report.num_ops):
+        return "(loss)"  # made by the loss function, outside every module
+    return path or ROOT
+
+
+def render_text(report: Report, depth: int = 3, top: int = 10) -> str:
+    shapes = ", ".join("x".join(map(str, s)) for s in report.input_shapes) or "-"
+    lines = [f"graphmem · {report.model} · input {shapes} · target {report.device} · one training step"]
+    cats = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in report.by_category.items() if v)
+    fwd = report.phase_start.get("loss", report.num_ops)
+    bwd = report.phase_start.get("backward", report.num_ops)
+    summary = [
+        ["parameters", fmt_bytes(report.parameter_bytes), ""],
+        ["buffers", fmt_bytes(report.buffer_bytes), ""],
+        ["inputs", fmt_bytes(report.input_bytes), ""],
+        ["gradients", fmt_bytes(report.gradient_bytes), "after backward"],
+        ["activations", fmt_bytes(report.activation_bytes), f"saved for backward: {cats}" if cats else "nothing saved"],
+        ["peak", fmt_bytes(report.peak_bytes),
+         f"op {report.peak_index} ({report.peak_phase}, {report.peak_op}, {_module(report.peak_module)})"
+         if report.peak_index >= 0 else "before the step"],
+    ]
+    lines += ["", tabulate(summary, tablefmt="plain"),
+              f"ops recorded: {report.num_ops} (forward {fwd}, loss {bwd - fwd}, backward {report.num_ops - bwd})"]
+
+    total = report.activation_bytes
+    rows = [["  " * (m.path.count(".") + 1 if m.path else 0) + _module(m.path),
+             fmt_bytes(m.activation_bytes), fmt_share(m.activation_bytes, total), m.count]
+            for m in report.modules
+            if (m.path == "" or m.path.count(".") < depth) and (m.activation_bytes or m.path == "")]
+    lines += ["", f"Saved for backward by module (depth ≤ {depth})",
+              tabulate(rows, headers=["module", "saved", "share", "tensors"], tablefmt="simple",
+                       colalign=("left", "right", "right", "right"))]
+
+    rows = [[t.op, _module(t.module, report, t.created), "x".join(map(str, t.shape)) or "scalar", t.dtype, fmt_bytes(t.bytes),
+             t.category, _lifetime(report, t.created, t.released)] for t in report.saved[:top]]
+    lines += ["", f"Largest saved tensors (top {min(top, len(report.saved))} of {len(report.saved)})",
+              tabulate(rows, headers=["op", "module", "shape", "dtype", "bytes", "category", "lifetime"],
+                       tablefmt="simple", colalign=("left", "left", "left", "left", "right", "left", "left"))]
+
+    rows = [[t.name, t.kind, _module(t.module, report, t.created),
+             "x".join(map(str, t.shape)) or "scalar", fmt_bytes(t.nbytes)] for t in report.live_at_peak[:top]]
+    lines += ["", f"Live at the peak (top {min(top, len(report.live_at_peak))} of {len(report.live_at_peak)})",
+              tabulate(rows, headers=["tensor", "kind", "module", "shape", "bytes"], tablefmt="simple",
+                       colalign=("left", "left", "left", "left", "right"))]
+    return "\n".join(lines) + "\n"
