@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from graphmem.passes import liveness, saved
+from graphmem.passes import liveness, notes, saved
 
 from .capture import capture
 from .errors import UsageError
@@ -65,4 +65,4 @@ def analyze(
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.graph.nodes
                    if n.op == "placeholder" and n.meta.get("kind") == "input")
     loss_name = "default (output if scalar, else sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
-    return Report.build(g, liveness(g), saved(g), loaded.name, shapes, loss_name)
+    return Report.build(g, liveness(g), saved(g), loaded.name, shapes, loss_name, notes(g))

@@ -27,11 +27,13 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import CaptureError, DataDependentError, GraphmemError, UnsupportedOpError
-from .step import LossFn, run_step
+from .step import LossFn, default_loss, run_step
 from .stepgraph import SaveEvent, StepGraph, Storage
 
 _NODE = "_graphmem_node"  # attribute set on each fake tensor: the fx node that produced it
 _TAG = "graphmem_module"  # key in grad_fn.metadata: module path of the forward op
+_DONE = "graphmem_done"  # set in grad_fn.metadata by a post hook once the node has run
+_ADD = torch.ops.aten.add.Tensor
 
 
 _METADATA_OPS = frozenset(
@@ -117,6 +119,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if func is _ADD and self.phase == "backward" and not kwargs and self._accumulates_inplace(args):
+            func = torch.ops.aten.add_.Tensor  # what eager does for real tensors (see below)
         out = func(*args, **kwargs)
         if func.namespace == "prim" or func in _METADATA_OPS:  # queries, never allocate
             return out
@@ -149,6 +153,24 @@ class _Recorder(TorchDispatchMode):
             node.meta.update(shape=metas[0][0], dtype=metas[0][1], storage=metas[0][2])
         return out
 
+    def _accumulates_inplace(self, args: tuple) -> bool:
+        """The engine sums gradients from several producers with ``old + new``; for a real
+        tensor it does ``old.add_(new)`` instead when it holds the only reference to ``old``
+        and its storage (torch/csrc/autograd/input_buffer.cpp, can_accumulate_inplace). Fake
+        tensors are subclass-like, so the engine never takes that branch for them; graphmem
+        takes it on their behalf so the timeline matches a real run. The engine's adds are
+        the ones that run after the producing node's post hook fired."""
+        fn = torch._C._current_autograd_node()
+        if fn is None or not fn.metadata.get(_DONE):
+            return False
+        old, new = args
+        if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)):
+            return False
+        uses, storage_uses = _unique_counts()
+        return (old.shape == new.shape and old.dtype == new.dtype and _dense(old)
+                and old._use_count() == uses
+                and torch._C._storage_Use_Count(old.untyped_storage()._cdata) == storage_uses)
+
     # -- autograd hooks -----------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Packed:
         s = self.storage(t, "external", "saved", len(self.ops) - 1, self.stack[-1])
@@ -180,9 +202,42 @@ class _Recorder(TorchDispatchMode):
         self.stack = [""]
 
 
+def _dense(t: torch.Tensor) -> bool:
+    return bool(torch._prims_common.is_non_overlapping_and_dense_or_false(t))
+
+
+_COUNTS: list[tuple[int, int]] = []
+
+
+class _Probe(TorchDispatchMode):
+    """Reads the reference counts a uniquely held gradient shows inside a dispatch mode."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        fn = torch._C._current_autograd_node()
+        if func is _ADD and fn is not None and fn.metadata.get(_DONE) and not _COUNTS:
+            _COUNTS.append((args[0]._use_count(), torch._C._storage_Use_Count(args[0].untyped_storage()._cdata)))
+        return func(*args, **(kwargs or {}))
+
+
+def _unique_counts() -> tuple[int, int]:
+    """Calibrated once per process on a tiny real step: ``y * y`` sends two fresh gradients to
+    ``y``'s producer, and the first is held only by the engine's input buffer."""
+    if not _COUNTS:
+        x = torch.ones(2, requires_grad=True)
+        with _Probe():
+            y = x.exp()
+            loss = (y * y).sum()
+            _tag_grad_fns(loss, "")
+            loss.backward()
+        if not _COUNTS:
+            _COUNTS.append((-1, -1))  # never matches: the out-of-place sum is kept
+    return _COUNTS[0]
+
+
 def _tag_grad_fns(output: Any, path: str) -> None:
     """Label the autograd nodes a module created with its path (innermost module wins:
-    inner modules finish, and tag, first; the walk stops at nodes already tagged)."""
+    inner modules finish, and tag, first; the walk stops at nodes already tagged), and
+    add a post hook that marks each node as run (see _accumulates_inplace)."""
     todo = []
     for t in _tensors(output):
         if t.grad_fn is not None:
@@ -193,6 +248,7 @@ def _tag_grad_fns(output: Any, path: str) -> None:
         if _TAG in md:
             continue
         md[_TAG] = path
+        fn.register_hook(lambda grad_inputs, grad_outputs, md=md: md.__setitem__(_DONE, True))
         for nxt, _ in fn.next_functions:
             if nxt is not None:
                 todo.append(nxt)
@@ -229,6 +285,7 @@ def capture(
     device (so ``torch.randint(...)`` inside it makes fake tensors).
     """
     device = torch.device(device)
+    _unique_counts()  # calibrate before entering the fake mode
     paths = {id(m): name for name, m in model.named_modules()}
     cap = _Recorder(paths)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -266,9 +323,15 @@ def capture(
         def forward(*args: Any) -> Any:
             return torch.func.functional_call(model, state, args, strict=False, tie_weights=True)
 
+        def tagged_loss(out: Any, inputs: tuple) -> torch.Tensor:
+            loss = (loss_fn or default_loss)(out, inputs)
+            if isinstance(loss, torch.Tensor):
+                _tag_grad_fns(loss, "")  # the loss's nodes (and any left untagged) belong to the root
+            return loss
+
         try:
             with fake_mode, cap, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack):
-                out, loss = run_step(forward, fake_inputs, loss_fn, cap.set_phase)
+                out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase)
                 grads = [p.grad for p in seen.values() if p.grad is not None]
                 gradient_sids = list(dict.fromkeys(
                     cap.storage(g, "activation", "grad", len(cap.ops) - 1, "").sid for g in grads))

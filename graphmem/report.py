@@ -31,11 +31,13 @@ class Report:
     modules: tuple[ModuleSaved, ...]
     num_ops: int
     phase_start: dict[str, int]
+    notes: tuple[str, ...] = ()
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
 
     @staticmethod
-    def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str) -> "Report":
+    def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,
+              notes: tuple[str, ...] = ()) -> "Report":
         kinds: dict[str, int] = {}
         for s in g.storages.values():
             if s.created < 0:
@@ -52,7 +54,7 @@ class Report:
             peak_module=node.meta["module"] if node is not None else "",
             live_at_peak=lv.live_at_peak, baseline_bytes=lv.baseline_bytes,
             saved=sv.tensors, modules=sv.modules, num_ops=g.num_ops,
-            phase_start=dict(g.phase_start), step=g, liveness=lv,
+            phase_start=dict(g.phase_start), notes=notes, step=g, liveness=lv,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,4 +85,5 @@ class Report:
                          "count": m.count} for m in self.modules],
             "num_ops": self.num_ops,
             "phases": dict(self.phase_start),
+            "notes": list(self.notes),
         }

@@ -1,0 +1,329 @@
+#!/usr/bin/env python
+"""How long does graphmem take, next to the bare fake step it records and to PyTorch's MemTracker?
+
+For each case (a bundled preset and an input shape), in one process, on the same model and
+shape, this times:
+
+  bare        the bare training step on fake tensors: the model is built inside
+              ``FakeTensorMode`` (construction NOT timed), then only
+              ``out = model(*inputs); loss = loss_fn(out, inputs); loss.backward()`` is timed.
+              This is the floor any fake-tensor analysis of the step pays.
+  graphmem    ``graphmem.analyze(module, input_shape=shape, loss=loss_fn)`` on a module built
+              once under ``torch.device("meta")`` (construction NOT timed; graphmem's own fake
+              parameter creation, capture and passes are). Used for the ratios.
+  graphmem+   ``graphmem.analyze(preset_name, input_shape=shape)`` end to end, including the
+              meta construction of the preset (what the CLI pays).
+  memtracker  ``torch.distributed._tools.mem_tracker.MemTracker`` tracking the same step on a
+              model built inside ``FakeTensorMode`` like ``bare`` (construction NOT timed;
+              creating the tracker, ``track_external`` and the tracked step are).
+
+Each method first runs once on a shallow copy of each family (one block) at a tiny shape, so the
+one-time cost of the first ``FakeTensorMode`` use in a process (~1-2 s: decompositions, meta
+kernels, dispatch caches) is not charged to whichever method happens to run first. The warm-up
+uses a shallow model because the cost of a fake step is set by the number of ops, not by the
+shape: the full gpt2-xl at 1x8 costs as much as at 32x1024.
+
+Each method runs up to ``--repeat`` times per case and the best (minimum) time is reported; a
+method stops repeating early once another run would take its total for the case past
+``--budget`` seconds (MemTracker on gpt2-xl takes ~35 s a run, so it runs once by default).
+``gc.collect()`` runs before every measurement, outside the timed region.
+
+Run from the repository root with the venv active:
+
+    python benchmarks/bench_analyze.py                       # gpt2-xl 32x1024, llama-2-7b 1x4096
+    python benchmarks/bench_analyze.py --cases gpt2:2x128    # quick
+    python benchmarks/bench_analyze.py --cases gpt2-xl:32x1024 llama-2-7b:1x4096 --repeat 5 --budget 60
+
+Nothing is asserted: it is a benchmark. The goals are printed next to the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import platform
+import resource
+import sys
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+from tabulate import tabulate
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import graphmem
+import graphmem.models as models
+
+GOAL_GRAPHMEM_OVER_BARE = 1.5  # graphmem <= 1.5x bare
+GOAL_MEMTRACKER_OVER_GRAPHMEM = 10.0  # memtracker >= 10x graphmem
+GOAL_LINE = "goal: graphmem <= 1.5x bare, memtracker >= 10x graphmem"
+
+DEFAULT_CASES = ["gpt2-xl:32x1024", "llama-2-7b:1x4096"]
+
+METHODS = ("bare", "graphmem", "graphmem+", "memtracker")
+LABELS = {
+    "bare": "bare fake fwd+loss+bwd (excl. construction)",
+    "graphmem": "graphmem.analyze(module) (excl. construction)",
+    "graphmem+": "graphmem.analyze(preset name) (incl. meta construction)",
+    "memtracker": "MemTracker under FakeTensorMode (excl. construction)",
+}
+
+
+# -- cases ------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Case:
+    preset: str
+    shape: tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.preset} {'x'.join(map(str, self.shape))}"
+
+
+def parse_cases(specs: list[str]) -> list[Case]:
+    cases = []
+    for spec in (s for arg in specs for s in arg.split(",") if s.strip()):
+        name, sep, shape = spec.strip().rpartition(":")
+        if not sep or not name:
+            raise SystemExit(f"bad case {spec!r}: expected PRESET:SHAPE, e.g. gpt2:2x128")
+        if name not in models.PRESETS:
+            raise SystemExit(f"unknown preset {name!r}; known: {', '.join(models.preset_names())}")
+        cases.append(Case(name, graphmem.parse_shape(shape)))
+    return cases
+
+
+def shallow_config(config: Any) -> Any:
+    """The same family and widths with one block, so a warm-up sees the same kinds of ops fast."""
+    fields = {f.name for f in dataclasses.fields(config)}
+    for name in ("n_layer", "n_layers"):
+        if name in fields:
+            return dataclasses.replace(config, **{name: 1})
+    if "layers" in fields and isinstance(config.layers, tuple):  # resnet: blocks per stage
+        return dataclasses.replace(config, layers=tuple(1 for _ in config.layers))
+    return config
+
+
+def tiny_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    # batch <= 2 (BatchNorm in training needs 2 values per channel); the other dims are kept, they
+    # may be fixed by the model (features, channels) and a fake step's cost hardly depends on them
+    return (min(shape[0], 2),) + shape[1:]
+
+
+# -- the measured methods ---------------------------------------------------------------------
+# Each returns (seconds, extra); only the region between the two perf_counter() calls is timed.
+
+def run_bare(family: Any, config: Any, shape: tuple[int, ...]) -> tuple[float, dict]:
+    # Built directly inside a fresh FakeTensorMode with cpu as the default device: parameters
+    # and inputs are fake from the start, and construction is outside the timed region.
+    with FakeTensorMode(), torch.device("cpu"):
+        model = family.build(config)
+        model.train()
+        inputs = family.example_inputs(shape, config)
+        t0 = time.perf_counter()
+        out = model(*inputs)
+        loss = family.loss(out, inputs)
+        loss.backward()
+        seconds = time.perf_counter() - t0
+    del model, inputs, out, loss
+    return seconds, {}
+
+
+def run_graphmem_module(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Callable) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    report = graphmem.analyze(module, input_shape=shape, loss=loss_fn)
+    seconds = time.perf_counter() - t0
+    return seconds, {"activation_bytes": report.activation_bytes, "peak_bytes": report.peak_bytes,
+                     "baseline_bytes": report.baseline_bytes, "num_ops": report.num_ops}
+
+
+def run_graphmem_preset(preset: str, shape: tuple[int, ...]) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    report = graphmem.analyze(preset, input_shape=shape)
+    seconds = time.perf_counter() - t0
+    return seconds, {"activation_bytes": report.activation_bytes, "peak_bytes": report.peak_bytes}
+
+
+def run_memtracker(family: Any, config: Any, shape: tuple[int, ...]) -> tuple[float, dict]:
+    # How MemTracker is run, from its source (torch/distributed/_tools/mem_tracker.py):
+    # - It is a TorchDispatchMode plus module hooks (ModTracker); it needs NO process group and
+    #   no torch.distributed.init_process_group: importing it only registers fake collectives.
+    # - It must be ENTERED WHILE THE FakeTensorMode IS ACTIVE: __enter__ records
+    #   active_fake_mode(), and __torch_dispatch__ only counts ops whose active fake mode is that
+    #   same object (the check that skips DTensor's nested propagation modes). Entered outside
+    #   the fake mode it would silently record nothing for our fake ops.
+    # - Parameters, buffers and inputs made before entering are registered with
+    #   track_external(model, *inputs) (as in its docstring); no optimizer: the step measured is
+    #   forward + loss + backward only, as for graphmem.
+    # The model is built inside the fake mode exactly as in run_bare (construction not timed);
+    # creating the tracker, track_external and the tracked step are timed.
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with FakeTensorMode(), torch.device("cpu"):
+        model = family.build(config)
+        model.train()
+        inputs = family.example_inputs(shape, config)
+        t0 = time.perf_counter()
+        tracker = MemTracker()
+        tracker.track_external(model, *inputs)
+        with tracker:
+            out = model(*inputs)
+            loss = family.loss(out, inputs)
+            loss.backward()
+        seconds = time.perf_counter() - t0
+        peak = tracker.get_tracker_snapshot("peak")
+    del model, inputs, out, loss, tracker
+    # {device: {_MemRefType.PARAM: bytes, ..., "Total": bytes}} -> one device, plain keys
+    snap = next(iter(peak.values())) if peak else {}
+    return seconds, {"snapshot": {getattr(k, "value", k): v for k, v in snap.items()}}
+
+
+# -- driver -----------------------------------------------------------------------------------
+def measure(fn: Callable[[], tuple[float, dict]], repeat: int, budget: float) -> tuple[list[float], dict]:
+    times: list[float] = []
+    extra: dict = {}
+    while len(times) < repeat:
+        gc.collect()
+        seconds, extra = fn()
+        times.append(seconds)
+        if sum(times) + times[-1] > budget:  # another run would take this method past the budget
+            break
+    gc.collect()
+    return times, extra
+
+
+def peak_rss_mib() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB on Linux
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n:,} B ({n / 2**30:,.2f} GiB)"
+
+
+def warm_up(cases: list[Case]) -> float:
+    t0 = time.perf_counter()
+    done = set()
+    for case in cases:
+        family = models.family_of(case.preset)
+        if family.__name__ in done:
+            continue
+        done.add(family.__name__)
+        config = shallow_config(models.config_of(case.preset))
+        shape = tiny_shape(case.shape)
+        run_bare(family, config, shape)
+        with torch.device("meta"):
+            module = family.build(config)
+        run_graphmem_module(module, shape, family.loss)
+        run_memtracker(family, config, shape)
+    run_graphmem_preset(cases[0].preset, tiny_shape(cases[0].shape))  # the by-name path (meta build, load)
+    gc.collect()
+    return time.perf_counter() - t0
+
+
+def bench_case(case: Case, repeat: int, budget: float) -> dict:
+    family = models.family_of(case.preset)
+    config = models.config_of(case.preset)
+    with torch.device("meta"):  # built once, reused: graphmem leaves the module as it was
+        meta_module = models.build(case.preset)
+    runs = {
+        "bare": lambda: run_bare(family, config, case.shape),
+        "graphmem": lambda: run_graphmem_module(meta_module, case.shape, family.loss),
+        "graphmem+": lambda: run_graphmem_preset(case.preset, case.shape),
+        "memtracker": lambda: run_memtracker(family, config, case.shape),
+    }
+    result = {}
+    for method in METHODS:
+        times, extra = measure(runs[method], repeat, budget)
+        result[method] = {"times": times, "best": min(times), "extra": extra}
+        print(f"  {method:<10} best {min(times):8.3f} s of {len(times)} run(s)", flush=True)
+    del meta_module
+    gc.collect()
+    return result
+
+
+def print_case(case: Case, r: dict) -> None:
+    print(f"\n=== {case.label} ===")
+    rows = [[LABELS[m], f"{r[m]['best']:.3f}", len(r[m]["times"]),
+             " ".join(f"{t:.3f}" for t in r[m]["times"])] for m in METHODS]
+    print(tabulate(rows, headers=["method", "best s", "runs", "all runs (s)"], disablenumparse=True))
+
+    g_over_b = r["graphmem"]["best"] / r["bare"]["best"]
+    m_over_g = r["memtracker"]["best"] / r["graphmem"]["best"]
+    gp_over_b = r["graphmem+"]["best"] / r["bare"]["best"]
+    print()
+    print(tabulate([
+        ["graphmem / bare", f"{g_over_b:.2f}x", f"<= {GOAL_GRAPHMEM_OVER_BARE:g}x",
+         "yes" if g_over_b <= GOAL_GRAPHMEM_OVER_BARE else "no"],
+        ["memtracker / graphmem", f"{m_over_g:.2f}x", f">= {GOAL_MEMTRACKER_OVER_GRAPHMEM:g}x",
+         "yes" if m_over_g >= GOAL_MEMTRACKER_OVER_GRAPHMEM else "no"],
+        ["(graphmem incl. construction / bare)", f"{gp_over_b:.2f}x", "", ""],
+    ], headers=["ratio (best times)", "value", "goal", "meets goal"], disablenumparse=True))
+    print(GOAL_LINE)
+
+    g = r["graphmem"]["extra"]
+    gp = r["graphmem+"]["extra"]
+    mt = r["memtracker"]["extra"].get("snapshot", {})
+    print()
+    print(tabulate([
+        ["peak (params + buffers + inputs + everything live)", fmt_bytes(g["peak_bytes"]), fmt_bytes(mt.get("Total"))],
+        ["activations: graphmem = saved for backward; MemTracker = 'Activation' at its peak",
+         fmt_bytes(g["activation_bytes"]), fmt_bytes(mt.get("Activation"))],
+    ], headers=["bytes", "graphmem", "MemTracker"], disablenumparse=True))
+    if mt:
+        parts = ", ".join(f"{k} {v:,}" for k, v in mt.items() if k != "Total" and v)
+        print(f"MemTracker peak breakdown: {parts}")
+    same = g["peak_bytes"] == gp["peak_bytes"] and g["activation_bytes"] == gp["activation_bytes"]
+    print(f"graphmem by module and by preset name agree: {'yes' if same else 'NO'}; "
+          f"graphmem recorded {g['num_ops']:,} ops; peak RSS so far {peak_rss_mib():,.0f} MiB")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, metavar="PRESET:SHAPE",
+                    help=f"cases to run, space- or comma-separated (default: {' '.join(DEFAULT_CASES)})")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per method; the best (min) is reported (default 3)")
+    ap.add_argument("--budget", type=float, default=20.0,
+                    help="seconds per method per case: stop repeating once another run would exceed it (default 20)")
+    args = ap.parse_args(argv)
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be at least 1")
+    cases = parse_cases(args.cases)
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+    t_start = time.perf_counter()
+    print(f"graphmem {graphmem.__version__}, torch {torch.__version__}, Python {platform.python_version()}, "
+          f"{platform.machine()} {platform.system()}, {torch.get_num_threads()} torch threads")
+    print(f"cases: {', '.join(c.label for c in cases)}; best of up to {args.repeat} run(s) per method, "
+          f"budget {args.budget:g} s per method per case; gc.collect() before each run")
+    families = sorted({models.family_of(c.preset).__name__.rsplit('.', 1)[-1] for c in cases})
+    print(f"warm-up: each method once on a 1-block {'/'.join(families)} at a tiny shape, so the one-time "
+          "FakeTensorMode setup of the process is not charged to the first method; not counted ...",
+          end=" ", flush=True)
+    print(f"{warm_up(cases):.1f} s")
+
+    results = []
+    for case in cases:
+        print(f"\n{case.label}:", flush=True)
+        results.append((case, bench_case(case, args.repeat, args.budget)))
+    for case, r in results:
+        print_case(case, r)
+
+    if len(results) > 1:
+        print("\n=== summary (best seconds) ===")
+        rows = [[c.label, f"{r['bare']['best']:.3f}", f"{r['graphmem']['best']:.3f}",
+                 f"{r['graphmem+']['best']:.3f}", f"{r['memtracker']['best']:.3f}",
+                 f"{r['graphmem']['best'] / r['bare']['best']:.2f}x",
+                 f"{r['memtracker']['best'] / r['graphmem']['best']:.2f}x"] for c, r in results]
+        print(tabulate(rows, headers=["case", "bare", "graphmem", "graphmem incl. build", "memtracker",
+                                      "graphmem/bare", "memtracker/graphmem"], disablenumparse=True))
+        print(GOAL_LINE)
+    print(f"\npeak RSS of the process: {peak_rss_mib():,.0f} MiB; total wall time "
+          f"{time.perf_counter() - t_start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

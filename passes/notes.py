@@ -1,0 +1,14 @@
+"""Notes: ops in the step whose real memory fake tensors cannot see (graphmem/oprules.py)."""
+from __future__ import annotations
+
+from graphmem.oprules import NOTE_RULES
+from graphmem.stepgraph import StepGraph
+
+
+def notes(g: StepGraph) -> tuple[str, ...]:
+    found: dict[str, None] = {}
+    for node in g.ops:
+        rule = NOTE_RULES.get(node.target)
+        if rule is not None:
+            found.setdefault(rule(node), None)
+    return tuple(found)
