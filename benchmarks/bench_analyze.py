@@ -248,7 +248,7 @@ def print_case(case: Case, r: dict) -> None:
     print(f"\n=== {case.label} ===")
     rows = [[LABELS[m], f"{r[m]['best']:.3f}", len(r[m]["times"]),
              " ".join(f"{t:.3f}" for t in r[m]["times"])] for m in METHODS]
-    print(tabulate(rows, headers=["method", "best s", "runs", "all runs (s)"], disablenumparse=True))
+    print(tabulate(rows, headers=["method", "best s", "runs", "all runs (s)"], disable_numparse=True))
 
     g_over_b = r["graphmem"]["best"] / r["bare"]["best"]
     m_over_g = r["memtracker"]["best"] / r["graphmem"]["best"]
@@ -260,7 +260,7 @@ def print_case(case: Case, r: dict) -> None:
         ["memtracker / graphmem", f"{m_over_g:.2f}x", f">= {GOAL_MEMTRACKER_OVER_GRAPHMEM:g}x",
          "yes" if m_over_g >= GOAL_MEMTRACKER_OVER_GRAPHMEM else "no"],
         ["(graphmem incl. construction / bare)", f"{gp_over_b:.2f}x", "", ""],
-    ], headers=["ratio (best times)", "value", "goal", "meets goal"], disablenumparse=True))
+    ], headers=["ratio (best times)", "value", "goal", "meets goal"], disable_numparse=True))
     print(GOAL_LINE)
 
     g = r["graphmem"]["extra"]
@@ -271,7 +271,7 @@ def print_case(case: Case, r: dict) -> None:
         ["peak (params + buffers + inputs + everything live)", fmt_bytes(g["peak_bytes"]), fmt_bytes(mt.get("Total"))],
         ["activations: graphmem = saved for backward; MemTracker = 'Activation' at its peak",
          fmt_bytes(g["activation_bytes"]), fmt_bytes(mt.get("Activation"))],
-    ], headers=["bytes", "graphmem", "MemTracker"], disablenumparse=True))
+    ], headers=["bytes", "graphmem", "MemTracker"], disable_numparse=True))
     if mt:
         parts = ", ".join(f"{k} {v:,}" for k, v in mt.items() if k != "Total" and v)
         print(f"MemTracker peak breakdown: {parts}")
@@ -308,9 +308,9 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for case in cases:
         print(f"\n{case.label}:", flush=True)
-        results.append((case, bench_case(case, args.repeat, args.budget)))
-    for case, r in results:
+        r = bench_case(case, args.repeat, args.budget)
         print_case(case, r)
+        results.append((case, r))
 
     if len(results) > 1:
         print("\n=== summary (best seconds) ===")
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
                  f"{r['graphmem']['best'] / r['bare']['best']:.2f}x",
                  f"{r['memtracker']['best'] / r['graphmem']['best']:.2f}x"] for c, r in results]
         print(tabulate(rows, headers=["case", "bare", "graphmem", "graphmem incl. build", "memtracker",
-                                      "graphmem/bare", "memtracker/graphmem"], disablenumparse=True))
+                                      "graphmem/bare", "memtracker/graphmem"], disable_numparse=True))
         print(GOAL_LINE)
     print(f"\npeak RSS of the process: {peak_rss_mib():,.0f} MiB; total wall time "
           f"{time.perf_counter() - t_start:.1f} s")
