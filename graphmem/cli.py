@@ -49,6 +49,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    for i, arg in enumerate(argv[:-1]):  # `--input-shape -1x5` would parse as an option: keep the value
+        if arg == "--input-shape" and argv[i + 1].startswith("-"):
+            argv[i: i + 2] = [f"--input-shape={argv[i + 1]}"]
+            break
     debug = "--debug" in argv
     try:
         return _run(_parser().parse_args(argv))

@@ -72,10 +72,6 @@ def test_malformed_input_shape_exits_2_naming_the_value_and_an_example(
     assert "32x1024" in line
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "graphmem bug: `--input-shape -1x5` (space-separated, the usual spelling) is taken by argparse "
-    "as an option, so the message is 'argument --input-shape: expected one argument' without the "
-    "bad value or an example (graphmem/cli.py, _parser/_Parser.error)"))
 def test_negative_input_shape_given_as_separate_argument_names_the_value(
         capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, ["analyze", "mlp-mnist", "--input-shape", "-1x5"])

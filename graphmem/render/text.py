@@ -56,7 +56,7 @@ def render_text(report: Report, depth: int = 3, top: int = 10) -> str:
             if (m.path == "" or m.path.count(".") < depth) and (m.activation_bytes or m.path == "")]
     lines += ["", f"Saved for backward by module (depth ≤ {depth})",
               tabulate(rows, headers=["module", "saved", "share", "tensors"], tablefmt="simple",
-                       colalign=("left", "right", "right", "right"))]
+                       colalign=("left", "right", "right", "right"), preserve_whitespace=True)]
 
     rows = [[t.op, _module(t.module, report, t.created), "x".join(map(str, t.shape)) or "scalar", t.dtype, fmt_bytes(t.bytes),
              t.category, _lifetime(report, t.created, t.released)] for t in report.saved[:top]]
