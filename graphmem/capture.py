@@ -334,7 +334,9 @@ def capture(
                 out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase)
                 grads = [p.grad for p in seen.values() if p.grad is not None]
                 gradient_sids = list(dict.fromkeys(
-                    cap.storage(g, "activation", "grad", len(cap.ops) - 1, "").sid for g in grads))
+                    cap.storage(g, "gradient", "grad", len(cap.ops) - 1, "").sid for g in grads))
+                for sid in gradient_sids:  # the op that made it stays its name; it lives on as a .grad
+                    cap.storages[sid].kind = "gradient"
         except GraphmemError:
             raise
         except Exception as e:  # translate into a one-line error that names the fix
