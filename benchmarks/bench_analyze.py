@@ -89,7 +89,10 @@ def parse_cases(specs: list[str]) -> list[Case]:
             raise SystemExit(f"bad case {spec!r}: expected PRESET:SHAPE, e.g. gpt2:2x128")
         if name not in models.PRESETS:
             raise SystemExit(f"unknown preset {name!r}; known: {', '.join(models.preset_names())}")
-        cases.append(Case(name, graphmem.parse_shape(shape)))
+        try:
+            cases.append(Case(name, graphmem.parse_shape(shape)))
+        except graphmem.UsageError as e:
+            raise SystemExit(str(e)) from None
     return cases
 
 
