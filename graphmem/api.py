@@ -62,7 +62,6 @@ def analyze(
         make = inputs if isinstance(inputs, tuple) else (inputs,)
     loss_fn = loss or loaded.loss
     g = capture(loaded.module, make, loss_fn, device)
-    shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.graph.nodes
-                   if n.op == "placeholder" and n.meta.get("kind") == "input")
+    shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     loss_name = "default (output if scalar, else sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     return Report.build(g, liveness(g), saved(g), loaded.name, shapes, loss_name, notes(g))

@@ -10,13 +10,11 @@ them through ``torch.func.functional_call`` (its own tensors are not touched).
 """
 from __future__ import annotations
 
-import operator
 import re
 import weakref
 from typing import Any, Callable, Optional, Union
 
 import torch
-import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -28,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import CaptureError, DataDependentError, GraphmemError, UnsupportedOpError
 from .step import LossFn, default_loss, run_step
-from .stepgraph import SaveEvent, StepGraph, Storage
+from .stepgraph import OpNode, SaveEvent, StepGraph, Storage
 
 _NODE = "_graphmem_node"  # attribute set on each fake tensor: the fx node that produced it
 _TAG = "graphmem_module"  # key in grad_fn.metadata: module path of the forward op
@@ -58,11 +56,28 @@ class _Packed:
             self.event.released_at = len(self.cap.ops) - 1
 
 
-class _Recorder(TorchDispatchMode):
+class _Mode(FakeTensorMode):
+    """The fake mode itself records: one Python mode layer per op, as in a bare fake run.
+    Only the outermost dispatch of each op is recorded (``depth``); what the fake mode runs
+    inside it (decompositions) is the kernel's business, like a real kernel's internals."""
+
+    def __init__(self, rec: "_Recorder") -> None:
+        super().__init__(allow_non_fake_inputs=False)
+        self.rec = rec
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        rec = self.rec
+        if rec.depth or not rec.recording or func.namespace == "prim" or func in _METADATA_OPS:
+            return super().__torch_dispatch__(func, types, args, kwargs)  # queries never allocate
+        return rec.record(lambda f, a, k: super(_Mode, self).__torch_dispatch__(f, types, a, k), func, args, kwargs)
+
+
+class _Recorder:
     def __init__(self, paths: dict[int, str]) -> None:
-        super().__init__()
-        self.graph = fx.Graph()
-        self.ops: list[fx.Node] = []
+        self.recording = False
+        self.depth = 0
+        self.placeholders: list[OpNode] = []
+        self.ops: list[OpNode] = []
         self.storages: dict[int, Storage] = {}
         self.live: dict[int, Storage] = {}  # StorageImpl address -> live Storage
         self.refs: dict[int, weakref.ref] = {}
@@ -95,7 +110,8 @@ class _Recorder(TorchDispatchMode):
 
     def preexisting(self, t: torch.Tensor, kind: str, name: str) -> None:
         s = self.storage(t, kind, name, -1, "")
-        node = self.graph.placeholder(name.replace(".", "_"))
+        node = OpNode("placeholder", name, (), {}, name.replace(".", "_"))
+        self.placeholders.append(node)
         node.meta.update(shape=tuple(t.shape), dtype=t.dtype, storage=s.sid, kind=kind)
         setattr(t, _NODE, node)
 
@@ -117,16 +133,18 @@ class _Recorder(TorchDispatchMode):
             return fn.metadata.get(_TAG, "") if fn is not None else ""
         return self.stack[-1]
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def record(self, call: Callable[[Any, tuple, dict], Any], func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
         kwargs = kwargs or {}
         if func is _ADD and self.phase == "backward" and not kwargs and self._accumulates_inplace(args):
             func = torch.ops.aten.add_.Tensor  # what eager does for real tensors (see below)
-        out = func(*args, **kwargs)
-        if func.namespace == "prim" or func in _METADATA_OPS:  # queries, never allocate
-            return out
+        self.depth += 1
+        try:
+            out = call(func, args, kwargs)
+        finally:
+            self.depth -= 1
         index = len(self.ops)
-        node = self.graph.create_node("call_function", func, tuple(self._arg(a) for a in args),
-                                      {k: self._arg(v) for k, v in kwargs.items()})
+        node = OpNode("call_function", func, tuple(self._arg(a) for a in args),
+                      {k: self._arg(v) for k, v in kwargs.items()} if kwargs else {}, f"op{index}")
         self.ops.append(node)
         module = self.module_now()
         outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -143,8 +161,7 @@ class _Recorder(TorchDispatchMode):
                     s.source = src.sid if src is not None else None
             metas.append((tuple(t.shape), t.dtype, s.sid))
             if outs is out:
-                item = self.graph.call_function(operator.getitem, (node, i))
-                setattr(t, _NODE, item)
+                setattr(t, _NODE, (node, i))
             else:
                 setattr(t, _NODE, node)
         node.meta.update(index=index, phase=self.phase, module=module, outputs=tuple(metas),
@@ -288,7 +305,7 @@ def capture(
     _unique_counts()  # calibrate before entering the fake mode
     paths = {id(m): name for name, m in model.named_modules()}
     cap = _Recorder(paths)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_mode = _Mode(cap)
     training = [(m, m.training) for m in model.modules()]
     handles = []
     try:
@@ -330,7 +347,8 @@ def capture(
             return loss
 
         try:
-            with fake_mode, cap, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack):
+            with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack):
+                cap.recording = True
                 out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase)
                 grads = [p.grad for p in seen.values() if p.grad is not None]
                 gradient_sids = list(dict.fromkeys(
@@ -344,7 +362,7 @@ def capture(
         phase_start = dict(cap.phase_start)
         phase_start["end"] = len(cap.ops)
         cap.closed = True
-        return StepGraph(cap.graph, cap.ops, cap.storages, cap.saves, phase_start, str(device),
+        return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, str(device),
                          gradient_sids, type(model).__name__,
                          [name for name, _ in model.named_modules()])
     finally:

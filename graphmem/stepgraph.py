@@ -11,14 +11,31 @@ nothing and their outputs carry the base's storage id.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch.fx as fx
 
 from .errors import PassError
 
 PHASES = ("forward", "loss", "backward")
+
+
+class OpNode:
+    """One recorded op (or placeholder), cheap to make during capture; ``StepGraph.graph``
+    turns them into torch.fx nodes with the same ``meta`` on first use. An argument that is
+    a tensor refers to the OpNode that made it, or ``(OpNode, i)`` for output i of a
+    multi-output op."""
+
+    __slots__ = ("op", "target", "args", "kwargs", "meta", "name")
+
+    def __init__(self, op: str, target: Any, args: tuple, kwargs: dict, name: str) -> None:
+        self.op, self.target, self.args, self.kwargs, self.name = op, target, args, kwargs, name
+        self.meta: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"OpNode({self.name}: {self.target})"
 
 
 @dataclass
@@ -53,8 +70,8 @@ class SaveEvent:
 
 @dataclass
 class StepGraph:
-    graph: fx.Graph
-    ops: list[fx.Node]
+    placeholders: list[OpNode]  # parameters, buffers, inputs (and external tensors)
+    ops: list[OpNode]  # recorded ops; index = op index
     storages: dict[int, Storage]
     saves: list[SaveEvent]
     phase_start: dict[str, int]  # first op index of each phase; "end" = number of ops
@@ -62,6 +79,40 @@ class StepGraph:
     gradients: list[int] = field(default_factory=list)  # storage ids of the final .grad tensors
     root: str = ""  # class name of the model
     modules: list[str] = field(default_factory=list)  # module paths, named_modules() order
+
+    _graph: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
+
+    @property
+    def graph(self) -> fx.Graph:
+        """The step as a torch.fx.Graph: placeholders, then every op in execution order (a
+        multi-output op's outputs are ``operator.getitem`` nodes), each with the op's meta."""
+        if self._graph is None:
+            g = fx.Graph()
+            made: dict[int, fx.Node] = {}
+            items: dict[tuple[int, int], fx.Node] = {}
+
+            def ref(a: Any) -> Any:
+                if isinstance(a, OpNode):
+                    return made[id(a)]
+                if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], OpNode):
+                    key = (id(a[0]), a[1])
+                    if key not in items:
+                        items[key] = g.call_function(operator.getitem, (made[id(a[0])], a[1]))
+                    return items[key]
+                if isinstance(a, list):
+                    return [ref(x) for x in a]
+                return a
+
+            for p in self.placeholders:
+                made[id(p)] = g.placeholder(p.name)
+                made[id(p)].meta.update(p.meta)
+            for op in self.ops:
+                node = g.create_node("call_function", op.target, tuple(ref(a) for a in op.args),
+                                     {k: ref(v) for k, v in op.kwargs.items()})
+                node.meta.update(op.meta)
+                made[id(op)] = node
+            self._graph = g
+        return self._graph
 
     @property
     def num_ops(self) -> int:

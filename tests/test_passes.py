@@ -96,3 +96,22 @@ def test_check_rejects_unknown_saved_storage() -> None:
     with pytest.raises(PassError, match="unknown storage 99"):
         _graph(STORAGES, [SaveEvent(99, 0, 1, "m", "forward", (1,), "float32")], 6,
                {"forward": 0, "loss": 3, "backward": 4}).check()
+
+
+def test_stepgraph_is_an_fx_graph_of_every_op() -> None:
+    import graphmem
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.ReLU())
+    g = graphmem.analyze(net, (torch.randn(4, 8),)).step
+    g.check()
+    calls = [n for n in g.graph.nodes if n.op == "call_function" and "index" in n.meta]
+    assert len(calls) == g.num_ops
+    assert [n.meta["index"] for n in calls] == list(range(g.num_ops))
+    assert {n.meta["phase"] for n in calls} == {"forward", "loss", "backward"}
+    ln = next(n for n in calls if n.target is torch.ops.aten.native_layer_norm.default)
+    assert ln.meta["module"] == "1" and ln.meta["shape"] == (4, 16) and ln.meta["bytes"] == 4 * 16 * 4 + 2 * 4 * 4
+    # the multi-output op's outputs are used through getitem nodes
+    assert any(u.target.__name__ == "getitem" for u in ln.users)
+    placeholders = [n for n in g.graph.nodes if n.op == "placeholder"]
+    assert [n.meta["kind"] for n in placeholders] == ["parameter"] * 4 + ["input"]
+    g.graph.lint()
