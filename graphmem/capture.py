@@ -28,7 +28,7 @@ from .errors import CaptureError, DataDependentError, GraphmemError, Unsupported
 from .step import LossFn, default_loss, run_step
 from .stepgraph import OpNode, SaveEvent, StepGraph, Storage
 
-_NODE = "_graphmem_node"  # attribute set on each fake tensor: the fx node that produced it
+_NODE = "_graphmem_node"  # attribute set on each fake tensor: the OpNode (or (OpNode, i)) that produced it
 _TAG = "graphmem_module"  # key in grad_fn.metadata: module path of the forward op
 _DONE = "graphmem_done"  # set in grad_fn.metadata by a post hook once the node has run
 _ADD = torch.ops.aten.add.Tensor
