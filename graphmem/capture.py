@@ -84,6 +84,7 @@ class _Recorder:
         self.saves: list[SaveEvent] = []
         self.paths = paths
         self.stack: list[str] = [""]
+        self.seq_start: list[int] = []  # autograd sequence number when each open module started
         self.phase = "forward"
         self.phase_start: dict[str, int] = {}
         self.closed = False
@@ -206,17 +207,20 @@ class _Recorder:
     # -- module paths -------------------------------------------------------------
     def pre_hook(self, module: nn.Module, args: Any) -> None:
         self.stack.append(self.paths.get(id(module), type(module).__name__))
+        self.seq_start.append(torch._C._autograd._get_sequence_nr())
 
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         path = self.stack.pop()
+        start = self.seq_start.pop()
         if self.phase == "forward":
-            _tag_grad_fns(output, path)
+            _tag_grad_fns(output, path, start)
 
     def set_phase(self, phase: str) -> None:
         # The loss's autograd nodes stay untagged: their backward ops belong to the root ("").
         self.phase = phase
         self.phase_start[phase] = len(self.ops)
         self.stack = [""]
+        self.seq_start = []
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -251,10 +255,11 @@ def _unique_counts() -> tuple[int, int]:
     return _COUNTS[0]
 
 
-def _tag_grad_fns(output: Any, path: str) -> None:
+def _tag_grad_fns(output: Any, path: str, start: int = 0) -> None:
     """Label the autograd nodes a module created with its path (innermost module wins:
-    inner modules finish, and tag, first; the walk stops at nodes already tagged), and
-    add a post hook that marks each node as run (see _accumulates_inplace)."""
+    inner modules finish, and tag, first; the walk stops at nodes already tagged and at
+    nodes created before the module started, whose sequence number is below ``start``),
+    and add a post hook that marks each node as run (see _accumulates_inplace)."""
     todo = []
     for t in _tensors(output):
         if t.grad_fn is not None:
@@ -262,7 +267,7 @@ def _tag_grad_fns(output: Any, path: str) -> None:
     while todo:
         fn = todo.pop()
         md = fn.metadata
-        if _TAG in md:
+        if _TAG in md or fn._sequence_nr() < start:
             continue
         md[_TAG] = path
         fn.register_hook(lambda grad_inputs, grad_outputs, md=md: md.__setitem__(_DONE, True))
