@@ -25,18 +25,40 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--depth", type=int, default=3, help="module table depth (default 3)")
     a.add_argument("--top", type=int, default=10, help="rows in the largest-tensor tables (default 10)")
     a.add_argument("--debug", action="store_true", help="show tracebacks")
+    a.set_defaults(run=_analyze)
     pr = sub.add_parser("presets", help="list the bundled model presets")
     pr.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    pr.set_defaults(run=_presets)
+    for module in _command_modules():  # each adds its subcommand(s) with set_defaults(run=...)
+        module.add_commands(sub)
     return p
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.command == "presets":
-        from graphmem import models
+def _command_modules() -> list:
+    """Subcommands that live in their own files (graphmem/cmd_*.py): one module per feature,
+    so features do not crowd this file."""
+    import importlib
+    import pkgutil
 
-        for name, (family, cfg) in models.PRESETS.items():
-            print(f"{name:14s} {family:7s} {cfg}")
-        return 0
+    import graphmem
+
+    return [importlib.import_module(f"graphmem.{m.name}") for m in pkgutil.iter_modules(graphmem.__path__)
+            if m.name.startswith("cmd_")]
+
+
+def _presets(args: argparse.Namespace) -> int:
+    from graphmem import models
+
+    for name, (family, cfg) in models.PRESETS.items():
+        print(f"{name:14s} {family:7s} {cfg}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    return int(args.run(args))
+
+
+def _analyze(args: argparse.Namespace) -> int:
     from . import analyze
     from .render import render_json, render_text
     from .target import check_device
