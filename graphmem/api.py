@@ -18,6 +18,41 @@ from .step import LossFn
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
 
 
+class Source:
+    """What a Report needs to capture the same step at other input sizes (formulas, fits)."""
+
+    def __init__(self, module: nn.Module, make: Any, loss: Optional[LossFn], device: str,
+                 example: tuple, base_shape: tuple[int, ...]) -> None:
+        from .formula import variables_of
+
+        self.module, self.make, self.loss, self.device, self.base_shape = module, make, loss, device, base_shape
+        self.names, self.dims = variables_of(example)
+        self._sampler: Any = None
+
+    def sampler(self, tick: Any = None) -> Any:
+        from .formula import Sampler
+
+        if self._sampler is None:
+            self._sampler = Sampler(self.module, self.make, self.loss, self.base_shape, self.dims, self.device)
+        if tick is not None:
+            self._sampler.tick = tick
+        return self._sampler
+
+
+def _resized(example: tuple) -> Any:
+    """inputs for another shape of the first tensor (fake-tensor values do not matter)."""
+    def make(shape: tuple[int, ...]) -> tuple:
+        out, done = [], False
+        for x in example:
+            if isinstance(x, torch.Tensor) and not done:
+                out.append(torch.empty(shape, dtype=x.dtype).requires_grad_(x.requires_grad and x.is_floating_point()))
+                done = True
+            else:
+                out.append(x)
+        return tuple(out)
+    return make
+
+
 def _shape_of(shape: Union[str, tuple, list]) -> tuple[int, ...]:
     if isinstance(shape, str):
         return parse_shape(shape)
@@ -58,10 +93,17 @@ def analyze(
             raise UsageError("no inputs: pass example inputs or input_shape=(batch, ...) / --input-shape 32x1024")
         shape = _shape_of(input_shape)
         make: Any = lambda: make_inputs(loaded, shape)
+        resize: Any = lambda s: make_inputs(loaded, s)
     else:
         make = inputs if isinstance(inputs, tuple) else (inputs,)
+        resize = _resized(make)
     loss_fn = loss or loaded.loss
     g = capture(loaded.module, make, loss_fn, device)
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     loss_name = "default (output if scalar, else sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
-    return Report.build(g, liveness(g), saved(g), loaded.name, shapes, loss_name, notes(g))
+    example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")
+    source = None
+    if example:
+        probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
+        source = Source(loaded.module, resize, loss_fn, str(device), probe, example[0].shape)
+    return Report.build(g, liveness(g), saved(g), loaded.name, shapes, loss_name, notes(g), source)

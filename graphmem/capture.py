@@ -84,6 +84,7 @@ class _Recorder:
         self.saves: list[SaveEvent] = []
         self.paths = paths
         self.stack: list[str] = [""]
+        self.module_inputs: dict[str, tuple[int, ...]] = {}  # first input shape of each module
         self.seq_start: list[int] = []  # autograd sequence number when each open module started
         self.phase = "forward"
         self.phase_start: dict[str, int] = {}
@@ -206,7 +207,11 @@ class _Recorder:
 
     # -- module paths -------------------------------------------------------------
     def pre_hook(self, module: nn.Module, args: Any) -> None:
-        self.stack.append(self.paths.get(id(module), type(module).__name__))
+        path = self.paths.get(id(module), type(module).__name__)
+        self.stack.append(path)
+        if path not in self.module_inputs:
+            first = next((a for a in _tensors(args)), None)
+            self.module_inputs[path] = tuple(first.shape) if first is not None else ()
         self.seq_start.append(torch._C._autograd._get_sequence_nr())
 
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -369,7 +374,7 @@ def capture(
         cap.closed = True
         return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, str(device),
                          gradient_sids, type(model).__name__,
-                         [name for name, _ in model.named_modules()])
+                         [name for name, _ in model.named_modules()], cap.module_inputs)
     finally:
         cap.closed = True
         for h in handles:

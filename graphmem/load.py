@@ -34,6 +34,22 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return dims
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: "str | int") -> int:
+    """``"80GiB"`` -> 85899345920; ``"40GB"`` -> 40000000000; an int is bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise UsageError(f"memory must be positive, got {text}")
+        return text
+    m = re.match(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$", str(text))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise UsageError(f"invalid memory size {text!r}: expected a number with a unit, e.g. 80GiB, 40GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
 @dataclass
 class Loaded:
     """A model ready for analysis: ``module`` lives on the meta device (or is the user's own)."""

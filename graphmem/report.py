@@ -34,10 +34,48 @@ class Report:
     notes: tuple[str, ...] = ()
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
+    source: Any = field(default=None, repr=False, compare=False)  # how to capture at other sizes
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def coefficients(self) -> Any:
+        """Exact formulas (graphmem.formula.Coefficients): ``.activation`` / ``.peak`` polynomials
+        in the input's dimensions and, for a block chain, ``.alpha``, ``.beta``, ``.gamma``."""
+        if "coefficients" not in self._cache:
+            self._cache["coefficients"] = self.formula()
+        return self._cache["coefficients"]
+
+    def formula(self, d_model: Optional[int] = None, n_heads: Optional[int] = None, checks: int = 5,
+                tick: Any = None) -> Any:
+        from graphmem import formula
+
+        if self.source is None:
+            raise formula.UsageError("this report has no model to capture again (built by hand)")
+        sampler = self.source.sampler(tick)
+        return formula.fit(sampler, self.source.names, d_model=d_model, n_heads=n_heads, checks=checks)
+
+    def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, checks: int = 1) -> Any:
+        """The largest batch (given ``seq``) or sequence length (given ``batch``) whose peak fits in
+        ``memory`` (bytes or a string like "80GiB"), as a graphmem.formula.FitAnswer."""
+        from graphmem import formula
+        from graphmem.load import parse_bytes
+
+        if seq is not None and batch is not None:
+            raise formula.UsageError("give seq= (to find the batch) or batch= (to find the sequence length), not both")
+        coeffs = self._cache.get("coefficients") or self.formula(checks=checks)
+        sampler = self.source.sampler()
+        if batch is None:
+            fixed = {"s": seq} if seq is not None and "s" in coeffs.variables else {}
+            return formula.largest_fitting(coeffs, sampler, parse_bytes(memory), "b", fixed)
+        return formula.largest_fitting(coeffs, sampler, parse_bytes(memory), "s", {"b": batch})
+
+    def max_batch(self, memory: Any, seq: Optional[int] = None) -> int:
+        """Largest batch size whose predicted peak fits in ``memory``, e.g. ``max_batch("80GiB", seq=1024)``."""
+        return int(self.fit(memory, seq=seq).value)
 
     @staticmethod
     def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,
-              notes: tuple[str, ...] = ()) -> "Report":
+              notes: tuple[str, ...] = (), source: Any = None) -> "Report":
         kinds: dict[str, int] = {}
         for s in g.storages.values():
             if s.created < 0:
@@ -54,7 +92,7 @@ class Report:
             peak_module=node.meta["module"] if node is not None else "",
             live_at_peak=lv.live_at_peak, baseline_bytes=lv.baseline_bytes,
             saved=sv.tensors, modules=sv.modules, num_ops=g.num_ops,
-            phase_start=dict(g.phase_start), notes=notes, step=g, liveness=lv,
+            phase_start=dict(g.phase_start), notes=notes, step=g, liveness=lv, source=source,
         )
 
     def to_dict(self) -> dict[str, Any]:

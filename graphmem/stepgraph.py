@@ -79,6 +79,7 @@ class StepGraph:
     gradients: list[int] = field(default_factory=list)  # storage ids of the final .grad tensors
     root: str = ""  # class name of the model
     modules: list[str] = field(default_factory=list)  # module paths, named_modules() order
+    module_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # first input's shape
 
     _graph: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
 

@@ -1,0 +1,409 @@
+"""Exact activation and peak formulas in the input's dimensions, and per-block alpha/beta/gamma.
+
+How: captures at chosen sizes give exact byte counts; finite differences find each variable's
+degree, Lagrange interpolation over a grid gives the exact polynomial, and held-out captures at
+the full depth must match it to the byte before anything is printed. A repeated block chain
+(a ModuleList of identical children) is captured truncated to 2 and 3 blocks, which is cheap
+for deep models: whole(L) = rest + L * block, checked against full-depth captures.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Callable, Iterator, Optional
+
+import sympy
+import torch
+import torch.nn as nn
+
+from graphmem.passes import liveness, saved
+from graphmem.passes.coefficients import (BlockSplit, degree_of, evaluate, interpolate, mismatches,
+                                          split_block, terms)
+
+from .capture import capture
+from .errors import GraphmemError, UsageError
+from .step import LossFn
+
+PROBES = 5  # equally spaced samples per variable to find its degree (<= 3, one kept as a check)
+STEPS = (1, 32)  # try consecutive sizes, then multiples of 32 (strided convs and pooling round)
+ALPHA_B, ALPHA_S = 11, 13  # primes no bundled width divides: they tell b and s apart in shapes
+
+
+class NotPolynomialError(GraphmemError):
+    """The bytes are not a polynomial in some input dimension (padding, rounding, branches)."""
+
+
+@dataclass(frozen=True)
+class Chain:
+    path: str  # the ModuleList / Sequential holding the repeated blocks
+    length: int
+
+
+def find_chain(model: nn.Module) -> Optional[Chain]:
+    """The longest ModuleList/Sequential of >= 2 children of one class with equal parameter shapes."""
+    best: Optional[Chain] = None
+    for path, m in model.named_modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2:
+            continue
+        sigs = {(type(c), tuple((n, tuple(p.shape)) for n, p in c.named_parameters())) for c in m}
+        if len(sigs) == 1 and (best is None or len(m) > best.length):
+            best = Chain(path, len(m))
+    return best
+
+
+@contextlib.contextmanager
+def truncated(model: nn.Module, chain: Optional[Chain], k: Optional[int]) -> Iterator[None]:
+    """Run the model with only the first k blocks of the chain (restored afterwards)."""
+    if chain is None or k is None or k >= chain.length:
+        yield
+        return
+    holder = model.get_submodule(chain.path)
+    original = holder._modules
+    holder._modules = OrderedDict(list(original.items())[:k])
+    try:
+        yield
+    finally:
+        holder._modules = original
+
+
+@dataclass(frozen=True)
+class Sample:
+    activation: int
+    peak: int
+    block: int  # bytes saved by block 1 of the chain (its subtree)
+    step: Any
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Exact formulas for one model, target and loss. Polynomials are sympy expressions in
+    ``variables`` (``b`` is the batch); ``*_terms`` map monomials to exact coefficients."""
+
+    variables: tuple[str, ...]
+    dims: tuple[int, ...]  # which input dimensions the variables are
+    base_shape: tuple[int, ...]
+    steps: tuple[int, ...]  # a variable with step 32 is polynomial on multiples of 32 only
+    activation: sympy.Expr
+    activation_terms: dict[str, Fraction]
+    peak: Optional[sympy.Expr]
+    peak_terms: Optional[dict[str, Fraction]]
+    peak_note: str
+    held_out: tuple[tuple[tuple[int, ...], int, int], ...]  # (point, activation, peak) captured
+    chain: Optional[Chain]
+    block_terms: dict[str, Fraction] = field(default_factory=dict)  # per block
+    nonblock_terms: dict[str, Fraction] = field(default_factory=dict)
+    d_model: Optional[int] = None
+    n_heads: Optional[int] = None
+    split: Optional[BlockSplit] = None
+    note: str = ""
+
+    @property
+    def alpha(self) -> Optional[Fraction]:
+        return self.split.alpha if self.split else None
+
+    @property
+    def beta(self) -> Optional[Fraction]:
+        return self.split.beta if self.split else None
+
+    @property
+    def gamma(self) -> Optional[Fraction]:
+        return self.split.gamma if self.split else None
+
+    @property
+    def blocks(self) -> int:
+        return self.chain.length if self.chain else 0
+
+    def _symbols(self) -> list[sympy.Symbol]:
+        return [sympy.Symbol(v) for v in self.variables]
+
+    def point(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(shape[d] for d in self.dims)
+
+    def activation_at(self, shape: tuple[int, ...]) -> int:
+        return _exact_int(evaluate(self.activation, self._symbols(), self.point(shape)))
+
+    def peak_at(self, shape: tuple[int, ...]) -> int:
+        if self.peak is None:
+            raise NotPolynomialError(self.peak_note)
+        return _exact_int(evaluate(self.peak, self._symbols(), self.point(shape)))
+
+    def to_dict(self) -> dict[str, Any]:
+        q = _jsonable
+        return {
+            "variables": list(self.variables), "dims": list(self.dims), "steps": list(self.steps),
+            "activation": str(self.activation), "activation_terms": {k: q(v) for k, v in self.activation_terms.items()},
+            "peak": str(self.peak) if self.peak is not None else None,
+            "peak_terms": {k: q(v) for k, v in self.peak_terms.items()} if self.peak_terms else None,
+            "peak_note": self.peak_note,
+            "alpha": q(self.alpha), "beta": q(self.beta), "gamma": q(self.gamma),
+            "d_model": self.d_model, "n_heads": self.n_heads, "blocks": self.blocks,
+            "block_path": self.chain.path if self.chain else None,
+            "block_terms": {k: q(v) for k, v in self.block_terms.items()},
+            "nonblock_terms": {k: q(v) for k, v in self.nonblock_terms.items()},
+            "held_out": [{"point": list(p), "activation_bytes": a, "peak_bytes": pk} for p, a, pk in self.held_out],
+            "note": self.note,
+        }
+
+
+def _jsonable(x: Optional[Fraction]) -> Any:
+    if x is None:
+        return None
+    return int(x) if x.denominator == 1 else str(x)
+
+
+def _exact_int(x: Fraction) -> int:
+    if x.denominator != 1:
+        raise NotPolynomialError(f"the formula gives a non-integer byte count {x} here: outside where it holds")
+    return int(x)
+
+
+def variables_of(example: tuple) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Which input dimensions vary: all of an integer (token) input, named (b, s); a float
+    input keeps its feature dimension fixed: (b, s, d) -> (b, s), (b, c, h, w) -> (b, h, w),
+    (b, d) -> (b,)."""
+    x = next((t for t in example if isinstance(t, torch.Tensor)), None)
+    if x is None:
+        raise UsageError("the model's first input is not a tensor; nothing to vary")
+    n = x.dim()
+    if not x.is_floating_point():
+        dims = tuple(range(n))
+    elif n >= 4:
+        dims = (0, *range(2, n))
+    else:
+        dims = tuple(range(n - 1))
+    if len(dims) == 2:
+        return ("b", "s"), dims
+    if n >= 4 and x.is_floating_point() and len(dims) == 3:
+        return ("b", "h", "w"), dims
+    return ("b", *(f"x{d}" for d in dims[1:])), dims
+
+
+class Sampler:
+    """Captures the step at given sizes (and chain depths), with a cache."""
+
+    def __init__(self, model: nn.Module, make_inputs: Callable[[tuple[int, ...]], tuple],
+                 loss: Optional[LossFn], base: tuple[int, ...], dims: tuple[int, ...], device: str,
+                 tick: Callable[[], None] = lambda: None) -> None:
+        self.model, self.make_inputs, self.loss, self.base, self.dims, self.device = model, make_inputs, loss, base, dims, device
+        self.chain = find_chain(model)
+        self.cache: dict[tuple[tuple[int, ...], Optional[int]], Sample] = {}
+        self.tick = tick
+
+    def shape(self, point: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(self.base)
+        for d, v in zip(self.dims, point):
+            shape[d] = v
+        return tuple(shape)
+
+    def __call__(self, point: tuple[int, ...], depth: Optional[int] = None) -> Sample:
+        key = (point, depth)
+        if key not in self.cache:
+            shape = self.shape(point)
+            with truncated(self.model, self.chain, depth):
+                g = capture(self.model, lambda: self.make_inputs(shape), self.loss, self.device)
+            sv = saved(g)
+            block = 0
+            if self.chain is not None:
+                path = f"{self.chain.path}.1" if self.chain.path else "1"
+                block = next((m.activation_bytes for m in sv.modules if m.path == path), 0)
+            self.cache[key] = Sample(sv.activation_bytes, liveness(g).peak_bytes, block, (g, sv))
+            self.tick()
+        return self.cache[key]
+
+
+def _probe_values(base: int, step: int) -> list[int]:
+    low = base - (PROBES - 1) * step
+    if low >= 2 and (step == 1 or low % step == 0):
+        return [base - j * step for j in range(PROBES)][::-1]
+    start = max(step, 2 if step == 1 else step)
+    return [start + j * step for j in range(PROBES)]
+
+
+def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
+        n_heads: Optional[int] = None, checks: int = 5) -> Coefficients:
+    """Find the exact activation (and peak) polynomial; raise NotPolynomialError if none holds."""
+    base_point = tuple(sampler.base[d] for d in sampler.dims)
+    chain = sampler.chain if sampler.chain and sampler.chain.length > 3 else None
+    k2, k3 = (2, 3) if chain else (None, None)
+    symbols = [sympy.Symbol(n) for n in names]
+
+    # 1. degree of each variable (activation and peak), at depth 2 when there is a chain
+    degrees, peak_degrees, steps, grids = [], [], [], []
+    for i, name in enumerate(names):
+        for step in STEPS:
+            values = _probe_values(base_point[i], step)
+            points = [base_point[:i] + (v,) + base_point[i + 1:] for v in values]
+            act = [sampler(p, k2).activation for p in points]
+            deg = degree_of(act)
+            if deg is not None:
+                break
+        else:
+            raise NotPolynomialError(
+                f"activation bytes are not a polynomial in {name} (input dimension {sampler.dims[i]}): "
+                f"samples at {name}={values} give {act}; the model pads, rounds or branches on it, so "
+                "graphmem prints no formula (analyze each size instead)")
+        peaks = [sampler(p, k2).peak for p in points]
+        peak_degrees.append(degree_of(peaks))
+        degrees.append(deg)
+        steps.append(step)
+        grids.append(values[: max(deg, peak_degrees[-1] or 0) + 1])
+
+    # 2. interpolate on the grid (depth 2 and 3 for a chain)
+    def poly_of(depth: Optional[int], attr: str, degs: list[int]) -> sympy.Expr:
+        sub = [g[: d + 1] for g, d in zip(grids, degs)]
+        samples = {p: getattr(sampler(p, depth), attr) for p in _product(sub)}
+        return interpolate(samples, sub, symbols)
+
+    act2 = poly_of(k2, "activation", degrees)
+    peak_ok = all(d is not None for d in peak_degrees)
+    pdeg = [d if d is not None else 0 for d in peak_degrees]
+    peak2 = poly_of(k2, "peak", pdeg) if peak_ok else None
+    block_poly = sympy.Integer(0)
+    if chain:
+        block_poly = poly_of(k2, "block", degrees)
+        activation = sympy.expand(act2 + (chain.length - 2) * block_poly)
+        peak = sympy.expand(peak2 + (chain.length - 2) * (poly_of(k3, "peak", pdeg) - peak2)) if peak_ok else None
+    else:
+        activation, peak = act2, peak2
+
+    # 3. held-out captures at full depth
+    held = _held_out(base_point, steps, grids, checks)
+    measured = {p: sampler(p) for p in held}
+    bad = mismatches(activation, symbols, {p: s.activation for p, s in measured.items()})
+    if bad:
+        p, m, pred = bad[0]
+        raise NotPolynomialError(
+            f"activation bytes are not one polynomial over the sampled range: at {dict(zip(names, p))} "
+            f"a capture gives {m} B, the fitted polynomial {pred} B; graphmem prints no formula")
+    peak_note = ""
+    if peak is None:
+        peak_note = "the peak is not a polynomial in " + ", ".join(n for n, d in zip(names, peak_degrees) if d is None)
+    elif mismatches(peak, symbols, {p: s.peak for p, s in measured.items()}):
+        peak, peak_note = None, ("the peak is not one polynomial over the sampled range (a different op "
+                                 "peaks at different sizes); use captures")
+
+    # 4. per-block split
+    coeffs = dict(
+        variables=names, dims=sampler.dims, base_shape=sampler.base, steps=tuple(steps),
+        activation=activation, activation_terms=terms(activation, symbols), peak=peak,
+        peak_terms=terms(peak, symbols) if peak is not None else None, peak_note=peak_note,
+        held_out=tuple((p, s.activation, s.peak) for p, s in measured.items()), chain=sampler.chain,
+    )
+    if sampler.chain is None:
+        return Coefficients(**coeffs)
+    if chain is None:  # a short chain: per-block bytes from a full capture's block 1
+        block_poly = poly_of(None, "block", degrees)
+    block_terms = terms(block_poly, symbols)
+    nonblock = sympy.expand(activation - sampler.chain.length * block_poly)
+    coeffs.update(block_terms=block_terms, nonblock_terms=terms(nonblock, symbols))
+    if names[:2] != ("b", "s"):
+        return Coefficients(**coeffs, note="alpha/beta are defined for (b, s, d_model) token inputs")
+    d, h, gamma = _block_shapes(sampler, k2, d_model, n_heads)
+    note = ""
+    if h is None:
+        h, note = 1, "n_heads not found in the attention shapes: beta is per b*s**2 (pass --heads)"
+    return Coefficients(**coeffs, d_model=d, n_heads=h, split=split_block(block_terms, d, h, gamma), note=note)
+
+
+def _block_shapes(sampler: Sampler, depth: Optional[int], d_model: Optional[int],
+                  n_heads: Optional[int]) -> tuple[int, Optional[int], Fraction]:
+    """d_model (block input's last dim), n_heads (dim 1 of (b, h, s, ...) tensors the block
+    saves) and gamma (bytes per token of saved tensors whose per-token size is not a
+    multiple of d_model), read off a capture at b=11, s=13."""
+    point = (ALPHA_B, ALPHA_S) + tuple(sampler.base[d] for d in sampler.dims[2:])
+    g, sv = sampler(point, depth).step
+    prefix = f"{sampler.chain.path}.1" if sampler.chain.path else "1"
+    block_input = g.module_inputs.get(prefix, ())
+    d = d_model or (block_input[-1] if block_input else None)
+    if not d:
+        raise UsageError("cannot infer d_model from the block's input; pass --d-model")
+    mine = [t for t in sv.tensors if t.module == prefix or t.module.startswith(prefix + ".")]
+    heads = [t.shape[1] for t in mine if len(t.shape) == 4 and t.shape[0] == ALPHA_B and t.shape[2] == ALPHA_S]
+    h = n_heads or (max(heads) if heads else None)
+    gamma = Fraction(0)
+    per_token = ALPHA_B * ALPHA_S
+    itemsize = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1}
+    for t in mine:
+        if t.bytes % per_token or list(t.shape).count(ALPHA_S) >= 2:
+            continue  # not per token (or the s**2 attention tensors: beta)
+        elements = t.bytes // per_token // itemsize.get(t.dtype, 1)
+        if elements % d:
+            gamma += t.bytes // per_token
+    return d, h, gamma
+
+
+def _product(grids: list[list[int]]) -> list[tuple[int, ...]]:
+    from itertools import product
+
+    return [tuple(p) for p in product(*grids)]
+
+
+def _held_out(base: tuple[int, ...], steps: list[int], grids: list[list[int]], n: int) -> list[tuple[int, ...]]:
+    """n deterministic points spread over [step, base] per variable, off the fitting grid."""
+    out: list[tuple[int, ...]] = []
+    for j in range(1, 10 * n + 1):
+        point = []
+        for i, (b, st) in enumerate(zip(base, steps)):
+            hi = max(b, 8 * st)
+            lo = 2 if st == 1 else st
+            span = (hi - lo) // st
+            point.append(lo + ((j * (7 + 5 * i) + 3 * i) % (span + 1)) * st)
+        p = tuple(point)
+        if p not in out and not all(v in g for v, g in zip(p, grids)):
+            out.append(p)
+        if len(out) == n:
+            break
+    return out
+
+
+# -- questions users ask: will it fit, and a sweep --------------------------------------------
+
+@dataclass(frozen=True)
+class FitAnswer:
+    variable: str  # "b" or "s"
+    value: int  # the largest value whose predicted peak fits (0: even 1 does not fit)
+    memory: int
+    fixed: dict[str, int]
+    peak_at_value: Optional[int]  # predicted
+    peak_above: int  # predicted at value + 1
+    captured_at_value: Optional[int]  # confirmation captures at the full depth
+    captured_above: int
+
+
+def largest_fitting(coeffs: Coefficients, sampler: Sampler, memory: int, variable: str,
+                    fixed: dict[str, int]) -> FitAnswer:
+    """Largest value of ``variable`` (others fixed) whose predicted peak <= memory, exact from
+    the peak polynomial (searched by doubling and bisection; bytes do not shrink as b or s
+    grow), confirmed by captures at the answer and one above."""
+    if coeffs.peak is None:
+        raise NotPolynomialError(f"cannot answer from a formula: {coeffs.peak_note}")
+    names = list(coeffs.variables)
+    if variable not in names:
+        raise UsageError(f"{variable!r} is not one of the formula's variables {names}")
+    base = dict(zip(names, (sampler.base[d] for d in sampler.dims)))
+    base.update(fixed)
+    symbols = [sympy.Symbol(n) for n in names]
+
+    def point(v: int) -> tuple[int, ...]:
+        return tuple(v if n == variable else base[n] for n in names)
+
+    def predict(v: int) -> int:
+        return _exact_int(evaluate(coeffs.peak, symbols, point(v)))
+
+    lo, hi = 0, 1
+    while predict(hi) <= memory:
+        lo, hi = hi, hi * 2
+        if hi > 2**40:
+            raise UsageError(f"the predicted peak does not grow with {variable}; nothing bounds it")
+    while hi - lo > 1:  # predict(lo) <= memory < predict(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if predict(mid) <= memory else (lo, mid)
+    try:
+        at = sampler(point(lo)).peak if lo >= 1 else None
+        above = sampler(point(lo + 1)).peak
+    except GraphmemError as e:
+        raise GraphmemError(f"the formula says {variable}={lo} fits, but the confirming capture failed: {e}") from e
+    return FitAnswer(variable, lo, memory, {n: base[n] for n in names if n != variable},
+                     predict(lo) if lo >= 1 else None, predict(lo + 1), at, above)
