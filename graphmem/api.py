@@ -29,6 +29,12 @@ class Source:
         self.names, self.dims = variables_of(example)
         self._sampler: Any = None
 
+    def sampler_for(self, base: tuple[int, ...], dims: tuple[int, ...], tick: Any = None) -> Any:
+        """A fresh sampler around another base shape, varying only ``dims``."""
+        from .formula import Sampler
+
+        return Sampler(self.module, self.make, self.loss, base, dims, self.device, tick or (lambda: None))
+
     def sampler(self, tick: Any = None) -> Any:
         from .formula import Sampler
 

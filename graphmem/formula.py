@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 
 from graphmem.passes import liveness, saved
-from graphmem.passes.coefficients import (BlockSplit, degree_of, evaluate, interpolate, mismatches,
-                                          split_block, terms)
+from graphmem.passes.coefficients import (BlockSplit, PeakModel, degree_of, evaluate, interpolate,
+                                          mismatches, split_block, terms)
 
 from .capture import capture
 from .errors import GraphmemError, UsageError
@@ -73,6 +73,8 @@ class Sample:
     activation: int
     peak: int
     block: int  # bytes saved by block 1 of the chain (its subtree)
+    timeline: tuple[int, ...]  # live bytes during each op
+    ops: tuple[Any, ...]  # the op sequence (targets)
     step: Any
 
 
@@ -87,8 +89,8 @@ class Coefficients:
     steps: tuple[int, ...]  # a variable with step 32 is polynomial on multiples of 32 only
     activation: sympy.Expr
     activation_terms: dict[str, Fraction]
-    peak: Optional[sympy.Expr]
-    peak_terms: Optional[dict[str, Fraction]]
+    peak: Optional[PeakModel]  # exact: the largest of the per-op live-bytes polynomials
+    peak_terms: Optional[dict[str, Fraction]]  # the piece that peaks at the base shape
     peak_note: str
     held_out: tuple[tuple[tuple[int, ...], int, int], ...]  # (point, activation, peak) captured
     chain: Optional[Chain]
@@ -127,14 +129,16 @@ class Coefficients:
     def peak_at(self, shape: tuple[int, ...]) -> int:
         if self.peak is None:
             raise NotPolynomialError(self.peak_note)
-        return _exact_int(evaluate(self.peak, self._symbols(), self.point(shape)))
+        return self.peak.at(self.point(shape))[0]
 
     def to_dict(self) -> dict[str, Any]:
         q = _jsonable
         return {
             "variables": list(self.variables), "dims": list(self.dims), "steps": list(self.steps),
             "activation": str(self.activation), "activation_terms": {k: q(v) for k, v in self.activation_terms.items()},
-            "peak": str(self.peak) if self.peak is not None else None,
+            "peak": (str(self.peak.polynomial(self.peak.at(self.point(self.base_shape))[1]))
+                     if self.peak is not None else None),
+            "peak_pieces": len(self.peak.rows) if self.peak is not None else 0,
             "peak_terms": {k: q(v) for k, v in self.peak_terms.items()} if self.peak_terms else None,
             "peak_note": self.peak_note,
             "alpha": q(self.alpha), "beta": q(self.beta), "gamma": q(self.gamma),
@@ -208,7 +212,9 @@ class Sampler:
             if self.chain is not None:
                 path = f"{self.chain.path}.1" if self.chain.path else "1"
                 block = next((m.activation_bytes for m in sv.modules if m.path == path), 0)
-            self.cache[key] = Sample(sv.activation_bytes, liveness(g).peak_bytes, block, (g, sv))
+            lv = liveness(g)
+            self.cache[key] = Sample(sv.activation_bytes, lv.peak_bytes, block, lv.timeline,
+                                     tuple(n.target for n in g.ops), (g, sv))
             self.tick()
         return self.cache[key]
 
@@ -226,11 +232,11 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
     """Find the exact activation (and peak) polynomial; raise NotPolynomialError if none holds."""
     base_point = tuple(sampler.base[d] for d in sampler.dims)
     chain = sampler.chain if sampler.chain and sampler.chain.length > 3 else None
-    k2, k3 = (2, 3) if chain else (None, None)
+    k2 = 2 if chain else None
     symbols = [sympy.Symbol(n) for n in names]
 
-    # 1. degree of each variable (activation and peak), at depth 2 when there is a chain
-    degrees, peak_degrees, steps, grids = [], [], [], []
+    # 1. degree of each variable, at depth 2 when there is a chain
+    degrees, steps, grids, peak_degrees = [], [], [], []
     for i, name in enumerate(names):
         for step in STEPS:
             values = _probe_values(base_point[i], step)
@@ -244,11 +250,10 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
                 f"activation bytes are not a polynomial in {name} (input dimension {sampler.dims[i]}): "
                 f"samples at {name}={values} give {act}; the model pads, rounds or branches on it, so "
                 "graphmem prints no formula (analyze each size instead)")
-        peaks = [sampler(p, k2).peak for p in points]
-        peak_degrees.append(degree_of(peaks))
         degrees.append(deg)
         steps.append(step)
-        grids.append(values[: max(deg, peak_degrees[-1] or 0) + 1])
+        grids.append(values)
+        peak_degrees.append(_timeline_degree([sampler(p, k2) for p in points]))
 
     # 2. interpolate on the grid (depth 2 and 3 for a chain)
     def poly_of(depth: Optional[int], attr: str, degs: list[int]) -> sympy.Expr:
@@ -257,16 +262,12 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
         return interpolate(samples, sub, symbols)
 
     act2 = poly_of(k2, "activation", degrees)
-    peak_ok = all(d is not None for d in peak_degrees)
-    pdeg = [d if d is not None else 0 for d in peak_degrees]
-    peak2 = poly_of(k2, "peak", pdeg) if peak_ok else None
     block_poly = sympy.Integer(0)
     if chain:
         block_poly = poly_of(k2, "block", degrees)
         activation = sympy.expand(act2 + (chain.length - 2) * block_poly)
-        peak = sympy.expand(peak2 + (chain.length - 2) * (poly_of(k3, "peak", pdeg) - peak2)) if peak_ok else None
     else:
-        activation, peak = act2, peak2
+        activation = act2
 
     # 3. held-out captures at full depth
     held = _held_out(base_point, steps, grids, checks)
@@ -277,18 +278,19 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
         raise NotPolynomialError(
             f"activation bytes are not one polynomial over the sampled range: at {dict(zip(names, p))} "
             f"a capture gives {m} B, the fitted polynomial {pred} B; graphmem prints no formula")
-    peak_note = ""
-    if peak is None:
-        peak_note = "the peak is not a polynomial in " + ", ".join(n for n, d in zip(names, peak_degrees) if d is None)
-    elif mismatches(peak, symbols, {p: s.peak for p, s in measured.items()}):
-        peak, peak_note = None, ("the peak is not one polynomial over the sampled range (a different op "
-                                 "peaks at different sizes); use captures")
+    if None in peak_degrees:
+        peak, peak_note = None, "the live bytes of some op are not a polynomial in the input size; use captures"
+    else:
+        peak, peak_note = peak_model(sampler, [g[: d + 1] for g, d in zip(grids, peak_degrees)], symbols, measured)
+    peak_terms = None
+    if peak is not None:
+        peak_terms = terms(peak.polynomial(peak.at(base_point)[1]), symbols)
 
     # 4. per-block split
     coeffs = dict(
         variables=names, dims=sampler.dims, base_shape=sampler.base, steps=tuple(steps),
         activation=activation, activation_terms=terms(activation, symbols), peak=peak,
-        peak_terms=terms(peak, symbols) if peak is not None else None, peak_note=peak_note,
+        peak_terms=peak_terms, peak_note=peak_note,
         held_out=tuple((p, s.activation, s.peak) for p, s in measured.items()), chain=sampler.chain,
     )
     if sampler.chain is None:
@@ -305,6 +307,35 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
     if h is None:
         h, note = 1, "n_heads not found in the attention shapes: beta is per b*s**2 (pass --heads)"
     return Coefficients(**coeffs, d_model=d, n_heads=h, split=split_block(block_terms, d, h, gamma), note=note)
+
+
+def _timeline_degree(samples: list[Sample]) -> Optional[int]:
+    """Highest degree, over ops, of the live bytes along equally spaced samples."""
+    if len({s.ops for s in samples}) != 1:
+        return None
+    worst = 0
+    for column in zip(*(s.timeline for s in samples)):
+        d = degree_of(column)
+        if d is None:
+            return None
+        worst = max(worst, d)
+    return worst
+
+
+def peak_model(sampler: Sampler, grids: list[list[int]], symbols: list[sympy.Symbol],
+               checks: dict[tuple[int, ...], Sample]) -> tuple[Optional[PeakModel], str]:
+    """The exact piecewise-polynomial peak from full-depth captures on ``grids``, checked at
+    ``checks``; (None, why) when the op sequence changes with the size or a check misses."""
+    samples = {p: sampler(p) for p in _product(grids)}
+    ops = {s.ops for s in samples.values()} | {s.ops for s in checks.values()}
+    if len(ops) > 1:
+        return None, "the op sequence changes with the input size, so the peak is not a formula; use captures"
+    model = PeakModel({p: s.timeline for p, s in samples.items()}, grids, symbols)
+    for p, s in checks.items():
+        if model.at(p)[0] != s.peak:
+            return None, (f"the peak is not a polynomial per op over the sampled range (at {p}: captured "
+                          f"{s.peak} B, formula {model.at(p)[0]} B); use captures")
+    return model, ""
 
 
 def _block_shapes(sampler: Sampler, depth: Optional[int], d_model: Optional[int],
@@ -341,16 +372,14 @@ def _product(grids: list[list[int]]) -> list[tuple[int, ...]]:
 
 
 def _held_out(base: tuple[int, ...], steps: list[int], grids: list[list[int]], n: int) -> list[tuple[int, ...]]:
-    """n deterministic points spread over [step, base] per variable, off the fitting grid."""
+    """n deterministic pseudo-random points in [2, max(base, 8)] per variable (on the variable's
+    lattice), off the fitting grid."""
+    import random
+
+    rng = random.Random(20261122)
     out: list[tuple[int, ...]] = []
-    for j in range(1, 10 * n + 1):
-        point = []
-        for i, (b, st) in enumerate(zip(base, steps)):
-            hi = max(b, 8 * st)
-            lo = 2 if st == 1 else st
-            span = (hi - lo) // st
-            point.append(lo + ((j * (7 + 5 * i) + 3 * i) % (span + 1)) * st)
-        p = tuple(point)
+    for _ in range(100 * n):
+        p = tuple(rng.randrange(2 if st == 1 else st, max(b, 8 * st) + 1, st) for b, st in zip(base, steps))
         if p not in out and not all(v in g for v, g in zip(p, grids)):
             out.append(p)
         if len(out) == n:
@@ -358,52 +387,30 @@ def _held_out(base: tuple[int, ...], steps: list[int], grids: list[list[int]], n
     return out
 
 
-# -- questions users ask: will it fit, and a sweep --------------------------------------------
-
 @dataclass(frozen=True)
-class FitAnswer:
-    variable: str  # "b" or "s"
-    value: int  # the largest value whose predicted peak fits (0: even 1 does not fit)
-    memory: int
-    fixed: dict[str, int]
-    peak_at_value: Optional[int]  # predicted
-    peak_above: int  # predicted at value + 1
-    captured_at_value: Optional[int]  # confirmation captures at the full depth
-    captured_above: int
+class Sweep:
+    batches: tuple[int, ...]
+    seqs: tuple[int, ...]
+    rows: tuple[tuple[int, int, int, Optional[int], Optional[int], Optional[int]], ...]
+    # (b, s, activation, peak, captured activation, captured peak): captured only where spot-checked
+    coefficients: Coefficients
 
 
-def largest_fitting(coeffs: Coefficients, sampler: Sampler, memory: int, variable: str,
-                    fixed: dict[str, int]) -> FitAnswer:
-    """Largest value of ``variable`` (others fixed) whose predicted peak <= memory, exact from
-    the peak polynomial (searched by doubling and bisection; bytes do not shrink as b or s
-    grow), confirmed by captures at the answer and one above."""
-    if coeffs.peak is None:
-        raise NotPolynomialError(f"cannot answer from a formula: {coeffs.peak_note}")
-    names = list(coeffs.variables)
-    if variable not in names:
-        raise UsageError(f"{variable!r} is not one of the formula's variables {names}")
-    base = dict(zip(names, (sampler.base[d] for d in sampler.dims)))
-    base.update(fixed)
-    symbols = [sympy.Symbol(n) for n in names]
-
-    def point(v: int) -> tuple[int, ...]:
-        return tuple(v if n == variable else base[n] for n in names)
-
-    def predict(v: int) -> int:
-        return _exact_int(evaluate(coeffs.peak, symbols, point(v)))
-
-    lo, hi = 0, 1
-    while predict(hi) <= memory:
-        lo, hi = hi, hi * 2
-        if hi > 2**40:
-            raise UsageError(f"the predicted peak does not grow with {variable}; nothing bounds it")
-    while hi - lo > 1:  # predict(lo) <= memory < predict(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if predict(mid) <= memory else (lo, mid)
-    try:
-        at = sampler(point(lo)).peak if lo >= 1 else None
-        above = sampler(point(lo + 1)).peak
-    except GraphmemError as e:
-        raise GraphmemError(f"the formula says {variable}={lo} fits, but the confirming capture failed: {e}") from e
-    return FitAnswer(variable, lo, memory, {n: base[n] for n in names if n != variable},
-                     predict(lo) if lo >= 1 else None, predict(lo + 1), at, above)
+def sweep(source: Any, batches: list[int], seqs: list[int], tick: Callable[[], None] = lambda: None) -> Sweep:
+    """Activation and peak over the grid from the exact formulas; the first point is captured."""
+    if not batches or not seqs or min(batches + seqs) < 1:
+        raise UsageError("sweep needs positive batch and sequence lists, e.g. --batch 1,8,32 --seq 512,1024")
+    base = list(source.base_shape)
+    if len(base) < 2:
+        raise UsageError("sweep needs a (batch, seq, ...) input")
+    base[0], base[1] = max(batches), max(seqs)
+    sampler = source.sampler_for(tuple(base), (0, 1), tick)
+    coeffs = fit(sampler, ("b", "s"), checks=2)
+    rows = []
+    for i, (b, s) in enumerate((b, s) for b in batches for s in seqs):
+        shape = tuple([b, s] + base[2:])
+        peak = coeffs.peak_at(shape) if coeffs.peak is not None else None
+        captured = sampler((b, s)) if i == 0 else None
+        rows.append((b, s, coeffs.activation_at(shape), peak,
+                     captured.activation if captured else None, captured.peak if captured else None))
+    return Sweep(tuple(batches), tuple(seqs), tuple(rows), coeffs)

@@ -54,24 +54,46 @@ class Report:
         sampler = self.source.sampler(tick)
         return formula.fit(sampler, self.source.names, d_model=d_model, n_heads=n_heads, checks=checks)
 
-    def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, checks: int = 1) -> Any:
-        """The largest batch (given ``seq``) or sequence length (given ``batch``) whose peak fits in
-        ``memory`` (bytes or a string like "80GiB"), as a graphmem.formula.FitAnswer."""
+    def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None) -> Any:
+        """The largest batch (at sequence length ``seq``, default: this report's) or, given
+        ``batch``, the largest sequence length whose peak fits in ``memory`` (bytes or a string
+        like "80GiB"): a graphmem.formula.FitAnswer, exact from the peak formula and confirmed
+        by captures at the answer and one above."""
         from graphmem import formula
         from graphmem.load import parse_bytes
 
+        if self.source is None:
+            raise formula.UsageError("this report has no model to capture again (built by hand)")
         if seq is not None and batch is not None:
             raise formula.UsageError("give seq= (to find the batch) or batch= (to find the sequence length), not both")
-        coeffs = self._cache.get("coefficients") or self.formula(checks=checks)
-        sampler = self.source.sampler()
+        memory_bytes = parse_bytes(memory)
+        base = list(self.source.base_shape)
         if batch is None:
-            fixed = {"s": seq} if seq is not None and "s" in coeffs.variables else {}
-            return formula.largest_fitting(coeffs, sampler, parse_bytes(memory), "b", fixed)
-        return formula.largest_fitting(coeffs, sampler, parse_bytes(memory), "s", {"b": batch})
+            if seq is not None:
+                if len(base) < 2:
+                    raise formula.UsageError("seq= needs a (batch, seq, ...) input")
+                base[1] = seq
+            sampler, name = self.source.sampler_for(tuple(base), (0,), tick), "b"
+        else:
+            if len(base) < 2:
+                raise formula.UsageError("batch= needs a (batch, seq, ...) input")
+            base[0] = batch
+            sampler, name = self.source.sampler_for(tuple(base), (1,), tick), "s"
+        coeffs = formula.fit(sampler, (name,), checks=1)
+        return formula.largest_fitting(coeffs, sampler, memory_bytes, name, {})
 
     def max_batch(self, memory: Any, seq: Optional[int] = None) -> int:
         """Largest batch size whose predicted peak fits in ``memory``, e.g. ``max_batch("80GiB", seq=1024)``."""
         return int(self.fit(memory, seq=seq).value)
+
+    def sweep(self, batches: Any, seqs: Any, tick: Any = None) -> Any:
+        """Activation and peak bytes over a grid of (batch, seq) from the exact formulas, with
+        the first point spot-checked by a capture: a graphmem.formula.Sweep."""
+        from graphmem import formula
+
+        if self.source is None:
+            raise formula.UsageError("this report has no model to capture again (built by hand)")
+        return formula.sweep(self.source, list(batches), list(seqs), tick)
 
     @staticmethod
     def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,

@@ -100,3 +100,80 @@ def split_block(block_terms: Mapping[str, Fraction], d_model: int, n_heads: int,
     gamma = Fraction(per_token_not_d)
     rest = {k: Fraction(v) for k, v in block_terms.items() if k not in ("b*s", "b*s**2")}
     return BlockSplit((bs - gamma) / d_model, bss / n_heads, gamma, rest)
+
+
+class PeakModel:
+    """The peak as an exact piecewise polynomial: the live bytes during each op are a
+    polynomial in the input sizes (a sum of storage sizes), and the peak is the largest of
+    them. Built from the timelines of captures on a grid whose op sequences are identical;
+    stored as integer coefficient rows over a monomial basis with one common denominator."""
+
+    def __init__(self, timelines: Mapping[tuple[int, ...], Sequence[int]], grids: Sequence[Sequence[int]],
+                 symbols: Sequence[sympy.Symbol]) -> None:
+        self.symbols = list(symbols)
+        self.exponents = list(product(*(range(len(g)) for g in grids)))  # monomial basis
+        # Lagrange basis polynomial of each grid point, as rational coefficient rows
+        rows: dict[tuple[int, ...], list[Fraction]] = {}
+        for idx in product(*(range(len(g)) for g in grids)):
+            point = tuple(g[i] for g, i in zip(grids, idx))
+            poly = interpolate({p: int(p == point) for p in product(*grids)}, grids, symbols)
+            coeffs = dict(sympy.Poly(poly, *symbols).terms()) if poly != 0 else {}
+            rows[point] = [Fraction(int(sympy.numer(c)), int(sympy.denom(c)))
+                           for c in (coeffs.get(e, 0) for e in self.exponents)]
+        denom = 1
+        for row in rows.values():
+            for c in row:
+                denom = denom * c.denominator // _gcd(denom, c.denominator)
+        self.denom = denom
+        n = len(next(iter(timelines.values())))
+        self.rows = [[0] * len(self.exponents) for _ in range(n)]  # op i -> integer coefficients * denom
+        for point, row in rows.items():
+            scaled = [int(c * denom) for c in row]
+            for i, value in enumerate(timelines[point]):
+                if value:
+                    r = self.rows[i]
+                    for k, c in enumerate(scaled):
+                        if c:
+                            r[k] += value * c
+
+    def _monomials(self, point: Sequence[int]) -> list[int]:
+        out = []
+        for exps in self.exponents:
+            m = 1
+            for v, e in zip(point, exps):
+                m *= v ** e
+            out.append(m)
+        return out
+
+    def live(self, point: Sequence[int]) -> list[int]:
+        """Live bytes during each op at ``point`` (exact)."""
+        mono = self._monomials(point)
+        out = []
+        for r in self.rows:
+            total = sum(c * m for c, m in zip(r, mono) if c)
+            q, rem = divmod(total, self.denom)
+            out.append(q if rem == 0 else -1)  # -1: not an integer here, the fit does not hold
+        return out
+
+    def at(self, point: Sequence[int]) -> tuple[int, int]:
+        """(peak bytes, op index where it happens) at ``point``."""
+        live = self.live(point)
+        i = max(range(len(live)), key=live.__getitem__)
+        return live[i], i
+
+    def polynomial(self, op: int) -> sympy.Expr:
+        """The live-bytes polynomial of one op (the piece of the peak where that op peaks)."""
+        expr = sympy.Integer(0)
+        for c, exps in zip(self.rows[op], self.exponents):
+            if c:
+                term = sympy.Rational(c, self.denom)
+                for x, e in zip(self.symbols, exps):
+                    term *= x ** e
+                expr += term
+        return expr
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a

@@ -1,0 +1,145 @@
+"""Report -> PNG: live memory over the step, stacked by category, with the phase boundaries and
+the peak (and what is live there). matplotlib is optional: ``pip install 'graphmem[plot]'``.
+
+``plot_timeline(report, other)`` draws a second report's total as a line over the first one's
+stacked areas, so a variant of the same step (a checkpoint plan, another attention kernel, a
+smaller batch) can be compared on one figure.
+"""
+from __future__ import annotations
+
+import io
+from typing import Any, Optional
+
+from graphmem.errors import UsageError
+from graphmem.passes.timeline import CATEGORIES, CategoryTimeline, category_timeline
+from graphmem.report import Report
+
+from .text import _module
+from .units import fmt_bytes
+
+LABELS = {
+    "parameters": "parameters + buffers",
+    "gradients": "gradients (.grad)",
+    "activations": "activations (saved for backward)",
+    "other": "other (inputs, temporaries, outputs)",
+}
+COLORS = {"parameters": "#4e79a7", "gradients": "#59a14f", "activations": "#f28e2c", "other": "#bab0ab"}
+OVERLAY = "#c0392b"
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+INSTALL = "pip install 'graphmem[plot]'"
+
+
+def require_matplotlib() -> None:
+    """Raise UsageError (naming the install command) when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise UsageError(f"the memory plot needs matplotlib, which is not installed: {INSTALL}") from e
+
+
+def _timeline(report: Report) -> CategoryTimeline:
+    if report.step is None or report.liveness is None:
+        raise UsageError("this report has no step graph (it was not made by graphmem.analyze); "
+                         "analyze the model again to plot it")
+    return category_timeline(report.step, report.liveness, report.saved)
+
+
+def _unit(nbytes: int) -> tuple[str, int]:
+    k = 0
+    while k + 1 < len(_UNITS) and nbytes >= 1024 ** (k + 1):
+        k += 1
+    return _UNITS[k], 1024 ** k
+
+
+def _steps(values: tuple[int, ...], scale: int) -> list[float]:
+    """Op i covers [i, i + 1): one more point so the last op has a width."""
+    ys = [v / scale for v in values]
+    return ys + ys[-1:]
+
+
+def _peak_x(report: Report) -> float:
+    return max(report.peak_index, 0) + 0.5
+
+
+def _peak_panel(report: Report, tl: CategoryTimeline, top: int) -> str:
+    where = (f"op {report.peak_index} ({report.peak_phase})\n{report.peak_op}\nin {_module(report.peak_module)}"
+             if report.peak_index >= 0 else "before the step")
+    at = tl.at(report.peak_index) if report.peak_index >= 0 else {}
+    made_of = [f"  {fmt_bytes(v):>10}  {c}" for c, v in at.items() if v]
+    live = [f"  {fmt_bytes(t.nbytes):>10}  {tl.category_of.get(t.sid, t.kind)}\n{'':14}{t.name}\n{'':14}{_module(t.module, report, t.created)}"
+            f" · {'x'.join(map(str, t.shape)) or 'scalar'}" for t in report.live_at_peak[:top]]
+    return "\n".join([f"Peak {fmt_bytes(report.peak_bytes)}", where, ""]
+                     + (["made of"] + made_of + [""] if made_of else [])
+                     + [f"largest live there ({min(top, len(report.live_at_peak))} of {len(report.live_at_peak)})"]
+                     + live)
+
+
+def _phases(ax: Any, report: Report) -> None:
+    import matplotlib.transforms as mtransforms
+
+    top = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
+    n = report.num_ops
+    loss, bwd = report.phase_start.get("loss", n), report.phase_start.get("backward", n)
+    for x in (loss, bwd):
+        if 0 < x < n:
+            ax.axvline(x, color="0.35", lw=0.9, ls="--", zorder=3)
+    ax.text(loss / 2, 0.97, "forward", transform=top, ha="center", va="top", fontsize=10, color="0.25")
+    ax.text((bwd + n) / 2, 0.97, "backward", transform=top, ha="center", va="top", fontsize=10, color="0.25")
+    if bwd > loss:
+        ax.text((loss + bwd) / 2, 0.97, "loss", transform=top, ha="center", va="top", fontsize=8,
+                color="0.25", rotation=90)
+
+
+def plot_timeline(report: Report, other: Optional[Report] = None, labels: Optional[tuple[str, str]] = None,
+                  top: int = 5) -> bytes:
+    """The PNG (bytes) of the report's memory timeline; ``other`` is drawn over it as a line.
+
+    >>> import torch, graphmem
+    >>> from graphmem.render.plot import plot_timeline
+    >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    >>> png = plot_timeline(graphmem.analyze(net, (torch.randn(8, 16),)))
+    >>> png[:4]
+    b'\\x89PNG'
+    """
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
+    tl = _timeline(report)
+    other_tl = _timeline(other) if other is not None else None
+    name, other_name = labels or (report.model, other.model if other is not None else "")
+    unit, scale = _unit(max(report.peak_bytes, other.peak_bytes if other is not None else 0))
+
+    fig = Figure(figsize=(13, 6), dpi=110, layout="constrained")
+    ax, side = fig.subplots(1, 2, width_ratios=[3.1, 1])
+    n = report.num_ops
+    xs = list(range(n + 1))
+    ax.stackplot(xs, *[_steps(tl.by_category[c], scale) for c in CATEGORIES], step="post",
+                 colors=[COLORS[c] for c in CATEGORIES], labels=[LABELS[c] for c in CATEGORIES],
+                 linewidth=0, zorder=2)
+    ax.plot([_peak_x(report)], [report.peak_bytes / scale], marker="v", color="black", ms=8, zorder=5)
+    ax.annotate(f"peak {fmt_bytes(report.peak_bytes)}", (_peak_x(report), report.peak_bytes / scale),
+                xytext=(0, 9), textcoords="offset points", ha="center", fontsize=9, zorder=5)
+    if other is not None and other_tl is not None:
+        totals = [sum(v) for v in zip(*other_tl.by_category.values())]
+        ax.step(list(range(other.num_ops + 1)), _steps(tuple(totals), scale), where="post", color=OVERLAY,
+                lw=1.6, zorder=4, label=f"{other_name}: total (peak {fmt_bytes(other.peak_bytes)})")
+        ax.plot([_peak_x(other)], [other.peak_bytes / scale], marker="v", color=OVERLAY, ms=8, zorder=5)
+        n = max(n, other.num_ops)
+    _phases(ax, report)
+    ax.set_xlim(0, max(n, 1))
+    ax.set_ylim(0, max(report.peak_bytes, other.peak_bytes if other is not None else 0) / scale * 1.15 or 1)
+    ax.set_xlabel("op index (execution order)")
+    ax.set_ylabel(f"live memory ({unit})")
+    ax.grid(axis="y", color="0.88", zorder=0)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=3, fontsize=9, frameon=False)
+    shapes = ", ".join("x".join(map(str, s)) for s in report.input_shapes) or "-"
+    title = f"{name} · input {shapes} · target {report.device}: memory during one training step"
+    if other is not None:
+        title += f"\nstacked: {name}    line: {other_name}"
+    ax.set_title(title, fontsize=11, loc="left")
+    side.axis("off")
+    side.text(0.0, 1.0, _peak_panel(report, tl, top), transform=side.transAxes, va="top", ha="left",
+              family="monospace", fontsize=8.5)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
