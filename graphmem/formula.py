@@ -414,3 +414,55 @@ def sweep(source: Any, batches: list[int], seqs: list[int], tick: Callable[[], N
         rows.append((b, s, coeffs.activation_at(shape), peak,
                      captured.activation if captured else None, captured.peak if captured else None))
     return Sweep(tuple(batches), tuple(seqs), tuple(rows), coeffs)
+
+
+@dataclass(frozen=True)
+class FitAnswer:
+    variable: str  # "b" or "s"
+    value: int  # the largest value whose predicted peak fits (0: even 1 does not fit)
+    memory: int
+    fixed: dict[str, int]
+    peak_at_value: Optional[int]  # predicted
+    peak_above: int  # predicted at value + 1
+    captured_at_value: Optional[int]  # confirmation captures at the full depth
+    captured_above: int
+
+
+def largest_fitting(coeffs: Coefficients, sampler: Sampler, memory: int, variable: str,
+                    fixed: dict[str, int]) -> FitAnswer:
+    """Largest value of ``variable`` (others fixed) whose predicted peak <= memory, exact from
+    the peak formula (doubling, then bisection: bytes do not shrink as b or s grow), confirmed
+    by captures at the answer and one above."""
+    if coeffs.peak is None:
+        raise NotPolynomialError(f"cannot answer from a formula: {coeffs.peak_note}")
+    names = list(coeffs.variables)
+    if variable not in names:
+        raise UsageError(f"{variable!r} is not one of the formula's variables {names}")
+    base = dict(zip(names, (sampler.base[d] for d in sampler.dims)))
+    base.update(fixed)
+
+    def point(v: int) -> tuple[int, ...]:
+        return tuple(v if n == variable else base[n] for n in names)
+
+    def predict(v: int) -> int:
+        return coeffs.peak.at(point(v))[0]
+
+    lo, hi = 0, 1
+    while predict(hi) <= memory:
+        lo, hi = hi, hi * 2
+        if hi > 2**40:
+            raise UsageError(f"the predicted peak does not grow with {variable}; nothing bounds it")
+    while hi - lo > 1:  # predict(lo) <= memory < predict(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if predict(mid) <= memory else (lo, mid)
+    try:
+        at = sampler(point(lo)).peak if lo >= 1 else None
+        above = sampler(point(lo + 1)).peak
+    except GraphmemError as e:
+        raise GraphmemError(f"the formula says {variable}={lo} fits, but the confirming capture failed: {e}") from e
+    if (at is not None and at != predict(lo)) or above != predict(lo + 1):
+        raise NotPolynomialError(
+            f"the peak formula does not hold at {variable}={lo}..{lo + 1} (captured {at} and {above} B, "
+            f"predicted {predict(lo) if lo else None} and {predict(lo + 1)} B); use captures")
+    return FitAnswer(variable, lo, memory, {n: base[n] for n in names if n != variable},
+                     predict(lo) if lo >= 1 else None, predict(lo + 1), at, above)

@@ -61,13 +61,19 @@ def _peak_x(report: Report) -> float:
     return max(report.peak_index, 0) + 0.5
 
 
+def _fit(text: str, width: int = 44) -> str:
+    """Shorten from the middle so the side panel keeps both ends of a long module path."""
+    return text if len(text) <= width else text[: width // 2 - 1] + "…" + text[-(width - width // 2):]
+
+
 def _peak_panel(report: Report, tl: CategoryTimeline, top: int) -> str:
     where = (f"op {report.peak_index} ({report.peak_phase})\n{report.peak_op}\nin {_module(report.peak_module)}"
              if report.peak_index >= 0 else "before the step")
     at = tl.at(report.peak_index) if report.peak_index >= 0 else {}
     made_of = [f"  {fmt_bytes(v):>10}  {c}" for c, v in at.items() if v]
-    live = [f"  {fmt_bytes(t.nbytes):>10}  {tl.category_of.get(t.sid, t.kind)}\n{'':14}{t.name}\n{'':14}{_module(t.module, report, t.created)}"
-            f" · {'x'.join(map(str, t.shape)) or 'scalar'}" for t in report.live_at_peak[:top]]
+    live = [f"  {fmt_bytes(t.nbytes):>10}  {tl.category_of.get(t.sid, t.kind)}\n    {_fit(t.name)}\n"
+            f"    {_fit(_module(t.module, report, t.created) + ' · ' + ('x'.join(map(str, t.shape)) or 'scalar'))}"
+            for t in report.live_at_peak[:top]]
     return "\n".join([f"Peak {fmt_bytes(report.peak_bytes)}", where, ""]
                      + (["made of"] + made_of + [""] if made_of else [])
                      + [f"largest live there ({min(top, len(report.live_at_peak))} of {len(report.live_at_peak)})"]
@@ -87,7 +93,7 @@ def _phases(ax: Any, report: Report) -> None:
     ax.text((bwd + n) / 2, 0.97, "backward", transform=top, ha="center", va="top", fontsize=10, color="0.25")
     if bwd > loss:
         ax.text((loss + bwd) / 2, 0.97, "loss", transform=top, ha="center", va="top", fontsize=8,
-                color="0.25", rotation=90)
+                color="0.25", rotation=90, bbox={"fc": "white", "ec": "none", "pad": 1}, zorder=4)
 
 
 def plot_timeline(report: Report, other: Optional[Report] = None, labels: Optional[tuple[str, str]] = None,
@@ -110,7 +116,7 @@ def plot_timeline(report: Report, other: Optional[Report] = None, labels: Option
     unit, scale = _unit(max(report.peak_bytes, other.peak_bytes if other is not None else 0))
 
     fig = Figure(figsize=(13, 6), dpi=110, layout="constrained")
-    ax, side = fig.subplots(1, 2, width_ratios=[3.1, 1])
+    ax, side = fig.subplots(1, 2, width_ratios=[3, 1])
     n = report.num_ops
     xs = list(range(n + 1))
     ax.stackplot(xs, *[_steps(tl.by_category[c], scale) for c in CATEGORIES], step="post",
@@ -131,7 +137,9 @@ def plot_timeline(report: Report, other: Optional[Report] = None, labels: Option
     ax.set_xlabel("op index (execution order)")
     ax.set_ylabel(f"live memory ({unit})")
     ax.grid(axis="y", color="0.88", zorder=0)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=3, fontsize=9, frameon=False)
+    handles, names = ax.get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center", ncol=len(handles) if len(handles) <= 4 else 3,
+               fontsize=9, frameon=False)
     shapes = ", ".join("x".join(map(str, s)) for s in report.input_shapes) or "-"
     title = f"{name} · input {shapes} · target {report.device}: memory during one training step"
     if other is not None:

@@ -1,0 +1,59 @@
+"""Report -> the module tree of saved-for-backward bytes (``graphmem analyze --tree``).
+
+Each row is a module with the bytes saved in its subtree, its share of all activation bytes,
+the bytes its own ops saved (``self``) and how many saved tensors the subtree holds. Modules
+that save nothing are left out, as in the text report's module table; ``depth`` counts levels
+below the model, and deeper modules are folded into their displayed ancestor.
+"""
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from graphmem.passes import ModuleSaved
+from graphmem.report import Report
+
+from .text import ROOT
+from .units import fmt_bytes, fmt_share
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _rows(report: Report, depth: int) -> list[list[object]]:
+    shown = [m for m in report.modules
+             if m.path == "" or (m.activation_bytes and m.path.count(".") < depth)]
+    children: dict[str, list[ModuleSaved]] = {}
+    for m in shown:
+        if m.path:
+            children.setdefault(_parent(m.path), []).append(m)
+    total = report.activation_bytes
+    rows: list[list[object]] = []
+
+    def walk(m: ModuleSaved, lead: str, indent: str) -> None:  # lead: before the name; indent: for children
+        name = m.path.rsplit(".", 1)[-1] if m.path else ROOT
+        rows.append([lead + name, fmt_bytes(m.activation_bytes), fmt_share(m.activation_bytes, total),
+                     fmt_bytes(m.self_bytes), m.count])
+        kids = children.get(m.path, [])
+        for i, child in enumerate(kids):
+            last = i == len(kids) - 1
+            walk(child, indent + ("└── " if last else "├── "), indent + ("    " if last else "│   "))
+
+    root = next((m for m in shown if m.path == ""), ModuleSaved("", 0, 0, 0))
+    walk(root, "", "")
+    return rows
+
+
+def render_tree(report: Report, depth: int = 3) -> str:
+    """The header, the totals and the module tree, as text."""
+    shapes = ", ".join("x".join(map(str, s)) for s in report.input_shapes) or "-"
+    peak = (f"op {report.peak_index} ({report.peak_phase})" if report.peak_index >= 0 else "before the step")
+    lines = [f"graphmem · {report.model} · input {shapes} · target {report.device} · one training step",
+             f"activations {fmt_bytes(report.activation_bytes)} saved for backward · "
+             f"peak {fmt_bytes(report.peak_bytes)} at {peak}",
+             "",
+             f"Saved for backward by module (depth ≤ {depth})",
+             tabulate(_rows(report, depth), headers=["module", "saved", "share", "self", "tensors"],
+                      tablefmt="simple", colalign=("left", "right", "right", "right", "right"),
+                      preserve_whitespace=True)]
+    return "\n".join(lines) + "\n"
