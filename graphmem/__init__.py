@@ -6,6 +6,7 @@
 """
 from .api import analyze
 from .capture import capture
+from .ci import assert_activation_bytes
 from .errors import (CaptureError, DataDependentError, GraphmemError, ModelLoadError, PassError,
                      UnsupportedOpError, UsageError)
 from .load import parse_shape
@@ -13,5 +14,6 @@ from .report import Report
 from .stepgraph import StepGraph
 
 __all__ = ["analyze", "capture", "parse_shape", "Report", "StepGraph", "GraphmemError", "UsageError",
-           "ModelLoadError", "CaptureError", "DataDependentError", "UnsupportedOpError", "PassError"]
+           "ModelLoadError", "CaptureError", "DataDependentError", "UnsupportedOpError", "PassError",
+           "assert_activation_bytes"]
 __version__ = "0.1.0"

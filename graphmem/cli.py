@@ -21,7 +21,11 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("model", help="a model file (defines `model`) or a preset name, see `graphmem presets`")
     a.add_argument("--input-shape", required=True, metavar="SHAPE", help="e.g. 32x1024 (tokens) or 8x3x224x224")
     a.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="target device (default cpu)")
-    a.add_argument("--json", action="store_true", help="print the report as JSON (exact integers)")
+    a.add_argument("--json", action="store_true", help="print the report as JSON (exact integers); same as --format json")
+    a.add_argument("--format", choices=["text", "json", "markdown"], help="output format (default text)")
+    a.add_argument("--tree", action="store_true", help="print the module tree of saved bytes (text format)")
+    a.add_argument("--plot", metavar="PATH", help="also write a PNG of memory over the step (needs graphmem[plot])")
+    a.add_argument("--snapshot", metavar="PATH", help="also write the step as a memory_viz snapshot pickle")
     a.add_argument("--depth", type=int, default=3, help="module table depth (default 3)")
     a.add_argument("--top", type=int, default=10, help="rows in the largest-tensor tables (default 10)")
     a.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -60,12 +64,16 @@ def _run(args: argparse.Namespace) -> int:
 
 def _analyze(args: argparse.Namespace) -> int:
     from . import analyze
-    from .render import render_json, render_text
+    from .cmd_report import output_format, render_report, write_files
+    from .progress import quiet
     from .target import check_device
 
+    fmt = output_format(args)  # flag mistakes and a missing matplotlib fail before the analysis
     check_device(args.device)
-    report = analyze(args.model, input_shape=args.input_shape, device=args.device)
-    sys.stdout.write(render_json(report) if args.json else render_text(report, depth=args.depth, top=args.top))
+    with quiet(fmt == "json"):
+        report = analyze(args.model, input_shape=args.input_shape, device=args.device)
+    write_files(report, args)  # --plot, --snapshot
+    sys.stdout.write(render_report(report, fmt, args))
     return 0
 
 

@@ -28,6 +28,9 @@ from .step import LossFn
 
 PROBES = 5  # equally spaced samples per variable to find its degree (<= 3, one kept as a check)
 STEPS = (1, 32)  # try consecutive sizes, then multiples of 32 (strided convs and pooling round)
+MIN_SIZE = 3  # formulas are fitted and checked for sizes >= 3: PyTorch special-cases sizes 1 and 2
+# (a size-1 dim makes reshape a view instead of a copy, e.g. logits[:, :-1] at s = 2); smaller
+# sizes are captured instead of read off a formula
 ALPHA_B, ALPHA_S = 11, 13  # primes no bundled width divides: they tell b and s apart in shapes
 
 
@@ -122,6 +125,10 @@ class Coefficients:
 
     def point(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(shape[d] for d in self.dims)
+
+    def covers(self, shape: tuple[int, ...]) -> bool:
+        """Whether the formulas hold at ``shape`` (sizes >= MIN_SIZE, on each variable's lattice)."""
+        return all(v >= MIN_SIZE and v % st == 0 for v, st in zip(self.point(shape), self.steps))
 
     def activation_at(self, shape: tuple[int, ...]) -> int:
         return _exact_int(evaluate(self.activation, self._symbols(), self.point(shape)))
@@ -221,9 +228,9 @@ class Sampler:
 
 def _probe_values(base: int, step: int) -> list[int]:
     low = base - (PROBES - 1) * step
-    if low >= 2 and (step == 1 or low % step == 0):
+    if low >= MIN_SIZE and (step == 1 or low % step == 0):
         return [base - j * step for j in range(PROBES)][::-1]
-    start = max(step, 2 if step == 1 else step)
+    start = MIN_SIZE if step == 1 else step
     return [start + j * step for j in range(PROBES)]
 
 
@@ -372,14 +379,14 @@ def _product(grids: list[list[int]]) -> list[tuple[int, ...]]:
 
 
 def _held_out(base: tuple[int, ...], steps: list[int], grids: list[list[int]], n: int) -> list[tuple[int, ...]]:
-    """n deterministic pseudo-random points in [2, max(base, 8)] per variable (on the variable's
+    """n deterministic pseudo-random points in [MIN_SIZE, max(base, 8)] per variable (on the variable's
     lattice), off the fitting grid."""
     import random
 
     rng = random.Random(20261122)
     out: list[tuple[int, ...]] = []
     for _ in range(100 * n):
-        p = tuple(rng.randrange(2 if st == 1 else st, max(b, 8 * st) + 1, st) for b, st in zip(base, steps))
+        p = tuple(rng.randrange(MIN_SIZE if st == 1 else st, max(b, 8 * st) + 1, st) for b, st in zip(base, steps))
         if p not in out and not all(v in g for v, g in zip(p, grids)):
             out.append(p)
         if len(out) == n:
@@ -401,14 +408,19 @@ def sweep(source: Any, batches: list[int], seqs: list[int], tick: Callable[[], N
     if not batches or not seqs or min(batches + seqs) < 1:
         raise UsageError("sweep needs positive batch and sequence lists, e.g. --batch 1,8,32 --seq 512,1024")
     base = list(source.base_shape)
-    if len(base) < 2:
-        raise UsageError("sweep needs a (batch, seq, ...) input")
+    if tuple(source.names[:2]) != ("b", "s"):
+        raise UsageError(f"sweep varies batch and sequence length, but this model's input {tuple(base)} has "
+                         f"no sequence dimension (its sizes are {', '.join(source.names)}); analyze each size instead")
     base[0], base[1] = max(batches), max(seqs)
     sampler = source.sampler_for(tuple(base), (0, 1), tick)
     coeffs = fit(sampler, ("b", "s"), checks=2)
     rows = []
     for i, (b, s) in enumerate((b, s) for b in batches for s in seqs):
         shape = tuple([b, s] + base[2:])
+        if not coeffs.covers(shape):  # too small for the formula: the capture is the answer
+            c = sampler((b, s))
+            rows.append((b, s, c.activation, c.peak, c.activation, c.peak))
+            continue
         peak = coeffs.peak_at(shape) if coeffs.peak is not None else None
         captured = sampler((b, s)) if i == 0 else None
         rows.append((b, s, coeffs.activation_at(shape), peak,
@@ -425,7 +437,8 @@ class FitAnswer:
     peak_at_value: Optional[int]  # predicted
     peak_above: int  # predicted at value + 1
     captured_at_value: Optional[int]  # confirmation captures at the full depth
-    captured_above: int
+    captured_above: Optional[int]  # None when the model itself refuses value + 1
+    limit: str = ""  # set when the model, not the memory, bounds the answer
 
 
 def largest_fitting(coeffs: Coefficients, sampler: Sampler, memory: int, variable: str,
@@ -444,8 +457,8 @@ def largest_fitting(coeffs: Coefficients, sampler: Sampler, memory: int, variabl
     def point(v: int) -> tuple[int, ...]:
         return tuple(v if n == variable else base[n] for n in names)
 
-    def predict(v: int) -> int:
-        return coeffs.peak.at(point(v))[0]
+    def predict(v: int) -> int:  # below MIN_SIZE the formula does not hold: capture
+        return coeffs.peak.at(point(v))[0] if v >= MIN_SIZE else sampler(point(v)).peak
 
     lo, hi = 0, 1
     while predict(hi) <= memory:
@@ -455,14 +468,29 @@ def largest_fitting(coeffs: Coefficients, sampler: Sampler, memory: int, variabl
     while hi - lo > 1:  # predict(lo) <= memory < predict(hi)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if predict(mid) <= memory else (lo, mid)
-    try:
-        at = sampler(point(lo)).peak if lo >= 1 else None
-        above = sampler(point(lo + 1)).peak
-    except GraphmemError as e:
-        raise GraphmemError(f"the formula says {variable}={lo} fits, but the confirming capture failed: {e}") from e
-    if (at is not None and at != predict(lo)) or above != predict(lo + 1):
+    def runs(v: int) -> bool:
+        try:
+            sampler(point(v))
+            return True
+        except GraphmemError:
+            return False
+
+    limit = ""
+    if lo >= 1 and not runs(lo):  # the memory allows more than the model accepts: bisect captures
+        good, bad = base[variable], lo
+        if not runs(good):
+            raise GraphmemError(f"the model does not run at {variable}={good}")
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if runs(mid) else (good, mid)
+        lo, limit = good, f"the model accepts {variable} <= {good}; the memory would allow more"
+    at = sampler(point(lo)).peak if lo >= 1 else None
+    above = sampler(point(lo + 1)).peak if runs(lo + 1) else None
+    if not limit and above is None:
+        limit = f"the model accepts {variable} <= {lo}"
+    if (at is not None and at != predict(lo)) or (above is not None and above != predict(lo + 1)):
         raise NotPolynomialError(
             f"the peak formula does not hold at {variable}={lo}..{lo + 1} (captured {at} and {above} B, "
             f"predicted {predict(lo) if lo else None} and {predict(lo + 1)} B); use captures")
     return FitAnswer(variable, lo, memory, {n: base[n] for n in names if n != variable},
-                     predict(lo) if lo >= 1 else None, predict(lo + 1), at, above)
+                     predict(lo) if lo >= 1 else None, predict(lo + 1), at, above, limit)

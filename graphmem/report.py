@@ -68,6 +68,8 @@ class Report:
             raise formula.UsageError("give seq= (to find the batch) or batch= (to find the sequence length), not both")
         memory_bytes = parse_bytes(memory)
         base = list(self.source.base_shape)
+        if (seq is not None or batch is not None) and tuple(self.source.names[:2]) != ("b", "s"):
+            raise formula.UsageError(f"this model's input {tuple(base)} has no sequence dimension; use fit without seq/batch")
         if batch is None:
             if seq is not None:
                 if len(base) < 2:

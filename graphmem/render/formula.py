@@ -71,8 +71,11 @@ def render_fit(a: Any) -> str:
     what = "batch size" if a.variable == "b" else "sequence length"
     rows = [[f"{a.variable}={a.value}", fmt_bytes(a.peak_at_value) if a.peak_at_value is not None else "-",
              fmt_bytes(a.captured_at_value) if a.captured_at_value is not None else "-", "fits"],
-            [f"{a.variable}={a.value + 1}", fmt_bytes(a.peak_above), fmt_bytes(a.captured_above), "does not fit"]]
+            [f"{a.variable}={a.value + 1}", fmt_bytes(a.peak_above),
+             fmt_bytes(a.captured_above) if a.captured_above is not None else "model refuses",
+             "does not fit" if a.peak_above > a.memory else "fits, but the model refuses it"]]
     head = (f"Largest {what} that fits in {fmt_bytes(a.memory)}" + (f" ({fixed})" if fixed else "") + f": {a.value}")
+    head += f" ({a.limit})" if a.limit else ""
     return head + "\n\n" + tabulate(rows, headers=["", "predicted peak", "captured peak", ""], tablefmt="simple") + "\n"
 
 

@@ -14,7 +14,7 @@ from graphmem.errors import UsageError
 from graphmem.passes.timeline import CATEGORIES, CategoryTimeline, category_timeline
 from graphmem.report import Report
 
-from .text import _module
+from .text import _module, _shapes
 from .units import fmt_bytes
 
 LABELS = {
@@ -140,8 +140,7 @@ def plot_timeline(report: Report, other: Optional[Report] = None, labels: Option
     handles, names = ax.get_legend_handles_labels()
     fig.legend(handles, names, loc="outside lower center", ncol=len(handles) if len(handles) <= 4 else 3,
                fontsize=9, frameon=False)
-    shapes = ", ".join("x".join(map(str, s)) for s in report.input_shapes) or "-"
-    title = f"{name} · input {shapes} · target {report.device}: memory during one training step"
+    title = f"{name} · input {_shapes(report)} · target {report.device}: memory during one training step"
     if other is not None:
         title += f"\nstacked: {name}    line: {other_name}"
     ax.set_title(title, fontsize=11, loc="left")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from graphmem.passes import ModuleSaved
 from graphmem.report import Report
 
 from .units import fmt_bytes, fmt_share
@@ -30,8 +31,17 @@ def _module(path: str, report: Report | None = None, created: int = -1) -> str:
     return path or ROOT
 
 
+def _shapes(report: Report) -> str:
+    return ", ".join("x".join(map(str, s)) for s in report.input_shapes) or "-"
+
+
+def _shown_modules(report: Report, depth: int) -> list[ModuleSaved]:
+    """Rows of a module table: the root, and the modules above ``depth`` that saved something."""
+    return [m for m in report.modules if m.path == "" or (m.activation_bytes and m.path.count(".") < depth)]
+
+
 def render_text(report: Report, depth: int = 3, top: int = 10) -> str:
-    shapes = ", ".join("x".join(map(str, s)) for s in report.input_shapes) or "-"
+    shapes = _shapes(report)
     lines = [f"graphmem · {report.model} · input {shapes} · target {report.device} · one training step"]
     cats = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in report.by_category.items() if v)
     fwd = report.phase_start.get("loss", report.num_ops)
@@ -52,8 +62,7 @@ def render_text(report: Report, depth: int = 3, top: int = 10) -> str:
     total = report.activation_bytes
     rows = [["  " * (m.path.count(".") + 1 if m.path else 0) + _module(m.path),
              fmt_bytes(m.activation_bytes), fmt_share(m.activation_bytes, total), m.count]
-            for m in report.modules
-            if (m.path == "" or m.path.count(".") < depth) and (m.activation_bytes or m.path == "")]
+            for m in _shown_modules(report, depth)]
     lines += ["", f"Saved for backward by module (depth ≤ {depth})",
               tabulate(rows, headers=["module", "saved", "share", "tensors"], tablefmt="simple",
                        colalign=("left", "right", "right", "right"), preserve_whitespace=True)]

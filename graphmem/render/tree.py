@@ -12,7 +12,7 @@ from tabulate import tabulate
 from graphmem.passes import ModuleSaved
 from graphmem.report import Report
 
-from .text import ROOT
+from .text import ROOT, _shapes, _shown_modules
 from .units import fmt_bytes, fmt_share
 
 
@@ -21,8 +21,7 @@ def _parent(path: str) -> str:
 
 
 def _rows(report: Report, depth: int) -> list[list[object]]:
-    shown = [m for m in report.modules
-             if m.path == "" or (m.activation_bytes and m.path.count(".") < depth)]
+    shown = _shown_modules(report, depth)
     children: dict[str, list[ModuleSaved]] = {}
     for m in shown:
         if m.path:
@@ -46,7 +45,7 @@ def _rows(report: Report, depth: int) -> list[list[object]]:
 
 def render_tree(report: Report, depth: int = 3) -> str:
     """The header, the totals and the module tree, as text."""
-    shapes = ", ".join("x".join(map(str, s)) for s in report.input_shapes) or "-"
+    shapes = _shapes(report)
     peak = (f"op {report.peak_index} ({report.peak_phase})" if report.peak_index >= 0 else "before the step")
     lines = [f"graphmem · {report.model} · input {shapes} · target {report.device} · one training step",
              f"activations {fmt_bytes(report.activation_bytes)} saved for backward · "

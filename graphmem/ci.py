@@ -1,0 +1,78 @@
+"""A memory budget for tests: fail when a change makes a model save more for backward.
+
+``assert_activation_bytes`` analyzes one training step (fake tensors, nothing allocated) and
+raises AssertionError when the activation bytes exceed the budget, with the largest saved
+tensors and modules in the message, and what changed when a baseline report is given.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+import torch
+from tabulate import tabulate
+
+from .api import ModelLike, analyze
+from .compare import compare, load_json_report
+from .errors import UsageError
+from .render.compare import render_comparison
+from .render.text import _module
+from .render.units import fmt_bytes, fmt_share
+from .report import Report
+from .step import LossFn
+
+Baseline = Union[Report, dict, str, "os.PathLike[str]"]
+
+
+def _contributors(report: Report, top: int) -> list[str]:
+    rows = [[t.op, _module(t.module, report, t.created), "x".join(map(str, t.shape)) or "scalar", t.dtype,
+             fmt_bytes(t.bytes), fmt_share(t.bytes, report.activation_bytes)] for t in report.saved[:top]]
+    lines = [f"largest saved tensors (top {min(top, len(report.saved))} of {len(report.saved)}):",
+             tabulate(rows, headers=["op", "module", "shape", "dtype", "bytes", "share"], tablefmt="simple",
+                      colalign=("left", "left", "left", "left", "right", "right"))]
+    mods = sorted((m for m in report.modules if m.self_bytes), key=lambda m: (-m.self_bytes, m.path))
+    rows = [[_module(m.path), fmt_bytes(m.self_bytes), fmt_share(m.self_bytes, report.activation_bytes)]
+            for m in mods[:top]]
+    lines += ["", "modules saving the most (their own ops):",
+              tabulate(rows, headers=["module", "saved", "share"], tablefmt="simple",
+                       colalign=("left", "right", "right"))]
+    return lines
+
+
+def assert_activation_bytes(
+    model: ModelLike,
+    inputs: Any = None,
+    *,
+    max_bytes: int,
+    loss: Optional[LossFn] = None,
+    input_shape: Union[str, tuple, list, None] = None,
+    device: Union[str, torch.device] = "cpu",
+    baseline: Optional[Baseline] = None,
+    top: int = 5,
+) -> Report:
+    """Assert that one training step saves at most ``max_bytes`` for backward; return the Report.
+
+    On failure the AssertionError names the excess and lists the largest saved tensors and the
+    modules saving the most; with ``baseline`` (a Report, its ``to_dict()``, or a JSON file
+    written by ``graphmem analyze --json``) it also shows what changed since.
+
+    >>> import torch, graphmem
+    >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    >>> graphmem.assert_activation_bytes(net, (torch.randn(8, 16),), max_bytes=1536).activation_bytes
+    1536
+    """
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise UsageError(f"max_bytes must be a non-negative int (bytes), not {max_bytes!r}")
+    report = analyze(model, inputs, input_shape=input_shape, loss=loss, device=device)
+    if report.activation_bytes <= max_bytes:
+        return report
+    over = report.activation_bytes - max_bytes
+    lines = [f"{report.model} saves {fmt_bytes(report.activation_bytes)} ({report.activation_bytes:,} B) for "
+             f"backward, over the budget of {fmt_bytes(max_bytes)} ({max_bytes:,} B) by {fmt_bytes(over)} "
+             f"({over:,} B)", ""]
+    lines += _contributors(report, top)
+    if baseline is not None:
+        base = load_json_report(baseline) if isinstance(baseline, (str, os.PathLike)) else baseline
+        lines += ["", "what changed since the baseline:", "",
+                  render_comparison(compare(base, report, ("baseline", "now")), top=top).rstrip("\n")]
+    raise AssertionError("\n".join(lines))
