@@ -15,6 +15,7 @@ from tabulate import tabulate
 from .api import ModelLike, analyze
 from .compare import compare, load_json_report
 from .errors import UsageError
+from .load import parse_bytes
 from .render.compare import render_comparison
 from .render.text import _module
 from .render.units import fmt_bytes, fmt_share
@@ -43,14 +44,15 @@ def assert_activation_bytes(
     model: ModelLike,
     inputs: Any = None,
     *,
-    max_bytes: int,
+    max_bytes: Union[int, str],
     loss: Optional[LossFn] = None,
     input_shape: Union[str, tuple, list, None] = None,
     device: Union[str, torch.device] = "cpu",
     baseline: Optional[Baseline] = None,
     top: int = 5,
 ) -> Report:
-    """Assert that one training step saves at most ``max_bytes`` for backward; return the Report.
+    """Assert that one training step saves at most ``max_bytes`` (an int, or a size such as
+    ``"3GiB"``) for backward; return the Report.
 
     On failure the AssertionError names the excess and lists the largest saved tensors and the
     modules saving the most; with ``baseline`` (a Report, its ``to_dict()``, or a JSON file
@@ -61,14 +63,15 @@ def assert_activation_bytes(
     >>> graphmem.assert_activation_bytes(net, (torch.randn(8, 16),), max_bytes=1536).activation_bytes
     1536
     """
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-        raise UsageError(f"max_bytes must be a non-negative int (bytes), not {max_bytes!r}")
+    budget = parse_bytes(max_bytes) if isinstance(max_bytes, str) else max_bytes
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise UsageError(f"max_bytes must be a non-negative int (bytes) or a size like '3GiB', not {max_bytes!r}")
     report = analyze(model, inputs, input_shape=input_shape, loss=loss, device=device)
-    if report.activation_bytes <= max_bytes:
+    if report.activation_bytes <= budget:
         return report
-    over = report.activation_bytes - max_bytes
+    over = report.activation_bytes - budget
     lines = [f"{report.model} saves {fmt_bytes(report.activation_bytes)} ({report.activation_bytes:,} B) for "
-             f"backward, over the budget of {fmt_bytes(max_bytes)} ({max_bytes:,} B) by {fmt_bytes(over)} "
+             f"backward, over the budget of {fmt_bytes(budget)} ({budget:,} B) by {fmt_bytes(over)} "
              f"({over:,} B)", ""]
     lines += _contributors(report, top)
     if baseline is not None:

@@ -46,9 +46,7 @@ def output_format(args: argparse.Namespace) -> str:
 
 
 def render_report(report: Report, fmt: str, args: argparse.Namespace) -> str:
-    from .render import render_json, render_text
-    from .render.markdown import render_markdown
-    from .render.tree import render_tree
+    from .render import render_json, render_markdown, render_text, render_tree
 
     if fmt == "json":
         return render_json(report)

@@ -1,7 +1,8 @@
 """Pure passes over a StepGraph: each takes the graph (and earlier results) and returns a
 frozen result; none prints or writes onto the graph's nodes."""
+from .allocator import AllocatorResult, allocator
 from .liveness import LiveTensor, Liveness, liveness
 from .notes import notes
 from .saved import ModuleSaved, SavedSet, SavedTensor, saved
 
-__all__ = ["LiveTensor", "Liveness", "liveness", "ModuleSaved", "SavedSet", "SavedTensor", "saved", "notes"]
+__all__ = ["AllocatorResult", "allocator", "LiveTensor", "Liveness", "liveness", "ModuleSaved", "SavedSet", "SavedTensor", "saved", "notes"]

@@ -3,7 +3,9 @@ import json
 
 from graphmem.report import Report
 
+from .markdown import render_markdown
 from .text import render_text
+from .tree import render_tree
 from .units import fmt_bytes
 
 
@@ -11,4 +13,4 @@ def render_json(report: Report) -> str:
     return json.dumps(report.to_dict(), indent=2) + "\n"
 
 
-__all__ = ["render_text", "render_json", "fmt_bytes"]
+__all__ = ["render_text", "render_json", "render_markdown", "render_tree", "fmt_bytes"]

@@ -3,6 +3,8 @@ sections as pipe tables, for a pull-request comment or a CI job summary. Bytes a
 human units with the exact count beside the totals."""
 from __future__ import annotations
 
+from typing import Sequence
+
 from tabulate import tabulate
 
 from graphmem.report import Report
@@ -11,7 +13,7 @@ from .text import _lifetime, _module, _shapes, _shown_modules
 from .units import fmt_bytes, fmt_share
 
 
-def _table(rows: list[list[object]], headers: list[str], align: str) -> str:
+def _table(rows: Sequence[Sequence[object]], headers: list[str], align: str) -> str:
     """``align``: one letter per column, l or r."""
     cells = [[str(c).replace("|", "\\|") for c in row] for row in rows]
     return tabulate(cells, headers=headers, tablefmt="pipe", disable_numparse=True,

@@ -15,7 +15,7 @@ from graphmem.passes.timeline import CATEGORIES, CategoryTimeline, category_time
 from graphmem.report import Report
 
 from .text import _module, _shapes
-from .units import fmt_bytes
+from .units import _UNITS, fmt_bytes
 
 LABELS = {
     "parameters": "parameters + buffers",
@@ -25,7 +25,6 @@ LABELS = {
 }
 COLORS = {"parameters": "#4e79a7", "gradients": "#59a14f", "activations": "#f28e2c", "other": "#bab0ab"}
 OVERLAY = "#c0392b"
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 INSTALL = "pip install 'graphmem[plot]'"
 
 
@@ -37,10 +36,11 @@ def require_matplotlib() -> None:
         raise UsageError(f"the memory plot needs matplotlib, which is not installed: {INSTALL}") from e
 
 
-def _timeline(report: Report) -> CategoryTimeline:
+def report_timeline(report: Report, purpose: str = "to plot it") -> CategoryTimeline:
+    """The category timeline of a report made by ``graphmem.analyze`` (which keeps its step graph)."""
     if report.step is None or report.liveness is None:
         raise UsageError("this report has no step graph (it was not made by graphmem.analyze); "
-                         "analyze the model again to plot it")
+                         f"analyze the model again {purpose}")
     return category_timeline(report.step, report.liveness, report.saved)
 
 
@@ -107,11 +107,19 @@ def plot_timeline(report: Report, other: Optional[Report] = None, labels: Option
     >>> png[:4]
     b'\\x89PNG'
     """
+    buf = io.BytesIO()
+    timeline_figure(report, other, labels, top).savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def timeline_figure(report: Report, other: Optional[Report] = None, labels: Optional[tuple[str, str]] = None,
+                    top: int = 5) -> Any:
+    """The matplotlib Figure behind :func:`plot_timeline` (no pyplot state involved)."""
     require_matplotlib()
     from matplotlib.figure import Figure
 
-    tl = _timeline(report)
-    other_tl = _timeline(other) if other is not None else None
+    tl = report_timeline(report)
+    other_tl = report_timeline(other) if other is not None else None
     name, other_name = labels or (report.model, other.model if other is not None else "")
     unit, scale = _unit(max(report.peak_bytes, other.peak_bytes if other is not None else 0))
 
@@ -124,7 +132,8 @@ def plot_timeline(report: Report, other: Optional[Report] = None, labels: Option
                  linewidth=0, zorder=2)
     ax.plot([_peak_x(report)], [report.peak_bytes / scale], marker="v", color="black", ms=8, zorder=5)
     ax.annotate(f"peak {fmt_bytes(report.peak_bytes)}", (_peak_x(report), report.peak_bytes / scale),
-                xytext=(0, 9), textcoords="offset points", ha="center", fontsize=9, zorder=5)
+                xytext=(0, 9), textcoords="offset points", ha="center", fontsize=9, zorder=5,
+                bbox={"fc": "white", "ec": "none", "pad": 1, "alpha": 0.85})
     if other is not None and other_tl is not None:
         totals = [sum(v) for v in zip(*other_tl.by_category.values())]
         ax.step(list(range(other.num_ops + 1)), _steps(tuple(totals), scale), where="post", color=OVERLAY,
@@ -147,6 +156,4 @@ def plot_timeline(report: Report, other: Optional[Report] = None, labels: Option
     side.axis("off")
     side.text(0.0, 1.0, _peak_panel(report, tl, top), transform=side.transAxes, va="top", ha="left",
               family="monospace", fontsize=8.5)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    return fig

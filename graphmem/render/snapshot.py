@@ -26,10 +26,10 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from graphmem.errors import UsageError
-from graphmem.passes.timeline import category_timeline
 from graphmem.report import Report
 from graphmem.stepgraph import Storage
+
+from .plot import report_timeline
 
 BASE_ADDRESS = 0x7F0000000000
 ALIGN = 512  # the CUDA caching allocator's block granularity
@@ -57,11 +57,9 @@ def memory_snapshot(report: Report) -> dict[str, Any]:
     >>> sorted(snap)
     ['device_traces', 'segments']
     """
+    category_of = report_timeline(report, "to write a memory snapshot").category_of
     g, lv = report.step, report.liveness
-    if g is None or lv is None:
-        raise UsageError("this report has no step graph (it was not made by graphmem.analyze); "
-                         "analyze the model again to write a memory snapshot")
-    category_of = category_timeline(g, lv, report.saved).category_of
+    assert g is not None and lv is not None  # report_timeline checked
     # storages live during the step, in allocation order (before the step first); empty ones get no block
     order = sorted((g.storages[sid] for sid in lv.intervals if g.storages[sid].nbytes > 0),
                    key=lambda s: (s.created, s.sid))

@@ -1,0 +1,134 @@
+"""``graphmem compare``: real model changes with their deltas derived by hand."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphmem
+from graphmem import cli
+from graphmem.compare import SavedGroup, compare
+from graphmem.models.gpt2 import GPT, GPTConfig
+from graphmem.render import fmt_bytes, render_json
+from graphmem.render.compare import render_comparison
+
+MLP_MODEL = """\
+from graphmem.models.mlp import MLP, MLPConfig, example_inputs, loss
+model = lambda: MLP(MLPConfig(in_features=16, hidden=(32,), out_features=4, activation={act!r}))
+"""
+
+
+def _analyze_json(capsys: pytest.CaptureFixture[str], tmp_path: Path, act: str) -> Path:
+    model = tmp_path / f"{act}.py"
+    model.write_text(MLP_MODEL.format(act=act))
+    assert cli.main(["analyze", str(model), "--input-shape", "8x16", "--json"]) == 0
+    out = tmp_path / f"{act}.json"
+    out.write_text(capsys.readouterr().out)
+    return out
+
+
+def test_gelu_to_relu_mlp_from_the_command_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # GIVEN the JSON reports of an MLP 16 -> 32 -> 4 (b = 8, float32) with GELU, then with ReLU
+    a, b = _analyze_json(capsys, tmp_path, "gelu"), _analyze_json(capsys, tmp_path, "relu")
+    # WHEN they are compared
+    assert cli.main(["compare", str(a), str(b)]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    c = compare(json.loads(a.read_text()), json.loads(b.read_text()), (str(a), str(b)))
+    # THEN: GELU's backward needs its input (net.0's 8x32 output, 1024 B) and net.2 needs GELU's
+    # output (1024 B); ReLU's backward and net.2 share ReLU's output. One 8x32 tensor less.
+    f32, act = 4, 8 * 32 * 4
+    params = (16 * 32 + 32 + 32 * 4 + 4) * f32
+    totals = {t.name: t for t in c.totals}
+    assert totals["activations"].delta == -act == -1024
+    assert [(t.before, t.after) for t in (totals["parameters"], totals["gradients"])] == [(params, params)] * 2
+    # the peak moves but, by coincidence of sizes, stays 7080 B. GELU: at net.2's bias-grad sum
+    # (op 20): parameters 2704, batch 512, net.0's output and GELU's output (both still saved,
+    # 1024 each), net.2's input grad 1024 and weight grad 512, the logits 128 and their grad 128,
+    # the bias grad 16, loss 4 and its grad 4. ReLU: at net.0's bias-grad sum (op 30): parameters
+    # 2704, net.0's weight grad 2048, ReLU's grad 1024, batch 512, net.2's weight grad 512, the
+    # logits 128, net.0's bias grad 128, net.2's 16, loss 4 and its grad 4.
+    gelu_peak = params + 512 + 1024 + 1024 + 1024 + 512 + 128 + 128 + 16 + 4 + 4
+    relu_peak = params + 2048 + 1024 + 512 + 512 + 128 + 128 + 16 + 4 + 4
+    assert (totals["peak"].before, totals["peak"].after) == (gelu_peak, relu_peak) == (7080, 7080)
+    assert c.peak_at == ("op 20 (backward, aten.sum.dim_IntList, net.2)", "op 30 (backward, aten.sum.dim_IntList, net.0)")
+    assert [(m.name, m.delta) for m in c.modules] == [("", -act), ("net", -act), ("net.0", -act)]
+    assert c.removed == (SavedGroup("aten.addmm.default", "net.0", (8, 32), "float32", "activation", act, 1),
+                         SavedGroup("aten.gelu.default", "net.1", (8, 32), "float32", "activation", act, 1))
+    assert c.added == (SavedGroup("aten.relu.default", "net.1", (8, 32), "float32", "activation", act, 1),)
+    # AND the text says so
+    assert out.startswith(f"graphmem compare · {a} → {b}\nmodel gelu.py → relu.py · input 8x16 · target cpu\n")
+    before = totals["activations"].before
+    assert [" ".join(line.split()) for line in out.splitlines() if line.startswith("activations")] == [
+        f"activations {fmt_bytes(before)} {fmt_bytes(before - act)} -1.00 KiB -1,024 B {-100 * act / before:.1f}%"]
+    assert f"Saved only in {b}: 1 tensor, 1.00 KiB" in out and f"Saved only in {a}: 2 tensors, 2.00 KiB" in out
+    assert out == render_comparison(c)
+
+
+def _gpt(attention: str) -> dict:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=101, block_size=32, n_layer=2, n_head=2, n_embd=32, attention=attention)
+    return json.loads(render_json(graphmem.analyze(GPT(cfg), input_shape=(2, 16))))  # as read from a file
+
+
+def test_explicit_attention_to_sdpa_on_tiny_gpt2() -> None:
+    c = compare(_gpt("explicit"), _gpt("sdpa"), ("explicit", "sdpa"))
+    layers, b, h, s, block = 2, 2, 2, 16, 32
+    scores = b * h * s * s * 4  # (b, h, s, s) float32: 4096 B
+    totals = {t.name: t.delta for t in c.totals}
+    # explicit attention also saves ~mask[:, :, :s, :s] for masked_fill's backward (bool, s*s),
+    # and keeps the (1, 1, block, block) bool mask as a buffer; SDPA (is_causal) needs neither
+    assert totals["activations"] == -layers * s * s == -512
+    assert totals["buffers"] == -layers * block * block == -2048
+    # the peak is in layer 1's MLP backward, while both layers' masks are still saved
+    assert totals["peak"] == -(layers * block * block + layers * s * s) == -2560
+    assert totals["parameters"] == totals["gradients"] == 0
+    # the same dropout tensors (noise and output, (b, h, s, s) each) move from the attn_dropout
+    # module into SDPA's decomposition inside attn; attn's subtree loses only the mask
+    changed = {m.name: m.delta for m in c.modules}
+    for i in range(layers):
+        assert changed[f"transformer.h.{i}.attn.attn_dropout"] == -2 * scores
+        assert changed[f"transformer.h.{i}.attn"] == changed[f"transformer.h.{i}"] == -s * s
+    assert changed[""] == changed["transformer"] == changed["transformer.h"] == -layers * s * s
+    assert len(changed) == 3 + 3 * layers
+
+    def kinds(groups: tuple[SavedGroup, ...]) -> set[tuple[str, str, int]]:
+        return {(g.op, g.module, g.total) for g in groups}
+
+    attn = [f"transformer.h.{i}.attn" for i in range(layers)]
+    assert kinds(c.removed) == {k for a in attn for k in [
+        ("aten._softmax.default", a, scores), ("aten.empty_like.default", f"{a}.attn_dropout", scores),
+        ("aten.mul.Tensor", f"{a}.attn_dropout", scores), ("aten.bitwise_not.default", a, s * s)]}
+    assert kinds(c.added) == {k for a in attn for k in [
+        ("aten._safe_softmax.default", a, scores), ("aten.empty_like.default", a, scores),
+        ("aten.mul.Tensor", a, scores)]}
+    text = render_comparison(c, top=3)
+    assert "Saved only in explicit: 8 tensors, 24.50 KiB (top 3 rows of 8)" in text
+    assert "buffers" in text and "-2,048 B  -100.0%" in text
+
+
+def test_identical_reports() -> None:
+    r = _gpt("sdpa")
+    c = compare(r, r)
+    assert all(t.delta == 0 for t in c.totals) and not c.modules and not c.added and not c.removed
+    assert "Saved tensors: the same in both" in render_comparison(c)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ("not json", "is not a JSON report (JSONDecodeError"),
+    ('{"model": "x"}', "is not a graphmem JSON report (no activation_bytes, peak_bytes"),
+    ("[1, 2]", "is not a graphmem JSON report"),
+])
+def test_bad_report_files(capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str | None,
+                          message: str) -> None:
+    bad = tmp_path / "bad.json"
+    if content is not None:
+        bad.write_text(content)
+    good = tmp_path / "good.json"
+    good.write_text(render_json(graphmem.analyze(torch.nn.Linear(4, 2), (torch.randn(3, 4),))))
+    assert cli.main(["compare", str(good), str(bad)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("graphmem: error: ") and message in err and err.count("\n") == 1
