@@ -28,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--snapshot", metavar="PATH", help="also write the step as a memory_viz snapshot pickle")
     a.add_argument("--depth", type=int, default=3, help="module table depth (default 3)")
     a.add_argument("--top", type=int, default=10, help="rows in the largest-tensor tables (default 10)")
+    a.add_argument("--formula", action="store_true",
+                   help="also fit the exact formulas (alpha/beta/gamma per block; a few more captures)")
     a.add_argument("--debug", action="store_true", help="show tracebacks")
     a.set_defaults(run=_analyze)
     pr = sub.add_parser("presets", help="list the bundled model presets")
@@ -72,6 +74,11 @@ def _analyze(args: argparse.Namespace) -> int:
     check_device(args.device)
     with quiet(fmt == "json"):
         report = analyze(args.model, input_shape=args.input_shape, device=args.device)
+        if args.formula:
+            from .progress import Progress
+
+            with Progress(desc="captures") as bar:
+                report.formula(tick=bar.update, keep=True)
     write_files(report, args)  # --plot, --snapshot
     sys.stdout.write(render_report(report, fmt, args))
     return 0

@@ -59,7 +59,10 @@ def _report(args: argparse.Namespace, shape: str) -> Any:
 def _formula(args: argparse.Namespace) -> int:
     from .render.formula import render_coefficients
 
-    c = _report(args, args.input_shape).formula(d_model=args.d_model, n_heads=args.heads)
+    from .progress import Progress, quiet
+
+    with quiet(args.json), Progress(desc="captures") as bar:
+        c = _report(args, args.input_shape).formula(d_model=args.d_model, n_heads=args.heads, tick=bar.update)
     sys.stdout.write(json.dumps({"coefficients": c.to_dict()}, indent=2) + "\n" if args.json else render_coefficients(c))
     return 0
 
@@ -78,7 +81,10 @@ def _fit(args: argparse.Namespace) -> int:
             raise UsageError("give --seq (to find the batch size), --batch (to find the sequence length) or --input-shape")
         shape = f"{args.batch or 1}x{args.seq or 128}"
     parse_shape(shape)
-    a = _report(args, shape).fit(args.memory, seq=args.seq, batch=args.batch)
+    from .progress import Progress, quiet
+
+    with quiet(args.json), Progress(desc="captures") as bar:
+        a = _report(args, shape).fit(args.memory, seq=args.seq, batch=args.batch, tick=bar.update)
     if args.json:
         sys.stdout.write(json.dumps({"fit": {"variable": a.variable, "value": a.value, "memory_bytes": a.memory,
                                              "fixed": a.fixed, "predicted_peak": a.peak_at_value,
@@ -94,7 +100,10 @@ def _sweep(args: argparse.Namespace) -> int:
 
     batches, seqs = _ints(args.batch), _ints(args.seq)
     shape = args.input_shape or f"{max(batches)}x{max(seqs)}"
-    sw = _report(args, shape).sweep(batches, seqs)
+    from .progress import Progress, quiet
+
+    with quiet(args.json), Progress(desc="captures") as bar:
+        sw = _report(args, shape).sweep(batches, seqs, tick=bar.update)
     if args.json:
         sys.stdout.write(json.dumps({"sweep": [dict(zip(("batch", "seq", "activation_bytes", "peak_bytes",
                                                           "captured_activation_bytes", "captured_peak_bytes"), r))

@@ -403,7 +403,7 @@ class Sweep:
     coefficients: Coefficients
 
 
-def sweep(source: Any, batches: list[int], seqs: list[int], tick: Callable[[], None] = lambda: None) -> Sweep:
+def sweep(source: Any, batches: list[int], seqs: list[int], tick: Optional[Callable[[], None]] = None) -> Sweep:
     """Activation and peak over the grid from the exact formulas; the first point is captured."""
     if not batches or not seqs or min(batches + seqs) < 1:
         raise UsageError("sweep needs positive batch and sequence lists, e.g. --batch 1,8,32 --seq 512,1024")

@@ -45,14 +45,25 @@ class Report:
             self._cache["coefficients"] = self.formula()
         return self._cache["coefficients"]
 
+    @property
+    def known_coefficients(self) -> Any:
+        """The formulas if they were computed (``coefficients``, ``formula(keep=True)``), else None:
+        renderers show them only when asked for."""
+        return self._cache.get("coefficients")
+
     def formula(self, d_model: Optional[int] = None, n_heads: Optional[int] = None, checks: int = 5,
-                tick: Any = None) -> Any:
+                tick: Any = None, keep: bool = False) -> Any:
+        """Fit the exact formulas (see ``coefficients``), with overrides; ``keep`` stores them
+        as this report's ``coefficients``."""
         from graphmem import formula
 
         if self.source is None:
             raise formula.UsageError("this report has no model to capture again (built by hand)")
         sampler = self.source.sampler(tick)
-        return formula.fit(sampler, self.source.names, d_model=d_model, n_heads=n_heads, checks=checks)
+        result = formula.fit(sampler, self.source.names, d_model=d_model, n_heads=n_heads, checks=checks)
+        if keep:
+            self._cache["coefficients"] = result
+        return result
 
     def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None) -> Any:
         """The largest batch (at sequence length ``seq``, default: this report's) or, given
@@ -148,4 +159,5 @@ class Report:
             "num_ops": self.num_ops,
             "phases": dict(self.phase_start),
             "notes": list(self.notes),
+            **({"coefficients": self.known_coefficients.to_dict()} if self.known_coefficients is not None else {}),
         }

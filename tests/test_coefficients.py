@@ -206,3 +206,16 @@ def test_formula_cli_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     c = json.loads(capsys.readouterr().out)["coefficients"]
     assert (c["alpha"], c["beta"], c["gamma"], c["d_model"], c["n_heads"], c["blocks"]) == (72, 24, 16, 32, 1, 4)
     assert isinstance(c["activation"], str) and c["activation_terms"]["b*s**2"] == 4 * 24
+
+
+def test_analyze_formula_flag_adds_the_formula_to_text_json_and_markdown(capsys: pytest.CaptureFixture[str]) -> None:
+    model = str(HERE / "formula_models" / "tiny_gpt.py")
+    assert main(["analyze", model, "--input-shape", "4x16"]) == 0
+    assert "α =" not in capsys.readouterr().out  # only when asked for: it costs captures
+    assert main(["analyze", model, "--input-shape", "4x16", "--formula"]) == 0
+    assert "α = 72, β = 12, γ = 16" in capsys.readouterr().out
+    assert main(["analyze", model, "--input-shape", "4x16", "--formula", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["coefficients"]["alpha"], data["coefficients"]["beta"], data["coefficients"]["blocks"]) == (72, 12, 4)
+    assert main(["analyze", model, "--input-shape", "4x16", "--formula", "--format", "markdown"]) == 0
+    assert "### Formula" in capsys.readouterr().out

@@ -64,6 +64,10 @@ def render_markdown(report: Report, depth: int = 3, top: int = 10) -> str:
              fmt_bytes(t.nbytes)] for t in report.live_at_peak[:top]]
     out += ["", f"### Live at the peak (top {min(top, len(report.live_at_peak))} of {len(report.live_at_peak)})", "",
             _table(rows, ["tensor", "kind", "module", "shape", "bytes"], "llllr")]
+    if report.known_coefficients is not None:
+        from .formula import render_coefficients
+
+        out += ["", "### Formula", "", "```", render_coefficients(report.known_coefficients).rstrip("\n"), "```"]
     if report.notes:
         out += ["", "### Notes", ""] + [f"- {n}" for n in report.notes]
     return "\n".join(out) + "\n"
