@@ -13,6 +13,7 @@ from .capture import capture
 from .errors import UsageError
 from .load import Loaded, load, make_inputs, parse_shape
 from .report import Report
+from .target import make_target
 from .step import LossFn
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
@@ -21,7 +22,7 @@ ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
 class Source:
     """What a Report needs to capture the same step at other input sizes (formulas, fits)."""
 
-    def __init__(self, module: nn.Module, make: Any, loss: Optional[LossFn], device: str,
+    def __init__(self, module: nn.Module, make: Any, loss: Optional[LossFn], device: Any,
                  example: tuple, base_shape: tuple[int, ...]) -> None:
         from .formula import variables_of
 
@@ -75,13 +76,20 @@ def analyze(
     input_shape: Union[str, tuple, list, None] = None,
     loss: Optional[LossFn] = None,
     device: Union[str, torch.device] = "cpu",
+    dtype: Optional[str] = None,
+    amp: Optional[str] = None,
+    attention: str = "auto",
+    gpu: str = "h100",
 ) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
     ``model`` is an nn.Module (real, or built under ``torch.device("meta")``), a path to a
     model file, or a preset name. Give ``inputs`` (a tensor or tuple of tensors; only shapes
     and dtypes are used) or ``input_shape``. Nothing real is allocated and the module is left
-    as it was.
+    as it was. The target: ``device`` ("cpu" or "cuda"), ``dtype`` of the parameters ("fp32",
+    "bf16", "fp16"), ``amp`` (autocast "bf16"/"fp16" with fp32 parameters), ``attention`` (the
+    SDPA backend: "auto", "flash", "efficient", "cudnn", "math") and ``gpu`` ("h100", "a100", ...)
+    for the CUDA backend rules.
 
     >>> import torch, graphmem
     >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -104,12 +112,13 @@ def analyze(
         make = inputs if isinstance(inputs, tuple) else (inputs,)
         resize = _resized(make)
     loss_fn = loss or loaded.loss
-    g = capture(loaded.module, make, loss_fn, device)
+    target = make_target(torch.device(device).type, dtype, amp, attention, gpu)
+    g = capture(loaded.module, make, loss_fn, target)
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     loss_name = "default (output if scalar, else sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")
     source = None
     if example:
         probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
-        source = Source(loaded.module, resize, loss_fn, str(device), probe, example[0].shape)
+        source = Source(loaded.module, resize, loss_fn, target, probe, example[0].shape)
     return Report.build(g, liveness(g), saved(g), loaded.name, shapes, loss_name, notes(g), source)

@@ -25,7 +25,9 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import CaptureError, DataDependentError, GraphmemError, UnsupportedOpError
+from .cuda_rules import CudaRules
 from .step import LossFn, default_loss, run_step
+from .target import Target
 from .stepgraph import OpNode, SaveEvent, StepGraph, Storage
 
 _NODE = "_graphmem_node"  # attribute set on each fake tensor: the OpNode (or (OpNode, i)) that produced it
@@ -294,24 +296,56 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 Inputs = Union[tuple, Callable[[], tuple]]
 
 
-def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+def _fake_like(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Same shape/strides; floating tensors take the target's parameter dtype if one is set."""
+    dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device=device)
     return fake.requires_grad_(t.requires_grad) if t.is_floating_point() else fake
+
+
+def _forward_context(target: Target, used: dict[str, int]) -> Callable[[], Any]:
+    """What wraps forward and loss for the target: CPU autocast / SDPA backend, or CUDA rules."""
+    if target.device == "cuda":
+        rules = CudaRules(target)
+
+        def cuda() -> Any:
+            rules.backends = used  # the SDPA backends it picks are reported
+            return rules
+        return cuda
+
+    def cpu() -> Any:
+        from contextlib import ExitStack
+
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        stack = ExitStack()
+        if target.amp_dtype is not None:
+            stack.enter_context(torch.autocast("cpu", dtype=target.amp_dtype))
+        if target.attention in ("flash", "math"):
+            backend = SDPBackend.FLASH_ATTENTION if target.attention == "flash" else SDPBackend.MATH
+            stack.enter_context(sdpa_kernel(backend))
+        return stack
+    return cpu
 
 
 def capture(
     model: nn.Module,
     inputs: Inputs,
     loss_fn: Optional[LossFn] = None,
-    device: Union[str, torch.device] = "cpu",
+    device: Union[str, torch.device, Target] = "cpu",
 ) -> StepGraph:
     """Record one training step of ``model`` on fake tensors.
 
     ``inputs`` is a tuple of tensors (real, meta or fake: only their shapes and dtypes are
-    used) or a zero-argument callable run under the fake mode with ``device`` as the default
-    device (so ``torch.randint(...)`` inside it makes fake tensors).
+    used) or a zero-argument callable run under the fake mode with the fake device as the
+    default device (so ``torch.randint(...)`` inside it makes fake tensors). ``device`` is a
+    device name or a Target (graphmem/target.py); the CUDA target runs on fake CPU tensors
+    with CUDA's rules applied.
     """
-    device = torch.device(device)
+    target = device if isinstance(device, Target) else Target(str(torch.device(device).type))
+    device = torch.device("cpu")  # see graphmem/target.py for why the CUDA target runs here
+    dtype = target.param_dtype
+    backends: dict[str, int] = {}
     _unique_counts()  # calibrate before entering the fake mode
     paths = {id(m): name for name, m in model.named_modules()}
     cap = _Recorder(paths)
@@ -327,7 +361,7 @@ def capture(
                                 ("buffer", model.named_buffers(remove_duplicate=False))):
                 for name, p in named:
                     if id(p) not in seen:
-                        seen[id(p)] = _fake_like(p, device)
+                        seen[id(p)] = _fake_like(p, device, dtype)
                         cap.preexisting(seen[id(p)], kind, name)
                     state[name] = seen[id(p)]
             with torch.device(device):
@@ -335,7 +369,8 @@ def capture(
             if not isinstance(raw, (tuple, list)):
                 raw = (raw,)
             fake_inputs = tuple(
-                (x if fake_mode is getattr(x, "fake_mode", None) else _fake_like(x, device))
+                (x if fake_mode is getattr(x, "fake_mode", None) and (dtype is None or not x.is_floating_point())
+                 else _fake_like(x, device, dtype))
                 if isinstance(x, torch.Tensor) else x
                 for x in raw
             )
@@ -359,7 +394,7 @@ def capture(
         try:
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack):
                 cap.recording = True
-                out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase)
+                out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, _forward_context(target, backends))
                 grads = [p.grad for p in seen.values() if p.grad is not None]
                 gradient_sids = list(dict.fromkeys(
                     cap.storage(g, "gradient", "grad", len(cap.ops) - 1, "").sid for g in grads))
@@ -372,9 +407,9 @@ def capture(
         phase_start = dict(cap.phase_start)
         phase_start["end"] = len(cap.ops)
         cap.closed = True
-        return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, str(device),
+        return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
                          gradient_sids, type(model).__name__,
-                         [name for name, _ in model.named_modules()], cap.module_inputs)
+                         [name for name, _ in model.named_modules()], cap.module_inputs, target, backends)
     finally:
         cap.closed = True
         for h in handles:

@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     a = sub.add_parser("analyze", help="analyze one training step (forward, loss, backward)")
     a.add_argument("model", help="a model file (defines `model`) or a preset name, see `graphmem presets`")
     a.add_argument("--input-shape", required=True, metavar="SHAPE", help="e.g. 32x1024 (tokens) or 8x3x224x224")
-    a.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="target device (default cpu)")
+    add_target_arguments(a)
     a.add_argument("--json", action="store_true", help="print the report as JSON (exact integers); same as --format json")
     a.add_argument("--format", choices=["text", "json", "markdown"], help="output format (default text)")
     a.add_argument("--tree", action="store_true", help="print the module tree of saved bytes (text format)")
@@ -38,6 +38,20 @@ def _parser() -> argparse.ArgumentParser:
     for module in _command_modules():  # each adds its subcommand(s) with set_defaults(run=...)
         module.add_commands(sub)
     return p
+
+
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
+    """--device/--dtype/--amp/--attention/--gpu, shared by every command that analyzes."""
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="target device (default cpu)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="parameter dtype (default: as built, fp32)")
+    p.add_argument("--amp", choices=["bf16", "fp16"], help="autocast with fp32 parameters")
+    p.add_argument("--attention", default="auto", choices=["auto", "flash", "efficient", "cudnn", "math"],
+                   help="SDPA backend (default auto: PyTorch's own choice for the target)")
+    p.add_argument("--gpu", default="h100", help="GPU for the CUDA backend rules: h100, a100, l4, a10, t4, v100, ...")
+
+
+def target_options(args: argparse.Namespace) -> dict:
+    return {"device": args.device, "dtype": args.dtype, "amp": args.amp, "attention": args.attention, "gpu": args.gpu}
 
 
 def _command_modules() -> list:
@@ -71,9 +85,8 @@ def _analyze(args: argparse.Namespace) -> int:
     from .target import check_device
 
     fmt = output_format(args)  # flag mistakes and a missing matplotlib fail before the analysis
-    check_device(args.device)
     with quiet(fmt == "json"):
-        report = analyze(args.model, input_shape=args.input_shape, device=args.device)
+        report = analyze(args.model, input_shape=args.input_shape, **target_options(args))
         if args.formula:
             from .progress import Progress
 

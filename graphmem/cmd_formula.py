@@ -23,7 +23,9 @@ def _ints(text: str) -> list[int]:
 def _common(p: argparse.ArgumentParser, shape_required: bool) -> None:
     p.add_argument("model", help="a model file or a preset name")
     p.add_argument("--input-shape", required=shape_required, metavar="SHAPE", help="e.g. 32x1024")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="target device (default cpu)")
+    from .cli import add_target_arguments
+
+    add_target_arguments(p)
     p.add_argument("--json", action="store_true", help="JSON output")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -50,10 +52,9 @@ def add_commands(sub: Any) -> None:
 
 def _report(args: argparse.Namespace, shape: str) -> Any:
     from . import analyze
-    from .target import check_device
+    from .cli import target_options
 
-    check_device(args.device)
-    return analyze(args.model, input_shape=shape, device=args.device)
+    return analyze(args.model, input_shape=shape, **target_options(args))
 
 
 def _formula(args: argparse.Namespace) -> int:

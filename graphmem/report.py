@@ -32,6 +32,8 @@ class Report:
     num_ops: int
     phase_start: dict[str, int]
     notes: tuple[str, ...] = ()
+    target: Any = None  # graphmem.target.Target
+    attention_backends: dict = field(default_factory=dict)  # CUDA target: SDPA kernel -> calls
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # how to capture at other sizes
@@ -127,14 +129,16 @@ class Report:
             peak_module=node.meta["module"] if node is not None else "",
             live_at_peak=lv.live_at_peak, baseline_bytes=lv.baseline_bytes,
             saved=sv.tensors, modules=sv.modules, num_ops=g.num_ops,
-            phase_start=dict(g.phase_start), notes=notes, step=g, liveness=lv, source=source,
+            phase_start=dict(g.phase_start), notes=notes, target=g.target,
+            attention_backends=dict(g.attention_backends), step=g, liveness=lv, source=source,
         )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: exact integers, no units."""
         return {
             "model": self.model,
-            "target": {"device": self.device},
+            "target": {**(self.target.to_dict() if self.target is not None else {"device": self.device}),
+                       "attention_backends": dict(self.attention_backends)},
             "input_shapes": [list(s) for s in self.input_shapes],
             "loss": self.loss,
             "activation_bytes": self.activation_bytes,

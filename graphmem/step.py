@@ -6,8 +6,9 @@ still referenced during backward, as in ``logits = model(x); loss = ...; loss.ba
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 
@@ -56,12 +57,16 @@ def run_step(
     inputs: tuple,
     loss_fn: Optional[LossFn],
     on_phase: Callable[[str], None] = lambda phase: None,
+    forward_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ) -> tuple[Any, torch.Tensor]:
-    """Forward, loss, backward. ``on_phase`` is told when each phase starts."""
-    on_phase("forward")
-    out = forward(*inputs)
-    on_phase("loss")
-    loss = (loss_fn or default_loss)(out, inputs)
+    """Forward, loss, backward. ``on_phase`` is told when each phase starts; forward and loss
+    run inside ``forward_context()`` (autocast, target rules), backward outside it, as in
+    ``with autocast(): loss = ...`` followed by ``loss.backward()``."""
+    with forward_context():
+        on_phase("forward")
+        out = forward(*inputs)
+        on_phase("loss")
+        loss = (loss_fn or default_loss)(out, inputs)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise CaptureError(
             f"the loss must be a scalar tensor, got {type(loss).__name__}"

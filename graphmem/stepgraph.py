@@ -80,6 +80,8 @@ class StepGraph:
     root: str = ""  # class name of the model
     modules: list[str] = field(default_factory=list)  # module paths, named_modules() order
     module_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # first input's shape
+    target: Any = None  # graphmem.target.Target
+    attention_backends: dict[str, int] = field(default_factory=dict)  # CUDA target: SDPA kernel -> calls
 
     _graph: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
 

@@ -44,7 +44,7 @@ def render_markdown(report: Report, depth: int = 3, top: int = 10) -> str:
          f"saved for backward: {cats}" if cats else "nothing saved"],
         ["**peak**", f"**{fmt_bytes(report.peak_bytes)}**", _exact(report.peak_bytes), peak],
     ]
-    out = [f"## graphmem · {report.model} · input {shapes} · target {report.device}", "",
+    out = [f"## graphmem · {report.model} · input {shapes} · target {report.target.describe() if report.target is not None else report.device}", "",
            _table(summary, ["", "bytes", "exact", ""], "lrrl"), "",
            f"ops recorded: {report.num_ops} (forward {fwd}, loss {bwd - fwd}, backward {report.num_ops - bwd})"]
 

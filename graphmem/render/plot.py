@@ -149,7 +149,7 @@ def timeline_figure(report: Report, other: Optional[Report] = None, labels: Opti
     handles, names = ax.get_legend_handles_labels()
     fig.legend(handles, names, loc="outside lower center", ncol=len(handles) if len(handles) <= 4 else 3,
                fontsize=9, frameon=False)
-    title = f"{name} · input {_shapes(report)} · target {report.device}: memory during one training step"
+    title = f"{name} · input {_shapes(report)} · target {report.target.describe() if report.target is not None else report.device}: memory during one training step"
     if other is not None:
         title += f"\nstacked: {name}    line: {other_name}"
     ax.set_title(title, fontsize=11, loc="left")

@@ -42,7 +42,10 @@ def _shown_modules(report: Report, depth: int) -> list[ModuleSaved]:
 
 def render_text(report: Report, depth: int = 3, top: int = 10) -> str:
     shapes = _shapes(report)
-    lines = [f"graphmem · {report.model} · input {shapes} · target {report.device} · one training step"]
+    target = report.target.describe() if report.target is not None else report.device
+    lines = [f"graphmem · {report.model} · input {shapes} · target {target} · one training step"]
+    if report.attention_backends:
+        lines.append("SDPA kernels: " + ", ".join(f"{k} × {v}" for k, v in report.attention_backends.items()))
     cats = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in report.by_category.items() if v)
     fwd = report.phase_start.get("loss", report.num_ops)
     bwd = report.phase_start.get("backward", report.num_ops)

@@ -47,7 +47,7 @@ def render_tree(report: Report, depth: int = 3) -> str:
     """The header, the totals and the module tree, as text."""
     shapes = _shapes(report)
     peak = (f"op {report.peak_index} ({report.peak_phase})" if report.peak_index >= 0 else "before the step")
-    lines = [f"graphmem · {report.model} · input {shapes} · target {report.device} · one training step",
+    lines = [f"graphmem · {report.model} · input {shapes} · target {report.target.describe() if report.target is not None else report.device} · one training step",
              f"activations {fmt_bytes(report.activation_bytes)} saved for backward · "
              f"peak {fmt_bytes(report.peak_bytes)} at {peak}",
              "",
