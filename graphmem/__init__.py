@@ -12,8 +12,9 @@ from .errors import (CaptureError, DataDependentError, GraphmemError, ModelLoadE
 from .load import parse_shape
 from .report import Report
 from .stepgraph import StepGraph
+from .validate import validate
 
 __all__ = ["analyze", "capture", "parse_shape", "Report", "StepGraph", "GraphmemError", "UsageError",
            "ModelLoadError", "CaptureError", "DataDependentError", "UnsupportedOpError", "PassError",
-           "assert_activation_bytes"]
+           "assert_activation_bytes", "validate"]
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from graphmem.passes import liveness, notes, saved
+from graphmem.passes import allocator, liveness, notes, saved
 
 from .capture import capture
 from .errors import UsageError
@@ -121,4 +121,5 @@ def analyze(
     if example:
         probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
         source = Source(loaded.module, resize, loss_fn, target, probe, example[0].shape)
-    return Report.build(g, liveness(g), saved(g), loaded.name, shapes, loss_name, notes(g), source)
+    alloc = allocator(g) if target.device == "cuda" else None  # the caching allocator's view of the step
+    return Report.build(g, liveness(g), saved(g), loaded.name, shapes, loss_name, notes(g), source, alloc)

@@ -34,6 +34,7 @@ class Report:
     notes: tuple[str, ...] = ()
     target: Any = None  # graphmem.target.Target
     attention_backends: dict = field(default_factory=dict)  # CUDA target: SDPA kernel -> calls
+    cuda_allocator: Any = None  # CUDA target: passes.allocator.AllocatorResult (caching allocator model)
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # how to capture at other sizes
@@ -112,7 +113,7 @@ class Report:
 
     @staticmethod
     def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,
-              notes: tuple[str, ...] = (), source: Any = None) -> "Report":
+              notes: tuple[str, ...] = (), source: Any = None, cuda_allocator: Any = None) -> "Report":
         kinds: dict[str, int] = {}
         for s in g.storages.values():
             if s.created < 0:
@@ -130,7 +131,7 @@ class Report:
             live_at_peak=lv.live_at_peak, baseline_bytes=lv.baseline_bytes,
             saved=sv.tensors, modules=sv.modules, num_ops=g.num_ops,
             phase_start=dict(g.phase_start), notes=notes, target=g.target,
-            attention_backends=dict(g.attention_backends), step=g, liveness=lv, source=source,
+            attention_backends=dict(g.attention_backends), cuda_allocator=cuda_allocator, step=g, liveness=lv, source=source,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -163,5 +164,9 @@ class Report:
             "num_ops": self.num_ops,
             "phases": dict(self.phase_start),
             "notes": list(self.notes),
+            **({"cuda_allocator": {"max_allocated": self.cuda_allocator.max_allocated,
+                                   "max_reserved": self.cuda_allocator.max_reserved,
+                                   "fragmentation": self.cuda_allocator.fragmentation,
+                                   "segments": self.cuda_allocator.segments}} if self.cuda_allocator is not None else {}),
             **({"coefficients": self.known_coefficients.to_dict()} if self.known_coefficients is not None else {}),
         }

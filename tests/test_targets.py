@@ -144,3 +144,17 @@ def test_cpu_amp_matches_a_real_cpu_autocast_run() -> None:
         net(*x).sum()
     assert r.activation_bytes == sum(saved.values())
     assert measure_saved(net, x) != r.activation_bytes  # fp32 without autocast differs
+
+
+def test_cuda_report_carries_the_caching_allocator_prediction() -> None:
+    from graphmem.passes.allocator import allocator
+
+    r = graphmem.analyze(TwoLinear(), (torch.randn(16, 32),), device="cuda")
+    a = r.cuda_allocator
+    assert a == allocator(r.step)
+    # rounding to 512 B blocks only adds; everything here fits one 2 MiB small-pool segment
+    assert r.peak_bytes <= a.max_allocated <= r.peak_bytes + 512 * len(r.step.storages)
+    assert a.max_reserved == 2 * 2**20
+    d = r.to_dict()["cuda_allocator"]
+    assert (d["max_allocated"], d["max_reserved"]) == (a.max_allocated, a.max_reserved)
+    assert graphmem.analyze(TwoLinear(), (torch.randn(16, 32),)).cuda_allocator is None  # CPU target

@@ -59,6 +59,11 @@ def render_text(report: Report, depth: int = 3, top: int = 10) -> str:
          f"op {report.peak_index} ({report.peak_phase}, {report.peak_op}, {_module(report.peak_module)})"
          if report.peak_index >= 0 else "before the step"],
     ]
+    if report.cuda_allocator is not None:
+        a = report.cuda_allocator
+        summary.append(["CUDA allocator", fmt_bytes(a.max_allocated),
+                        f"max_memory_allocated; reserved {fmt_bytes(a.max_reserved)}, fragmentation at the peak "
+                        f"{fmt_bytes(a.fragmentation)} (caching allocator model)"])
     lines += ["", tabulate(summary, tablefmt="plain"),
               f"ops recorded: {report.num_ops} (forward {fwd}, loss {bwd - fwd}, backward {report.num_ops - bwd})"]
 
