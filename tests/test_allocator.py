@@ -12,7 +12,9 @@ import torch.nn as nn
 import graphmem
 from graphmem.errors import PassError
 from graphmem.passes import liveness
-from graphmem.passes import allocator as allocator_module
+import importlib
+
+allocator_module = importlib.import_module("graphmem.passes.allocator")  # the module, not the pass function
 from graphmem.passes.allocator import allocator, events_from_step, round_size, simulate
 from graphmem.stepgraph import OpNode, StepGraph, Storage
 
