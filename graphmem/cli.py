@@ -82,7 +82,6 @@ def _analyze(args: argparse.Namespace) -> int:
     from . import analyze
     from .cmd_report import output_format, render_report, write_files
     from .progress import quiet
-    from .target import check_device
 
     fmt = output_format(args)  # flag mistakes and a missing matplotlib fail before the analysis
     with quiet(fmt == "json"):

@@ -77,34 +77,35 @@ def make_inputs(loaded: Loaded, shape: tuple[int, ...]) -> tuple:
     return default_inputs(loaded.module, shape)
 
 
-def load(spec: str) -> Loaded:
-    """A path to a model file, or a preset name (``gpt2``, ``llama-2-7b``, ...)."""
+def load(spec: str, device: str = "meta") -> Loaded:
+    """A path to a model file, or a preset name (``gpt2``, ``llama-2-7b``, ...), built on
+    ``device``: the meta device for analysis, a real one for ``graphmem validate``."""
     from graphmem import models
 
     if spec in models.PRESETS:
         family = models.family_of(spec)
         config = models.config_of(spec)
-        with torch.device("meta"):
+        with torch.device(device):
             module = family.build(config)
         return Loaded(spec, module, lambda shape: family.example_inputs(shape, config), family.loss, config)
     if spec.endswith(".py") or os.sep in spec or os.path.exists(spec):
-        return load_file(spec)
+        return load_file(spec, device)
     raise UsageError(
         f"{spec!r} is neither a model file nor a preset; give a path to a .py file that defines "
         f"`model`, or one of: {', '.join(models.preset_names())}"
     )
 
 
-def load_file(path: str) -> Loaded:
+def load_file(path: str, device: str = "meta") -> Loaded:
     if not os.path.isfile(path):
         raise UsageError(f"model file {path!r} not found; check the path (or name a preset, see `graphmem presets`)")
-    name = "graphmem_model_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
+    name = f"graphmem_model_{device}_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ModelLoadError(f"cannot import {path!r}: not a Python file")
     mod = importlib.util.module_from_spec(spec)
     try:
-        with torch.device("meta"):
+        with torch.device(device):
             spec.loader.exec_module(mod)
     except Exception as e:
         raise ModelLoadError(f"importing {path} failed: {type(e).__name__}: {_first_line(e)}; fix the file so `python {path}` runs") from e
@@ -116,10 +117,10 @@ def load_file(path: str) -> Loaded:
         if not callable(obj):
             raise ModelLoadError(f"`model` in {path} is a {type(obj).__name__}, not an nn.Module or a function returning one")
         try:
-            with torch.device("meta"):
+            with torch.device(device):
                 obj = obj()
         except Exception as e:
-            raise ModelLoadError(f"calling model() from {path} on the meta device failed: {type(e).__name__}: {_first_line(e)}") from e
+            raise ModelLoadError(f"calling model() from {path} on the {device} device failed: {type(e).__name__}: {_first_line(e)}") from e
         if not isinstance(obj, nn.Module):
             raise ModelLoadError(f"model() in {path} returned a {type(obj).__name__}, not an nn.Module")
     example = getattr(mod, "example_inputs", None)

@@ -24,8 +24,6 @@ out is an error, not a machine in swap).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
 import math
 import os
 import re
@@ -37,8 +35,8 @@ from typing import Any, Iterator, Optional, Union
 import torch
 import torch.nn as nn
 
-from .errors import GraphmemError, ModelLoadError, UsageError
-from .load import Loaded, make_inputs, parse_shape
+from .errors import GraphmemError, UsageError
+from .load import Loaded, load, make_inputs, parse_shape
 from .render.units import fmt_bytes
 from .report import Report
 from .step import LossFn, run_step
@@ -251,27 +249,7 @@ def _build(spec: str, dev: torch.device) -> Loaded:
     and no generic initializer can recompute; rebuilding gives exactly the buffers, weight
     tying and init a user's training run would have. ``load`` (meta) has already run during
     the prediction, so the file is known to be well formed here."""
-    from graphmem import models
-
-    if spec in models.PRESETS:  # the same precedence as graphmem.load.load
-        family, config = models.family_of(spec), models.config_of(spec)
-        with torch.device(dev):
-            module = family.build(config)
-        return Loaded(spec, module, lambda shape: family.example_inputs(shape, config), family.loss, config)
-    name = "graphmem_validate_" + hashlib.sha1(os.path.abspath(spec).encode()).hexdigest()[:12]
-    found = importlib.util.spec_from_file_location(name, spec)
-    if found is None or found.loader is None:
-        raise ModelLoadError(f"cannot import {spec!r}: not a Python file")
-    mod = importlib.util.module_from_spec(found)
-    try:
-        with torch.device(dev):
-            found.loader.exec_module(mod)
-            obj = mod.model if isinstance(mod.model, nn.Module) else mod.model()
-    except Exception as e:
-        raise ModelLoadError(f"building {spec} on {dev} failed: {type(e).__name__}: {str(e).strip()[:200]}") from e
-    if not isinstance(obj, nn.Module):
-        raise ModelLoadError(f"model in {spec} did not give an nn.Module on {dev}")
-    return Loaded(os.path.basename(spec), obj, getattr(mod, "example_inputs", None), getattr(mod, "loss", None))
+    return load(spec, device=str(dev))
 
 
 def _inputs(loaded: Loaded, shape: tuple[int, ...], dev: torch.device) -> tuple:
