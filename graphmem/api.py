@@ -11,7 +11,7 @@ from graphmem.passes import allocator, liveness, notes, saved
 
 from .capture import capture
 from .errors import UsageError
-from .load import Loaded, load, make_inputs, parse_shape
+from .load import Loaded, from_exported, load, make_inputs, parse_shape
 from .report import Report
 from .target import make_target
 from .step import LossFn
@@ -83,8 +83,9 @@ def analyze(
 ) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
-    ``model`` is an nn.Module (real, or built under ``torch.device("meta")``), a path to a
-    model file, or a preset name. Give ``inputs`` (a tensor or tuple of tensors; only shapes
+    ``model`` is an nn.Module (real, or built under ``torch.device("meta")``; an fx.GraphModule
+    is one), a ``torch.export.ExportedProgram`` (its example inputs are used when none are
+    given), a path to a model file or a ``.pt2`` exported program, or a preset name. Give ``inputs`` (a tensor or tuple of tensors; only shapes
     and dtypes are used) or ``input_shape``. Nothing real is allocated and the module is left
     as it was. The target: ``device`` ("cpu" or "cuda"), ``dtype`` of the parameters ("fp32",
     "bf16", "fp16"), ``amp`` (autocast "bf16"/"fp16" with fp32 parameters), ``attention`` (the
@@ -98,6 +99,10 @@ def analyze(
     1536
     """
     loaded = load(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else None
+    if isinstance(model, torch.export.ExportedProgram):
+        loaded = from_exported(model)
+        if inputs is None and input_shape is None and model.example_inputs:
+            inputs = tuple(model.example_inputs[0])
     if loaded is None:
         if not isinstance(model, nn.Module):
             raise UsageError(f"model must be an nn.Module, a model file or a preset name, not {type(model).__name__}")

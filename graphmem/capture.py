@@ -353,7 +353,8 @@ def capture(
     training = [(m, m.training) for m in model.modules()]
     handles = []
     try:
-        model.train()
+        for m in model.modules():  # train mode (set directly: an exported module refuses .train())
+            m.training = True
         with fake_mode:
             state: dict[str, torch.Tensor] = {}
             seen: dict[int, torch.Tensor] = {}

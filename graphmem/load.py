@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -88,12 +89,45 @@ def load(spec: str, device: str = "meta") -> Loaded:
         with torch.device(device):
             module = family.build(config)
         return Loaded(spec, module, lambda shape: family.example_inputs(shape, config), family.loss, config)
+    if spec.endswith(".pt2"):
+        return load_exported(spec)
     if spec.endswith(".py") or os.sep in spec or os.path.exists(spec):
         return load_file(spec, device)
     raise UsageError(
         f"{spec!r} is neither a model file nor a preset; give a path to a .py file that defines "
         f"`model`, or one of: {', '.join(models.preset_names())}"
     )
+
+
+def from_exported(ep: Any, name: str = "ExportedProgram") -> Loaded:
+    """A torch.export.ExportedProgram: its unlifted module, analyzed like any module; inputs for
+    another shape keep the exported example inputs' dtypes."""
+    example = getattr(ep, "example_inputs", None)
+    args = tuple(example[0]) if example else ()
+
+    def make(shape: tuple[int, ...]) -> tuple:
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise UsageError("this exported program has no example tensor input to resize; pass inputs instead")
+        first = args[0]
+        x = (torch.randint(0, 2, shape) if not first.is_floating_point() else torch.randn(shape)).to(first.dtype)
+        return (x, *args[1:])
+    return Loaded(name, ep.module(), make, None)
+
+
+def load_exported(path: str) -> Loaded:
+    if not os.path.isfile(path):
+        raise UsageError(f"exported program {path!r} not found; check the path")
+    log = logging.getLogger("torch.export")  # it logs a traceback before raising; the one line below says it
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        ep = torch.export.load(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path} is not a loadable torch.export program: {type(e).__name__}: {_first_line(e)}; "
+                             "save it with torch.export.save(torch.export.export(model, args), path)") from e
+    finally:
+        log.setLevel(level)
+    return from_exported(ep, os.path.basename(path))
 
 
 def load_file(path: str, device: str = "meta") -> Loaded:
