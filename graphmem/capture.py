@@ -306,12 +306,8 @@ def _fake_like(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtyp
 def _forward_context(target: Target, used: dict[str, int]) -> Callable[[], Any]:
     """What wraps forward and loss for the target: CPU autocast / SDPA backend, or CUDA rules."""
     if target.device == "cuda":
-        rules = CudaRules(target)
-
-        def cuda() -> Any:
-            rules.backends = used  # the SDPA backends it picks are reported
-            return rules
-        return cuda
+        rules = CudaRules(target, used)  # it counts the SDPA backends it picks into ``used``
+        return lambda: rules
 
     def cpu() -> Any:
         from contextlib import ExitStack
@@ -407,12 +403,11 @@ def capture(
             raise _translate(e, cap, type(model).__name__) from e
         phase_start = dict(cap.phase_start)
         phase_start["end"] = len(cap.ops)
-        cap.closed = True
         return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
                          gradient_sids, type(model).__name__,
                          [name for name, _ in model.named_modules()], cap.module_inputs, target, backends)
     finally:
-        cap.closed = True
+        cap.closed = True  # before out/loss/state die with this frame: those frees are after the step
         for h in handles:
             h.remove()
         for m, was in training:

@@ -107,12 +107,12 @@ def sdpa(target: Target, used: dict[str, int], query: torch.Tensor, key: torch.T
 class CudaRules(TorchFunctionMode):
     """Installs the rules above for one step (see the module docstring)."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, backends: Optional[dict[str, int]] = None) -> None:
         super().__init__()
         self.target = target
         self.amp = target.amp_dtype
         self.casts: dict[int, torch.Tensor] = {}  # id(parameter) -> its cached low-precision copy
-        self.backends: dict[str, int] = {}  # SDPA backend -> calls
+        self.backends: dict[str, int] = {} if backends is None else backends  # SDPA backend -> calls
 
     def _cast(self, x: Any, dtype: torch.dtype) -> Any:
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype and x.dtype != torch.float64):
