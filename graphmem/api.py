@@ -37,10 +37,9 @@ class Source:
         return Sampler(self.module, self.make, self.loss, base, dims, self.device, tick or (lambda: None))
 
     def sampler(self, tick: Any = None) -> Any:
-        from .formula import Sampler
-
+        """The report's own sampler (kept, so its captures are reused across calls)."""
         if self._sampler is None:
-            self._sampler = Sampler(self.module, self.make, self.loss, self.base_shape, self.dims, self.device)
+            self._sampler = self.sampler_for(self.base_shape, self.dims)
         if tick is not None:
             self._sampler.tick = tick
         return self._sampler
