@@ -6,12 +6,11 @@ effect on live memory is two numbers: ``high`` (the most bytes live above the le
 start) and ``net`` (the level change across it). Which pieces occur depends only on how each
 block is run (measured by graphmem/plan.py from captures of the real step):
 
-  forward     stored block: ``fwd``; checkpointed segment a..b: ``fwd_first`` (a),
-              ``fwd_member`` (a+1..b; nothing kept but the output)
-  backward    segments from the last to the first; stored block: ``bwd``; segment a..b:
-              ``bwd_pre`` (b, until the first saved tensor is needed), ``re_member`` (a..b-1,
-              the forward again, keeping its saved tensors), ``re_last`` (b; stops early once
-              everything needed is back), ``bwd_post`` (b), then ``bwd`` (b-1 .. a)
+  forward     a stored block, the first block of a checkpointed segment, a later one
+  backward    segments from the last to the first: a stored block's backward; a segment's
+              backward ops up to the first saved tensor it needs, the segment's forward run
+              again (keeping what backward needs; the last block's recompute stops early),
+              then the blocks' backward (see ``Stage`` for every role)
 
 plus fixed pieces before the chain (``before``), between its forward and its backward (the
 head, loss and the head's backward: ``head``) and after (``after``). Stitching the pieces of a
@@ -56,21 +55,36 @@ NOTHING = Piece(0, 0)
 
 @dataclass(frozen=True)
 class Stage:
-    """How one block's ops move memory in each role, and its forward FLOPs."""
+    """How one block's ops move memory in each role it can play, and its FLOPs.
+
+    Stored: ``fwd``, ``bwd``. Checkpointed forward: ``fwd_first`` (the segment's first block:
+    its input and, on the CPU, the stashed RNG state stay), ``fwd_member`` (later blocks).
+    A segment of this block alone, in backward: ``one_pre`` (backward ops before the first
+    saved tensor is needed), ``one_re`` (the recompute), ``one_post``. A longer segment a..b:
+    ``pre`` (b), ``re_first`` (a), ``re_member`` (a+1..b-1), ``re_last`` (b; stops early once
+    everything needed is back), ``post`` (b), ``bwd_member`` (b-1..a+1), ``bwd_first`` (a).
+    """
 
     name: str
     fwd: Piece
     bwd: Piece
     fwd_first: Piece
     fwd_member: Piece
-    bwd_pre: Piece
-    bwd_post: Piece
+    one_pre: Piece
+    one_re: Piece
+    one_post: Piece
+    pre: Piece
+    re_first: Piece
     re_member: Piece
     re_last: Piece
+    post: Piece
+    bwd_member: Piece
+    bwd_first: Piece
     flops: int  # forward FLOPs of the block
-    re_member_flops: int  # FLOPs its recompute runs as a segment's inner block
-    re_last_flops: int  # ... as a segment's last block (early stop may skip its tail)
-    input_bytes: int = 0  # the block's input, what a segment starting here keeps
+    one_re_flops: int  # FLOPs each recompute role runs (early stop may skip a last block's tail)
+    re_first_flops: int
+    re_member_flops: int
+    re_last_flops: int
 
 
 @dataclass(frozen=True)
@@ -126,20 +140,24 @@ def _backward(seg: Segment, st: Sequence[Stage]) -> Piece:
     a, b, ck = seg
     if not ck:
         return st[a].bwd
-    p = st[b].bwd_pre
-    for i in range(a, b):
+    if a == b:
+        return st[a].one_pre.then(st[a].one_re).then(st[a].one_post)
+    p = st[b].pre.then(st[a].re_first)
+    for i in range(a + 1, b):
         p = p.then(st[i].re_member)
-    p = p.then(st[b].re_last).then(st[b].bwd_post)
-    for i in range(b - 1, a - 1, -1):
-        p = p.then(st[i].bwd)
-    return p
+    p = p.then(st[b].re_last).then(st[b].post)
+    for i in range(b - 1, a, -1):
+        p = p.then(st[i].bwd_member)
+    return p.then(st[a].bwd_first)
 
 
 def _recompute_flops(seg: Segment, st: Sequence[Stage]) -> int:
     a, b, ck = seg
     if not ck:
         return 0
-    return sum(st[i].re_member_flops for i in range(a, b)) + st[b].re_last_flops
+    if a == b:
+        return st[a].one_re_flops
+    return st[a].re_first_flops + sum(st[i].re_member_flops for i in range(a + 1, b)) + st[b].re_last_flops
 
 
 @dataclass(frozen=True)
@@ -201,13 +219,15 @@ def tables(costs: ChainCosts) -> _Tables:
     for s in st:
         sum_re.append(sum_re[-1] + s.re_member_flops)
     for b in range(n):
-        re_m, bw = NOTHING, NOTHING  # re_member(a..b-1), bwd(b-1..a)
-        for a in range(b, -1, -1):
-            if a < b:
-                re_m, bw = st[a].re_member.then(re_m), bw.then(st[a].bwd)
-            back = st[b].bwd_pre.then(re_m).then(st[b].re_last).then(st[b].bwd_post).then(bw)
+        back_high[b, b] = _backward((b, b, True), st).high
+        flops[b, b] = st[b].one_re_flops
+        re_m, bw = NOTHING, NOTHING  # re_member(a+1..b-1), bwd_member(b-1..a+1)
+        for a in range(b - 1, -1, -1):
+            back = st[b].pre.then(st[a].re_first).then(re_m).then(st[b].re_last).then(st[b].post) \
+                .then(bw).then(st[a].bwd_first)
             back_high[a, b] = back.high
-            flops[a, b] = sum_re[b] - sum_re[a] + st[b].re_last_flops
+            flops[a, b] = st[a].re_first_flops + sum_re[b] - sum_re[a + 1] + st[b].re_last_flops
+            re_m, bw = st[a].re_member.then(re_m), bw.then(st[a].bwd_member)
     for a in range(n):
         fw = st[a].fwd_first
         for b in range(a, n):
