@@ -238,8 +238,9 @@ def _widen(costs: ChainCosts, n: int, base: int) -> ChainCosts:
     return replace(costs, stages=(st[0], *middle, last), base=base)
 
 
-def measure(report: Any) -> ChainCosts:
-    """The chain costs of a report's model (captures at depth 4 when the blocks are identical)."""
+def measure(report: Any) -> tuple[ChainCosts, int]:
+    """The chain costs of a report's model (captures at depth 4 when the blocks are identical,
+    else at full depth) and the depth captured."""
     source = report.source
     if source is None:
         raise PlanError("this report has no model to re-run (no tensor inputs); checkpoint plans need one")
@@ -257,10 +258,15 @@ def measure(report: Any) -> ChainCosts:
         try:
             costs = _widen(chain_costs(model, chain, capture_at, DEPTH), chain.length, report.baseline_bytes)
             if evaluate(costs, segments_of(chain.length, [])).peak_bytes == report.peak_bytes:
-                return costs
+                return costs, DEPTH
         except PlanError:
             pass
-    return chain_costs(model, chain, capture_at, None)
+    costs = chain_costs(model, chain, capture_at, None)
+    got = evaluate(costs, segments_of(chain.length, [])).peak_bytes
+    if got != report.peak_bytes:
+        raise PlanError(f"the chain's pieces give a peak of {got} B without checkpoints, the report {report.peak_bytes} B; "
+                        "graphmem cannot plan checkpoints for this model")
+    return costs, chain.length
 
 
 # -- plans -------------------------------------------------------------------------------------------------
@@ -326,7 +332,7 @@ class Planner:
 
     def __init__(self, report: Any) -> None:
         self.report = report
-        self.costs = measure(report)
+        self.costs, self.depth = measure(report)
         self.tables = tables(self.costs)
         self.step_flops = sum(op_flops(op) for op in report.step.ops)
         self._none = evaluate(self.costs, segments_of(self.costs.n, []))
@@ -378,5 +384,59 @@ class Planner:
         return [self._plan("graphmem", e) for e in frontier(self.costs, points)]
 
 
+def parse_limits(budget: Any, max_overhead: Any, required: bool = True) -> tuple[Optional[int], Optional[float]]:
+    """("40GiB" | bytes | None, "20%" | 0.2 | None) -> (bytes, fraction); exactly one unless not required."""
+    from .load import parse_bytes
+
+    if budget is not None and max_overhead is not None:
+        raise UsageError("give a memory budget or a maximum recompute overhead, not both")
+    if required and budget is None and max_overhead is None:
+        raise UsageError("give a memory budget (e.g. budget=\"40GiB\", --budget 40GiB) or a maximum "
+                         "recompute overhead (max_overhead=0.2, --max-overhead 20%)")
+    fraction = None
+    if max_overhead is not None:
+        text = str(max_overhead).strip()
+        try:
+            fraction = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            raise UsageError(f"invalid overhead {max_overhead!r}: expected a percentage like 20% or a fraction like 0.2") from None
+        if not (fraction >= 0 and math.isfinite(fraction)):
+            raise UsageError(f"invalid overhead {max_overhead!r}: it must be >= 0")
+    return (parse_bytes(budget) if budget is not None else None), fraction
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What ``--plan`` shows: the chosen plan (when a budget or an overhead cap was given),
+    the baselines each beside graphmem's plan at the same budget, and the Pareto frontier."""
+
+    chain: str
+    blocks: int
+    step_flops: int
+    no_plan_peak: int
+    minimum_peak: int
+    chosen: Optional[CheckpointPlan]
+    baselines: tuple[tuple[CheckpointPlan, CheckpointPlan], ...]
+    frontier: tuple[CheckpointPlan, ...]
+    depth_captured: int  # blocks captured to measure the chain (4 for identical blocks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chain": self.chain, "blocks": self.blocks, "step_flops": self.step_flops,
+            "no_plan_peak_bytes": self.no_plan_peak, "minimum_peak_bytes": self.minimum_peak,
+            "chosen": self.chosen.to_dict() if self.chosen is not None else None,
+            "baselines": [{"baseline": b.to_dict(), "graphmem": g.to_dict()} for b, g in self.baselines],
+            "frontier": [p.to_dict() for p in self.frontier],
+        }
+
+
+def summarize(planner: Planner, budget: Optional[int] = None, max_overhead: Optional[float] = None,
+              points: int = 50) -> PlanSummary:
+    chosen = None if budget is None and max_overhead is None else planner.plan(budget, max_overhead)
+    c = planner.costs
+    return PlanSummary(c.chain, c.n, planner.step_flops, planner._none.peak_bytes, planner.minimum_peak(),
+                       chosen, tuple(planner.baselines()), tuple(planner.frontier(points)), planner.depth)

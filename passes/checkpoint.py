@@ -196,14 +196,22 @@ class _Tables:
     """Per (a, b): how far above ``start + m_a`` checkpointing a..b reaches, its forward net,
     its FLOPs (a plan fits a budget when ``m_a <= budget - start - need`` for every segment)."""
 
-    need: np.ndarray  # (n, n) int64; unused where a > b
+    need: np.ndarray  # (n, n) int64, [a, b]; unused where a > b
     fnet: np.ndarray
     flops: np.ndarray
+    need_by_end: np.ndarray = field(init=False)  # the same, [b, a]: contiguous rows for the program
+    fnet_by_end: np.ndarray = field(init=False)
+    flops_by_end: np.ndarray = field(init=False)
     stored_need: np.ndarray  # (n,) storing block a alone
     stored_net: np.ndarray
     fixed: int  # the plan-independent part of the peak
     start: int  # level when the chain's forward starts
     head_high: int
+
+    def __post_init__(self) -> None:
+        self.need_by_end = np.ascontiguousarray(self.need.T)
+        self.fnet_by_end = np.ascontiguousarray(self.fnet.T)
+        self.flops_by_end = np.ascontiguousarray(self.flops.T)
 
 
 def tables(costs: ChainCosts) -> _Tables:
@@ -244,12 +252,14 @@ def tables(costs: ChainCosts) -> _Tables:
 
 
 def _pareto(m: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """Indices of the (m, c) pairs no other pair beats on both (ties: the first kept)."""
-    order = np.lexsort((c, m))
+    """Indices of the (m, c) pairs that no pair with smaller m (or equal m, earlier) beats on
+    c: a superset of the Pareto set when m ties, so no state that matters is lost."""
+    order = np.argsort(m, kind="stable")  # candidates arrive as sorted runs: timsort merges them
     cs = c[order]
     best = np.minimum.accumulate(cs)
-    keep = np.ones(len(cs), dtype=bool)
-    keep[1:] = cs[1:] < best[:-1]
+    keep = np.empty(len(cs), dtype=bool)
+    keep[0] = True
+    np.less(cs[1:], best[:-1], out=keep[1:])
     return order[keep]
 
 
@@ -269,14 +279,18 @@ def optimal(costs: ChainCosts, budget: int, t: Optional[_Tables] = None) -> Opti
     offsets = [0, 1]  # states of position k: [offsets[k], offsets[k+1])
     for end in range(1, n + 1):
         b, size = end - 1, offsets[-1]
-        pv, mv = P[:size], M[:size]
-        idx = np.nonzero(mv <= room - t.need[pv, b])[0]  # checkpoint a..b from a state at a
-        lo, hi = offsets[b], offsets[b + 1]
-        sidx = np.nonzero(M[lo:hi] <= room - t.stored_need[b])[0] + lo  # store block b alone
+        pv = P[:size]
+        idx = np.nonzero(M[:size] <= room - t.need_by_end[b][pv])[0]  # checkpoint a..b from a state at a
+        lo = offsets[b]
+        sidx = np.nonzero(M[lo:size] <= room - t.stored_need[b])[0] + lo  # store block b alone
+        src = pv[idx]
         both = np.concatenate([idx, sidx])
-        cm = M[both] + np.concatenate([t.fnet[pv[idx], b], np.full(len(sidx), t.stored_net[b])])
-        cc = C[both] + np.concatenate([t.flops[pv[idx], b], np.zeros(len(sidx), dtype=np.int64)])
-        ccode = np.concatenate([pv[idx] * 2 + 1, np.full(len(sidx), 2 * b, dtype=np.int64)])
+        cm = M[both]
+        cm[:len(idx)] += t.fnet_by_end[b][src]
+        cm[len(idx):] += t.stored_net[b]
+        cc = C[both]
+        cc[:len(idx)] += t.flops_by_end[b][src]
+        ccode = np.concatenate([src * 2 + 1, np.full(len(sidx), 2 * b, dtype=np.int64)])
         if end == n:
             fits = cm <= room - t.head_high
             both, cm, cc, ccode = both[fits], cm[fits], cc[fits], ccode[fits]
@@ -292,14 +306,20 @@ def optimal(costs: ChainCosts, budget: int, t: Optional[_Tables] = None) -> Opti
     if lo == hi:
         return None
     k = lo + int(np.lexsort((M[lo:hi], C[lo:hi]))[0])
-    out: list[Segment] = []
+    segs: list[Segment] = []
     end = n
     while end > 0:
         a, ck = int(code[k]) // 2, bool(code[k] % 2)
-        out.append((a, end - 1, True) if ck else (end - 1, end - 1, False))
+        segs.append((a, end - 1, True) if ck else (end - 1, end - 1, False))
         end = a if ck else end - 1
         k = int(parent[k])
-    return evaluate(costs, tuple(reversed(out)))
+    return evaluate(costs, tuple(reversed(segs)))
+
+
+def optimal_many(costs: ChainCosts, budgets: Sequence[int], t: Optional[_Tables] = None) -> list[Optional[Evaluated]]:
+    """``optimal`` for several budgets, sharing the tables."""
+    t = t or tables(costs)
+    return [optimal(costs, b, t) for b in budgets]
 
 
 def brute_force(costs: ChainCosts, budget: int) -> Optional[Evaluated]:
@@ -357,8 +377,7 @@ def frontier(costs: ChainCosts, points: int = 50) -> tuple[Evaluated, ...]:
     hi = evaluate(costs, segments_of(costs.n, [])).peak_bytes
     budgets = sorted({lo + (hi - lo) * k // max(points - 1, 1) for k in range(points)})
     found: dict[tuple[Segment, ...], Evaluated] = {}
-    for b in budgets:
-        e = optimal(costs, b, t)
+    for e in optimal_many(costs, budgets, t):
         if e is not None:
             found[e.segments] = e
     plans = sorted(found.values(), key=lambda e: (e.recompute_flops, e.peak_bytes))
