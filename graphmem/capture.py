@@ -93,6 +93,8 @@ class _Recorder:
         self.phase = "forward"
         self.phase_start: dict[str, int] = {}
         self.closed = False
+        self.recompute_rules: Optional[Callable[[], Any]] = None  # CUDA target: rules for recomputes
+        self.recompute_ctx: Any = None
 
     # -- storages -----------------------------------------------------------------
     def storage(self, t: torch.Tensor, kind: str, name: str, created: int, module: str) -> Storage:
@@ -172,6 +174,8 @@ class _Recorder:
                 setattr(t, _NODE, node)
         node.meta.update(index=index, phase=self.phase, module=module, outputs=tuple(metas),
                          bytes=new_bytes)
+        if len(metas) != len(outs) and outs is out:  # some outputs are not tensors: where each tensor is
+            node.meta["positions"] = tuple(i for i, t in enumerate(outs) if isinstance(t, torch.Tensor))
         if self.phase == "backward" and len(self.stack) > 1:
             node.meta["recompute"] = True  # a checkpointed segment's forward, run again
         if metas:
@@ -213,6 +217,11 @@ class _Recorder:
 
     # -- module paths -------------------------------------------------------------
     def pre_hook(self, module: nn.Module, args: Any) -> None:
+        if self.phase == "backward" and len(self.stack) == 1 and self.recompute_rules is not None:
+            # a checkpoint's recompute: on the CUDA target the device's rules (dropout kernel,
+            # SDPA backend, autocast, which checkpoint re-enters) hold there as in forward
+            self.recompute_ctx = self.recompute_rules()
+            self.recompute_ctx.__enter__()
         path = self.paths.get(id(module), type(module).__name__)
         self.stack.append(path)
         if path not in self.module_inputs:
@@ -223,6 +232,9 @@ class _Recorder:
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         path = self.stack.pop()
         start = self.seq_start.pop()
+        if len(self.stack) == 1 and self.recompute_ctx is not None:
+            ctx, self.recompute_ctx = self.recompute_ctx, None
+            ctx.__exit__(None, None, None)
         if self.phase == "forward":
             _tag_grad_fns(output, path, start)
 
@@ -373,6 +385,8 @@ def capture(
     _unique_counts()  # calibrate before entering the fake mode
     paths = {id(m): name for name, m in model.named_modules()}
     cap = _Recorder(paths)
+    if target.device == "cuda":
+        cap.recompute_rules = lambda: CudaRules(target, backends)
     fake_mode = _Mode(cap)
     training = [(m, m.training) for m in model.modules()]
     handles = []

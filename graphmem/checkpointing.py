@@ -84,17 +84,18 @@ def apply_segments(model: nn.Module, chain: str, segments: Sequence[tuple[int, i
     except AttributeError as e:
         raise UsageError(f"the model has no module {chain!r} to checkpoint") from e
     blocks = list(holder.children())
-    changed: list[nn.Module] = []
     used: set[int] = set()
-    for a, b in segments:
+    for a, b in segments:  # all checks first: a refused plan changes nothing
         if not (0 <= a <= b < len(blocks)):
             raise UsageError(f"segment {a}..{b} is outside {chain} (blocks 0..{len(blocks) - 1})")
         if used & set(range(a, b + 1)):
             raise UsageError(f"segment {a}..{b} overlaps another segment")
         used |= set(range(a, b + 1))
-        members = blocks[a:b + 1]
-        if any(getattr(m.forward, "_graphmem_checkpoint", False) for m in members):
+        if any(getattr(m.forward, "_graphmem_checkpoint", False) for m in blocks[a:b + 1]):
             raise UsageError(f"{chain}.{a} is already checkpointed by graphmem; remove() that plan first")
+    changed: list[nn.Module] = []
+    for a, b in segments:
+        members = blocks[a:b + 1]
         originals = [m.forward for m in members]
         members[0].forward = types.MethodType(_segment_forward(members, originals), members[0])
         for m, orig in zip(members[1:], originals[1:]):

@@ -94,8 +94,7 @@ def _analyze(args: argparse.Namespace) -> int:
     check_plan_arguments(args, args.plan)
     with quiet(fmt == "json"):
         report = analyze(args.model, input_shape=args.input_shape, **target_options(args))
-        if args.plan:
-            report.plans(args.budget, args.max_overhead, points=args.points, keep=True)
+        summary = report.plans(args.budget, args.max_overhead, points=args.points, keep=True) if args.plan else None
         if args.formula:
             from .progress import Progress
 
@@ -103,6 +102,10 @@ def _analyze(args: argparse.Namespace) -> int:
                 report.formula(tick=bar.update, keep=True)
     write_files(report, args)  # --plot, --snapshot
     sys.stdout.write(render_report(report, fmt, args))
+    if summary is not None:
+        from .cmd_plan import plan_status
+
+        return plan_status(summary)
     return 0
 
 

@@ -56,4 +56,12 @@ def _plan(args: argparse.Namespace) -> int:
         sys.stdout.write(f"{report.model} {'x'.join(map(str, report.input_shapes[0])) if report.input_shapes else ''}: "
                          f"peak {fmt_bytes(report.peak_bytes)} without checkpoints\n\n")
         sys.stdout.write(render_plan(summary, top=args.top))
+    return plan_status(summary)
+
+
+def plan_status(summary: Any) -> int:
+    """Exit status: 1 when a budget was given and no plan fits it (the output says why)."""
+    if summary.problem is not None:
+        print(f"graphmem: {summary.problem}", file=sys.stderr)
+        return 1
     return 0

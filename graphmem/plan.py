@@ -38,7 +38,8 @@ class PlanError(GraphmemError):
 # -- FLOPs ---------------------------------------------------------------------------------------
 def _meta(x: Any) -> Any:
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], OpNode):
-        shape, dtype, _ = x[0].meta["outputs"][x[1]]
+        positions = x[0].meta.get("positions")
+        shape, dtype, _ = x[0].meta["outputs"][positions.index(x[1]) if positions else x[1]]
         return torch.empty(shape, dtype=dtype, device="meta")
     if isinstance(x, OpNode):
         if x.op == "placeholder":
@@ -206,7 +207,9 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
         peaks.append((what, segs, max([cut.base, *cut.during])))
         base = cut.base
     if len(fixed) != 1:
-        raise PlanError("the ops around the chain change when its blocks are checkpointed; "
+        raise PlanError("the ops around the chain change when its blocks are checkpointed (with autocast "
+                        "(--amp), its cast cache keeps checkpointed blocks' weight copies until the forward "
+                        "ends, which graphmem's plans do not model yet: plan with --dtype bf16/fp16 instead); "
                         "graphmem cannot plan checkpoints for this model")
     stages = []
     for j in range(k):
@@ -406,7 +409,9 @@ def parse_limits(budget: Any, max_overhead: Any, required: bool = True) -> tuple
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    from .render.units import fmt_bytes
+
+    return fmt_bytes(n)
 
 
 @dataclass(frozen=True)
@@ -423,12 +428,14 @@ class PlanSummary:
     baselines: tuple[tuple[CheckpointPlan, CheckpointPlan], ...]
     frontier: tuple[CheckpointPlan, ...]
     depth_captured: int  # blocks captured to measure the chain (4 for identical blocks)
+    problem: Optional[str] = None  # why no plan was chosen for the budget given (none fits)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "chain": self.chain, "blocks": self.blocks, "step_flops": self.step_flops,
             "no_plan_peak_bytes": self.no_plan_peak, "minimum_peak_bytes": self.minimum_peak,
             "chosen": self.chosen.to_dict() if self.chosen is not None else None,
+            "problem": self.problem,
             "baselines": [{"baseline": b.to_dict(), "graphmem": g.to_dict()} for b, g in self.baselines],
             "frontier": [p.to_dict() for p in self.frontier],
         }
@@ -436,7 +443,13 @@ class PlanSummary:
 
 def summarize(planner: Planner, budget: Optional[int] = None, max_overhead: Optional[float] = None,
               points: int = 50) -> PlanSummary:
-    chosen = None if budget is None and max_overhead is None else planner.plan(budget, max_overhead)
+    chosen, problem = None, None
+    if budget is not None or max_overhead is not None:
+        try:
+            chosen = planner.plan(budget, max_overhead)
+        except PlanError as e:  # no plan fits: the frontier still shows what is reachable
+            problem = str(e)
     c = planner.costs
     return PlanSummary(c.chain, c.n, planner.step_flops, planner._none.peak_bytes, planner.minimum_peak(),
-                       chosen, tuple(planner.baselines()), tuple(planner.frontier(points)), planner.depth)
+                       chosen, tuple(planner.baselines()), tuple(planner.frontier(points)), planner.depth,
+                       problem)

@@ -44,6 +44,8 @@ def render_plan(s: PlanSummary, top: int = 12) -> str:
                   f"  checkpointed segments of {chain}: {_segments(p, limit=len(p.segments))}",
                   "  apply it:",
                   *("    " + line for line in p.code().splitlines())]
+    if s.problem is not None:
+        lines += ["", f"No plan chosen: {s.problem}"]
     rows = []
     for base, mine in s.baselines:
         rows.append([base.name, fmt_bytes(base.peak_bytes), fmt_flops(base.recompute_flops),
