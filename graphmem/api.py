@@ -13,6 +13,7 @@ from .capture import capture
 from .errors import UsageError
 from .load import Loaded, from_exported, load, make_inputs, parse_shape
 from .report import Report
+from .reuse import capture_reusing
 from .target import make_target
 from .step import LossFn
 
@@ -79,6 +80,7 @@ def analyze(
     amp: Optional[str] = None,
     attention: str = "auto",
     gpu: str = "h100",
+    reuse: bool = True,
 ) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
@@ -89,7 +91,9 @@ def analyze(
     as it was. The target: ``device`` ("cpu" or "cuda"), ``dtype`` of the parameters ("fp32",
     "bf16", "fp16"), ``amp`` (autocast "bf16"/"fp16" with fp32 parameters), ``attention`` (the
     SDPA backend: "auto", "flash", "efficient", "cudnn", "math") and ``gpu`` ("h100", "a100", ...)
-    for the CUDA backend rules.
+    for the CUDA backend rules. ``reuse`` (default on): a chain of >= 16 identical blocks is
+    captured at depth 4 and the other blocks copied, after a check at depth 5 (graphmem/reuse.py);
+    ``reuse=False`` captures every block.
 
     >>> import torch, graphmem
     >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -117,7 +121,9 @@ def analyze(
         resize = _resized(make)
     loss_fn = loss or loaded.loss
     target = make_target(torch.device(device).type, dtype, amp, attention, gpu)
-    g = capture(loaded.module, make, loss_fn, target)
+    # a deep chain of identical blocks is captured at depth 4 and widened (checked at depth 5)
+    capture_at: Any = lambda: capture(loaded.module, make, loss_fn, target)  # noqa: E731
+    g = capture_reusing(loaded.module, capture_at)[0] if reuse else capture_at()
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     loss_name = "default (output if scalar, else sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")
