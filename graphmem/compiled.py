@@ -133,7 +133,10 @@ class _Backend:
                     cg.replays += 1
                 else:
                     cg.calls += 1
-                return interpreter.boxed_run(args)  # boxed: frees the inputs as it goes, like aot_eager
+                try:
+                    return interpreter.boxed_run(args)  # boxed: frees the inputs as it goes, like aot_eager
+                finally:
+                    interpreter.env = {}  # the interpreter keeps the output node's value: let the caller own it
             run._boxed_call = True  # type: ignore[attr-defined]
             return run
         return compile
@@ -166,8 +169,8 @@ class CompiledStep:
         module_inputs = _module_inputs(model, mode, inputs, target)
         step = CompiledStep(model, backend, optimized, codes, (), module_inputs)
         phase = ["forward"]
-        try:
-            with mode:
+        try:  # a model compiled before in this process may have used up dynamo's recompile limit
+            with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False):
@@ -282,3 +285,16 @@ def _translate(e: Exception, phase: str, root: str) -> GraphmemError:
         return CaptureError(f"torch.compile of {root} failed on fake tensors in the {phase}: {type(inner).__name__}: "
                             f"{msg}; check that torch.compile(model, backend=\"aot_eager\") runs it, or use --mode eager")
     return err
+
+
+def beside_eager(report: Any, model: nn.Module, inputs: Any, loss_fn: Optional[LossFn]) -> Any:
+    """``report`` (compiled mode) with ``compiled``: the same step captured eagerly, side by side."""
+    import dataclasses
+
+    from graphmem.passes import compare_modes, saved
+
+    from .capture import capture
+
+    g = report.step
+    eager = capture(model, inputs, loss_fn, dataclasses.replace(g.target, mode="eager"))
+    return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager)))
