@@ -45,16 +45,33 @@ def module_path(stack: Optional[dict], names: frozenset[str]) -> str:
     """The innermost module of an ``nn_module_stack`` entry, as a ``named_modules()`` path.
 
     Dynamo names modules from its sources: ``L['self'].transformer.h.0``, ``L['self'].h[0]``,
-    ``L['self']._modules['attn']``; the root is ``L['self']`` (or ``L['fn']``)."""
+    ``L['self']._modules['attn']``; the root is ``L['self']`` (``torch.compile(model)``) or
+    ``L['graphmem_root']`` (graphmem's own compiled call)."""
     if not stack:
         return ""
     source = list(stack.values())[-1][0]
     dotted = _INDEX.sub(r".\1", str(source)).replace("._modules.", ".")
     parts = [p for p in dotted.split(".") if p]
-    while parts and parts[0] in ("L", "G", "self", "fn", "mod", "model", "_orig_mod"):
-        parts = parts[1:]
+    if parts[:2] in (["L", "self"], ["L", _ROOT]):  # the module torch.compile was given
+        parts = parts[2:]
     path = ".".join(parts)
     return path if path in names else ""
+
+
+_ROOT = "graphmem_root"
+
+
+def _call(graphmem_root: nn.Module, *args: Any) -> Any:
+    """What gets compiled: a call of the model, as ``torch.compile(model)(*args)`` traces it."""
+    return graphmem_root(*args)
+
+
+def _fresh_call() -> Callable[..., Any]:
+    """``_call`` with a code object of its own: dynamo keeps compiled code on code objects, so
+    each analysis compiles, replays and then drops its own entries without touching others."""
+    import types
+
+    return types.FunctionType(_call.__code__.replace(), _call.__globals__, "graphmem_step")
 
 
 @dataclass
@@ -145,9 +162,9 @@ class _Backend:
 class CompiledStep:
     """One model compiled by torch.compile on fake tensors, ready to replay under capture."""
 
-    def __init__(self, model: nn.Module, backend: _Backend, optimized: Any, codes: dict[int, int],
+    def __init__(self, model: nn.Module, backend: _Backend, call: Callable[..., Any], codes: dict[int, int],
                  breaks: tuple[str, ...], module_inputs: dict[str, tuple[int, ...]]) -> None:
-        self.model, self.backend, self.optimized = model, backend, optimized
+        self.model, self.backend, self.call = model, backend, call
         self._codes_before = codes
         self.graph_breaks = breaks
         self.module_inputs = module_inputs
@@ -161,20 +178,22 @@ class CompiledStep:
 
         names = frozenset(name for name, _ in model.named_modules())
         backend = _Backend(names)
-        optimized = torch.compile(model, backend=backend, dynamic=False)
+        call = _fresh_call()
+        optimized = torch.compile(call, backend=backend, dynamic=False)
         codes = _cache_sizes()
         breaks_before = dict(counters["graph_break"])
         mode = FakeTensorMode()
         device = torch.device("cpu")
         module_inputs = _module_inputs(model, mode, inputs, target)
-        step = CompiledStep(model, backend, optimized, codes, (), module_inputs)
+        step = CompiledStep(model, backend, call, codes, (), module_inputs)
         phase = ["forward"]
         try:  # a model compiled before in this process may have used up dynamo's recompile limit
             with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False):
-                    run_step(optimized, batch, loss_fn, lambda p: phase.__setitem__(0, p), forward_context(target, {}))
+                    run_step(lambda *a: optimized(model, *a), batch, loss_fn, lambda p: phase.__setitem__(0, p),
+                             forward_context(target, {}))
         except GraphmemError:
             step.close()
             raise
@@ -194,7 +213,7 @@ class CompiledStep:
         """The forward, run from the compiled code on graphmem's fake tensors (step 2 above)."""
         self.backend.recorder, self.backend.replaying = rec, True
         with torch.nn.utils.stateless._reparametrize_module(self.model, state, tie_weights=True, strict=False):
-            return torch._dynamo.run(self.optimized)(*args)
+            return torch._dynamo.run(self.call)(self.model, *args)
 
     def check_replayed(self) -> None:
         """The replay ran the same compiled graphs as the trace, as often."""
@@ -213,6 +232,7 @@ class CompiledStep:
         from torch._dynamo.eval_frame import reset_code
 
         self.backend.recorder, self.backend.replaying = None, False
+        reset_code(self.call.__code__)
         for code in _codes():
             if self._codes_before.get(id(code), 0) == 0 and _entries(code):
                 reset_code(code)
@@ -297,4 +317,6 @@ def beside_eager(report: Any, model: nn.Module, inputs: Any, loss_fn: Optional[L
 
     g = report.step
     eager = capture(model, inputs, loss_fn, dataclasses.replace(g.target, mode="eager"))
-    return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager)))
+    note = ("compiled mode: saved bytes are checked against real torch.compile(backend=\"aot_eager\") steps (0 B); "
+            "the peak and timeline replay the compiled graphs op by op and are not yet checked against a real run")
+    return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager)), notes=(*report.notes, note))
