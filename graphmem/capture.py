@@ -10,12 +10,14 @@ them through ``torch.func.functional_call`` (its own tensors are not touched).
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -135,7 +137,7 @@ class _Recorder:
     def module_now(self) -> str:
         if self.node_module is not None:
             return self.node_module
-        if self.phase == "backward":
+        if self.phase == "backward" and len(self.stack) == 1:  # (a deeper stack: a checkpoint's recompute)
             fn = torch._C._current_autograd_node()
             return fn.metadata.get(_TAG, "") if fn is not None else ""
         return self.stack[-1]
@@ -173,6 +175,8 @@ class _Recorder:
                 setattr(t, _NODE, node)
         node.meta.update(index=index, phase=self.phase, module=module, outputs=tuple(metas),
                          bytes=new_bytes)
+        if self.phase == "backward" and len(self.stack) > 1:
+            node.meta["recompute"] = True  # a checkpointed segment's forward, run again
         if metas:
             node.meta.update(shape=metas[0][0], dtype=metas[0][1], storage=metas[0][2])
         return out
@@ -231,6 +235,30 @@ class _Recorder:
         self.phase_start[phase] = len(self.ops)
         self.stack = [""]
         self.seq_start = []
+
+
+@contextlib.contextmanager
+def _rng_states(cap: "_Recorder", counted: bool) -> Iterator[None]:
+    """torch.utils.checkpoint stashes the CPU generator's state (a real 5,056-byte uint8
+    tensor, made without dispatch, so fake tensors never see it) per checkpointed call and
+    copies it again around each recompute. On the CPU target that is step memory: record it.
+    (On the CUDA target the stashed states live in host memory.)"""
+    if not counted:
+        yield
+        return
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        t = original()
+        if cap.recording and not cap.closed:  # allocated between the last op and the next
+            cap.storage(t, "external", "cpu rng state", len(cap.ops), cap.module_now())
+        return t
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -399,13 +427,13 @@ def capture(
                     cap.preexisting(x, "input", f"input_{i}")
         handles = [] if compiled is not None else [  # compiled: modules come from the graphs' node metadata
             nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
-            nn.modules.module.register_module_forward_hook(cap.post_hook),
+            nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True),  # also when a recompute stops early
         ]
 
         def forward(*args: Any) -> Any:
             if compiled is not None:
-                return compiled.replay(cap, state, args)
-            return torch.func.functional_call(model, state, args, strict=False, tie_weights=True)
+                return compiled.replay(cap, args)
+            return model(*args)
 
         def tagged_loss(out: Any, inputs: tuple) -> torch.Tensor:
             loss = (loss_fn or default_loss)(out, inputs)
@@ -414,7 +442,11 @@ def capture(
             return loss
 
         try:
-            with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack):
+            # the fake parameters stay in the module through backward: checkpointed
+            # segments (torch.utils.checkpoint) run their forward again there
+            with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
+                    _reparametrize_module(model, state, tie_weights=True, strict=False), \
+                    _rng_states(cap, target.device == "cpu"):
                 cap.recording = True
                 out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, forward_context(target, backends))
                 grads = [p.grad for p in seen.values() if p.grad is not None]

@@ -209,11 +209,11 @@ class CompiledStep:
                                "torch._dynamo.explain(model)(*inputs)")
         return step
 
-    def replay(self, rec: Any, state: dict[str, torch.Tensor], args: tuple) -> Any:
-        """The forward, run from the compiled code on graphmem's fake tensors (step 2 above)."""
+    def replay(self, rec: Any, args: tuple) -> Any:
+        """The forward, run from the compiled code on graphmem's fake tensors (step 2 above);
+        the capture has put its fake parameters into the module."""
         self.backend.recorder, self.backend.replaying = rec, True
-        with torch.nn.utils.stateless._reparametrize_module(self.model, state, tie_weights=True, strict=False):
-            return torch._dynamo.run(self.call)(self.model, *args)
+        return torch._dynamo.run(self.call)(self.model, *args)
 
     def check_replayed(self) -> None:
         """The replay ran the same compiled graphs as the trace, as often."""
