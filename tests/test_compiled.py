@@ -8,6 +8,7 @@ deduplicated by storage, parameters excluded: graphmem.measure.measure_saved. 0 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -116,19 +117,11 @@ def test_compiled_cuda_target_is_a_usage_error(capsys: pytest.CaptureFixture[str
     assert len(err.strip().splitlines()) == 1 and "--mode" in err
 
 
-class ItemAfterBreak(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.lin(x)
-        return y / y.abs().max().item()  # dynamo breaks the graph; the eager .item() needs values
-
-
 def test_data_dependent_model_names_the_fix() -> None:
+    """`.item()` in forward: dynamo breaks the graph there, and the eager `.item()` needs values."""
+    item = Path(__file__).parent / "badmodels" / "item.py"
     with pytest.raises(DataDependentError, match="item"):
-        graphmem.analyze(ItemAfterBreak(), (torch.randn(2, 4),), mode="compiled")
+        graphmem.analyze(str(item), input_shape=(2, 4), mode="compiled")
 
 
 def test_module_path_from_dynamo_sources() -> None:
