@@ -80,6 +80,7 @@ def analyze(
     amp: Optional[str] = None,
     attention: str = "auto",
     gpu: str = "h100",
+    mode: str = "eager",
     reuse: bool = True,
 ) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
@@ -91,9 +92,11 @@ def analyze(
     as it was. The target: ``device`` ("cpu" or "cuda"), ``dtype`` of the parameters ("fp32",
     "bf16", "fp16"), ``amp`` (autocast "bf16"/"fp16" with fp32 parameters), ``attention`` (the
     SDPA backend: "auto", "flash", "efficient", "cudnn", "math") and ``gpu`` ("h100", "a100", ...)
-    for the CUDA backend rules. ``reuse`` (default on): a chain of >= 16 identical blocks is
-    captured at depth 4 and the other blocks copied, after a check at depth 5 (graphmem/reuse.py);
-    ``reuse=False`` captures every block.
+    for the CUDA backend rules. ``mode="compiled"`` predicts ``torch.compile(model)``'s step
+    (AOTAutograd's graphs split by the min-cut partitioner, as the ``aot_eager`` backend runs
+    them) and puts eager beside it in ``report.compiled``. ``reuse`` (default on): a chain of
+    >= 16 identical blocks is captured at depth 4 and the other blocks copied, after a check at
+    depth 5 (graphmem/reuse.py); ``reuse=False`` captures every block.
 
     >>> import torch, graphmem
     >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -120,7 +123,7 @@ def analyze(
         make = inputs if isinstance(inputs, tuple) else (inputs,)
         resize = _resized(make)
     loss_fn = loss or loaded.loss
-    target = make_target(torch.device(device).type, dtype, amp, attention, gpu)
+    target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode)
     # a deep chain of identical blocks is captured at depth 4 and widened (checked at depth 5)
     capture_at: Any = lambda: capture(loaded.module, make, loss_fn, target)  # noqa: E731
     g = capture_reusing(loaded.module, capture_at)[0] if reuse else capture_at()
@@ -132,4 +135,9 @@ def analyze(
         probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
         source = Source(loaded.module, resize, loss_fn, target, probe, example[0].shape)
     alloc = allocator(g) if target.device == "cuda" else None  # the caching allocator's view of the step
-    return Report.build(g, liveness(g), saved(g), loaded.name, shapes, loss_name, notes(g), source, alloc)
+    report = Report.build(g, liveness(g), saved(g), loaded.name, shapes, loss_name, notes(g), source, alloc)
+    if target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
+        from .compiled import beside_eager
+
+        report = beside_eager(report, loaded.module, make, loss_fn)
+    return report

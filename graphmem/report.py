@@ -35,6 +35,7 @@ class Report:
     target: Any = None  # graphmem.target.Target
     attention_backends: dict = field(default_factory=dict)  # CUDA target: SDPA kernel -> calls
     cuda_allocator: Any = None  # CUDA target: passes.allocator.AllocatorResult (caching allocator model)
+    compiled: Any = None  # compiled mode: passes.modes.ModeComparison (eager beside compiled)
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # how to capture at other sizes
@@ -206,5 +207,6 @@ class Report:
                                    "fragmentation": self.cuda_allocator.fragmentation,
                                    "segments": self.cuda_allocator.segments}} if self.cuda_allocator is not None else {}),
             **({"coefficients": self.known_coefficients.to_dict()} if self.known_coefficients is not None else {}),
+            **({"compiled": self.compiled.to_dict()} if self.compiled is not None else {}),
             **({"plan": self.known_plans.to_dict()} if self.known_plans is not None else {}),
         }
