@@ -95,8 +95,8 @@ def analyze(
     for the CUDA backend rules. ``mode="compiled"`` predicts ``torch.compile(model)``'s step
     (AOTAutograd's graphs split by the min-cut partitioner, as the ``aot_eager`` backend runs
     them) and puts eager beside it in ``report.compiled``. ``reuse`` (default on): a chain of
-    >= 16 identical blocks is captured at depth 4 and the other blocks copied, after a check at
-    depth 5 (graphmem/reuse.py); ``reuse=False`` captures every block.
+    >= 16 identical blocks is captured at depth 5 and the other blocks copied, after a check at
+    depth 6 (graphmem/reuse.py); ``reuse=False`` captures every block.
 
     >>> import torch, graphmem
     >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -124,9 +124,10 @@ def analyze(
         resize = _resized(make)
     loss_fn = loss or loaded.loss
     target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode)
-    # a deep chain of identical blocks is captured at depth 4 and widened (checked at depth 5)
+    # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6)
     capture_at: Any = lambda: capture(loaded.module, make, loss_fn, target)  # noqa: E731
-    g = capture_reusing(loaded.module, capture_at)[0] if reuse else capture_at()
+    # (compiled mode: AOTAutograd hands back gradients per parameter after the chain: not yet)
+    g = capture_reusing(loaded.module, capture_at)[0] if reuse and mode != "compiled" else capture_at()
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     loss_name = "default (output if scalar, else sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")

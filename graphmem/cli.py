@@ -56,7 +56,7 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="eager", choices=["eager", "compiled"],
                    help="eager autograd (default) or torch.compile's step (AOTAutograd, min-cut partition), shown beside eager")
     p.add_argument("--no-reuse", action="store_true",
-                   help="capture every block of a deep chain (default: 4 captured and copied, checked at depth 5)")
+                   help="capture every block of a deep chain (default: 5 captured and copied, checked at depth 6)")
 
 
 def target_options(args: argparse.Namespace) -> dict:

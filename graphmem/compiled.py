@@ -315,8 +315,11 @@ def beside_eager(report: Any, model: nn.Module, inputs: Any, loss_fn: Optional[L
 
     from .capture import capture
 
+    from .reuse import capture_reusing
+
     g = report.step
-    eager = capture(model, inputs, loss_fn, dataclasses.replace(g.target, mode="eager"))
+    eager_target = dataclasses.replace(g.target, mode="eager")
+    eager, _ = capture_reusing(model, lambda: capture(model, inputs, loss_fn, eager_target))
     note = ("compiled mode: saved bytes are checked against real torch.compile(backend=\"aot_eager\") steps (0 B); "
             "the peak and timeline replay the compiled graphs op by op and are not yet checked against a real run")
     return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager)), notes=(*report.notes, note))

@@ -1,11 +1,12 @@
 """Capture a deep model once per kind of block: record the step with the chain of identical
-blocks cut to 4, then write the other blocks' ops, storages and save events by copying an
-interior block's (renumbered, renamed, re-linked).
+blocks cut to 5, then write the other blocks' ops, storages and save events by copying a
+middle block's (renumbered, renamed, re-linked to its neighbours).
 
 Why it is exact, and how that is checked every time: identical blocks run the same ops on the
-same shapes, so block i's forward and backward are block 1's with the names and the links to
-the neighbouring blocks shifted. That premise is tested on the model itself before the copy is
-trusted: the step is also captured with 5 blocks, and the 4-block capture widened to 5 must
+same shapes, so block i's forward and backward are block 2's with the names and the links to
+the neighbouring blocks shifted (the first two and last two blocks, which touch what is around
+the chain, are their own). That premise is tested on the model itself before the copy is
+trusted: the step is also captured with 6 blocks, and the 5-block capture widened to 6 must
 equal it op for op, storage for storage, save for save (indices, sizes, lifetimes, module
 paths). Blocks must also hold the same settings (no per-block index that changes what they
 do: ``blocks_alike``). If anything differs, or the chain does not run block by block, graphmem
@@ -23,7 +24,7 @@ import torch.nn as nn
 from .formula import Chain, find_chain, truncated
 from .stepgraph import OpNode, SaveEvent, StepGraph, Storage
 
-DEPTH = 4  # blocks captured: the first, two interior ones (compared), the last
+DEPTH = 5  # blocks captured: the first, the second, a middle one (the template), the last two
 MIN_LENGTH = 16  # shorter chains are captured whole (9 blocks captured would not pay)
 
 
@@ -106,7 +107,26 @@ class _Widen:
         self.total = pos
 
     def template(self, b: int) -> int:
-        return 0 if b == 0 else self.k - 1 if b == self.n - 1 else 1
+        """The captured block that block b copies: the ends and their neighbours are their own
+        (they touch what is around the chain), every other block copies block 2, whose
+        neighbours are blocks like it."""
+        n, k = self.n, self.k
+        if b in (0, 1):
+            return b
+        if b >= n - 2:
+            return k - (n - b)
+        return 2
+
+    def copies(self, j: Optional[int]) -> list[Optional[int]]:
+        """The blocks that captured block j becomes."""
+        if j is None:
+            return [None]
+        n, k = self.n, self.k
+        if j in (0, 1):
+            return [j]
+        if j >= k - 2:
+            return [n - (k - j)]
+        return list(range(2, n - 2)) if j == 2 else []
 
     def block(self, j: Optional[int], ctx_b: Optional[int], ctx_j: Optional[int]) -> Optional[int]:
         """The synthesized block that template block j is, seen from template block ctx_j
@@ -114,11 +134,10 @@ class _Widen:
         if j is None:
             return None
         if ctx_j is None:
-            if j == 0:
-                return 0
-            if j == self.k - 1:
-                return self.n - 1
-            raise NotReusable("an interior block is referred to from outside the chain")
+            mine = self.copies(j)
+            if len(mine) != 1:
+                raise NotReusable("an interior block is referred to from outside the chain")
+            return mine[0]
         b = ctx_b + (j - ctx_j)  # type: ignore[operator]
         if not 0 <= b < self.n:
             raise NotReusable("a block refers to a block that has no counterpart")
@@ -171,11 +190,7 @@ def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> Ste
             return r.block_of(s.name)  # a parameter or buffer of a block
         return owner_of_index(s.created)
 
-    def copies_of(j: Optional[int]) -> list[Optional[int]]:
-        """The synthesized blocks a thing of template block j becomes (block 2 stands for none)."""
-        if j is None:
-            return [None]
-        return [0] if j == 0 else [n - 1] if j == k - 1 else list(range(1, n - 1)) if j == 1 else []
+    copies_of = w.copies
 
     # placeholders in the order a full capture makes them (block by block), then storages:
     # the pre-existing ones in that order, the others by the op that made them
@@ -250,7 +265,23 @@ def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> Ste
 
     ops: list[OpNode] = [None] * w.total  # type: ignore[list-item]
 
-    def arg(a: Any, ctx_b: Optional[int], ctx_j: Optional[int]) -> Any:
+    def twin(kind: str, t: Optional[int], pos: int) -> Optional[OpNode]:
+        """The op at the same place of a neighbouring captured block: where both refer to the
+        same op of a third block, that op is shared (e.g. a causal mask the compiler computed
+        once), not the neighbour's."""
+        if t is None:
+            return None
+        for t2 in (t + 1, t - 1):
+            if 0 <= t2 < k:
+                s2, e2 = r.region(kind, t2)
+                if s2 + pos <= e2:
+                    return g.ops[s2 + pos]
+        return None
+
+    def shared(a: OpNode, other: Any) -> bool:
+        return other is a or (isinstance(other, tuple) and other[0] is a)
+
+    def arg(a: Any, ctx_b: Optional[int], ctx_j: Optional[int], other: Any = None) -> Any:
         if isinstance(a, OpNode):
             if a.op == "placeholder":
                 j = r.block_of(a.target) if isinstance(a.target, str) else None
@@ -259,11 +290,15 @@ def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> Ste
                 if q is None:
                     raise NotReusable("a placeholder has no counterpart")
                 return q
+            if shared(a, other) and r.where[a.meta["index"]][1] != ctx_j:
+                return ops[w.index(a.meta["index"], None, None)]  # type: ignore[index]
             return ops[w.index(a.meta["index"], ctx_b, ctx_j)]  # type: ignore[index]
         if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], OpNode):
-            return (arg(a[0], ctx_b, ctx_j), a[1])
+            o = other[0] if isinstance(other, tuple) and len(other) == 2 else None
+            return (arg(a[0], ctx_b, ctx_j, o), a[1])
         if isinstance(a, list):
-            return [arg(x, ctx_b, ctx_j) for x in a]
+            others = other if isinstance(other, list) and len(other) == len(a) else [None] * len(a)
+            return [arg(x, ctx_b, ctx_j, y) for x, y in zip(a, others)]
         return a
 
     for kind, b, t in w.order:
@@ -272,8 +307,11 @@ def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> Ste
         for u in range(s, e + 1):
             op = g.ops[u]
             i = base + u - s
-            node = OpNode(op.op, op.target, tuple(arg(a, b, t) for a in op.args),
-                          {key: arg(v, b, t) for key, v in op.kwargs.items()}, f"op{i}")
+            tw = twin(kind, t, u - s)
+            targs = tw.args if tw is not None and len(tw.args) == len(op.args) else (None,) * len(op.args)
+            node = OpNode(op.op, op.target, tuple(arg(a, b, t, o) for a, o in zip(op.args, targs)),
+                          {key: arg(v, b, t, tw.kwargs.get(key) if tw is not None else None)
+                           for key, v in op.kwargs.items()}, f"op{i}")
             meta = dict(op.meta)
             meta["index"] = i
             meta["module"] = _rename(op.meta.get("module", ""), prefix, t, b)
@@ -284,13 +322,19 @@ def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> Ste
             ops[i] = node
 
     saves: list[SaveEvent] = []
+    by_block: dict[Optional[int], list[SaveEvent]] = {}
     for ev in g.saves:
         j = r.block_of(ev.module)  # (packed_at is the op before the saving one: maybe the block before)
-        if j is None:
-            j = owner_of_index(ev.packed_at)
-        for b in copies_of(j):
-            saves.append(SaveEvent(sid(ev.sid, b, j), w.index(ev.packed_at, b, j), w.index(ev.released_at, b, j),  # type: ignore[arg-type]
-                                   _rename(ev.module, prefix, j, b), ev.phase, ev.shape, ev.dtype, ev.grad_fn))
+        by_block.setdefault(j if j is not None else owner_of_index(ev.packed_at), []).append(ev)
+    for j, evs in by_block.items():
+        neighbour = by_block.get(j + 1 if j is not None and j + 1 < k else (j - 1 if j is not None else None), [])
+        for n_ev, ev in enumerate(evs):
+            mate = neighbour[n_ev] if len(neighbour) == len(evs) else None
+            common = mate is not None and mate.sid == ev.sid and owner(g.storages[ev.sid]) != j  # a shared tensor
+            for b in copies_of(j):
+                saves.append(SaveEvent(sid(ev.sid, None, None) if common else sid(ev.sid, b, j),
+                                       w.index(ev.packed_at, b, j), w.index(ev.released_at, b, j),  # type: ignore[arg-type]
+                                       _rename(ev.module, prefix, j, b), ev.phase, ev.shape, ev.dtype, ev.grad_fn))
     saves.sort(key=lambda e: e.packed_at)
 
     grad_runs: list[tuple[Optional[int], list[int]]] = []  # the template's order, block by block
