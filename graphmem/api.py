@@ -14,6 +14,7 @@ from .errors import UsageError
 from .load import Loaded, from_exported, load, make_inputs, parse_shape
 from .report import Report
 from .target import make_target
+from .whole_step import make_training, prepare, step_budget
 from .step import LossFn
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
@@ -79,6 +80,17 @@ def analyze(
     amp: Optional[str] = None,
     attention: str = "auto",
     gpu: str = "h100",
+    optimizer: Optional[str] = None,
+    optimizer_impl: str = "auto",
+    master_weights: bool = False,
+    micro_batches: int = 1,
+    lora_rank: Optional[int] = None,
+    lora_targets: Any = None,
+    world_size: int = 1,
+    zero: int = 0,
+    fsdp: Optional[str] = None,
+    tp: int = 1,
+    sp: bool = False,
 ) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
@@ -90,6 +102,14 @@ def analyze(
     "bf16", "fp16"), ``amp`` (autocast "bf16"/"fp16" with fp32 parameters), ``attention`` (the
     SDPA backend: "auto", "flash", "efficient", "cudnn", "math") and ``gpu`` ("h100", "a100", ...)
     for the CUDA backend rules.
+
+    The whole training step (graphmem/train.py), reported as ``report.budget``: ``optimizer``
+    ("sgd", "momentum", "adam", "adamw", "adafactor"; torch.optim, run after backward, then
+    ``zero_grad``) with ``optimizer_impl`` ("auto", "foreach", "forloop", "fused"),
+    ``master_weights`` (fp32 masters of 16-bit parameters), ``micro_batches`` (gradient
+    accumulation), ``lora_rank``/``lora_targets`` (adapters on the named linear layers, the rest
+    frozen), and per-rank budgets for ``world_size`` ranks with ``zero`` (1-3) or ``fsdp``
+    ("full", "grad-op") and ``tp`` (tensor parallel, ``sp`` sequence parallel).
 
     >>> import torch, graphmem
     >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -117,13 +137,18 @@ def analyze(
         resize = _resized(make)
     loss_fn = loss or loaded.loss
     target = make_target(torch.device(device).type, dtype, amp, attention, gpu)
-    g = capture(loaded.module, make, loss_fn, target)
+    training = make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank, lora_targets,
+                             world_size, zero, fsdp, tp, sp)
+    module, lora_layers = prepare(loaded.module, training)
+    g = capture(module, make, loss_fn, target, train=training.train)
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     loss_name = "default (output if scalar, else sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")
     source = None
     if example:
         probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
-        source = Source(loaded.module, resize, loss_fn, target, probe, example[0].shape)
+        source = Source(module, resize, loss_fn, target, probe, example[0].shape)
     alloc = allocator(g) if target.device == "cuda" else None  # the caching allocator's view of the step
-    return Report.build(g, liveness(g), saved(g), loaded.name, shapes, loss_name, notes(g), source, alloc)
+    lv, sv = liveness(g), saved(g)
+    plan = step_budget(g, lv, sv, training, module, lora_layers) if training.requested else None
+    return Report.build(g, lv, sv, loaded.name, shapes, loss_name, notes(g), source, alloc, budget=plan)

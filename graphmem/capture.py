@@ -406,9 +406,8 @@ def capture(
                     out, loss = session.run(forward, fake_inputs, tagged_loss, cap.set_phase,
                                             _forward_context(target, backends), _marker(cap, seen, model, marked), fake=True)
                     relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
-                grads = [p.grad for p in seen.values() if p.grad is not None]
                 gradient_sids = list(dict.fromkeys(marked.get("gradient", []) + [
-                    cap.storage(g, "gradient", "grad", len(cap.ops) - 1, "").sid for g in grads]))
+                    _gradient(cap, p) for p in seen.values() if p.grad is not None]))
                 for sid in gradient_sids:  # the op that made it stays its name; it lives on as a .grad
                     cap.storages[sid].kind = "gradient"
         except GraphmemError:
@@ -427,6 +426,12 @@ def capture(
             h.remove()
         for m, was in training:
             m.training = was
+
+
+def _gradient(cap: _Recorder, p: torch.Tensor) -> int:
+    s = cap.storage(p.grad, "gradient", "grad", len(cap.ops) - 1, "")
+    s.owner = cap.live[p.untyped_storage()._cdata].sid
+    return s.sid
 
 
 def _session(train: Optional[TrainStep], model: nn.Module, seen: dict[int, torch.Tensor], cap: _Recorder,
