@@ -34,8 +34,8 @@ from .liveness import Liveness
 from .saved import SavedSet
 from .tensor_parallel import TPMarks, tp_marks
 
-ROWS = ("parameters", "gradients", "optimizer states", "master copies", "activations", "temporaries")
-_KIND_ROW = {"parameter": "parameters", "buffer": "parameters", "gradient": "gradients",
+ROWS = ("parameters", "buffers", "gradients", "optimizer states", "master copies", "activations", "temporaries")
+_KIND_ROW = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradients",
              "optimizer state": "optimizer states", "master": "master copies"}
 
 
@@ -103,7 +103,7 @@ class Budget:
     later_peak_bytes: int  # steps after the first: optimizer states live from the start
     later_peak_index: int
     later_peak_phase: str
-    model_state_bytes: int  # parameters + gradients + optimizer states + master copies, per rank
+    model_state_bytes: int  # parameters + gradients + optimizer states + master copies, per rank (no buffers)
     step_counter_bytes: int  # scalar optimizer states (Adam's step), replicated; inside the states row
     states_by_name: dict[str, int]  # optimizer state name (exp_avg, ...) -> bytes per rank
     parameters: int  # parameter elements (the whole model)
@@ -113,7 +113,7 @@ class Budget:
     top_temporaries: tuple[tuple[str, int], ...]  # largest temporaries at the peak, by the op (or kind) that made them
     largest_unit: str = ""  # ZeRO-3/FSDP: the unit with the most parameters
     gather_bytes: int = 0  # its gathered parameters on one rank
-    tp_split: tuple[int, int] = (0, 0)  # (column-parallel, row-parallel) linear ops in forward
+    tp_split: tuple[int, int] = (0, 0)  # (column-parallel, row-parallel) linear ops in the (last micro-step's) forward
     timeline: tuple[int, ...] = field(default=(), repr=False)  # one rank's live bytes per op
 
     def row(self, name: str) -> BudgetRow:
@@ -245,8 +245,16 @@ def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parall
         sum(_ceil(s.nbytes * den, den) for s in states if _numel(s) <= 1), by_name,
         sum(_numel(s) for s in params), sum(_numel(s) for s in params if s.sid in with_grad),
         str(node.target) if node is not None else "", node.meta.get("module", "") if node is not None else "", top,
-        largest, _ceil(gather_max, den), (len(marks.column), len(marks.row)) if marks else (0, 0),
+        largest, _ceil(gather_max, den), _forward_linears(g, marks),
         tuple(_ceil(v, den) for v in timeline))
+
+
+def _forward_linears(g: StepGraph, marks: Optional[TPMarks]) -> tuple[int, int]:
+    if marks is None:
+        return (0, 0)
+    end = g.phase_start.get("loss", g.num_ops)
+    start = g.phase_start.get("forward", 0)
+    return (sum(start <= i < end for i in marks.column), sum(start <= i < end for i in marks.row))
 
 
 def _floating(dtype: str) -> bool:
@@ -286,7 +294,9 @@ def _gathered(g: StepGraph, units: tuple[str, ...], parts: dict[int, tuple[int, 
                 held.add(u - 1)  # prefetched: the next unit to run backward
         out[i] = sum(extra.get(k, 0) for k in held)
     largest = max((k for k in extra if k >= 0), key=lambda k: extra[k], default=-1)
-    return out, units[largest] if largest >= 0 else "", extra.get(largest, 0) + root
+    if largest < 0:
+        return out, "", root
+    return out, units[largest], extra[largest] + root
 
 
 def _row_notes(p: Parallel, states: bool, grads: bool, params: bool, t: int) -> dict[str, str]:

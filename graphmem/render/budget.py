@@ -47,6 +47,8 @@ def render_budget(b: Any) -> str:
     headers += ["per rank" if single is not None else "size", "live at the peak", ""]
     rows = []
     for row in r.rows:
+        if row.name == "buffers" and not row.size:
+            continue
         line = [row.name]
         if single is not None:
             other = next((x for x in single.rows if x.name == row.name), None)
@@ -72,9 +74,9 @@ def render_budget(b: Any) -> str:
     if b.training.lora is not None:
         frozen = r.parameters - r.trainable
         lines.append(f"LoRA: {len(b.lora_layers)} layers adapted; {_count(frozen)} frozen parameters get no gradient "
-                     f"and no optimizer state; activations are still saved wherever backward needs them "
-                     f"({fmt_bytes(r.row('activations').size)} here: the adapters need each layer's input, "
-                     "and the input gradient flows through the frozen weights)")
+                     f"and no optimizer state; activations are still saved wherever a gradient needs them "
+                     f"({fmt_bytes(r.row('activations').size)} here: autograd skips only what a frozen weight's own "
+                     "gradient would need, and the input gradient still flows back through every layer)")
     if r.peak_index >= 0:
         module = f", module {r.peak_module}" if r.peak_module else ""
         lines.append(f"why the peak: op {r.peak_index} ({r.peak_phase}: {r.peak_op}{module}) is {_WHY.get(r.peak_phase, r.peak_phase)}")
