@@ -27,6 +27,8 @@ def _lifetime(report: Report, created: int, released: int | None) -> str:
 
 
 def _module(path: str, report: Report | None = None, created: int = -1) -> str:
+    if not path and report is not None and created >= report.phase_start.get("optimizer", report.num_ops):
+        return "(optimizer)"  # made by the optimizer step (graphmem/train.py)
     if not path and report is not None and created >= report.phase_start.get("loss", report.num_ops):
         return "(loss)"  # made by the loss function, outside every module
     return path or ROOT
