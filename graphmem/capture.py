@@ -429,6 +429,7 @@ def capture(
 
 
 def _gradient(cap: _Recorder, p: torch.Tensor) -> int:
+    assert p.grad is not None
     s = cap.storage(p.grad, "gradient", "grad", len(cap.ops) - 1, "")
     s.owner = cap.live[p.untyped_storage()._cdata].sid
     return s.sid
