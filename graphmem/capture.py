@@ -10,12 +10,14 @@ them through ``torch.func.functional_call`` (its own tensors are not touched).
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -93,6 +95,8 @@ class _Recorder:
         self.phase = "forward"
         self.phase_start: dict[str, int] = {}
         self.closed = False
+        self.recompute_rules: Optional[Callable[[], Any]] = None  # CUDA target: rules for recomputes
+        self.recompute_ctx: Any = None
 
     # -- storages -----------------------------------------------------------------
     def storage(self, t: torch.Tensor, kind: str, name: str, created: int, module: str) -> Storage:
@@ -134,7 +138,7 @@ class _Recorder:
         return a
 
     def module_now(self) -> str:
-        if self.phase == "backward":
+        if self.phase == "backward" and len(self.stack) == 1:  # (a deeper stack: a checkpoint's recompute)
             fn = torch._C._current_autograd_node()
             return fn.metadata.get(_TAG, "") if fn is not None else ""
         return self.stack[-1]
@@ -174,6 +178,10 @@ class _Recorder:
                 setattr(t, _NODE, node)
         node.meta.update(index=index, phase=self.phase, module=module, outputs=tuple(metas),
                          bytes=new_bytes)
+        if len(metas) != len(outs) and outs is out:  # some outputs are not tensors: where each tensor is
+            node.meta["positions"] = tuple(i for i, t in enumerate(outs) if isinstance(t, torch.Tensor))
+        if self.phase == "backward" and len(self.stack) > 1:
+            node.meta["recompute"] = True  # a checkpointed segment's forward, run again
         if metas:
             node.meta.update(shape=metas[0][0], dtype=metas[0][1], storage=metas[0][2])
         return out
@@ -213,6 +221,11 @@ class _Recorder:
 
     # -- module paths -------------------------------------------------------------
     def pre_hook(self, module: nn.Module, args: Any) -> None:
+        if self.phase == "backward" and len(self.stack) == 1 and self.recompute_rules is not None:
+            # a checkpoint's recompute: on the CUDA target the device's rules (dropout kernel,
+            # SDPA backend, autocast, which checkpoint re-enters) hold there as in forward
+            self.recompute_ctx = self.recompute_rules()
+            self.recompute_ctx.__enter__()
         path = self.paths.get(id(module), type(module).__name__)
         self.stack.append(path)
         if path not in self.module_inputs:
@@ -223,6 +236,9 @@ class _Recorder:
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         path = self.stack.pop()
         start = self.seq_start.pop()
+        if len(self.stack) == 1 and self.recompute_ctx is not None:
+            ctx, self.recompute_ctx = self.recompute_ctx, None
+            ctx.__exit__(None, None, None)
         if self.phase == "forward":
             _tag_grad_fns(output, path, start)
 
@@ -232,6 +248,30 @@ class _Recorder:
         self.phase_start[phase] = len(self.ops)
         self.stack = [""]
         self.seq_start = []
+
+
+@contextlib.contextmanager
+def _rng_states(cap: "_Recorder", counted: bool) -> Iterator[None]:
+    """torch.utils.checkpoint stashes the CPU generator's state (a real 5,056-byte uint8
+    tensor, made without dispatch, so fake tensors never see it) per checkpointed call and
+    copies it again around each recompute. On the CPU target that is step memory: record it.
+    (On the CUDA target the stashed states live in host memory.)"""
+    if not counted:
+        yield
+        return
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        t = original()
+        if cap.recording and not cap.closed:  # allocated between the last op and the next
+            cap.storage(t, "external", "cpu rng state", len(cap.ops), cap.module_now())
+        return t
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -352,6 +392,8 @@ def capture(
     _unique_counts()  # calibrate before entering the fake mode
     paths = {id(m): name for name, m in model.named_modules()}
     cap = _Recorder(paths)
+    if target.device == "cuda":
+        cap.recompute_rules = lambda: CudaRules(target, backends)
     fake_mode = _Mode(cap)
     training = [(m, m.training) for m in model.modules()]
     handles = []
@@ -384,11 +426,11 @@ def capture(
             session = _session(train, model, seen, cap, target.device)
         handles = [
             nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
-            nn.modules.module.register_module_forward_hook(cap.post_hook),
+            nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True),  # also when a recompute stops early
         ]
 
         def forward(*args: Any) -> Any:
-            return torch.func.functional_call(model, state, args, strict=False, tie_weights=True)
+            return model(*args)
 
         def tagged_loss(out: Any, inputs: tuple) -> torch.Tensor:
             loss = (loss_fn or default_loss)(out, inputs)
@@ -397,7 +439,11 @@ def capture(
             return loss
 
         try:
-            with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack):
+            # the fake parameters stay in the module through backward: checkpointed
+            # segments (torch.utils.checkpoint) run their forward again there
+            with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
+                    _reparametrize_module(model, state, tie_weights=True, strict=False), \
+                    _rng_states(cap, target.device == "cpu"):
                 cap.recording = True
                 marked: dict[str, list[int]] = {}
                 if session is None:

@@ -32,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--top", type=int, default=10, help="rows in the largest-tensor tables (default 10)")
     a.add_argument("--formula", action="store_true",
                    help="also fit the exact formulas (alpha/beta/gamma per block; a few more captures)")
+    a.add_argument("--plan", action="store_true",
+                   help="also plan activation checkpoints (with --budget or --max-overhead: choose one)")
+    from .cmd_plan import add_plan_arguments
+
+    add_plan_arguments(a)
     a.add_argument("--debug", action="store_true", help="show tracebacks")
     a.set_defaults(run=_analyze)
     pr = sub.add_parser("presets", help="list the bundled model presets")
@@ -85,9 +90,13 @@ def _analyze(args: argparse.Namespace) -> int:
     from .cmd_report import output_format, render_report, write_files
     from .progress import quiet
 
+    from .cmd_plan import check_plan_arguments
+
     fmt = output_format(args)  # flag mistakes and a missing matplotlib fail before the analysis
+    check_plan_arguments(args, args.plan)
     with quiet(fmt == "json"):
         report = analyze(args.model, input_shape=args.input_shape, **target_options(args), **training_options(args))
+        summary = report.plans(args.budget, args.max_overhead, points=args.points, keep=True) if args.plan else None
         if args.formula:
             from .progress import Progress
 
@@ -95,6 +104,10 @@ def _analyze(args: argparse.Namespace) -> int:
                 report.formula(tick=bar.update, keep=True)
     write_files(report, args)  # --plot, --snapshot
     sys.stdout.write(render_report(report, fmt, args))
+    if summary is not None:
+        from .cmd_plan import plan_status
+
+        return plan_status(summary)
     return 0
 
 

@@ -50,9 +50,16 @@ def render_report(report: Report, fmt: str, args: argparse.Namespace) -> str:
 
     if fmt == "json":
         return render_json(report)
+    plans = ""
+    if report.known_plans is not None:
+        from .render.plan import render_plan
+
+        plans = render_plan(report.known_plans)
     if fmt == "markdown":
-        return render_markdown(report, depth=args.depth, top=args.top)
-    return render_tree(report, depth=args.depth) if args.tree else render_text(report, depth=args.depth, top=args.top)
+        out = render_markdown(report, depth=args.depth, top=args.top)
+        return out + (f"\n## Checkpoint plans\n\n```\n{plans}```\n" if plans else "")
+    out = render_tree(report, depth=args.depth) if args.tree else render_text(report, depth=args.depth, top=args.top)
+    return out + (f"\n{plans}" if plans else "")
 
 
 def write_files(report: Report, args: argparse.Namespace) -> None:

@@ -132,6 +132,10 @@ class CudaRules(TorchFunctionMode):
             return self._cast(a, dtype)
         return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
+    def __exit__(self, *exc: Any) -> Any:
+        self.casts.clear()  # autocast empties its cast cache when its outermost context exits
+        return super().__exit__(*exc)
+
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if self.amp is not None:

@@ -112,6 +112,43 @@ class Report:
             raise formula.UsageError("this report has no model to capture again (built by hand)")
         return formula.sweep(self.source, list(batches), list(seqs), tick)
 
+    @property
+    def planner(self) -> Any:
+        """graphmem.plan.Planner for the model's chain of blocks (measured once, a few captures)."""
+        if "planner" not in self._cache:
+            from graphmem.plan import Planner
+
+            self._cache["planner"] = Planner(self)
+        return self._cache["planner"]
+
+    def plan(self, budget: Any = None, max_overhead: Any = None) -> Any:
+        """The checkpoint plan (graphmem.plan.CheckpointPlan) with the fewest recompute FLOPs
+        whose predicted peak fits ``budget`` (bytes or "40GiB"), or the lowest-peak plan whose
+        recompute stays within ``max_overhead`` of the step's FLOPs (0.2 or "20%").
+
+        >>> plan = report.plan(budget="40GiB")            # doctest: +SKIP
+        >>> plan.segments, plan.peak_bytes, plan.overhead  # doctest: +SKIP
+        >>> handle = plan.apply(model)                     # torch.utils.checkpoint; handle.remove() undoes
+        """
+        from graphmem.plan import parse_limits
+
+        return self.planner.plan(*parse_limits(budget, max_overhead))
+
+    def plans(self, budget: Any = None, max_overhead: Any = None, points: int = 50, keep: bool = False) -> Any:
+        """graphmem.plan.PlanSummary: the chosen plan (if a limit is given), the baselines beside
+        graphmem's plan at their own peak, and the Pareto frontier; ``keep`` adds it to JSON."""
+        from graphmem.plan import parse_limits, summarize
+
+        limits = parse_limits(budget, max_overhead, required=False)
+        summary = summarize(self.planner, *limits, points=points)
+        if keep:
+            self._cache["plan_summary"] = summary
+        return summary
+
+    @property
+    def known_plans(self) -> Any:
+        return self._cache.get("plan_summary")
+
     @staticmethod
     def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,
               notes: tuple[str, ...] = (), source: Any = None, cuda_allocator: Any = None,
@@ -172,4 +209,5 @@ class Report:
                                    "segments": self.cuda_allocator.segments}} if self.cuda_allocator is not None else {}),
             **({"coefficients": self.known_coefficients.to_dict()} if self.known_coefficients is not None else {}),
             **({"budget": self.budget.to_dict()} if self.budget is not None else {}),
+            **({"plan": self.known_plans.to_dict()} if self.known_plans is not None else {}),
         }

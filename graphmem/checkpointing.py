@@ -1,0 +1,104 @@
+"""Apply a checkpoint plan to a module: real ``torch.utils.checkpoint`` (non-reentrant) segments.
+
+A segment ``(a, b)`` of a block chain (``model.<chain>[a..b]``) runs as one checkpointed
+function: the forward keeps only the segment's input, backward runs blocks a..b forward again
+and then their backward. The blocks are not wrapped or renamed: the first block's ``forward``
+is replaced (on the instance) by one that checkpoints blocks a..b, and blocks a+1..b pass
+their input through when the parent calls them, so ``state_dict`` keys, parameters, hooks and
+optimizers are untouched and ``remove()`` restores the module exactly.
+
+Segments longer than one block assume what chains of blocks do: the parent calls the blocks in
+order, each on the previous one's output with the same extra arguments
+(``x = block(x, *args)``), and uses only the last output.
+"""
+from __future__ import annotations
+
+import threading
+import types
+from typing import Any, Sequence
+
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from .errors import UsageError
+
+_STATE = threading.local()
+
+
+def _inside() -> bool:
+    return getattr(_STATE, "depth", 0) > 0
+
+
+class Applied:
+    """What ``apply_segments`` changed; ``remove()`` undoes it."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        self._blocks = blocks
+
+    def remove(self) -> None:
+        for blk in self._blocks:
+            if "forward" in vars(blk) and getattr(blk.forward, "_graphmem_checkpoint", False):
+                del blk.forward
+        self._blocks = []
+
+    def __enter__(self) -> "Applied":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def _segment_forward(blocks: list[nn.Module], originals: list[Any]) -> Any:
+    def run(x: Any, *args: Any, **kwargs: Any) -> Any:
+        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+        try:
+            for blk in blocks:  # through __call__: hooks fire, module paths stay right
+                x = blk(x, *args, **kwargs)
+            return x
+        finally:
+            _STATE.depth -= 1
+
+    def head(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if _inside():
+            return originals[0](x, *args, **kwargs)
+        return checkpoint(run, x, *args, use_reentrant=False, **kwargs)
+
+    head._graphmem_checkpoint = True  # type: ignore[attr-defined]
+    return head
+
+
+def _member_forward(original: Any) -> Any:
+    def member(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if _inside():
+            return original(x, *args, **kwargs)
+        return x  # the segment's first block already ran this one, checkpointed
+
+    member._graphmem_checkpoint = True  # type: ignore[attr-defined]
+    return member
+
+
+def apply_segments(model: nn.Module, chain: str, segments: Sequence[tuple[int, int]]) -> Applied:
+    """Checkpoint ``model.<chain>[a..b]`` for each ``(a, b)`` in ``segments`` (inclusive)."""
+    try:
+        holder = model.get_submodule(chain)
+    except AttributeError as e:
+        raise UsageError(f"the model has no module {chain!r} to checkpoint") from e
+    blocks = list(holder.children())
+    used: set[int] = set()
+    for a, b in segments:  # all checks first: a refused plan changes nothing
+        if not (0 <= a <= b < len(blocks)):
+            raise UsageError(f"segment {a}..{b} is outside {chain} (blocks 0..{len(blocks) - 1})")
+        if used & set(range(a, b + 1)):
+            raise UsageError(f"segment {a}..{b} overlaps another segment")
+        used |= set(range(a, b + 1))
+        if any(getattr(m.forward, "_graphmem_checkpoint", False) for m in blocks[a:b + 1]):
+            raise UsageError(f"{chain}.{a} is already checkpointed by graphmem; remove() that plan first")
+    changed: list[nn.Module] = []
+    for a, b in segments:
+        members = blocks[a:b + 1]
+        originals = [m.forward for m in members]
+        members[0].forward = types.MethodType(_segment_forward(members, originals), members[0])
+        for m, orig in zip(members[1:], originals[1:]):
+            m.forward = types.MethodType(_member_forward(orig), m)
+        changed.extend(members)
+    return Applied(changed)

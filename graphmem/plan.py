@@ -1,0 +1,455 @@
+"""Checkpoint plans for a report's model: measure the chain's pieces, plan, apply.
+
+Three captures of the same step on fake tensors (nothing checkpointed, every block its own
+segment, the whole chain one segment) show every block in every role; each capture is cut
+into pieces at block boundaries (graphmem/passes/checkpoint.py has the model). A chain of
+identical blocks is captured at depth 4 and its interior block stands for all the others;
+the stitched peak of the plan without checkpointing must equal the report's own peak, or the
+captures are repeated at full depth.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import flop_registry
+
+from graphmem.passes.checkpoint import (
+    NOTHING, ChainCosts, Evaluated, Piece, Stage, baselines, evaluate, frontier, minimum_peak,
+    optimal, segments_of, tables,
+)
+
+from .capture import capture
+from .checkpointing import Applied, apply_segments
+from .errors import GraphmemError, UsageError
+from .formula import Chain, find_chain, truncated
+from .stepgraph import OpNode, StepGraph
+
+DEPTH = 4  # blocks captured for a chain of identical blocks (first, two interior, last)
+
+
+class PlanError(GraphmemError):
+    """No checkpoint plan can be made or none fits."""
+
+
+# -- FLOPs ---------------------------------------------------------------------------------------
+def _meta(x: Any) -> Any:
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], OpNode):
+        positions = x[0].meta.get("positions")
+        shape, dtype, _ = x[0].meta["outputs"][positions.index(x[1]) if positions else x[1]]
+        return torch.empty(shape, dtype=dtype, device="meta")
+    if isinstance(x, OpNode):
+        if x.op == "placeholder":
+            return torch.empty(x.meta["shape"], dtype=x.meta["dtype"], device="meta")
+        shape, dtype, _ = x.meta["outputs"][0]
+        return torch.empty(shape, dtype=dtype, device="meta")
+    if isinstance(x, list):
+        return [_meta(a) for a in x]
+    return x
+
+
+def op_flops(node: OpNode) -> int:
+    """FLOPs of one recorded op by torch.utils.flop_counter's formulas (0 if it has none)."""
+    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    if formula is None:
+        return 0
+    outs = tuple(torch.empty(s, dtype=d, device="meta") for s, d, _ in node.meta.get("outputs", ()))
+    out = outs[0] if len(outs) == 1 else outs
+    return int(formula(*(_meta(a) for a in node.args), **{k: _meta(v) for k, v in node.kwargs.items()}, out_val=out))
+
+
+# -- cutting a capture into pieces -------------------------------------------------------------------
+class _Cut:
+    def __init__(self, g: StepGraph, prefix: str) -> None:
+        self.g = g
+        n = g.num_ops
+        created, freed = [0] * (n + 1), [0] * (n + 1)
+        self.base = 0
+        for s in g.storages.values():  # as passes/liveness.py: live during op i if created <= i <= freed
+            if s.created < 0:
+                if s.freed is not None and s.freed < 0:
+                    continue
+                self.base += s.nbytes
+            elif s.created < n and (s.freed is None or s.freed >= s.created):
+                created[s.created] += s.nbytes
+            else:
+                continue
+            if s.freed is not None:
+                freed[s.freed] += s.nbytes
+        self.during, self.after = [], []
+        level = self.base
+        for i in range(n):
+            level += created[i]
+            self.during.append(level)
+            level -= freed[i]
+            self.after.append(level)
+        self.labels = [self._label(op, prefix) for op in g.ops]
+
+    @staticmethod
+    def _label(op: OpNode, prefix: str) -> Optional[tuple[int, bool]]:
+        path = op.meta.get("module", "")
+        if not path.startswith(prefix):
+            return None
+        head = path[len(prefix):].split(".", 1)[0]
+        if not head.isdigit():
+            return None
+        return int(head), bool(op.meta.get("recompute"))
+
+    def piece(self, start: int, end: int) -> Piece:
+        """Ops start..end inclusive (empty if end < start)."""
+        if end < start:
+            return NOTHING
+        level = self.after[start - 1] if start > 0 else self.base
+        return Piece(max(0, max(self.during[start:end + 1]) - level), self.after[end] - level)
+
+    def flops(self, start: int, end: int) -> int:
+        return sum(op_flops(op) for op in self.g.ops[start:end + 1])
+
+    def regions(self) -> tuple[list[tuple[int, int, int]], tuple[int, int], list[tuple[tuple[int, bool], int, int]]]:
+        """Forward pieces per block, the head's range, backward runs (label, start, end)."""
+        back = self.g.phase_start.get("backward", self.g.num_ops)
+        fwd = [i for i in range(back) if self.labels[i] is not None]
+        bwd = [i for i in range(back, self.g.num_ops) if self.labels[i] is not None]
+        if not fwd or not bwd:
+            raise PlanError("the chain's blocks run no ops in the step; nothing to checkpoint")
+        starts: list[tuple[int, int]] = []
+        for i in fwd:
+            block = self.labels[i][0]  # type: ignore[index]
+            if not starts or starts[-1][0] != block:
+                starts.append((block, i))
+        forward = [(blk, s, (starts[k + 1][1] - 1 if k + 1 < len(starts) else fwd[-1]))
+                   for k, (blk, s) in enumerate(starts)]
+        runs: list[tuple[tuple[int, bool], int, int]] = []
+        for i in range(bwd[0], bwd[-1] + 1):
+            lab = self.labels[i]
+            if lab is None or (runs and runs[-1][0] == lab):
+                runs[-1] = (runs[-1][0], runs[-1][1], i)
+            else:
+                runs.append((lab, i, i))
+        return forward, (fwd[-1] + 1, bwd[0] - 1), runs
+
+
+def _roles(cut: _Cut, k: int, segs: Sequence[tuple[int, int, bool]], what: str,
+           found: dict[tuple[int, str], tuple[Piece, int]]) -> tuple[Piece, Piece, Piece]:
+    """Cut one capture (plan ``segs`` over k blocks) into (block, role) pieces, added to
+    ``found`` (a role measured twice must agree); returns the fixed pieces around the chain."""
+    forward, head, runs = cut.regions()
+    if [blk for blk, _, _ in forward] != list(range(k)):
+        raise PlanError(f"the chain's blocks ran in the order {[blk for blk, _, _ in forward][:8]} in forward, "
+                        "not one after another; graphmem plans checkpoints for chains run block by block")
+    ranges: list[tuple[int, str, int, int]] = []
+    for a, b, ck in segs:
+        for i in range(a, b + 1):
+            role = "fwd" if not ck else "fwd_first" if i == a else "fwd_member"
+            ranges.append((i, role, forward[i][1], forward[i][2]))
+    pattern: list[tuple[int, bool, str, int]] = []  # (label block, recompute, role, role block)
+    for a, b, ck in reversed(segs):
+        if not ck:
+            pattern.append((a, False, "bwd", a))
+        elif a == b:
+            pattern += [(a, False, "one_pre", a), (a, True, "one_re", a), (a, False, "one_post", a)]
+        else:
+            pattern += [(b, False, "pre", b), (a, True, "re_first", a),
+                        *((i, True, "re_member", i) for i in range(a + 1, b)),
+                        (b, True, "re_last", b), (b, False, "post", b),
+                        *((i, False, "bwd_member", i) for i in range(b - 1, a, -1)), (a, False, "bwd_first", a)]
+    todo = list(runs)
+    for blk, rec, role, who in pattern:
+        if todo and todo[0][0] == (blk, rec):
+            _, s, e = todo.pop(0)
+            ranges.append((who, role, s, e))
+        elif role in ("one_pre", "pre") and todo and todo[0][0][1]:
+            ranges.append((who, role, 0, -1))  # it needed a saved tensor at once
+        else:
+            raise PlanError(f"the chain's backward ({what}) ran its blocks in the order "
+                            f"{[r[0] for r in runs][:10]}, not one after another; graphmem cannot plan "
+                            "checkpoints for it")
+    if todo:
+        raise PlanError(f"the chain's backward ({what}) ran more ops than its blocks' roles explain")
+    for who, role, s, e in ranges:
+        got = (cut.piece(s, e), cut.flops(s, e) if role in _FLOPS else 0)
+        if found.setdefault((who, role), got) != got:
+            raise PlanError(f"block {who} moves memory differently as {role} in two plans "
+                            f"({found[(who, role)][0]} vs {got[0]}); graphmem cannot plan checkpoints for it")
+    n = cut.g.num_ops
+    return cut.piece(0, forward[0][1] - 1), cut.piece(*head), cut.piece(runs[-1][2] + 1, n - 1)
+
+
+_FLOPS = ("fwd", "one_re", "re_first", "re_member", "re_last")
+_ROLES = ("fwd", "bwd", "fwd_first", "fwd_member", "one_pre", "one_re", "one_post", "pre", "re_first",
+          "re_member", "re_last", "post", "bwd_member", "bwd_first")
+
+
+def _plans(k: int) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Plans that show every block of k in every role it can play."""
+    plans = [("no checkpoints", []), ("every block", [(i, i) for i in range(k)]), ("one segment", [(0, k - 1)])]
+    even = [(a, a + 1) for a in range(0, k - 1, 2)]
+    odd = [(a, a + 1) for a in range(1, k - 1, 2)]
+    plans += [(f"pairs {s[0][0]}", s) for s in (even, odd) if s and s != [(0, k - 1)]]
+    return plans
+
+
+def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional[int]) -> ChainCosts:
+    """The chain's pieces from captures (at ``depth`` blocks, or the full chain)."""
+    prefix = f"{chain.path}." if chain.path else ""
+    k = chain.length if depth is None else min(depth, chain.length)
+    found: dict[tuple[int, str], tuple[Piece, int]] = {}
+    fixed, peaks, base = set(), [], 0
+    for what, ck in _plans(k):
+        with truncated(model, chain, k if k < chain.length else None), apply_segments(model, chain.path, ck):
+            g = capture_at()
+        cut = _Cut(g, prefix)
+        segs = segments_of(k, ck)
+        fixed.add(_roles(cut, k, segs, what, found))
+        peaks.append((what, segs, max([cut.base, *cut.during])))
+        base = cut.base
+    if len(fixed) != 1:
+        raise PlanError("the ops around the chain change when its blocks are checkpointed (with autocast "
+                        "(--amp), its cast cache keeps checkpointed blocks' weight copies until the forward "
+                        "ends, which graphmem's plans do not model yet: plan with --dtype bf16/fp16 instead); "
+                        "graphmem cannot plan checkpoints for this model")
+    stages = []
+    for j in range(k):
+        pieces = {role: found.get((j, role), (NOTHING, 0)) for role in _ROLES}
+        stages.append(Stage(f"{prefix}{j}", **{role: p for role, (p, _) in pieces.items()},
+                            flops=pieces["fwd"][1], one_re_flops=pieces["one_re"][1],
+                            re_first_flops=pieces["re_first"][1], re_member_flops=pieces["re_member"][1],
+                            re_last_flops=pieces["re_last"][1]))
+    before, head, after = fixed.pop()
+    costs = ChainCosts(tuple(stages), base, before, head, after, chain.path)
+    costs.check()
+    for what, segs, want in peaks:
+        got = evaluate(costs, segs).peak_bytes
+        if got != want:
+            raise PlanError(f"the chain's pieces do not add up ({what}: {got} B stitched, {want} B captured); "
+                            "graphmem cannot plan checkpoints for this model")
+    return costs
+
+
+def _widen(costs: ChainCosts, n: int, base: int) -> ChainCosts:
+    """A depth-4 chain of identical blocks, widened to n blocks (interior blocks alike)."""
+    st = costs.stages
+    interior = [replace(s, name="") for s in st[1:-1]]
+    if any(s != interior[0] for s in interior):
+        raise PlanError("interior blocks differ")
+    prefix = st[0].name[:-1]
+    middle = [replace(st[1], name=f"{prefix}{i}") for i in range(1, n - 1)]
+    last = replace(st[-1], name=f"{prefix}{n - 1}")
+    return replace(costs, stages=(st[0], *middle, last), base=base)
+
+
+def measure(report: Any) -> tuple[ChainCosts, int]:
+    """The chain costs of a report's model (captures at depth 4 when the blocks are identical,
+    else at full depth) and the depth captured."""
+    source = report.source
+    if source is None:
+        raise PlanError("this report has no model to re-run (no tensor inputs); checkpoint plans need one")
+    model = source.module
+    chain = find_chain(model)
+    if chain is None:
+        raise PlanError(f"{report.model} has no chain of identical blocks (an nn.ModuleList/Sequential of "
+                        ">= 2 like modules) to checkpoint")
+    shape = source.base_shape
+
+    def capture_at() -> StepGraph:
+        return capture(model, lambda: source.make(shape), source.loss, source.device)
+
+    if chain.length > DEPTH:
+        try:
+            costs = _widen(chain_costs(model, chain, capture_at, DEPTH), chain.length, report.baseline_bytes)
+            if evaluate(costs, segments_of(chain.length, [])).peak_bytes == report.peak_bytes:
+                return costs, DEPTH
+        except PlanError:
+            pass
+    costs = chain_costs(model, chain, capture_at, None)
+    got = evaluate(costs, segments_of(chain.length, [])).peak_bytes
+    if got != report.peak_bytes:
+        raise PlanError(f"the chain's pieces give a peak of {got} B without checkpoints, the report {report.peak_bytes} B; "
+                        "graphmem cannot plan checkpoints for this model")
+    return costs, chain.length
+
+
+# -- plans -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """A checkpoint plan for a report's model: which blocks run as checkpointed segments.
+
+    ``segments`` are (first, last) block indices of the chain ``chain`` (inclusive);
+    ``paths`` the same as module paths. ``peak_bytes`` is the step's predicted peak with the
+    plan applied, ``activation_bytes`` what the forward keeps for backward, ``recompute_flops``
+    the forward FLOPs run again in backward, ``overhead`` those over the step's FLOPs.
+    """
+
+    name: str
+    chain: str
+    blocks: int
+    segments: tuple[tuple[int, int], ...]
+    peak_bytes: int
+    activation_bytes: int
+    recompute_flops: int
+    step_flops: int
+    budget: Optional[int] = None
+
+    @property
+    def overhead(self) -> float:
+        return self.recompute_flops / self.step_flops if self.step_flops else 0.0
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        p = f"{self.chain}." if self.chain else ""
+        return tuple(f"{p}{a}" if a == b else f"{p}{a}..{b}" for a, b in self.segments)
+
+    def apply(self, model: nn.Module) -> Applied:
+        """Checkpoint the plan's segments of ``model`` (torch.utils.checkpoint, non-reentrant);
+        returns a handle whose ``remove()`` (or ``with`` exit) undoes it."""
+        holder = model.get_submodule(self.chain) if self.chain else model
+        if len(list(holder.children())) != self.blocks:
+            raise UsageError(f"this plan is for {self.blocks} blocks in {self.chain or 'the model'}, "
+                             f"the model has {len(list(holder.children()))}")
+        return apply_segments(model, self.chain, self.segments)
+
+    def code(self) -> str:
+        """Python that applies the plan."""
+        segs = ", ".join(f"({a}, {b})" for a, b in self.segments)
+        lines = ["import graphmem.checkpointing as gc",
+                 f"gc.apply_segments(model, {self.chain!r}, [{segs}])  # torch.utils.checkpoint, non-reentrant"]
+        if self.segments and all(a == b for a, b in self.segments):
+            idx = ", ".join(str(a) for a, _ in self.segments)
+            lines += ["# or, in the parent's forward, with torch alone:",
+                      f"#   for i, block in enumerate(self.{self.chain.split('.')[-1] or 'blocks'}):",
+                      f"#       x = checkpoint(block, x, use_reentrant=False) if i in {{{idx}}} else block(x)"]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "chain": self.chain, "blocks": self.blocks,
+                "segments": [list(s) for s in self.segments], "paths": list(self.paths),
+                "peak_bytes": self.peak_bytes, "activation_bytes": self.activation_bytes,
+                "recompute_flops": self.recompute_flops, "overhead": self.overhead, "budget": self.budget}
+
+
+class Planner:
+    """Plans for one report: the optimum under a budget or an overhead cap, baselines, frontier."""
+
+    def __init__(self, report: Any) -> None:
+        self.report = report
+        self.costs, self.depth = measure(report)
+        self.tables = tables(self.costs)
+        self.step_flops = sum(op_flops(op) for op in report.step.ops)
+        self._none = evaluate(self.costs, segments_of(self.costs.n, []))
+
+    def _plan(self, name: str, e: Evaluated, budget: Optional[int] = None) -> CheckpointPlan:
+        act = self.report.activation_bytes + e.kept_bytes - self._none.kept_bytes
+        return CheckpointPlan(name, self.costs.chain, self.costs.n, e.checkpointed, e.peak_bytes, act,
+                              e.recompute_flops, self.step_flops, budget)
+
+    def minimum_peak(self) -> int:
+        return minimum_peak(self.costs, self.tables)
+
+    def plan(self, budget: Optional[int] = None, max_overhead: Optional[float] = None) -> CheckpointPlan:
+        if (budget is None) == (max_overhead is None):
+            raise UsageError("give a memory budget or a maximum recompute overhead (not both)")
+        if budget is not None:
+            e = optimal(self.costs, budget, self.tables)
+            if e is None:
+                raise PlanError(f"no checkpoint plan fits {_gib(budget)}: the smallest peak any plan of "
+                                f"{self.costs.chain} reaches is {_gib(self.minimum_peak())}; raise the "
+                                "budget or shrink the batch")
+            return self._plan("graphmem", e, budget)
+        assert max_overhead is not None
+        if max_overhead < 0:
+            raise UsageError("the maximum overhead must be >= 0")
+        lo, hi = self.minimum_peak(), self._none.peak_bytes  # smallest budget whose plan is cheap enough
+        while lo < hi:
+            mid = (lo + hi) // 2
+            e = optimal(self.costs, mid, self.tables)
+            if e is not None and e.recompute_flops <= max_overhead * self.step_flops:
+                hi = mid
+            else:
+                lo = mid + 1
+        e = optimal(self.costs, lo, self.tables)
+        assert e is not None
+        return self._plan("graphmem", e, lo)
+
+    def baselines(self) -> list[tuple[CheckpointPlan, CheckpointPlan]]:
+        """Each baseline beside graphmem's plan for the baseline's own peak as the budget."""
+        out = []
+        for name, e in baselines(self.costs).items():
+            base = self._plan(name, e, None)
+            mine = optimal(self.costs, e.peak_bytes, self.tables)
+            assert mine is not None  # the baseline itself fits
+            out.append((base, self._plan("graphmem", mine, e.peak_bytes)))
+        return out
+
+    def frontier(self, points: int = 50) -> list[CheckpointPlan]:
+        return [self._plan("graphmem", e) for e in frontier(self.costs, points)]
+
+
+def parse_limits(budget: Any, max_overhead: Any, required: bool = True) -> tuple[Optional[int], Optional[float]]:
+    """("40GiB" | bytes | None, "20%" | 0.2 | None) -> (bytes, fraction); exactly one unless not required."""
+    from .load import parse_bytes
+
+    if budget is not None and max_overhead is not None:
+        raise UsageError("give a memory budget or a maximum recompute overhead, not both")
+    if required and budget is None and max_overhead is None:
+        raise UsageError("give a memory budget (e.g. budget=\"40GiB\", --budget 40GiB) or a maximum "
+                         "recompute overhead (max_overhead=0.2, --max-overhead 20%)")
+    fraction = None
+    if max_overhead is not None:
+        text = str(max_overhead).strip()
+        try:
+            fraction = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            raise UsageError(f"invalid overhead {max_overhead!r}: expected a percentage like 20% or a fraction like 0.2") from None
+        if not (fraction >= 0 and math.isfinite(fraction)):
+            raise UsageError(f"invalid overhead {max_overhead!r}: it must be >= 0")
+    return (parse_bytes(budget) if budget is not None else None), fraction
+
+
+def _gib(n: int) -> str:
+    from .render.units import fmt_bytes
+
+    return fmt_bytes(n)
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What ``--plan`` shows: the chosen plan (when a budget or an overhead cap was given),
+    the baselines each beside graphmem's plan at the same budget, and the Pareto frontier."""
+
+    chain: str
+    blocks: int
+    step_flops: int
+    no_plan_peak: int
+    minimum_peak: int
+    chosen: Optional[CheckpointPlan]
+    baselines: tuple[tuple[CheckpointPlan, CheckpointPlan], ...]
+    frontier: tuple[CheckpointPlan, ...]
+    depth_captured: int  # blocks captured to measure the chain (4 for identical blocks)
+    problem: Optional[str] = None  # why no plan was chosen for the budget given (none fits)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chain": self.chain, "blocks": self.blocks, "step_flops": self.step_flops,
+            "no_plan_peak_bytes": self.no_plan_peak, "minimum_peak_bytes": self.minimum_peak,
+            "chosen": self.chosen.to_dict() if self.chosen is not None else None,
+            "problem": self.problem,
+            "baselines": [{"baseline": b.to_dict(), "graphmem": g.to_dict()} for b, g in self.baselines],
+            "frontier": [p.to_dict() for p in self.frontier],
+        }
+
+
+def summarize(planner: Planner, budget: Optional[int] = None, max_overhead: Optional[float] = None,
+              points: int = 50) -> PlanSummary:
+    chosen, problem = None, None
+    if budget is not None or max_overhead is not None:
+        try:
+            chosen = planner.plan(budget, max_overhead)
+        except PlanError as e:  # no plan fits: the frontier still shows what is reachable
+            problem = str(e)
+    c = planner.costs
+    return PlanSummary(c.chain, c.n, planner.step_flops, planner._none.peak_bytes, planner.minimum_peak(),
+                       chosen, tuple(planner.baselines()), tuple(planner.frontier(points)), planner.depth,
+                       problem)

@@ -1,0 +1,65 @@
+"""Checkpoint plans as text: the chosen plan with the code to apply it, the baselines beside
+graphmem's plan at the same budget, and the Pareto frontier."""
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from graphmem.plan import CheckpointPlan, PlanSummary
+
+from .units import fmt_bytes
+
+
+def fmt_flops(n: int) -> str:
+    for unit, scale in (("PFLOP", 10**15), ("TFLOP", 10**12), ("GFLOP", 10**9), ("MFLOP", 10**6)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} FLOP"
+
+
+def _segments(p: CheckpointPlan, limit: int = 8) -> str:
+    if not p.segments:
+        return "(none)"
+    shown = [f"{a}" if a == b else f"{a}..{b}" for a, b in p.segments[:limit]]
+    more = f", … ({len(p.segments)} segments)" if len(p.segments) > limit else ""
+    return ", ".join(shown) + more
+
+
+def _row(p: CheckpointPlan) -> list[object]:
+    return [fmt_bytes(p.peak_bytes), fmt_bytes(p.activation_bytes), fmt_flops(p.recompute_flops),
+            f"{100 * p.overhead:.1f}%", _segments(p)]
+
+
+def render_plan(s: PlanSummary, top: int = 12) -> str:
+    chain = s.chain or "(model)"
+    lines = [f"Checkpoint plans for {chain} ({s.blocks} blocks; recompute = forward FLOPs run again in "
+             f"backward, overhead = recompute / the step's {fmt_flops(s.step_flops)})",
+             f"  peak without checkpoints {fmt_bytes(s.no_plan_peak)}; smallest peak any plan reaches "
+             f"{fmt_bytes(s.minimum_peak)}"]
+    if s.chosen is not None:
+        p = s.chosen
+        limit = f"budget {fmt_bytes(p.budget)}" if p.budget is not None else "the cap"
+        lines += ["", f"Chosen plan ({limit}): peak {fmt_bytes(p.peak_bytes)}, activations "
+                      f"{fmt_bytes(p.activation_bytes)}, recompute {fmt_flops(p.recompute_flops)} "
+                      f"(+{100 * p.overhead:.1f}% of the step's FLOPs)",
+                  f"  checkpointed segments of {chain}: {_segments(p, limit=len(p.segments))}",
+                  "  apply it:",
+                  *("    " + line for line in p.code().splitlines())]
+    if s.problem is not None:
+        lines += ["", f"No plan chosen: {s.problem}"]
+    rows = []
+    for base, mine in s.baselines:
+        rows.append([base.name, fmt_bytes(base.peak_bytes), fmt_flops(base.recompute_flops),
+                     f"{100 * base.overhead:.1f}%", fmt_bytes(mine.peak_bytes), fmt_flops(mine.recompute_flops),
+                     f"{100 * mine.overhead:.1f}%", _segments(mine, limit=4)])
+    lines += ["", "Baselines, each beside graphmem's plan for the baseline's peak as the budget",
+              tabulate(rows, headers=["baseline", "peak", "recompute", "overhead", "graphmem peak",
+                                      "recompute", "overhead", "graphmem segments"], disable_numparse=True)]
+    shown = list(s.frontier)
+    if len(shown) > top:  # keep both ends and an even spread between
+        step = (len(shown) - 1) / (top - 1)
+        shown = [shown[round(i * step)] for i in range(top)]
+    lines += ["", f"Pareto frontier: {len(s.frontier)} plans (fewest FLOPs for their peak){'; ' + str(len(shown)) + ' shown' if len(shown) < len(s.frontier) else ''}",
+              tabulate([_row(p) for p in shown],
+                       headers=["peak", "activations", "recompute", "overhead", "checkpointed segments"],
+                       disable_numparse=True)]
+    return "\n".join(lines) + "\n"

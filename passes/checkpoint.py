@@ -1,0 +1,388 @@
+"""Checkpoint plans for a chain of blocks: the exact peak of a plan, and the cheapest plan
+under a memory budget (dynamic program), its brute-force check, baselines and the frontier.
+
+The model. A step over a chain of n blocks is a sequence of *pieces*, each a run of ops whose
+effect on live memory is two numbers: ``high`` (the most bytes live above the level at its
+start) and ``net`` (the level change across it). Which pieces occur depends only on how each
+block is run (measured by graphmem/plan.py from captures of the real step):
+
+  forward     a stored block, the first block of a checkpointed segment, a later one
+  backward    segments from the last to the first: a stored block's backward; a segment's
+              backward ops up to the first saved tensor it needs, the segment's forward run
+              again (keeping what backward needs; the last block's recompute stops early),
+              then the blocks' backward (see ``Stage`` for every role)
+
+plus fixed pieces before the chain (``before``), between its forward and its backward (the
+head, loss and the head's backward: ``head``) and after (``after``). Stitching the pieces of a
+plan in order gives its peak exactly (``evaluate``). This is Chen et al. 2016's segment view
+("Training Deep Nets with Sublinear Memory Cost") with the costs measured per piece instead of
+assumed, and a stored/checkpointed choice per segment as in Rotor (Beaumont et al. 2019,
+"Optimal checkpointing for heterogeneous chains").
+
+The program. After a segment's backward, everything it allocated is gone except its
+gradients, whatever way it ran; so a block's forward+backward net effect ``h_i`` does not
+depend on the plan (``ChainCosts.check`` proves it for the measured costs), and the level at
+the start of segment a..b's backward is ``start + head.net + m_a + fwd_net(a..b) + H(>b)`` where
+``m_a`` is what the forward of the blocks before a kept. Each segment therefore caps ``m_a``,
+and a left-to-right program over (position, kept bytes) with Pareto pruning on
+(kept bytes, recompute FLOPs) finds the cheapest plan under a budget exactly.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from graphmem.errors import PassError
+
+Segment = tuple[int, int, bool]  # (first block, last block, checkpointed); stored => a == b
+
+
+@dataclass(frozen=True)
+class Piece:
+    high: int  # most live bytes above the level at its start (>= 0)
+    net: int  # level change across it
+
+    def then(self, other: "Piece") -> "Piece":
+        return Piece(max(self.high, self.net + other.high), self.net + other.net)
+
+
+NOTHING = Piece(0, 0)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """How one block's ops move memory in each role it can play, and its FLOPs.
+
+    Stored: ``fwd``, ``bwd``. Checkpointed forward: ``fwd_first`` (the segment's first block:
+    its input and, on the CPU, the stashed RNG state stay), ``fwd_member`` (later blocks).
+    A segment of this block alone, in backward: ``one_pre`` (backward ops before the first
+    saved tensor is needed), ``one_re`` (the recompute), ``one_post``. A longer segment a..b:
+    ``pre`` (b), ``re_first`` (a), ``re_member`` (a+1..b-1), ``re_last`` (b; stops early once
+    everything needed is back), ``post`` (b), ``bwd_member`` (b-1..a+1), ``bwd_first`` (a).
+    """
+
+    name: str
+    fwd: Piece
+    bwd: Piece
+    fwd_first: Piece
+    fwd_member: Piece
+    one_pre: Piece
+    one_re: Piece
+    one_post: Piece
+    pre: Piece
+    re_first: Piece
+    re_member: Piece
+    re_last: Piece
+    post: Piece
+    bwd_member: Piece
+    bwd_first: Piece
+    flops: int  # forward FLOPs of the block
+    one_re_flops: int  # FLOPs each recompute role runs (early stop may skip a last block's tail)
+    re_first_flops: int
+    re_member_flops: int
+    re_last_flops: int
+
+
+@dataclass(frozen=True)
+class ChainCosts:
+    stages: tuple[Stage, ...]
+    base: int  # live bytes before the step (parameters, buffers, batch)
+    before: Piece  # ops before the chain's forward
+    head: Piece  # after the chain's forward, until its backward starts
+    after: Piece  # after the chain's backward
+    chain: str = ""  # module path of the chain
+
+    @property
+    def n(self) -> int:
+        return len(self.stages)
+
+    def check(self) -> None:
+        """The program's premise: a segment's forward+backward net effect is the same however
+        it runs (the sum of its blocks' stored-mode effects)."""
+        h = [s.fwd.net + s.bwd.net for s in self.stages]
+        for a in range(self.n):
+            for b in range(a, self.n):
+                seg = _forward((a, b, True), self.stages).net + _backward((a, b, True), self.stages).net
+                if seg != sum(h[a:b + 1]):
+                    raise PassError(
+                        f"checkpoint: blocks {a}..{b} checkpointed change memory by {seg} B over the "
+                        f"step but {sum(h[a:b + 1])} B stored; the chain's pieces do not compose")
+
+
+# -- plans ---------------------------------------------------------------------------------
+def segments_of(n: int, checkpointed: Sequence[tuple[int, int]]) -> tuple[Segment, ...]:
+    """The full segmentation: the checkpointed segments plus every other block stored."""
+    out: list[Segment] = []
+    i = 0
+    for a, b in sorted(checkpointed):
+        out.extend((j, j, False) for j in range(i, a))
+        out.append((a, b, True))
+        i = b + 1
+    out.extend((j, j, False) for j in range(i, n))
+    return tuple(out)
+
+
+def _forward(seg: Segment, st: Sequence[Stage]) -> Piece:
+    a, b, ck = seg
+    if not ck:
+        return st[a].fwd
+    p = st[a].fwd_first
+    for i in range(a + 1, b + 1):
+        p = p.then(st[i].fwd_member)
+    return p
+
+
+def _backward(seg: Segment, st: Sequence[Stage]) -> Piece:
+    a, b, ck = seg
+    if not ck:
+        return st[a].bwd
+    if a == b:
+        return st[a].one_pre.then(st[a].one_re).then(st[a].one_post)
+    p = st[b].pre.then(st[a].re_first)
+    for i in range(a + 1, b):
+        p = p.then(st[i].re_member)
+    p = p.then(st[b].re_last).then(st[b].post)
+    for i in range(b - 1, a, -1):
+        p = p.then(st[i].bwd_member)
+    return p.then(st[a].bwd_first)
+
+
+def _recompute_flops(seg: Segment, st: Sequence[Stage]) -> int:
+    a, b, ck = seg
+    if not ck:
+        return 0
+    if a == b:
+        return st[a].one_re_flops
+    return st[a].re_first_flops + sum(st[i].re_member_flops for i in range(a + 1, b)) + st[b].re_last_flops
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    segments: tuple[Segment, ...]
+    peak_bytes: int
+    kept_bytes: int  # what the chain's forward leaves allocated for its backward
+    recompute_flops: int
+
+    @property
+    def checkpointed(self) -> tuple[tuple[int, int], ...]:
+        return tuple((a, b) for a, b, ck in self.segments if ck)
+
+
+def evaluate(costs: ChainCosts, segments: Sequence[Segment]) -> Evaluated:
+    """The exact peak of a plan: its pieces stitched in the order the step runs them."""
+    st = costs.stages
+    if [i for a, b, _ in segments for i in range(a, b + 1)] != list(range(costs.n)):
+        raise PassError(f"checkpoint: segments {list(segments)} do not cover blocks 0..{costs.n - 1} in order")
+    level = peak = costs.base
+    order = [costs.before, *(_forward(s, st) for s in segments), costs.head,
+             *(_backward(s, st) for s in reversed(segments)), costs.after]
+    kept = 0
+    for k, p in enumerate(order):
+        peak = max(peak, level + p.high)
+        level += p.net
+        if 1 <= k <= len(segments):
+            kept += p.net
+    flops = sum(_recompute_flops(s, st) for s in segments)
+    return Evaluated(tuple(segments), peak, kept, flops)
+
+
+# -- the program -----------------------------------------------------------------------------
+@dataclass
+class _Tables:
+    """Per (a, b): how far above ``start + m_a`` checkpointing a..b reaches, its forward net,
+    its FLOPs (a plan fits a budget when ``m_a <= budget - start - need`` for every segment)."""
+
+    need: np.ndarray  # (n, n) int64, [a, b]; unused where a > b
+    fnet: np.ndarray
+    flops: np.ndarray
+    need_by_end: np.ndarray = field(init=False)  # the same, [b, a]: contiguous rows for the program
+    fnet_by_end: np.ndarray = field(init=False)
+    flops_by_end: np.ndarray = field(init=False)
+    stored_need: np.ndarray  # (n,) storing block a alone
+    stored_net: np.ndarray
+    fixed: int  # the plan-independent part of the peak
+    start: int  # level when the chain's forward starts
+    head_high: int
+
+    def __post_init__(self) -> None:
+        self.need_by_end = np.ascontiguousarray(self.need.T)
+        self.fnet_by_end = np.ascontiguousarray(self.fnet.T)
+        self.flops_by_end = np.ascontiguousarray(self.flops.T)
+
+
+def tables(costs: ChainCosts) -> _Tables:
+    st, n = costs.stages, costs.n
+    start = costs.base + costs.before.net
+    h = [s.fwd.net + s.bwd.net for s in st]
+    later = [sum(h[b + 1:]) for b in range(n)]  # H(>b)
+    need = np.zeros((n, n), dtype=np.int64)
+    fnet = np.zeros((n, n), dtype=np.int64)
+    flops = np.zeros((n, n), dtype=np.int64)
+    back_high = np.zeros((n, n), dtype=np.int64)  # the backward piece's high, per segment
+    sum_re = [0]
+    for s in st:
+        sum_re.append(sum_re[-1] + s.re_member_flops)
+    for b in range(n):
+        back_high[b, b] = _backward((b, b, True), st).high
+        flops[b, b] = st[b].one_re_flops
+        re_m, bw = NOTHING, NOTHING  # re_member(a+1..b-1), bwd_member(b-1..a+1)
+        for a in range(b - 1, -1, -1):
+            back = st[b].pre.then(st[a].re_first).then(re_m).then(st[b].re_last).then(st[b].post) \
+                .then(bw).then(st[a].bwd_first)
+            back_high[a, b] = back.high
+            flops[a, b] = st[a].re_first_flops + sum_re[b] - sum_re[a + 1] + st[b].re_last_flops
+            re_m, bw = st[a].re_member.then(re_m), bw.then(st[a].bwd_member)
+    for a in range(n):
+        fw = st[a].fwd_first
+        for b in range(a, n):
+            if b > a:
+                fw = fw.then(st[b].fwd_member)
+            need[a, b] = max(fw.high, costs.head.net + fw.net + later[b] + int(back_high[a, b]))
+            fnet[a, b] = fw.net
+    stored_need = np.array([max(s.fwd.high, costs.head.net + s.fwd.net + later[i] + s.bwd.high)
+                           for i, s in enumerate(st)], dtype=np.int64)
+    stored_net = np.array([s.fwd.net for s in st], dtype=np.int64)
+    fixed = max(costs.base, costs.base + costs.before.high,
+                start + costs.head.net + sum(h) + costs.after.high)
+    return _Tables(need, fnet, flops, stored_need, stored_net, fixed, start, costs.head.high)
+
+
+def _pareto(m: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Indices of the (m, c) pairs that no pair with smaller m (or equal m, earlier) beats on
+    c: a superset of the Pareto set when m ties, so no state that matters is lost."""
+    order = np.argsort(m, kind="stable")  # candidates arrive as sorted runs: timsort merges them
+    cs = c[order]
+    best = np.minimum.accumulate(cs)
+    keep = np.empty(len(cs), dtype=bool)
+    keep[0] = True
+    np.less(cs[1:], best[:-1], out=keep[1:])
+    return order[keep]
+
+
+def optimal(costs: ChainCosts, budget: int, t: Optional[_Tables] = None) -> Optional[Evaluated]:
+    """The plan with the fewest recompute FLOPs whose peak is <= budget (None if none fits);
+    among equally cheap plans, the one whose forward keeps the fewest bytes."""
+    t = t or tables(costs)
+    n = costs.n
+    if t.fixed > budget:
+        return None
+    room = budget - t.start
+    # States (kept bytes m, FLOPs c) after each prefix of the chain, Pareto-pruned, in flat
+    # arrays; a state remembers its parent and its last segment (2a+1: checkpoint a..b, 2b: store b).
+    cap = 1024
+    P, M, C = (np.zeros(cap, dtype=np.int64) for _ in range(3))
+    parent, code = np.full(cap, -1, dtype=np.int64), np.full(cap, -1, dtype=np.int64)
+    offsets = [0, 1]  # states of position k: [offsets[k], offsets[k+1])
+    for end in range(1, n + 1):
+        b, size = end - 1, offsets[-1]
+        pv = P[:size]
+        idx = np.nonzero(M[:size] <= room - t.need_by_end[b][pv])[0]  # checkpoint a..b from a state at a
+        lo = offsets[b]
+        sidx = np.nonzero(M[lo:size] <= room - t.stored_need[b])[0] + lo  # store block b alone
+        src = pv[idx]
+        both = np.concatenate([idx, sidx])
+        cm = M[both]
+        cm[:len(idx)] += t.fnet_by_end[b][src]
+        cm[len(idx):] += t.stored_net[b]
+        cc = C[both]
+        cc[:len(idx)] += t.flops_by_end[b][src]
+        ccode = np.concatenate([src * 2 + 1, np.full(len(sidx), 2 * b, dtype=np.int64)])
+        if end == n:
+            fits = cm <= room - t.head_high
+            both, cm, cc, ccode = both[fits], cm[fits], cc[fits], ccode[fits]
+        keep = _pareto(cm, cc) if len(cm) else both[:0]
+        k = len(keep)
+        while size + k > cap:
+            cap *= 2
+            P, M, C, parent, code = (np.resize(x, cap) for x in (P, M, C, parent, code))
+        P[size:size + k], M[size:size + k], C[size:size + k] = end, cm[keep], cc[keep]
+        parent[size:size + k], code[size:size + k] = both[keep], ccode[keep]
+        offsets.append(size + k)
+    lo, hi = offsets[n], offsets[n + 1]
+    if lo == hi:
+        return None
+    k = lo + int(np.lexsort((M[lo:hi], C[lo:hi]))[0])
+    segs: list[Segment] = []
+    end = n
+    while end > 0:
+        a, ck = int(code[k]) // 2, bool(code[k] % 2)
+        segs.append((a, end - 1, True) if ck else (end - 1, end - 1, False))
+        end = a if ck else end - 1
+        k = int(parent[k])
+    return evaluate(costs, tuple(reversed(segs)))
+
+
+def optimal_many(costs: ChainCosts, budgets: Sequence[int], t: Optional[_Tables] = None) -> list[Optional[Evaluated]]:
+    """``optimal`` for several budgets, sharing the tables."""
+    t = t or tables(costs)
+    return [optimal(costs, b, t) for b in budgets]
+
+
+def brute_force(costs: ChainCosts, budget: int) -> Optional[Evaluated]:
+    """Every segmentation, for testing ``optimal`` (exponential: small chains only)."""
+    best: Optional[Evaluated] = None
+    for plan in all_plans(costs.n):
+        e = evaluate(costs, plan)
+        if e.peak_bytes <= budget and (best is None or (e.recompute_flops, e.kept_bytes) < (best.recompute_flops, best.kept_bytes)):
+            best = e
+    return best
+
+
+def all_plans(n: int) -> Iterator[tuple[Segment, ...]]:
+    for cuts in itertools.product((False, True), repeat=max(n - 1, 0)):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+        parts = [(bounds[i], bounds[i + 1] - 1) for i in range(len(bounds) - 1)]
+        singles = [i for i, (a, b) in enumerate(parts) if a == b]
+        for stored in itertools.product((False, True), repeat=len(singles)):
+            flags = dict(zip(singles, stored))
+            yield tuple((a, b, not flags.get(i, False)) for i, (a, b) in enumerate(parts))
+
+
+# -- baselines and the frontier -----------------------------------------------------------------
+def baselines(costs: ChainCosts) -> dict[str, Evaluated]:
+    n = costs.n
+    size = max(1, math.isqrt(n - 1) + 1 if n > 1 else 1)  # ceil(sqrt(n))
+    return {
+        "none": evaluate(costs, segments_of(n, [])),
+        "every block": evaluate(costs, segments_of(n, [(i, i) for i in range(n)])),
+        f"sqrt(n) segments ({size} blocks)": evaluate(
+            costs, segments_of(n, [(a, min(a + size, n) - 1) for a in range(0, n, size)])),
+    }
+
+
+def minimum_peak(costs: ChainCosts, t: Optional[_Tables] = None) -> int:
+    """The smallest peak any plan reaches (bisection on the budget; the program decides)."""
+    t = t or tables(costs)
+    lo = t.fixed
+    hi = evaluate(costs, segments_of(costs.n, [(i, i) for i in range(costs.n)])).peak_bytes
+    hi = min(hi, evaluate(costs, segments_of(costs.n, [])).peak_bytes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if optimal(costs, mid, t) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def frontier(costs: ChainCosts, points: int = 50) -> tuple[Evaluated, ...]:
+    """Pareto-optimal plans (peak, recompute FLOPs) at ``points`` budgets from the smallest
+    reachable peak to the peak without checkpointing, cheapest first."""
+    t = tables(costs)
+    lo = minimum_peak(costs, t)
+    hi = evaluate(costs, segments_of(costs.n, [])).peak_bytes
+    budgets = sorted({lo + (hi - lo) * k // max(points - 1, 1) for k in range(points)})
+    found: dict[tuple[Segment, ...], Evaluated] = {}
+    for e in optimal_many(costs, budgets, t):
+        if e is not None:
+            found[e.segments] = e
+    plans = sorted(found.values(), key=lambda e: (e.recompute_flops, e.peak_bytes))
+    out: list[Evaluated] = []
+    for e in plans:  # drop plans another beats on both axes
+        if not out or e.peak_bytes < out[-1].peak_bytes:
+            out.append(e)
+    return tuple(out)

@@ -1,0 +1,46 @@
+"""Random chains for the checkpoint planner's tests.
+
+A chain's pieces must compose (ChainCosts.check): every segment's forward+backward net is the
+sum of its blocks' stored-mode nets h. With w_b = fwd_member + pre + re_last + post - h (the
+last block's extra), u_i = fwd_member + re_member + bwd_member - h (an inner block's) and
+v_a = fwd_first + re_first + bwd_first - h (the first block's), a segment a..b composes iff
+v_a + sum(u) + w_b = 0 for all a < b, i.e. v_a = -w_(a+1) and u_i = w_i - w_(i+1); a single
+block segment needs one_pre + one_re + one_post = h - fwd_first. The highs are free.
+"""
+from __future__ import annotations
+
+import random
+
+from graphmem.passes.checkpoint import ChainCosts, Piece, Stage
+
+
+def piece(r: random.Random, net: int, spread: int = 400) -> Piece:
+    return Piece(max(0, net) + r.randint(0, spread), net)
+
+def _stage(r: random.Random, i: int, A: int, h: int, F: int, Mm: int, w: int, w_next: int) -> Stage:
+    """One block whose nets satisfy the relations above; highs random."""
+    p1, re1 = r.randint(-20, 20), r.randint(50, 900)
+    pre, rl = r.randint(-20, 20), r.randint(50, 900)
+    rf, rm = r.randint(100, 900), r.randint(100, 900)
+    post = w + h - Mm - pre - rl                  # w_b = fwd_member + pre + re_last + post - h
+    bm = (w - w_next) + h - Mm - rm               # u_i = fwd_member + re_member + bwd_member - h
+    bf = -w_next + h - F - rf                     # v_a = fwd_first + re_first + bwd_first - h
+    f = r.randint(1, 100)
+    return Stage(f"b{i}", piece(r, A), piece(r, h - A), piece(r, F), piece(r, Mm),
+                 piece(r, p1, 60), piece(r, re1), piece(r, h - F - p1 - re1),
+                 piece(r, pre, 60), piece(r, rf), piece(r, rm), piece(r, rl), piece(r, post),
+                 piece(r, bm), piece(r, bf), f, r.randint(1, f), r.randint(1, f), f, r.randint(1, f))
+
+def rand_chain(r: random.Random, n: int, homogeneous: bool = False) -> ChainCosts:
+    """n blocks, all different, or all alike (``homogeneous``), as a real chain of blocks."""
+    w = [r.randint(-100, 100) for _ in range(n + 1)]
+    seed = r.random()
+    if homogeneous:
+        w = [w[0]] * (n + 1)
+    st = []
+    for i in range(n):
+        rs = random.Random(seed) if homogeneous else r
+        A, h, F, Mm = rs.randint(100, 1000), rs.randint(0, 300), rs.randint(10, 120), rs.randint(-60, 60)
+        st.append(_stage(rs, i, A, h, F, Mm, w[i], w[i + 1]))
+    return ChainCosts(tuple(st), r.randint(0, 1000), piece(r, r.randint(0, 100)),
+                      piece(r, r.randint(-50, 100)), piece(r, r.randint(-100, 0)))

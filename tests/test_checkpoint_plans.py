@@ -1,0 +1,270 @@
+"""Checkpoint plans: the program is optimal (brute force), its peaks are exact (re-captured on
+fake tensors: 0 B; real CPU runs: within the ground-truth tolerance), never worse than the
+baselines, and `apply` is real torch.utils.checkpoint that leaves the module as it was."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import json
+
+import pytest
+import torch
+
+import graphmem
+from graphmem.capture import capture
+from graphmem.checkpointing import apply_segments
+from graphmem.errors import PassError, UsageError
+from graphmem.measure import measure_peak
+from graphmem.models import gpt2, llama
+from graphmem.passes import liveness
+from graphmem.passes.checkpoint import (
+    Piece, all_plans, evaluate, frontier, optimal, optimal_many, segments_of,
+)
+from graphmem.plan import chain_costs
+from graphmem.formula import find_chain
+
+from chains import rand_chain
+
+LM_TOLERANCE = 0.001  # as tests/test_ground_truth.py: the real CPU peak, LMs
+
+
+# -- the program -----------------------------------------------------------------------------------
+def _best(evaluated: list, budget: int) -> int | None:
+    fits = [e.recompute_flops for e in evaluated if e.peak_bytes <= budget]
+    return min(fits) if fits else None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_program_equals_brute_force_on_random_chains(seed: int) -> None:
+    # GIVEN a random heterogeneous chain of 1..12 blocks (12 only for one seed: 75k plans)
+    r = random.Random(seed)
+    n = 12 if seed == 0 else r.randint(1, 9)
+    costs = rand_chain(r, n)
+    costs.check()
+    every = [evaluate(costs, plan) for plan in all_plans(n)]
+    peaks = sorted({e.peak_bytes for e in every})
+    budgets = [peaks[0] - 1, peaks[0], peaks[-1]] + r.sample(peaks, min(6, len(peaks)))
+    for budget in budgets:
+        # WHEN the program plans for the budget
+        got = optimal(costs, budget)
+        # THEN it finds the fewest recompute FLOPs any plan that fits has, and its plan fits
+        want = _best(every, budget)
+        assert (got.recompute_flops if got else None) == want, (n, budget)
+        if got is not None:
+            assert got.peak_bytes <= budget
+            assert got == evaluate(costs, got.segments)
+
+
+def test_program_on_identical_blocks_and_many_budgets() -> None:
+    costs = rand_chain(random.Random(7), 9, homogeneous=True)
+    every = [evaluate(costs, plan) for plan in all_plans(9)]
+    budgets = sorted({e.peak_bytes for e in every})
+    for budget, got in zip(budgets, optimal_many(costs, budgets)):
+        assert got is not None and got.recompute_flops == _best(every, budget)
+
+
+def test_frontier_is_pareto_optimal() -> None:
+    costs = rand_chain(random.Random(3), 8)
+    every = [evaluate(costs, plan) for plan in all_plans(8)]
+    front = frontier(costs, points=40)
+    assert front[0].recompute_flops == 0  # no checkpoints is on it
+    assert front[-1].peak_bytes == min(e.peak_bytes for e in every)  # and the smallest peak
+    for p in front:  # nothing does better on one axis without doing worse on the other
+        assert not any(q.peak_bytes <= p.peak_bytes and q.recompute_flops < p.recompute_flops for q in every)
+    assert [p.peak_bytes for p in front] == sorted((p.peak_bytes for p in front), reverse=True)
+
+
+def test_pieces_that_do_not_compose_are_refused() -> None:
+    costs = rand_chain(random.Random(1), 3)
+    st = list(costs.stages)
+    st[1] = type(st[1])(**{**st[1].__dict__, "bwd_first": Piece(10, st[1].bwd_first.net + 8)})
+    with pytest.raises(PassError, match="do not compose"):
+        type(costs)(tuple(st), costs.base, costs.before, costs.head, costs.after).check()
+
+
+def test_piece_composition() -> None:
+    a, b = Piece(100, 40), Piece(30, -10)
+    assert a.then(b) == Piece(100, 30) and b.then(a) == Piece(90, 30)
+
+
+# -- real models -----------------------------------------------------------------------------------
+def _gpt(layers: int = 6) -> tuple:
+    torch.manual_seed(0)
+    cfg = gpt2.GPTConfig(vocab_size=101, block_size=32, n_layer=layers, n_head=2, n_embd=32, dropout=0.1,
+                         attention="explicit")
+    return gpt2.build(cfg), (torch.randint(0, 101, (2, 16)),), gpt2.loss
+
+
+def _llama(layers: int = 6) -> tuple:
+    torch.manual_seed(0)
+    cfg = llama.LlamaConfig(vocab_size=101, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                            max_seq_len=32)
+    return llama.build(cfg), (torch.randint(0, 101, (2, 16)),), llama.loss
+
+
+MODELS = {"gpt2": _gpt, "llama": _llama}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def planned(request: pytest.FixtureRequest) -> tuple:
+    model, x, loss = MODELS[request.param]()
+    report = graphmem.analyze(model, x, loss=loss)
+    return request.param, model, x, loss, report, report.planner
+
+
+def _recaptured(model: torch.nn.Module, x: tuple, loss: object, chain: str, segments: list) -> int:
+    with apply_segments(model, chain, segments):
+        return liveness(capture(model, x, loss)).peak_bytes
+
+
+def test_identical_blocks_are_measured_at_depth_4_exactly(planned: tuple) -> None:
+    name, model, x, loss, report, planner = planned
+    assert planner.depth == 4 and planner.costs.n == 6
+    full = chain_costs(model, find_chain(model), lambda: capture(model, x, loss), None)
+    assert full.stages == planner.costs.stages  # the depth-4 interior block stands for every other
+    assert evaluate(planner.costs, segments_of(6, [])).peak_bytes == report.peak_bytes
+
+
+def test_plan_peaks_equal_recaptured_peaks(planned: tuple) -> None:
+    # GIVEN random plans, the baselines and the frontier of a 6-block chain
+    name, model, x, loss, report, planner = planned
+    r = random.Random(5)
+    plans = [tuple((a, b) for a, b, ck in p if ck) for p in r.sample(list(all_plans(6)), 10)]
+    plans += [p.segments for p in planner.frontier(20)] + [b.segments for b, _ in planner.baselines()]
+    for segments in plans:
+        # WHEN graphmem predicts the plan's peak and the plan is applied and captured again
+        predicted = evaluate(planner.costs, segments_of(6, segments)).peak_bytes
+        # THEN they are equal to the byte
+        assert predicted == _recaptured(model, x, loss, planner.costs.chain, list(segments)), segments
+
+
+def test_plan_peaks_match_real_cpu_runs(planned: tuple) -> None:
+    name, model, x, loss, report, planner = planned
+    low = planner.minimum_peak()
+    for plan in (planner.plan(budget=(low + report.peak_bytes) // 2), planner.plan(budget=low),
+                 planner._plan("one segment", evaluate(planner.costs, segments_of(6, [(1, 4)])))):
+        with plan.apply(model):
+            real = measure_peak(model, x, loss)
+        assert plan.peak_bytes <= real.peak_bytes
+        assert real.peak_bytes - plan.peak_bytes <= LM_TOLERANCE * real.peak_bytes, (plan.segments, real.peak_bytes)
+
+
+def test_activation_bytes_of_a_plan_are_what_the_forward_keeps(planned: tuple) -> None:
+    name, model, x, loss, report, planner = planned
+    plan = planner.plan(budget=planner.minimum_peak())
+    with plan.apply(model):
+        g = capture(model, x, loss)
+    lv = liveness(g)
+    at_loss = g.phase_start["loss"] - 1  # live after the forward, before the loss
+    plain = report.liveness.timeline[report.phase_start["loss"] - 1]
+    assert plan.activation_bytes - report.activation_bytes == lv.timeline[at_loss] - plain
+    assert plan.activation_bytes < report.activation_bytes
+
+
+def test_graphmem_plan_is_never_worse_than_the_baselines(planned: tuple) -> None:
+    name, model, x, loss, report, planner = planned
+    names = [b.name for b, _ in planner.baselines()]
+    assert names[:2] == ["none", "every block"] and names[2].startswith("sqrt(n) segments")
+    for base, mine in planner.baselines():
+        assert mine.peak_bytes <= base.peak_bytes and mine.recompute_flops <= base.recompute_flops
+
+
+def test_max_overhead_picks_the_lowest_peak_within_it(planned: tuple) -> None:
+    name, model, x, loss, report, planner = planned
+    plan = report.plan(max_overhead="10%")
+    assert plan.overhead <= 0.10
+    tighter = optimal(planner.costs, plan.peak_bytes - 1, planner.tables)  # any lower peak costs more
+    assert tighter is None or tighter.recompute_flops > 0.10 * planner.step_flops
+
+
+def test_recompute_flops_are_forward_flops(planned: tuple) -> None:
+    name, model, x, loss, report, planner = planned
+    every = dict((b.name, b) for b, _ in planner.baselines())["every block"]
+    # every block checkpointed recomputes each block's forward once, less what early stop skips
+    forward = sum(s.flops for s in planner.costs.stages)
+    assert 0 < every.recompute_flops <= forward
+    assert every.recompute_flops >= forward - sum(s.flops - s.one_re_flops for s in planner.costs.stages)
+
+
+# -- apply --------------------------------------------------------------------------------------------------------
+def test_apply_is_real_checkpointing_and_remove_restores() -> None:
+    model, x, loss = _gpt(4)
+    keys = list(model.state_dict())
+    torch.manual_seed(1)
+    ref = loss(model(*x), x)
+    ref.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    report = graphmem.analyze(model, x, loss=loss)
+    plan = report.plan(budget=report.planner.minimum_peak())
+    handle = plan.apply(model)
+    assert list(model.state_dict()) == keys  # no wrapper modules, no renamed keys
+    torch.manual_seed(1)
+    out = loss(model(*x), x)
+    out.backward()  # recompute with the same dropout masks (checkpoint restores the RNG state)
+    assert torch.equal(out, ref)
+    assert all(torch.allclose(p.grad, g) for p, g in zip(model.parameters(), ref_grads))
+    handle.remove()
+    assert all("forward" not in vars(b) for b in model.transformer.h)
+
+
+def test_apply_refuses_bad_segments() -> None:
+    model, x, loss = _gpt(4)
+    with pytest.raises(UsageError, match="overlaps"):
+        apply_segments(model, "transformer.h", [(0, 2), (2, 3)])
+    with pytest.raises(UsageError, match="outside"):
+        apply_segments(model, "transformer.h", [(3, 4)])
+    with apply_segments(model, "transformer.h", [(0, 1)]):
+        with pytest.raises(UsageError, match="already checkpointed"):
+            apply_segments(model, "transformer.h", [(0, 0)])
+    report = graphmem.analyze(model, x, loss=loss)
+    plan = report.plan(budget=report.peak_bytes)
+    with pytest.raises(UsageError, match="4 blocks"):
+        plan.apply(_gpt(3)[0])
+
+
+def test_plan_limits_are_checked() -> None:
+    model, x, loss = _gpt(4)
+    report = graphmem.analyze(model, x, loss=loss)
+    with pytest.raises(UsageError, match="give a memory budget"):
+        report.plan()
+    with pytest.raises(UsageError, match="not both"):
+        report.plan(budget="1GiB", max_overhead="5%")
+    with pytest.raises(UsageError, match="invalid overhead"):
+        report.plan(max_overhead="lots")
+    with pytest.raises(graphmem.GraphmemError, match="smallest peak any plan"):
+        report.plan(budget=1000)
+
+
+def test_a_model_without_a_chain_gets_one_line() -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    report = graphmem.analyze(net, (torch.randn(2, 8),))
+    with pytest.raises(graphmem.GraphmemError, match="no chain of identical blocks"):
+        report.plan(budget="1GiB")
+
+
+# -- CLI ---------------------------------------------------------------------------------------------------------------
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "graphmem.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_plan_text_and_json() -> None:
+    r = _cli("plan", "gpt2", "--input-shape", "2x64", "--max-overhead", "10%")
+    assert r.returncode == 0, r.stderr
+    assert "Chosen plan" in r.stdout and "gc.apply_segments(model, 'transformer.h'" in r.stdout
+    assert "Pareto frontier" in r.stdout and "every block" in r.stdout
+    j = _cli("analyze", "gpt2", "--input-shape", "2x64", "--plan", "--max-overhead", "10%", "--json")
+    assert j.returncode == 0, j.stderr
+    plan = json.loads(j.stdout)["plan"]
+    assert plan["chain"] == "transformer.h" and plan["blocks"] == 12
+    assert plan["chosen"]["overhead"] <= 0.10 and plan["frontier"][0]["recompute_flops"] == 0
+    assert [b["baseline"]["name"] for b in plan["baselines"]][:2] == ["none", "every block"]
+
+
+def test_cli_plan_mistakes_are_one_line() -> None:
+    r = _cli("analyze", "gpt2", "--input-shape", "2x64", "--budget", "1GiB")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "add --plan" in r.stderr
+    r = _cli("plan", "gpt2", "--input-shape", "2x64", "--budget", "1MiB")
+    assert r.returncode == 1 and "No plan chosen" in r.stdout
+    assert r.stderr.strip().startswith("graphmem: no checkpoint plan fits 1.00 MiB") and r.stderr.count("\n") == 1
