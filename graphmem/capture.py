@@ -424,6 +424,8 @@ def capture(
                 if isinstance(x, torch.Tensor):
                     cap.preexisting(x, "input", f"input_{i}")
             session = _session(train, model, seen, cap, target.device)
+        marked: dict[str, list[int]] = {}
+        mark = _marker(cap, seen, model, marked)  # before the step swaps the fake parameters into the module
         handles = [
             nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
             nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True),  # also when a recompute stops early
@@ -445,12 +447,11 @@ def capture(
                     _reparametrize_module(model, state, tie_weights=True, strict=False), \
                     _rng_states(cap, target.device == "cpu"):
                 cap.recording = True
-                marked: dict[str, list[int]] = {}
                 if session is None:
                     out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, _forward_context(target, backends))
                 else:
                     out, loss = session.run(forward, fake_inputs, tagged_loss, cap.set_phase,
-                                            _forward_context(target, backends), _marker(cap, seen, model, marked), fake=True)
+                                            _forward_context(target, backends), mark, fake=True)
                     relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
                 gradient_sids = list(dict.fromkeys(marked.get("gradient", []) + [
                     _gradient(cap, p) for p in seen.values() if p.grad is not None]))
