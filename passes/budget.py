@@ -158,7 +158,7 @@ def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parall
         return "activations" if s.sid in saved_sids else "temporaries"
 
     def tp_part(s: Storage) -> int:  # numerator after tensor parallelism (over den)
-        if marks is None:
+        if marks is None or (s.kind == "optimizer state" and _numel(s) <= 1):  # step counters: whole
             return den
         param = s.sid if s.kind == "parameter" else s.owner
         if param is not None:

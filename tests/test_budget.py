@@ -128,6 +128,7 @@ def test_tensor_parallel_splits_the_linear_weights_and_their_states() -> None:
     expected = sum(v // 2 if sid in marks.weights else v for sid, v in size.items())
     assert r.budget.row("parameters").size == expected
     assert r.budget.rank.states_by_name["exp_avg"] == expected  # fp32 states follow their weights
+    assert r.budget.rank.states_by_name["step"] == 4 * len(g.gradients)  # scalar step counters stay whole
 
 
 class Chainless(nn.Module):

@@ -65,18 +65,18 @@ def render_budget(b: Any) -> str:
     rows.append(later + [fmt_bytes(r.later_peak_bytes), "", f"op {r.later_peak_index} ({r.later_peak_phase}); "
                          "optimizer states live from the start"])
     lines = [_title(b), tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)]
-    psi = r.trainable or r.parameters
+    psi = r.parameters
     states = r.model_state_bytes - r.step_counter_bytes
-    per = f"{states / psi:.2f} B per trainable parameter" if psi else ""
+    per = f"{states / psi:.2f} B per parameter" if psi else ""
     lines.append(f"model states (parameters + gradients + optimizer states + master copies): "
                  f"{fmt_bytes(r.model_state_bytes)} per rank; without the step counters ({fmt_bytes(r.step_counter_bytes)}) "
-                 f"{fmt_bytes(states)} = {per} ({_count(psi)} trainable of {_count(r.parameters)})")
+                 f"{fmt_bytes(states)} ({states / 1e9:.2f} GB) = {per} ({_count(psi)} trainable of {_count(r.parameters)})")
     if b.training.lora is not None:
         frozen = r.parameters - r.trainable
         lines.append(f"LoRA: {len(b.lora_layers)} layers adapted; {_count(frozen)} frozen parameters get no gradient "
                      f"and no optimizer state; activations are still saved wherever a gradient needs them "
                      f"({fmt_bytes(r.row('activations').size)} here: autograd skips only what a frozen weight's own "
-                     "gradient would need, and the input gradient still flows back through every layer)")
+                     "gradient would need; the input gradient still flows back through the frozen layers above each adapter)")
     if r.peak_index >= 0:
         module = f", module {r.peak_module}" if r.peak_module else ""
         lines.append(f"why the peak: op {r.peak_index} ({r.peak_phase}: {r.peak_op}{module}) is {_WHY.get(r.peak_phase, r.peak_phase)}")
