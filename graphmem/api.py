@@ -13,6 +13,7 @@ from .capture import capture
 from .errors import UsageError
 from .load import Loaded, from_exported, load, make_inputs, parse_shape
 from .report import Report
+from .reuse import capture_reusing
 from .target import make_target
 from .whole_step import make_training, prepare, step_budget
 from .step import LossFn
@@ -80,6 +81,8 @@ def analyze(
     amp: Optional[str] = None,
     attention: str = "auto",
     gpu: str = "h100",
+    mode: str = "eager",
+    reuse: bool = True,
     optimizer: Optional[str] = None,
     optimizer_impl: str = "auto",
     master_weights: bool = False,
@@ -101,7 +104,11 @@ def analyze(
     as it was. The target: ``device`` ("cpu" or "cuda"), ``dtype`` of the parameters ("fp32",
     "bf16", "fp16"), ``amp`` (autocast "bf16"/"fp16" with fp32 parameters), ``attention`` (the
     SDPA backend: "auto", "flash", "efficient", "cudnn", "math") and ``gpu`` ("h100", "a100", ...)
-    for the CUDA backend rules.
+    for the CUDA backend rules. ``mode="compiled"`` predicts ``torch.compile(model)``'s step
+    (AOTAutograd's graphs split by the min-cut partitioner, as the ``aot_eager`` backend runs
+    them) and puts eager beside it in ``report.compiled``. ``reuse`` (default on): a chain of
+    >= 16 identical blocks is captured at depth 4 and the other blocks copied, after a check at
+    depth 5 (graphmem/reuse.py); ``reuse=False`` captures every block.
 
     The whole training step (graphmem/train.py), reported as ``report.budget``: ``optimizer``
     ("sgd", "momentum", "adam", "adamw", "adafactor"; torch.optim, run after backward, then
@@ -136,11 +143,17 @@ def analyze(
         make = inputs if isinstance(inputs, tuple) else (inputs,)
         resize = _resized(make)
     loss_fn = loss or loaded.loss
-    target = make_target(torch.device(device).type, dtype, amp, attention, gpu)
+    target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode)
     training = make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank, lora_targets,
                              world_size, zero, fsdp, tp, sp)
+    if training.train.active and target.mode == "compiled":
+        raise UsageError("the optimizer step and micro-batches are traced in eager mode; drop --mode compiled "
+                         "(or the --optimizer/--micro-batches options)")
     module, lora_layers = prepare(loaded.module, training)
-    g = capture(module, make, loss_fn, target, train=training.train)
+    # a deep chain of identical blocks is captured at depth 4 and widened (checked at depth 5); the
+    # training step's accumulate/optimizer phases are not block-shaped: captured whole
+    capture_at: Any = lambda: capture(module, make, loss_fn, target, train=training.train)  # noqa: E731
+    g = capture_reusing(module, capture_at)[0] if reuse and not training.train.active else capture_at()
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     loss_name = "default (output if scalar, else sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")
@@ -151,4 +164,9 @@ def analyze(
     alloc = allocator(g) if target.device == "cuda" else None  # the caching allocator's view of the step
     lv, sv = liveness(g), saved(g)
     plan = step_budget(g, lv, sv, training, module, lora_layers) if training.requested else None
-    return Report.build(g, lv, sv, loaded.name, shapes, loss_name, notes(g), source, alloc, budget=plan)
+    report = Report.build(g, lv, sv, loaded.name, shapes, loss_name, notes(g), source, alloc, budget=plan)
+    if target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
+        from .compiled import beside_eager
+
+        report = beside_eager(report, loaded.module, make, loss_fn)
+    return report

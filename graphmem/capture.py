@@ -97,6 +97,7 @@ class _Recorder:
         self.closed = False
         self.recompute_rules: Optional[Callable[[], Any]] = None  # CUDA target: rules for recomputes
         self.recompute_ctx: Any = None
+        self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
 
     # -- storages -----------------------------------------------------------------
     def storage(self, t: torch.Tensor, kind: str, name: str, created: int, module: str) -> Storage:
@@ -138,6 +139,8 @@ class _Recorder:
         return a
 
     def module_now(self) -> str:
+        if self.node_module is not None:
+            return self.node_module
         if self.phase == "backward" and len(self.stack) == 1:  # (a deeper stack: a checkpoint's recompute)
             fn = torch._C._current_autograd_node()
             return fn.metadata.get(_TAG, "") if fn is not None else ""
@@ -347,7 +350,39 @@ def _fake_like(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtyp
     return fake.requires_grad_(t.requires_grad) if t.is_floating_point() else fake
 
 
-def _forward_context(target: Target, used: dict[str, int]) -> Callable[[], Any]:
+def fake_state(model: nn.Module, device: torch.device, dtype: Optional[torch.dtype],
+               on_new: Callable[[torch.Tensor, str, str], None] = lambda t, kind, name: None,
+               ) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor]]:
+    """Fresh fake parameters and buffers by name (tied ones stay one tensor), run under a fake
+    mode; ``on_new(tensor, kind, name)`` is told of each distinct one."""
+    state: dict[str, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor] = {}
+    for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
+                        ("buffer", model.named_buffers(remove_duplicate=False))):
+        for name, p in named:
+            if id(p) not in seen:
+                seen[id(p)] = _fake_like(p, device, dtype)
+                on_new(seen[id(p)], kind, name)
+            state[name] = seen[id(p)]
+    return state, seen
+
+
+def fake_batch(inputs: "Inputs", fake_mode: FakeTensorMode, device: torch.device,
+               dtype: Optional[torch.dtype]) -> tuple:
+    """The step's inputs as fake tensors of ``fake_mode`` (run under it)."""
+    with torch.device(device):
+        raw = inputs() if callable(inputs) else inputs
+    if not isinstance(raw, (tuple, list)):
+        raw = (raw,)
+    return tuple(
+        (x if fake_mode is getattr(x, "fake_mode", None) and (dtype is None or not x.is_floating_point())
+         else _fake_like(x, device, dtype))
+        if isinstance(x, torch.Tensor) else x
+        for x in raw
+    )
+
+
+def forward_context(target: Target, used: dict[str, int]) -> Callable[[], Any]:
     """What wraps forward and loss for the target: CPU autocast / SDPA backend, or CUDA rules."""
     if target.device == "cuda":
         rules = CudaRules(target, used)  # it counts the SDPA backends it picks into ``used``
@@ -397,41 +432,31 @@ def capture(
     fake_mode = _Mode(cap)
     training = [(m, m.training) for m in model.modules()]
     handles = []
+    compiled: Any = None
     try:
         for m in model.modules():  # train mode (set directly: an exported module refuses .train())
             m.training = True
+        if target.mode == "compiled":  # torch.compile's step, traced once on its own fake tensors
+            from .compiled import CompiledStep
+
+            compiled = CompiledStep.trace(model, inputs, loss_fn, target)
         with fake_mode:
-            state: dict[str, torch.Tensor] = {}
-            seen: dict[int, torch.Tensor] = {}
-            for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
-                                ("buffer", model.named_buffers(remove_duplicate=False))):
-                for name, p in named:
-                    if id(p) not in seen:
-                        seen[id(p)] = _fake_like(p, device, dtype)
-                        cap.preexisting(seen[id(p)], kind, name)
-                    state[name] = seen[id(p)]
-            with torch.device(device):
-                raw = inputs() if callable(inputs) else inputs
-            if not isinstance(raw, (tuple, list)):
-                raw = (raw,)
-            fake_inputs = tuple(
-                (x if fake_mode is getattr(x, "fake_mode", None) and (dtype is None or not x.is_floating_point())
-                 else _fake_like(x, device, dtype))
-                if isinstance(x, torch.Tensor) else x
-                for x in raw
-            )
+            state, seen = fake_state(model, device, dtype, cap.preexisting)
+            fake_inputs = fake_batch(inputs, fake_mode, device, dtype)
             for i, x in enumerate(fake_inputs):
                 if isinstance(x, torch.Tensor):
                     cap.preexisting(x, "input", f"input_{i}")
             session = _session(train, model, seen, cap, target.device)
         marked: dict[str, list[int]] = {}
         mark = _marker(cap, seen, model, marked)  # before the step swaps the fake parameters into the module
-        handles = [
+        handles = [] if compiled is not None else [  # compiled: modules come from the graphs' node metadata
             nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
             nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True),  # also when a recompute stops early
         ]
 
         def forward(*args: Any) -> Any:
+            if compiled is not None:
+                return compiled.replay(cap, args)
             return model(*args)
 
         def tagged_loss(out: Any, inputs: tuple) -> torch.Tensor:
@@ -448,10 +473,10 @@ def capture(
                     _rng_states(cap, target.device == "cpu"):
                 cap.recording = True
                 if session is None:
-                    out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, _forward_context(target, backends))
+                    out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, forward_context(target, backends))
                 else:
                     out, loss = session.run(forward, fake_inputs, tagged_loss, cap.set_phase,
-                                            _forward_context(target, backends), mark, fake=True)
+                                            forward_context(target, backends), mark, fake=True)
                     relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
                 gradient_sids = list(dict.fromkeys(marked.get("gradient", []) + [
                     _gradient(cap, p) for p in seen.values() if p.grad is not None]))
@@ -463,12 +488,17 @@ def capture(
             raise _translate(e, cap, type(model).__name__) from e
         phase_start = dict(cap.phase_start)
         phase_start["end"] = len(cap.ops)
+        if compiled is not None:
+            compiled.check_replayed()
         return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
-                         gradient_sids, type(model).__name__,
-                         [name for name, _ in model.named_modules()], cap.module_inputs, target, backends,
-                         train if session is not None else None)
+                         gradient_sids, type(model).__name__, [name for name, _ in model.named_modules()],
+                         compiled.module_inputs if compiled is not None else cap.module_inputs, target, backends,
+                         compiled=compiled.summary() if compiled is not None else None,
+                         train=train if session is not None else None)
     finally:
         cap.closed = True  # before out/loss/state die with this frame: those frees are after the step
+        if compiled is not None:
+            compiled.close()
         for h in handles:
             h.remove()
         for m, was in training:

@@ -55,10 +55,15 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="auto", choices=["auto", "flash", "efficient", "cudnn", "math"],
                    help="SDPA backend (default auto: PyTorch's own choice for the target)")
     p.add_argument("--gpu", default="h100", help="GPU for the CUDA backend rules: h100, a100, l4, a10, t4, v100, ...")
+    p.add_argument("--mode", default="eager", choices=["eager", "compiled"],
+                   help="eager autograd (default) or torch.compile's step (AOTAutograd, min-cut partition), shown beside eager")
+    p.add_argument("--no-reuse", action="store_true",
+                   help="capture every block of a deep chain (default: 4 captured and copied, checked at depth 5)")
 
 
 def target_options(args: argparse.Namespace) -> dict:
-    return {"device": args.device, "dtype": args.dtype, "amp": args.amp, "attention": args.attention, "gpu": args.gpu}
+    return {"device": args.device, "dtype": args.dtype, "amp": args.amp, "attention": args.attention, "gpu": args.gpu,
+            "mode": args.mode, "reuse": not args.no_reuse}
 
 
 def _command_modules() -> list:

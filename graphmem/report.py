@@ -36,6 +36,7 @@ class Report:
     attention_backends: dict = field(default_factory=dict)  # CUDA target: SDPA kernel -> calls
     cuda_allocator: Any = None  # CUDA target: passes.allocator.AllocatorResult (caching allocator model)
     budget: Any = None  # graphmem.whole_step.StepBudget: optimizer, precision, LoRA, per-rank budget
+    compiled: Any = None  # compiled mode: passes.modes.ModeComparison (eager beside compiled)
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # how to capture at other sizes
@@ -209,5 +210,6 @@ class Report:
                                    "segments": self.cuda_allocator.segments}} if self.cuda_allocator is not None else {}),
             **({"coefficients": self.known_coefficients.to_dict()} if self.known_coefficients is not None else {}),
             **({"budget": self.budget.to_dict()} if self.budget is not None else {}),
+            **({"compiled": self.compiled.to_dict()} if self.compiled is not None else {}),
             **({"plan": self.known_plans.to_dict()} if self.known_plans is not None else {}),
         }

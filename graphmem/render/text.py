@@ -89,6 +89,10 @@ def render_text(report: Report, depth: int = 3, top: int = 10) -> str:
     lines += ["", f"Live at the peak (top {min(top, len(report.live_at_peak))} of {len(report.live_at_peak)})",
               tabulate(rows, headers=["tensor", "kind", "module", "shape", "bytes"], tablefmt="simple",
                        colalign=("left", "left", "left", "left", "right"))]
+    if report.compiled is not None:
+        from .compiled import render_modes
+
+        lines += ["", render_modes(report.compiled, depth, top).rstrip("\n")]
     if report.known_coefficients is not None:
         from .formula import render_coefficients
 
