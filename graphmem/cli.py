@@ -7,6 +7,7 @@ import sys
 from typing import NoReturn, Optional, Sequence
 
 from .errors import GraphmemError, UsageError
+from .training_cli import add_training_arguments, training_options
 
 
 class _Parser(argparse.ArgumentParser):
@@ -21,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("model", help="a model file (defines `model`) or a preset name, see `graphmem presets`")
     a.add_argument("--input-shape", required=True, metavar="SHAPE", help="e.g. 32x1024 (tokens) or 8x3x224x224")
     add_target_arguments(a)
+    add_training_arguments(a)
     a.add_argument("--json", action="store_true", help="print the report as JSON (exact integers); same as --format json")
     a.add_argument("--format", choices=["text", "json", "markdown"], help="output format (default text)")
     a.add_argument("--tree", action="store_true", help="print the module tree of saved bytes (text format)")
@@ -98,7 +100,7 @@ def _analyze(args: argparse.Namespace) -> int:
     fmt = output_format(args)  # flag mistakes and a missing matplotlib fail before the analysis
     check_plan_arguments(args, args.plan)
     with quiet(fmt == "json"):
-        report = analyze(args.model, input_shape=args.input_shape, **target_options(args))
+        report = analyze(args.model, input_shape=args.input_shape, **target_options(args), **training_options(args))
         summary = report.plans(args.budget, args.max_overhead, points=args.points, keep=True) if args.plan else None
         if args.formula:
             from .progress import Progress

@@ -86,8 +86,6 @@ def make_target(device: str = "cpu", dtype: Optional[str] = None, amp: Optional[
         raise UsageError(f"unknown gpu {gpu!r}: use one of {', '.join(GPUS)}")
     if device == "cpu" and attention in ("efficient", "cudnn"):
         raise UsageError(f"--attention {attention} is a CUDA kernel; on the CPU target use auto, flash or math")
-    if device == "cpu" and amp == "fp16":
-        raise UsageError("CPU autocast runs bf16; use --amp bf16, or --device cuda for fp16 autocast")
     if mode not in MODES:
         raise UsageError(f"unknown mode {mode!r}: use eager or compiled")
     if mode == "compiled" and device == "cuda":
