@@ -31,6 +31,7 @@ class Source:
         self.module, self.make, self.loss, self.device, self.base_shape = module, make, loss, device, base_shape
         self.names, self.dims = variables_of(example)
         self._sampler: Any = None
+        self.train: Any = None  # the training step's options (graphmem/train.py), when any
 
     def sampler_for(self, base: tuple[int, ...], dims: tuple[int, ...], tick: Any = None) -> Any:
         """A fresh sampler around another base shape, varying only ``dims``."""
@@ -163,6 +164,7 @@ def analyze(
     if example:
         probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
         source = Source(module, resize, loss_fn, target, probe, example[0].shape)
+        source.train = training.train  # checkpoint plans capture the same training step
     alloc = allocator(g) if target.device == "cuda" else None  # the caching allocator's view of the step
     lv, sv = liveness(g), saved(g)
     plan = step_budget(g, lv, sv, training, module, lora_layers) if training.requested else None

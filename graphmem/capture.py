@@ -75,7 +75,21 @@ class _Mode(FakeTensorMode):
         rec = self.rec
         if rec.depth or not rec.recording or func.namespace in ("prim", "profiler") or func in _METADATA_OPS:
             return super().__torch_dispatch__(func, types, args, kwargs)  # queries never allocate
+        if func is _LAYER_NORM and rec.fp32_norm_stats and args[0].dtype in (torch.float16, torch.bfloat16):
+            return rec.record(lambda f, a, k: _fp32_stats(super(_Mode, self).__torch_dispatch__(f, types, a, k)),
+                              func, args, kwargs)
         return rec.record(lambda f, a, k: super(_Mode, self).__torch_dispatch__(f, types, a, k), func, args, kwargs)
+
+
+_LAYER_NORM = torch.ops.aten.native_layer_norm.default
+
+
+def _fp32_stats(out: tuple) -> tuple:
+    """CUDA's LayerNorm kernel keeps mean and rstd in fp32 (its accumulation type) for 16-bit
+    inputs, where the CPU kernel the CUDA target runs on keeps them in the input's dtype; the
+    16-bit ones die inside the op, like a real kernel's scratch."""
+    y, mean, rstd = out
+    return y, mean.float(), rstd.float()
 
 
 class _Recorder:
@@ -97,6 +111,7 @@ class _Recorder:
         self.closed = False
         self.recompute_rules: Optional[Callable[[], Any]] = None  # CUDA target: rules for recomputes
         self.recompute_ctx: Any = None
+        self.fp32_norm_stats = False  # CUDA target: LayerNorm's mean/rstd in fp32 (see _fp32_stats)
         self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
 
     # -- storages -----------------------------------------------------------------
@@ -429,6 +444,7 @@ def capture(
     cap = _Recorder(paths)
     if target.device == "cuda":
         cap.recompute_rules = lambda: CudaRules(target, backends)
+        cap.fp32_norm_stats = True
     fake_mode = _Mode(cap)
     training = [(m, m.training) for m in model.modules()]
     handles = []

@@ -254,7 +254,11 @@ def measure(report: Any) -> tuple[ChainCosts, int]:
                         ">= 2 like modules) to checkpoint")
     shape = source.base_shape
 
+    train = getattr(source, "train", None)
+
     def capture_at() -> StepGraph:
+        if train is not None and train.active:
+            return capture(model, lambda: source.make(shape), source.loss, source.device, train=train)
         return capture(model, lambda: source.make(shape), source.loss, source.device)
 
     if chain.length > DEPTH:
@@ -313,6 +317,8 @@ class CheckpointPlan:
 
     def code(self) -> str:
         """Python that applies the plan."""
+        if not self.segments:
+            return "# nothing to checkpoint: this plan keeps every block's activations"
         segs = ", ".join(f"({a}, {b})" for a, b in self.segments)
         lines = ["import graphmem.checkpointing as gc",
                  f"gc.apply_segments(model, {self.chain!r}, [{segs}])  # torch.utils.checkpoint, non-reentrant"]
