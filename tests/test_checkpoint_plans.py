@@ -250,15 +250,15 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_plan_text_and_json() -> None:
-    r = _cli("plan", "gpt2", "--input-shape", "2x64", "--max-overhead", "10%")
+    r = _cli("plan", "gpt2", "--input-shape", "8x1024", "--max-overhead", "10%")
     assert r.returncode == 0, r.stderr
     assert "Chosen plan" in r.stdout and "gc.apply_segments(model, 'transformer.h'" in r.stdout
     assert "Pareto frontier" in r.stdout and "every block" in r.stdout
-    j = _cli("analyze", "gpt2", "--input-shape", "2x64", "--plan", "--max-overhead", "10%", "--json")
+    j = _cli("analyze", "gpt2", "--input-shape", "8x1024", "--plan", "--max-overhead", "10%", "--json")
     assert j.returncode == 0, j.stderr
     plan = json.loads(j.stdout)["plan"]
     assert plan["chain"] == "transformer.h" and plan["blocks"] == 12
-    assert plan["chosen"]["overhead"] <= 0.10 and plan["frontier"][0]["recompute_flops"] == 0
+    assert 0 < plan["chosen"]["overhead"] <= 0.10 and plan["chosen"]["segments"] and plan["frontier"][0]["recompute_flops"] == 0
     assert [b["baseline"]["name"] for b in plan["baselines"]][:2] == ["none", "every block"]
 
 
