@@ -339,7 +339,13 @@ def _tag_grad_fns(output: Any, path: str, start: int = 0) -> None:
         if _TAG in md or fn._sequence_nr() < start:
             continue
         md[_TAG] = path
-        fn.register_hook(lambda grad_inputs, grad_outputs, md=md: md.__setitem__(_DONE, True))
+        if getattr(getattr(fn, "_forward_cls", None), "boxed_grads_call", False):
+            # a hook would make the engine hand this node its grads in a tuple it holds until
+            # the node returns, where it otherwise passes a list the node frees as it goes
+            # (AOTAutograd's compiled backward); the node marks itself done (graphmem/compiled.py)
+            pass
+        else:
+            fn.register_hook(lambda grad_inputs, grad_outputs, md=md: md.__setitem__(_DONE, True))
         for nxt, _ in fn.next_functions:
             if nxt is not None:
                 todo.append(nxt)
