@@ -55,9 +55,9 @@ class Applied:
 
 
 # SAC's cached tensors go through the saved-tensor hooks around the step (graphmem's capture,
-# measure_saved) like any saved tensor; the opt-in exists from torch 2.12 on
-_RESPECT = ({"respect_saved_tensors_hooks": True}
-            if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
+# measure_saved) like any saved tensor, where this torch has the opt-in (older ones bypass them)
+_RESPECT: dict[str, Any] = ({"respect_saved_tensors_hooks": True}
+                            if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
 
 
 def _runner(blocks: list[nn.Module], session: Any) -> Any:

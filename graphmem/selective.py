@@ -26,7 +26,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 from graphmem.passes import selective as sel
 from graphmem.passes.checkpoint import Evaluated
 
-from .errors import UsageError
+from .errors import GraphmemError, UsageError
 from .formula import find_chain
 from .plan import CheckpointPlan, PlanError, Planner, measure, op_flops
 from .stepgraph import OpNode, StepGraph
@@ -217,7 +217,11 @@ class SelectivePlanner(Planner):
         self.levels = choose_levels(report.step, prefix, 1 if chain.length > 2 else 0, count)
         costs = [self.costs]
         for policy in self.levels.policies:
-            level, _ = measure(report, policy)
+            try:
+                level, _ = measure(report, policy)
+            except GraphmemError as e:
+                raise PlanError(f"selective level {policy.name} (keeping {len(policy.keep)} ops per block) cannot be "
+                                f"measured: {e}; plan without --selective") from e
             costs.append(level)
         self.modes = sel.Modes(tuple(costs))
         try:

@@ -17,11 +17,14 @@ def render_levels(levels: Any, fmt_flops: Any) -> list[str]:
         marks = ["keep" if o.key in p.keep else "-" for p in levels.policies]
         rows.append([o.label, "x".join(map(str, o.shape)), fmt_bytes(o.nbytes), fmt_flops(o.flops), *marks,
                      o.why_not or ""])
-    totals = [levels.kept(p) for p in levels.policies]
-    rows.append(["kept per block", "", "", "", *(f"{fmt_bytes(b)}" for b, _ in totals), ""])
-    rows.append(["recompute saved per block", "", "", "", *(fmt_flops(f) for _, f in totals), ""])
-    return ["", f"Selective levels: ops of {levels.block} with FLOPs, kept ('keep') or recomputed ('-') by each level "
-                "(a checkpointed segment runs plainly or at one level; every other op is recomputed; "
-                "FLOPs by torch.utils.flop_counter, which counts pointwise ops as 0)",
-            tabulate(rows, headers=["op (module, op#call)", "output", "bytes", "FLOPs", *names, "not keepable"],
-                     disable_numparse=True)]
+    headers = ["op (module, op#call)", "output", "bytes", "FLOPs", *names, "not keepable"]
+    if not levels.policies:
+        title = f"Selective levels: no op of {levels.block} with FLOPs can be kept, so selective plans are plain ones"
+    else:
+        totals = [levels.kept(p) for p in levels.policies]
+        rows.append(["kept per block", "", "", "", *(fmt_bytes(b) for b, _ in totals), ""])
+        rows.append(["recompute saved per block", "", "", "", *(fmt_flops(f) for _, f in totals), ""])
+        title = (f"Selective levels: ops of {levels.block} with FLOPs, kept ('keep') or recomputed ('-') by each "
+                 "level (a checkpointed segment runs plainly or at one level; every other op is recomputed; "
+                 "FLOPs by torch.utils.flop_counter, which counts pointwise ops as 0)")
+    return ["", title, tabulate(rows, headers=headers, disable_numparse=True)]
