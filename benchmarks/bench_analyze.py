@@ -11,6 +11,8 @@ shape, this times:
   graphmem    ``graphmem.analyze(module, input_shape=shape, loss=loss_fn)`` on a module built
               once under ``torch.device("meta")`` (construction NOT timed; graphmem's own fake
               parameter creation, capture and passes are). Used for the ratios.
+  graphmem-all  the same with ``reuse=False``: every block of the chain captured (no copies of a
+              captured block, see graphmem/reuse.py); shown beside the default.
   graphmem+   ``graphmem.analyze(preset_name, input_shape=shape)`` end to end, including the
               meta construction of the preset (what the CLI pays).
   memtracker  ``torch.distributed._tools.mem_tracker.MemTracker`` tracking the same step on a
@@ -61,10 +63,11 @@ GOAL_LINE = "goal: graphmem <= 1.5x bare, memtracker >= 10x graphmem"
 
 DEFAULT_CASES = ["gpt2-xl:32x1024", "llama-2-7b:1x4096"]
 
-METHODS = ("bare", "graphmem", "graphmem+", "memtracker")
+METHODS = ("bare", "graphmem", "graphmem-all", "graphmem+", "memtracker")
 LABELS = {
     "bare": "bare fake fwd+loss+bwd (excl. construction)",
     "graphmem": "graphmem.analyze(module) (excl. construction)",
+    "graphmem-all": "graphmem.analyze(module, reuse=False): every block captured",
     "graphmem+": "graphmem.analyze(preset name) (incl. meta construction)",
     "memtracker": "MemTracker under FakeTensorMode (excl. construction)",
 }
@@ -132,9 +135,10 @@ def run_bare(family: Any, config: Any, shape: tuple[int, ...]) -> tuple[float, d
     return seconds, {}
 
 
-def run_graphmem_module(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Callable) -> tuple[float, dict]:
+def run_graphmem_module(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Callable,
+                        reuse: bool = True) -> tuple[float, dict]:
     t0 = time.perf_counter()
-    report = graphmem.analyze(module, input_shape=shape, loss=loss_fn)
+    report = graphmem.analyze(module, input_shape=shape, loss=loss_fn, reuse=reuse)
     seconds = time.perf_counter() - t0
     return seconds, {"activation_bytes": report.activation_bytes, "peak_bytes": report.peak_bytes,
                      "baseline_bytes": report.baseline_bytes, "num_ops": report.num_ops}
@@ -234,6 +238,7 @@ def bench_case(case: Case, repeat: int, budget: float) -> dict:
     runs = {
         "bare": lambda: run_bare(family, config, case.shape),
         "graphmem": lambda: run_graphmem_module(meta_module, case.shape, family.loss),
+        "graphmem-all": lambda: run_graphmem_module(meta_module, case.shape, family.loss, reuse=False),
         "graphmem+": lambda: run_graphmem_preset(case.preset, case.shape),
         "memtracker": lambda: run_memtracker(family, config, case.shape),
     }
@@ -262,6 +267,10 @@ def print_case(case: Case, r: dict) -> None:
          "yes" if g_over_b <= GOAL_GRAPHMEM_OVER_BARE else "no"],
         ["memtracker / graphmem", f"{m_over_g:.2f}x", f">= {GOAL_MEMTRACKER_OVER_GRAPHMEM:g}x",
          "yes" if m_over_g >= GOAL_MEMTRACKER_OVER_GRAPHMEM else "no"],
+        ["(graphmem, every block captured / bare)", f"{r['graphmem-all']['best'] / r['bare']['best']:.2f}x",
+         f"<= {GOAL_GRAPHMEM_OVER_BARE:g}x", ""],
+        ["(memtracker / graphmem, every block captured)", f"{r['memtracker']['best'] / r['graphmem-all']['best']:.2f}x",
+         f">= {GOAL_MEMTRACKER_OVER_GRAPHMEM:g}x", ""],
         ["(graphmem incl. construction / bare)", f"{gp_over_b:.2f}x", "", ""],
     ], headers=["ratio (best times)", "value", "goal", "meets goal"], disable_numparse=True))
     print(GOAL_LINE)
@@ -278,8 +287,10 @@ def print_case(case: Case, r: dict) -> None:
     if mt:
         parts = ", ".join(f"{k} {v:,}" for k, v in mt.items() if k != "Total" and v)
         print(f"MemTracker peak breakdown: {parts}")
-    same = g["peak_bytes"] == gp["peak_bytes"] and g["activation_bytes"] == gp["activation_bytes"]
-    print(f"graphmem by module and by preset name agree: {'yes' if same else 'NO'}; "
+    ga = r["graphmem-all"]["extra"]
+    same = g["peak_bytes"] == gp["peak_bytes"] == ga["peak_bytes"] and \
+        g["activation_bytes"] == gp["activation_bytes"] == ga["activation_bytes"]
+    print(f"graphmem by module, by preset name and with every block captured agree: {'yes' if same else 'NO'}; "
           f"graphmem recorded {g['num_ops']:,} ops; peak RSS so far {peak_rss_mib():,.0f} MiB")
 
 

@@ -13,7 +13,9 @@ from .capture import capture
 from .errors import UsageError
 from .load import Loaded, from_exported, load, make_inputs, parse_shape
 from .report import Report
+from .reuse import capture_reusing
 from .target import make_target
+from .whole_step import make_training, prepare, step_budget
 from .step import LossFn
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
@@ -29,6 +31,7 @@ class Source:
         self.module, self.make, self.loss, self.device, self.base_shape = module, make, loss, device, base_shape
         self.names, self.dims = variables_of(example)
         self._sampler: Any = None
+        self.train: Any = None  # the training step's options (graphmem/train.py), when any
 
     def sampler_for(self, base: tuple[int, ...], dims: tuple[int, ...], tick: Any = None) -> Any:
         """A fresh sampler around another base shape, varying only ``dims``."""
@@ -79,6 +82,19 @@ def analyze(
     amp: Optional[str] = None,
     attention: str = "auto",
     gpu: str = "h100",
+    mode: str = "eager",
+    reuse: bool = True,
+    optimizer: Optional[str] = None,
+    optimizer_impl: str = "auto",
+    master_weights: bool = False,
+    micro_batches: int = 1,
+    lora_rank: Optional[int] = None,
+    lora_targets: Any = None,
+    world_size: int = 1,
+    zero: int = 0,
+    fsdp: Optional[str] = None,
+    tp: int = 1,
+    sp: bool = False,
 ) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
@@ -89,7 +105,19 @@ def analyze(
     as it was. The target: ``device`` ("cpu" or "cuda"), ``dtype`` of the parameters ("fp32",
     "bf16", "fp16"), ``amp`` (autocast "bf16"/"fp16" with fp32 parameters), ``attention`` (the
     SDPA backend: "auto", "flash", "efficient", "cudnn", "math") and ``gpu`` ("h100", "a100", ...)
-    for the CUDA backend rules.
+    for the CUDA backend rules. ``mode="compiled"`` predicts ``torch.compile(model)``'s step
+    (AOTAutograd's graphs split by the min-cut partitioner, as the ``aot_eager`` backend runs
+    them) and puts eager beside it in ``report.compiled``. ``reuse`` (default on): a chain of
+    >= 16 identical blocks is captured at depth 5 and the other blocks copied, after a check at
+    depth 6 (graphmem/reuse.py); ``reuse=False`` captures every block.
+
+    The whole training step (graphmem/train.py), reported as ``report.budget``: ``optimizer``
+    ("sgd", "momentum", "adam", "adamw", "adafactor"; torch.optim, run after backward, then
+    ``zero_grad``) with ``optimizer_impl`` ("auto", "foreach", "forloop", "fused"),
+    ``master_weights`` (fp32 masters of 16-bit parameters), ``micro_batches`` (gradient
+    accumulation), ``lora_rank``/``lora_targets`` (adapters on the named linear layers, the rest
+    frozen), and per-rank budgets for ``world_size`` ranks with ``zero`` (1-3) or ``fsdp``
+    ("full", "grad-op") and ``tp`` (tensor parallel, ``sp`` sequence parallel).
 
     >>> import torch, graphmem
     >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -116,14 +144,33 @@ def analyze(
         make = inputs if isinstance(inputs, tuple) else (inputs,)
         resize = _resized(make)
     loss_fn = loss or loaded.loss
-    target = make_target(torch.device(device).type, dtype, amp, attention, gpu)
-    g = capture(loaded.module, make, loss_fn, target)
+    target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode)
+    training = make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank, lora_targets,
+                             world_size, zero, fsdp, tp, sp)
+    if training.train.active and target.mode == "compiled":
+        raise UsageError("the optimizer step and micro-batches are traced in eager mode; drop --mode compiled "
+                         "(or the --optimizer/--micro-batches options)")
+    module, lora_layers = prepare(loaded.module, training)
+    # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6); not
+    # yet: the training step's accumulate/optimizer phases (not block-shaped) and compiled mode
+    # (AOTAutograd hands back gradients per parameter after the chain)
+    capture_at: Any = lambda: capture(module, make, loss_fn, target, train=training.train)  # noqa: E731
+    reusable = reuse and not training.train.active and mode != "compiled"
+    g = capture_reusing(module, capture_at)[0] if reusable else capture_at()
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     loss_name = "default (output if scalar, else sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")
     source = None
     if example:
         probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
-        source = Source(loaded.module, resize, loss_fn, target, probe, example[0].shape)
+        source = Source(module, resize, loss_fn, target, probe, example[0].shape)
+        source.train = training.train  # checkpoint plans capture the same training step
     alloc = allocator(g) if target.device == "cuda" else None  # the caching allocator's view of the step
-    return Report.build(g, liveness(g), saved(g), loaded.name, shapes, loss_name, notes(g), source, alloc)
+    lv, sv = liveness(g), saved(g)
+    plan = step_budget(g, lv, sv, training, module, lora_layers) if training.requested else None
+    report = Report.build(g, lv, sv, loaded.name, shapes, loss_name, notes(g), source, alloc, budget=plan)
+    if target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
+        from .compiled import beside_eager
+
+        report = beside_eager(report, loaded.module, make, loss_fn)
+    return report

@@ -31,11 +31,13 @@ from .cuda_rules import CudaRules
 from .step import LossFn, default_loss, run_step
 from .target import Target
 from .stepgraph import OpNode, SaveEvent, StepGraph, Storage
+from .train import Session, TrainStep, relabel_accumulation
 
 _NODE = "_graphmem_node"  # attribute set on each fake tensor: the OpNode (or (OpNode, i)) that produced it
 _TAG = "graphmem_module"  # key in grad_fn.metadata: module path of the forward op
 _DONE = "graphmem_done"  # set in grad_fn.metadata by a post hook once the node has run
 _ADD = torch.ops.aten.add.Tensor
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
 _METADATA_OPS = frozenset(
@@ -71,9 +73,23 @@ class _Mode(FakeTensorMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         rec = self.rec
-        if rec.depth or not rec.recording or func.namespace == "prim" or func in _METADATA_OPS:
+        if rec.depth or not rec.recording or func.namespace in ("prim", "profiler") or func in _METADATA_OPS:
             return super().__torch_dispatch__(func, types, args, kwargs)  # queries never allocate
+        if func is _LAYER_NORM and rec.fp32_norm_stats and args[0].dtype in (torch.float16, torch.bfloat16):
+            return rec.record(lambda f, a, k: _fp32_stats(super(_Mode, self).__torch_dispatch__(f, types, a, k)),
+                              func, args, kwargs)
         return rec.record(lambda f, a, k: super(_Mode, self).__torch_dispatch__(f, types, a, k), func, args, kwargs)
+
+
+_LAYER_NORM = torch.ops.aten.native_layer_norm.default
+
+
+def _fp32_stats(out: tuple) -> tuple:
+    """CUDA's LayerNorm kernel keeps mean and rstd in fp32 (its accumulation type) for 16-bit
+    inputs, where the CPU kernel the CUDA target runs on keeps them in the input's dtype; the
+    16-bit ones die inside the op, like a real kernel's scratch."""
+    y, mean, rstd = out
+    return y, mean.float(), rstd.float()
 
 
 class _Recorder:
@@ -95,6 +111,8 @@ class _Recorder:
         self.closed = False
         self.recompute_rules: Optional[Callable[[], Any]] = None  # CUDA target: rules for recomputes
         self.recompute_ctx: Any = None
+        self.fp32_norm_stats = False  # CUDA target: LayerNorm's mean/rstd in fp32 (see _fp32_stats)
+        self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
 
     # -- storages -----------------------------------------------------------------
     def storage(self, t: torch.Tensor, kind: str, name: str, created: int, module: str) -> Storage:
@@ -136,6 +154,8 @@ class _Recorder:
         return a
 
     def module_now(self) -> str:
+        if self.node_module is not None:
+            return self.node_module
         if self.phase == "backward" and len(self.stack) == 1:  # (a deeper stack: a checkpoint's recompute)
             fn = torch._C._current_autograd_node()
             return fn.metadata.get(_TAG, "") if fn is not None else ""
@@ -151,7 +171,9 @@ class _Recorder:
         finally:
             self.depth -= 1
         index = len(self.ops)
-        node = OpNode("call_function", func, tuple(self._arg(a) for a in args),
+        # torch.tensor(...) under the fake mode makes a real constant that lift_fresh turns into a
+        # fake one: the lifted tensor is the allocation a real run makes, the constant is not
+        node = OpNode("call_function", func, () if func in _LIFTS else tuple(self._arg(a) for a in args),
                       {k: self._arg(v) for k, v in kwargs.items()} if kwargs else {}, f"op{index}")
         self.ops.append(node)
         module = self.module_now()
@@ -343,7 +365,39 @@ def _fake_like(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtyp
     return fake.requires_grad_(t.requires_grad) if t.is_floating_point() else fake
 
 
-def _forward_context(target: Target, used: dict[str, int]) -> Callable[[], Any]:
+def fake_state(model: nn.Module, device: torch.device, dtype: Optional[torch.dtype],
+               on_new: Callable[[torch.Tensor, str, str], None] = lambda t, kind, name: None,
+               ) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor]]:
+    """Fresh fake parameters and buffers by name (tied ones stay one tensor), run under a fake
+    mode; ``on_new(tensor, kind, name)`` is told of each distinct one."""
+    state: dict[str, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor] = {}
+    for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
+                        ("buffer", model.named_buffers(remove_duplicate=False))):
+        for name, p in named:
+            if id(p) not in seen:
+                seen[id(p)] = _fake_like(p, device, dtype)
+                on_new(seen[id(p)], kind, name)
+            state[name] = seen[id(p)]
+    return state, seen
+
+
+def fake_batch(inputs: "Inputs", fake_mode: FakeTensorMode, device: torch.device,
+               dtype: Optional[torch.dtype]) -> tuple:
+    """The step's inputs as fake tensors of ``fake_mode`` (run under it)."""
+    with torch.device(device):
+        raw = inputs() if callable(inputs) else inputs
+    if not isinstance(raw, (tuple, list)):
+        raw = (raw,)
+    return tuple(
+        (x if fake_mode is getattr(x, "fake_mode", None) and (dtype is None or not x.is_floating_point())
+         else _fake_like(x, device, dtype))
+        if isinstance(x, torch.Tensor) else x
+        for x in raw
+    )
+
+
+def forward_context(target: Target, used: dict[str, int]) -> Callable[[], Any]:
     """What wraps forward and loss for the target: CPU autocast / SDPA backend, or CUDA rules."""
     if target.device == "cuda":
         rules = CudaRules(target, used)  # it counts the SDPA backends it picks into ``used``
@@ -369,6 +423,7 @@ def capture(
     inputs: Inputs,
     loss_fn: Optional[LossFn] = None,
     device: Union[str, torch.device, Target] = "cpu",
+    train: Optional[TrainStep] = None,
 ) -> StepGraph:
     """Record one training step of ``model`` on fake tensors.
 
@@ -377,6 +432,8 @@ def capture(
     default device (so ``torch.randint(...)`` inside it makes fake tensors). ``device`` is a
     device name or a Target (graphmem/target.py); the CUDA target runs on fake CPU tensors
     with CUDA's rules applied.
+    ``train`` (graphmem/train.py) adds micro-batches and the optimizer step
+    with ``zero_grad`` after backward, in phase "optimizer".
     """
     target = device if isinstance(device, Target) else Target(str(torch.device(device).type))
     device = torch.device("cpu")  # see graphmem/target.py for why the CUDA target runs here
@@ -387,41 +444,35 @@ def capture(
     cap = _Recorder(paths)
     if target.device == "cuda":
         cap.recompute_rules = lambda: CudaRules(target, backends)
+        cap.fp32_norm_stats = True
     fake_mode = _Mode(cap)
     training = [(m, m.training) for m in model.modules()]
     handles = []
+    compiled: Any = None
     try:
         for m in model.modules():  # train mode (set directly: an exported module refuses .train())
             m.training = True
+        if target.mode == "compiled":  # torch.compile's step, traced once on its own fake tensors
+            from .compiled import CompiledStep
+
+            compiled = CompiledStep.trace(model, inputs, loss_fn, target)
         with fake_mode:
-            state: dict[str, torch.Tensor] = {}
-            seen: dict[int, torch.Tensor] = {}
-            for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
-                                ("buffer", model.named_buffers(remove_duplicate=False))):
-                for name, p in named:
-                    if id(p) not in seen:
-                        seen[id(p)] = _fake_like(p, device, dtype)
-                        cap.preexisting(seen[id(p)], kind, name)
-                    state[name] = seen[id(p)]
-            with torch.device(device):
-                raw = inputs() if callable(inputs) else inputs
-            if not isinstance(raw, (tuple, list)):
-                raw = (raw,)
-            fake_inputs = tuple(
-                (x if fake_mode is getattr(x, "fake_mode", None) and (dtype is None or not x.is_floating_point())
-                 else _fake_like(x, device, dtype))
-                if isinstance(x, torch.Tensor) else x
-                for x in raw
-            )
+            state, seen = fake_state(model, device, dtype, cap.preexisting)
+            fake_inputs = fake_batch(inputs, fake_mode, device, dtype)
             for i, x in enumerate(fake_inputs):
                 if isinstance(x, torch.Tensor):
                     cap.preexisting(x, "input", f"input_{i}")
-        handles = [
+            session = _session(train, model, seen, cap, target.device)
+        marked: dict[str, list[int]] = {}
+        mark = _marker(cap, seen, model, marked)  # before the step swaps the fake parameters into the module
+        handles = [] if compiled is not None else [  # compiled: modules come from the graphs' node metadata
             nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
             nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True),  # also when a recompute stops early
         ]
 
         def forward(*args: Any) -> Any:
+            if compiled is not None:
+                return compiled.replay(cap, args)
             return model(*args)
 
         def tagged_loss(out: Any, inputs: tuple) -> torch.Tensor:
@@ -437,10 +488,14 @@ def capture(
                     _reparametrize_module(model, state, tie_weights=True, strict=False), \
                     _rng_states(cap, target.device == "cpu"):
                 cap.recording = True
-                out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, _forward_context(target, backends))
-                grads = [p.grad for p in seen.values() if p.grad is not None]
-                gradient_sids = list(dict.fromkeys(
-                    cap.storage(g, "gradient", "grad", len(cap.ops) - 1, "").sid for g in grads))
+                if session is None:
+                    out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, forward_context(target, backends))
+                else:
+                    out, loss = session.run(forward, fake_inputs, tagged_loss, cap.set_phase,
+                                            forward_context(target, backends), mark, fake=True)
+                    relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
+                gradient_sids = list(dict.fromkeys(marked.get("gradient", []) + [
+                    _gradient(cap, p) for p in seen.values() if p.grad is not None]))
                 for sid in gradient_sids:  # the op that made it stays its name; it lives on as a .grad
                     cap.storages[sid].kind = "gradient"
         except GraphmemError:
@@ -449,15 +504,58 @@ def capture(
             raise _translate(e, cap, type(model).__name__) from e
         phase_start = dict(cap.phase_start)
         phase_start["end"] = len(cap.ops)
+        if compiled is not None:
+            compiled.check_replayed()
         return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
-                         gradient_sids, type(model).__name__,
-                         [name for name, _ in model.named_modules()], cap.module_inputs, target, backends)
+                         gradient_sids, type(model).__name__, [name for name, _ in model.named_modules()],
+                         compiled.module_inputs if compiled is not None else cap.module_inputs, target, backends,
+                         compiled=compiled.summary() if compiled is not None else None,
+                         train=train if session is not None else None)
     finally:
         cap.closed = True  # before out/loss/state die with this frame: those frees are after the step
+        if compiled is not None:
+            compiled.close()
         for h in handles:
             h.remove()
         for m, was in training:
             m.training = was
+
+
+def _gradient(cap: _Recorder, p: torch.Tensor) -> int:
+    assert p.grad is not None
+    s = cap.storage(p.grad, "gradient", "grad", len(cap.ops) - 1, "")
+    s.owner = cap.live[p.untyped_storage()._cdata].sid
+    return s.sid
+
+
+def _session(train: Optional[TrainStep], model: nn.Module, seen: dict[int, torch.Tensor], cap: _Recorder,
+             device: str) -> Optional[Session]:
+    """The optimizer (and fp32 masters, placeholders like the parameters) for ``train``."""
+    if train is None or not train.active:
+        return None
+    named = {name: seen[id(p)] for name, p in model.named_parameters()}
+    session = Session(train, named, device)
+    for name, m in session.masters.items():
+        cap.preexisting(m, "master", f"{name} (fp32 master)")
+        cap.storages[cap.placeholders[-1].meta["storage"]].owner = cap.live[named[name].untyped_storage()._cdata].sid
+    return session
+
+
+def _marker(cap: _Recorder, seen: dict[int, torch.Tensor], model: nn.Module,
+            marked: dict[str, list[int]]) -> Callable[[str, list[tuple[str, torch.Tensor]]], None]:
+    """Sets the kind of the storages the training step names (gradients, optimizer states, fp32
+    gradient copies) and the parameter each belongs to (``Storage.owner``: its storage id)."""
+    param_sid = {name: cap.live[seen[id(p)].untyped_storage()._cdata].sid for name, p in model.named_parameters()}
+
+    def mark(kind: str, named: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in named:
+            s = cap.storage(t, kind, kind, len(cap.ops) - 1, "")
+            s.kind = kind
+            if kind != "gradient":
+                s.name = f"{name} ({kind})"
+            s.owner = param_sid.get(name.split(":")[0])
+            marked.setdefault(kind, []).append(s.sid)
+    return mark
 
 
 def _translate(e: Exception, cap: _Recorder, root: str) -> GraphmemError:

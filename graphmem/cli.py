@@ -7,6 +7,7 @@ import sys
 from typing import NoReturn, Optional, Sequence
 
 from .errors import GraphmemError, UsageError
+from .training_cli import add_training_arguments, training_options
 
 
 class _Parser(argparse.ArgumentParser):
@@ -21,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("model", help="a model file (defines `model`) or a preset name, see `graphmem presets`")
     a.add_argument("--input-shape", required=True, metavar="SHAPE", help="e.g. 32x1024 (tokens) or 8x3x224x224")
     add_target_arguments(a)
+    add_training_arguments(a)
     a.add_argument("--json", action="store_true", help="print the report as JSON (exact integers); same as --format json")
     a.add_argument("--format", choices=["text", "json", "markdown"], help="output format (default text)")
     a.add_argument("--tree", action="store_true", help="print the module tree of saved bytes (text format)")
@@ -53,10 +55,15 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="auto", choices=["auto", "flash", "efficient", "cudnn", "math"],
                    help="SDPA backend (default auto: PyTorch's own choice for the target)")
     p.add_argument("--gpu", default="h100", help="GPU for the CUDA backend rules: h100, a100, l4, a10, t4, v100, ...")
+    p.add_argument("--mode", default="eager", choices=["eager", "compiled"],
+                   help="eager autograd (default) or torch.compile's step (AOTAutograd, min-cut partition), shown beside eager")
+    p.add_argument("--no-reuse", action="store_true",
+                   help="capture every block of a deep chain (default: 5 captured and copied, checked at depth 6)")
 
 
 def target_options(args: argparse.Namespace) -> dict:
-    return {"device": args.device, "dtype": args.dtype, "amp": args.amp, "attention": args.attention, "gpu": args.gpu}
+    return {"device": args.device, "dtype": args.dtype, "amp": args.amp, "attention": args.attention, "gpu": args.gpu,
+            "mode": args.mode, "reuse": not args.no_reuse}
 
 
 def _command_modules() -> list:
@@ -93,7 +100,7 @@ def _analyze(args: argparse.Namespace) -> int:
     fmt = output_format(args)  # flag mistakes and a missing matplotlib fail before the analysis
     check_plan_arguments(args, args.plan)
     with quiet(fmt == "json"):
-        report = analyze(args.model, input_shape=args.input_shape, **target_options(args))
+        report = analyze(args.model, input_shape=args.input_shape, **target_options(args), **training_options(args))
         summary = report.plans(args.budget, args.max_overhead, points=args.points, keep=True,
                                selective=args.selective) if args.plan else None
         if args.formula:

@@ -213,7 +213,15 @@ class Sampler:
         if key not in self.cache:
             shape = self.shape(point)
             with truncated(self.model, self.chain, depth):
-                g = capture(self.model, lambda: self.make_inputs(shape), self.loss, self.device)
+                def at() -> Any:
+                    return capture(self.model, lambda: self.make_inputs(shape), self.loss, self.device)
+                full = depth is None or (self.chain is not None and depth >= self.chain.length)
+                if full and getattr(self.device, "mode", "eager") != "compiled":
+                    from .reuse import capture_reusing
+
+                    g = capture_reusing(self.model, at)[0]  # a deep chain: 5 blocks captured, checked
+                else:
+                    g = at()
             sv = saved(g)
             block = 0
             if self.chain is not None:

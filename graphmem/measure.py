@@ -11,6 +11,7 @@ These functions allocate real memory: use small shapes.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -19,7 +20,9 @@ import torch.nn as nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from .optim import state_tensors
 from .step import LossFn, run_step
+from .train import Session, TrainStep
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class Measured:
     peak_bytes: int  # baseline + largest running sum of allocator events
     baseline_bytes: int  # parameters, buffers and inputs, live before the step
     allocations: int  # allocator events seen
+    state_bytes: int = 0  # optimizer state (distinct storages) after the step, with graphmem/train.py
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> tuple[set[int], int]:
@@ -71,15 +75,32 @@ def _allocation_events(prof: Any) -> list[tuple[int, int]]:
     return events
 
 
-def measure_peak(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = None) -> Measured:
-    """Real CPU step under the profiler; the peak from the allocator's events."""
+def measure_peak(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = None,
+                 train: Optional[TrainStep] = None, warm_steps: int = 0) -> Measured:
+    """Real CPU step under the profiler; the peak from the allocator's events. ``train`` adds
+    micro-batches and the optimizer step (graphmem/train.py); ``warm_steps`` runs that many
+    whole steps first, unprofiled (the optimizer states then exist before the measured one)."""
     model.train()
     model.zero_grad(set_to_none=True)
-    tensors = [*model.parameters(), *model.buffers(), *(x for x in inputs if isinstance(x, torch.Tensor))]
+    session = Session(train, dict(model.named_parameters()), "cpu") if train is not None else None
+    for _ in range(warm_steps):
+        if session is not None:
+            out, loss = session.run(model, inputs, loss_fn, lambda p: None, contextlib.nullcontext)
+            del out, loss
+    states = [t for _, _, t in state_tensors(session.optimizer)] if session and session.optimizer else []
+    masters = list(session.masters.values()) if session is not None else []
+    tensors = [*model.parameters(), *model.buffers(), *(x for x in inputs if isinstance(x, torch.Tensor)),
+               *masters, *states]
     _, baseline = _storage_bytes(tensors)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out, loss = run_step(model, inputs, loss_fn)
+        if session is None:
+            out, loss = run_step(model, inputs, loss_fn)
+        else:
+            out, loss = session.run(model, inputs, loss_fn, lambda p: None, contextlib.nullcontext)
     del out, loss
+    state_bytes = 0
+    if session is not None and session.optimizer is not None:
+        state_bytes = _storage_bytes([t for _, _, t in state_tensors(session.optimizer)])[1]
     events = _allocation_events(prof)
     running = high = 0
     for _, size in events:
@@ -87,4 +108,4 @@ def measure_peak(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = No
         high = max(high, running)
     model.zero_grad(set_to_none=True)
     saved = measure_saved(model, inputs, loss_fn)
-    return Measured(saved, baseline + high, baseline, len(events))
+    return Measured(saved, baseline + high, baseline, len(events), state_bytes)

@@ -256,7 +256,11 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
                         ">= 2 like modules) to checkpoint")
     shape = source.base_shape
 
+    train = getattr(source, "train", None)
+
     def capture_at() -> StepGraph:
+        if train is not None and train.active:
+            return capture(model, lambda: source.make(shape), source.loss, source.device, train=train)
         return capture(model, lambda: source.make(shape), source.loss, source.device)
 
     if chain.length > DEPTH:
@@ -316,6 +320,8 @@ class CheckpointPlan:
 
     def code(self) -> str:
         """Python that applies the plan."""
+        if not self.segments:
+            return "# nothing to checkpoint: this plan keeps every block's activations"
         if any(p is not None for p in self.policies):
             from .selective import policy_code
 

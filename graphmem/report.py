@@ -35,6 +35,8 @@ class Report:
     target: Any = None  # graphmem.target.Target
     attention_backends: dict = field(default_factory=dict)  # CUDA target: SDPA kernel -> calls
     cuda_allocator: Any = None  # CUDA target: passes.allocator.AllocatorResult (caching allocator model)
+    budget: Any = None  # graphmem.whole_step.StepBudget: optimizer, precision, LoRA, per-rank budget
+    compiled: Any = None  # compiled mode: passes.modes.ModeComparison (eager beside compiled)
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # how to capture at other sizes
@@ -156,7 +158,8 @@ class Report:
 
     @staticmethod
     def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,
-              notes: tuple[str, ...] = (), source: Any = None, cuda_allocator: Any = None) -> "Report":
+              notes: tuple[str, ...] = (), source: Any = None, cuda_allocator: Any = None,
+              budget: Any = None) -> "Report":
         kinds: dict[str, int] = {}
         for s in g.storages.values():
             if s.created < 0:
@@ -174,7 +177,7 @@ class Report:
             live_at_peak=lv.live_at_peak, baseline_bytes=lv.baseline_bytes,
             saved=sv.tensors, modules=sv.modules, num_ops=g.num_ops,
             phase_start=dict(g.phase_start), notes=notes, target=g.target,
-            attention_backends=dict(g.attention_backends), cuda_allocator=cuda_allocator, step=g, liveness=lv, source=source,
+            attention_backends=dict(g.attention_backends), cuda_allocator=cuda_allocator, budget=budget, step=g, liveness=lv, source=source,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -212,5 +215,7 @@ class Report:
                                    "fragmentation": self.cuda_allocator.fragmentation,
                                    "segments": self.cuda_allocator.segments}} if self.cuda_allocator is not None else {}),
             **({"coefficients": self.known_coefficients.to_dict()} if self.known_coefficients is not None else {}),
+            **({"budget": self.budget.to_dict()} if self.budget is not None else {}),
+            **({"compiled": self.compiled.to_dict()} if self.compiled is not None else {}),
             **({"plan": self.known_plans.to_dict()} if self.known_plans is not None else {}),
         }

@@ -17,6 +17,7 @@ random op) and whose output nothing changes in place later (SAC refuses that).
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -136,12 +137,18 @@ def block_ops(step: StepGraph, prefix: str, block: int) -> list[BlockOp]:
     """The forward ops with FLOPs of block ``prefix + block``, each with what keeping it costs
     and saves, in the order they run."""
     here = f"{prefix}{block}"
-    end = step.phase_start.get("loss", step.phase_start.get("backward", step.num_ops))
-    ops = [op for op in step.ops[:end] if isinstance(op.target, torch._ops.OpOverload)
-           and (op.meta.get("module", "") == here or op.meta.get("module", "").startswith(here + "."))]
-    mine = {op.meta["index"] for op in ops}
-    later = [op for op in step.ops[ops[-1].meta["index"] + 1:end] if op.meta["index"] not in mine] if ops else []
-    escapes = {sid for op in later for a in (*op.args, *op.kwargs.values()) for sid in _storages(a)}
+
+    def inside(op: OpNode) -> bool:
+        path = op.meta.get("module", "")
+        return op.meta.get("phase") == "forward" and (path == here or path.startswith(here + "."))
+
+    first = next((i for i, op in enumerate(step.ops) if inside(op)), None)
+    if first is None:
+        return []
+    stop = next((i for i in range(first, step.num_ops) if not inside(step.ops[i])), step.num_ops)
+    ops = [op for op in step.ops[first:stop] if isinstance(op.target, torch._ops.OpOverload)]  # its first run
+    after = itertools.takewhile(lambda op: op.meta.get("phase") in ("forward", "loss"), step.ops[stop:])
+    escapes = {sid for op in after for a in (*op.args, *op.kwargs.values()) for sid in _storages(a)}
     seen: collections.Counter[str] = collections.Counter()
     out: list[BlockOp] = []
     for i, op in enumerate(ops):

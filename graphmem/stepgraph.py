@@ -2,7 +2,8 @@
 
 Every recorded op is a ``call_function`` node whose ``meta`` holds:
 ``index`` (op index, 0-based, in the order eager autograd ran it), ``phase``
-("forward", "loss" or "backward"), ``module`` (dotted module path, "" for the root),
+("forward", "loss", "backward"; with graphmem/train.py also "accumulate" for earlier
+micro-steps and "optimizer"), ``module`` (dotted module path, "" for the root),
 ``outputs`` (a tuple of ``(shape, dtype, storage id)`` per output tensor), ``shape`` and
 ``dtype`` (of the first output), ``storage`` (its storage id) and ``bytes`` (bytes of the
 storages this op allocated). Tensors that exist before the step (parameters, buffers, the
@@ -19,7 +20,7 @@ import torch.fx as fx
 
 from .errors import PassError
 
-PHASES = ("forward", "loss", "backward")
+PHASES = ("accumulate", "forward", "loss", "backward", "optimizer")  # accumulate/optimizer: graphmem/train.py
 
 
 class OpNode:
@@ -52,6 +53,7 @@ class Storage:
     dtype: str
     shape: tuple[int, ...]
     source: Optional[int] = None  # for a copy (aten._to_copy) made in forward: the source storage
+    owner: Optional[int] = None  # gradient / optimizer state / master copy: the parameter's storage id
 
 
 @dataclass
@@ -82,6 +84,8 @@ class StepGraph:
     module_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # first input's shape
     target: Any = None  # graphmem.target.Target
     attention_backends: dict[str, int] = field(default_factory=dict)  # CUDA target: SDPA kernel -> calls
+    compiled: Any = None  # compiled mode: graphmem.compiled.CompiledGraphs (the forward/backward fx graphs)
+    train: Any = None  # graphmem.train.TrainStep when micro-batches / an optimizer step were traced
 
     _graph: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
 

@@ -20,6 +20,7 @@ from .errors import UsageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ATTENTION = ("auto", "flash", "efficient", "cudnn", "math")
+MODES = ("eager", "compiled")
 # compute capability of the GPUs users name (NVIDIA's tables)
 GPUS = {"v100": (7, 0), "t4": (7, 5), "a100": (8, 0), "a10": (8, 6), "l4": (8, 9), "h100": (9, 0), "h200": (9, 0),
         "b200": (10, 0)}
@@ -32,6 +33,7 @@ class Target:
     amp: Optional[str] = None  # autocast dtype: None | "bf16" | "fp16"
     attention: str = "auto"  # SDPA backend on the CUDA target
     gpu: str = "h100"  # GPU generation for the CUDA backend rules
+    mode: str = "eager"  # "eager" | "compiled" (torch.compile: AOTAutograd + min-cut partition)
 
     @property
     def param_dtype(self) -> Optional[torch.dtype]:
@@ -55,15 +57,18 @@ class Target:
             parts.append(f"attention {self.attention} on {self.gpu}")
         elif self.attention != "auto":
             parts.append(f"attention {self.attention}")
+        if self.mode == "compiled":
+            parts.append("torch.compile (AOTAutograd, min-cut partition)")
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, object]:
         return {"device": self.device, "dtype": self.dtype or "fp32", "amp": self.amp,
-                "attention": self.attention, "gpu": self.gpu if self.device == "cuda" else None}
+                "attention": self.attention, "gpu": self.gpu if self.device == "cuda" else None,
+                "mode": self.mode}
 
 
 def make_target(device: str = "cpu", dtype: Optional[str] = None, amp: Optional[str] = None,
-                attention: str = "auto", gpu: str = "h100") -> Target:
+                attention: str = "auto", gpu: str = "h100", mode: str = "eager") -> Target:
     """Check the options and name the fix when they do not fit together."""
     device = str(device)
     if device not in ("cpu", "cuda"):
@@ -81,9 +86,12 @@ def make_target(device: str = "cpu", dtype: Optional[str] = None, amp: Optional[
         raise UsageError(f"unknown gpu {gpu!r}: use one of {', '.join(GPUS)}")
     if device == "cpu" and attention in ("efficient", "cudnn"):
         raise UsageError(f"--attention {attention} is a CUDA kernel; on the CPU target use auto, flash or math")
-    if device == "cpu" and amp == "fp16":
-        raise UsageError("CPU autocast runs bf16; use --amp bf16, or --device cuda for fp16 autocast")
-    return Target(device, dtype, amp, attention, gpu)
+    if mode not in MODES:
+        raise UsageError(f"unknown mode {mode!r}: use eager or compiled")
+    if mode == "compiled" and device == "cuda":
+        raise UsageError("--mode compiled predicts torch.compile on the CPU target (AOTAutograd graphs checked against "
+                         "real CPU runs); use --device cpu, or --mode eager for the CUDA target")
+    return Target(device, dtype, amp, attention, gpu, mode)
 
 
 def check_device(device: str) -> None:

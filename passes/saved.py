@@ -64,7 +64,7 @@ def saved(g: StepGraph) -> SavedSet:
     released: dict[int, int | None] = {}
     saved_by: dict[int, list[str]] = {}
     for i, e in enumerate(g.saves):
-        if e.phase == "backward":  # double-backward graphs are not activations of this step
+        if e.phase not in ("forward", "loss"):  # double backward; earlier micro-steps save the same again
             continue
         first.setdefault(e.sid, i)
         prev = released.get(e.sid, -1)

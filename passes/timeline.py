@@ -4,6 +4,7 @@ Categories (each storage belongs to exactly one, for its whole live interval):
 
 - ``parameters``:  parameters and buffers (model state, live before the step)
 - ``gradients``:   the final ``.grad`` tensors, from the backward op that makes each one
+- ``optimizer``:   optimizer states and fp32 master copies (graphmem/train.py)
 - ``activations``: the storages saved for backward (what ``activation_bytes`` counts, the saved
   batch included), from the forward op that makes them to the backward op that frees them
 - ``other``:       everything else: inputs that are not saved, temporaries, the output and the
@@ -23,7 +24,7 @@ from graphmem.stepgraph import StepGraph, Storage
 from .liveness import Liveness
 from .saved import SavedTensor
 
-CATEGORIES = ("parameters", "gradients", "activations", "other")
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ def _category(s: Storage, saved_sids: set[int]) -> str:
         return "parameters"
     if s.kind == "gradient":
         return "gradients"
+    if s.kind in ("optimizer state", "master"):
+        return "optimizer"
     if s.sid in saved_sids:
         return "activations"
     return "other"

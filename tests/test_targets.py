@@ -106,7 +106,6 @@ def test_cuda_target_on_a_cpu_build_says_how_to_fix(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("args,phrase", [
-    (["--amp", "fp16"], "CPU autocast runs bf16"),
     (["--amp", "bf16", "--dtype", "bf16"], "nothing to cast"),
     (["--attention", "efficient"], "CUDA kernel"),
     (["--device", "cuda", "--gpu", "k80"], "unknown gpu"),
@@ -124,13 +123,14 @@ def test_cuda_bf16_gpt2_uses_flash_and_reports_it(capsys: pytest.CaptureFixture[
     assert "target cuda (CUDA rules on fake CPU tensors), params bf16, attention auto on h100" in out
 
 
-def test_cpu_amp_matches_a_real_cpu_autocast_run() -> None:
-    """The CPU target runs PyTorch's own CPU autocast: saved bytes equal a real run's."""
+@pytest.mark.parametrize("amp,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_cpu_amp_matches_a_real_cpu_autocast_run(amp: str, dtype: torch.dtype) -> None:
+    """The CPU target runs PyTorch's own CPU autocast (bf16, and fp16 since torch 2.x): saved bytes equal a real run's."""
     from graphmem.measure import measure_saved
 
     torch.manual_seed(0)
     net, x = TwoLinear(), (torch.randn(16, 32),)
-    r = graphmem.analyze(net, x, amp="bf16")
+    r = graphmem.analyze(net, x, amp=amp)
     saved: dict[int, int] = {}
     params = {p.untyped_storage()._cdata for p in net.parameters()}
 
@@ -140,7 +140,7 @@ def test_cpu_amp_matches_a_real_cpu_autocast_run() -> None:
             saved[st._cdata] = st.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=dtype):
         net(*x).sum()
     assert r.activation_bytes == sum(saved.values())
     assert measure_saved(net, x) != r.activation_bytes  # fp32 without autocast differs

@@ -20,10 +20,11 @@ from .units import _UNITS, fmt_bytes
 LABELS = {
     "parameters": "parameters + buffers",
     "gradients": "gradients (.grad)",
+    "optimizer": "optimizer states + master copies",
     "activations": "activations (saved for backward)",
     "other": "other (inputs, temporaries, outputs)",
 }
-COLORS = {"parameters": "#4e79a7", "gradients": "#59a14f", "activations": "#f28e2c", "other": "#bab0ab"}
+COLORS = {"parameters": "#4e79a7", "gradients": "#59a14f", "optimizer": "#b07aa1", "activations": "#f28e2c", "other": "#bab0ab"}
 OVERLAY = "#c0392b"
 INSTALL = "pip install 'graphmem[plot]'"
 
@@ -86,11 +87,17 @@ def _phases(ax: Any, report: Report) -> None:
     top = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
     n = report.num_ops
     loss, bwd = report.phase_start.get("loss", n), report.phase_start.get("backward", n)
-    for x in (loss, bwd):
+    fwd, opt = report.phase_start.get("forward", 0), report.phase_start.get("optimizer", n)  # graphmem/train.py
+    for x in (fwd, loss, bwd, opt):
         if 0 < x < n:
             ax.axvline(x, color="0.35", lw=0.9, ls="--", zorder=3)
-    ax.text(loss / 2, 0.97, "forward", transform=top, ha="center", va="top", fontsize=10, color="0.25")
-    ax.text((bwd + n) / 2, 0.97, "backward", transform=top, ha="center", va="top", fontsize=10, color="0.25")
+    ax.text((fwd + loss) / 2, 0.97, "forward", transform=top, ha="center", va="top", fontsize=10, color="0.25")
+    ax.text((bwd + opt) / 2, 0.97, "backward", transform=top, ha="center", va="top", fontsize=10, color="0.25")
+    if fwd > 0:
+        ax.text(fwd / 2, 0.97, "earlier micro-steps", transform=top, ha="center", va="top", fontsize=10, color="0.25")
+    if opt < n:
+        ax.text((opt + n) / 2, 0.90, "optimizer", transform=top, ha="center", va="top", fontsize=8, color="0.25",
+                rotation=90, bbox={"fc": "white", "ec": "none", "pad": 1}, zorder=4)
     if bwd > loss:
         ax.text((loss + bwd) / 2, 0.97, "loss", transform=top, ha="center", va="top", fontsize=8,
                 color="0.25", rotation=90, bbox={"fc": "white", "ec": "none", "pad": 1}, zorder=4)
@@ -127,8 +134,9 @@ def timeline_figure(report: Report, other: Optional[Report] = None, labels: Opti
     ax, side = fig.subplots(1, 2, width_ratios=[3, 1])
     n = report.num_ops
     xs = list(range(n + 1))
-    ax.stackplot(xs, *[_steps(tl.by_category[c], scale) for c in CATEGORIES], step="post",
-                 colors=[COLORS[c] for c in CATEGORIES], labels=[LABELS[c] for c in CATEGORIES],
+    shown = [c for c in CATEGORIES if c != "optimizer" or any(tl.by_category[c])]  # optimizer: with --optimizer
+    ax.stackplot(xs, *[_steps(tl.by_category[c], scale) for c in shown], step="post",
+                 colors=[COLORS[c] for c in shown], labels=[LABELS[c] for c in shown],
                  linewidth=0, zorder=2)
     ax.plot([_peak_x(report)], [report.peak_bytes / scale], marker="v", color="black", ms=8, zorder=5)
     ax.annotate(f"peak {fmt_bytes(report.peak_bytes)}", (_peak_x(report), report.peak_bytes / scale),

@@ -14,7 +14,8 @@ ROOT = "(model)"
 def _where(report: Report, index: int) -> str:
     if index < 0:
         return "before"
-    for phase, label in (("backward", "bwd"), ("loss", "loss"), ("forward", "fwd")):
+    for phase, label in (("optimizer", "opt"), ("backward", "bwd"), ("loss", "loss"), ("forward", "fwd"),
+                         ("accumulate", "acc")):
         if report.phase_start.get(phase, report.num_ops) <= index:
             return f"{label} {index}"
     return str(index)
@@ -26,6 +27,8 @@ def _lifetime(report: Report, created: int, released: int | None) -> str:
 
 
 def _module(path: str, report: Report | None = None, created: int = -1) -> str:
+    if not path and report is not None and created >= report.phase_start.get("optimizer", report.num_ops):
+        return "(optimizer)"  # made by the optimizer step (graphmem/train.py)
     if not path and report is not None and created >= report.phase_start.get("loss", report.num_ops):
         return "(loss)"  # made by the loss function, outside every module
     return path or ROOT
@@ -86,10 +89,18 @@ def render_text(report: Report, depth: int = 3, top: int = 10) -> str:
     lines += ["", f"Live at the peak (top {min(top, len(report.live_at_peak))} of {len(report.live_at_peak)})",
               tabulate(rows, headers=["tensor", "kind", "module", "shape", "bytes"], tablefmt="simple",
                        colalign=("left", "left", "left", "left", "right"))]
+    if report.compiled is not None:
+        from .compiled import render_modes
+
+        lines += ["", render_modes(report.compiled, depth, top).rstrip("\n")]
     if report.known_coefficients is not None:
         from .formula import render_coefficients
 
         lines += ["", render_coefficients(report.known_coefficients).rstrip("\n")]
+    if report.budget is not None:
+        from .budget import render_budget
+
+        lines += ["", render_budget(report.budget).rstrip("\n")]
     if report.notes:
         lines += ["", "Notes"] + [f"- {n}" for n in report.notes]
     return "\n".join(lines) + "\n"

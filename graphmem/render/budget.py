@@ -1,0 +1,94 @@
+"""StepBudget -> text: the whole step's memory per rank, like the seeds' breakdowns (parameters,
+gradients, optimizer states, master copies, activations, temporaries, peak), and why the peak
+is where it is. Takes the budget, returns text; never prints."""
+from __future__ import annotations
+
+from typing import Any
+
+from tabulate import tabulate
+
+from .units import fmt_bytes
+
+_WHY = {
+    "optimizer": "the optimizer step: its states (made on the first step) and the intermediates of "
+                 "its update are live beside the parameters and all the gradients",
+    "backward": "backward: gradients are being made while the activations not yet used are still held",
+    "accumulate": "an earlier micro-step: the gradients of the micro-steps before it are held",
+    "forward": "forward: the activations saved so far are held",
+    "loss": "the loss: every activation is held",
+}
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _title(b: Any) -> str:
+    t = b.training
+    parts = []
+    if t.train.optimizer:
+        parts.append(t.train.describe(b.device))
+    elif t.train.micro_batches > 1:
+        parts.append(f"{t.train.micro_batches} micro-batches, no optimizer step")
+    if t.lora is not None:
+        parts.append(f"{t.lora.describe()} ({len(b.lora_layers)} layers)")
+    parts.append(t.parallel.describe())
+    return "Training step · " + " · ".join(parts)
+
+
+def render_budget(b: Any) -> str:
+    """The budget table (one rank; all ranks hold the same) and the peak's explanation."""
+    r, single = b.rank, b.single
+    p = b.training.parallel
+    headers = ["", "one device"] if single is not None else [""]
+    headers += ["per rank" if single is not None else "size", "live at the peak", ""]
+    rows = []
+    for row in r.rows:
+        if row.name == "buffers" and not row.size:
+            continue
+        line = [row.name]
+        if single is not None:
+            other = next((x for x in single.rows if x.name == row.name), None)
+            line.append(fmt_bytes(other.size) if other is not None else "-")
+        note = row.note
+        if row.name == "optimizer states" and r.states_by_name:
+            note = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r.states_by_name.items()) + (f"; {note}" if note else "")
+        if row.name == "temporaries":
+            note = "at the peak: inputs, outputs, backward and optimizer intermediates"
+        rows.append(line + [fmt_bytes(row.size), fmt_bytes(row.at_peak), note])
+    peak = ["peak (first step)"] + ([fmt_bytes(single.peak_bytes)] if single is not None else [])
+    rows.append(peak + [fmt_bytes(r.peak_bytes), "", f"op {r.peak_index} ({r.peak_phase}, {r.peak_op})"])
+    later = ["peak (later steps)"] + ([fmt_bytes(single.later_peak_bytes)] if single is not None else [])
+    rows.append(later + [fmt_bytes(r.later_peak_bytes), "", f"op {r.later_peak_index} ({r.later_peak_phase}); "
+                         "optimizer states live from the start"])
+    lines = [_title(b), tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)]
+    psi = r.parameters
+    states = r.model_state_bytes - r.step_counter_bytes
+    per = f"{states / psi:.2f} B per parameter" if psi else ""
+    lines.append(f"model states (parameters + gradients + optimizer states + master copies): "
+                 f"{fmt_bytes(r.model_state_bytes)} per rank; without the step counters ({fmt_bytes(r.step_counter_bytes)}) "
+                 f"{fmt_bytes(states)} ({states / 1e9:.2f} GB) = {per} ({_count(psi)} trainable of {_count(r.parameters)})")
+    if b.training.lora is not None:
+        frozen = r.parameters - r.trainable
+        lines.append(f"LoRA: {len(b.lora_layers)} layers adapted; {_count(frozen)} frozen parameters get no gradient "
+                     f"and no optimizer state; activations are still saved wherever a gradient needs them "
+                     f"({fmt_bytes(r.row('activations').size)} here: autograd skips only what a frozen weight's own "
+                     "gradient would need; the input gradient still flows back through the frozen layers above each adapter)")
+    if r.peak_index >= 0:
+        module = f", module {r.peak_module}" if r.peak_module else ""
+        lines.append(f"why the peak: op {r.peak_index} ({r.peak_phase}: {r.peak_op}{module}) is {_WHY.get(r.peak_phase, r.peak_phase)}")
+        live = [f"{row.name} {fmt_bytes(row.at_peak)}" for row in r.rows if row.at_peak]
+        lines.append("  live there: " + " + ".join(live) + f" = {fmt_bytes(r.peak_bytes)}")
+        if r.top_temporaries:
+            lines.append("  largest temporaries, by the op that made them: "
+                         + ", ".join(f"{name} {fmt_bytes(v)}" for name, v in r.top_temporaries))
+    if p.tp > 1:
+        lines.append(f"tensor parallel: {r.tp_split[0]} column-parallel and {r.tp_split[1]} row-parallel linear ops "
+                     "found in the graph; their outputs up to the row-parallel linear are split over the ranks")
+    if b.training.train.micro_batches > 2:
+        lines.append(f"micro-steps 3..{b.training.train.micro_batches} repeat micro-step 2 (same live tensors), "
+                     "so 2 are traced")
+    return "\n".join(lines) + "\n"

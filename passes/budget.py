@@ -1,0 +1,316 @@
+"""Per-rank memory budget of the traced step: parameters, gradients, optimizer states, master
+copies, activations, temporaries and the peak, for data parallelism with ZeRO (Rajbhandari
+et al. 2020) or FSDP and tensor/sequence parallelism (Korthikanti et al. 2022).
+
+Every storage of the step keeps its traced size and lifetime; a rank holds a fraction of it:
+- ZeRO-1 (P_os): optimizer states, fp32 masters, and everything the optimizer step makes (it
+  updates only this rank's partition) are divided by the data-parallel size d;
+- ZeRO-2 (P_os+g) also the gradients, each whole during the op that produces it (before its
+  reduce-scatter); FSDP ``grad-op`` (SHARD_GRAD_OP) likewise, and its parameters are sharded
+  between steps but gathered from a unit's forward to the end of its backward;
+- ZeRO-3 (P_os+g+p) and FSDP ``full`` also the parameters, each unit's gathered while its ops
+  run (the root unit, not in a block, for all of forward and backward; in backward the next
+  unit is prefetched, FSDP's default BACKWARD_PRE);
+- tensor parallelism t: the tensors passes/tensor_parallel.py marks as split (and with ``sp``
+  the sequence-split ones) are divided by t, so are the split weights' gradients and states.
+Partitions are padded to equal sizes (as DeepSpeed and FSDP do), so every rank holds the same:
+one table describes each rank. Buffers, scalar step counters and integer inputs are replicated.
+
+The first step creates the optimizer states lazily, in the optimizer phase; from the second
+step on they exist from the start (the previous step's outputs released), so the pass also
+gives the later steps' peak: each op's live bytes plus the states not yet created at that op.
+(The ops of a later step are the first step's minus the state creation: torch.optim's
+``_init_group`` only adds states.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from graphmem.errors import UsageError
+from graphmem.stepgraph import StepGraph, Storage
+
+from .liveness import Liveness
+from .saved import SavedSet
+from .tensor_parallel import TPMarks, tp_marks
+
+ROWS = ("parameters", "buffers", "gradients", "optimizer states", "master copies", "activations", "temporaries")
+_KIND_ROW = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradients",
+             "optimizer state": "optimizer states", "master": "master copies"}
+
+
+@dataclass(frozen=True)
+class Parallel:
+    world_size: int = 1
+    zero: int = 0  # DeepSpeed ZeRO stage 0-3
+    fsdp: Optional[str] = None  # "full" | "grad-op"
+    tp: int = 1
+    sp: bool = False
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: the ranks that hold the same model shard (world / tp)."""
+        return self.world_size // self.tp
+
+    def describe(self) -> str:
+        parts = [f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"]
+        if self.zero:
+            parts.append(f"ZeRO-{self.zero} over {self.dp}")
+        if self.fsdp:
+            parts.append(f"FSDP {self.fsdp} over {self.dp}")
+        if self.tp > 1:
+            parts.append(f"tensor parallel {self.tp}" + (" + sequence parallel" if self.sp else ""))
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"world_size": self.world_size, "zero": self.zero, "fsdp": self.fsdp, "tp": self.tp, "sp": self.sp,
+                "dp": self.dp}
+
+
+def make_parallel(world_size: int = 1, zero: int = 0, fsdp: Optional[str] = None, tp: int = 1, sp: bool = False) -> Parallel:
+    """Check the options and name the fix when they do not fit together."""
+    for name, v in (("world size", world_size), ("tensor-parallel size", tp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UsageError(f"{name} must be a positive integer, got {v!r}")
+    if zero not in (0, 1, 2, 3):
+        raise UsageError(f"unknown ZeRO stage {zero!r}: use 1, 2 or 3")
+    if fsdp not in (None, "full", "grad-op"):
+        raise UsageError(f"unknown FSDP strategy {fsdp!r}: use full or grad-op")
+    if zero and fsdp:
+        raise UsageError("--zero and --fsdp are two ways to shard the same states: give one")
+    if world_size % tp:
+        raise UsageError(f"--world-size {world_size} is not a multiple of --tp {tp}: world = data parallel x tensor parallel")
+    if sp and tp == 1:
+        raise UsageError("--sp splits the sequence over the tensor-parallel ranks: add --tp 2 (or more)")
+    return Parallel(world_size, zero, fsdp, tp, sp)
+
+
+@dataclass(frozen=True)
+class BudgetRow:
+    name: str
+    size: int  # bytes one rank holds of this kind (temporaries: at the peak)
+    at_peak: int  # bytes of this kind live at the rank's peak
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Budget:
+    parallel: Parallel
+    rows: tuple[BudgetRow, ...]  # ROWS order, then "gathered parameters" when parameters are sharded
+    peak_bytes: int  # the traced (first) step's peak on one rank
+    peak_index: int
+    peak_phase: str
+    later_peak_bytes: int  # steps after the first: optimizer states live from the start
+    later_peak_index: int
+    later_peak_phase: str
+    model_state_bytes: int  # parameters + gradients + optimizer states + master copies, per rank (no buffers)
+    step_counter_bytes: int  # scalar optimizer states (Adam's step), replicated; inside the states row
+    states_by_name: dict[str, int]  # optimizer state name (exp_avg, ...) -> bytes per rank
+    parameters: int  # parameter elements (the whole model)
+    trainable: int  # elements of parameters that get a gradient
+    peak_op: str  # the op during which the peak happens ("" before the step)
+    peak_module: str
+    top_temporaries: tuple[tuple[str, int], ...]  # largest temporaries at the peak, by the op (or kind) that made them
+    largest_unit: str = ""  # ZeRO-3/FSDP: the unit with the most parameters
+    gather_bytes: int = 0  # its gathered parameters on one rank
+    tp_split: tuple[int, int] = (0, 0)  # (column-parallel, row-parallel) linear ops in the (last micro-step's) forward
+    timeline: tuple[int, ...] = field(default=(), repr=False)  # one rank's live bytes per op
+
+    def row(self, name: str) -> BudgetRow:
+        return next(r for r in self.rows if r.name == name)
+
+
+def _numel(s: Storage) -> int:
+    n = 1
+    for d in s.shape:
+        n *= d
+    return n
+
+
+def _ceil(num: int, den: int) -> int:
+    return -(-num // den)
+
+
+def _unit_of(path: str, units: tuple[str, ...]) -> int:
+    """Index of the unit (a block) holding module/parameter ``path``; -1: the root unit."""
+    for i, u in enumerate(units):
+        if path == u or path.startswith(u + "."):
+            return i
+    return -1
+
+
+def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parallel(),
+           units: tuple[str, ...] = ()) -> Budget:
+    """One rank's budget. ``units`` are the module paths ZeRO-3/FSDP gathers one at a time
+    (api.py passes the blocks of the model's repeated chain); the rest is the root unit."""
+    t, dp = parallel.tp, parallel.dp
+    den = t * dp  # every rank's byte count is an integer over den, rounded up at the end
+    marks: Optional[TPMarks] = tp_marks(g) if t > 1 else None
+    saved_sids = {x.sid for x in sv.tensors}
+    opt_start = g.phase_start.get("optimizer", g.num_ops)
+    shard_states = parallel.zero >= 1 or parallel.fsdp is not None
+    shard_grads = parallel.zero >= 2 or parallel.fsdp is not None
+    shard_params = parallel.zero == 3 or parallel.fsdp is not None
+
+    def row_of(s: Storage) -> str:
+        if s.kind in _KIND_ROW:
+            return _KIND_ROW[s.kind]
+        return "activations" if s.sid in saved_sids else "temporaries"
+
+    def tp_part(s: Storage) -> int:  # numerator after tensor parallelism (over den)
+        if marks is None or (s.kind == "optimizer state" and _numel(s) <= 1):  # step counters: whole
+            return den
+        param = s.sid if s.kind == "parameter" else s.owner
+        if param is not None:
+            split = param in marks.weights
+        else:
+            split = s.sid in marks.sharded or (parallel.sp and s.sid in marks.stream and s.created < opt_start
+                                               and not (s.kind == "input" and not _floating(s.dtype)))
+        return den // t if split else den
+
+    def part(s: Storage) -> tuple[int, int]:  # (numerator before and after data-parallel sharding)
+        before = tp_part(s)
+        scalar = s.kind == "optimizer state" and _numel(s) <= 1
+        sharded = (not scalar and (
+            (shard_states and (s.kind in ("optimizer state", "master", "gradient copy")
+                               or (s.created >= opt_start and s.kind not in ("gradient", "parameter", "buffer"))))
+            or (shard_grads and s.kind == "gradient") or (shard_params and s.kind == "parameter")))
+        return before, before // dp if sharded else before
+
+    n = g.num_ops
+    diff = [0] * (n + 1)
+    later = [0] * (n + 1)
+    rows = {r: 0 for r in ROWS}
+    parts: dict[int, tuple[int, int]] = {}
+    for sid, (start, stop) in lv.intervals.items():
+        s = g.storages[sid]
+        before, after = parts[sid] = part(s)
+        diff[start] += s.nbytes * after
+        diff[stop + 1] -= s.nbytes * after
+        if s.kind == "gradient" and after < before:  # whole until its reduce-scatter
+            diff[start] += s.nbytes * (before - after)
+            diff[start + 1] -= s.nbytes * (before - after)
+        if s.kind == "optimizer state" and s.created >= 0:  # later steps: live from the start
+            later[0] += s.nbytes * after
+            later[s.created] -= s.nbytes * after
+    for s in g.storages.values():
+        before, after = parts.get(s.sid) or part(s)
+        r = row_of(s)
+        if r != "temporaries" and (s.sid in lv.intervals or s.created < 0):
+            rows[r] += s.nbytes * after
+    gather, largest, gather_max = _gathered(g, units, parts, shard_params, parallel.fsdp == "grad-op", opt_start)
+    timeline: list[int] = []
+    later_line: list[int] = []
+    live = extra = 0
+    for i in range(n):
+        live += diff[i]
+        extra += later[i]
+        timeline.append(live + gather[i])
+        later_line.append(live + gather[i] + extra)
+    peak_index = max(range(n), key=timeline.__getitem__, default=-1)
+    later_index = max(range(n), key=later_line.__getitem__, default=-1)
+    base = sum(g.storages[sid].nbytes * parts[sid][1] for sid, (a, _) in lv.intervals.items() if g.storages[sid].created < 0)
+    peak = timeline[peak_index] if n else base
+    at_peak = {r: 0 for r in ROWS}
+    contributors: dict[str, int] = {}
+    for sid, (a, b) in lv.intervals.items():
+        if a <= peak_index <= b:
+            s = g.storages[sid]
+            before, after = parts[sid]
+            nb = s.nbytes * (before if s.kind == "gradient" and s.created == peak_index else after)
+            at_peak[row_of(s)] += nb
+            if row_of(s) == "temporaries":
+                label = s.kind if s.kind == "gradient copy" else s.name
+                contributors[label] = contributors.get(label, 0) + nb
+    states = [s for s in g.storages.values() if s.kind == "optimizer state"]
+    by_name: dict[str, int] = {}
+    for s in states:
+        key = s.name.split(" (")[0].rsplit(":", 1)[-1]
+        by_name[key] = by_name.get(key, 0) + _ceil(s.nbytes * parts.get(s.sid, part(s))[1], den)
+    params = [s for s in g.storages.values() if s.kind == "parameter"]
+    with_grad = {s.owner for s in g.storages.values() if s.kind == "gradient"}
+    held = {r: _ceil(v, den) for r, v in rows.items()}
+    held["temporaries"] = _ceil(at_peak["temporaries"], den)
+    notes = _row_notes(parallel, shard_states, shard_grads, shard_params, t)
+    out_rows = [BudgetRow(r, held[r], _ceil(at_peak[r], den), notes.get(r, "")) for r in ROWS]
+    if shard_params:
+        out_rows.append(BudgetRow("gathered parameters", _ceil(gather_max, den), _ceil(gather[peak_index] if n else 0, den),
+                                  f"all-gather buffers; largest unit {largest or '(root)'}"))
+    top = tuple((name, _ceil(v, den)) for name, v in sorted(contributors.items(), key=lambda kv: -kv[1])[:5])
+    node = g.ops[peak_index] if peak_index >= 0 else None
+    return Budget(
+        parallel, tuple(out_rows), _ceil(peak, den), peak_index, g.phase_of(peak_index),
+        _ceil(later_line[later_index], den) if n else _ceil(peak, den), later_index, g.phase_of(later_index),
+        sum(held[r] for r in ("parameters", "gradients", "optimizer states", "master copies")),
+        sum(_ceil(s.nbytes * den, den) for s in states if _numel(s) <= 1), by_name,
+        sum(_numel(s) for s in params), sum(_numel(s) for s in params if s.sid in with_grad),
+        str(node.target) if node is not None else "", node.meta.get("module", "") if node is not None else "", top,
+        largest, _ceil(gather_max, den), _forward_linears(g, marks),
+        tuple(_ceil(v, den) for v in timeline))
+
+
+def _forward_linears(g: StepGraph, marks: Optional[TPMarks]) -> tuple[int, int]:
+    if marks is None:
+        return (0, 0)
+    end = g.phase_start.get("loss", g.num_ops)
+    start = g.phase_start.get("forward", 0)
+    return (sum(start <= i < end for i in marks.column), sum(start <= i < end for i in marks.row))
+
+
+def _floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat", "complex"))
+
+
+def _gathered(g: StepGraph, units: tuple[str, ...], parts: dict[int, tuple[int, int]], shard_params: bool,
+              grad_op: bool, opt_start: int) -> tuple[list[int], str, int]:
+    """Per op, the gathered parameters beyond this rank's shard (numerators over den); the
+    largest unit and its gathered bytes."""
+    n = g.num_ops
+    if not shard_params:
+        return [0] * n, "", 0
+    extra: dict[int, int] = {}
+    for s in g.storages.values():
+        if s.kind == "parameter" and s.sid in parts:
+            u = _unit_of(s.name, units)
+            extra[u] = extra.get(u, 0) + s.nbytes * (parts[s.sid][0] - parts[s.sid][1])
+    unit_of_op = [_unit_of(op.meta.get("module", ""), units) for op in g.ops]
+    phase = [g.phase_of(i) for i in range(n)]
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i in range(opt_start if opt_start < n else n):
+        u = unit_of_op[i]
+        first.setdefault(u, i)
+        last[u] = i
+    out = [0] * n
+    root = extra.get(-1, 0)  # the root unit stays gathered through forward and backward
+    for i in range(min(opt_start, n)):
+        held = {-1}
+        u = unit_of_op[i]
+        if grad_op:
+            held |= {k for k in first if first[k] <= i <= last[k]}
+        else:
+            held.add(u)
+            if phase[i] == "backward" and u > 0:
+                held.add(u - 1)  # prefetched: the next unit to run backward
+        out[i] = sum(extra.get(k, 0) for k in held)
+    largest = max((k for k in extra if k >= 0), key=lambda k: extra[k], default=-1)
+    if largest < 0:
+        return out, "", root
+    return out, units[largest], extra[largest] + root
+
+
+def _row_notes(p: Parallel, states: bool, grads: bool, params: bool, t: int) -> dict[str, str]:
+    d = p.dp
+    notes = {"activations": "saved for backward" + (f"; split tensors / {t}" if t > 1 else "")
+             + (" (sequence parallel: all but the token ids)" if p.sp else "")}
+    if params:
+        notes["parameters"] = f"/ {d} (sharded; gathered per unit)"
+    if grads:
+        notes["gradients"] = f"/ {d} (reduce-scattered)"
+    if states:
+        notes["optimizer states"] = f"/ {d} (partitioned)"
+        notes["master copies"] = f"/ {d} (partitioned)"
+    if t > 1:
+        for r in ("parameters", "gradients", "optimizer states", "master copies"):
+            notes[r] = (notes.get(r, "") + f"; tensor-parallel weights / {t}").lstrip("; ")
+    return notes
