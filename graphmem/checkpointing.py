@@ -10,12 +10,18 @@ optimizers are untouched and ``remove()`` restores the module exactly.
 Segments longer than one block assume what chains of blocks do: the parent calls the blocks in
 order, each on the previous one's output with the same extra arguments
 (``x = block(x, *args)``), and uses only the last output.
+
+A segment may run under a selective policy (graphmem/selective.py ``OpPolicy``): anything with
+``session()`` returning an object with ``block()`` (called before each block of the segment)
+and ``contexts()`` (the ``context_fn`` of ``torch.utils.checkpoint``: a fresh pair from
+``create_selective_checkpoint_contexts``), made once per checkpointed call.
 """
 from __future__ import annotations
 
+import inspect
 import threading
 import types
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -48,20 +54,35 @@ class Applied:
         self.remove()
 
 
-def _segment_forward(blocks: list[nn.Module], originals: list[Any]) -> Any:
+# SAC's cached tensors go through the saved-tensor hooks around the step (graphmem's capture,
+# measure_saved) like any saved tensor, where this torch has the opt-in (older ones bypass them)
+_RESPECT: dict[str, Any] = ({"respect_saved_tensors_hooks": True}
+                            if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
+
+
+def _runner(blocks: list[nn.Module], session: Any) -> Any:
     def run(x: Any, *args: Any, **kwargs: Any) -> Any:
         _STATE.depth = getattr(_STATE, "depth", 0) + 1
         try:
             for blk in blocks:  # through __call__: hooks fire, module paths stay right
+                if session is not None:
+                    session.block()  # the policy counts op calls per block
                 x = blk(x, *args, **kwargs)
             return x
         finally:
             _STATE.depth -= 1
+    return run
 
+
+def _segment_forward(blocks: list[nn.Module], originals: list[Any], policy: Any = None) -> Any:
     def head(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
         if _inside():
             return originals[0](x, *args, **kwargs)
-        return checkpoint(run, x, *args, use_reentrant=False, **kwargs)
+        if policy is None:
+            return checkpoint(_runner(blocks, None), x, *args, use_reentrant=False, **kwargs)
+        session = policy.session()
+        return checkpoint(_runner(blocks, session), x, *args, use_reentrant=False, context_fn=session.contexts,
+                          **_RESPECT, **kwargs)
 
     head._graphmem_checkpoint = True  # type: ignore[attr-defined]
     return head
@@ -77,8 +98,13 @@ def _member_forward(original: Any) -> Any:
     return member
 
 
-def apply_segments(model: nn.Module, chain: str, segments: Sequence[tuple[int, int]]) -> Applied:
-    """Checkpoint ``model.<chain>[a..b]`` for each ``(a, b)`` in ``segments`` (inclusive)."""
+def apply_segments(model: nn.Module, chain: str, segments: Sequence[tuple[int, int]],
+                   policies: Optional[Sequence[Any]] = None) -> Applied:
+    """Checkpoint ``model.<chain>[a..b]`` for each ``(a, b)`` in ``segments`` (inclusive);
+    ``policies[i]`` (None: plain checkpointing) is segment i's selective policy."""
+    policies = list(policies) if policies is not None else [None] * len(segments)
+    if len(policies) != len(segments):
+        raise UsageError(f"{len(policies)} policies for {len(segments)} segments: give one per segment (None: all recomputed)")
     try:
         holder = model.get_submodule(chain)
     except AttributeError as e:
@@ -94,10 +120,10 @@ def apply_segments(model: nn.Module, chain: str, segments: Sequence[tuple[int, i
         if any(getattr(m.forward, "_graphmem_checkpoint", False) for m in blocks[a:b + 1]):
             raise UsageError(f"{chain}.{a} is already checkpointed by graphmem; remove() that plan first")
     changed: list[nn.Module] = []
-    for a, b in segments:
+    for (a, b), policy in zip(segments, policies):
         members = blocks[a:b + 1]
         originals = [m.forward for m in members]
-        members[0].forward = types.MethodType(_segment_forward(members, originals), members[0])
+        members[0].forward = types.MethodType(_segment_forward(members, originals, policy), members[0])
         for m, orig in zip(members[1:], originals[1:]):
             m.forward = types.MethodType(_member_forward(orig), m)
         changed.extend(members)

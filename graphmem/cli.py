@@ -101,7 +101,8 @@ def _analyze(args: argparse.Namespace) -> int:
     check_plan_arguments(args, args.plan)
     with quiet(fmt == "json"):
         report = analyze(args.model, input_shape=args.input_shape, **target_options(args), **training_options(args))
-        summary = report.plans(args.budget, args.max_overhead, points=args.points, keep=True) if args.plan else None
+        summary = report.plans(args.budget, args.max_overhead, points=args.points, keep=True,
+                               selective=args.selective) if args.plan else None
         if args.formula:
             from .progress import Progress
 

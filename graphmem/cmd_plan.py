@@ -14,12 +14,17 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    "fewest recompute FLOPs that fits")
     p.add_argument("--max-overhead", metavar="PCT", help="recompute cap, e.g. 20%%: the plan with the lowest peak "
                    "whose recompute stays within it")
+    p.add_argument("--selective", nargs="?", const=True, default=False, type=int, metavar="LEVELS",
+                   help="selective checkpointing: a checkpointed segment may also keep some ops' outputs (the knapsack's "
+                   "choice at LEVELS memory levels, default 3), measured like plain checkpointing")
     p.add_argument("--points", type=int, default=50, help="budgets tried for the Pareto frontier (default 50)")
 
 
 def check_plan_arguments(args: argparse.Namespace, planning: bool) -> None:
-    if not planning and (args.budget is not None or args.max_overhead is not None):
-        raise UsageError("--budget and --max-overhead choose a checkpoint plan: add --plan")
+    if not planning and (args.budget is not None or args.max_overhead is not None or args.selective is not False):
+        raise UsageError("--budget, --max-overhead and --selective choose a checkpoint plan: add --plan")
+    if args.selective is not True and args.selective is not False and args.selective < 1:
+        raise UsageError("--selective takes a number of levels >= 1")
     if args.budget is not None and args.max_overhead is not None:
         raise UsageError("give --budget or --max-overhead, not both")
     if args.points < 2:
@@ -48,7 +53,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     check_plan_arguments(args, True)
     report = analyze(args.model, input_shape=args.input_shape, **target_options(args))
-    summary = report.plans(args.budget, args.max_overhead, points=args.points, keep=True)
+    summary = report.plans(args.budget, args.max_overhead, points=args.points, keep=True, selective=args.selective)
     if args.json:
         sys.stdout.write(json.dumps({"model": report.model, "input_shapes": [list(s) for s in report.input_shapes],
                                      "peak_bytes": report.peak_bytes, "plan": summary.to_dict()}, indent=2) + "\n")

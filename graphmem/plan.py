@@ -192,14 +192,16 @@ def _plans(k: int) -> list[tuple[str, list[tuple[int, int]]]]:
     return plans
 
 
-def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional[int]) -> ChainCosts:
-    """The chain's pieces from captures (at ``depth`` blocks, or the full chain)."""
+def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional[int], policy: Any = None) -> ChainCosts:
+    """The chain's pieces from captures (at ``depth`` blocks, or the full chain); with a
+    selective ``policy`` (graphmem/selective.py), every checkpointed segment runs under it."""
     prefix = f"{chain.path}." if chain.path else ""
     k = chain.length if depth is None else min(depth, chain.length)
     found: dict[tuple[int, str], tuple[Piece, int]] = {}
     fixed, peaks, base = set(), [], 0
     for what, ck in _plans(k):
-        with truncated(model, chain, k if k < chain.length else None), apply_segments(model, chain.path, ck):
+        with truncated(model, chain, k if k < chain.length else None), \
+                apply_segments(model, chain.path, ck, [policy] * len(ck) if policy is not None else None):
             g = capture_at()
         cut = _Cut(g, prefix)
         segs = segments_of(k, ck)
@@ -241,9 +243,9 @@ def _widen(costs: ChainCosts, n: int, base: int) -> ChainCosts:
     return replace(costs, stages=(st[0], *middle, last), base=base)
 
 
-def measure(report: Any) -> tuple[ChainCosts, int]:
+def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
     """The chain costs of a report's model (captures at depth 4 when the blocks are identical,
-    else at full depth) and the depth captured."""
+    else at full depth) and the depth captured; checkpointed segments run under ``policy``."""
     source = report.source
     if source is None:
         raise PlanError("this report has no model to re-run (no tensor inputs); checkpoint plans need one")
@@ -263,12 +265,12 @@ def measure(report: Any) -> tuple[ChainCosts, int]:
 
     if chain.length > DEPTH:
         try:
-            costs = _widen(chain_costs(model, chain, capture_at, DEPTH), chain.length, report.baseline_bytes)
+            costs = _widen(chain_costs(model, chain, capture_at, DEPTH, policy), chain.length, report.baseline_bytes)
             if evaluate(costs, segments_of(chain.length, [])).peak_bytes == report.peak_bytes:
                 return costs, DEPTH
         except PlanError:
             pass
-    costs = chain_costs(model, chain, capture_at, None)
+    costs = chain_costs(model, chain, capture_at, None, policy)
     got = evaluate(costs, segments_of(chain.length, [])).peak_bytes
     if got != report.peak_bytes:
         raise PlanError(f"the chain's pieces give a peak of {got} B without checkpoints, the report {report.peak_bytes} B; "
@@ -296,6 +298,7 @@ class CheckpointPlan:
     recompute_flops: int
     step_flops: int
     budget: Optional[int] = None
+    policies: tuple[Any, ...] = ()  # per segment: its selective policy (graphmem.selective.OpPolicy) or None
 
     @property
     def overhead(self) -> float:
@@ -313,12 +316,16 @@ class CheckpointPlan:
         if len(list(holder.children())) != self.blocks:
             raise UsageError(f"this plan is for {self.blocks} blocks in {self.chain or 'the model'}, "
                              f"the model has {len(list(holder.children()))}")
-        return apply_segments(model, self.chain, self.segments)
+        return apply_segments(model, self.chain, self.segments, self.policies or None)
 
     def code(self) -> str:
         """Python that applies the plan."""
         if not self.segments:
             return "# nothing to checkpoint: this plan keeps every block's activations"
+        if any(p is not None for p in self.policies):
+            from .selective import policy_code
+
+            return policy_code(self)
         segs = ", ".join(f"({a}, {b})" for a, b in self.segments)
         lines = ["import graphmem.checkpointing as gc",
                  f"gc.apply_segments(model, {self.chain!r}, [{segs}])  # torch.utils.checkpoint, non-reentrant"]
@@ -333,15 +340,16 @@ class CheckpointPlan:
         return {"name": self.name, "chain": self.chain, "blocks": self.blocks,
                 "segments": [list(s) for s in self.segments], "paths": list(self.paths),
                 "peak_bytes": self.peak_bytes, "activation_bytes": self.activation_bytes,
-                "recompute_flops": self.recompute_flops, "overhead": self.overhead, "budget": self.budget}
+                "recompute_flops": self.recompute_flops, "overhead": self.overhead, "budget": self.budget,
+                **({"policies": [p.name if p is not None else None for p in self.policies]} if self.policies else {})}
 
 
 class Planner:
     """Plans for one report: the optimum under a budget or an overhead cap, baselines, frontier."""
 
-    def __init__(self, report: Any) -> None:
+    def __init__(self, report: Any, measured: Optional[tuple[ChainCosts, int]] = None) -> None:
         self.report = report
-        self.costs, self.depth = measure(report)
+        self.costs, self.depth = measured or measure(report)
         self.tables = tables(self.costs)
         self.step_flops = sum(op_flops(op) for op in report.step.ops)
         self._none = evaluate(self.costs, segments_of(self.costs.n, []))
@@ -349,7 +357,13 @@ class Planner:
     def _plan(self, name: str, e: Evaluated, budget: Optional[int] = None) -> CheckpointPlan:
         act = self.report.activation_bytes + e.kept_bytes - self._none.kept_bytes
         return CheckpointPlan(name, self.costs.chain, self.costs.n, e.checkpointed, e.peak_bytes, act,
-                              e.recompute_flops, self.step_flops, budget)
+                              e.recompute_flops, self.step_flops, budget, self._policies(e))
+
+    def _policies(self, e: Evaluated) -> tuple[Any, ...]:
+        return ()
+
+    def _optimal(self, budget: int) -> Optional[Evaluated]:
+        return optimal(self.costs, budget, self.tables)
 
     def minimum_peak(self) -> int:
         return minimum_peak(self.costs, self.tables)
@@ -358,7 +372,7 @@ class Planner:
         if (budget is None) == (max_overhead is None):
             raise UsageError("give a memory budget or a maximum recompute overhead (not both)")
         if budget is not None:
-            e = optimal(self.costs, budget, self.tables)
+            e = self._optimal(budget)
             if e is None:
                 raise PlanError(f"no checkpoint plan fits {_gib(budget)}: the smallest peak any plan of "
                                 f"{self.costs.chain} reaches is {_gib(self.minimum_peak())}; raise the "
@@ -370,27 +384,30 @@ class Planner:
         lo, hi = self.minimum_peak(), self._none.peak_bytes  # smallest budget whose plan is cheap enough
         while lo < hi:
             mid = (lo + hi) // 2
-            e = optimal(self.costs, mid, self.tables)
+            e = self._optimal(mid)
             if e is not None and e.recompute_flops <= max_overhead * self.step_flops:
                 hi = mid
             else:
                 lo = mid + 1
-        e = optimal(self.costs, lo, self.tables)
+        e = self._optimal(lo)
         assert e is not None
         return self._plan("graphmem", e, lo)
 
     def baselines(self) -> list[tuple[CheckpointPlan, CheckpointPlan]]:
         """Each baseline beside graphmem's plan for the baseline's own peak as the budget."""
         out = []
-        for name, e in baselines(self.costs).items():
+        for name, e in self._baselines().items():
             base = self._plan(name, e, None)
-            mine = optimal(self.costs, e.peak_bytes, self.tables)
+            mine = self._optimal(e.peak_bytes)
             assert mine is not None  # the baseline itself fits
             out.append((base, self._plan("graphmem", mine, e.peak_bytes)))
         return out
 
+    def _baselines(self) -> dict[str, Evaluated]:
+        return baselines(self.costs)
+
     def frontier(self, points: int = 50) -> list[CheckpointPlan]:
-        return [self._plan("graphmem", e) for e in frontier(self.costs, points)]
+        return [self._plan("graphmem", e) for e in frontier(self.costs, points, self.tables)]
 
 
 def parse_limits(budget: Any, max_overhead: Any, required: bool = True) -> tuple[Optional[int], Optional[float]]:
@@ -435,6 +452,7 @@ class PlanSummary:
     frontier: tuple[CheckpointPlan, ...]
     depth_captured: int  # blocks captured to measure the chain (4 for identical blocks)
     problem: Optional[str] = None  # why no plan was chosen for the budget given (none fits)
+    selective: Any = None  # graphmem.selective.Levels: the ops each selective level keeps
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -444,6 +462,7 @@ class PlanSummary:
             "problem": self.problem,
             "baselines": [{"baseline": b.to_dict(), "graphmem": g.to_dict()} for b, g in self.baselines],
             "frontier": [p.to_dict() for p in self.frontier],
+            **({"selective": self.selective.to_dict()} if self.selective is not None else {}),
         }
 
 
@@ -458,4 +477,4 @@ def summarize(planner: Planner, budget: Optional[int] = None, max_overhead: Opti
     c = planner.costs
     return PlanSummary(c.chain, c.n, planner.step_flops, planner._none.peak_bytes, planner.minimum_peak(),
                        chosen, tuple(planner.baselines()), tuple(planner.frontier(points)), planner.depth,
-                       problem)
+                       problem, getattr(planner, "levels", None))

@@ -122,26 +122,32 @@ class Report:
             self._cache["planner"] = Planner(self)
         return self._cache["planner"]
 
-    def plan(self, budget: Any = None, max_overhead: Any = None) -> Any:
+    def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False) -> Any:
         """The checkpoint plan (graphmem.plan.CheckpointPlan) with the fewest recompute FLOPs
         whose predicted peak fits ``budget`` (bytes or "40GiB"), or the lowest-peak plan whose
         recompute stays within ``max_overhead`` of the step's FLOPs (0.2 or "20%").
+        ``selective=True`` (or a number of levels) also lets each checkpointed segment keep
+        some ops' outputs (graphmem/selective.py).
 
         >>> plan = report.plan(budget="40GiB")            # doctest: +SKIP
         >>> plan.segments, plan.peak_bytes, plan.overhead  # doctest: +SKIP
         >>> handle = plan.apply(model)                     # torch.utils.checkpoint; handle.remove() undoes
         """
         from graphmem.plan import parse_limits
+        from graphmem.selective import selective_planner
 
-        return self.planner.plan(*parse_limits(budget, max_overhead))
+        limits = parse_limits(budget, max_overhead)
+        return selective_planner(self, selective).plan(*limits)
 
-    def plans(self, budget: Any = None, max_overhead: Any = None, points: int = 50, keep: bool = False) -> Any:
+    def plans(self, budget: Any = None, max_overhead: Any = None, points: int = 50, keep: bool = False,
+              selective: Any = False) -> Any:
         """graphmem.plan.PlanSummary: the chosen plan (if a limit is given), the baselines beside
         graphmem's plan at their own peak, and the Pareto frontier; ``keep`` adds it to JSON."""
         from graphmem.plan import parse_limits, summarize
+        from graphmem.selective import selective_planner
 
         limits = parse_limits(budget, max_overhead, required=False)
-        summary = summarize(self.planner, *limits, points=points)
+        summary = summarize(selective_planner(self, selective), *limits, points=points)
         if keep:
             self._cache["plan_summary"] = summary
         return summary

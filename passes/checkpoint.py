@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -266,13 +266,21 @@ def _pareto(m: np.ndarray, c: np.ndarray) -> np.ndarray:
 def optimal(costs: ChainCosts, budget: int, t: Optional[_Tables] = None) -> Optional[Evaluated]:
     """The plan with the fewest recompute FLOPs whose peak is <= budget (None if none fits);
     among equally cheap plans, the one whose forward keeps the fewest bytes."""
-    t = t or tables(costs)
-    n = costs.n
+    segs = program([t or tables(costs)], costs.n, budget)
+    return None if segs is None else evaluate(costs, tuple((a, b, m > 0) for a, b, m in segs))
+
+
+def program(modes: Sequence[_Tables], n: int, budget: int) -> Optional[list[tuple[int, int, int]]]:
+    """The program over a chain whose checkpointed segments can run in several ways (``modes``:
+    their tables; the stored blocks' and fixed parts are those of ``modes[0]``). Returns the
+    segments (first, last, mode: 0 stored, k >= 1 checkpointed as ``modes[k - 1]``) of the
+    cheapest plan under ``budget``, or None."""
+    t = modes[0]
     if t.fixed > budget:
         return None
-    room = budget - t.start
+    room, ways = budget - t.start, len(modes) + 1
     # States (kept bytes m, FLOPs c) after each prefix of the chain, Pareto-pruned, in flat
-    # arrays; a state remembers its parent and its last segment (2a+1: checkpoint a..b, 2b: store b).
+    # arrays; a state remembers its parent and its last segment (code a * ways + mode).
     cap = 1024
     P, M, C = (np.zeros(cap, dtype=np.int64) for _ in range(3))
     parent, code = np.full(cap, -1, dtype=np.int64), np.full(cap, -1, dtype=np.int64)
@@ -280,17 +288,15 @@ def optimal(costs: ChainCosts, budget: int, t: Optional[_Tables] = None) -> Opti
     for end in range(1, n + 1):
         b, size = end - 1, offsets[-1]
         pv = P[:size]
-        idx = np.nonzero(M[:size] <= room - t.need_by_end[b][pv])[0]  # checkpoint a..b from a state at a
         lo = offsets[b]
+        parts = []
+        for k, tk in enumerate(modes, 1):  # checkpoint a..b from a state at a
+            idx = np.nonzero(M[:size] <= room - tk.need_by_end[b][pv])[0]
+            src = pv[idx]
+            parts.append((idx, M[idx] + tk.fnet_by_end[b][src], C[idx] + tk.flops_by_end[b][src], src * ways + k))
         sidx = np.nonzero(M[lo:size] <= room - t.stored_need[b])[0] + lo  # store block b alone
-        src = pv[idx]
-        both = np.concatenate([idx, sidx])
-        cm = M[both]
-        cm[:len(idx)] += t.fnet_by_end[b][src]
-        cm[len(idx):] += t.stored_net[b]
-        cc = C[both]
-        cc[:len(idx)] += t.flops_by_end[b][src]
-        ccode = np.concatenate([src * 2 + 1, np.full(len(sidx), 2 * b, dtype=np.int64)])
+        parts.append((sidx, M[sidx] + t.stored_net[b], C[sidx], np.full(len(sidx), b * ways, dtype=np.int64)))
+        both, cm, cc, ccode = (np.concatenate([p[i] for p in parts]) for i in range(4))
         if end == n:
             fits = cm <= room - t.head_high
             both, cm, cc, ccode = both[fits], cm[fits], cc[fits], ccode[fits]
@@ -305,15 +311,15 @@ def optimal(costs: ChainCosts, budget: int, t: Optional[_Tables] = None) -> Opti
     lo, hi = offsets[n], offsets[n + 1]
     if lo == hi:
         return None
-    k = lo + int(np.lexsort((M[lo:hi], C[lo:hi]))[0])
-    segs: list[Segment] = []
+    s = lo + int(np.lexsort((M[lo:hi], C[lo:hi]))[0])
+    segs: list[tuple[int, int, int]] = []
     end = n
     while end > 0:
-        a, ck = int(code[k]) // 2, bool(code[k] % 2)
-        segs.append((a, end - 1, True) if ck else (end - 1, end - 1, False))
-        end = a if ck else end - 1
-        k = int(parent[k])
-    return evaluate(costs, tuple(reversed(segs)))
+        a, mode = divmod(int(code[s]), ways)
+        segs.append((a, end - 1, mode))
+        end = a
+        s = int(parent[s])
+    return list(reversed(segs))
 
 
 def optimal_many(costs: ChainCosts, budgets: Sequence[int], t: Optional[_Tables] = None) -> list[Optional[Evaluated]]:
@@ -354,30 +360,37 @@ def baselines(costs: ChainCosts) -> dict[str, Evaluated]:
     }
 
 
-def minimum_peak(costs: ChainCosts, t: Optional[_Tables] = None) -> int:
-    """The smallest peak any plan reaches (bisection on the budget; the program decides)."""
+Solver = Callable[[int], Optional[Evaluated]]  # budget -> the cheapest plan that fits
+
+
+def minimum_peak(costs: ChainCosts, t: Optional[_Tables] = None, solve: Optional[Solver] = None) -> int:
+    """The smallest peak any plan reaches (bisection on the budget; the program, or ``solve``
+    for plans with more ways to run a segment, decides)."""
     t = t or tables(costs)
+    solve = solve or (lambda budget: optimal(costs, budget, t))
     lo = t.fixed
     hi = evaluate(costs, segments_of(costs.n, [(i, i) for i in range(costs.n)])).peak_bytes
     hi = min(hi, evaluate(costs, segments_of(costs.n, [])).peak_bytes)
     while lo < hi:
         mid = (lo + hi) // 2
-        if optimal(costs, mid, t) is None:
+        if solve(mid) is None:
             lo = mid + 1
         else:
             hi = mid
     return lo
 
 
-def frontier(costs: ChainCosts, points: int = 50) -> tuple[Evaluated, ...]:
+def frontier(costs: ChainCosts, points: int = 50, t: Optional[_Tables] = None,
+             solve: Optional[Solver] = None) -> tuple[Evaluated, ...]:
     """Pareto-optimal plans (peak, recompute FLOPs) at ``points`` budgets from the smallest
     reachable peak to the peak without checkpointing, cheapest first."""
-    t = tables(costs)
-    lo = minimum_peak(costs, t)
+    t = t or tables(costs)
+    solve = solve or (lambda budget: optimal(costs, budget, t))
+    lo = minimum_peak(costs, t, solve)
     hi = evaluate(costs, segments_of(costs.n, [])).peak_bytes
     budgets = sorted({lo + (hi - lo) * k // max(points - 1, 1) for k in range(points)})
     found: dict[tuple[Segment, ...], Evaluated] = {}
-    for e in optimal_many(costs, budgets, t):
+    for e in map(solve, budgets):
         if e is not None:
             found[e.segments] = e
     plans = sorted(found.values(), key=lambda e: (e.recompute_flops, e.peak_bytes))

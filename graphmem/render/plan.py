@@ -19,7 +19,8 @@ def fmt_flops(n: int) -> str:
 def _segments(p: CheckpointPlan, limit: int = 8) -> str:
     if not p.segments:
         return "(none)"
-    shown = [f"{a}" if a == b else f"{a}..{b}" for a, b in p.segments[:limit]]
+    levels = [f" {pol.name}" if pol is not None else "" for pol in p.policies] or [""] * len(p.segments)
+    shown = [(f"{a}" if a == b else f"{a}..{b}") + lv for (a, b), lv in zip(p.segments[:limit], levels)]
     more = f", … ({len(p.segments)} segments)" if len(p.segments) > limit else ""
     return ", ".join(shown) + more
 
@@ -58,6 +59,10 @@ def render_plan(s: PlanSummary, top: int = 12) -> str:
     if len(shown) > top:  # keep both ends and an even spread between
         step = (len(shown) - 1) / (top - 1)
         shown = [shown[round(i * step)] for i in range(top)]
+    if s.selective is not None:
+        from .selective import render_levels
+
+        lines += render_levels(s.selective, fmt_flops)
     lines += ["", f"Pareto frontier: {len(s.frontier)} plans (fewest FLOPs for their peak){'; ' + str(len(shown)) + ' shown' if len(shown) < len(s.frontier) else ''}",
               tabulate([_row(p) for p in shown],
                        headers=["peak", "activations", "recompute", "overhead", "checkpointed segments"],
