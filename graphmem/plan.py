@@ -51,9 +51,19 @@ def _meta(x: Any) -> Any:
     return x
 
 
+_aten = torch.ops.aten
+# CPU kernels the flop counter has no entry for, counted by their CUDA twin's formula (same
+# arguments up front: query, key, value / grad_out, query, key, value)
+_SAME_AS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _aten._scaled_dot_product_flash_attention_backward,
+}
+
+
 def op_flops(node: OpNode) -> int:
     """FLOPs of one recorded op by torch.utils.flop_counter's formulas (0 if it has none)."""
-    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(_SAME_AS.get(packet, packet))
     if formula is None:
         return 0
     outs = tuple(torch.empty(s, dtype=d, device="meta") for s, d, _ in node.meta.get("outputs", ()))

@@ -268,3 +268,16 @@ def test_cli_plan_mistakes_are_one_line() -> None:
     r = _cli("plan", "gpt2", "--input-shape", "2x64", "--budget", "1MiB")
     assert r.returncode == 1 and "No plan chosen" in r.stdout
     assert r.stderr.strip().startswith("graphmem: no checkpoint plan fits 1.00 MiB") and r.stderr.count("\n") == 1
+
+
+def test_cpu_attention_kernels_count_their_flops() -> None:
+    # the flop counter has no entry for the CPU flash kernel; graphmem counts it as its CUDA twin
+    from graphmem.plan import op_flops
+
+    model = gpt2.build(gpt2.GPTConfig(vocab_size=101, block_size=32, n_layer=1, n_head=2, n_embd=32, dropout=0.0))
+    report = graphmem.analyze(model, (torch.randint(0, 101, (2, 16)),), loss=gpt2.loss)
+    fwd = [op_flops(op) for op in report.step.ops if "flash_attention_for_cpu.default" in str(op.target)]
+    bwd = [op_flops(op) for op in report.step.ops if "flash_attention_for_cpu_backward" in str(op.target)]
+    b, h, s, hd = 2, 2, 16, 16
+    assert fwd == [4 * b * h * s * s * hd]  # q @ k^T and p @ v, 2 FLOPs per multiply-add
+    assert bwd == [10 * b * h * s * s * hd]  # flop_counter's backward formula: 2.5x the forward
