@@ -266,8 +266,7 @@ class _Chain(torch.nn.Module):
 
 def test_ops_that_cannot_be_kept_are_named() -> None:
     # GIVEN a block with an op changed in place later, a random attention and a plain one, on
-    # the CUDA target (the CPU runs attention with dropout as explicit ops; the CPU flash op
-    # has no FLOP formula in torch.utils.flop_counter)
+    # the CUDA target (the CPU runs attention with dropout as explicit ops)
     torch.manual_seed(0)
     model, x = _Chain(), (torch.randn(2, 4, 8),)
     g = capture(model, x, None, "cuda")
@@ -287,7 +286,8 @@ def test_ops_that_cannot_be_kept_are_named() -> None:
     # (there the random attention runs as bmm, softmax, dropout, bmm: its bmms can be kept, the
     # dropout is recomputed with the generator state checkpoint restores)
     cpu = {o.key for o in block_ops(capture(model, x), "blocks.", 1) if not o.why_not}
-    assert cpu == {ops["b addmm#1"].key, ("aten.bmm.default", 0), ("aten.bmm.default", 1)}
+    assert cpu == {ops["b addmm#1"].key, ("aten.bmm.default", 0), ("aten.bmm.default", 1),
+                   ("aten._scaled_dot_product_flash_attention_for_cpu.default", 0)}  # the plain attention
     top = OpPolicy(frozenset(cpu))
     # (an op whose output leaves the block cannot be kept: it would live as long as its later use)
     linears = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
