@@ -63,7 +63,7 @@ _SAME_AS = {
 def op_flops(node: OpNode) -> int:
     """FLOPs of one recorded op by torch.utils.flop_counter's formulas (0 if it has none)."""
     packet = getattr(node.target, "overloadpacket", None)
-    formula = flop_registry.get(_SAME_AS.get(packet, packet))
+    formula = flop_registry.get(_SAME_AS.get(packet, packet))  # type: ignore[arg-type]
     if formula is None:
         return 0
     outs = tuple(torch.empty(s, dtype=d, device="meta") for s, d, _ in node.meta.get("outputs", ()))

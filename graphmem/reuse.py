@@ -67,9 +67,9 @@ class _Regions:
         self.regions += [("B", b, s, e) for b, s, e in runs]
         self.regions.append(("tail", None, bwd[-1] + 1, g.num_ops - 1))
         self.where: list[tuple[str, Optional[int], int]] = [("", None, 0)] * g.num_ops  # op -> (kind, block, pos)
-        for kind, b, s, e in self.regions:
+        for kind, blk, s, e in self.regions:
             for i in range(s, e + 1):
-                self.where[i] = (kind, b, i - s)
+                self.where[i] = (kind, blk, i - s)
 
     def block_of(self, path: str) -> Optional[int]:
         if not path.startswith(self.prefix):
@@ -185,10 +185,9 @@ def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> Ste
     def owner_of_index(u: int) -> Optional[int]:
         return r.where[u][1] if 0 <= u < g.num_ops else None
 
-    def owner(s: Storage) -> Optional[int]:
-        if s.created < 0:
-            return r.block_of(s.name)  # a parameter or buffer of a block
-        return owner_of_index(s.created)
+    def owner(st: Storage) -> Optional[int]:
+        """The captured block a storage belongs to: a block's parameter, or made by its op."""
+        return r.block_of(st.name) if st.created < 0 else owner_of_index(st.created)
 
     copies_of = w.copies
 
@@ -211,9 +210,6 @@ def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> Ste
                    for j in [owner_of_index(st.created)] for b in copies_of(j)), key=lambda x: x[:3])
     for *_, st, b, _ in made:
         sid_of[(st.sid, b)] = len(sid_of)
-
-    def owner(st: Storage) -> Optional[int]:
-        return r.block_of(st.name) if st.created < 0 else owner_of_index(st.created)
 
     by_name = {st.name: st.sid for st in g.storages.values() if st.created < 0}
 
@@ -345,7 +341,7 @@ def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> Ste
         else:
             grad_runs.append((j, [x]))
     gradients = [sid_of[(x, b)] for j, run in grad_runs for b in copies_of(j) for x in run]
-    phase_start = {p: (w.index(i, None, None) if i < g.num_ops else w.total) for p, i in g.phase_start.items()}
+    phase_start = {p: (w.index(i, None, None) or 0 if i < g.num_ops else w.total) for p, i in g.phase_start.items()}
     module_inputs: dict[str, tuple[int, ...]] = {}
     for path, shape in g.module_inputs.items():
         j = r.block_of(path)
