@@ -219,9 +219,7 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
         peaks.append((what, segs, max([cut.base, *cut.during])))
         base = cut.base
     if len(fixed) != 1:
-        raise PlanError("the ops around the chain change when its blocks are checkpointed (with autocast "
-                        "(--amp), its cast cache keeps checkpointed blocks' weight copies until the forward "
-                        "ends, which graphmem's plans do not model yet: plan with --dtype bf16/fp16 instead); "
+        raise PlanError("the ops around the chain change when its blocks are checkpointed; "
                         "graphmem cannot plan checkpoints for this model")
     stages = []
     for j in range(k):
@@ -259,6 +257,10 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
     source = report.source
     if source is None:
         raise PlanError("this report has no model to re-run (no tensor inputs); checkpoint plans need one")
+    if getattr(report.target, "amp_dtype", None) is not None:
+        raise PlanError("checkpoint plans with autocast (--amp) are not made yet: autocast's cast cache keeps "
+                        "checkpointed blocks' weight copies until the forward (or a recompute) ends, which "
+                        "graphmem's plans do not model; plan with 16-bit parameters (--dtype bf16/fp16) instead")
     model = source.module
     chain = find_chain(model)
     if chain is None:

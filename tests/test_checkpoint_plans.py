@@ -281,3 +281,10 @@ def test_cpu_attention_kernels_count_their_flops() -> None:
     b, h, s, hd = 2, 2, 16, 16
     assert fwd == [4 * b * h * s * s * hd]  # q @ k^T and p @ v, 2 FLOPs per multiply-add
     assert bwd == [10 * b * h * s * s * hd]  # flop_counter's backward formula: 2.5x the forward
+
+
+def test_plans_with_autocast_are_refused_in_one_line() -> None:
+    model, x, loss = _gpt(4)
+    report = graphmem.analyze(model, x, loss=loss, amp="bf16")
+    with pytest.raises(graphmem.GraphmemError, match=r"autocast \(--amp\).*--dtype bf16/fp16"):
+        report.plan(budget=report.peak_bytes)
