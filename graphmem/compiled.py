@@ -156,7 +156,7 @@ class _Backend:
                     interpreter.env = {}  # the interpreter keeps the output node's value: let the caller own it
                     node = torch._C._current_autograd_node() if kind == "backward" else None
                     if node is not None:  # what capture's post hook does for other nodes
-                        from .capture import _DONE
+                        from .recorder import _DONE
 
                         node.metadata[_DONE] = True
             run._boxed_call = True  # type: ignore[attr-defined]
@@ -268,7 +268,8 @@ def _cache_sizes() -> dict[int, int]:
 def _module_inputs(model: nn.Module, mode: FakeTensorMode, inputs: Any, target: Target) -> dict[str, tuple[int, ...]]:
     """First input shape of each module, from an eager forward without grad (graph code runs no
     module hooks; the shapes are the same either way)."""
-    from .capture import _tensors, fake_batch, fake_state
+    from .capture import fake_batch, fake_state
+    from .recorder import _tensors
 
     paths = {id(m): name for name, m in model.named_modules()}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -295,7 +296,8 @@ def _module_inputs(model: nn.Module, mode: FakeTensorMode, inputs: Any, target: 
 
 def _translate(e: Exception, phase: str, root: str) -> GraphmemError:
     """Dynamo wraps what fails while tracing; translate the innermost cause like an eager capture."""
-    from .capture import _Recorder, _translate as translate_eager
+    from .capture import _translate as translate_eager
+    from .recorder import _Recorder
 
     inner: BaseException = e
     while inner.__cause__ is not None and not isinstance(inner, GraphmemError):
