@@ -1,0 +1,287 @@
+"""A chain's pieces, measured: captures of the step cut at block boundaries into the roles
+of graphmem/passes/checkpoint.py's model.
+
+Captures of a few plans on fake tensors (nothing checkpointed, every block its own segment,
+the whole chain one segment, pairs) show every block in every role it can play; each capture
+is cut into pieces at block boundaries, and a role measured twice must agree. A chain of
+identical blocks is captured at depth 4 and its interior block stands for all the others;
+the stitched peak of the plan without checkpointing must equal the report's own peak, or the
+captures are repeated at full depth.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import flop_registry
+
+from graphmem.passes.checkpoint import NOTHING, ChainCosts, Piece, Stage, evaluate, segments_of
+
+from .capture import capture
+from .checkpointing import apply_segments
+from .errors import GraphmemError
+from .formula import Chain, find_chain, truncated
+from .stepgraph import OpNode, StepGraph
+
+DEPTH = 4  # blocks captured for a chain of identical blocks (first, two interior, last)
+
+
+class PlanError(GraphmemError):
+    """No checkpoint plan can be made or none fits."""
+
+
+# -- FLOPs ---------------------------------------------------------------------------------------
+def _meta(x: Any) -> Any:
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], OpNode):
+        positions = x[0].meta.get("positions")
+        shape, dtype, _ = x[0].meta["outputs"][positions.index(x[1]) if positions else x[1]]
+        return torch.empty(shape, dtype=dtype, device="meta")
+    if isinstance(x, OpNode):
+        if x.op == "placeholder":
+            return torch.empty(x.meta["shape"], dtype=x.meta["dtype"], device="meta")
+        shape, dtype, _ = x.meta["outputs"][0]
+        return torch.empty(shape, dtype=dtype, device="meta")
+    if isinstance(x, list):
+        return [_meta(a) for a in x]
+    return x
+
+
+_aten = torch.ops.aten
+# CPU kernels the flop counter has no entry for, counted by their CUDA twin's formula (same
+# arguments up front: query, key, value / grad_out, query, key, value)
+_SAME_AS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _aten._scaled_dot_product_flash_attention_backward,
+}
+
+
+def op_flops(node: OpNode) -> int:
+    """FLOPs of one recorded op by torch.utils.flop_counter's formulas (0 if it has none)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(_SAME_AS.get(packet, packet))  # type: ignore[arg-type]
+    if formula is None:
+        return 0
+    outs = tuple(torch.empty(s, dtype=d, device="meta") for s, d, _ in node.meta.get("outputs", ()))
+    out = outs[0] if len(outs) == 1 else outs
+    return int(formula(*(_meta(a) for a in node.args), **{k: _meta(v) for k, v in node.kwargs.items()}, out_val=out))
+
+
+# -- cutting a capture into pieces -------------------------------------------------------------------
+class _Cut:
+    def __init__(self, g: StepGraph, prefix: str) -> None:
+        self.g = g
+        n = g.num_ops
+        created, freed = [0] * (n + 1), [0] * (n + 1)
+        self.base = 0
+        for s in g.storages.values():  # as passes/liveness.py: live during op i if created <= i <= freed
+            if s.created < 0:
+                if s.freed is not None and s.freed < 0:
+                    continue
+                self.base += s.nbytes
+            elif s.created < n and (s.freed is None or s.freed >= s.created):
+                created[s.created] += s.nbytes
+            else:
+                continue
+            if s.freed is not None:
+                freed[s.freed] += s.nbytes
+        self.during, self.after = [], []
+        level = self.base
+        for i in range(n):
+            level += created[i]
+            self.during.append(level)
+            level -= freed[i]
+            self.after.append(level)
+        self.labels = [self._label(op, prefix) for op in g.ops]
+
+    @staticmethod
+    def _label(op: OpNode, prefix: str) -> Optional[tuple[int, bool]]:
+        path = op.meta.get("module", "")
+        if not path.startswith(prefix):
+            return None
+        head = path[len(prefix):].split(".", 1)[0]
+        if not head.isdigit():
+            return None
+        return int(head), bool(op.meta.get("recompute"))
+
+    def piece(self, start: int, end: int) -> Piece:
+        """Ops start..end inclusive (empty if end < start)."""
+        if end < start:
+            return NOTHING
+        level = self.after[start - 1] if start > 0 else self.base
+        return Piece(max(0, max(self.during[start:end + 1]) - level), self.after[end] - level)
+
+    def flops(self, start: int, end: int) -> int:
+        return sum(op_flops(op) for op in self.g.ops[start:end + 1])
+
+    def regions(self) -> tuple[list[tuple[int, int, int]], tuple[int, int], list[tuple[tuple[int, bool], int, int]]]:
+        """Forward pieces per block, the head's range, backward runs (label, start, end)."""
+        back = self.g.phase_start.get("backward", self.g.num_ops)
+        fwd = [i for i in range(back) if self.labels[i] is not None]
+        bwd = [i for i in range(back, self.g.num_ops) if self.labels[i] is not None]
+        if not fwd or not bwd:
+            raise PlanError("the chain's blocks run no ops in the step; nothing to checkpoint")
+        starts: list[tuple[int, int]] = []
+        for i in fwd:
+            block = self.labels[i][0]  # type: ignore[index]
+            if not starts or starts[-1][0] != block:
+                starts.append((block, i))
+        forward = [(blk, s, (starts[k + 1][1] - 1 if k + 1 < len(starts) else fwd[-1]))
+                   for k, (blk, s) in enumerate(starts)]
+        runs: list[tuple[tuple[int, bool], int, int]] = []
+        for i in range(bwd[0], bwd[-1] + 1):
+            lab = self.labels[i]
+            if lab is None or (runs and runs[-1][0] == lab):
+                runs[-1] = (runs[-1][0], runs[-1][1], i)
+            else:
+                runs.append((lab, i, i))
+        return forward, (fwd[-1] + 1, bwd[0] - 1), runs
+
+
+def _roles(cut: _Cut, k: int, segs: Sequence[tuple[int, int, bool]], what: str,
+           found: dict[tuple[int, str], tuple[Piece, int]]) -> tuple[Piece, Piece, Piece]:
+    """Cut one capture (plan ``segs`` over k blocks) into (block, role) pieces, added to
+    ``found`` (a role measured twice must agree); returns the fixed pieces around the chain."""
+    forward, head, runs = cut.regions()
+    if [blk for blk, _, _ in forward] != list(range(k)):
+        raise PlanError(f"the chain's blocks ran in the order {[blk for blk, _, _ in forward][:8]} in forward, "
+                        "not one after another; graphmem plans checkpoints for chains run block by block")
+    ranges: list[tuple[int, str, int, int]] = []
+    for a, b, ck in segs:
+        for i in range(a, b + 1):
+            role = "fwd" if not ck else "fwd_first" if i == a else "fwd_member"
+            ranges.append((i, role, forward[i][1], forward[i][2]))
+    pattern: list[tuple[int, bool, str, int]] = []  # (label block, recompute, role, role block)
+    for a, b, ck in reversed(segs):
+        if not ck:
+            pattern.append((a, False, "bwd", a))
+        elif a == b:
+            pattern += [(a, False, "one_pre", a), (a, True, "one_re", a), (a, False, "one_post", a)]
+        else:
+            pattern += [(b, False, "pre", b), (a, True, "re_first", a),
+                        *((i, True, "re_member", i) for i in range(a + 1, b)),
+                        (b, True, "re_last", b), (b, False, "post", b),
+                        *((i, False, "bwd_member", i) for i in range(b - 1, a, -1)), (a, False, "bwd_first", a)]
+    todo = list(runs)
+    for blk, rec, role, who in pattern:
+        if todo and todo[0][0] == (blk, rec):
+            _, s, e = todo.pop(0)
+            ranges.append((who, role, s, e))
+        elif role in ("one_pre", "pre") and todo and todo[0][0][1]:
+            ranges.append((who, role, 0, -1))  # it needed a saved tensor at once
+        else:
+            raise PlanError(f"the chain's backward ({what}) ran its blocks in the order "
+                            f"{[r[0] for r in runs][:10]}, not one after another; graphmem cannot plan "
+                            "checkpoints for it")
+    if todo:
+        raise PlanError(f"the chain's backward ({what}) ran more ops than its blocks' roles explain")
+    for who, role, s, e in ranges:
+        got = (cut.piece(s, e), cut.flops(s, e) if role in _FLOPS else 0)
+        if found.setdefault((who, role), got) != got:
+            raise PlanError(f"block {who} moves memory differently as {role} in two plans "
+                            f"({found[(who, role)][0]} vs {got[0]}); graphmem cannot plan checkpoints for it")
+    n = cut.g.num_ops
+    return cut.piece(0, forward[0][1] - 1), cut.piece(*head), cut.piece(runs[-1][2] + 1, n - 1)
+
+
+_FLOPS = ("fwd", "one_re", "re_first", "re_member", "re_last")
+_ROLES = ("fwd", "bwd", "fwd_first", "fwd_member", "one_pre", "one_re", "one_post", "pre", "re_first",
+          "re_member", "re_last", "post", "bwd_member", "bwd_first")
+
+
+def _plans(k: int) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Plans that show every block of k in every role it can play."""
+    plans = [("no checkpoints", []), ("every block", [(i, i) for i in range(k)]), ("one segment", [(0, k - 1)])]
+    even = [(a, a + 1) for a in range(0, k - 1, 2)]
+    odd = [(a, a + 1) for a in range(1, k - 1, 2)]
+    plans += [(f"pairs {s[0][0]}", s) for s in (even, odd) if s and s != [(0, k - 1)]]
+    return plans
+
+
+def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional[int], policy: Any = None) -> ChainCosts:
+    """The chain's pieces from captures (at ``depth`` blocks, or the full chain); with a
+    selective ``policy`` (graphmem/selective.py), every checkpointed segment runs under it."""
+    prefix = f"{chain.path}." if chain.path else ""
+    k = chain.length if depth is None else min(depth, chain.length)
+    found: dict[tuple[int, str], tuple[Piece, int]] = {}
+    fixed, peaks, base = set(), [], 0
+    for what, ck in _plans(k):
+        with truncated(model, chain, k if k < chain.length else None), \
+                apply_segments(model, chain.path, ck, [policy] * len(ck) if policy is not None else None):
+            g = capture_at()
+        cut = _Cut(g, prefix)
+        segs = segments_of(k, ck)
+        fixed.add(_roles(cut, k, segs, what, found))
+        peaks.append((what, segs, max([cut.base, *cut.during])))
+        base = cut.base
+    if len(fixed) != 1:
+        raise PlanError("the ops around the chain change when its blocks are checkpointed; "
+                        "graphmem cannot plan checkpoints for this model")
+    stages = []
+    for j in range(k):
+        pieces = {role: found.get((j, role), (NOTHING, 0)) for role in _ROLES}
+        stages.append(Stage(f"{prefix}{j}", **{role: p for role, (p, _) in pieces.items()},
+                            flops=pieces["fwd"][1], one_re_flops=pieces["one_re"][1],
+                            re_first_flops=pieces["re_first"][1], re_member_flops=pieces["re_member"][1],
+                            re_last_flops=pieces["re_last"][1]))
+    before, head, after = fixed.pop()
+    costs = ChainCosts(tuple(stages), base, before, head, after, chain.path)
+    costs.check()
+    for what, segs, want in peaks:
+        got = evaluate(costs, segs).peak_bytes
+        if got != want:
+            raise PlanError(f"the chain's pieces do not add up ({what}: {got} B stitched, {want} B captured); "
+                            "graphmem cannot plan checkpoints for this model")
+    return costs
+
+
+def _widen(costs: ChainCosts, n: int, base: int) -> ChainCosts:
+    """A depth-4 chain of identical blocks, widened to n blocks (interior blocks alike)."""
+    st = costs.stages
+    interior = [replace(s, name="") for s in st[1:-1]]
+    if any(s != interior[0] for s in interior):
+        raise PlanError("interior blocks differ")
+    prefix = st[0].name[:-1]
+    middle = [replace(st[1], name=f"{prefix}{i}") for i in range(1, n - 1)]
+    last = replace(st[-1], name=f"{prefix}{n - 1}")
+    return replace(costs, stages=(st[0], *middle, last), base=base)
+
+
+def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
+    """The chain costs of a report's model (captures at depth 4 when the blocks are identical,
+    else at full depth) and the depth captured; checkpointed segments run under ``policy``."""
+    source = report.source
+    if source is None:
+        raise PlanError("this report has no model to re-run (no tensor inputs); checkpoint plans need one")
+    if getattr(report.target, "amp_dtype", None) is not None:
+        raise PlanError("checkpoint plans with autocast (--amp) are not made yet: autocast's cast cache keeps "
+                        "checkpointed blocks' weight copies until the forward (or a recompute) ends, which "
+                        "graphmem's plans do not model; plan with 16-bit parameters (--dtype bf16/fp16) instead")
+    model = source.module
+    chain = find_chain(model)
+    if chain is None:
+        raise PlanError(f"{report.model} has no chain of identical blocks (an nn.ModuleList/Sequential of "
+                        ">= 2 like modules) to checkpoint")
+    shape = source.base_shape
+
+    train = getattr(source, "train", None)
+
+    def capture_at() -> StepGraph:
+        if train is not None and train.active:
+            return capture(model, lambda: source.make(shape), source.loss, source.device, train=train)
+        return capture(model, lambda: source.make(shape), source.loss, source.device)
+
+    if chain.length > DEPTH:
+        try:
+            costs = _widen(chain_costs(model, chain, capture_at, DEPTH, policy), chain.length, report.baseline_bytes)
+            if evaluate(costs, segments_of(chain.length, [])).peak_bytes == report.peak_bytes:
+                return costs, DEPTH
+        except PlanError:
+            pass
+    costs = chain_costs(model, chain, capture_at, None, policy)
+    got = evaluate(costs, segments_of(chain.length, [])).peak_bytes
+    if got != report.peak_bytes:
+        raise PlanError(f"the chain's pieces give a peak of {got} B without checkpoints, the report {report.peak_bytes} B; "
+                        "graphmem cannot plan checkpoints for this model")
+    return costs, chain.length
