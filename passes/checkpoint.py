@@ -13,8 +13,17 @@ block is run (measured by graphmem/chain_costs.py from captures of the real step
               then the blocks' backward (see ``Stage`` for every role)
 
 plus fixed pieces before the chain (``before``), between its forward and its backward (the
-head, loss and the head's backward: ``head``) and after (``after``). Stitching the pieces of a
-plan in order gives its peak exactly (``evaluate``). This is Chen et al. 2016's segment view
+head, loss and the head's backward: ``head`` up to the end of the forward context, then
+``head_post``) and after (``after``). Stitching the pieces of a plan in order gives its peak
+exactly (``evaluate``).
+
+Autocast adds frees that land later than the block that caused them: its cast cache holds the
+low-precision copies of parameters until the autocast context exits. A checkpointed block's
+copies (nothing saves them) die when the forward's context exits, in the head; a stored block's
+unsaved copies (biases) too; and in a segment's recompute, which torch.utils.checkpoint runs in
+one autocast context, the earlier blocks' unsaved copies die at the end of the last block's
+recompute. Each role records those bytes (``Stage.c_*``), its piece keeps them, and the pieces
+where the cache is cleared do not free them: the plan's own ``Piece(0, -bytes)`` does. This is Chen et al. 2016's segment view
 ("Training Deep Nets with Sublinear Memory Cost") with the costs measured per piece instead of
 assumed, and a stored/checkpointed choice per segment as in Rotor (Beaumont et al. 2019,
 "Optimal checkpointing for heterogeneous chains").
@@ -85,6 +94,13 @@ class Stage:
     re_first_flops: int
     re_member_flops: int
     re_last_flops: int
+    # bytes of autocast cast-cache copies a role leaves to be freed later (0 without autocast):
+    # forward roles at the forward context's exit, recompute roles at the end of the recompute
+    c_fwd: int = 0
+    c_first: int = 0
+    c_member: int = 0
+    c_re_first: int = 0
+    c_re_member: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,9 +108,10 @@ class ChainCosts:
     stages: tuple[Stage, ...]
     base: int  # live bytes before the step (parameters, buffers, batch)
     before: Piece  # ops before the chain's forward
-    head: Piece  # after the chain's forward, until its backward starts
+    head: Piece  # after the chain's forward, until the forward context exits (all of it without autocast)
     after: Piece  # after the chain's backward
     chain: str = ""  # module path of the chain
+    head_post: Piece = NOTHING  # from the forward context's exit until the chain's backward starts
 
     @property
     def n(self) -> int:
@@ -103,10 +120,11 @@ class ChainCosts:
     def check(self) -> None:
         """The program's premise: a segment's forward+backward net effect is the same however
         it runs (the sum of its blocks' stored-mode effects)."""
-        h = [s.fwd.net + s.bwd.net for s in self.stages]
+        h = [s.fwd.net - s.c_fwd + s.bwd.net for s in self.stages]
         for a in range(self.n):
             for b in range(a, self.n):
-                seg = _forward((a, b, True), self.stages).net + _backward((a, b, True), self.stages).net
+                seg = (_forward((a, b, True), self.stages).net - _cached((a, b, True), self.stages)
+                       + _backward((a, b, True), self.stages).net)
                 if seg != sum(h[a:b + 1]):
                     raise PassError(
                         f"checkpoint: blocks {a}..{b} checkpointed change memory by {seg} B over the "
@@ -136,6 +154,14 @@ def _forward(seg: Segment, st: Sequence[Stage]) -> Piece:
     return p
 
 
+def _cached(seg: Segment, st: Sequence[Stage]) -> int:
+    """Bytes a segment's forward leaves in autocast's cache (freed at the forward's exit)."""
+    a, b, ck = seg
+    if not ck:
+        return st[a].c_fwd
+    return st[a].c_first + sum(st[i].c_member for i in range(a + 1, b + 1))
+
+
 def _backward(seg: Segment, st: Sequence[Stage]) -> Piece:
     a, b, ck = seg
     if not ck:
@@ -145,7 +171,8 @@ def _backward(seg: Segment, st: Sequence[Stage]) -> Piece:
     p = st[b].pre.then(st[a].re_first)
     for i in range(a + 1, b):
         p = p.then(st[i].re_member)
-    p = p.then(st[b].re_last).then(st[b].post)
+    cleared = st[a].c_re_first + sum(st[i].c_re_member for i in range(a + 1, b))
+    p = p.then(st[b].re_last).then(Piece(0, -cleared)).then(st[b].post)
     for i in range(b - 1, a, -1):
         p = p.then(st[i].bwd_member)
     return p.then(st[a].bwd_first)
@@ -178,9 +205,10 @@ def evaluate(costs: ChainCosts, segments: Sequence[Segment]) -> Evaluated:
     if [i for a, b, _ in segments for i in range(a, b + 1)] != list(range(costs.n)):
         raise PassError(f"checkpoint: segments {list(segments)} do not cover blocks 0..{costs.n - 1} in order")
     level = peak = costs.base
-    order = [costs.before, *(_forward(s, st) for s in segments), costs.head,
-             *(_backward(s, st) for s in reversed(segments)), costs.after]
-    kept = 0
+    cached = sum(_cached(s, st) for s in segments)
+    order = [costs.before, *(_forward(s, st) for s in segments), costs.head, Piece(0, -cached),
+             costs.head_post, *(_backward(s, st) for s in reversed(segments)), costs.after]
+    kept = -cached  # what survives the forward's exit
     for k, p in enumerate(order):
         peak = max(peak, level + p.high)
         level += p.net
@@ -193,35 +221,51 @@ def evaluate(costs: ChainCosts, segments: Sequence[Segment]) -> Evaluated:
 # -- the program -----------------------------------------------------------------------------
 @dataclass
 class _Tables:
-    """Per (a, b): how far above ``start + m_a`` checkpointing a..b reaches, its forward net,
-    its FLOPs (a plan fits a budget when ``m_a <= budget - start - need`` for every segment)."""
+    """Per (a, b): what checkpointing a..b needs below the budget, its forward nets, its FLOPs.
 
-    need: np.ndarray  # (n, n) int64, [a, b]; unused where a > b
-    fnet: np.ndarray
+    The forward of a..b needs ``start + M_a + K_a + need_f <= budget`` and its backward
+    ``start + M_a + need_b <= budget``, where ``M_a`` is what the blocks before a keep for
+    backward and ``K_a`` what they left in autocast's cache (0 without autocast, when the two
+    merge into ``need``)."""
+
+    need_f: np.ndarray  # (n, n) int64, [a, b]; unused where a > b
+    need_b: np.ndarray
+    fnet: np.ndarray  # kept for backward (M)
+    knet: np.ndarray  # left in the cache until the forward's exit (K)
     flops: np.ndarray
-    need_by_end: np.ndarray = field(init=False)  # the same, [b, a]: contiguous rows for the program
-    fnet_by_end: np.ndarray = field(init=False)
-    flops_by_end: np.ndarray = field(init=False)
-    stored_need: np.ndarray  # (n,) storing block a alone
+    stored_need_f: np.ndarray  # (n,) storing block a alone
+    stored_need_b: np.ndarray
     stored_net: np.ndarray
+    stored_knet: np.ndarray
     fixed: int  # the plan-independent part of the peak
     start: int  # level when the chain's forward starts
-    head_high: int
+    end_f: int  # the head until the forward's exit: M + K <= budget - start - end_f
+    end_b: int  # the head after it: M <= budget - start - end_b
+    cached: bool = field(init=False)
+    need: np.ndarray = field(init=False)  # max(need_f, need_b): the constraint when nothing is cached
+    stored_need: np.ndarray = field(init=False)
+    need_by_end: np.ndarray = field(init=False)  # the same, [b, a]: contiguous rows for the program
+    need_f_by_end: np.ndarray = field(init=False)
+    need_b_by_end: np.ndarray = field(init=False)
+    fnet_by_end: np.ndarray = field(init=False)
+    knet_by_end: np.ndarray = field(init=False)
+    flops_by_end: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        self.need_by_end = np.ascontiguousarray(self.need.T)
-        self.fnet_by_end = np.ascontiguousarray(self.fnet.T)
-        self.flops_by_end = np.ascontiguousarray(self.flops.T)
+        self.cached = bool(self.knet.any() or self.stored_knet.any())
+        self.need = np.maximum(self.need_f, self.need_b)
+        self.stored_need = np.maximum(self.stored_need_f, self.stored_need_b)
+        for name in ("need", "need_f", "need_b", "fnet", "knet", "flops"):
+            setattr(self, f"{name}_by_end", np.ascontiguousarray(getattr(self, name).T))
 
 
 def tables(costs: ChainCosts) -> _Tables:
     st, n = costs.stages, costs.n
     start = costs.base + costs.before.net
-    h = [s.fwd.net + s.bwd.net for s in st]
+    head_net = costs.head.net + costs.head_post.net
+    h = [s.fwd.net - s.c_fwd + s.bwd.net for s in st]
     later = [sum(h[b + 1:]) for b in range(n)]  # H(>b)
-    need = np.zeros((n, n), dtype=np.int64)
-    fnet = np.zeros((n, n), dtype=np.int64)
-    flops = np.zeros((n, n), dtype=np.int64)
+    need_f, need_b, fnet, knet, flops = (np.zeros((n, n), dtype=np.int64) for _ in range(5))
     back_high = np.zeros((n, n), dtype=np.int64)  # the backward piece's high, per segment
     sum_re = [0]
     for s in st:
@@ -229,26 +273,29 @@ def tables(costs: ChainCosts) -> _Tables:
     for b in range(n):
         back_high[b, b] = _backward((b, b, True), st).high
         flops[b, b] = st[b].one_re_flops
-        re_m, bw = NOTHING, NOTHING  # re_member(a+1..b-1), bwd_member(b-1..a+1)
+        re_m, bw, cre = NOTHING, NOTHING, 0  # re_member(a+1..b-1), bwd_member(b-1..a+1), their cache
         for a in range(b - 1, -1, -1):
-            back = st[b].pre.then(st[a].re_first).then(re_m).then(st[b].re_last).then(st[b].post) \
-                .then(bw).then(st[a].bwd_first)
+            back = st[b].pre.then(st[a].re_first).then(re_m).then(st[b].re_last) \
+                .then(Piece(0, -(st[a].c_re_first + cre))).then(st[b].post).then(bw).then(st[a].bwd_first)
             back_high[a, b] = back.high
             flops[a, b] = st[a].re_first_flops + sum_re[b] - sum_re[a + 1] + st[b].re_last_flops
-            re_m, bw = st[a].re_member.then(re_m), bw.then(st[a].bwd_member)
+            re_m, bw, cre = st[a].re_member.then(re_m), bw.then(st[a].bwd_member), cre + st[a].c_re_member
     for a in range(n):
-        fw = st[a].fwd_first
+        fw, c = st[a].fwd_first, st[a].c_first
         for b in range(a, n):
             if b > a:
-                fw = fw.then(st[b].fwd_member)
-            need[a, b] = max(fw.high, costs.head.net + fw.net + later[b] + int(back_high[a, b]))
-            fnet[a, b] = fw.net
-    stored_need = np.array([max(s.fwd.high, costs.head.net + s.fwd.net + later[i] + s.bwd.high)
-                           for i, s in enumerate(st)], dtype=np.int64)
-    stored_net = np.array([s.fwd.net for s in st], dtype=np.int64)
-    fixed = max(costs.base, costs.base + costs.before.high,
-                start + costs.head.net + sum(h) + costs.after.high)
-    return _Tables(need, fnet, flops, stored_need, stored_net, fixed, start, costs.head.high)
+                fw, c = fw.then(st[b].fwd_member), c + st[b].c_member
+            need_f[a, b] = fw.high
+            need_b[a, b] = head_net + fw.net - c + later[b] + int(back_high[a, b])
+            fnet[a, b], knet[a, b] = fw.net - c, c
+    stored_need_f = np.array([s.fwd.high for s in st], dtype=np.int64)
+    stored_need_b = np.array([head_net + s.fwd.net - s.c_fwd + later[i] + s.bwd.high for i, s in enumerate(st)],
+                             dtype=np.int64)
+    stored_net = np.array([s.fwd.net - s.c_fwd for s in st], dtype=np.int64)
+    stored_knet = np.array([s.c_fwd for s in st], dtype=np.int64)
+    fixed = max(costs.base, costs.base + costs.before.high, start + head_net + sum(h) + costs.after.high)
+    return _Tables(need_f, need_b, fnet, knet, flops, stored_need_f, stored_need_b, stored_net, stored_knet,
+                   fixed, start, costs.head.high, costs.head.net + costs.head_post.high)
 
 
 def _pareto(m: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -261,6 +308,27 @@ def _pareto(m: np.ndarray, c: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.less(cs[1:], best[:-1], out=keep[1:])
     return order[keep]
+
+
+def _pareto3(m: np.ndarray, k: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """As ``_pareto`` over (m, k, c): the (m, c) Pareto set of each k, less the states a state
+    with smaller k beats on both m and c (a superset of the 3-d Pareto set, in k order)."""
+    out: list[np.ndarray] = []
+    stair_m, stair_c = m[:0], c[:0]  # the (m, c) Pareto set of the smaller k's, m ascending
+    for value in np.unique(k):
+        idx = np.nonzero(k == value)[0]
+        idx = idx[_pareto(m[idx], c[idx])]
+        if len(stair_m):
+            pos = np.searchsorted(stair_m, m[idx], side="right") - 1
+            beaten = (pos >= 0) & (stair_c[np.maximum(pos, 0)] <= c[idx])
+            idx = idx[~beaten]
+        if not len(idx):
+            continue
+        out.append(idx)
+        both_m, both_c = np.concatenate([stair_m, m[idx]]), np.concatenate([stair_c, c[idx]])
+        front = _pareto(both_m, both_c)
+        stair_m, stair_c = both_m[front], both_c[front]
+    return np.concatenate(out) if out else m[:0].astype(np.int64)
 
 
 def optimal(costs: ChainCosts, budget: int, t: Optional[_Tables] = None) -> Optional[Evaluated]:
@@ -279,33 +347,45 @@ def program(modes: Sequence[_Tables], n: int, budget: int) -> Optional[list[tupl
     if t.fixed > budget:
         return None
     room, ways = budget - t.start, len(modes) + 1
-    # States (kept bytes m, FLOPs c) after each prefix of the chain, Pareto-pruned, in flat
-    # arrays; a state remembers its parent and its last segment (code a * ways + mode).
+    cached = any(tk.cached for tk in modes)
+    # States (kept bytes m, cached bytes k, FLOPs c) after each prefix of the chain,
+    # Pareto-pruned, in flat arrays; a state remembers its parent and its last segment (code
+    # a * ways + mode). Without autocast k stays 0 and one constraint per segment suffices.
     cap = 1024
-    P, M, C = (np.zeros(cap, dtype=np.int64) for _ in range(3))
+    P, M, K, C = (np.zeros(cap, dtype=np.int64) for _ in range(4))
     parent, code = np.full(cap, -1, dtype=np.int64), np.full(cap, -1, dtype=np.int64)
     offsets = [0, 1]  # states of position k: [offsets[k], offsets[k+1])
     for end in range(1, n + 1):
         b, size = end - 1, offsets[-1]
-        pv = P[:size]
+        pv, mv, kv = P[:size], M[:size], K[:size]
         lo = offsets[b]
         parts = []
         for k, tk in enumerate(modes, 1):  # checkpoint a..b from a state at a
-            idx = np.nonzero(M[:size] <= room - tk.need_by_end[b][pv])[0]
+            if cached:
+                ok = (mv <= room - tk.need_b_by_end[b][pv]) & (mv + kv <= room - tk.need_f_by_end[b][pv])
+            else:
+                ok = mv <= room - tk.need_by_end[b][pv]
+            idx = np.nonzero(ok)[0]
             src = pv[idx]
-            parts.append((idx, M[idx] + tk.fnet_by_end[b][src], C[idx] + tk.flops_by_end[b][src], src * ways + k))
-        sidx = np.nonzero(M[lo:size] <= room - t.stored_need[b])[0] + lo  # store block b alone
-        parts.append((sidx, M[sidx] + t.stored_net[b], C[sidx], np.full(len(sidx), b * ways, dtype=np.int64)))
-        both, cm, cc, ccode = (np.concatenate([p[i] for p in parts]) for i in range(4))
+            parts.append((idx, M[idx] + tk.fnet_by_end[b][src], K[idx] + tk.knet_by_end[b][src],
+                          C[idx] + tk.flops_by_end[b][src], src * ways + k))
+        if cached:  # store block b alone
+            ok = (mv[lo:] <= room - t.stored_need_b[b]) & (mv[lo:] + kv[lo:] <= room - t.stored_need_f[b])
+        else:
+            ok = mv[lo:] <= room - t.stored_need[b]
+        sidx = np.nonzero(ok)[0] + lo
+        parts.append((sidx, M[sidx] + t.stored_net[b], K[sidx] + t.stored_knet[b], C[sidx],
+                      np.full(len(sidx), b * ways, dtype=np.int64)))
+        both, cm, ck, cc, ccode = (np.concatenate([p[i] for p in parts]) for i in range(5))
         if end == n:
-            fits = cm <= room - t.head_high
-            both, cm, cc, ccode = both[fits], cm[fits], cc[fits], ccode[fits]
-        keep = _pareto(cm, cc) if len(cm) else both[:0]
+            fits = (cm <= room - t.end_b) & (cm + ck <= room - t.end_f)
+            both, cm, ck, cc, ccode = both[fits], cm[fits], ck[fits], cc[fits], ccode[fits]
+        keep = (_pareto3(cm, ck, cc) if cached else _pareto(cm, cc)) if len(cm) else both[:0]
         k = len(keep)
         while size + k > cap:
             cap *= 2
-            P, M, C, parent, code = (np.resize(x, cap) for x in (P, M, C, parent, code))
-        P[size:size + k], M[size:size + k], C[size:size + k] = end, cm[keep], cc[keep]
+            P, M, K, C, parent, code = (np.resize(x, cap) for x in (P, M, K, C, parent, code))
+        P[size:size + k], M[size:size + k], K[size:size + k], C[size:size + k] = end, cm[keep], ck[keep], cc[keep]
         parent[size:size + k], code[size:size + k] = both[keep], ccode[keep]
         offsets.append(size + k)
     lo, hi = offsets[n], offsets[n + 1]

@@ -6,10 +6,16 @@ last block's extra), u_i = fwd_member + re_member + bwd_member - h (an inner blo
 v_a = fwd_first + re_first + bwd_first - h (the first block's), a segment a..b composes iff
 v_a + sum(u) + w_b = 0 for all a < b, i.e. v_a = -w_(a+1) and u_i = w_i - w_(i+1); a single
 block segment needs one_pre + one_re + one_post = h - fwd_first. The highs are free.
+
+With ``cached`` (autocast's cast cache), each forward role also holds c bytes until the forward
+exits and each earlier recompute role c' bytes until its segment's recompute ends: added to
+those pieces' nets, they leave the relations above as they are (the plan frees them).
 """
 from __future__ import annotations
 
 import random
+
+from dataclasses import replace
 
 from graphmem.passes.checkpoint import ChainCosts, Piece, Stage
 
@@ -31,8 +37,21 @@ def _stage(r: random.Random, i: int, A: int, h: int, F: int, Mm: int, w: int, w_
                  piece(r, pre, 60), piece(r, rf), piece(r, rm), piece(r, rl), piece(r, post),
                  piece(r, bm), piece(r, bf), f, r.randint(1, f), r.randint(1, f), f, r.randint(1, f))
 
-def rand_chain(r: random.Random, n: int, homogeneous: bool = False) -> ChainCosts:
-    """n blocks, all different, or all alike (``homogeneous``), as a real chain of blocks."""
+def _holding(r: random.Random, st: Stage) -> Stage:
+    """``st`` with random cast-cache bytes held by its forward and earlier-recompute roles."""
+    held = {f"c_{role}": r.choice([0, r.randint(1, 300)]) for role in ("fwd", "first", "member", "re_first", "re_member")}
+    pieces = {"fwd": "c_fwd", "fwd_first": "c_first", "fwd_member": "c_member", "re_first": "c_re_first",
+              "re_member": "c_re_member"}
+    grown = {}
+    for role, key in pieces.items():
+        p = getattr(st, role)
+        grown[role] = Piece(p.high + held[key] + r.randint(0, 50), p.net + held[key])
+    return replace(st, **grown, **held)
+
+
+def rand_chain(r: random.Random, n: int, homogeneous: bool = False, cached: bool = False) -> ChainCosts:
+    """n blocks, all different, or all alike (``homogeneous``), as a real chain of blocks;
+    ``cached``: with autocast's deferred cache frees."""
     w = [r.randint(-100, 100) for _ in range(n + 1)]
     seed = r.random()
     if homogeneous:
@@ -41,6 +60,8 @@ def rand_chain(r: random.Random, n: int, homogeneous: bool = False) -> ChainCost
     for i in range(n):
         rs = random.Random(seed) if homogeneous else r
         A, h, F, Mm = rs.randint(100, 1000), rs.randint(0, 300), rs.randint(10, 120), rs.randint(-60, 60)
-        st.append(_stage(rs, i, A, h, F, Mm, w[i], w[i + 1]))
-    return ChainCosts(tuple(st), r.randint(0, 1000), piece(r, r.randint(0, 100)),
-                      piece(r, r.randint(-50, 100)), piece(r, r.randint(-100, 0)))
+        stage = _stage(rs, i, A, h, F, Mm, w[i], w[i + 1])
+        st.append(_holding(rs, stage) if cached else stage)
+    costs = ChainCosts(tuple(st), r.randint(0, 1000), piece(r, r.randint(0, 100)),
+                       piece(r, r.randint(-50, 100)), piece(r, r.randint(-100, 0)))
+    return replace(costs, head_post=piece(r, r.randint(-80, 80))) if cached else costs

@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -288,3 +289,46 @@ def test_plans_with_autocast_are_refused_in_one_line() -> None:
     report = graphmem.analyze(model, x, loss=loss, amp="bf16")
     with pytest.raises(graphmem.GraphmemError, match=r"autocast \(--amp\).*--dtype bf16/fp16"):
         report.plan(budget=report.peak_bytes)
+
+
+# -- autocast: cast-cache copies freed later than the block that made them ---------------------------
+@pytest.mark.parametrize("seed", range(10))
+def test_program_equals_brute_force_with_deferred_cache_frees(seed: int) -> None:
+    # GIVEN random chains whose roles leave bytes in autocast's cache (freed at the forward's
+    # exit, or at the end of a segment's recompute): the peak depends on more than kept bytes
+    r = random.Random(100 + seed)
+    n = 10 if seed == 0 else r.randint(1, 8)
+    costs = rand_chain(r, n, homogeneous=seed % 3 == 1, cached=True)
+    costs.check()
+    every = [evaluate(costs, plan) for plan in all_plans(n)]
+    peaks = sorted({e.peak_bytes for e in every})
+    for budget in [peaks[0] - 1, peaks[0], peaks[-1]] + r.sample(peaks, min(8, len(peaks))):
+        # WHEN the program plans for the budget THEN it is as cheap as the best plan that fits
+        got = optimal(costs, budget)
+        assert (got.recompute_flops if got else None) == _best(every, budget), (n, budget)
+        if got is not None:
+            assert got.peak_bytes <= budget and got == evaluate(costs, got.segments)
+
+
+def test_cache_held_until_the_forward_exits_by_hand() -> None:
+    # GIVEN one block: stored, its forward keeps 2000 B; checkpointed, it keeps a 100 B
+    # boundary plus 1000 B of cast copies only autocast's cache holds, its recompute brings
+    # back 1900 B; the head runs a 500 B transient before the forward's context exits
+    from graphmem.passes.checkpoint import NOTHING, ChainCosts, Stage
+
+    p = Piece
+    st = Stage("b0", fwd=p(2000, 2000), bwd=p(300, -2000), fwd_first=p(1100, 1100), fwd_member=NOTHING,
+               one_pre=NOTHING, one_re=p(1900, 1900), one_post=p(300, -2000), pre=NOTHING, re_first=NOTHING,
+               re_member=NOTHING, re_last=NOTHING, post=NOTHING, bwd_member=NOTHING, bwd_first=NOTHING,
+               flops=7, one_re_flops=7, re_first_flops=0, re_member_flops=0, re_last_flops=0, c_first=1000)
+    costs = ChainCosts((st,), base=0, before=NOTHING, head=p(500, 0), after=NOTHING)
+    costs.check()
+    # WHEN the checkpointed plan is stitched
+    e = evaluate(costs, segments_of(1, [(0, 0)]))
+    # THEN the copies are live in the head (1100 + 500) and gone before backward, whose
+    # recompute tops out at 100 + 1900 + 300: 2300 B, keeping 100 B for backward
+    assert (e.peak_bytes, e.kept_bytes) == (2300, 100)
+    assert evaluate(costs, segments_of(1, [])).peak_bytes == 2500  # stored: 2000 + 500
+    assert optimal(costs, 2400).segments == ((0, 0, True),) and optimal(costs, 2500).recompute_flops == 0
+    # and a head transient of 1500 B makes the forward side the peak: 1100 + 1500
+    assert evaluate(replace(costs, head=p(1500, 0)), segments_of(1, [(0, 0)])).peak_bytes == 2600
