@@ -12,8 +12,9 @@ touched.
 """
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, ContextManager, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -74,10 +75,12 @@ def fake_batch(inputs: "Inputs", fake_mode: FakeTensorMode, device: torch.device
     )
 
 
-def forward_context(target: Target, used: dict[str, int]) -> Callable[[], Any]:
-    """What wraps forward and loss for the target: CPU autocast / SDPA backend, or CUDA rules."""
+def forward_context(target: Target, used: dict[str, int],
+                    clearing: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> Callable[[], Any]:
+    """What wraps forward and loss for the target: CPU autocast / SDPA backend, or CUDA rules
+    (``clearing`` wraps their cast cache's emptying)."""
     if target.device == "cuda":
-        rules = CudaRules(target, used)  # it counts the SDPA backends it picks into ``used``
+        rules = CudaRules(target, used, clearing)  # it counts the SDPA backends it picks into ``used``
         return lambda: rules
 
     def cpu() -> Any:
@@ -93,6 +96,24 @@ def forward_context(target: Target, used: dict[str, int]) -> Callable[[], Any]:
             stack.enter_context(sdpa_kernel(backend))
         return stack
     return cpu
+
+
+@contextlib.contextmanager
+def _cache_clears(cap: _Recorder) -> Iterator[None]:
+    """Mark what CPU autocast's cache clears free (``torch.autocast.__exit__`` calls
+    ``torch.clear_autocast_cache`` when the outermost context exits, in forward and in a
+    checkpoint's recompute)."""
+    clear = torch.clear_autocast_cache
+
+    def marked() -> None:
+        with cap.clearing_cache():
+            clear()
+
+    torch.clear_autocast_cache = marked  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.clear_autocast_cache = clear  # type: ignore[assignment]
 
 
 def capture(
@@ -120,7 +141,7 @@ def capture(
     paths = {id(m): name for name, m in model.named_modules()}
     cap = _Recorder(paths)
     if target.device == "cuda":
-        cap.recompute_rules = lambda: CudaRules(target, backends)
+        cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)
         cap.fp32_norm_stats = True
     fake_mode = _Mode(cap)
     training = [(m, m.training) for m in model.modules()]
@@ -163,13 +184,13 @@ def capture(
             # segments (torch.utils.checkpoint) run their forward again there
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                     _reparametrize_module(model, state, tie_weights=True, strict=False), \
-                    _rng_states(cap, target.device == "cpu"):
+                    _rng_states(cap, target.device == "cpu"), _cache_clears(cap):
                 cap.recording = True
                 if session is None:
-                    out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, forward_context(target, backends))
+                    out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, forward_context(target, backends, cap.clearing_cache))
                 else:
                     out, loss = session.run(forward, fake_inputs, tagged_loss, cap.set_phase,
-                                            forward_context(target, backends), mark, fake=True)
+                                            forward_context(target, backends, cap.clearing_cache), mark, fake=True)
                     relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
                 gradient_sids = list(dict.fromkeys(marked.get("gradient", []) + [
                     _gradient(cap, p) for p in seen.values() if p.grad is not None]))

@@ -94,6 +94,9 @@ class _Cut:
             level -= freed[i]
             self.after.append(level)
         self.labels = [self._label(op, prefix) for op in g.ops]
+        # (created, freed, bytes) of what died when autocast's cast cache was cleared
+        self.cleared = [(s.created, s.freed, s.nbytes) for s in g.storages.values()
+                        if s.cache_freed and s.created >= 0 and s.freed is not None]
 
     @staticmethod
     def _label(op: OpNode, prefix: str) -> Optional[tuple[int, bool]]:
@@ -112,11 +115,22 @@ class _Cut:
         level = self.after[start - 1] if start > 0 else self.base
         return Piece(max(0, max(self.during[start:end + 1]) - level), self.after[end] - level)
 
+    def held(self, start: int, end: int) -> int:
+        """Bytes ops start..end made that outlive them only in autocast's cache (a later clear frees them)."""
+        return sum(n for c, f, n in self.cleared if start <= c <= end < f)
+
+    def piece_holding(self, start: int, end: int, since: int) -> Piece:
+        """``piece``, but what a clear inside frees of the bytes ops since..start-1 left in the
+        cache stays live: the plan frees those bytes itself (their amount depends on the plan)."""
+        p = self.piece(start, end)
+        return Piece(p.high, p.net + sum(n for c, f, n in self.cleared if since <= c < start <= f <= end))
+
     def flops(self, start: int, end: int) -> int:
         return sum(op_flops(op) for op in self.g.ops[start:end + 1])
 
     def regions(self) -> tuple[list[tuple[int, int, int]], tuple[int, int], list[tuple[tuple[int, bool], int, int]]]:
-        """Forward pieces per block, the head's range, backward runs (label, start, end)."""
+        """Forward pieces per block, the head's range, backward runs (label, start, end); the
+        forward's context exits after the head's last op before "backward"."""
         back = self.g.phase_start.get("backward", self.g.num_ops)
         fwd = [i for i in range(back) if self.labels[i] is not None]
         bwd = [i for i in range(back, self.g.num_ops) if self.labels[i] is not None]
@@ -140,9 +154,11 @@ class _Cut:
 
 
 def _roles(cut: _Cut, k: int, segs: Sequence[tuple[int, int, bool]], what: str,
-           found: dict[tuple[int, str], tuple[Piece, int]]) -> tuple[Piece, Piece, Piece]:
-    """Cut one capture (plan ``segs`` over k blocks) into (block, role) pieces, added to
-    ``found`` (a role measured twice must agree); returns the fixed pieces around the chain."""
+           found: dict[tuple[int, str], tuple[Piece, int, int]]) -> tuple[Piece, Piece, Piece, Piece]:
+    """Cut one capture (plan ``segs`` over k blocks) into (block, role) pieces with their
+    FLOPs and the bytes they leave in autocast's cache, added to ``found`` (a role measured
+    twice must agree); returns the fixed pieces around the chain (before, the head until the
+    forward's context exits and after it, after)."""
     forward, head, runs = cut.regions()
     if [blk for blk, _, _ in forward] != list(range(k)):
         raise PlanError(f"the chain's blocks ran in the order {[blk for blk, _, _ in forward][:8]} in forward, "
@@ -176,16 +192,24 @@ def _roles(cut: _Cut, k: int, segs: Sequence[tuple[int, int, bool]], what: str,
                             "checkpoints for it")
     if todo:
         raise PlanError(f"the chain's backward ({what}) ran more ops than its blocks' roles explain")
+    back = cut.g.phase_start["backward"]
     for who, role, s, e in ranges:
-        got = (cut.piece(s, e), cut.flops(s, e) if role in _FLOPS else 0)
+        # a segment's recompute runs in one autocast context: its last block's clear frees
+        # what the earlier blocks' recomputes left in the cache
+        p = cut.piece_holding(s, e, back) if role == "re_last" else cut.piece(s, e)
+        got = (p, cut.flops(s, e) if role in _FLOPS else 0, cut.held(s, e) if role in _HOLD else 0)
         if found.setdefault((who, role), got) != got:
             raise PlanError(f"block {who} moves memory differently as {role} in two plans "
                             f"({found[(who, role)][0]} vs {got[0]}); graphmem cannot plan checkpoints for it")
     n = cut.g.num_ops
-    return cut.piece(0, forward[0][1] - 1), cut.piece(*head), cut.piece(runs[-1][2] + 1, n - 1)
+    exit_at = min(max(back - 1, head[0] - 1), head[1])  # the forward's context exits after this op
+    return (cut.piece(0, forward[0][1] - 1), cut.piece_holding(head[0], exit_at, forward[0][1]),
+            cut.piece(exit_at + 1, head[1]), cut.piece(runs[-1][2] + 1, n - 1))
 
 
 _FLOPS = ("fwd", "one_re", "re_first", "re_member", "re_last")
+_HOLD = {"fwd": "c_fwd", "fwd_first": "c_first", "fwd_member": "c_member", "re_first": "c_re_first",
+         "re_member": "c_re_member"}  # roles whose cache bytes a later clear frees: Stage's field
 _ROLES = ("fwd", "bwd", "fwd_first", "fwd_member", "one_pre", "one_re", "one_post", "pre", "re_first",
           "re_member", "re_last", "post", "bwd_member", "bwd_first")
 
@@ -204,7 +228,7 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
     selective ``policy`` (graphmem/selective.py), every checkpointed segment runs under it."""
     prefix = f"{chain.path}." if chain.path else ""
     k = chain.length if depth is None else min(depth, chain.length)
-    found: dict[tuple[int, str], tuple[Piece, int]] = {}
+    found: dict[tuple[int, str], tuple[Piece, int, int]] = {}
     fixed, peaks, base = set(), [], 0
     for what, ck in _plans(k):
         with truncated(model, chain, k if k < chain.length else None), \
@@ -220,13 +244,14 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
                         "graphmem cannot plan checkpoints for this model")
     stages = []
     for j in range(k):
-        pieces = {role: found.get((j, role), (NOTHING, 0)) for role in _ROLES}
-        stages.append(Stage(f"{prefix}{j}", **{role: p for role, (p, _) in pieces.items()},
+        pieces = {role: found.get((j, role), (NOTHING, 0, 0)) for role in _ROLES}
+        stages.append(Stage(f"{prefix}{j}", **{role: p for role, (p, _, _) in pieces.items()},
                             flops=pieces["fwd"][1], one_re_flops=pieces["one_re"][1],
                             re_first_flops=pieces["re_first"][1], re_member_flops=pieces["re_member"][1],
-                            re_last_flops=pieces["re_last"][1]))
-    before, head, after = fixed.pop()
-    costs = ChainCosts(tuple(stages), base, before, head, after, chain.path)
+                            re_last_flops=pieces["re_last"][1],
+                            **{field: pieces[role][2] for role, field in _HOLD.items()}))
+    before, head, head_post, after = fixed.pop()
+    costs = ChainCosts(tuple(stages), base, before, head, after, chain.path, head_post)
     costs.check()
     for what, segs, want in peaks:
         got = evaluate(costs, segs).peak_bytes
@@ -254,10 +279,6 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
     source = report.source
     if source is None:
         raise PlanError("this report has no model to re-run (no tensor inputs); checkpoint plans need one")
-    if getattr(report.target, "amp_dtype", None) is not None:
-        raise PlanError("checkpoint plans with autocast (--amp) are not made yet: autocast's cast cache keeps "
-                        "checkpointed blocks' weight copies until the forward (or a recompute) ends, which "
-                        "graphmem's plans do not model; plan with 16-bit parameters (--dtype bf16/fp16) instead")
     model = source.module
     chain = find_chain(model)
     if chain is None:

@@ -16,8 +16,9 @@ A TorchFunctionMode (above autograd, so autograd saves what the CUDA kernels wou
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.nn.functional as F
@@ -107,8 +108,10 @@ def sdpa(target: Target, used: dict[str, int], query: torch.Tensor, key: torch.T
 class CudaRules(TorchFunctionMode):
     """Installs the rules above for one step (see the module docstring)."""
 
-    def __init__(self, target: Target, backends: Optional[dict[str, int]] = None) -> None:
+    def __init__(self, target: Target, backends: Optional[dict[str, int]] = None,
+                 clearing: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         super().__init__()
+        self.clearing = clearing  # wraps emptying the cast cache (the recorder marks what dies there)
         self.target = target
         self.amp = target.amp_dtype
         self.casts: dict[int, torch.Tensor] = {}  # id(parameter) -> its cached low-precision copy
@@ -133,7 +136,8 @@ class CudaRules(TorchFunctionMode):
         return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
     def __exit__(self, *exc: Any) -> Any:
-        self.casts.clear()  # autocast empties its cast cache when its outermost context exits
+        with self.clearing():
+            self.casts.clear()  # autocast empties its cast cache when its outermost context exits
         return super().__exit__(*exc)
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.nn as nn
@@ -42,8 +42,15 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> tuple[set[int], int]:
     return set(keys), sum(keys.values())
 
 
-def measure_saved(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = None) -> int:
-    """Bytes of the distinct storages autograd saves in a real forward + loss."""
+def _autocast(amp: Optional[torch.dtype]) -> Callable[[], ContextManager[Any]]:
+    """The real step's forward context: CPU autocast to ``amp``, or nothing."""
+    return (lambda: torch.autocast("cpu", dtype=amp)) if amp is not None else contextlib.nullcontext
+
+
+def measure_saved(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = None,
+                  amp: Optional[torch.dtype] = None) -> int:
+    """Bytes of the distinct storages autograd saves in a real forward + loss (under CPU
+    autocast to ``amp`` if given)."""
     state = [*model.parameters(), *model.buffers()]
     excluded, _ = _storage_bytes(state)
     saved: dict[int, int] = {}
@@ -58,7 +65,7 @@ def measure_saved(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = N
     model.train()
     model.zero_grad(set_to_none=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run_step(model, inputs, loss_fn, lambda p: phase.__setitem__(0, p))
+        run_step(model, inputs, loss_fn, lambda p: phase.__setitem__(0, p), _autocast(amp))
     model.zero_grad(set_to_none=True)
     return sum(saved.values())
 
@@ -76,16 +83,19 @@ def _allocation_events(prof: Any) -> list[tuple[int, int]]:
 
 
 def measure_peak(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = None,
-                 train: Optional[TrainStep] = None, warm_steps: int = 0) -> Measured:
+                 train: Optional[TrainStep] = None, warm_steps: int = 0,
+                 amp: Optional[torch.dtype] = None) -> Measured:
     """Real CPU step under the profiler; the peak from the allocator's events. ``train`` adds
     micro-batches and the optimizer step (graphmem/train.py); ``warm_steps`` runs that many
-    whole steps first, unprofiled (the optimizer states then exist before the measured one)."""
+    whole steps first, unprofiled (the optimizer states then exist before the measured one);
+    ``amp`` runs forward and loss under CPU autocast to that dtype."""
+    context = _autocast(amp)
     model.train()
     model.zero_grad(set_to_none=True)
     session = Session(train, dict(model.named_parameters()), "cpu") if train is not None else None
     for _ in range(warm_steps):
         if session is not None:
-            out, loss = session.run(model, inputs, loss_fn, lambda p: None, contextlib.nullcontext)
+            out, loss = session.run(model, inputs, loss_fn, lambda p: None, context)
             del out, loss
     states = [t for _, _, t in state_tensors(session.optimizer)] if session and session.optimizer else []
     masters = list(session.masters.values()) if session is not None else []
@@ -94,9 +104,9 @@ def measure_peak(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = No
     _, baseline = _storage_bytes(tensors)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         if session is None:
-            out, loss = run_step(model, inputs, loss_fn)
+            out, loss = run_step(model, inputs, loss_fn, forward_context=context)
         else:
-            out, loss = session.run(model, inputs, loss_fn, lambda p: None, contextlib.nullcontext)
+            out, loss = session.run(model, inputs, loss_fn, lambda p: None, context)
     del out, loss
     state_bytes = 0
     if session is not None and session.optimizer is not None:
@@ -107,5 +117,5 @@ def measure_peak(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = No
         running += size
         high = max(high, running)
     model.zero_grad(set_to_none=True)
-    saved = measure_saved(model, inputs, loss_fn)
+    saved = measure_saved(model, inputs, loss_fn, amp)
     return Measured(saved, baseline + high, baseline, len(events), state_bytes)

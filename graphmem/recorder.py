@@ -99,6 +99,7 @@ class _Recorder:
         self.recompute_ctx: Any = None
         self.fp32_norm_stats = False  # CUDA target: LayerNorm's mean/rstd in fp32 (see _fp32_stats)
         self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
+        self.clearing = False  # inside an autocast cache clear (see ``clearing_cache``)
 
     # -- storages -----------------------------------------------------------------
     def storage(self, t: torch.Tensor, kind: str, name: str, created: int, module: str) -> Storage:
@@ -117,8 +118,19 @@ class _Recorder:
         if self.closed:
             return
         s.freed = len(self.ops) - 1
+        s.cache_freed = self.clearing
         if self.live.get(key) is s:
             del self.live[key]
+
+    @contextlib.contextmanager
+    def clearing_cache(self) -> Iterator[None]:
+        """Storages freed inside mark themselves ``cache_freed``: autocast's cast cache (or the
+        CUDA rules' copy of it) held their last reference; checkpoint plans need to know."""
+        was, self.clearing = self.clearing, True
+        try:
+            yield
+        finally:
+            self.clearing = was
 
     def preexisting(self, t: torch.Tensor, kind: str, name: str) -> None:
         s = self.storage(t, kind, name, -1, "")

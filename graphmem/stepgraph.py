@@ -54,6 +54,7 @@ class Storage:
     shape: tuple[int, ...]
     source: Optional[int] = None  # for a copy (aten._to_copy) made in forward: the source storage
     owner: Optional[int] = None  # gradient / optimizer state / master copy: the parameter's storage id
+    cache_freed: bool = False  # its last reference was autocast's cast cache, dropped when a context exited
 
 
 @dataclass
