@@ -152,6 +152,21 @@ def test_selective_plan_peaks_equal_recaptured_peaks(sac: tuple) -> None:
         assert predicted == got, segments
 
 
+def test_selective_plans_under_autocast_equal_recaptured_peaks() -> None:
+    # GIVEN bf16 autocast (cast copies held by autocast's cache until the forward or a
+    # recompute ends) and a selective planner over LLaMA
+    model, x, loss = MODELS["llama"]()
+    report = graphmem.analyze(model, x, loss=loss, amp="bf16")
+    planner = selective_planner(report, LEVELS)
+    r = random.Random(4)
+    plans = r.sample(list(all_modal_plans(6, LEVELS + 1)), 3) + [tuple((i, i, 2) for i in range(6))]
+    for segments in plans:
+        # WHEN a plan is predicted and applied and captured again THEN the peaks are equal
+        predicted = evaluate_modes(planner.modes, segments).peak_bytes
+        with apply_segments(model, planner.costs.chain, *_policies(planner, segments)):
+            assert predicted == liveness(capture(model, x, loss, report.target)).peak_bytes, segments
+
+
 def test_selective_plan_peaks_match_real_cpu_runs(sac: tuple) -> None:
     name, model, x, loss, report, planner = sac
     low = planner.minimum_peak()
