@@ -17,6 +17,7 @@ printed: on a shared machine the CPU time is the steadier of the two.
 
     python benchmarks/bench_plan.py                         # llama-2-70b 8x4096, cuda bf16 (~1 min)
     python benchmarks/bench_plan.py --case gpt2-xl:32x1024 --device cpu --dtype fp32
+    python benchmarks/bench_plan.py --amp bf16                # autocast: the cast cache's bytes in the states
 
 Nothing is asserted: it is a benchmark. The goal is printed next to the figure.
 """
@@ -42,12 +43,14 @@ def main() -> None:
     p.add_argument("--case", default="llama-2-70b:8x4096", help="PRESET:SHAPE")
     p.add_argument("--device", default="cuda", help="target device (default cuda)")
     p.add_argument("--dtype", default="bf16", help="parameter dtype (default bf16)")
+    p.add_argument("--amp", default=None, help="autocast dtype (bf16/fp16; the parameters stay fp32)")
     p.add_argument("--budgets", type=int, default=50)
     p.add_argument("--repeat", type=int, default=5)
     a = p.parse_args()
     name, shape = a.case.split(":")
-    report, w, c = _timed(lambda: graphmem.analyze(name, input_shape=shape))
-    print(f"analyze   {name} {shape} ({a.device}, {a.dtype}): {w:.2f} s wall, {c:.2f} s CPU; peak {report.peak_bytes / 2**30:.2f} GiB")
+    dtype = None if a.amp else a.dtype
+    report, w, c = _timed(lambda: graphmem.analyze(name, input_shape=shape, device=a.device, dtype=dtype, amp=a.amp))
+    print(f"analyze   {name} {shape} ({report.target.describe() if hasattr(report.target, 'describe') else a.device}): {w:.2f} s wall, {c:.2f} s CPU; peak {report.peak_bytes / 2**30:.2f} GiB")
     planner, w, c = _timed(lambda: report.planner)
     costs = planner.costs
     print(f"measure   chain {costs.chain} of {costs.n} blocks (captured at depth {planner.depth}): {w:.2f} s wall, {c:.2f} s CPU")

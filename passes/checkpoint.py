@@ -367,25 +367,27 @@ def program(modes: Sequence[_Tables], n: int, budget: int) -> Optional[list[tupl
                 ok = mv <= room - tk.need_by_end[b][pv]
             idx = np.nonzero(ok)[0]
             src = pv[idx]
-            parts.append((idx, M[idx] + tk.fnet_by_end[b][src], K[idx] + tk.knet_by_end[b][src],
+            parts.append((idx, M[idx] + tk.fnet_by_end[b][src], K[idx] + tk.knet_by_end[b][src] if cached else idx,
                           C[idx] + tk.flops_by_end[b][src], src * ways + k))
         if cached:  # store block b alone
             ok = (mv[lo:] <= room - t.stored_need_b[b]) & (mv[lo:] + kv[lo:] <= room - t.stored_need_f[b])
         else:
             ok = mv[lo:] <= room - t.stored_need[b]
         sidx = np.nonzero(ok)[0] + lo
-        parts.append((sidx, M[sidx] + t.stored_net[b], K[sidx] + t.stored_knet[b], C[sidx],
+        parts.append((sidx, M[sidx] + t.stored_net[b], K[sidx] + t.stored_knet[b] if cached else sidx, C[sidx],
                       np.full(len(sidx), b * ways, dtype=np.int64)))
         both, cm, ck, cc, ccode = (np.concatenate([p[i] for p in parts]) for i in range(5))
-        if end == n:
-            fits = (cm <= room - t.end_b) & (cm + ck <= room - t.end_f)
+        if end == n:  # (without a cache, ck holds placeholders: k is 0)
+            fits = (cm <= room - t.end_b) & ((cm + ck if cached else cm) <= room - t.end_f)
             both, cm, ck, cc, ccode = both[fits], cm[fits], ck[fits], cc[fits], ccode[fits]
         keep = (_pareto3(cm, ck, cc) if cached else _pareto(cm, cc)) if len(cm) else both[:0]
         k = len(keep)
         while size + k > cap:
             cap *= 2
             P, M, K, C, parent, code = (np.resize(x, cap) for x in (P, M, K, C, parent, code))
-        P[size:size + k], M[size:size + k], K[size:size + k], C[size:size + k] = end, cm[keep], ck[keep], cc[keep]
+        P[size:size + k], M[size:size + k], C[size:size + k] = end, cm[keep], cc[keep]
+        if cached:
+            K[size:size + k] = ck[keep]
         parent[size:size + k], code[size:size + k] = both[keep], ccode[keep]
         offsets.append(size + k)
     lo, hi = offsets[n], offsets[n + 1]
