@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from .errors import CaptureError, DataDependentError, GraphmemError, UnsupportedOpError
+from .checkpointing import segment_scope
 from .cuda_rules import CudaRules
 from .step import LossFn, default_loss, run_step
 from .target import Target
@@ -184,7 +185,8 @@ def capture(
             # segments (torch.utils.checkpoint) run their forward again there
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                     _reparametrize_module(model, state, tie_weights=True, strict=False), \
-                    _rng_states(cap, target.device == "cpu"), _cache_clears(cap):
+                    _rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
+                    segment_scope(cap.recompute_scope):
                 cap.recording = True
                 if session is None:
                     out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, forward_context(target, backends, cap.clearing_cache))

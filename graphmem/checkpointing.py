@@ -18,10 +18,11 @@ and ``contexts()`` (the ``context_fn`` of ``torch.utils.checkpoint``: a fresh pa
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import types
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -33,6 +34,18 @@ _STATE = threading.local()
 
 def _inside() -> bool:
     return getattr(_STATE, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def segment_scope(scope: Callable[[], ContextManager[Any]]) -> Iterator[None]:
+    """While active, every checkpointed segment's run (forward and recompute) is wrapped in
+    ``scope()``: graphmem's capture uses it to give a recompute the context torch gives it."""
+    was = getattr(_STATE, "scope", None)
+    _STATE.scope = scope
+    try:
+        yield
+    finally:
+        _STATE.scope = was
 
 
 class Applied:
@@ -63,11 +76,13 @@ _RESPECT: dict[str, Any] = ({"respect_saved_tensors_hooks": True}
 def _runner(blocks: list[nn.Module], session: Any) -> Any:
     def run(x: Any, *args: Any, **kwargs: Any) -> Any:
         _STATE.depth = getattr(_STATE, "depth", 0) + 1
+        scope = getattr(_STATE, "scope", None)
         try:
-            for blk in blocks:  # through __call__: hooks fire, module paths stay right
-                if session is not None:
-                    session.block()  # the policy counts op calls per block
-                x = blk(x, *args, **kwargs)
+            with scope() if scope is not None else contextlib.nullcontext():
+                for blk in blocks:  # through __call__: hooks fire, module paths stay right
+                    if session is not None:
+                        session.block()  # the policy counts op calls per block
+                    x = blk(x, *args, **kwargs)
             return x
         finally:
             _STATE.depth -= 1

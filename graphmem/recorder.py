@@ -97,6 +97,7 @@ class _Recorder:
         self.closed = False
         self.recompute_rules: Optional[Callable[[], Any]] = None  # CUDA target: rules for recomputes
         self.recompute_ctx: Any = None
+        self.segment_scope = False  # recompute_ctx spans a whole checkpointed segment
         self.fp32_norm_stats = False  # CUDA target: LayerNorm's mean/rstd in fp32 (see _fp32_stats)
         self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
         self.clearing = False  # inside an autocast cache clear (see ``clearing_cache``)
@@ -236,8 +237,26 @@ class _Recorder:
         return h.tensor
 
     # -- module paths -------------------------------------------------------------
+    @contextlib.contextmanager
+    def recompute_scope(self) -> Iterator[None]:
+        """Around a whole checkpointed segment run by graphmem/checkpointing.py: in a recompute
+        on the CUDA target, one rules context for all its blocks, as torch.utils.checkpoint
+        runs the segment in one autocast context (its cast cache lives until the end)."""
+        if self.phase != "backward" or self.recompute_rules is None or self.recompute_ctx is not None:
+            yield
+            return
+        ctx = self.recompute_ctx = self.recompute_rules()
+        self.segment_scope = True
+        ctx.__enter__()
+        try:
+            yield
+        finally:
+            self.recompute_ctx, self.segment_scope = None, False
+            ctx.__exit__(None, None, None)
+
     def pre_hook(self, module: nn.Module, args: Any) -> None:
-        if self.phase == "backward" and len(self.stack) == 1 and self.recompute_rules is not None:
+        if self.phase == "backward" and len(self.stack) == 1 and self.recompute_rules is not None \
+                and self.recompute_ctx is None:
             # a checkpoint's recompute: on the CUDA target the device's rules (dropout kernel,
             # SDPA backend, autocast, which checkpoint re-enters) hold there as in forward
             self.recompute_ctx = self.recompute_rules()
@@ -252,7 +271,7 @@ class _Recorder:
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         path = self.stack.pop()
         start = self.seq_start.pop()
-        if len(self.stack) == 1 and self.recompute_ctx is not None:
+        if len(self.stack) == 1 and self.recompute_ctx is not None and not self.segment_scope:
             ctx, self.recompute_ctx = self.recompute_ctx, None
             ctx.__exit__(None, None, None)
         if self.phase == "forward":

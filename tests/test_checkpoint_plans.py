@@ -352,6 +352,24 @@ def test_autocast_plans_match_real_cpu_autocast_runs(planned_amp: tuple) -> None
         assert plan.peak_bytes <= real.peak_bytes <= plan.peak_bytes + 2 * scratch, (plan.segments, real.peak_bytes)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_segments_recompute_keeps_its_cast_cache_to_the_end(device: str) -> None:
+    # GIVEN blocks 0..3 checkpointed as one segment under bf16 autocast: torch.utils.checkpoint
+    # recomputes the segment inside one autocast context (CPU: PyTorch's own; CUDA target:
+    # graphmem's rules, entered once per segment as torch enters autocast once)
+    model, x, loss = _gpt(4)
+    target = graphmem.analyze(model, x, loss=loss, amp="bf16", device=device).target
+    with apply_segments(model, "transformer.h", [(0, 3)]):
+        g = capture(model, x, loss, target)
+    back = g.phase_start["backward"]
+    recomputed = [s for s in g.storages.values() if s.cache_freed and s.created >= back]
+    # THEN the bias copies every block's recompute casts are freed together, when it ends
+    blocks = {s.module.split(".")[2] for s in recomputed}
+    assert blocks == {"0", "1", "2", "3"}
+    assert len({s.freed for s in recomputed}) == 1
+    assert sum(s.nbytes for s in recomputed) == 4 * 2 * (3 * 32 + 32 + 4 * 32 + 32)  # bf16 biases
+
+
 def test_autocast_plan_cli_prints_a_plan() -> None:
     r = subprocess.run([sys.executable, "-m", "graphmem.cli", "plan", "tests/formula_models/tiny_gpt.py",
                         "--input-shape", "4x32", "--device", "cuda", "--amp", "bf16", "--max-overhead", "30%"],
