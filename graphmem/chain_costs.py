@@ -279,14 +279,19 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
     source = report.source
     if source is None:
         raise PlanError("this report has no model to re-run (no tensor inputs); checkpoint plans need one")
+    if getattr(report.target, "mode", "eager") == "compiled":
+        raise PlanError("checkpoint plans are made for eager steps: under torch.compile the partitioner already "
+                        "chooses what to recompute (the report lists it); plan with --mode eager")
+    train = getattr(source, "train", None)
+    if train is not None and train.micro_batches > 1:
+        raise PlanError(f"checkpoint plans with --micro-batches {train.micro_batches} are not made yet (each micro-step "
+                        "runs the chain again, beside the gradients of the earlier ones); plan one micro-batch's step")
     model = source.module
     chain = find_chain(model)
     if chain is None:
         raise PlanError(f"{report.model} has no chain of identical blocks (an nn.ModuleList/Sequential of "
                         ">= 2 like modules) to checkpoint")
     shape = source.base_shape
-
-    train = getattr(source, "train", None)
 
     def capture_at() -> StepGraph:
         if train is not None and train.active:

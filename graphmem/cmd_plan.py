@@ -37,7 +37,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--input-shape", required=True, metavar="SHAPE", help="e.g. 32x1024")
     from .cli import add_target_arguments
 
+    from .training_cli import add_training_arguments
+
     add_target_arguments(p)
+    add_training_arguments(p)
     add_plan_arguments(p)
     p.add_argument("--top", type=int, default=12, help="frontier rows shown (default 12)")
     p.add_argument("--json", action="store_true", help="JSON output (exact integers)")
@@ -48,11 +51,12 @@ def add_commands(sub: Any) -> None:
 def _plan(args: argparse.Namespace) -> int:
     from . import analyze
     from .cli import target_options
+    from .training_cli import training_options
     from .render.plan import render_plan
     from .render.units import fmt_bytes
 
     check_plan_arguments(args, True)
-    report = analyze(args.model, input_shape=args.input_shape, **target_options(args))
+    report = analyze(args.model, input_shape=args.input_shape, **target_options(args), **training_options(args))
     summary = report.plans(args.budget, args.max_overhead, points=args.points, keep=True, selective=args.selective)
     if args.json:
         sys.stdout.write(json.dumps({"model": report.model, "input_shapes": [list(s) for s in report.input_shapes],

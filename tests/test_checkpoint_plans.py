@@ -271,6 +271,34 @@ def test_cli_plan_mistakes_are_one_line() -> None:
     assert r.stderr.strip().startswith("graphmem: no checkpoint plan fits 1.00 MiB") and r.stderr.count("\n") == 1
 
 
+def test_plans_that_are_not_made_say_so_in_one_line() -> None:
+    for extra, phrase in ((["--micro-batches", "2"], "--micro-batches 2 are not made yet"),
+                          (["--mode", "compiled"], "plan with --mode eager")):
+        r = _cli("plan", "tests/formula_models/tiny_gpt.py", "--input-shape", "4x32", "--max-overhead", "30%", *extra)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and phrase in r.stderr, r.stderr
+
+
+def test_plans_with_the_optimizer_step_equal_recaptured_peaks() -> None:
+    # GIVEN a step that ends with Adam's update (graphmem plan --optimizer adam)
+    from graphmem.train import TrainStep
+
+    model, x, loss = _gpt(6)
+    report = graphmem.analyze(model, x, loss=loss, optimizer="adam")
+    planner = report.planner
+    assert evaluate(planner.costs, segments_of(6, [])).peak_bytes == report.peak_bytes
+    for segments in ([(0, 0)], [(0, 2), (3, 5)], [(i, i) for i in range(6)], [(1, 4)]):
+        # WHEN a plan is predicted and applied and the whole step captured again
+        predicted = evaluate(planner.costs, segments_of(6, segments)).peak_bytes
+        with apply_segments(model, planner.costs.chain, segments):
+            again = liveness(capture(model, x, loss, report.target, train=TrainStep("adam"))).peak_bytes
+        # THEN the peaks are equal; and a real CPU step with the plan is within the tolerance
+        assert predicted == again, segments
+    plan = planner.plan(budget=planner.minimum_peak())
+    with plan.apply(model):
+        real = measure_peak(model, x, loss, train=TrainStep("adam"))
+    assert 0 <= real.peak_bytes - plan.peak_bytes <= LM_TOLERANCE * real.peak_bytes
+
+
 def test_cpu_attention_kernels_count_their_flops() -> None:
     # the flop counter has no entry for the CPU flash kernel; graphmem counts it as its CUDA twin
     from graphmem.plan import op_flops
