@@ -210,7 +210,7 @@ def capture(
                          gradient_sids, type(model).__name__, [name for name, _ in model.named_modules()],
                          compiled.module_inputs if compiled is not None else cap.module_inputs, target, backends,
                          compiled=compiled.summary() if compiled is not None else None,
-                         train=train if session is not None else None)
+                         train=train if session is not None else None, micro_steps=tuple(cap.micro_steps))
     finally:
         cap.closed = True  # before out/loss/state die with this frame: those frees are after the step
         if compiled is not None:

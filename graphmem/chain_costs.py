@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import flop_registry
 
-from graphmem.passes.checkpoint import NOTHING, ChainCosts, Piece, Stage, evaluate, segments_of
+from graphmem.passes.checkpoint import NOTHING, ChainCosts, Piece, Stage, evaluate, level_after, segments_of
 
 from .capture import capture
 from .checkpointing import apply_segments
@@ -128,12 +128,20 @@ class _Cut:
     def flops(self, start: int, end: int) -> int:
         return sum(op_flops(op) for op in self.g.ops[start:end + 1])
 
-    def regions(self) -> tuple[list[tuple[int, int, int]], tuple[int, int], list[tuple[tuple[int, bool], int, int]]]:
-        """Forward pieces per block, the head's range, backward runs (label, start, end); the
-        forward's context exits after the head's last op before "backward"."""
-        back = self.g.phase_start.get("backward", self.g.num_ops)
-        fwd = [i for i in range(back) if self.labels[i] is not None]
-        bwd = [i for i in range(back, self.g.num_ops) if self.labels[i] is not None]
+    def windows(self) -> list[tuple[int, int, int]]:
+        """(start, backward start, end) of each micro-step traced (one without micro-batches)."""
+        steps = self.g.micro_steps or ((0, self.g.phase_start.get("backward", self.g.num_ops)),)
+        return [(0 if k == 0 else f, b, steps[k + 1][0] if k + 1 < len(steps) else self.g.num_ops)
+                for k, (f, b) in enumerate(steps)]
+
+    def regions(self, window: tuple[int, int, int]) -> tuple[list[tuple[int, int, int]], tuple[int, int],
+                                                              list[tuple[tuple[int, bool], int, int]]]:
+        """In a micro-step's ``window``: forward pieces per block, the head's range, backward
+        runs (label, start, end); the forward's context exits after the head's last op before
+        its backward."""
+        lo, back, hi = window
+        fwd = [i for i in range(lo, back) if self.labels[i] is not None]
+        bwd = [i for i in range(back, hi) if self.labels[i] is not None]
         if not fwd or not bwd:
             raise PlanError("the chain's blocks run no ops in the step; nothing to checkpoint")
         starts: list[tuple[int, int]] = []
@@ -154,12 +162,13 @@ class _Cut:
 
 
 def _roles(cut: _Cut, k: int, segs: Sequence[tuple[int, int, bool]], what: str,
-           found: dict[tuple[int, str], tuple[Piece, int, int]]) -> tuple[Piece, Piece, Piece, Piece]:
+           found: dict[tuple[int, str], tuple[Piece, int, int]],
+           window: tuple[int, int, int]) -> tuple[Piece, Piece, Piece, Piece]:
     """Cut one capture (plan ``segs`` over k blocks) into (block, role) pieces with their
     FLOPs and the bytes they leave in autocast's cache, added to ``found`` (a role measured
     twice must agree); returns the fixed pieces around the chain (before, the head until the
     forward's context exits and after it, after)."""
-    forward, head, runs = cut.regions()
+    forward, head, runs = cut.regions(window)
     if [blk for blk, _, _ in forward] != list(range(k)):
         raise PlanError(f"the chain's blocks ran in the order {[blk for blk, _, _ in forward][:8]} in forward, "
                         "not one after another; graphmem plans checkpoints for chains run block by block")
@@ -192,7 +201,7 @@ def _roles(cut: _Cut, k: int, segs: Sequence[tuple[int, int, bool]], what: str,
                             "checkpoints for it")
     if todo:
         raise PlanError(f"the chain's backward ({what}) ran more ops than its blocks' roles explain")
-    back = cut.g.phase_start["backward"]
+    lo, back, hi = window
     for who, role, s, e in ranges:
         # a segment's recompute runs in one autocast context: its last block's clear frees
         # what the earlier blocks' recomputes left in the cache
@@ -201,10 +210,9 @@ def _roles(cut: _Cut, k: int, segs: Sequence[tuple[int, int, bool]], what: str,
         if found.setdefault((who, role), got) != got:
             raise PlanError(f"block {who} moves memory differently as {role} in two plans "
                             f"({found[(who, role)][0]} vs {got[0]}); graphmem cannot plan checkpoints for it")
-    n = cut.g.num_ops
     exit_at = min(max(back - 1, head[0] - 1), head[1])  # the forward's context exits after this op
-    return (cut.piece(0, forward[0][1] - 1), cut.piece_holding(head[0], exit_at, forward[0][1]),
-            cut.piece(exit_at + 1, head[1]), cut.piece(runs[-1][2] + 1, n - 1))
+    return (cut.piece(lo, forward[0][1] - 1), cut.piece_holding(head[0], exit_at, forward[0][1]),
+            cut.piece(exit_at + 1, head[1]), cut.piece(runs[-1][2] + 1, hi - 1))
 
 
 _FLOPS = ("fwd", "one_re", "re_first", "re_member", "re_last")
@@ -223,35 +231,43 @@ def _plans(k: int) -> list[tuple[str, list[tuple[int, int]]]]:
     return plans
 
 
-def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional[int], policy: Any = None) -> ChainCosts:
+def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional[int], policy: Any = None,
+                micro_steps: int = 1) -> ChainCosts:
     """The chain's pieces from captures (at ``depth`` blocks, or the full chain); with a
-    selective ``policy`` (graphmem/selective.py), every checkpointed segment runs under it."""
+    selective ``policy`` (graphmem/selective.py), every checkpointed segment runs under it.
+    A step of ``micro_steps`` micro-batches is captured as two (the second stands for the
+    later ones): the costs then carry the second's pieces as ``later``."""
     prefix = f"{chain.path}." if chain.path else ""
     k = chain.length if depth is None else min(depth, chain.length)
-    found: dict[tuple[int, str], tuple[Piece, int, int]] = {}
-    fixed, peaks, base = set(), [], 0
+    # one (found roles, fixed pieces, starting level) per micro-step traced: the first, and
+    # the second standing for every later one (graphmem/train.py traces two)
+    steps: list[tuple[dict[tuple[int, str], tuple[Piece, int, int]], set, set]] = []
+    peaks: list[tuple[str, Any, int]] = []
     for what, ck in _plans(k):
         with truncated(model, chain, k if k < chain.length else None), \
                 apply_segments(model, chain.path, ck, [policy] * len(ck) if policy is not None else None):
             g = capture_at()
         cut = _Cut(g, prefix)
         segs = segments_of(k, ck)
-        fixed.add(_roles(cut, k, segs, what, found))
+        windows = cut.windows()
+        while len(steps) < len(windows):
+            steps.append(({}, set(), set()))
+        if len(windows) != len(steps):
+            raise PlanError("the step ran a different number of micro-steps when its blocks were checkpointed")
+        for (found, fixed, starts), window in zip(steps, windows):
+            fixed.add(_roles(cut, k, segs, what, found, window))
+            starts.add(cut.after[window[0] - 1] if window[0] > 0 else cut.base)
         peaks.append((what, segs, max([cut.base, *cut.during])))
-        base = cut.base
-    if len(fixed) != 1:
+    if any(len(fixed) != 1 or len(starts) != 1 for _, fixed, starts in steps):
         raise PlanError("the ops around the chain change when its blocks are checkpointed; "
                         "graphmem cannot plan checkpoints for this model")
-    stages = []
-    for j in range(k):
-        pieces = {role: found.get((j, role), (NOTHING, 0, 0)) for role in _ROLES}
-        stages.append(Stage(f"{prefix}{j}", **{role: p for role, (p, _, _) in pieces.items()},
-                            flops=pieces["fwd"][1], one_re_flops=pieces["one_re"][1],
-                            re_first_flops=pieces["re_first"][1], re_member_flops=pieces["re_member"][1],
-                            re_last_flops=pieces["re_last"][1],
-                            **{field: pieces[role][2] for role, field in _HOLD.items()}))
-    before, head, head_post, after = fixed.pop()
-    costs = ChainCosts(tuple(stages), base, before, head, after, chain.path, head_post)
+    made = [_costs(found, fixed.pop(), starts.pop(), k, prefix, chain.path) for found, fixed, starts in steps]
+    costs = made[0]
+    if len(made) > 1:
+        if made[1].base != level_after(made[0]):
+            raise PlanError("the second micro-step does not start where the first ends; "
+                            "graphmem cannot plan checkpoints for this model")
+        costs = replace(costs, later=made[1], micro_steps=micro_steps)
     costs.check()
     for what, segs, want in peaks:
         got = evaluate(costs, segs).peak_bytes
@@ -261,8 +277,35 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
     return costs
 
 
-def _widen(costs: ChainCosts, n: int, base: int) -> ChainCosts:
-    """A depth-4 chain of identical blocks, widened to n blocks (interior blocks alike)."""
+def _costs(found: dict[tuple[int, str], tuple[Piece, int, int]], fixed: tuple[Piece, Piece, Piece, Piece],
+           base: int, k: int, prefix: str, path: str) -> ChainCosts:
+    stages = []
+    for j in range(k):
+        pieces = {role: found.get((j, role), (NOTHING, 0, 0)) for role in _ROLES}
+        stages.append(Stage(f"{prefix}{j}", **{role: p for role, (p, _, _) in pieces.items()},
+                            flops=pieces["fwd"][1], one_re_flops=pieces["one_re"][1],
+                            re_first_flops=pieces["re_first"][1], re_member_flops=pieces["re_member"][1],
+                            re_last_flops=pieces["re_last"][1],
+                            **{field: pieces[role][2] for role, field in _HOLD.items()}))
+    before, head, head_post, after = fixed
+    return ChainCosts(tuple(stages), base, before, head, after, path, head_post)
+
+
+def _tails(g: StepGraph, prefix: str) -> list[Piece]:
+    """The ``after`` piece of each micro-step in a capture of the whole model: what runs after
+    the chain's backward (the optimizer step's states and temporaries grow with the depth)."""
+    cut = _Cut(g, prefix)
+    out = []
+    for window in cut.windows():
+        runs = cut.regions(window)[2]
+        out.append(cut.piece(runs[-1][2] + 1, window[2] - 1))
+    return out
+
+
+def _widen(costs: ChainCosts, n: int, base: int, tails: Sequence[Piece]) -> ChainCosts:
+    """A depth-4 chain of identical blocks, widened to n blocks (interior blocks alike), with
+    the ``after`` pieces of the whole model; a later micro-step's too, starting where the
+    widened first one ends."""
     st = costs.stages
     interior = [replace(s, name="") for s in st[1:-1]]
     if any(s != interior[0] for s in interior):
@@ -270,7 +313,10 @@ def _widen(costs: ChainCosts, n: int, base: int) -> ChainCosts:
     prefix = st[0].name[:-1]
     middle = [replace(st[1], name=f"{prefix}{i}") for i in range(1, n - 1)]
     last = replace(st[-1], name=f"{prefix}{n - 1}")
-    return replace(costs, stages=(st[0], *middle, last), base=base)
+    wide = replace(costs, stages=(st[0], *middle, last), base=base, later=None, after=tails[0])
+    if costs.later is None:
+        return wide
+    return replace(wide, later=_widen(costs.later, n, level_after(wide), tails[1:]))
 
 
 def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
@@ -283,9 +329,10 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
         raise PlanError("checkpoint plans are made for eager steps: under torch.compile the partitioner already "
                         "chooses what to recompute (the report lists it); plan with --mode eager")
     train = getattr(source, "train", None)
-    if train is not None and train.micro_batches > 1:
-        raise PlanError(f"checkpoint plans with --micro-batches {train.micro_batches} are not made yet (each micro-step "
-                        "runs the chain again, beside the gradients of the earlier ones); plan one micro-batch's step")
+    micro = train.micro_batches if train is not None else 1
+    if micro > 1 and policy is not None:
+        raise PlanError(f"selective plans with --micro-batches {micro} are not made yet; plan plain checkpoints "
+                        "(drop --selective) or one micro-batch's step")
     model = source.module
     chain = find_chain(model)
     if chain is None:
@@ -300,12 +347,13 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
 
     if chain.length > DEPTH:
         try:
-            costs = _widen(chain_costs(model, chain, capture_at, DEPTH, policy), chain.length, report.baseline_bytes)
+            costs = _widen(chain_costs(model, chain, capture_at, DEPTH, policy, micro), chain.length,
+                           report.baseline_bytes, _tails(report.step, f"{chain.path}." if chain.path else ""))
             if evaluate(costs, segments_of(chain.length, [])).peak_bytes == report.peak_bytes:
                 return costs, DEPTH
         except PlanError:
             pass
-    costs = chain_costs(model, chain, capture_at, None, policy)
+    costs = chain_costs(model, chain, capture_at, None, policy, micro)
     got = evaluate(costs, segments_of(chain.length, [])).peak_bytes
     if got != report.peak_bytes:
         raise PlanError(f"the chain's pieces give a peak of {got} B without checkpoints, the report {report.peak_bytes} B; "

@@ -87,6 +87,17 @@ class CheckpointPlan:
                 **({"policies": [p.name if p is not None else None for p in self.policies]} if self.policies else {})}
 
 
+def step_flops(g: Any) -> int:
+    """FLOPs of the whole step: with k micro-batches, of which two were traced, the second
+    micro-step's count k - 1 times (graphmem/train.py)."""
+    flops = [op_flops(op) for op in g.ops]
+    k = getattr(g.train, "micro_batches", 1) if g.train is not None else 1
+    if len(g.micro_steps) < 2 or k <= len(g.micro_steps):
+        return sum(flops)
+    second, end = g.micro_steps[1][0], g.phase_start.get("optimizer", g.num_ops)
+    return sum(flops[:second]) + (k - 1) * sum(flops[second:end]) + sum(flops[end:])
+
+
 class Planner:
     """Plans for one report: the optimum under a budget or an overhead cap, baselines, frontier."""
 
@@ -94,7 +105,7 @@ class Planner:
         self.report = report
         self.costs, self.depth = measured or measure(report)
         self.tables = tables(self.costs)
-        self.step_flops = sum(op_flops(op) for op in report.step.ops)
+        self.step_flops = step_flops(report.step)
         self._none = evaluate(self.costs, segments_of(self.costs.n, []))
 
     def _plan(self, name: str, e: Evaluated, budget: Optional[int] = None) -> CheckpointPlan:

@@ -98,6 +98,7 @@ class _Recorder:
         self.recompute_rules: Optional[Callable[[], Any]] = None  # CUDA target: rules for recomputes
         self.recompute_ctx: Any = None
         self.segment_scope = False  # recompute_ctx spans a whole checkpointed segment
+        self.micro_steps: list[tuple[int, int]] = []  # (forward start, backward start) per micro-step
         self.fp32_norm_stats = False  # CUDA target: LayerNorm's mean/rstd in fp32 (see _fp32_stats)
         self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
         self.clearing = False  # inside an autocast cache clear (see ``clearing_cache``)
@@ -281,6 +282,10 @@ class _Recorder:
         # The loss's autograd nodes stay untagged: their backward ops belong to the root ("").
         self.phase = phase
         self.phase_start[phase] = len(self.ops)
+        if phase == "forward":
+            self.micro_steps.append((len(self.ops), -1))
+        elif phase == "backward" and self.micro_steps:
+            self.micro_steps[-1] = (self.micro_steps[-1][0], len(self.ops))
         self.stack = [""]
         self.seq_start = []
 

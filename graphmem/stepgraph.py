@@ -87,6 +87,7 @@ class StepGraph:
     attention_backends: dict[str, int] = field(default_factory=dict)  # CUDA target: SDPA kernel -> calls
     compiled: Any = None  # compiled mode: graphmem.compiled.CompiledGraphs (the forward/backward fx graphs)
     train: Any = None  # graphmem.train.TrainStep when micro-batches / an optimizer step were traced
+    micro_steps: tuple[tuple[int, int], ...] = ()  # (forward start, backward start) of each traced micro-step
 
     _graph: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
 

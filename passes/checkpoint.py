@@ -112,6 +112,10 @@ class ChainCosts:
     after: Piece  # after the chain's backward
     chain: str = ""  # module path of the chain
     head_post: Piece = NOTHING  # from the forward context's exit until the chain's backward starts
+    # gradient accumulation: the pieces of micro-steps 2..k (their forward is this one's; their
+    # backward adds into gradients that exist; ``later.base`` is the level they start at) and k
+    later: Optional["ChainCosts"] = None
+    micro_steps: int = 1
 
     @property
     def n(self) -> int:
@@ -119,7 +123,15 @@ class ChainCosts:
 
     def check(self) -> None:
         """The program's premise: a segment's forward+backward net effect is the same however
-        it runs (the sum of its blocks' stored-mode effects)."""
+        it runs (the sum of its blocks' stored-mode effects); later micro-steps run the same
+        forward."""
+        if self.later is not None:
+            self.later.check()
+            for i, (s, s2) in enumerate(zip(self.stages, self.later.stages)):
+                for role in ("fwd", "fwd_first", "fwd_member", "c_fwd", "c_first", "c_member"):
+                    if getattr(s, role) != getattr(s2, role):
+                        raise PassError(f"checkpoint: block {i}'s forward ({role}) differs between micro-steps; "
+                                        "the chain's pieces do not compose")
         h = [s.fwd.net - s.c_fwd + s.bwd.net for s in self.stages]
         for a in range(self.n):
             for b in range(a, self.n):
@@ -129,6 +141,13 @@ class ChainCosts:
                     raise PassError(
                         f"checkpoint: blocks {a}..{b} checkpointed change memory by {seg} B over the "
                         f"step but {sum(h[a:b + 1])} B stored; the chain's pieces do not compose")
+
+
+def level_after(costs: ChainCosts) -> int:
+    """Live bytes when the step (one micro-step) has run, whatever the plan: where the next
+    micro-step starts."""
+    h = sum(s.fwd.net - s.c_fwd + s.bwd.net for s in costs.stages)
+    return costs.base + costs.before.net + costs.head.net + costs.head_post.net + h + costs.after.net
 
 
 # -- plans ---------------------------------------------------------------------------------
@@ -200,7 +219,16 @@ class Evaluated:
 
 
 def evaluate(costs: ChainCosts, segments: Sequence[Segment]) -> Evaluated:
-    """The exact peak of a plan: its pieces stitched in the order the step runs them."""
+    """The exact peak of a plan: its pieces stitched in the order the step runs them (with
+    micro-steps, the larger of the first's and the later ones' peaks; recompute in each)."""
+    e = _evaluate(costs, segments)
+    if costs.later is None:
+        return e
+    peak = max(e.peak_bytes, _evaluate(costs.later, segments).peak_bytes)
+    return Evaluated(e.segments, peak, e.kept_bytes, e.recompute_flops * costs.micro_steps)
+
+
+def _evaluate(costs: ChainCosts, segments: Sequence[Segment]) -> Evaluated:
     st = costs.stages
     if [i for a, b, _ in segments for i in range(a, b + 1)] != list(range(costs.n)):
         raise PassError(f"checkpoint: segments {list(segments)} do not cover blocks 0..{costs.n - 1} in order")
@@ -260,6 +288,20 @@ class _Tables:
 
 
 def tables(costs: ChainCosts) -> _Tables:
+    t = _tables(costs)
+    if costs.later is None:
+        return t
+    # later micro-steps keep what the first keeps (same forward) from a higher level: each
+    # constraint is the stricter of the two, measured from the first's start
+    t2 = _tables(costs.later)
+    shift = t2.start - t.start
+    return _Tables(np.maximum(t.need_f, t2.need_f + shift), np.maximum(t.need_b, t2.need_b + shift), t.fnet, t.knet,
+                   t.flops, np.maximum(t.stored_need_f, t2.stored_need_f + shift),
+                   np.maximum(t.stored_need_b, t2.stored_need_b + shift), t.stored_net, t.stored_knet,
+                   max(t.fixed, t2.fixed), t.start, max(t.end_f, t2.end_f + shift), max(t.end_b, t2.end_b + shift))
+
+
+def _tables(costs: ChainCosts) -> _Tables:
     st, n = costs.stages, costs.n
     start = costs.base + costs.before.net
     head_net = costs.head.net + costs.head_post.net

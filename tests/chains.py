@@ -65,3 +65,19 @@ def rand_chain(r: random.Random, n: int, homogeneous: bool = False, cached: bool
     costs = ChainCosts(tuple(st), r.randint(0, 1000), piece(r, r.randint(0, 100)),
                        piece(r, r.randint(-50, 100)), piece(r, r.randint(-100, 0)))
     return replace(costs, head_post=piece(r, r.randint(-80, 80))) if cached else costs
+
+
+def rand_micro(r: random.Random, n: int, k: int = 3) -> ChainCosts:
+    """A chain run as k micro-steps: the first's pieces, and the later ones' (same forward
+    pieces and recompute FLOPs, their own backward, starting higher: gradients exist)."""
+    first = rand_chain(r, n)
+    w = [r.randint(-100, 100) for _ in range(n + 1)]
+    later = []
+    for i, s in enumerate(first.stages):
+        s2 = _stage(r, i, s.fwd.net, r.randint(0, 300), s.fwd_first.net, s.fwd_member.net, w[i], w[i + 1])
+        later.append(replace(s2, fwd=s.fwd, fwd_first=s.fwd_first, fwd_member=s.fwd_member, flops=s.flops,
+                             one_re_flops=s.one_re_flops, re_first_flops=s.re_first_flops,
+                             re_member_flops=s.re_member_flops, re_last_flops=s.re_last_flops))
+    rest = ChainCosts(tuple(later), first.base + r.randint(0, 600), piece(r, r.randint(0, 100)),
+                      piece(r, r.randint(-50, 100)), piece(r, r.randint(-100, 0)))
+    return replace(first, later=rest, micro_steps=k)

@@ -25,7 +25,7 @@ from graphmem.passes.checkpoint import (
 from graphmem.plan import chain_costs
 from graphmem.formula import find_chain
 
-from chains import rand_chain
+from chains import rand_chain, rand_micro
 
 LM_TOLERANCE = 0.001  # as tests/test_ground_truth.py: the real CPU peak, LMs
 
@@ -272,10 +272,40 @@ def test_cli_plan_mistakes_are_one_line() -> None:
 
 
 def test_plans_that_are_not_made_say_so_in_one_line() -> None:
-    for extra, phrase in ((["--micro-batches", "2"], "--micro-batches 2 are not made yet"),
+    for extra, phrase in ((["--micro-batches", "2", "--selective"], "selective plans with --micro-batches 2"),
                           (["--mode", "compiled"], "plan with --mode eager")):
         r = _cli("plan", "tests/formula_models/tiny_gpt.py", "--input-shape", "4x32", "--max-overhead", "30%", *extra)
         assert r.returncode == 1 and r.stderr.count("\n") == 1 and phrase in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("k,opt", [(2, "adam"), (3, None)])
+def test_plans_over_micro_batches_equal_recaptured_peaks_and_real_steps(k: int, opt: str | None) -> None:
+    # GIVEN gradient accumulation over k micro-batches, then Adam: every micro-step runs the
+    # plan's forward and recompute; the later ones beside the gradients of the earlier ones
+    from graphmem.train import TrainStep
+
+    model, x, loss = _gpt(6)
+    report = graphmem.analyze(model, x, loss=loss, micro_batches=k, optimizer=opt)
+    planner = report.planner
+    assert planner.costs.later is not None and planner.costs.micro_steps == k and planner.depth == 4
+    train = TrainStep(opt, micro_batches=k)
+    for segments in ([(0, 0)], [(0, 2), (3, 5)], [(i, i) for i in range(6)], [(1, 4)]):
+        # WHEN a plan is predicted and applied and the whole step captured again
+        e = evaluate(planner.costs, segments_of(6, segments))
+        with apply_segments(model, planner.costs.chain, segments):
+            again = liveness(capture(model, x, loss, report.target, train=train)).peak_bytes
+        # THEN the peaks are equal, and each micro-step recomputes: k times one step's FLOPs
+        assert e.peak_bytes == again, segments
+        one = evaluate(replace(planner.costs, later=None, micro_steps=1), segments_of(6, segments))
+        assert e.recompute_flops == k * one.recompute_flops
+    # (with Adam its update holds the peak and no plan lowers it: real steps of fixed plans too)
+    lowest = planner.plan(budget=planner.minimum_peak())
+    assert bool(lowest.segments) == (opt is None)
+    for plan in [lowest] + [planner._plan("plan", evaluate(planner.costs, segments_of(6, segs)))
+                            for segs in ([(i, i) for i in range(6)], [(1, 4)])]:
+        with plan.apply(model):
+            real = measure_peak(model, x, loss, train=train)
+        assert 0 <= real.peak_bytes - plan.peak_bytes <= LM_TOLERANCE * real.peak_bytes, plan.segments
 
 
 def test_plans_with_the_optimizer_step_equal_recaptured_peaks() -> None:
@@ -285,6 +315,7 @@ def test_plans_with_the_optimizer_step_equal_recaptured_peaks() -> None:
     model, x, loss = _gpt(6)
     report = graphmem.analyze(model, x, loss=loss, optimizer="adam")
     planner = report.planner
+    assert planner.depth == 4  # 4 blocks captured; the optimizer step cut from the report's whole step
     assert evaluate(planner.costs, segments_of(6, [])).peak_bytes == report.peak_bytes
     for segments in ([(0, 0)], [(0, 2), (3, 5)], [(i, i) for i in range(6)], [(1, 4)]):
         # WHEN a plan is predicted and applied and the whole step captured again
@@ -419,6 +450,24 @@ def test_program_equals_brute_force_with_deferred_cache_frees(seed: int) -> None
     peaks = sorted({e.peak_bytes for e in every})
     for budget in [peaks[0] - 1, peaks[0], peaks[-1]] + r.sample(peaks, min(8, len(peaks))):
         # WHEN the program plans for the budget THEN it is as cheap as the best plan that fits
+        got = optimal(costs, budget)
+        assert (got.recompute_flops if got else None) == _best(every, budget), (n, budget)
+        if got is not None:
+            assert got.peak_bytes <= budget and got == evaluate(costs, got.segments)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_program_equals_brute_force_over_micro_steps(seed: int) -> None:
+    # GIVEN random chains run as 3 micro-steps: the later ones start higher (gradients exist)
+    # and run their own backward; each recomputes the checkpointed segments
+    r = random.Random(200 + seed)
+    n = 9 if seed == 0 else r.randint(1, 7)
+    costs = rand_micro(r, n)
+    costs.check()
+    every = [evaluate(costs, plan) for plan in all_plans(n)]
+    assert all(e.recompute_flops % 3 == 0 for e in every)
+    peaks = sorted({e.peak_bytes for e in every})
+    for budget in [peaks[0] - 1, peaks[0], peaks[-1]] + r.sample(peaks, min(8, len(peaks))):
         got = optimal(costs, budget)
         assert (got.recompute_flops if got else None) == _best(every, budget), (n, budget)
         if got is not None:
