@@ -330,9 +330,6 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
                         "chooses what to recompute (the report lists it); plan with --mode eager")
     train = getattr(source, "train", None)
     micro = train.micro_batches if train is not None else 1
-    if micro > 1 and policy is not None:
-        raise PlanError(f"selective plans with --micro-batches {micro} are not made yet; plan plain checkpoints "
-                        "(drop --selective) or one micro-batch's step")
     model = source.module
     chain = find_chain(model)
     if chain is None:

@@ -94,22 +94,36 @@ class Modes:
         base = self.plain
         for k, c in enumerate(self.levels):
             c.check()
-            if (c.n, c.base, c.before, c.head, c.after) != (base.n, base.base, base.before, base.head, base.after):
+            if _around(c) != _around(base):
                 raise PassError(f"selective: level {k} changes the ops around the chain; the levels do not compose")
-            for i, (s, s0) in enumerate(zip(c.stages, base.stages)):
-                if (s.fwd, s.bwd, s.flops) != (s0.fwd, s0.bwd, s0.flops):
-                    raise PassError(f"selective: level {k} changes stored block {i}; the levels do not compose")
+            pairs = list(zip(c.stages, base.stages))
+            if c.later is not None and base.later is not None:
+                pairs += list(zip(c.later.stages, base.later.stages))
+            for i, (s, s0) in enumerate(pairs):
+                if (s.fwd, s.bwd, s.flops, s.c_fwd) != (s0.fwd, s0.bwd, s0.flops, s0.c_fwd):
+                    raise PassError(f"selective: level {k} changes stored block {i % self.n}; the levels do not compose")
 
     def mixed(self, segments: Sequence[ModalSegment]) -> ChainCosts:
-        """The chain whose block i plays its roles as its segment's mode runs it."""
+        """The chain whose block i plays its roles as its segment's mode runs it (in every
+        micro-step)."""
         mode = {i: max(m - 1, 0) for a, b, m in segments for i in range(a, b + 1)}
         if sorted(mode) != list(range(self.n)) or any(m > len(self.levels) for _, _, m in segments):
             raise PassError(f"selective: segments {list(segments)} are not a plan of {self.n} blocks in "
                             f"{len(self.levels)} modes")
-        return replace(self.plain, stages=tuple(self.levels[mode[i]].stages[i] for i in range(self.n)))
+        later = None
+        if self.plain.later is not None:
+            later = replace(self.plain.later, stages=tuple(
+                self.levels[mode[i]].later.stages[i] for i in range(self.n)))  # type: ignore[union-attr]
+        return replace(self.plain, stages=tuple(self.levels[mode[i]].stages[i] for i in range(self.n)), later=later)
 
     def tables(self) -> list[_Tables]:
         return [tables(c) for c in self.levels]
+
+
+def _around(c: ChainCosts) -> tuple:
+    """What every way of running the chain shares: the pieces around it, per micro-step."""
+    own = (c.n, c.base, c.before, c.head, c.head_post, c.after, c.micro_steps)
+    return own + (_around(c.later) if c.later is not None else ())
 
 
 def evaluate_modes(modes: Modes, segments: Sequence[ModalSegment]) -> Evaluated:

@@ -272,8 +272,7 @@ def test_cli_plan_mistakes_are_one_line() -> None:
 
 
 def test_plans_that_are_not_made_say_so_in_one_line() -> None:
-    for extra, phrase in ((["--micro-batches", "2", "--selective"], "selective plans with --micro-batches 2"),
-                          (["--mode", "compiled"], "plan with --mode eager")):
+    for extra, phrase in ((["--mode", "compiled"], "plan with --mode eager"),):
         r = _cli("plan", "tests/formula_models/tiny_gpt.py", "--input-shape", "4x32", "--max-overhead", "30%", *extra)
         assert r.returncode == 1 and r.stderr.count("\n") == 1 and phrase in r.stderr, r.stderr
 

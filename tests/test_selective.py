@@ -167,6 +167,23 @@ def test_selective_plans_under_autocast_equal_recaptured_peaks() -> None:
             assert predicted == liveness(capture(model, x, loss, report.target)).peak_bytes, segments
 
 
+def test_selective_plans_over_micro_batches_equal_recaptured_peaks() -> None:
+    # GIVEN two micro-batches (the second beside the first's gradients) and selective levels
+    from graphmem.train import TrainStep
+
+    model, x, loss = MODELS["gpt2"]()
+    report = graphmem.analyze(model, x, loss=loss, micro_batches=2)
+    planner = selective_planner(report, LEVELS)
+    assert planner.modes.plain.later is not None
+    r = random.Random(6)
+    for segments in r.sample(list(all_modal_plans(6, LEVELS + 1)), 3) + [tuple((i, i, 3) for i in range(6))]:
+        # WHEN a plan is predicted and applied and captured again THEN the peaks are equal
+        predicted = evaluate_modes(planner.modes, segments).peak_bytes
+        with apply_segments(model, planner.costs.chain, *_policies(planner, segments)):
+            again = liveness(capture(model, x, loss, report.target, train=TrainStep(micro_batches=2))).peak_bytes
+        assert predicted == again, segments
+
+
 def test_selective_plan_peaks_match_real_cpu_runs(sac: tuple) -> None:
     name, model, x, loss, report, planner = sac
     low = planner.minimum_peak()
