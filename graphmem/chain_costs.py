@@ -94,6 +94,7 @@ class _Cut:
             level -= freed[i]
             self.after.append(level)
         self.labels = [self._label(op, prefix) for op in g.ops]
+        self.shared: list[tuple[int, int]] = []  # (freed at, bytes) of the shared tensors (``share``)
         # (created, freed, bytes) of what died when autocast's cast cache was cleared
         self.cleared = [(s.created, s.freed, s.nbytes) for s in g.storages.values()
                         if s.cache_freed and s.created >= 0 and s.freed is not None]
@@ -108,21 +109,36 @@ class _Cut:
             return None
         return int(head), bool(op.meta.get("recompute"))
 
-    def piece(self, start: int, end: int) -> Piece:
-        """Ops start..end inclusive (empty if end < start)."""
+    def piece(self, start: int, end: int, real: bool = False) -> Piece:
+        """Ops start..end inclusive (empty if end < start). The shared tensors (see
+        ``share``) stay live in it unless ``real``: the plan frees them where it frees them."""
         if end < start:
             return NOTHING
         level = self.after[start - 1] if start > 0 else self.base
-        return Piece(max(0, max(self.during[start:end + 1]) - level), self.after[end] - level)
+        net, high = self.after[end] - level, max(self.during[start:end + 1])
+        frees = sorted((f, n) for f, n in self.shared if start <= f <= end) if not real else []
+        if frees:  # still live after their free, to the piece's end
+            net += sum(n for _, n in frees)
+            high, add, j = 0, 0, 0
+            for i in range(start, end + 1):
+                while j < len(frees) and frees[j][0] < i:
+                    add, j = add + frees[j][1], j + 1
+                high = max(high, self.during[i] + add)
+        return Piece(max(0, high - level), net)
+
+    def share(self, keys: set[tuple[int, int]]) -> None:
+        """Mark the storages made at op ``created`` with ``nbytes`` (the keys) as shared."""
+        self.shared = [(s.freed, s.nbytes) for s in self.g.storages.values()
+                       if (s.created, s.nbytes) in keys and s.freed is not None]
 
     def held(self, start: int, end: int) -> int:
         """Bytes ops start..end made that outlive them only in autocast's cache (a later clear frees them)."""
         return sum(n for c, f, n in self.cleared if start <= c <= end < f)
 
-    def piece_holding(self, start: int, end: int, since: int) -> Piece:
+    def piece_holding(self, start: int, end: int, since: int, real: bool = False) -> Piece:
         """``piece``, but what a clear inside frees of the bytes ops since..start-1 left in the
         cache stays live: the plan frees those bytes itself (their amount depends on the plan)."""
-        p = self.piece(start, end)
+        p = self.piece(start, end, real)
         return Piece(p.high, p.net + sum(n for c, f, n in self.cleared if since <= c < start <= f <= end))
 
     def flops(self, start: int, end: int) -> int:
@@ -163,11 +179,12 @@ class _Cut:
 
 def _roles(cut: _Cut, k: int, segs: Sequence[tuple[int, int, bool]], what: str,
            found: dict[tuple[int, str], tuple[Piece, int, int]],
-           window: tuple[int, int, int]) -> tuple[Piece, Piece, Piece, Piece]:
+           window: tuple[int, int, int]) -> tuple[tuple[Piece, Piece, Piece, Piece], tuple[Piece, Piece]]:
     """Cut one capture (plan ``segs`` over k blocks) into (block, role) pieces with their
     FLOPs and the bytes they leave in autocast's cache, added to ``found`` (a role measured
     twice must agree); returns the fixed pieces around the chain (before, the head until the
-    forward's context exits and after it, after)."""
+    forward's context exits and after it, after) and the head's two with the shared tensors
+    freed where they die."""
     forward, head, runs = cut.regions(window)
     if [blk for blk, _, _ in forward] != list(range(k)):
         raise PlanError(f"the chain's blocks ran in the order {[blk for blk, _, _ in forward][:8]} in forward, "
@@ -211,8 +228,22 @@ def _roles(cut: _Cut, k: int, segs: Sequence[tuple[int, int, bool]], what: str,
             raise PlanError(f"block {who} moves memory differently as {role} in two plans "
                             f"({found[(who, role)][0]} vs {got[0]}); graphmem cannot plan checkpoints for it")
     exit_at = min(max(back - 1, head[0] - 1), head[1])  # the forward's context exits after this op
-    return (cut.piece(lo, forward[0][1] - 1), cut.piece_holding(head[0], exit_at, forward[0][1]),
-            cut.piece(exit_at + 1, head[1]), cut.piece(runs[-1][2] + 1, hi - 1))
+    return ((cut.piece(lo, forward[0][1] - 1), cut.piece_holding(head[0], exit_at, forward[0][1]),
+             cut.piece(exit_at + 1, head[1]), cut.piece(runs[-1][2] + 1, hi - 1)),
+            (cut.piece_holding(head[0], exit_at, forward[0][1], real=True), cut.piece(exit_at + 1, head[1], real=True)))
+
+
+def _shared(plain: _Cut, every: _Cut, window: int) -> set[tuple[int, int]]:
+    """(created, bytes) of the tensors made before the chain that die in the head when no block
+    is checkpointed but in the chain's backward when every block is: only checkpointed
+    segments keep them (an attention mask, rotary tables passed to each block)."""
+    forward, head, _ = plain.regions(plain.windows()[window])
+    lo = plain.windows()[window][0]
+    died_in_head = {(s.created, s.nbytes) for s in plain.g.storages.values()
+                    if lo <= s.created < forward[0][1] and s.freed is not None and head[0] <= s.freed <= head[1]}
+    runs = every.regions(every.windows()[window])[2]
+    return {(s.created, s.nbytes) for s in every.g.storages.values()
+            if (s.created, s.nbytes) in died_in_head and s.freed is not None and runs[0][1] <= s.freed <= runs[-1][2]}
 
 
 _FLOPS = ("fwd", "one_re", "re_first", "re_member", "re_last")
@@ -241,27 +272,36 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
     k = chain.length if depth is None else min(depth, chain.length)
     # one (found roles, fixed pieces, starting level) per micro-step traced: the first, and
     # the second standing for every later one (graphmem/train.py traces two)
-    steps: list[tuple[dict[tuple[int, str], tuple[Piece, int, int]], set, set]] = []
-    peaks: list[tuple[str, Any, int]] = []
+    captured: list[tuple[str, Any, _Cut]] = []
     for what, ck in _plans(k):
         with truncated(model, chain, k if k < chain.length else None), \
                 apply_segments(model, chain.path, ck, [policy] * len(ck) if policy is not None else None):
             g = capture_at()
-        cut = _Cut(g, prefix)
-        segs = segments_of(k, ck)
-        windows = cut.windows()
-        while len(steps) < len(windows):
-            steps.append(({}, set(), set()))
-        if len(windows) != len(steps):
-            raise PlanError("the step ran a different number of micro-steps when its blocks were checkpointed")
-        for (found, fixed, starts), window in zip(steps, windows):
-            fixed.add(_roles(cut, k, segs, what, found, window))
+        captured.append((what, segments_of(k, ck), _Cut(g, prefix)))
+    counts = {len(cut.windows()) for _, _, cut in captured}
+    if len(counts) != 1:
+        raise PlanError("the step ran a different number of micro-steps when its blocks were checkpointed")
+    shared = [_shared(captured[0][2], captured[1][2], w) for w in range(counts.pop())]
+    keys = set().union(*shared)
+    # per micro-step: found roles, fixed pieces, starting level
+    steps: list[tuple[dict[tuple[int, str], tuple[Piece, int, int]], set, set]] = [({}, set(), set()) for _ in shared]
+    free_heads: list[tuple[Piece, Piece]] = []
+    peaks: list[tuple[str, Any, int]] = []
+    for n, (what, segs, cut) in enumerate(captured):
+        cut.share(keys)
+        for w, ((found, fixed, starts), window) in enumerate(zip(steps, cut.windows())):
+            pieces, real_head = _roles(cut, k, segs, what, found, window)
+            fixed.add(pieces)
+            if n == 0:  # no checkpoints: the shared tensors die in the head
+                free_heads.append(real_head)
             starts.add(cut.after[window[0] - 1] if window[0] > 0 else cut.base)
         peaks.append((what, segs, max([cut.base, *cut.during])))
     if any(len(fixed) != 1 or len(starts) != 1 for _, fixed, starts in steps):
         raise PlanError("the ops around the chain change when its blocks are checkpointed; "
                         "graphmem cannot plan checkpoints for this model")
-    made = [_costs(found, fixed.pop(), starts.pop(), k, prefix, chain.path) for found, fixed, starts in steps]
+    made = [replace(_costs(found, fixed.pop(), starts.pop(), k, prefix, chain.path), shared=sum(n for _, n in keys_w),
+                    head_free=free[0], head_post_free=free[1])
+            for (found, fixed, starts), keys_w, free in zip(steps, shared, free_heads)]
     costs = made[0]
     if len(made) > 1:
         if made[1].base != level_after(made[0]):

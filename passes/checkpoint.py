@@ -116,6 +116,13 @@ class ChainCosts:
     # backward adds into gradients that exist; ``later.base`` is the level they start at) and k
     later: Optional["ChainCosts"] = None
     micro_steps: int = 1
+    # tensors made before the chain and passed to its blocks that no stored block saves (an
+    # attention mask, rotary tables): without checkpoints they die in the head (``head_free``,
+    # ``head_post_free``); a checkpointed segment keeps them as its inputs, so they die after
+    # the lowest checkpointed segment's backward. The other pieces leave them live.
+    shared: int = 0
+    head_free: Piece = NOTHING
+    head_post_free: Piece = NOTHING
 
     @property
     def n(self) -> int:
@@ -147,7 +154,7 @@ def level_after(costs: ChainCosts) -> int:
     """Live bytes when the step (one micro-step) has run, whatever the plan: where the next
     micro-step starts."""
     h = sum(s.fwd.net - s.c_fwd + s.bwd.net for s in costs.stages)
-    return costs.base + costs.before.net + costs.head.net + costs.head_post.net + h + costs.after.net
+    return costs.base + costs.before.net + costs.head.net + costs.head_post.net - costs.shared + h + costs.after.net
 
 
 # -- plans ---------------------------------------------------------------------------------
@@ -234,8 +241,16 @@ def _evaluate(costs: ChainCosts, segments: Sequence[Segment]) -> Evaluated:
         raise PassError(f"checkpoint: segments {list(segments)} do not cover blocks 0..{costs.n - 1} in order")
     level = peak = costs.base
     cached = sum(_cached(s, st) for s in segments)
-    order = [costs.before, *(_forward(s, st) for s in segments), costs.head, Piece(0, -cached),
-             costs.head_post, *(_backward(s, st) for s in reversed(segments)), costs.after]
+    lowest = next((k for k, (_, _, ck) in enumerate(segments) if ck), None)  # the shared tensors' last holder
+    head, head_post = (costs.head, costs.head_post) if lowest is not None or not costs.shared \
+        else (costs.head_free, costs.head_post_free)
+    back: list[Piece] = []
+    for k in range(len(segments) - 1, -1, -1):
+        back.append(_backward(segments[k], st))
+        if k == lowest and costs.shared:
+            back.append(Piece(0, -costs.shared))
+    order = [costs.before, *(_forward(s, st) for s in segments), head, Piece(0, -cached), head_post, *back,
+             costs.after]
     kept = -cached  # what survives the forward's exit
     for k, p in enumerate(order):
         peak = max(peak, level + p.high)
@@ -269,6 +284,9 @@ class _Tables:
     start: int  # level when the chain's forward starts
     end_f: int  # the head until the forward's exit: M + K <= budget - start - end_f
     end_b: int  # the head after it: M <= budget - start - end_b
+    shared: int = 0  # ChainCosts.shared: a stored block's backward before any checkpointed one is that lower
+    end_f_free: int = 0  # the head's constraints when no segment is checkpointed (with shared tensors)
+    end_b_free: int = 0
     cached: bool = field(init=False)
     need: np.ndarray = field(init=False)  # max(need_f, need_b): the constraint when nothing is cached
     stored_need: np.ndarray = field(init=False)
@@ -295,10 +313,13 @@ def tables(costs: ChainCosts) -> _Tables:
     # constraint is the stricter of the two, measured from the first's start
     t2 = _tables(costs.later)
     shift = t2.start - t.start
+    if t.shared != t2.shared:
+        raise PassError("checkpoint: the micro-steps pass the chain different tensors; the pieces do not compose")
     return _Tables(np.maximum(t.need_f, t2.need_f + shift), np.maximum(t.need_b, t2.need_b + shift), t.fnet, t.knet,
                    t.flops, np.maximum(t.stored_need_f, t2.stored_need_f + shift),
                    np.maximum(t.stored_need_b, t2.stored_need_b + shift), t.stored_net, t.stored_knet,
-                   max(t.fixed, t2.fixed), t.start, max(t.end_f, t2.end_f + shift), max(t.end_b, t2.end_b + shift))
+                   max(t.fixed, t2.fixed), t.start, max(t.end_f, t2.end_f + shift), max(t.end_b, t2.end_b + shift),
+                   t.shared, max(t.end_f_free, t2.end_f_free + shift), max(t.end_b_free, t2.end_b_free + shift))
 
 
 def _tables(costs: ChainCosts) -> _Tables:
@@ -335,9 +356,12 @@ def _tables(costs: ChainCosts) -> _Tables:
                              dtype=np.int64)
     stored_net = np.array([s.fwd.net - s.c_fwd for s in st], dtype=np.int64)
     stored_knet = np.array([s.c_fwd for s in st], dtype=np.int64)
-    fixed = max(costs.base, costs.base + costs.before.high, start + head_net + sum(h) + costs.after.high)
+    fixed = max(costs.base, costs.base + costs.before.high,
+                start + head_net - costs.shared + sum(h) + costs.after.high)
+    free = (costs.head_free, costs.head_post_free) if costs.shared else (costs.head, costs.head_post)
     return _Tables(need_f, need_b, fnet, knet, flops, stored_need_f, stored_need_b, stored_net, stored_knet,
-                   fixed, start, costs.head.high, costs.head.net + costs.head_post.high)
+                   fixed, start, costs.head.high, costs.head.net + costs.head_post.high, costs.shared,
+                   free[0].high, free[0].net + free[1].high)
 
 
 def _pareto(m: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -377,13 +401,16 @@ def program(modes: Sequence[_Tables], n: int, budget: int) -> Optional[list[tupl
     t = modes[0]
     if t.fixed > budget:
         return None
-    room, ways = budget - t.start, len(modes) + 1
+    room, ways, x = budget - t.start, len(modes) + 1, t.shared
     cached = any(tk.cached for tk in modes)
-    # States (kept bytes m, cached bytes k, FLOPs c) after each prefix of the chain,
-    # Pareto-pruned, in flat arrays; a state remembers its parent and its last segment (code
-    # a * ways + mode). Without autocast k stays 0 and one constraint per segment suffices.
+    track = cached or x > 0
+    # States (kept bytes m, cached bytes k, FLOPs c, and f: a segment before is checkpointed,
+    # so the shared tensors are still live) after each prefix of the chain, Pareto-pruned per
+    # (k, f), in flat arrays; a state remembers its parent and its last segment (code
+    # a * ways + mode). Without autocast or shared tensors k and f stay 0 and one constraint
+    # per segment suffices.
     cap = 1024
-    P, M, K, C = (np.zeros(cap, dtype=np.int64) for _ in range(4))
+    P, M, K, F, C = (np.zeros(cap, dtype=np.int64) for _ in range(5))
     parent, code = np.full(cap, -1, dtype=np.int64), np.full(cap, -1, dtype=np.int64)
     offsets = [0, 1]  # states of position k: [offsets[k], offsets[k+1])
     for end in range(1, n + 1):
@@ -392,33 +419,40 @@ def program(modes: Sequence[_Tables], n: int, budget: int) -> Optional[list[tupl
         lo = offsets[b]
         parts = []
         for k, tk in enumerate(modes, 1):  # checkpoint a..b from a state at a
-            if cached:
+            if track:
                 ok = (mv <= room - tk.need_b_by_end[b][pv]) & (mv + kv <= room - tk.need_f_by_end[b][pv])
             else:
                 ok = mv <= room - tk.need_by_end[b][pv]
             idx = np.nonzero(ok)[0]
             src = pv[idx]
-            parts.append((idx, M[idx] + tk.fnet_by_end[b][src], K[idx] + tk.knet_by_end[b][src] if cached else idx,
+            parts.append((idx, M[idx] + tk.fnet_by_end[b][src], K[idx] + tk.knet_by_end[b][src] if track else idx,
+                          np.ones(len(idx), dtype=np.int64) if track else idx,
                           C[idx] + tk.flops_by_end[b][src], src * ways + k))
-        if cached:  # store block b alone
-            ok = (mv[lo:] <= room - t.stored_need_b[b]) & (mv[lo:] + kv[lo:] <= room - t.stored_need_f[b])
+        if track:  # store block b alone (the shared tensors are dead by its backward unless f)
+            fv = F[lo:size]
+            ok = (mv[lo:] <= room - t.stored_need_b[b] + x * (1 - fv)) & (mv[lo:] + kv[lo:] <= room - t.stored_need_f[b])
         else:
             ok = mv[lo:] <= room - t.stored_need[b]
         sidx = np.nonzero(ok)[0] + lo
-        parts.append((sidx, M[sidx] + t.stored_net[b], K[sidx] + t.stored_knet[b] if cached else sidx, C[sidx],
-                      np.full(len(sidx), b * ways, dtype=np.int64)))
-        both, cm, ck, cc, ccode = (np.concatenate([p[i] for p in parts]) for i in range(5))
-        if end == n:  # (without a cache, ck holds placeholders: k is 0)
-            fits = (cm <= room - t.end_b) & ((cm + ck if cached else cm) <= room - t.end_f)
-            both, cm, ck, cc, ccode = both[fits], cm[fits], ck[fits], cc[fits], ccode[fits]
-        keep = (_pareto3(cm, ck, cc) if cached else _pareto(cm, cc)) if len(cm) else both[:0]
+        parts.append((sidx, M[sidx] + t.stored_net[b], K[sidx] + t.stored_knet[b] if track else sidx,
+                      F[sidx] if track else sidx, C[sidx], np.full(len(sidx), b * ways, dtype=np.int64)))
+        both, cm, ck, cf, cc, ccode = (np.concatenate([p[i] for p in parts]) for i in range(6))
+        if end == n:  # (untracked, ck and cf hold placeholders: both are 0)
+            if track:
+                held = cf == 1
+                fits = np.where(held, (cm <= room - t.end_b) & (cm + ck <= room - t.end_f),
+                                (cm <= room - t.end_b_free) & (cm + ck <= room - t.end_f_free))
+            else:
+                fits = (cm <= room - t.end_b) & (cm <= room - t.end_f)
+            both, cm, ck, cf, cc, ccode = both[fits], cm[fits], ck[fits], cf[fits], cc[fits], ccode[fits]
+        keep = (_pareto3(cm, ck * 2 + cf, cc) if track else _pareto(cm, cc)) if len(cm) else both[:0]
         k = len(keep)
         while size + k > cap:
             cap *= 2
-            P, M, K, C, parent, code = (np.resize(x, cap) for x in (P, M, K, C, parent, code))
+            P, M, K, F, C, parent, code = (np.resize(x_, cap) for x_ in (P, M, K, F, C, parent, code))
         P[size:size + k], M[size:size + k], C[size:size + k] = end, cm[keep], cc[keep]
-        if cached:
-            K[size:size + k] = ck[keep]
+        if track:
+            K[size:size + k], F[size:size + k] = ck[keep], cf[keep]
         parent[size:size + k], code[size:size + k] = both[keep], ccode[keep]
         offsets.append(size + k)
     lo, hi = offsets[n], offsets[n + 1]

@@ -49,9 +49,11 @@ def _holding(r: random.Random, st: Stage) -> Stage:
     return replace(st, **grown, **held)
 
 
-def rand_chain(r: random.Random, n: int, homogeneous: bool = False, cached: bool = False) -> ChainCosts:
+def rand_chain(r: random.Random, n: int, homogeneous: bool = False, cached: bool = False,
+               shared: bool = False) -> ChainCosts:
     """n blocks, all different, or all alike (``homogeneous``), as a real chain of blocks;
-    ``cached``: with autocast's deferred cache frees."""
+    ``cached``: with autocast's deferred cache frees; ``shared``: with tensors made before the
+    chain that only checkpointed segments keep (freed in the head without checkpoints)."""
     w = [r.randint(-100, 100) for _ in range(n + 1)]
     seed = r.random()
     if homogeneous:
@@ -64,7 +66,14 @@ def rand_chain(r: random.Random, n: int, homogeneous: bool = False, cached: bool
         st.append(_holding(rs, stage) if cached else stage)
     costs = ChainCosts(tuple(st), r.randint(0, 1000), piece(r, r.randint(0, 100)),
                        piece(r, r.randint(-50, 100)), piece(r, r.randint(-100, 0)))
-    return replace(costs, head_post=piece(r, r.randint(-80, 80))) if cached else costs
+    if cached:
+        costs = replace(costs, head_post=piece(r, r.randint(-80, 80)))
+    if shared:
+        x = r.randint(1, 400)
+        costs = replace(costs, shared=x, head_free=Piece(r.randint(max(0, costs.head.net - x), costs.head.high + 50),
+                                                         costs.head.net - x),
+                        head_post_free=piece(r, costs.head_post.net))
+    return costs
 
 
 def rand_micro(r: random.Random, n: int, k: int = 3) -> ChainCosts:

@@ -428,6 +428,34 @@ def test_a_segments_recompute_keeps_its_cast_cache_to_the_end(device: str) -> No
     assert sum(s.nbytes for s in recomputed) == 4 * 2 * (3 * 32 + 32 + 4 * 32 + 32)  # bf16 biases
 
 
+def test_plans_with_tensors_only_checkpoints_keep() -> None:
+    # GIVEN blocks given a tensor the model makes each step and no block saves (as HF models
+    # pass attention masks and rotary tables): it dies at the forward's end without
+    # checkpoints, after the lowest checkpointed segment's backward with them
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("shared_inputs", "tests/plan_models/shared_inputs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    torch.manual_seed(0)
+    model, x = mod.model(), (torch.randint(0, 101, (4, 32)),)
+    report = graphmem.analyze(model, x, loss=mod.loss)
+    planner = report.planner
+    assert planner.costs.shared == 32 * 32 * 4  # pos: (s, d) fp32
+    r = random.Random(3)
+    plans = [tuple((a, b) for a, b, ck in p if ck) for p in r.sample(list(all_plans(6)), 8)]
+    plans += [p.segments for p in planner.frontier(20)]
+    for segments in plans:
+        # WHEN predicted, then applied and captured again, and run for real
+        predicted = evaluate(planner.costs, segments_of(6, segments)).peak_bytes
+        with apply_segments(model, planner.costs.chain, list(segments)):
+            again = liveness(capture(model, x, mod.loss)).peak_bytes
+            real = measure_peak(model, x, mod.loss).peak_bytes
+        # THEN equal to the byte, and within the ground-truth tolerance of reality
+        assert predicted == again, segments
+        assert 0 <= real - predicted <= LM_TOLERANCE * real, (segments, real - predicted)
+
+
 def test_autocast_plan_cli_prints_a_plan() -> None:
     r = subprocess.run([sys.executable, "-m", "graphmem.cli", "plan", "tests/formula_models/tiny_gpt.py",
                         "--input-shape", "4x32", "--device", "cuda", "--amp", "bf16", "--max-overhead", "30%"],
@@ -465,6 +493,23 @@ def test_program_equals_brute_force_over_micro_steps(seed: int) -> None:
     costs.check()
     every = [evaluate(costs, plan) for plan in all_plans(n)]
     assert all(e.recompute_flops % 3 == 0 for e in every)
+    peaks = sorted({e.peak_bytes for e in every})
+    for budget in [peaks[0] - 1, peaks[0], peaks[-1]] + r.sample(peaks, min(8, len(peaks))):
+        got = optimal(costs, budget)
+        assert (got.recompute_flops if got else None) == _best(every, budget), (n, budget)
+        if got is not None:
+            assert got.peak_bytes <= budget and got == evaluate(costs, got.segments)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_program_equals_brute_force_with_shared_tensors(seed: int) -> None:
+    # GIVEN random chains passed tensors made before them (a mask, rotary tables) that only
+    # checkpointed segments keep: they live until the lowest checkpointed segment's backward
+    r = random.Random(300 + seed)
+    n = 10 if seed == 0 else r.randint(1, 8)
+    costs = rand_chain(r, n, homogeneous=seed % 3 == 1, cached=seed % 2 == 1, shared=True)
+    costs.check()
+    every = [evaluate(costs, plan) for plan in all_plans(n)]
     peaks = sorted({e.peak_bytes for e in every})
     for budget in [peaks[0] - 1, peaks[0], peaks[-1]] + r.sample(peaks, min(8, len(peaks))):
         got = optimal(costs, budget)
