@@ -4,7 +4,7 @@ measures), and the summary ``--plan`` prints."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch.nn as nn
@@ -42,6 +42,7 @@ class CheckpointPlan:
     step_flops: int
     budget: Optional[int] = None
     policies: tuple[Any, ...] = ()  # per segment: its selective policy (graphmem.selective.OpPolicy) or None
+    max_overhead: Optional[float] = None  # the recompute cap it was chosen under (instead of a budget)
 
     @property
     def overhead(self) -> float:
@@ -84,6 +85,7 @@ class CheckpointPlan:
                 "segments": [list(s) for s in self.segments], "paths": list(self.paths),
                 "peak_bytes": self.peak_bytes, "activation_bytes": self.activation_bytes,
                 "recompute_flops": self.recompute_flops, "overhead": self.overhead, "budget": self.budget,
+                "max_overhead": self.max_overhead,
                 **({"policies": [p.name if p is not None else None for p in self.policies]} if self.policies else {})}
 
 
@@ -145,7 +147,7 @@ class Planner:
                 lo = mid + 1
         e = self._optimal(lo)
         assert e is not None
-        return self._plan("graphmem", e, lo)
+        return replace(self._plan("graphmem", e), max_overhead=max_overhead)
 
     def baselines(self) -> list[tuple[CheckpointPlan, CheckpointPlan]]:
         """Each baseline beside graphmem's plan for the baseline's own peak as the budget."""

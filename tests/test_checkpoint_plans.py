@@ -175,6 +175,7 @@ def test_max_overhead_picks_the_lowest_peak_within_it(planned: tuple) -> None:
     name, model, x, loss, report, planner = planned
     plan = report.plan(max_overhead="10%")
     assert plan.overhead <= 0.10
+    assert plan.budget is None and plan.max_overhead == 0.10 and plan.to_dict()["max_overhead"] == 0.10
     tighter = optimal(planner.costs, plan.peak_bytes - 1, planner.tables)  # any lower peak costs more
     assert tighter is None or tighter.recompute_flops > 0.10 * planner.step_flops
 
@@ -253,7 +254,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_plan_text_and_json() -> None:
     r = _cli("plan", "gpt2", "--input-shape", "8x1024", "--max-overhead", "10%")
     assert r.returncode == 0, r.stderr
-    assert "Chosen plan" in r.stdout and "gc.apply_segments(model, 'transformer.h'" in r.stdout
+    assert "Chosen plan (recompute cap 10.0%)" in r.stdout and "gc.apply_segments(model, 'transformer.h'" in r.stdout
     assert "Pareto frontier" in r.stdout and "every block" in r.stdout
     j = _cli("analyze", "gpt2", "--input-shape", "8x1024", "--plan", "--max-overhead", "10%", "--json")
     assert j.returncode == 0, j.stderr

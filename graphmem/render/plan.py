@@ -38,7 +38,8 @@ def render_plan(s: PlanSummary, top: int = 12) -> str:
              f"{fmt_bytes(s.minimum_peak)}"]
     if s.chosen is not None:
         p = s.chosen
-        limit = f"budget {fmt_bytes(p.budget)}" if p.budget is not None else "the cap"
+        limit = (f"budget {fmt_bytes(p.budget)}" if p.budget is not None
+                 else f"recompute cap {100 * p.max_overhead:.1f}%" if p.max_overhead is not None else "no limit")
         lines += ["", f"Chosen plan ({limit}): peak {fmt_bytes(p.peak_bytes)}, activations "
                       f"{fmt_bytes(p.activation_bytes)}, recompute {fmt_flops(p.recompute_flops)} "
                       f"(+{100 * p.overhead:.1f}% of the step's FLOPs)",
