@@ -20,8 +20,8 @@ from torch.utils.flop_counter import flop_registry
 from graphmem.passes.checkpoint import NOTHING, ChainCosts, Piece, Stage, evaluate, level_after, segments_of
 
 from .capture import capture
-from .checkpointing import apply_segments
-from .errors import GraphmemError
+from .checkpointing import apply_segments, chain_blocks
+from .errors import GraphmemError, PassError
 from .formula import Chain, find_chain, truncated
 from .stepgraph import OpNode, StepGraph
 
@@ -70,7 +70,7 @@ def op_flops(node: OpNode) -> int:
 
 # -- cutting a capture into pieces -------------------------------------------------------------------
 class _Cut:
-    def __init__(self, g: StepGraph, prefix: str) -> None:
+    def __init__(self, g: StepGraph, prefix: Any) -> None:
         self.g = g
         n = g.num_ops
         created, freed = [0] * (n + 1), [0] * (n + 1)
@@ -93,11 +93,21 @@ class _Cut:
             self.during.append(level)
             level -= freed[i]
             self.after.append(level)
-        self.labels = [self._label(op, prefix) for op in g.ops]
+        heads = prefix if isinstance(prefix, dict) else None  # block path -> index (several holders)
+        self.labels = [self._label(op, prefix) if heads is None else self._label_in(op, heads) for op in g.ops]
         self.shared: list[tuple[int, int]] = []  # (freed at, bytes) of the shared tensors (``share``)
         # (created, freed, bytes) of what died when autocast's cast cache was cleared
         self.cleared = [(s.created, s.freed, s.nbytes) for s in g.storages.values()
                         if s.cache_freed and s.created >= 0 and s.freed is not None]
+
+    @staticmethod
+    def _label_in(op: OpNode, heads: dict[str, int]) -> Optional[tuple[int, bool]]:
+        path = op.meta.get("module", "")
+        while path:
+            if path in heads:
+                return heads[path], bool(op.meta.get("recompute"))
+            path = path.rpartition(".")[0]
+        return None
 
     @staticmethod
     def _label(op: OpNode, prefix: str) -> Optional[tuple[int, bool]]:
@@ -270,6 +280,11 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
     later ones): the costs then carry the second's pieces as ``later``."""
     prefix = f"{chain.path}." if chain.path else ""
     k = chain.length if depth is None else min(depth, chain.length)
+    labels: Any = prefix
+    names = [f"{prefix}{j}" for j in range(k)]
+    if "," in chain.path:  # blocks of several holders: each op's block from its module path
+        names = [path for path, _ in chain_blocks(model, chain.path)]
+        labels = {path: j for j, path in enumerate(names)}
     # one (found roles, fixed pieces, starting level) per micro-step traced: the first, and
     # the second standing for every later one (graphmem/train.py traces two)
     captured: list[tuple[str, Any, _Cut]] = []
@@ -277,7 +292,7 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
         with truncated(model, chain, k if k < chain.length else None), \
                 apply_segments(model, chain.path, ck, [policy] * len(ck) if policy is not None else None):
             g = capture_at()
-        captured.append((what, segments_of(k, ck), _Cut(g, prefix)))
+        captured.append((what, segments_of(k, ck), _Cut(g, labels)))
     counts = {len(cut.windows()) for _, _, cut in captured}
     if len(counts) != 1:
         raise PlanError("the step ran a different number of micro-steps when its blocks were checkpointed")
@@ -299,7 +314,7 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
     if any(len(fixed) != 1 or len(starts) != 1 for _, fixed, starts in steps):
         raise PlanError("the ops around the chain change when its blocks are checkpointed; "
                         "graphmem cannot plan checkpoints for this model")
-    made = [replace(_costs(found, fixed.pop(), starts.pop(), k, prefix, chain.path), shared=sum(n for _, n in keys_w),
+    made = [replace(_costs(found, fixed.pop(), starts.pop(), names, chain.path), shared=sum(n for _, n in keys_w),
                     head_free=free[0], head_post_free=free[1])
             for (found, fixed, starts), keys_w, free in zip(steps, shared, free_heads)]
     costs = made[0]
@@ -318,11 +333,11 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
 
 
 def _costs(found: dict[tuple[int, str], tuple[Piece, int, int]], fixed: tuple[Piece, Piece, Piece, Piece],
-           base: int, k: int, prefix: str, path: str) -> ChainCosts:
+           base: int, names: Sequence[str], path: str) -> ChainCosts:
     stages = []
-    for j in range(k):
+    for j, name in enumerate(names):
         pieces = {role: found.get((j, role), (NOTHING, 0, 0)) for role in _ROLES}
-        stages.append(Stage(f"{prefix}{j}", **{role: p for role, (p, _, _) in pieces.items()},
+        stages.append(Stage(name, **{role: p for role, (p, _, _) in pieces.items()},
                             flops=pieces["fwd"][1], one_re_flops=pieces["one_re"][1],
                             re_first_flops=pieces["re_first"][1], re_member_flops=pieces["re_member"][1],
                             re_last_flops=pieces["re_last"][1],
@@ -359,6 +374,28 @@ def _widen(costs: ChainCosts, n: int, base: int, tails: Sequence[Piece]) -> Chai
     return replace(wide, later=_widen(costs.later, n, level_after(wide), tails[1:]))
 
 
+def stage_chain(model: nn.Module) -> Optional[Chain]:
+    """For models without a chain of identical blocks: the most blocks that ModuleLists /
+    Sequentials hold, alone or as a run of siblings (a ResNet's layer1..layer4: their blocks
+    differ, and the program plans heterogeneous chains measured at full depth). Whether the
+    model really runs them one after another, each on the previous output, the captures check."""
+    best: Optional[Chain] = None
+    for path, parent in model.named_modules():
+        runs: list[list[tuple[str, int]]] = [[]]
+        if isinstance(parent, (nn.ModuleList, nn.Sequential)) and len(parent) >= 2:
+            runs.append([(path, len(parent))])
+        for name, child in parent.named_children():
+            if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 0:
+                runs[0].append((f"{path}.{name}" if path else name, len(child)))
+            else:
+                runs.insert(0, [])
+        for run in runs:
+            total = sum(n for _, n in run)
+            if total >= 2 and (best is None or total > best.length):
+                best = Chain(",".join(p for p, _ in run), total)
+    return best
+
+
 def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
     """The chain costs of a report's model (captures at depth 4 when the blocks are identical,
     else at full depth) and the depth captured; checkpointed segments run under ``policy``."""
@@ -371,10 +408,15 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
     train = getattr(source, "train", None)
     micro = train.micro_batches if train is not None else 1
     model = source.module
-    chain = find_chain(model)
+    chain = find_chain(model)  # identical blocks (captured at depth 4), unless unlike ones make a longer chain
+    stages = stage_chain(model) if policy is None else None
+    if stages is not None and (chain is None or stages.length > chain.length):
+        chain = stages
     if chain is None:
-        raise PlanError(f"{report.model} has no chain of identical blocks (an nn.ModuleList/Sequential of "
-                        ">= 2 like modules) to checkpoint")
+        raise PlanError(f"{report.model} has no chain of blocks to checkpoint (an nn.ModuleList/Sequential of >= 2 "
+                        "modules, or several run one after another)" if policy is None else
+                        f"{report.model} has no chain of identical blocks (an nn.ModuleList/Sequential of >= 2 like "
+                        "modules): selective plans apply one policy to every block; plan without --selective")
     shape = source.base_shape
 
     def capture_at() -> StepGraph:
@@ -382,7 +424,7 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
             return capture(model, lambda: source.make(shape), source.loss, source.device, train=train)
         return capture(model, lambda: source.make(shape), source.loss, source.device)
 
-    if chain.length > DEPTH:
+    if chain.length > DEPTH and "," not in chain.path:
         try:
             costs = _widen(chain_costs(model, chain, capture_at, DEPTH, policy, micro), chain.length,
                            report.baseline_bytes, _tails(report.step, f"{chain.path}." if chain.path else ""))
@@ -390,7 +432,13 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
                 return costs, DEPTH
         except PlanError:
             pass
-    costs = chain_costs(model, chain, capture_at, None, policy, micro)
+    try:
+        costs = chain_costs(model, chain, capture_at, None, policy, micro)
+    except (PlanError, PassError) as e:
+        raise PlanError(f"the blocks of {chain.path} ({chain.length}) do not compose as a checkpoint chain: {e}. "
+                        "graphmem plans chains of blocks whose output lives the same whether or not they are "
+                        "checkpointed (residual blocks); a block ending in an in-place op whose output only the "
+                        "next op uses (a ResNet's last block), or a Sequential of single layers, is not one") from e
     got = evaluate(costs, segments_of(chain.length, [])).peak_bytes
     if got != report.peak_bytes:
         raise PlanError(f"the chain's pieces give a peak of {got} B without checkpoints, the report {report.peak_bytes} B; "

@@ -113,18 +113,28 @@ def _member_forward(original: Any) -> Any:
     return member
 
 
+def chain_blocks(model: nn.Module, chain: str) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``chain`` with their paths: the children of a ModuleList/Sequential, or of
+    several run one after another, named with commas (``"layer1,layer2,layer3,layer4"``)."""
+    out: list[tuple[str, nn.Module]] = []
+    for holder in chain.split(","):
+        try:
+            m = model.get_submodule(holder)
+        except AttributeError as e:
+            raise UsageError(f"the model has no module {holder!r} to checkpoint") from e
+        out += [(f"{holder}.{name}" if holder else name, child) for name, child in m.named_children()]
+    return out
+
+
 def apply_segments(model: nn.Module, chain: str, segments: Sequence[tuple[int, int]],
                    policies: Optional[Sequence[Any]] = None) -> Applied:
-    """Checkpoint ``model.<chain>[a..b]`` for each ``(a, b)`` in ``segments`` (inclusive);
-    ``policies[i]`` (None: plain checkpointing) is segment i's selective policy."""
+    """Checkpoint ``model.<chain>[a..b]`` for each ``(a, b)`` in ``segments`` (inclusive;
+    ``chain`` may name several holders run in order, see ``chain_blocks``, and a segment may
+    span them); ``policies[i]`` (None: plain checkpointing) is segment i's selective policy."""
     policies = list(policies) if policies is not None else [None] * len(segments)
     if len(policies) != len(segments):
         raise UsageError(f"{len(policies)} policies for {len(segments)} segments: give one per segment (None: all recomputed)")
-    try:
-        holder = model.get_submodule(chain)
-    except AttributeError as e:
-        raise UsageError(f"the model has no module {chain!r} to checkpoint") from e
-    blocks = list(holder.children())
+    blocks = [m for _, m in chain_blocks(model, chain)]
     used: set[int] = set()
     for a, b in segments:  # all checks first: a refused plan changes nothing
         if not (0 <= a <= b < len(blocks)):

@@ -14,7 +14,7 @@ from graphmem.passes.checkpoint import (
 )
 
 from .chain_costs import PlanError, chain_costs, measure, op_flops
-from .checkpointing import Applied, apply_segments
+from .checkpointing import Applied, apply_segments, chain_blocks
 from .errors import UsageError
 
 __all__ = ["CheckpointPlan", "Planner", "PlanSummary", "PlanError", "chain_costs", "measure", "op_flops",
@@ -43,6 +43,7 @@ class CheckpointPlan:
     budget: Optional[int] = None
     policies: tuple[Any, ...] = ()  # per segment: its selective policy (graphmem.selective.OpPolicy) or None
     max_overhead: Optional[float] = None  # the recompute cap it was chosen under (instead of a budget)
+    block_paths: tuple[str, ...] = ()  # module path of each block (chains over several holders)
 
     @property
     def overhead(self) -> float:
@@ -50,16 +51,18 @@ class CheckpointPlan:
 
     @property
     def paths(self) -> tuple[str, ...]:
+        if "," in self.chain and len(self.block_paths) == self.blocks:  # several holders: the blocks' own paths
+            bp = self.block_paths
+            return tuple(bp[a] if a == b else f"{bp[a]}..{bp[b]}" for a, b in self.segments)
         p = f"{self.chain}." if self.chain else ""
         return tuple(f"{p}{a}" if a == b else f"{p}{a}..{b}" for a, b in self.segments)
 
     def apply(self, model: nn.Module) -> Applied:
         """Checkpoint the plan's segments of ``model`` (torch.utils.checkpoint, non-reentrant);
         returns a handle whose ``remove()`` (or ``with`` exit) undoes it."""
-        holder = model.get_submodule(self.chain) if self.chain else model
-        if len(list(holder.children())) != self.blocks:
-            raise UsageError(f"this plan is for {self.blocks} blocks in {self.chain or 'the model'}, "
-                             f"the model has {len(list(holder.children()))}")
+        have = len(chain_blocks(model, self.chain))
+        if have != self.blocks:
+            raise UsageError(f"this plan is for {self.blocks} blocks in {self.chain or 'the model'}, the model has {have}")
         return apply_segments(model, self.chain, self.segments, self.policies or None)
 
     def code(self) -> str:
@@ -73,7 +76,7 @@ class CheckpointPlan:
         segs = ", ".join(f"({a}, {b})" for a, b in self.segments)
         lines = ["import graphmem.checkpointing as gc",
                  f"gc.apply_segments(model, {self.chain!r}, [{segs}])  # torch.utils.checkpoint, non-reentrant"]
-        if self.segments and all(a == b for a, b in self.segments):
+        if self.segments and all(a == b for a, b in self.segments) and "," not in self.chain:
             idx = ", ".join(str(a) for a, _ in self.segments)
             lines += ["# or, in the parent's forward, with torch alone:",
                       f"#   for i, block in enumerate(self.{self.chain.split('.')[-1] or 'blocks'}):",
@@ -113,7 +116,8 @@ class Planner:
     def _plan(self, name: str, e: Evaluated, budget: Optional[int] = None) -> CheckpointPlan:
         act = self.report.activation_bytes + e.kept_bytes - self._none.kept_bytes
         return CheckpointPlan(name, self.costs.chain, self.costs.n, e.checkpointed, e.peak_bytes, act,
-                              e.recompute_flops, self.step_flops, budget, self._policies(e))
+                              e.recompute_flops, self.step_flops, budget, self._policies(e),
+                              block_paths=tuple(s.name for s in self.costs.stages))
 
     def _policies(self, e: Evaluated) -> tuple[Any, ...]:
         return ()

@@ -240,10 +240,20 @@ def test_plan_limits_are_checked() -> None:
 
 
 def test_a_model_without_a_chain_gets_one_line() -> None:
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    with pytest.raises(graphmem.GraphmemError, match="no chain of blocks to checkpoint"):
+        graphmem.analyze(Two(), (torch.randn(2, 8),)).plan(budget="1GiB")
+    # a Sequential of single layers is a chain whose pieces do not compose: said so
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    report = graphmem.analyze(net, (torch.randn(2, 8),))
-    with pytest.raises(graphmem.GraphmemError, match="no chain of identical blocks"):
-        report.plan(budget="1GiB")
+    with pytest.raises(graphmem.GraphmemError, match="do not compose as a checkpoint chain"):
+        graphmem.analyze(net, (torch.randn(2, 8),)).plan(budget="1GiB")
 
 
 # -- CLI ---------------------------------------------------------------------------------------------------------------
@@ -433,11 +443,7 @@ def test_plans_with_tensors_only_checkpoints_keep() -> None:
     # GIVEN blocks given a tensor the model makes each step and no block saves (as HF models
     # pass attention masks and rotary tables): it dies at the forward's end without
     # checkpoints, after the lowest checkpointed segment's backward with them
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("shared_inputs", "tests/plan_models/shared_inputs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    mod = _load("tests/plan_models/shared_inputs.py")
     torch.manual_seed(0)
     model, x = mod.model(), (torch.randint(0, 101, (4, 32)),)
     report = graphmem.analyze(model, x, loss=mod.loss)
@@ -455,6 +461,41 @@ def test_plans_with_tensors_only_checkpoints_keep() -> None:
         # THEN equal to the byte, and within the ground-truth tolerance of reality
         assert predicted == again, segments
         assert 0 <= real - predicted <= LM_TOLERANCE * real, (segments, real - predicted)
+
+
+def _load(path: str) -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.rsplit("/", 1)[-1][:-3], path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def test_plans_over_unlike_blocks_in_several_stages() -> None:
+    # GIVEN two Sequential stages of blocks of different widths, run one after another
+    mod = _load("tests/plan_models/stages.py")
+    torch.manual_seed(0)
+    model, x = mod.model(), (torch.randint(0, 101, (4, 32)),)  # type: ignore[attr-defined]
+    report = graphmem.analyze(model, x, loss=mod.loss)  # type: ignore[attr-defined]
+    planner = report.planner
+    assert planner.costs.chain == "stage1,stage2" and planner.costs.n == 6 and planner.depth == 6
+    assert len({s.fwd for s in planner.costs.stages}) == 6  # no two blocks alike
+    r = random.Random(4)
+    plans = [tuple((a, b) for a, b, ck in p if ck) for p in r.sample(list(all_plans(6)), 8)]
+    plans += [p.segments for p in planner.frontier(20)] + [((1, 4),)]  # (1, 4) spans both stages
+    for segments in plans:
+        # WHEN predicted, then applied and captured again, and run for real
+        predicted = evaluate(planner.costs, segments_of(6, segments)).peak_bytes
+        with apply_segments(model, planner.costs.chain, list(segments)):
+            again = liveness(capture(model, x, mod.loss)).peak_bytes  # type: ignore[attr-defined]
+            real = measure_peak(model, x, mod.loss).peak_bytes  # type: ignore[attr-defined]
+        # THEN equal to the byte, and within the ground-truth tolerance of reality
+        assert predicted == again, segments
+        assert 0 <= real - predicted <= LM_TOLERANCE * real, (segments, real - predicted)
+    plan = planner._plan("x", evaluate(planner.costs, segments_of(6, [(1, 4)])))
+    assert plan.paths == ("stage1.1..stage2.1",)
+    assert "gc.apply_segments(model, 'stage1,stage2', [(1, 4)])" in plan.code()
 
 
 def test_autocast_plan_cli_prints_a_plan() -> None:
