@@ -15,18 +15,22 @@ block is run (measured by graphmem/chain_costs.py from captures of the real step
 plus fixed pieces before the chain (``before``), between its forward and its backward (the
 head, loss and the head's backward: ``head`` up to the end of the forward context, then
 ``head_post``) and after (``after``). Stitching the pieces of a plan in order gives its peak
-exactly (``evaluate``).
+exactly (``evaluate``). This is Chen et al. 2016's segment view ("Training Deep Nets with
+Sublinear Memory Cost") with the costs measured per piece instead of assumed, and a
+stored/checkpointed choice per segment as in Rotor (Beaumont et al. 2019, "Optimal
+checkpointing for heterogeneous chains").
 
-Autocast adds frees that land later than the block that caused them: its cast cache holds the
-low-precision copies of parameters until the autocast context exits. A checkpointed block's
-copies (nothing saves them) die when the forward's context exits, in the head; a stored block's
-unsaved copies (biases) too; and in a segment's recompute, which torch.utils.checkpoint runs in
-one autocast context, the earlier blocks' unsaved copies die at the end of the last block's
-recompute. Each role records those bytes (``Stage.c_*``), its piece keeps them, and the pieces
-where the cache is cleared do not free them: the plan's own ``Piece(0, -bytes)`` does. This is Chen et al. 2016's segment view
-("Training Deep Nets with Sublinear Memory Cost") with the costs measured per piece instead of
-assumed, and a stored/checkpointed choice per segment as in Rotor (Beaumont et al. 2019,
-"Optimal checkpointing for heterogeneous chains").
+Frees that land elsewhere than the piece that made them are the plan's own ``Piece(0, -bytes)``
+(the pieces keep those bytes live):
+- autocast's cast cache holds parameters' low-precision copies until its context exits: a
+  checkpointed block's copies (nothing saves them) and a stored block's unsaved ones (biases)
+  die at the forward's exit, in the head (``Stage.c_fwd``, ``c_first``, ``c_member``); in a
+  segment's recompute, which torch.utils.checkpoint runs in one autocast context, the earlier
+  blocks' unsaved copies die at the end of the last block's recompute (``c_re_*``);
+- tensors made before the chain that only checkpointed segments keep (``ChainCosts.shared``)
+  die after the lowest checkpointed segment's backward, or in the head without checkpoints;
+- with gradient accumulation, later micro-steps (``ChainCosts.later``) run the same forward
+  from a higher level, and the plan's peak is the larger of the two.
 
 The program. After a segment's backward, everything it allocated is gone except its
 gradients, whatever way it ran; so a block's forward+backward net effect ``h_i`` does not
