@@ -136,10 +136,12 @@ class _Cut:
                 high = max(high, self.during[i] + add)
         return Piece(max(0, high - level), net)
 
-    def share(self, keys: set[tuple[int, int]]) -> None:
-        """Mark the storages made at op ``created`` with ``nbytes`` (the keys) as shared."""
-        self.shared = [(s.freed, s.nbytes) for s in self.g.storages.values()
-                       if (s.created, s.nbytes) in keys and s.freed is not None]
+    def share(self, keys: Sequence[set[tuple[int, int]]]) -> None:
+        """Mark as shared the storages of micro-step w made at op ``created`` (counted from the
+        micro-step's start) with ``nbytes``, for each (created, nbytes) in ``keys[w]``."""
+        self.shared = [(s.freed, s.nbytes) for (lo, _, hi), k in zip(self.windows(), keys)
+                       for s in self.g.storages.values()
+                       if lo <= s.created < hi and (s.created - lo, s.nbytes) in k and s.freed is not None]
 
     def held(self, start: int, end: int) -> int:
         """Bytes ops start..end made that outlive them only in autocast's cache (a later clear frees them)."""
@@ -244,16 +246,19 @@ def _roles(cut: _Cut, k: int, segs: Sequence[tuple[int, int, bool]], what: str,
 
 
 def _shared(plain: _Cut, every: _Cut, window: int) -> set[tuple[int, int]]:
-    """(created, bytes) of the tensors made before the chain that die in the head when no block
-    is checkpointed but in the chain's backward when every block is: only checkpointed
-    segments keep them (an attention mask, rotary tables passed to each block)."""
+    """(created, bytes) of the tensors made before the chain (op counted from the micro-step's
+    start) that die in the head when no block is checkpointed but in the chain's backward when
+    every block is: only checkpointed segments keep them (an attention mask, rotary tables
+    passed to each block)."""
     forward, head, _ = plain.regions(plain.windows()[window])
     lo = plain.windows()[window][0]
-    died_in_head = {(s.created, s.nbytes) for s in plain.g.storages.values()
+    died_in_head = {(s.created - lo, s.nbytes) for s in plain.g.storages.values()
                     if lo <= s.created < forward[0][1] and s.freed is not None and head[0] <= s.freed <= head[1]}
+    lo2 = every.windows()[window][0]
     runs = every.regions(every.windows()[window])[2]
-    return {(s.created, s.nbytes) for s in every.g.storages.values()
-            if (s.created, s.nbytes) in died_in_head and s.freed is not None and runs[0][1] <= s.freed <= runs[-1][2]}
+    return {(s.created - lo2, s.nbytes) for s in every.g.storages.values()
+            if s.created >= lo2 and (s.created - lo2, s.nbytes) in died_in_head and s.freed is not None
+            and runs[0][1] <= s.freed <= runs[-1][2]}
 
 
 _FLOPS = ("fwd", "one_re", "re_first", "re_member", "re_last")
@@ -297,13 +302,12 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
     if len(counts) != 1:
         raise PlanError("the step ran a different number of micro-steps when its blocks were checkpointed")
     shared = [_shared(captured[0][2], captured[1][2], w) for w in range(counts.pop())]
-    keys = set().union(*shared)
     # per micro-step: found roles, fixed pieces, starting level
     steps: list[tuple[dict[tuple[int, str], tuple[Piece, int, int]], set, set]] = [({}, set(), set()) for _ in shared]
     free_heads: list[tuple[Piece, Piece]] = []
     peaks: list[tuple[str, Any, int]] = []
     for n, (what, segs, cut) in enumerate(captured):
-        cut.share(keys)
+        cut.share(shared)
         for w, ((found, fixed, starts), window) in enumerate(zip(steps, cut.windows())):
             pieces, real_head = _roles(cut, k, segs, what, found, window)
             fixed.add(pieces)

@@ -439,16 +439,21 @@ def test_a_segments_recompute_keeps_its_cast_cache_to_the_end(device: str) -> No
     assert sum(s.nbytes for s in recomputed) == 4 * 2 * (3 * 32 + 32 + 4 * 32 + 32)  # bf16 biases
 
 
-def test_plans_with_tensors_only_checkpoints_keep() -> None:
+@pytest.mark.parametrize("k", [1, 2])
+def test_plans_with_tensors_only_checkpoints_keep(k: int) -> None:
     # GIVEN blocks given a tensor the model makes each step and no block saves (as HF models
     # pass attention masks and rotary tables): it dies at the forward's end without
     # checkpoints, after the lowest checkpointed segment's backward with them
     mod = _load("tests/plan_models/shared_inputs.py")
     torch.manual_seed(0)
     model, x = mod.model(), (torch.randint(0, 101, (4, 32)),)
-    report = graphmem.analyze(model, x, loss=mod.loss)
+    from graphmem.train import TrainStep
+
+    report = graphmem.analyze(model, x, loss=mod.loss, micro_batches=k)
     planner = report.planner
-    assert planner.costs.shared == 32 * 32 * 4  # pos: (s, d) fp32
+    train = TrainStep(micro_batches=k) if k > 1 else None
+    assert planner.costs.shared == 32 * 32 * 4  # pos: (s, d) fp32, made again in each micro-step
+    assert k == 1 or planner.costs.later.shared == 32 * 32 * 4
     r = random.Random(3)
     plans = [tuple((a, b) for a, b, ck in p if ck) for p in r.sample(list(all_plans(6)), 8)]
     plans += [p.segments for p in planner.frontier(20)]
@@ -456,8 +461,8 @@ def test_plans_with_tensors_only_checkpoints_keep() -> None:
         # WHEN predicted, then applied and captured again, and run for real
         predicted = evaluate(planner.costs, segments_of(6, segments)).peak_bytes
         with apply_segments(model, planner.costs.chain, list(segments)):
-            again = liveness(capture(model, x, mod.loss)).peak_bytes
-            real = measure_peak(model, x, mod.loss).peak_bytes
+            again = liveness(capture(model, x, mod.loss, train=train)).peak_bytes
+            real = measure_peak(model, x, mod.loss, train=train).peak_bytes
         # THEN equal to the byte, and within the ground-truth tolerance of reality
         assert predicted == again, segments
         assert 0 <= real - predicted <= LM_TOLERANCE * real, (segments, real - predicted)
