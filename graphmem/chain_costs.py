@@ -249,7 +249,7 @@ def _shared(plain: _Cut, every: _Cut, window: int) -> set[tuple[int, int]]:
     """(created, bytes) of the tensors made before the chain (op counted from the micro-step's
     start) that die in the head when no block is checkpointed but in the chain's backward when
     every block is: only checkpointed segments keep them (an attention mask, rotary tables
-    passed to each block)."""
+    passed to each block; or the chain's input, given to the first block only)."""
     forward, head, _ = plain.regions(plain.windows()[window])
     lo = plain.windows()[window][0]
     died_in_head = {(s.created - lo, s.nbytes) for s in plain.g.storages.values()
@@ -274,7 +274,14 @@ def _plans(k: int) -> list[tuple[str, list[tuple[int, int]]]]:
     even = [(a, a + 1) for a in range(0, k - 1, 2)]
     odd = [(a, a + 1) for a in range(1, k - 1, 2)]
     plans += [(f"pairs {s[0][0]}", s) for s in (even, odd) if s and s != [(0, k - 1)]]
+    if k == 2:  # the first block stored below a checkpointed one (pairs 1 shows it for k >= 3)
+        plans.append(("last block", [(1, 1)]))
     return plans
+
+
+def _entry_plan(plans: Sequence[tuple[str, Any, "_Cut"]]) -> Optional["_Cut"]:
+    """A capture whose first block is stored and another checkpointed."""
+    return next((cut for _, segs, cut in plans if not segs[0][2] and any(ck for _, _, ck in segs)), None)
 
 
 def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional[int], policy: Any = None,
@@ -301,26 +308,39 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
     counts = {len(cut.windows()) for _, _, cut in captured}
     if len(counts) != 1:
         raise PlanError("the step ran a different number of micro-steps when its blocks were checkpointed")
-    shared = [_shared(captured[0][2], captured[1][2], w) for w in range(counts.pop())]
+    kept = [_shared(captured[0][2], captured[1][2], w) for w in range(counts.pop())]
+    # given to every block (kept by any checkpointed segment) or to the first only: the first
+    # block stored, another checkpointed, tells them apart
+    disc = _entry_plan(captured)
+    by_others = [_shared(captured[0][2], disc, w) if disc is not None else set() for w in range(len(kept))]
+    entry = [k - o for k, o in zip(kept, by_others)]
+    shared = [k - e for k, e in zip(kept, entry)]
     # per micro-step: found roles, fixed pieces, starting level
     steps: list[tuple[dict[tuple[int, str], tuple[Piece, int, int]], set, set]] = [({}, set(), set()) for _ in shared]
     free_heads: list[tuple[Piece, Piece]] = []
+    entry_heads: list[tuple[Piece, Piece]] = []
     peaks: list[tuple[str, Any, int]] = []
     for n, (what, segs, cut) in enumerate(captured):
-        cut.share(shared)
+        cut.share(kept)
         for w, ((found, fixed, starts), window) in enumerate(zip(steps, cut.windows())):
             pieces, real_head = _roles(cut, k, segs, what, found, window)
             fixed.add(pieces)
-            if n == 0:  # no checkpoints: the shared tensors die in the head
+            if n == 0:  # no checkpoints: the shared and entry tensors die in the head
                 free_heads.append(real_head)
+            if cut is disc:  # the first block stored: the entry tensors die in the head
+                entry_heads.append(real_head)
             starts.add(cut.after[window[0] - 1] if window[0] > 0 else cut.base)
         peaks.append((what, segs, max([cut.base, *cut.during])))
     if any(len(fixed) != 1 or len(starts) != 1 for _, fixed, starts in steps):
         raise PlanError("the ops around the chain change when its blocks are checkpointed; "
                         "graphmem cannot plan checkpoints for this model")
+    if disc is None:
+        entry_heads = free_heads
     made = [replace(_costs(found, fixed.pop(), starts.pop(), names, chain.path), shared=sum(n for _, n in keys_w),
-                    head_free=free[0], head_post_free=free[1])
-            for (found, fixed, starts), keys_w, free in zip(steps, shared, free_heads)]
+                    head_free=free[0], head_post_free=free[1], entry=sum(n for _, n in keys_e),
+                    head_entry_free=first[0], head_post_entry_free=first[1])
+            for (found, fixed, starts), keys_w, keys_e, free, first
+            in zip(steps, shared, entry, free_heads, entry_heads)]
     costs = made[0]
     if len(made) > 1:
         if made[1].base != level_after(made[0]):

@@ -127,6 +127,13 @@ class ChainCosts:
     shared: int = 0
     head_free: Piece = NOTHING
     head_post_free: Piece = NOTHING
+    # tensors made before the chain that only its first block is given and does not save (the
+    # chain's input, when block 0 casts it first): alive until the first segment's backward if
+    # it is checkpointed, else dead in the head (``head_entry_free``, ``head_post_entry_free``:
+    # the head when it is stored but another segment is checkpointed)
+    entry: int = 0
+    head_entry_free: Piece = NOTHING
+    head_post_entry_free: Piece = NOTHING
 
     @property
     def n(self) -> int:
@@ -158,7 +165,8 @@ def level_after(costs: ChainCosts) -> int:
     """Live bytes when the step (one micro-step) has run, whatever the plan: where the next
     micro-step starts."""
     h = sum(s.fwd.net - s.c_fwd + s.bwd.net for s in costs.stages)
-    return costs.base + costs.before.net + costs.head.net + costs.head_post.net - costs.shared + h + costs.after.net
+    return (costs.base + costs.before.net + costs.head.net + costs.head_post.net - costs.shared - costs.entry + h
+            + costs.after.net)
 
 
 # -- plans ---------------------------------------------------------------------------------
@@ -239,6 +247,15 @@ def evaluate(costs: ChainCosts, segments: Sequence[Segment]) -> Evaluated:
     return Evaluated(e.segments, peak, e.kept_bytes, e.recompute_flops * costs.micro_steps)
 
 
+def _head(costs: ChainCosts, any_checkpointed: bool, first_checkpointed: bool) -> tuple[Piece, Piece]:
+    """The head's two pieces for a plan: which tensors made before the chain die in it."""
+    if not any_checkpointed and (costs.shared or costs.entry):
+        return costs.head_free, costs.head_post_free
+    if not first_checkpointed and costs.entry:
+        return costs.head_entry_free, costs.head_post_entry_free
+    return costs.head, costs.head_post
+
+
 def _evaluate(costs: ChainCosts, segments: Sequence[Segment]) -> Evaluated:
     st = costs.stages
     if [i for a, b, _ in segments for i in range(a, b + 1)] != list(range(costs.n)):
@@ -246,13 +263,15 @@ def _evaluate(costs: ChainCosts, segments: Sequence[Segment]) -> Evaluated:
     level = peak = costs.base
     cached = sum(_cached(s, st) for s in segments)
     lowest = next((k for k, (_, _, ck) in enumerate(segments) if ck), None)  # the shared tensors' last holder
-    head, head_post = (costs.head, costs.head_post) if lowest is not None or not costs.shared \
-        else (costs.head_free, costs.head_post_free)
+    first = bool(segments) and segments[0][2]  # the entry tensors' holder
+    head, head_post = _head(costs, lowest is not None, first)
     back: list[Piece] = []
     for k in range(len(segments) - 1, -1, -1):
         back.append(_backward(segments[k], st))
         if k == lowest and costs.shared:
             back.append(Piece(0, -costs.shared))
+        if k == 0 and first and costs.entry:
+            back.append(Piece(0, -costs.entry))
     order = [costs.before, *(_forward(s, st) for s in segments), head, Piece(0, -cached), head_post, *back,
              costs.after]
     kept = -cached  # what survives the forward's exit
@@ -291,6 +310,9 @@ class _Tables:
     shared: int = 0  # ChainCosts.shared: a stored block's backward before any checkpointed one is that lower
     end_f_free: int = 0  # the head's constraints when no segment is checkpointed (with shared tensors)
     end_b_free: int = 0
+    entry: int = 0  # ChainCosts.entry: lower in backward unless the first segment is checkpointed
+    end_f_entry: int = 0  # the head's constraints when the first segment is stored, another checkpointed
+    end_b_entry: int = 0
     cached: bool = field(init=False)
     need: np.ndarray = field(init=False)  # max(need_f, need_b): the constraint when nothing is cached
     stored_need: np.ndarray = field(init=False)
@@ -317,13 +339,14 @@ def tables(costs: ChainCosts) -> _Tables:
     # constraint is the stricter of the two, measured from the first's start
     t2 = _tables(costs.later)
     shift = t2.start - t.start
-    if t.shared != t2.shared:
+    if (t.shared, t.entry) != (t2.shared, t2.entry):
         raise PassError("checkpoint: the micro-steps pass the chain different tensors; the pieces do not compose")
     return _Tables(np.maximum(t.need_f, t2.need_f + shift), np.maximum(t.need_b, t2.need_b + shift), t.fnet, t.knet,
                    t.flops, np.maximum(t.stored_need_f, t2.stored_need_f + shift),
                    np.maximum(t.stored_need_b, t2.stored_need_b + shift), t.stored_net, t.stored_knet,
                    max(t.fixed, t2.fixed), t.start, max(t.end_f, t2.end_f + shift), max(t.end_b, t2.end_b + shift),
-                   t.shared, max(t.end_f_free, t2.end_f_free + shift), max(t.end_b_free, t2.end_b_free + shift))
+                   t.shared, max(t.end_f_free, t2.end_f_free + shift), max(t.end_b_free, t2.end_b_free + shift),
+                   t.entry, max(t.end_f_entry, t2.end_f_entry + shift), max(t.end_b_entry, t2.end_b_entry + shift))
 
 
 def _tables(costs: ChainCosts) -> _Tables:
@@ -361,11 +384,11 @@ def _tables(costs: ChainCosts) -> _Tables:
     stored_net = np.array([s.fwd.net - s.c_fwd for s in st], dtype=np.int64)
     stored_knet = np.array([s.c_fwd for s in st], dtype=np.int64)
     fixed = max(costs.base, costs.base + costs.before.high,
-                start + head_net - costs.shared + sum(h) + costs.after.high)
-    free = (costs.head_free, costs.head_post_free) if costs.shared else (costs.head, costs.head_post)
+                start + head_net - costs.shared - costs.entry + sum(h) + costs.after.high)
+    free, entry = _head(costs, False, False), _head(costs, True, False)
     return _Tables(need_f, need_b, fnet, knet, flops, stored_need_f, stored_need_b, stored_net, stored_knet,
                    fixed, start, costs.head.high, costs.head.net + costs.head_post.high, costs.shared,
-                   free[0].high, free[0].net + free[1].high)
+                   free[0].high, free[0].net + free[1].high, costs.entry, entry[0].high, entry[0].net + entry[1].high)
 
 
 def _pareto(m: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -405,16 +428,16 @@ def program(modes: Sequence[_Tables], n: int, budget: int) -> Optional[list[tupl
     t = modes[0]
     if t.fixed > budget:
         return None
-    room, ways, x = budget - t.start, len(modes) + 1, t.shared
+    room, ways, x, x0 = budget - t.start, len(modes) + 1, t.shared, t.entry
     cached = any(tk.cached for tk in modes)
-    track = cached or x > 0
-    # States (kept bytes m, cached bytes k, FLOPs c, and f: a segment before is checkpointed,
-    # so the shared tensors are still live) after each prefix of the chain, Pareto-pruned per
-    # (k, f), in flat arrays; a state remembers its parent and its last segment (code
-    # a * ways + mode). Without autocast or shared tensors k and f stay 0 and one constraint
-    # per segment suffices.
+    track = cached or x > 0 or x0 > 0
+    # States (kept bytes m, cached bytes k, FLOPs c; f: a segment before is checkpointed, so the
+    # shared tensors are still live; g: the first segment is, so the entry tensors are) after
+    # each prefix of the chain, Pareto-pruned per (k, f, g), in flat arrays; a state remembers
+    # its parent and its last segment (code a * ways + mode). Without autocast or such tensors
+    # k, f and g stay 0 and one constraint per segment suffices.
     cap = 1024
-    P, M, K, F, C = (np.zeros(cap, dtype=np.int64) for _ in range(5))
+    P, M, K, F, G, C = (np.zeros(cap, dtype=np.int64) for _ in range(6))
     parent, code = np.full(cap, -1, dtype=np.int64), np.full(cap, -1, dtype=np.int64)
     offsets = [0, 1]  # states of position k: [offsets[k], offsets[k+1])
     for end in range(1, n + 1):
@@ -423,40 +446,44 @@ def program(modes: Sequence[_Tables], n: int, budget: int) -> Optional[list[tupl
         lo = offsets[b]
         parts = []
         for k, tk in enumerate(modes, 1):  # checkpoint a..b from a state at a
-            if track:
-                ok = (mv <= room - tk.need_b_by_end[b][pv]) & (mv + kv <= room - tk.need_f_by_end[b][pv])
+            if track:  # (the entry tensors are live in its backward if the first segment is checkpointed)
+                g_new = G[:size] | (pv == 0)
+                ok = (mv <= room - tk.need_b_by_end[b][pv] + x0 * (1 - g_new)) & \
+                    (mv + kv <= room - tk.need_f_by_end[b][pv])
             else:
                 ok = mv <= room - tk.need_by_end[b][pv]
             idx = np.nonzero(ok)[0]
             src = pv[idx]
             parts.append((idx, M[idx] + tk.fnet_by_end[b][src], K[idx] + tk.knet_by_end[b][src] if track else idx,
-                          np.ones(len(idx), dtype=np.int64) if track else idx,
+                          np.ones(len(idx), dtype=np.int64) if track else idx, g_new[idx] if track else idx,
                           C[idx] + tk.flops_by_end[b][src], src * ways + k))
-        if track:  # store block b alone (the shared tensors are dead by its backward unless f)
-            fv = F[lo:size]
-            ok = (mv[lo:] <= room - t.stored_need_b[b] + x * (1 - fv)) & (mv[lo:] + kv[lo:] <= room - t.stored_need_f[b])
+        if track:  # store block b alone (the shared tensors are dead by its backward unless f, the entry ones unless g)
+            fv, gv = F[lo:size], G[lo:size]
+            ok = (mv[lo:] <= room - t.stored_need_b[b] + x * (1 - fv) + x0 * (1 - gv)) & \
+                (mv[lo:] + kv[lo:] <= room - t.stored_need_f[b])
         else:
             ok = mv[lo:] <= room - t.stored_need[b]
         sidx = np.nonzero(ok)[0] + lo
         parts.append((sidx, M[sidx] + t.stored_net[b], K[sidx] + t.stored_knet[b] if track else sidx,
-                      F[sidx] if track else sidx, C[sidx], np.full(len(sidx), b * ways, dtype=np.int64)))
-        both, cm, ck, cf, cc, ccode = (np.concatenate([p[i] for p in parts]) for i in range(6))
-        if end == n:  # (untracked, ck and cf hold placeholders: both are 0)
+                      F[sidx] if track else sidx, G[sidx] if track else sidx, C[sidx],
+                      np.full(len(sidx), b * ways, dtype=np.int64)))
+        both, cm, ck, cf, cg, cc, ccode = (np.concatenate([p[i] for p in parts]) for i in range(7))
+        if end == n:  # (untracked, ck, cf and cg hold placeholders: all are 0)
             if track:
-                held = cf == 1
-                fits = np.where(held, (cm <= room - t.end_b) & (cm + ck <= room - t.end_f),
-                                (cm <= room - t.end_b_free) & (cm + ck <= room - t.end_f_free))
+                fits = np.where(cf == 0, (cm <= room - t.end_b_free) & (cm + ck <= room - t.end_f_free),
+                                np.where(cg == 0, (cm <= room - t.end_b_entry) & (cm + ck <= room - t.end_f_entry),
+                                         (cm <= room - t.end_b) & (cm + ck <= room - t.end_f)))
             else:
                 fits = (cm <= room - t.end_b) & (cm <= room - t.end_f)
-            both, cm, ck, cf, cc, ccode = both[fits], cm[fits], ck[fits], cf[fits], cc[fits], ccode[fits]
-        keep = (_pareto3(cm, ck * 2 + cf, cc) if track else _pareto(cm, cc)) if len(cm) else both[:0]
+            both, cm, ck, cf, cg, cc, ccode = (a_[fits] for a_ in (both, cm, ck, cf, cg, cc, ccode))
+        keep = (_pareto3(cm, ck * 4 + cf * 2 + cg, cc) if track else _pareto(cm, cc)) if len(cm) else both[:0]
         k = len(keep)
         while size + k > cap:
             cap *= 2
-            P, M, K, F, C, parent, code = (np.resize(x_, cap) for x_ in (P, M, K, F, C, parent, code))
+            P, M, K, F, G, C, parent, code = (np.resize(x_, cap) for x_ in (P, M, K, F, G, C, parent, code))
         P[size:size + k], M[size:size + k], C[size:size + k] = end, cm[keep], cc[keep]
         if track:
-            K[size:size + k], F[size:size + k] = ck[keep], cf[keep]
+            K[size:size + k], F[size:size + k], G[size:size + k] = ck[keep], cf[keep], cg[keep]
         parent[size:size + k], code[size:size + k] = both[keep], ccode[keep]
         offsets.append(size + k)
     lo, hi = offsets[n], offsets[n + 1]

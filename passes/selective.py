@@ -122,7 +122,8 @@ class Modes:
 
 def _around(c: ChainCosts) -> tuple:
     """What every way of running the chain shares: the pieces around it, per micro-step."""
-    own = (c.n, c.base, c.before, c.head, c.head_post, c.after, c.micro_steps, c.shared, c.head_free, c.head_post_free)
+    own = (c.n, c.base, c.before, c.head, c.head_post, c.after, c.micro_steps, c.shared, c.head_free, c.head_post_free,
+           c.entry, c.head_entry_free, c.head_post_entry_free)
     return own + (_around(c.later) if c.later is not None else ())
 
 

@@ -53,7 +53,8 @@ def rand_chain(r: random.Random, n: int, homogeneous: bool = False, cached: bool
                shared: bool = False) -> ChainCosts:
     """n blocks, all different, or all alike (``homogeneous``), as a real chain of blocks;
     ``cached``: with autocast's deferred cache frees; ``shared``: with tensors made before the
-    chain that only checkpointed segments keep (freed in the head without checkpoints)."""
+    chain that only checkpointed segments keep (freed in the head without checkpoints), and
+    maybe entry tensors only the first segment keeps when checkpointed."""
     w = [r.randint(-100, 100) for _ in range(n + 1)]
     seed = r.random()
     if homogeneous:
@@ -70,9 +71,14 @@ def rand_chain(r: random.Random, n: int, homogeneous: bool = False, cached: bool
         costs = replace(costs, head_post=piece(r, r.randint(-80, 80)))
     if shared:
         x = r.randint(1, 400)
-        costs = replace(costs, shared=x, head_free=Piece(r.randint(max(0, costs.head.net - x), costs.head.high + 50),
-                                                         costs.head.net - x),
-                        head_post_free=piece(r, costs.head_post.net))
+        x0 = r.choice([0, r.randint(1, 300)])  # the chain's input, given to block 0 only
+        costs = replace(costs, shared=x, entry=x0,
+                        head_free=Piece(r.randint(max(0, costs.head.net - x - x0), costs.head.high + 50),
+                                        costs.head.net - x - x0),
+                        head_post_free=piece(r, costs.head_post.net),
+                        head_entry_free=Piece(r.randint(max(0, costs.head.net - x0), costs.head.high + 50),
+                                              costs.head.net - x0),
+                        head_post_entry_free=piece(r, costs.head_post.net))
     return costs
 
 

@@ -1,5 +1,7 @@
 """Blocks that take a tensor the model makes once per step and no block saves (like an
-attention mask or rotary tables): only a checkpointed segment keeps it alive into backward."""
+attention mask or rotary tables): only a checkpointed segment keeps it alive into backward.
+The chain's input is kept referenced by the model to the end of its forward and the first
+block does not save it: only the first segment, checkpointed, keeps it into backward."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,8 +27,9 @@ class Model(nn.Module):
         self.register_buffer("freq", torch.linspace(0.1, 1.0, d), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.emb(tokens)
+        embeds = self.emb(tokens)  # kept referenced to the end, as HF models keep inputs_embeds
         pos = torch.sin(torch.arange(tokens.shape[1], device=tokens.device)[:, None] * self.freq)  # (s, d), per step
+        h = embeds
         for blk in self.blocks:
             h = blk(h, pos)
         return self.head(h)
