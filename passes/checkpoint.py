@@ -476,7 +476,9 @@ def program(modes: Sequence[_Tables], n: int, budget: int) -> Optional[list[tupl
             else:
                 fits = (cm <= room - t.end_b) & (cm <= room - t.end_f)
             both, cm, ck, cf, cg, cc, ccode = (a_[fits] for a_ in (both, cm, ck, cf, cg, cc, ccode))
-        keep = (_pareto3(cm, ck * 4 + cf * 2 + cg, cc) if track else _pareto(cm, cc)) if len(cm) else both[:0]
+        if track:  # group by what the constraints ahead depend on (f, g only when such tensors exist)
+            key = ck * 4 + (cf * 2 if x or x0 else 0) + (cg if x0 else 0)
+        keep = (_pareto3(cm, key, cc) if track else _pareto(cm, cc)) if len(cm) else both[:0]
         k = len(keep)
         while size + k > cap:
             cap *= 2
