@@ -188,11 +188,11 @@ def capture(
                     _rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
                     segment_scope(cap.recompute_scope):
                 cap.recording = True
+                context = forward_context(target, backends, cap.clearing_cache)
                 if session is None:
-                    out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, forward_context(target, backends, cap.clearing_cache))
+                    out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, context)
                 else:
-                    out, loss = session.run(forward, fake_inputs, tagged_loss, cap.set_phase,
-                                            forward_context(target, backends, cap.clearing_cache), mark, fake=True)
+                    out, loss = session.run(forward, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True)
                     relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
                 gradient_sids = list(dict.fromkeys(marked.get("gradient", []) + [
                     _gradient(cap, p) for p in seen.values() if p.grad is not None]))

@@ -70,7 +70,7 @@ def op_flops(node: OpNode) -> int:
 
 # -- cutting a capture into pieces -------------------------------------------------------------------
 class _Cut:
-    def __init__(self, g: StepGraph, prefix: Any) -> None:
+    def __init__(self, g: StepGraph, blocks: Sequence[str]) -> None:
         self.g = g
         n = g.num_ops
         created, freed = [0] * (n + 1), [0] * (n + 1)
@@ -93,31 +93,22 @@ class _Cut:
             self.during.append(level)
             level -= freed[i]
             self.after.append(level)
-        heads = prefix if isinstance(prefix, dict) else None  # block path -> index (several holders)
-        self.labels = [self._label(op, prefix) if heads is None else self._label_in(op, heads) for op in g.ops]
+        index = {path: j for j, path in enumerate(blocks)}  # block module path -> its place in the chain
+        self.labels = [self._label(op, index) for op in g.ops]
         self.shared: list[tuple[int, int]] = []  # (freed at, bytes) of the shared tensors (``share``)
         # (created, freed, bytes) of what died when autocast's cast cache was cleared
         self.cleared = [(s.created, s.freed, s.nbytes) for s in g.storages.values()
                         if s.cache_freed and s.created >= 0 and s.freed is not None]
 
     @staticmethod
-    def _label_in(op: OpNode, heads: dict[str, int]) -> Optional[tuple[int, bool]]:
+    def _label(op: OpNode, index: dict[str, int]) -> Optional[tuple[int, bool]]:
+        """(the chain block the op ran in, whether in a recompute), or None outside the chain."""
         path = op.meta.get("module", "")
         while path:
-            if path in heads:
-                return heads[path], bool(op.meta.get("recompute"))
+            if path in index:
+                return index[path], bool(op.meta.get("recompute"))
             path = path.rpartition(".")[0]
         return None
-
-    @staticmethod
-    def _label(op: OpNode, prefix: str) -> Optional[tuple[int, bool]]:
-        path = op.meta.get("module", "")
-        if not path.startswith(prefix):
-            return None
-        head = path[len(prefix):].split(".", 1)[0]
-        if not head.isdigit():
-            return None
-        return int(head), bool(op.meta.get("recompute"))
 
     def piece(self, start: int, end: int, real: bool = False) -> Piece:
         """Ops start..end inclusive (empty if end < start). The shared tensors (see
@@ -290,13 +281,8 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
     selective ``policy`` (graphmem/selective.py), every checkpointed segment runs under it.
     A step of ``micro_steps`` micro-batches is captured as two (the second stands for the
     later ones): the costs then carry the second's pieces as ``later``."""
-    prefix = f"{chain.path}." if chain.path else ""
     k = chain.length if depth is None else min(depth, chain.length)
-    labels: Any = prefix
-    names = [f"{prefix}{j}" for j in range(k)]
-    if "," in chain.path:  # blocks of several holders: each op's block from its module path
-        names = [path for path, _ in chain_blocks(model, chain.path)]
-        labels = {path: j for j, path in enumerate(names)}
+    names = [path for path, _ in chain_blocks(model, chain.path)][:k]
     # one (found roles, fixed pieces, starting level) per micro-step traced: the first, and
     # the second standing for every later one (graphmem/train.py traces two)
     captured: list[tuple[str, Any, _Cut]] = []
@@ -304,7 +290,7 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
         with truncated(model, chain, k if k < chain.length else None), \
                 apply_segments(model, chain.path, ck, [policy] * len(ck) if policy is not None else None):
             g = capture_at()
-        captured.append((what, segments_of(k, ck), _Cut(g, labels)))
+        captured.append((what, segments_of(k, ck), _Cut(g, names)))
     counts = {len(cut.windows()) for _, _, cut in captured}
     if len(counts) != 1:
         raise PlanError("the step ran a different number of micro-steps when its blocks were checkpointed")
@@ -370,10 +356,10 @@ def _costs(found: dict[tuple[int, str], tuple[Piece, int, int]], fixed: tuple[Pi
     return ChainCosts(tuple(stages), base, before, head, after, path, head_post)
 
 
-def _tails(g: StepGraph, prefix: str) -> list[Piece]:
+def _tails(g: StepGraph, blocks: Sequence[str]) -> list[Piece]:
     """The ``after`` piece of each micro-step in a capture of the whole model: what runs after
     the chain's backward (the optimizer step's states and temporaries grow with the depth)."""
-    cut = _Cut(g, prefix)
+    cut = _Cut(g, blocks)
     out = []
     for window in cut.windows():
         runs = cut.regions(window)[2]
@@ -399,20 +385,23 @@ def _widen(costs: ChainCosts, n: int, base: int, tails: Sequence[Piece]) -> Chai
 
 
 def stage_chain(model: nn.Module) -> Optional[Chain]:
-    """For models without a chain of identical blocks: the most blocks that ModuleLists /
-    Sequentials hold, alone or as a run of siblings (a ResNet's layer1..layer4: their blocks
+    """The most blocks that ModuleLists / Sequentials hold, alone or as a run of siblings (a ResNet's layer1..layer4: their blocks
     differ, and the program plans heterogeneous chains measured at full depth). Whether the
     model really runs them one after another, each on the previous output, the captures check."""
+    def container(m: nn.Module) -> bool:
+        return isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0
+
     best: Optional[Chain] = None
     for path, parent in model.named_modules():
-        runs: list[list[tuple[str, int]]] = [[]]
-        if isinstance(parent, (nn.ModuleList, nn.Sequential)) and len(parent) >= 2:
-            runs.append([(path, len(parent))])
+        runs: list[list[tuple[str, int]]] = [[(path, len(parent))]] if container(parent) else []
+        current: list[tuple[str, int]] = []  # consecutive container children
         for name, child in parent.named_children():
-            if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 0:
-                runs[0].append((f"{path}.{name}" if path else name, len(child)))
+            if container(child):
+                current.append((f"{path}.{name}" if path else name, len(child)))
             else:
-                runs.insert(0, [])
+                runs.append(current)
+                current = []
+        runs.append(current)
         for run in runs:
             total = sum(n for _, n in run)
             if total >= 2 and (best is None or total > best.length):
@@ -451,7 +440,7 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
     if chain.length > DEPTH and "," not in chain.path:
         try:
             costs = _widen(chain_costs(model, chain, capture_at, DEPTH, policy, micro), chain.length,
-                           report.baseline_bytes, _tails(report.step, f"{chain.path}." if chain.path else ""))
+                           report.baseline_bytes, _tails(report.step, [p for p, _ in chain_blocks(model, chain.path)]))
             if evaluate(costs, segments_of(chain.length, [])).peak_bytes == report.peak_bytes:
                 return costs, DEPTH
         except PlanError:

@@ -97,7 +97,7 @@ class _Recorder:
         self.closed = False
         self.recompute_rules: Optional[Callable[[], Any]] = None  # CUDA target: rules for recomputes
         self.recompute_ctx: Any = None
-        self.segment_scope = False  # recompute_ctx spans a whole checkpointed segment
+        self.scoped = False  # recompute_ctx spans a whole checkpointed segment
         self.micro_steps: list[tuple[int, int]] = []  # (forward start, backward start) per micro-step
         self.fp32_norm_stats = False  # CUDA target: LayerNorm's mean/rstd in fp32 (see _fp32_stats)
         self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
@@ -120,7 +120,8 @@ class _Recorder:
         if self.closed:
             return
         s.freed = len(self.ops) - 1
-        s.cache_freed = self.clearing
+        if self.clearing:
+            s.cache_freed = True
         if self.live.get(key) is s:
             del self.live[key]
 
@@ -247,12 +248,12 @@ class _Recorder:
             yield
             return
         ctx = self.recompute_ctx = self.recompute_rules()
-        self.segment_scope = True
+        self.scoped = True
         ctx.__enter__()
         try:
             yield
         finally:
-            self.recompute_ctx, self.segment_scope = None, False
+            self.recompute_ctx, self.scoped = None, False
             ctx.__exit__(None, None, None)
 
     def pre_hook(self, module: nn.Module, args: Any) -> None:
@@ -272,7 +273,7 @@ class _Recorder:
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         path = self.stack.pop()
         start = self.seq_start.pop()
-        if len(self.stack) == 1 and self.recompute_ctx is not None and not self.segment_scope:
+        if len(self.stack) == 1 and self.recompute_ctx is not None and not self.scoped:
             ctx, self.recompute_ctx = self.recompute_ctx, None
             ctx.__exit__(None, None, None)
         if self.phase == "forward":
