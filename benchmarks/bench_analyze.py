@@ -12,7 +12,7 @@ shape, this times:
               once under ``torch.device("meta")`` (construction NOT timed; graphmem's own fake
               parameter creation, capture and passes are). Used for the ratios.
   graphmem-all  the same with ``reuse=False``: every block of the chain captured (no copies of a
-              captured block, see graphmem/reuse.py); shown beside the default.
+              captured block, see graphmem/capture/reuse.py); shown beside the default.
   graphmem+   ``graphmem.analyze(preset_name, input_shape=shape)`` end to end, including the
               meta construction of the preset (what the CLI pays).
   memtracker  ``torch.distributed._tools.mem_tracker.MemTracker`` tracking the same step on a
@@ -247,7 +247,6 @@ def bench_case(case: Case, repeat: int, budget: float) -> dict:
         times, extra = measure(runs[method], repeat, budget)
         result[method] = {"times": times, "best": min(times), "extra": extra}
         print(f"  {method:<10} best {min(times):8.3f} s of {len(times)} run(s)", flush=True)
-    del meta_module
     gc.collect()
     return result
 

@@ -4,15 +4,22 @@
 >>> report = graphmem.analyze("gpt2", input_shape=(1, 128))   # doctest: +SKIP
 >>> report.activation_bytes, report.peak_bytes                 # doctest: +SKIP
 """
-from .api import analyze
-from .capture import capture
-from .ci import assert_activation_bytes
-from .errors import (CaptureError, DataDependentError, GraphmemError, ModelLoadError, PassError,
-                     UnsupportedOpError, UsageError)
-from .load import parse_shape
-from .report import Report
-from .stepgraph import StepGraph
-from .validate import validate
+from graphmem.api import analyze
+from graphmem.capture.capture import capture
+from graphmem.capture.load import parse_shape
+from graphmem.ci import assert_activation_bytes
+from graphmem.errors import (
+                     CaptureError,
+                     DataDependentError,
+                     GraphmemError,
+                     ModelLoadError,
+                     PassError,
+                     UnsupportedOpError,
+                     UsageError,
+)
+from graphmem.report import Report
+from graphmem.stepgraph import StepGraph
+from graphmem.validation.validate import validate
 
 __all__ = ["analyze", "capture", "parse_shape", "Report", "StepGraph", "GraphmemError", "UsageError",
            "ModelLoadError", "CaptureError", "DataDependentError", "UnsupportedOpError", "PassError",

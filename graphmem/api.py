@@ -1,51 +1,25 @@
 """The public entry point: ``graphmem.analyze``."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
 
-from graphmem.passes import allocator, liveness, notes, saved
-
-from .capture import capture
-from .errors import UsageError
-from .load import Loaded, from_exported, load, make_inputs, parse_shape
-from .report import Report
-from .reuse import capture_reusing
-from .target import make_target
-from .whole_step import make_training, prepare, step_budget
-from .step import LossFn
+from graphmem.capture.capture import capture
+from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
+from graphmem.capture.reuse import capture_reusing
+from graphmem.capture.target import make_target
+from graphmem.errors import UsageError
+from graphmem.passes import allocator, compare_modes, liveness, notes, saved
+from graphmem.recapture import Recapture
+from graphmem.report import Report
+from graphmem.training.spec import make_training, prepare, step_budget
+from graphmem.training.step import LossFn
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
-
-
-class Source:
-    """What a Report needs to capture the same step at other input sizes (formulas, fits)."""
-
-    def __init__(self, module: nn.Module, make: Any, loss: Optional[LossFn], device: Any,
-                 example: tuple, base_shape: tuple[int, ...]) -> None:
-        from .formula import variables_of
-
-        self.module, self.make, self.loss, self.device, self.base_shape = module, make, loss, device, base_shape
-        self.names, self.dims = variables_of(example)
-        self._sampler: Any = None
-        self.train: Any = None  # the training step's options (graphmem/train.py), when any
-
-    def sampler_for(self, base: tuple[int, ...], dims: tuple[int, ...], tick: Any = None) -> Any:
-        """A fresh sampler around another base shape, varying only ``dims``."""
-        from .formula import Sampler
-
-        return Sampler(self.module, self.make, self.loss, base, dims, self.device, tick or (lambda: None))
-
-    def sampler(self, tick: Any = None) -> Any:
-        """The report's own sampler (kept, so its captures are reused across calls)."""
-        if self._sampler is None:
-            self._sampler = self.sampler_for(self.base_shape, self.dims)
-        if tick is not None:
-            self._sampler.tick = tick
-        return self._sampler
 
 
 def _resized(example: tuple) -> Any:
@@ -109,9 +83,9 @@ def analyze(
     (AOTAutograd's graphs split by the min-cut partitioner, as the ``aot_eager`` backend runs
     them) and puts eager beside it in ``report.compiled``. ``reuse`` (default on): a chain of
     >= 16 identical blocks is captured at depth 5 and the other blocks copied, after a check at
-    depth 6 (graphmem/reuse.py); ``reuse=False`` captures every block.
+    depth 6 (graphmem/capture/reuse.py); ``reuse=False`` captures every block.
 
-    The whole training step (graphmem/train.py), reported as ``report.budget``: ``optimizer``
+    The whole training step (graphmem/training/loop.py), reported as ``report.budget``: ``optimizer``
     ("sgd", "momentum", "adam", "adamw", "adafactor"; torch.optim, run after backward, then
     ``zero_grad``) with ``optimizer_impl`` ("auto", "foreach", "forloop", "fused"),
     ``master_weights`` (fp32 masters of 16-bit parameters), ``micro_batches`` (gradient
@@ -160,17 +134,22 @@ def analyze(
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     loss_name = "default (output if scalar, else sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")
-    source = None
+    source: Optional[Recapture] = None
     if example:
         probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
-        source = Source(module, resize, loss_fn, target, probe, example[0].shape)
-        source.train = training.train  # checkpoint plans capture the same training step
+        source = Recapture(module, resize, loss_fn, target, probe, example[0].shape, training.train)
     alloc = allocator(g) if target.device == "cuda" else None  # the caching allocator's view of the step
     lv, sv = liveness(g), saved(g)
     plan = step_budget(g, lv, sv, training, module, lora_layers) if training.requested else None
     report = Report.build(g, lv, sv, loaded.name, shapes, loss_name, notes(g), source, alloc, budget=plan)
     if target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
-        from .compiled import beside_eager
-
-        report = beside_eager(report, loaded.module, make, loss_fn)
+        report = _beside_eager(report, loaded.module, make, loss_fn)
     return report
+
+
+def _beside_eager(report: Report, model: nn.Module, inputs: Any, loss_fn: Optional[LossFn]) -> Report:
+    """``report`` (compiled mode) with ``compiled``: the same step captured eagerly, side by side."""
+    g = report.step
+    eager_target = dataclasses.replace(g.target, mode="eager")
+    eager, _ = capture_reusing(model, lambda: capture(model, inputs, loss_fn, eager_target))
+    return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager)))

@@ -12,15 +12,14 @@ from typing import Any, Optional, Union
 import torch
 from tabulate import tabulate
 
-from .api import ModelLike, analyze
-from .compare import compare, load_json_report
-from .errors import UsageError
-from .load import parse_bytes
-from .render.compare import render_comparison
-from .render.text import _module
-from .render.units import fmt_bytes, fmt_share
-from .report import Report
-from .step import LossFn
+from graphmem.api import ModelLike, analyze
+from graphmem.compare import compare, load_json_report
+from graphmem.errors import UsageError
+from graphmem.render.compare import render_comparison
+from graphmem.render.text import _module
+from graphmem.report import Report
+from graphmem.training.step import LossFn
+from graphmem.units import fmt_bytes, fmt_share, parse_bytes
 
 Baseline = Union[Report, dict, str, "os.PathLike[str]"]
 

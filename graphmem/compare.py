@@ -14,8 +14,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
-from .errors import UsageError
-from .report import Report
+from graphmem.errors import UsageError
+from graphmem.report import Report
 
 TOTALS = (("activations", "activation_bytes"), ("peak", "peak_bytes"), ("parameters", "parameter_bytes"),
           ("gradients", "gradient_bytes"), ("buffers", "buffer_bytes"), ("inputs", "input_bytes"))

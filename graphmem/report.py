@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from graphmem.passes import LiveTensor, Liveness, ModuleSaved, SavedSet, SavedTensor
+from graphmem.passes import Liveness, LiveTensor, ModuleSaved, SavedSet, SavedTensor
 from graphmem.stepgraph import StepGraph
 
 
@@ -32,73 +32,46 @@ class Report:
     num_ops: int
     phase_start: dict[str, int]
     notes: tuple[str, ...] = ()
-    target: Any = None  # graphmem.target.Target
+    target: Any = None  # graphmem.capture.Target
     attention_backends: dict = field(default_factory=dict)  # CUDA target: SDPA kernel -> calls
     cuda_allocator: Any = None  # CUDA target: passes.allocator.AllocatorResult (caching allocator model)
-    budget: Any = None  # graphmem.whole_step.StepBudget: optimizer, precision, LoRA, per-rank budget
+    budget: Any = None  # graphmem.training.spec.StepBudget: optimizer, precision, LoRA, per-rank budget
     compiled: Any = None  # compiled mode: passes.modes.ModeComparison (eager beside compiled)
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
-    source: Any = field(default=None, repr=False, compare=False)  # how to capture at other sizes
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    source: Any = field(default=None, repr=False, compare=False)  # graphmem.recapture.Recapture: capture again
 
+    # -- questions that capture again: a thin facade over graphmem/formula and graphmem/planning
     @property
     def coefficients(self) -> Any:
         """Exact formulas (graphmem.formula.Coefficients): ``.activation`` / ``.peak`` polynomials
         in the input's dimensions and, for a block chain, ``.alpha``, ``.beta``, ``.gamma``."""
-        if "coefficients" not in self._cache:
-            self._cache["coefficients"] = self.formula()
-        return self._cache["coefficients"]
+        from graphmem.formula import report_api
+
+        return report_api.coefficients(self)
 
     @property
     def known_coefficients(self) -> Any:
         """The formulas if they were computed (``coefficients``, ``formula(keep=True)``), else None:
         renderers show them only when asked for."""
-        return self._cache.get("coefficients")
+        return self.source.kept.get("coefficients") if self.source is not None else None
 
     def formula(self, d_model: Optional[int] = None, n_heads: Optional[int] = None, checks: int = 5,
                 tick: Any = None, keep: bool = False) -> Any:
         """Fit the exact formulas (see ``coefficients``), with overrides; ``keep`` stores them
         as this report's ``coefficients``."""
-        from graphmem import formula
+        from graphmem.formula import report_api
 
-        if self.source is None:
-            raise formula.UsageError("this report has no model to capture again (built by hand)")
-        sampler = self.source.sampler(tick)
-        result = formula.fit(sampler, self.source.names, d_model=d_model, n_heads=n_heads, checks=checks)
-        if keep:
-            self._cache["coefficients"] = result
-        return result
+        return report_api.formula(self, d_model, n_heads, checks, tick, keep)
 
     def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None) -> Any:
         """The largest batch (at sequence length ``seq``, default: this report's) or, given
         ``batch``, the largest sequence length whose peak fits in ``memory`` (bytes or a string
         like "80GiB"): a graphmem.formula.FitAnswer, exact from the peak formula and confirmed
         by captures at the answer and one above."""
-        from graphmem import formula
-        from graphmem.load import parse_bytes
+        from graphmem.formula import report_api
 
-        if self.source is None:
-            raise formula.UsageError("this report has no model to capture again (built by hand)")
-        if seq is not None and batch is not None:
-            raise formula.UsageError("give seq= (to find the batch) or batch= (to find the sequence length), not both")
-        memory_bytes = parse_bytes(memory)
-        base = list(self.source.base_shape)
-        if (seq is not None or batch is not None) and tuple(self.source.names[:2]) != ("b", "s"):
-            raise formula.UsageError(f"this model's input {tuple(base)} has no sequence dimension; use fit without seq/batch")
-        if batch is None:
-            if seq is not None:
-                if len(base) < 2:
-                    raise formula.UsageError("seq= needs a (batch, seq, ...) input")
-                base[1] = seq
-            sampler, name = self.source.sampler_for(tuple(base), (0,), tick), "b"
-        else:
-            if len(base) < 2:
-                raise formula.UsageError("batch= needs a (batch, seq, ...) input")
-            base[0] = batch
-            sampler, name = self.source.sampler_for(tuple(base), (1,), tick), "s"
-        coeffs = formula.fit(sampler, (name,), checks=0)  # the confirming captures check it
-        return formula.largest_fitting(coeffs, sampler, memory_bytes, name, {})
+        return report_api.fit(self, memory, seq, batch, tick)
 
     def max_batch(self, memory: Any, seq: Optional[int] = None) -> int:
         """Largest batch size whose predicted peak fits in ``memory``, e.g. ``max_batch("80GiB", seq=1024)``."""
@@ -107,54 +80,43 @@ class Report:
     def sweep(self, batches: Any, seqs: Any, tick: Any = None) -> Any:
         """Activation and peak bytes over a grid of (batch, seq) from the exact formulas, with
         the first point spot-checked by a capture: a graphmem.formula.Sweep."""
-        from graphmem import formula
+        from graphmem.formula import report_api
 
-        if self.source is None:
-            raise formula.UsageError("this report has no model to capture again (built by hand)")
-        return formula.sweep(self.source, list(batches), list(seqs), tick)
+        return report_api.sweep(self, batches, seqs, tick)
 
     @property
     def planner(self) -> Any:
-        """graphmem.plan.Planner for the model's chain of blocks (measured once, a few captures)."""
-        if "planner" not in self._cache:
-            from graphmem.plan import Planner
+        """graphmem.planning.Planner for the model's chain of blocks (measured once, a few captures)."""
+        from graphmem.planning import report_api
 
-            self._cache["planner"] = Planner(self)
-        return self._cache["planner"]
+        return report_api.planner(self, False)
 
     def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False) -> Any:
-        """The checkpoint plan (graphmem.plan.CheckpointPlan) with the fewest recompute FLOPs
+        """The checkpoint plan (graphmem.planning.CheckpointPlan) with the fewest recompute FLOPs
         whose predicted peak fits ``budget`` (bytes or "40GiB"), or the lowest-peak plan whose
         recompute stays within ``max_overhead`` of the step's FLOPs (0.2 or "20%").
         ``selective=True`` (or a number of levels) also lets each checkpointed segment keep
-        some ops' outputs (graphmem/selective.py).
+        some ops' outputs (graphmem/planning/selective.py).
 
         >>> plan = report.plan(budget="40GiB")            # doctest: +SKIP
         >>> plan.segments, plan.peak_bytes, plan.overhead  # doctest: +SKIP
         >>> handle = plan.apply(model)                     # torch.utils.checkpoint; handle.remove() undoes
         """
-        from graphmem.plan import parse_limits
-        from graphmem.selective import selective_planner
+        from graphmem.planning import report_api
 
-        limits = parse_limits(budget, max_overhead)
-        return selective_planner(self, selective).plan(*limits)
+        return report_api.plan(self, budget, max_overhead, selective)
 
     def plans(self, budget: Any = None, max_overhead: Any = None, points: int = 50, keep: bool = False,
               selective: Any = False) -> Any:
-        """graphmem.plan.PlanSummary: the chosen plan (if a limit is given), the baselines beside
+        """graphmem.planning.PlanSummary: the chosen plan (if a limit is given), the baselines beside
         graphmem's plan at their own peak, and the Pareto frontier; ``keep`` adds it to JSON."""
-        from graphmem.plan import parse_limits, summarize
-        from graphmem.selective import selective_planner
+        from graphmem.planning import report_api
 
-        limits = parse_limits(budget, max_overhead, required=False)
-        summary = summarize(selective_planner(self, selective), *limits, points=points)
-        if keep:
-            self._cache["plan_summary"] = summary
-        return summary
+        return report_api.plans(self, budget, max_overhead, points, keep, selective)
 
     @property
     def known_plans(self) -> Any:
-        return self._cache.get("plan_summary")
+        return self.source.kept.get("plan_summary") if self.source is not None else None
 
     @staticmethod
     def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,

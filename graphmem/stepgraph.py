@@ -2,7 +2,7 @@
 
 Every recorded op is a ``call_function`` node whose ``meta`` holds:
 ``index`` (op index, 0-based, in the order eager autograd ran it), ``phase``
-("forward", "loss", "backward"; with graphmem/train.py also "accumulate" for earlier
+("forward", "loss", "backward"; with graphmem/training/loop.py also "accumulate" for earlier
 micro-steps and "optimizer"), ``module`` (dotted module path, "" for the root),
 ``outputs`` (a tuple of ``(shape, dtype, storage id)`` per output tensor), ``shape`` and
 ``dtype`` (of the first output), ``storage`` (its storage id) and ``bytes`` (bytes of the
@@ -18,9 +18,9 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
-from .errors import PassError
+from graphmem.errors import PassError
 
-PHASES = ("accumulate", "forward", "loss", "backward", "optimizer")  # accumulate/optimizer: graphmem/train.py
+PHASES = ("accumulate", "forward", "loss", "backward", "optimizer")  # accumulate/optimizer: graphmem/training/loop.py
 
 
 class OpNode:
@@ -83,7 +83,7 @@ class StepGraph:
     root: str = ""  # class name of the model
     modules: list[str] = field(default_factory=list)  # module paths, named_modules() order
     module_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # first input's shape
-    target: Any = None  # graphmem.target.Target
+    target: Any = None  # graphmem.capture.Target
     attention_backends: dict[str, int] = field(default_factory=dict)  # CUDA target: SDPA kernel -> calls
     compiled: Any = None  # compiled mode: graphmem.compiled.CompiledGraphs (the forward/backward fx graphs)
     train: Any = None  # graphmem.train.TrainStep when micro-batches / an optimizer step were traced

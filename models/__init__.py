@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from . import gpt2, llama, mlp, resnet
+from graphmem.models import gpt2, llama, mlp, resnet
 
 FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "mlp": mlp, "resnet": resnet}
 

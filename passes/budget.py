@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from graphmem.errors import UsageError
+from graphmem.passes.liveness import Liveness
+from graphmem.passes.saved import SavedSet
+from graphmem.passes.tensor_parallel import TPMarks, tp_marks
 from graphmem.stepgraph import StepGraph, Storage
-
-from .liveness import Liveness
-from .saved import SavedSet
-from .tensor_parallel import TPMarks, tp_marks
 
 ROWS = ("parameters", "buffers", "gradients", "optimizer states", "master copies", "activations", "temporaries")
 _KIND_ROW = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradients",

@@ -4,7 +4,7 @@ under a memory budget (dynamic program), its brute-force check, baselines and th
 The model. A step over a chain of n blocks is a sequence of *pieces*, each a run of ops whose
 effect on live memory is two numbers: ``high`` (the most bytes live above the level at its
 start) and ``net`` (the level change across it). Which pieces occur depends only on how each
-block is run (measured by graphmem/chain_costs.py from captures of the real step):
+block is run (measured by graphmem/planning/costs.py from captures of the real step):
 
   forward     a stored block, the first block of a checkpointed segment, a later one
   backward    segments from the last to the first: a stored block's backward; a segment's

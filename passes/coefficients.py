@@ -1,6 +1,6 @@
 """Exact polynomials from exact samples, and the per-block alpha/beta/gamma split.
 
-Pure functions (no capture): the driver (graphmem/formula.py) feeds them byte counts measured
+Pure functions (no capture): the driver (graphmem/formula/fit.py) feeds them byte counts measured
 by captures at chosen input sizes. Everything is exact rational arithmetic (sympy).
 """
 from __future__ import annotations

@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
+from graphmem.passes.saved import SavedSet
 from graphmem.stepgraph import StepGraph
-
-from .saved import SavedSet
 
 
 @dataclass(frozen=True)

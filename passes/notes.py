@@ -1,7 +1,7 @@
-"""Notes: ops in the step whose real memory fake tensors cannot see (graphmem/oprules.py)."""
+"""Notes: ops in the step whose real memory fake tensors cannot see (passes/oprules.py)."""
 from __future__ import annotations
 
-from graphmem.oprules import NOTE_RULES
+from graphmem.passes.oprules import NOTE_RULES
 from graphmem.stepgraph import StepGraph
 
 

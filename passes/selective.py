@@ -28,9 +28,17 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
 from graphmem.errors import PassError
-
-from .checkpoint import (ChainCosts, Evaluated, _Tables, all_plans, evaluate, frontier, minimum_peak, program,
-                         tables)
+from graphmem.passes.checkpoint import (
+    ChainCosts,
+    Evaluated,
+    _Tables,
+    all_plans,
+    evaluate,
+    frontier,
+    minimum_peak,
+    program,
+    tables,
+)
 
 ModalSegment = tuple[int, int, int]  # (first block, last block, mode)
 

@@ -4,7 +4,7 @@ Categories (each storage belongs to exactly one, for its whole live interval):
 
 - ``parameters``:  parameters and buffers (model state, live before the step)
 - ``gradients``:   the final ``.grad`` tensors, from the backward op that makes each one
-- ``optimizer``:   optimizer states and fp32 master copies (graphmem/train.py)
+- ``optimizer``:   optimizer states and fp32 master copies (graphmem/training/loop.py)
 - ``activations``: the storages saved for backward (what ``activation_bytes`` counts, the saved
   batch included), from the forward op that makes them to the backward op that frees them
 - ``other``:       everything else: inputs that are not saved, temporaries, the output and the
@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Iterable
 
+from graphmem.passes.liveness import Liveness
+from graphmem.passes.saved import SavedTensor
 from graphmem.stepgraph import StepGraph, Storage
-
-from .liveness import Liveness
-from .saved import SavedTensor
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
 

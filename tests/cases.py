@@ -60,7 +60,7 @@ def _ce(output: torch.Tensor, inputs: tuple) -> torch.Tensor:
 def square_loss(output: Any, inputs: tuple) -> torch.Tensor:
     """Sum of squares of every floating output: its gradient is dense, unlike `sum()`'s stride-0
     expand, which makes some CPU kernels copy it into scratch that no aten op owns."""
-    from graphmem.step import _floating_tensors
+    from graphmem.training.step import _floating_tensors
 
     parts = [(t * t).sum() for t in _floating_tensors(output) if t.requires_grad]
     return torch.stack(parts).sum()

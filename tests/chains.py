@@ -14,7 +14,6 @@ those pieces' nets, they leave the relations above as they are (the plan frees t
 from __future__ import annotations
 
 import random
-
 from dataclasses import replace
 
 from graphmem.passes.checkpoint import ChainCosts, Piece, Stage

@@ -4,6 +4,7 @@ hand-built StepGraph and on one real capture."""
 from __future__ import annotations
 
 import doctest
+import importlib
 
 import pytest
 import torch
@@ -12,11 +13,10 @@ import torch.nn as nn
 import graphmem
 from graphmem.errors import PassError
 from graphmem.passes import liveness
-import importlib
-
-allocator_module = importlib.import_module("graphmem.passes.allocator")  # the module, not the pass function
 from graphmem.passes.allocator import allocator, events_from_step, round_size, simulate
 from graphmem.stepgraph import OpNode, StepGraph, Storage
+
+allocator_module = importlib.import_module("graphmem.passes.allocator")  # the module, not the pass function
 
 KiB, MiB = 1 << 10, 1 << 20
 

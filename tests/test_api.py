@@ -11,9 +11,9 @@ import torch.nn as nn
 import torch.nn.modules.module as module_globals
 
 import graphmem
-from graphmem.measure import measure_saved
 from graphmem.models.gpt2 import GPT, GPTConfig
 from graphmem.report import Report
+from graphmem.validation.measure import measure_saved
 
 F32 = 4  # bytes per float32 element
 I64 = 8  # bytes per int64 element

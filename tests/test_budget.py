@@ -16,12 +16,12 @@ import torch
 import torch.nn as nn
 
 import graphmem
-from graphmem.capture import capture
+from graphmem.capture.capture import capture
+from graphmem.capture.target import make_target
 from graphmem.models import gpt2
 from graphmem.passes import liveness, saved
 from graphmem.passes.budget import budget, make_parallel
 from graphmem.passes.tensor_parallel import tp_marks
-from graphmem.target import make_target
 
 N = 4
 K = 12

@@ -3,29 +3,34 @@ fake tensors: 0 B; real CPU runs: within the ground-truth tolerance), never wors
 baselines, and `apply` is real torch.utils.checkpoint that leaves the module as it was."""
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
-import json
 from dataclasses import replace
 
 import pytest
 import torch
+from chains import rand_chain, rand_micro
 
 import graphmem
-from graphmem.capture import capture
-from graphmem.checkpointing import apply_segments
+from graphmem.capture.capture import capture
+from graphmem.capture.chains import find_chain
 from graphmem.errors import PassError, UsageError
-from graphmem.measure import measure_peak
 from graphmem.models import gpt2, llama
 from graphmem.passes import liveness
 from graphmem.passes.checkpoint import (
-    Piece, all_plans, evaluate, frontier, optimal, optimal_many, segments_of,
+    Piece,
+    all_plans,
+    evaluate,
+    frontier,
+    optimal,
+    optimal_many,
+    segments_of,
 )
-from graphmem.plan import chain_costs
-from graphmem.formula import find_chain
-
-from chains import rand_chain, rand_micro
+from graphmem.planning.apply import apply_segments
+from graphmem.planning.planner import chain_costs
+from graphmem.validation.measure import measure_peak
 
 LM_TOLERANCE = 0.001  # as tests/test_ground_truth.py: the real CPU peak, LMs
 
@@ -292,7 +297,7 @@ def test_plans_that_are_not_made_say_so_in_one_line() -> None:
 def test_plans_over_micro_batches_equal_recaptured_peaks_and_real_steps(k: int, opt: str | None) -> None:
     # GIVEN gradient accumulation over k micro-batches, then Adam: every micro-step runs the
     # plan's forward and recompute; the later ones beside the gradients of the earlier ones
-    from graphmem.train import TrainStep
+    from graphmem.training.loop import TrainStep
 
     model, x, loss = _gpt(6)
     report = graphmem.analyze(model, x, loss=loss, micro_batches=k, optimizer=opt)
@@ -320,7 +325,7 @@ def test_plans_over_micro_batches_equal_recaptured_peaks_and_real_steps(k: int, 
 
 def test_plans_with_the_optimizer_step_equal_recaptured_peaks() -> None:
     # GIVEN a step that ends with Adam's update (graphmem plan --optimizer adam)
-    from graphmem.train import TrainStep
+    from graphmem.training.loop import TrainStep
 
     model, x, loss = _gpt(6)
     report = graphmem.analyze(model, x, loss=loss, optimizer="adam")
@@ -342,7 +347,7 @@ def test_plans_with_the_optimizer_step_equal_recaptured_peaks() -> None:
 
 def test_cpu_attention_kernels_count_their_flops() -> None:
     # the flop counter has no entry for the CPU flash kernel; graphmem counts it as its CUDA twin
-    from graphmem.plan import op_flops
+    from graphmem.planning.planner import op_flops
 
     model = gpt2.build(gpt2.GPTConfig(vocab_size=101, block_size=32, n_layer=1, n_head=2, n_embd=32, dropout=0.0))
     report = graphmem.analyze(model, (torch.randint(0, 101, (2, 16)),), loss=gpt2.loss)
@@ -385,7 +390,7 @@ def _matmul_scratch(model: torch.nn.Module, x: tuple, loss: object) -> int:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    from graphmem.step import run_step
+    from graphmem.training.step import run_step
 
     model.train()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -447,7 +452,7 @@ def test_plans_with_tensors_only_checkpoints_keep(k: int) -> None:
     mod = _load("tests/plan_models/shared_inputs.py")
     torch.manual_seed(0)
     model, x = mod.model(), (torch.randint(0, 101, (4, 32)),)
-    from graphmem.train import TrainStep
+    from graphmem.training.loop import TrainStep
 
     report = graphmem.analyze(model, x, loss=mod.loss, micro_batches=k)
     planner = report.planner

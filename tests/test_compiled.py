@@ -3,7 +3,7 @@
 Ground truth: a REAL ``torch.compile(model, backend="aot_eager")`` training step on the CPU,
 its saved bytes counted by ``saved_tensors_hooks`` around the compiled step (AOTAutograd's
 runtime saves what the compiled forward returns for backward with ``ctx.save_for_backward``),
-deduplicated by storage, parameters excluded: graphmem.measure.measure_saved. 0 B difference.
+deduplicated by storage, parameters excluded: graphmem.validation.measure.measure_saved. 0 B difference.
 """
 from __future__ import annotations
 
@@ -14,18 +14,17 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from cases import MODELS, build
 
 import graphmem
 from graphmem import cli
-from graphmem.render import render_text
-from graphmem.compiled import CompiledGraphs, _Backend, module_path
+from graphmem.capture.compiled import CompiledGraphs, _Backend, module_path
 from graphmem.errors import DataDependentError, UsageError
-from graphmem.measure import measure_peak, measure_saved
-from graphmem.step import run_step
 from graphmem.models import mlp
 from graphmem.passes import recomputed
-
-from cases import MODELS, build
+from graphmem.render import render_text
+from graphmem.training.step import run_step
+from graphmem.validation.measure import measure_peak, measure_saved
 
 
 def real_compiled_saved(module: nn.Module, inputs: tuple, loss: Any, backend: Any = "aot_eager") -> int:

@@ -21,8 +21,14 @@ import torch.nn as nn
 
 import graphmem
 from graphmem import cli
-from graphmem.errors import (CaptureError, DataDependentError, GraphmemError, ModelLoadError,
-                             UnsupportedOpError, UsageError)
+from graphmem.errors import (
+    CaptureError,
+    DataDependentError,
+    GraphmemError,
+    ModelLoadError,
+    UnsupportedOpError,
+    UsageError,
+)
 
 BAD = Path(__file__).parent / "badmodels"
 

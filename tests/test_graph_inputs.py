@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import graphmem
-from graphmem.cli import main
-from graphmem.measure import measure_saved
+from graphmem.cli.main import main
 from graphmem.models import gpt2, mlp
+from graphmem.validation.measure import measure_saved
 
 
 def _real_saved(module: torch.nn.Module, inputs: tuple, loss) -> int:

@@ -3,7 +3,7 @@
 Saved bytes: 0 B difference (saved_tensors_hooks on the real forward, deduplicated by storage).
 
 Peak: measured from the CPU allocator's own events (torch.profiler, profile_memory=True; see
-graphmem/measure.py). graphmem sees every tensor an aten op allocates; a real CPU kernel may
+graphmem/validation/measure.py). graphmem sees every tensor an aten op allocates; a real CPU kernel may
 also allocate scratch *inside* one op (oneDNN convolution workspaces, TensorIterator buffers
 for stride-0 gradients such as the one `sum()` produces), which fake tensors cannot see. So:
   - predicted <= real always, and the gap is transient scratch of the op at the peak;
@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import BLOCKS, MODELS, build
 
 import graphmem
-from graphmem.measure import measure_peak, measure_saved
 from graphmem.models import resnet
-
-from cases import BLOCKS, MODELS, build
+from graphmem.validation.measure import measure_peak, measure_saved
 
 LM_TOLERANCE = 0.001  # transformers, MLP
 CONV_TOLERANCE = 0.025  # ResNet at 224x224, oneDNN conv scratch

@@ -5,12 +5,12 @@ import torch
 import torch.nn as nn
 
 import graphmem
-from graphmem.capture import capture
-from graphmem.formula import find_chain
+from graphmem.capture.capture import capture
+from graphmem.capture.chains import find_chain
+from graphmem.capture.reuse import _signature, blocks_alike, capture_reusing
+from graphmem.capture.target import make_target
 from graphmem.models import gpt2, llama
 from graphmem.passes import liveness, saved
-from graphmem.reuse import _signature, blocks_alike, capture_reusing
-from graphmem.target import make_target
 
 
 def _both(model: nn.Module, x: tuple, loss: object, target: object = None) -> tuple:

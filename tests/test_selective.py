@@ -10,23 +10,32 @@ import random
 
 import pytest
 import torch
-
-import graphmem
-from graphmem.capture import capture
-from graphmem.checkpointing import apply_segments
-from graphmem.errors import PassError, UsageError
-from graphmem.measure import measure_peak
-from graphmem.passes import liveness
-from graphmem.passes.checkpoint import ChainCosts, optimal as plain_optimal
-from graphmem.passes.selective import (
-    Modes, all_modal_plans, brute_force, evaluate_modes, every_block, knapsack, levels, modal_frontier,
-    modal_minimum_peak, optimal,
-)
-from graphmem.plan import op_flops
-from graphmem.selective import OpPolicy, block_ops, selective_planner
-
 from chains import _stage, piece
 from test_checkpoint_plans import LM_TOLERANCE, MODELS
+
+import graphmem
+from graphmem.capture.capture import capture
+from graphmem.errors import PassError, UsageError
+from graphmem.passes import liveness
+from graphmem.passes.checkpoint import ChainCosts
+from graphmem.passes.checkpoint import optimal as plain_optimal
+from graphmem.passes.selective import (
+    Modes,
+    all_modal_plans,
+    brute_force,
+    evaluate_modes,
+    every_block,
+    knapsack,
+    levels,
+    modal_frontier,
+    modal_minimum_peak,
+    optimal,
+)
+from graphmem.planning.apply import apply_segments
+from graphmem.planning.planner import op_flops
+from graphmem.planning.report_api import planner as selective_planner
+from graphmem.planning.selective import OpPolicy, block_ops
+from graphmem.validation.measure import measure_peak
 
 
 # -- the pure parts ----------------------------------------------------------------------------------
@@ -169,7 +178,7 @@ def test_selective_plans_under_autocast_equal_recaptured_peaks() -> None:
 
 def test_selective_plans_over_micro_batches_equal_recaptured_peaks() -> None:
     # GIVEN two micro-batches (the second beside the first's gradients) and selective levels
-    from graphmem.train import TrainStep
+    from graphmem.training.loop import TrainStep
 
     model, x, loss = MODELS["gpt2"]()
     report = graphmem.analyze(model, x, loss=loss, micro_batches=2)
@@ -345,7 +354,7 @@ def test_selective_mistakes_are_refused(sac: tuple) -> None:
 
 
 def test_cli_selective(tmp_path: object, capsys: pytest.CaptureFixture) -> None:
-    from graphmem.cli import main
+    from graphmem.cli.main import main
 
     model = tmp_path / "tiny_gpt.py"  # type: ignore[operator]
     model.write_text("from graphmem.models import gpt2\n"
@@ -363,7 +372,7 @@ def test_cli_selective(tmp_path: object, capsys: pytest.CaptureFixture) -> None:
 
 
 def test_selective_plans_as_text(sac: tuple) -> None:
-    from graphmem.plan import summarize
+    from graphmem.planning.planner import summarize
     from graphmem.render.plan import render_plan
 
     name, model, x, loss, report, planner = sac

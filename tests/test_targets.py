@@ -10,9 +10,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphmem
-from graphmem.cli import main
-from graphmem.cuda_rules import select_backend
-from graphmem.target import make_target
+from graphmem.capture.cuda_rules import select_backend
+from graphmem.capture.target import make_target
+from graphmem.cli.main import main
 
 B, H, S, HD = 2, 4, 40, 64
 BF16 = 2  # bytes
@@ -126,7 +126,7 @@ def test_cuda_bf16_gpt2_uses_flash_and_reports_it(capsys: pytest.CaptureFixture[
 @pytest.mark.parametrize("amp,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_cpu_amp_matches_a_real_cpu_autocast_run(amp: str, dtype: torch.dtype) -> None:
     """The CPU target runs PyTorch's own CPU autocast (bf16, and fp16 since torch 2.x): saved bytes equal a real run's."""
-    from graphmem.measure import measure_saved
+    from graphmem.validation.measure import measure_saved
 
     torch.manual_seed(0)
     net, x = TwoLinear(), (torch.randn(16, 32),)

@@ -2,7 +2,7 @@
 foundation's tolerance (tests/test_ground_truth.py: LMs and MLP 0.1 %, the prediction never
 above), micro-batches, master weights, LoRA and frozen parameters.
 
-The real runs use graphmem/train.py's loop itself (graphmem/measure.py), so both sides run
+The real runs use graphmem/training/loop.py's loop itself (graphmem/validation/measure.py), so both sides run
 the same step: micro-steps, ``optimizer.step()``, ``zero_grad(set_to_none=True)``.
 """
 from __future__ import annotations
@@ -10,16 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from cases import MODELS, build
 
 import graphmem
-from graphmem.capture import capture
-from graphmem.cli import main
-from graphmem.lora import LoRA, apply_lora
-from graphmem.measure import measure_peak
+from graphmem.capture.capture import capture
+from graphmem.cli.main import main
 from graphmem.passes import liveness
-from graphmem.train import TrainStep
-
-from cases import MODELS, build
+from graphmem.training.loop import TrainStep
+from graphmem.training.lora import LoRA, apply_lora
+from graphmem.validation.measure import measure_peak
 
 LM_TOLERANCE = 0.001
 COMBOS = [(o, i) for o in ("sgd", "momentum", "adam", "adamw", "adafactor") for i in ("forloop", "foreach", "fused")

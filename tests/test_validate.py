@@ -16,12 +16,13 @@ import torch
 from torch import nn
 
 import graphmem
-from graphmem import cli, measure
+from graphmem import cli
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.models import llama
-from graphmem.validate import NO_GPU, Validation, ValidationError, validate
+from graphmem.validation import measure
+from graphmem.validation.validate import NO_GPU, Validation, ValidationError, validate
 
-validate_module = importlib.import_module("graphmem.validate")  # graphmem.validate is the function
+validate_module = importlib.import_module("graphmem.validation.validate")
 MODELS = Path(__file__).parent / "validate_models"
 TINY = {"tiny_gpt2": (2, 16), "tiny_llama": (2, 16), "tiny_mlp": (4, 64)}
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -1,12 +1,11 @@
 """Renderers: Report -> str."""
 import json
 
+from graphmem.render.markdown import render_markdown
+from graphmem.render.text import render_text
+from graphmem.render.tree import render_tree
 from graphmem.report import Report
-
-from .markdown import render_markdown
-from .text import render_text
-from .tree import render_tree
-from .units import fmt_bytes
+from graphmem.units import fmt_bytes
 
 
 def render_json(report: Report) -> str:

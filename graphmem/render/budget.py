@@ -7,7 +7,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from .units import fmt_bytes
+from graphmem.units import fmt_bytes
 
 _WHY = {
     "optimizer": "the optimizer step: its states (made on the first step) and the intermediates of "

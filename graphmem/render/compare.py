@@ -4,9 +4,8 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from graphmem.compare import Comparison, SavedGroup
-
-from .text import ROOT
-from .units import fmt_bytes
+from graphmem.render.text import ROOT
+from graphmem.units import fmt_bytes
 
 
 def _signed(n: int) -> str:

@@ -4,8 +4,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from graphmem.passes import ModeComparison
-
-from .units import fmt_bytes
+from graphmem.units import fmt_bytes
 
 ROOT = "(model)"
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from .units import fmt_bytes
+from graphmem.units import fmt_bytes
 
 
 def _q(x: Fraction) -> str:

@@ -12,10 +12,9 @@ from typing import Any, Optional
 
 from graphmem.errors import UsageError
 from graphmem.passes.timeline import CATEGORIES, CategoryTimeline, category_timeline
+from graphmem.render.text import _module, _shapes
 from graphmem.report import Report
-
-from .text import _module, _shapes
-from .units import _UNITS, fmt_bytes
+from graphmem.units import _BINARY, fmt_bytes
 
 LABELS = {
     "parameters": "parameters + buffers",
@@ -47,9 +46,9 @@ def report_timeline(report: Report, purpose: str = "to plot it") -> CategoryTime
 
 def _unit(nbytes: int) -> tuple[str, int]:
     k = 0
-    while k + 1 < len(_UNITS) and nbytes >= 1024 ** (k + 1):
+    while k + 1 < len(_BINARY) and nbytes >= 1024 ** (k + 1):
         k += 1
-    return _UNITS[k], 1024 ** k
+    return _BINARY[k], 1024 ** k
 
 
 def _steps(values: tuple[int, ...], scale: int) -> list[float]:
@@ -87,7 +86,7 @@ def _phases(ax: Any, report: Report) -> None:
     top = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
     n = report.num_ops
     loss, bwd = report.phase_start.get("loss", n), report.phase_start.get("backward", n)
-    fwd, opt = report.phase_start.get("forward", 0), report.phase_start.get("optimizer", n)  # graphmem/train.py
+    fwd, opt = report.phase_start.get("forward", 0), report.phase_start.get("optimizer", n)  # graphmem/training/loop.py
     for x in (fwd, loss, bwd, opt):
         if 0 < x < n:
             ax.axvline(x, color="0.35", lw=0.9, ls="--", zorder=3)

@@ -6,11 +6,11 @@ from typing import Any
 
 from tabulate import tabulate
 
-from .units import fmt_bytes
+from graphmem.units import fmt_bytes
 
 
 def render_levels(levels: Any, fmt_flops: Any) -> list[str]:
-    """Lines for a graphmem.selective.Levels."""
+    """Lines for a graphmem.planning.Levels."""
     names = [p.name for p in levels.policies]
     rows = []
     for o in levels.ops:

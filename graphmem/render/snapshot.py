@@ -26,10 +26,9 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+from graphmem.render.plot import report_timeline
 from graphmem.report import Report
 from graphmem.stepgraph import Storage
-
-from .plot import report_timeline
 
 BASE_ADDRESS = 0x7F0000000000
 ALIGN = 512  # the CUDA caching allocator's block granularity

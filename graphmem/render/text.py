@@ -5,8 +5,7 @@ from tabulate import tabulate
 
 from graphmem.passes import ModuleSaved
 from graphmem.report import Report
-
-from .units import fmt_bytes, fmt_share
+from graphmem.units import fmt_bytes, fmt_share
 
 ROOT = "(model)"
 
@@ -28,7 +27,7 @@ def _lifetime(report: Report, created: int, released: int | None) -> str:
 
 def _module(path: str, report: Report | None = None, created: int = -1) -> str:
     if not path and report is not None and created >= report.phase_start.get("optimizer", report.num_ops):
-        return "(optimizer)"  # made by the optimizer step (graphmem/train.py)
+        return "(optimizer)"  # made by the optimizer step (graphmem/training/loop.py)
     if not path and report is not None and created >= report.phase_start.get("loss", report.num_ops):
         return "(loss)"  # made by the loss function, outside every module
     return path or ROOT
@@ -90,15 +89,15 @@ def render_text(report: Report, depth: int = 3, top: int = 10) -> str:
               tabulate(rows, headers=["tensor", "kind", "module", "shape", "bytes"], tablefmt="simple",
                        colalign=("left", "left", "left", "left", "right"))]
     if report.compiled is not None:
-        from .compiled import render_modes
+        from graphmem.render.compiled import render_modes
 
         lines += ["", render_modes(report.compiled, depth, top).rstrip("\n")]
     if report.known_coefficients is not None:
-        from .formula import render_coefficients
+        from graphmem.render.formula import render_coefficients
 
         lines += ["", render_coefficients(report.known_coefficients).rstrip("\n")]
     if report.budget is not None:
-        from .budget import render_budget
+        from graphmem.render.budget import render_budget
 
         lines += ["", render_budget(report.budget).rstrip("\n")]
     if report.notes:

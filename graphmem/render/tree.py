@@ -10,10 +10,9 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from graphmem.passes import ModuleSaved
+from graphmem.render.text import ROOT, _shapes, _shown_modules
 from graphmem.report import Report
-
-from .text import ROOT, _shapes, _shown_modules
-from .units import fmt_bytes, fmt_share
+from graphmem.units import fmt_bytes, fmt_share
 
 
 def _parent(path: str) -> str:

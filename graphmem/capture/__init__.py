@@ -1,0 +1,17 @@
+"""Capture: one training step of a model on fake tensors, recorded as a StepGraph.
+
+load.py (model files, presets, default inputs) · target.py (device, dtypes, autocast, SDPA
+backend, mode) · cuda_rules.py (the CUDA target's memory rules on fake CPU tensors) ·
+fakes.py (fake state and batch) · recorder.py (the fake mode that records ops, storages,
+saves, frees, module paths) · capture.py (the step) · compiled.py (torch.compile's step) ·
+chains.py (chains of identical blocks) · reuse.py (deep chains captured at depth 5, widened) ·
+recompute.py (the context a checkpointed segment's recompute runs in).
+"""
+from graphmem.capture.capture import capture
+from graphmem.capture.chains import Chain, find_chain, truncated
+from graphmem.capture.load import Loaded, load, make_inputs, parse_shape
+from graphmem.capture.reuse import capture_reusing
+from graphmem.capture.target import Target, make_target
+
+__all__ = ["capture", "capture_reusing", "Chain", "find_chain", "truncated", "Loaded", "load", "make_inputs",
+           "parse_shape", "Target", "make_target"]

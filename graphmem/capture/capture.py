@@ -1,0 +1,191 @@
+"""Run ONE training step on fake tensors and record it as a StepGraph.
+
+How: the fake mode itself (graphmem/capture/recorder.py) sees every aten op in the order eager
+autograd runs it (forward, loss, backward), below autograd, so the saved set is exactly what
+eager autograd saves. ``saved_tensors_hooks`` report which storage each grad_fn saves; the
+packed handle's destruction is autograd releasing it. A weakref on each storage reports when
+it is freed. Nothing real is allocated: parameters, buffers and inputs become fresh fake
+tensors of the same shape/stride/dtype on the target device, swapped into the user's module
+for the step (torch.nn.utils.stateless, as ``torch.func.functional_call`` does, but through
+backward too, where checkpointed segments run their forward again); its own tensors are not
+touched.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from graphmem.capture.cuda_rules import CudaRules
+from graphmem.capture.fakes import Inputs, fake_batch, fake_state, forward_context, translate_error
+from graphmem.capture.recompute import segment_scope
+from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _unique_counts
+from graphmem.capture.target import Target
+from graphmem.errors import GraphmemError
+from graphmem.stepgraph import StepGraph
+from graphmem.training.loop import Session, TrainStep, relabel_accumulation
+from graphmem.training.step import LossFn, default_loss, run_step
+
+
+@contextlib.contextmanager
+def _cache_clears(cap: _Recorder) -> Iterator[None]:
+    """Mark what CPU autocast's cache clears free (``torch.autocast.__exit__`` calls
+    ``torch.clear_autocast_cache`` when the outermost context exits, in forward and in a
+    checkpoint's recompute)."""
+    clear = torch.clear_autocast_cache
+
+    def marked() -> None:
+        with cap.clearing_cache():
+            clear()
+
+    torch.clear_autocast_cache = marked  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.clear_autocast_cache = clear  # type: ignore[assignment]
+
+
+def capture(
+    model: nn.Module,
+    inputs: Inputs,
+    loss_fn: Optional[LossFn] = None,
+    device: Union[str, torch.device, Target] = "cpu",
+    train: Optional[TrainStep] = None,
+) -> StepGraph:
+    """Record one training step of ``model`` on fake tensors.
+
+    ``inputs`` is a tuple of tensors (real, meta or fake: only their shapes and dtypes are
+    used) or a zero-argument callable run under the fake mode with the fake device as the
+    default device (so ``torch.randint(...)`` inside it makes fake tensors). ``device`` is a
+    device name or a Target (graphmem/capture/target.py); the CUDA target runs on fake CPU tensors
+    with CUDA's rules applied.
+    ``train`` (graphmem/training/loop.py) adds micro-batches and the optimizer step
+    with ``zero_grad`` after backward, in phase "optimizer".
+    """
+    target = device if isinstance(device, Target) else Target(str(torch.device(device).type))
+    device = torch.device("cpu")  # see graphmem/capture/target.py for why the CUDA target runs here
+    dtype = target.param_dtype
+    backends: dict[str, int] = {}
+    _unique_counts()  # calibrate before entering the fake mode
+    paths = {id(m): name for name, m in model.named_modules()}
+    cap = _Recorder(paths)
+    if target.device == "cuda":
+        cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)
+        cap.fp32_norm_stats = True
+    fake_mode = _Mode(cap)
+    training = [(m, m.training) for m in model.modules()]
+    handles = []
+    compiled: Any = None
+    try:
+        for m in model.modules():  # train mode (set directly: an exported module refuses .train())
+            m.training = True
+        if target.mode == "compiled":  # torch.compile's step, traced once on its own fake tensors
+            from graphmem.capture.compiled import CompiledStep
+
+            compiled = CompiledStep.trace(model, inputs, loss_fn, target)
+        with fake_mode:
+            state, seen = fake_state(model, device, dtype, cap.preexisting)
+            fake_inputs = fake_batch(inputs, fake_mode, device, dtype)
+            for i, x in enumerate(fake_inputs):
+                if isinstance(x, torch.Tensor):
+                    cap.preexisting(x, "input", f"input_{i}")
+            session = _session(train, model, seen, cap, target.device)
+        marked: dict[str, list[int]] = {}
+        mark = _marker(cap, seen, model, marked)  # before the step swaps the fake parameters into the module
+        handles = [] if compiled is not None else [  # compiled: modules come from the graphs' node metadata
+            nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
+            nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True),  # also when a recompute stops early
+        ]
+
+        def forward(*args: Any) -> Any:
+            if compiled is not None:
+                return compiled.replay(cap, args)
+            return model(*args)
+
+        def tagged_loss(out: Any, inputs: tuple) -> torch.Tensor:
+            loss = (loss_fn or default_loss)(out, inputs)
+            if isinstance(loss, torch.Tensor):
+                _tag_grad_fns(loss, "")  # the loss's nodes (and any left untagged) belong to the root
+            return loss
+
+        try:
+            # the fake parameters stay in the module through backward: checkpointed
+            # segments (torch.utils.checkpoint) run their forward again there
+            with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
+                    _reparametrize_module(model, state, tie_weights=True, strict=False), \
+                    _rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
+                    segment_scope(cap.recompute_scope):
+                cap.recording = True
+                context = forward_context(target, backends, cap.clearing_cache)
+                if session is None:
+                    out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, context)
+                else:
+                    out, loss = session.run(forward, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True)
+                    relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
+                gradient_sids = list(dict.fromkeys(marked.get("gradient", []) + [
+                    _gradient(cap, p) for p in seen.values() if p.grad is not None]))
+                for sid in gradient_sids:  # the op that made it stays its name; it lives on as a .grad
+                    cap.storages[sid].kind = "gradient"
+        except GraphmemError:
+            raise
+        except Exception as e:  # translate into a one-line error that names the fix
+            raise translate_error(e, cap, type(model).__name__) from e
+        phase_start = dict(cap.phase_start)
+        phase_start["end"] = len(cap.ops)
+        if compiled is not None:
+            compiled.check_replayed()
+        return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
+                         gradient_sids, type(model).__name__, [name for name, _ in model.named_modules()],
+                         compiled.module_inputs if compiled is not None else cap.module_inputs, target, backends,
+                         compiled=compiled.summary() if compiled is not None else None,
+                         train=train if session is not None else None, micro_steps=tuple(cap.micro_steps))
+    finally:
+        cap.closed = True  # before out/loss/state die with this frame: those frees are after the step
+        if compiled is not None:
+            compiled.close()
+        for h in handles:
+            h.remove()
+        for m, was in training:
+            m.training = was
+
+
+def _gradient(cap: _Recorder, p: torch.Tensor) -> int:
+    assert p.grad is not None
+    s = cap.storage(p.grad, "gradient", "grad", len(cap.ops) - 1, "")
+    s.owner = cap.live[p.untyped_storage()._cdata].sid
+    return s.sid
+
+
+def _session(train: Optional[TrainStep], model: nn.Module, seen: dict[int, torch.Tensor], cap: _Recorder,
+             device: str) -> Optional[Session]:
+    """The optimizer (and fp32 masters, placeholders like the parameters) for ``train``."""
+    if train is None or not train.active:
+        return None
+    named = {name: seen[id(p)] for name, p in model.named_parameters()}
+    session = Session(train, named, device)
+    for name, m in session.masters.items():
+        cap.preexisting(m, "master", f"{name} (fp32 master)")
+        cap.storages[cap.placeholders[-1].meta["storage"]].owner = cap.live[named[name].untyped_storage()._cdata].sid
+    return session
+
+
+def _marker(cap: _Recorder, seen: dict[int, torch.Tensor], model: nn.Module,
+            marked: dict[str, list[int]]) -> Callable[[str, list[tuple[str, torch.Tensor]]], None]:
+    """Sets the kind of the storages the training step names (gradients, optimizer states, fp32
+    gradient copies) and the parameter each belongs to (``Storage.owner``: its storage id)."""
+    param_sid = {name: cap.live[seen[id(p)].untyped_storage()._cdata].sid for name, p in model.named_parameters()}
+
+    def mark(kind: str, named: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in named:
+            s = cap.storage(t, kind, kind, len(cap.ops) - 1, "")
+            s.kind = kind
+            if kind != "gradient":
+                s.name = f"{name} ({kind})"
+            s.owner = param_sid.get(name.split(":")[0])
+            marked.setdefault(kind, []).append(s.sid)
+    return mark
+
+

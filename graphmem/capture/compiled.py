@@ -1,0 +1,314 @@
+"""Compiled mode: the step ``torch.compile(model)`` runs, with AOTAutograd's joint graph split by
+PyTorch's default min-cut rematerialization partitioner and no Inductor code generation (the
+``aot_eager`` backend's settings), so the saved set is what the compiled forward returns for
+backward.
+
+How: two runs of the step, both on fake tensors, nothing real allocated.
+
+1. ``CompiledStep.trace``: ``torch.compile(model, backend=..., dynamic=False)`` runs forward,
+   loss and backward on a plain FakeTensorMode. Dynamo captures the graphs exactly as it would
+   for real tensors (graph breaks, lifted buffers, decompositions: dynamo makes its own fake
+   copies either way), and the backend (``aot_eager`` itself, given recording compilers) keeps
+   every forward and backward fx graph the partitioner produced.
+2. ``CompiledStep.replay`` (inside graphmem's capture): the same call under
+   ``torch._dynamo.run`` (run-only: the code cached in step 1, no new compilation) on
+   graphmem's recorded fake tensors. AOTAutograd's runtime calls ``ctx.save_for_backward`` with
+   the tensors the compiled forward returns for backward, so graphmem's ``saved_tensors_hooks``
+   see exactly the compiled saved set; ops outside the graphs (graph breaks, the loss) run
+   eagerly as they would for real. Each graph runs through an ``fx.Interpreter`` that tells the
+   recorder the module of the node running (its ``nn_module_stack``), since module hooks inside
+   a compiled graph never fire.
+
+Every compiled graph must run as often in the replay as in the trace (``check_replayed``); the
+cache entries the trace added are removed afterwards (``close``), so analyses do not pile up in
+dynamo's cache or hit its recompile limit.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
+from graphmem.capture.target import Target
+from graphmem.errors import CaptureError, GraphmemError
+from graphmem.training.step import LossFn, run_step
+
+_INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+
+
+def module_path(stack: Optional[dict], names: frozenset[str]) -> str:
+    """The innermost module of an ``nn_module_stack`` entry, as a ``named_modules()`` path.
+
+    Dynamo names modules from its sources: ``L['self'].transformer.h.0``, ``L['self'].h[0]``,
+    ``L['self']._modules['attn']``; the root is ``L['self']`` (``torch.compile(model)``) or
+    ``L['graphmem_root']`` (graphmem's own compiled call)."""
+    if not stack:
+        return ""
+    source = list(stack.values())[-1][0]
+    dotted = _INDEX.sub(r".\1", str(source)).replace("._modules.", ".")
+    parts = [p for p in dotted.split(".") if p]
+    if parts[:2] in (["L", "self"], ["L", _ROOT]):  # the module torch.compile was given
+        parts = parts[2:]
+    path = ".".join(parts)
+    return path if path in names else ""
+
+
+_ROOT = "graphmem_root"
+
+
+def _call(graphmem_root: nn.Module, *args: Any) -> Any:
+    """What gets compiled: a call of the model, as ``torch.compile(model)(*args)`` traces it."""
+    return graphmem_root(*args)
+
+
+def _fresh_call() -> Callable[..., Any]:
+    """``_call`` with a code object of its own: dynamo keeps compiled code on code objects, so
+    each analysis compiles, replays and then drops its own entries without touching others."""
+    import types
+
+    return types.FunctionType(_call.__code__.replace(), _call.__globals__, "graphmem_step")
+
+
+@dataclass
+class CompiledGraph:
+    """One graph AOTAutograd compiled: ``kind`` is "forward" or "backward"."""
+
+    kind: str
+    graph: fx.GraphModule
+    modules: dict[fx.Node, str]  # node -> module path ("" when unknown)
+    calls: int = 0  # times run in the trace
+    replays: int = 0  # times run in the replay
+
+
+@dataclass(frozen=True)
+class CompiledGraphs:
+    """What a StepGraph keeps of the compilation: the graphs and dynamo's graph breaks."""
+
+    graphs: tuple[CompiledGraph, ...]
+    graph_breaks: tuple[str, ...] = ()
+
+    @property
+    def forward(self) -> tuple[CompiledGraph, ...]:
+        return tuple(g for g in self.graphs if g.kind == "forward")
+
+    @property
+    def backward(self) -> tuple[CompiledGraph, ...]:
+        return tuple(g for g in self.graphs if g.kind == "backward")
+
+
+class _Run(fx.Interpreter):
+    """Runs a compiled graph node by node; during the replay it sets the recorder's module."""
+
+    def __init__(self, graph: CompiledGraph, backend: "_Backend") -> None:
+        super().__init__(graph.graph)
+        self.cg, self.backend = graph, backend
+
+    def run_node(self, n: fx.Node) -> Any:
+        rec = self.backend.recorder
+        if rec is None or n.op in ("placeholder", "output"):
+            return super().run_node(n)
+        before = rec.node_module
+        rec.node_module = self.cg.modules.get(n, "")
+        try:
+            return super().run_node(n)
+        finally:
+            rec.node_module = before
+
+
+class _Backend:
+    """A dynamo backend: ``aot_eager`` (AOTAutograd, min-cut partition, nothing generated) with
+    compilers that keep each graph and run it through ``_Run``."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+        self.graphs: list[CompiledGraph] = []
+        self.recorder: Any = None  # graphmem's recorder during the replay
+        self.replaying = False
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs, fw_compiler=self._compiler("forward"),
+                         bw_compiler=self._compiler("backward"))
+
+    def _compiler(self, kind: str) -> Callable[[fx.GraphModule, list], Callable[..., Any]]:
+        def compile(gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+            key = "nn_module_stack" if kind == "forward" else "fwd_nn_module_stack"
+            modules = {n: module_path(n.meta.get("nn_module_stack") or n.meta.get(key), self.names)
+                       for n in gm.graph.nodes}
+            cg = CompiledGraph(kind, gm, modules)
+            self.graphs.append(cg)
+            interpreter = _Run(cg, self)
+
+            def run(args: list) -> Any:
+                if self.replaying:
+                    cg.replays += 1
+                else:
+                    cg.calls += 1
+                try:
+                    return interpreter.boxed_run(args)  # boxed: frees the inputs as it goes, like aot_eager
+                finally:
+                    interpreter.env = {}  # the interpreter keeps the output node's value: let the caller own it
+                    node = torch._C._current_autograd_node() if kind == "backward" else None
+                    if node is not None:  # what capture's post hook does for other nodes
+                        from graphmem.capture.recorder import _DONE
+
+                        node.metadata[_DONE] = True
+            run._boxed_call = True  # type: ignore[attr-defined]
+            return run
+        return compile
+
+
+class CompiledStep:
+    """One model compiled by torch.compile on fake tensors, ready to replay under capture."""
+
+    def __init__(self, model: nn.Module, backend: _Backend, call: Callable[..., Any], codes: dict[int, int],
+                 breaks: tuple[str, ...], module_inputs: dict[str, tuple[int, ...]]) -> None:
+        self.model, self.backend, self.call = model, backend, call
+        self._codes_before = codes
+        self.graph_breaks = breaks
+        self.module_inputs = module_inputs
+
+    @staticmethod
+    def trace(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target) -> "CompiledStep":
+        """Compile and run one step of ``model`` on a plain fake mode (step 1 above)."""
+        from torch._dynamo.utils import counters
+
+
+        names = frozenset(name for name, _ in model.named_modules())
+        backend = _Backend(names)
+        call = _fresh_call()
+        optimized = torch.compile(call, backend=backend, dynamic=False)
+        codes = _cache_sizes()
+        breaks_before = dict(counters["graph_break"])
+        mode = FakeTensorMode()
+        device = torch.device("cpu")
+        module_inputs = _module_inputs(model, mode, inputs, target)
+        step = CompiledStep(model, backend, call, codes, (), module_inputs)
+        phase = ["forward"]
+        try:  # a model compiled before in this process may have used up dynamo's recompile limit
+            with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
+                state, _ = fake_state(model, device, target.param_dtype)
+                batch = fake_batch(inputs, mode, device, target.param_dtype)
+                with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False):
+                    run_step(lambda *a: optimized(model, *a), batch, loss_fn, lambda p: phase.__setitem__(0, p),
+                             forward_context(target, {}))
+        except GraphmemError:
+            step.close()
+            raise
+        except Exception as e:
+            step.close()
+            raise _translate(e, phase[0], type(model).__name__) from e
+        step.graph_breaks = tuple(f"{reason} (× {n - breaks_before.get(reason, 0)})"
+                                  for reason, n in counters["graph_break"].items() if n > breaks_before.get(reason, 0))
+        if not backend.graphs:
+            step.close()
+            raise CaptureError(f"torch.compile made no graph of {type(model).__name__}.forward (dynamo ran it "
+                               "eagerly); compiled mode needs at least one compiled graph: check "
+                               "torch._dynamo.explain(model)(*inputs)")
+        return step
+
+    def replay(self, rec: Any, args: tuple) -> Any:
+        """The forward, run from the compiled code on graphmem's fake tensors (step 2 above);
+        the capture has put its fake parameters into the module."""
+        self.backend.recorder, self.backend.replaying = rec, True
+        return torch._dynamo.run(self.call)(self.model, *args)
+
+    def check_replayed(self) -> None:
+        """The replay ran the same compiled graphs as the trace, as often."""
+        for g in self.backend.graphs:
+            if g.calls != g.replays:
+                raise CaptureError(
+                    f"the replay of the compiled step ran a {g.kind} graph {g.replays} times, the trace "
+                    f"{g.calls} times (dynamo's cached code did not match graphmem's fake tensors); "
+                    "rerun with --debug and report it")
+
+    def summary(self) -> CompiledGraphs:
+        return CompiledGraphs(tuple(self.backend.graphs), self.graph_breaks)
+
+    def close(self) -> None:
+        """Drop the cache entries this compilation added to code objects that had none."""
+        from torch._dynamo.eval_frame import reset_code
+
+        self.backend.recorder, self.backend.replaying = None, False
+        reset_code(self.call.__code__)
+        for code in _codes():
+            if self._codes_before.get(id(code), 0) == 0 and _entries(code):
+                reset_code(code)
+
+
+def _codes() -> list[Any]:
+    from torch._dynamo import convert_frame
+
+    out = []
+    for tracker in (convert_frame.input_codes, convert_frame.output_codes):
+        for ref in list(tracker.seen):
+            code = ref()
+            if code is not None:
+                out.append(code)
+    return out
+
+
+def _entries(code: Any) -> int:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(code))
+
+
+def _cache_sizes() -> dict[int, int]:
+    return {id(code): _entries(code) for code in _codes()}
+
+
+def _module_inputs(model: nn.Module, mode: FakeTensorMode, inputs: Any, target: Target) -> dict[str, tuple[int, ...]]:
+    """First input shape of each module, from an eager forward without grad (graph code runs no
+    module hooks; the shapes are the same either way)."""
+    from graphmem.capture.recorder import _tensors
+
+    paths = {id(m): name for name, m in model.named_modules()}
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def pre(module: nn.Module, args: Any) -> None:
+        path = paths.get(id(module))
+        if path is not None and path not in shapes:
+            first = next(iter(_tensors(args)), None)
+            shapes[path] = tuple(first.shape) if first is not None else ()
+
+    device = torch.device("cpu")
+    handle = nn.modules.module.register_module_forward_pre_hook(pre)
+    try:
+        with mode, torch.no_grad():
+            state, _ = fake_state(model, device, target.param_dtype)
+            batch = fake_batch(inputs, mode, device, target.param_dtype)
+            torch.func.functional_call(model, state, batch, strict=False, tie_weights=True)
+    except Exception:
+        pass  # the compiled trace reports what fails, with its own message
+    finally:
+        handle.remove()
+    return shapes
+
+
+def _translate(e: Exception, phase: str, root: str) -> GraphmemError:
+    """Dynamo wraps what fails while tracing; translate the innermost cause like an eager capture."""
+    from graphmem.capture.recorder import _Recorder
+
+    inner: BaseException = e
+    while inner.__cause__ is not None and not isinstance(inner, GraphmemError):
+        inner = inner.__cause__
+    if isinstance(inner, GraphmemError):
+        return inner
+    rec = _Recorder({})
+    rec.phase = phase
+    err = translate_error(inner if isinstance(inner, Exception) else e, rec, root)
+    if isinstance(err, CaptureError) and type(err) is CaptureError:
+        msg = str(inner).strip().splitlines()[0] if str(inner).strip() else type(inner).__name__
+        return CaptureError(f"torch.compile of {root} failed on fake tensors in the {phase}: {type(inner).__name__}: "
+                            f"{msg}; check that torch.compile(model, backend=\"aot_eager\") runs it, or use --mode eager")
+    return err
+
+

@@ -1,0 +1,167 @@
+"""CUDA's memory-relevant rules, applied to a step running on fake CPU tensors.
+
+A TorchFunctionMode (above autograd, so autograd saves what the CUDA kernels would save):
+- dropout: CUDA's ``at::dropout`` takes the fused ``native_dropout`` path (a bool mask, 1 B an
+  element) where the CPU multiplies by float noise (aten/src/ATen/native/Dropout.cpp,
+  ``is_fused_kernel_acceptable``);
+- scaled_dot_product_attention: the backend CUDA picks (``select_backend``, after
+  aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) runs through its own aten op, whose
+  autograd formula saves exactly what the kernel keeps (flash: fp32 logsumexp (b, h, s) and the
+  RNG seed/offset; memory-efficient: logsumexp padded to a multiple of 32; cuDNN: (b, h, s, 1)
+  stats); the math backend is ATen's ``_scaled_dot_product_attention_math`` written out, with
+  CUDA's fused dropout and its fp32 upcast of half inputs;
+- autocast (``amp``): CUDA's cast lists (torch/amp autocast_mode.cpp, the CUDA kernels
+  registered as lower_precision_fp and fp32) for the ops below; casts of parameters are cached
+  for the forward, as autocast caches casts of leaf tensors that require grad.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from graphmem.capture.target import Target
+
+LOWER_PRECISION = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
+                   torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.addmm, torch.addbmm, F.conv1d, F.conv2d,
+                   F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, F.prelu,
+                   F.scaled_dot_product_attention}
+FP32 = {F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
+        torch.Tensor.log_softmax, F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
+        F.binary_cross_entropy_with_logits, F.kl_div, F.cosine_similarity, torch.exp, torch.Tensor.exp, torch.log,
+        torch.Tensor.log, torch.pow, torch.Tensor.pow, torch.rsqrt, torch.Tensor.rsqrt, torch.sum, torch.Tensor.sum,
+        torch.cumsum, torch.Tensor.cumsum, torch.logsumexp, torch.Tensor.logsumexp, torch.norm, torch.Tensor.norm,
+        F.softplus}
+DROPOUT = {F.dropout, torch.dropout}
+
+
+def select_backend(target: Target, q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                   enable_gqa: bool) -> str:
+    """Which SDPA kernel CUDA runs, in PyTorch's priority order flash > efficient > math
+    (cuDNN only when asked for). See the table in README.md."""
+    if target.attention != "auto":
+        return target.attention
+    major, _ = target.capability
+    hd = q.shape[-1]
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    same_heads = q.shape[-3] == k.shape[-3]
+    if attn_mask is None and half and major >= 8 and hd <= 256 and hd % 8 == 0 and (same_heads or enable_gqa):
+        return "flash"
+    aligned = hd % (4 if q.dtype == torch.float32 else 8) == 0
+    if aligned and same_heads and (q.dtype != torch.bfloat16 or major >= 8) and major >= 5:
+        return "efficient"
+    return "math"
+
+
+def _float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask becomes an additive float mask (sdp_utils convert_boolean_attn_mask)."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], p: float,
+          causal: bool, scale: Optional[float]) -> torch.Tensor:
+    """ATen's _scaled_dot_product_attention_math as CUDA runs it: half inputs upcast to fp32,
+    the scale split over q and k, a float causal mask, _safe_softmax, fused dropout."""
+    origin = q.dtype
+    if origin in (torch.float16, torch.bfloat16):
+        q, k, v = q.float(), k.float(), v.float()
+    factor = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    attn = torch.matmul(q * factor, k.transpose(-2, -1) * factor)  # (b, h, s, s)
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        attn = attn + _float_mask(mask, attn.dtype)
+    attn = torch.ops.aten._safe_softmax(attn, -1)
+    if p > 0:
+        attn = torch.ops.aten.native_dropout(attn, p, True)[0]
+    return torch.matmul(attn, v).to(origin)
+
+
+def sdpa(target: Target, used: dict[str, int], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+         attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
+         scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
+    backend = select_backend(target, query, key, attn_mask, enable_gqa)
+    used[backend] = used.get(backend, 0) + 1
+    aten = torch.ops.aten
+    if backend == "flash":
+        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    bias = _float_mask(attn_mask, query.dtype) if attn_mask is not None else None
+    if backend == "efficient":
+        return aten._scaled_dot_product_efficient_attention(query, key, value, bias, need_lse, dropout_p, is_causal,
+                                                            scale=scale)[0]
+    if backend == "cudnn":
+        return aten._scaled_dot_product_cudnn_attention(query, key, value, bias, need_lse, dropout_p, is_causal, False,
+                                                        scale=scale)[0]
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
+    return _math(query, key, value, attn_mask, dropout_p, is_causal, scale)
+
+
+class CudaRules(TorchFunctionMode):
+    """Installs the rules above for one step (see the module docstring)."""
+
+    def __init__(self, target: Target, backends: Optional[dict[str, int]] = None,
+                 clearing: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
+        super().__init__()
+        self.clearing = clearing  # wraps emptying the cast cache (the recorder marks what dies there)
+        self.target = target
+        self.amp = target.amp_dtype
+        self.casts: dict[int, torch.Tensor] = {}  # id(parameter) -> its cached low-precision copy
+        self.backends: dict[str, int] = {} if backends is None else backends  # SDPA backend -> calls
+
+    def _cast(self, x: Any, dtype: torch.dtype) -> Any:
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype and x.dtype != torch.float64):
+            return x
+        if x.is_leaf and x.requires_grad:  # a parameter: one cached copy per forward
+            if id(x) not in self.casts:
+                self.casts[id(x)] = x.to(dtype)
+            return self.casts[id(x)]
+        return x.to(dtype)
+
+    def _cast_all(self, args: tuple, kwargs: dict, dtype: torch.dtype, only_lower: bool = False) -> tuple[tuple, dict]:
+        def one(a: Any) -> Any:
+            if isinstance(a, (list, tuple)):
+                return type(a)(one(x) for x in a)
+            if only_lower and isinstance(a, torch.Tensor) and a.dtype not in (torch.float16, torch.bfloat16):
+                return a
+            return self._cast(a, dtype)
+        return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+    def __exit__(self, *exc: Any) -> Any:
+        with self.clearing():
+            self.casts.clear()  # autocast empties its cast cache when its outermost context exits
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if self.amp is not None:
+            if func in LOWER_PRECISION:
+                args, kwargs = self._cast_all(args, kwargs, self.amp)
+            elif func in FP32:
+                args, kwargs = self._cast_all(args, kwargs, torch.float32, only_lower=True)
+        if func is F.scaled_dot_product_attention:
+            return sdpa(self.target, self.backends, *args, **kwargs)
+        if func in DROPOUT:
+            return self._dropout(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _dropout(func: Callable, args: tuple, kwargs: dict) -> Any:
+        names = ("input", "p", "training", "inplace") if func is not torch.dropout else ("input", "p", "train")
+        bound = dict(zip(names, args), **kwargs)
+        x, p = bound["input"], float(bound.get("p", 0.5))
+        training = bool(bound.get("training", bound.get("train", True)))
+        if not training or p == 0.0 or not x.is_floating_point():
+            return func(*args, **kwargs)
+        out = torch.ops.aten.native_dropout(x, p, True)[0]  # CUDA: the fused kernel, a bool mask
+        if bound.get("inplace", False):
+            return x.copy_(out)
+        return out

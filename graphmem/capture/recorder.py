@@ -1,0 +1,385 @@
+"""The recorder: a fake mode that records every op of the step (graphmem/capture/capture.py runs it).
+
+``_Mode`` is the FakeTensorMode itself, recording the outermost dispatch of each op into a
+``_Recorder``: OpNodes in eager order, storages (weakrefs tell when each is freed), autograd's
+save/release events (saved_tensors_hooks; the packed handle dying is the release), module
+paths (global module hooks in forward, grad_fn tags in backward), and eager's in-place
+gradient accumulation, which the engine never does for tensor subclasses.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphmem.stepgraph import OpNode, SaveEvent, Storage
+
+_NODE = "_graphmem_node"  # attribute set on each fake tensor: the OpNode (or (OpNode, i)) that produced it
+_TAG = "graphmem_module"  # key in grad_fn.metadata: module path of the forward op
+_DONE = "graphmem_done"  # set in grad_fn.metadata by a post hook once the node has run
+_ADD = torch.ops.aten.add.Tensor
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+_METADATA_OPS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "is_nonzero")
+    if hasattr(torch.ops.aten, name) and hasattr(getattr(torch.ops.aten, name), "default")
+)
+
+
+class _Packed:
+    """What the pack hook returns; its destruction is autograd releasing the saved tensor."""
+
+    __slots__ = ("tensor", "event", "cap")
+
+    def __init__(self, tensor: torch.Tensor, event: SaveEvent, cap: "_Recorder") -> None:
+        self.tensor = tensor
+        self.event = event
+        self.cap = cap
+
+    def __del__(self) -> None:
+        if not self.cap.closed:
+            self.event.released_at = len(self.cap.ops) - 1
+
+
+class _Mode(FakeTensorMode):
+    """The fake mode itself records: one Python mode layer per op, as in a bare fake run.
+    Only the outermost dispatch of each op is recorded (``depth``); what the fake mode runs
+    inside it (decompositions) is the kernel's business, like a real kernel's internals."""
+
+    def __init__(self, rec: "_Recorder") -> None:
+        super().__init__(allow_non_fake_inputs=False)
+        self.rec = rec
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        rec = self.rec
+        if rec.depth or not rec.recording or func.namespace in ("prim", "profiler") or func in _METADATA_OPS:
+            return super().__torch_dispatch__(func, types, args, kwargs)  # queries never allocate
+        if func is _LAYER_NORM and rec.fp32_norm_stats and args[0].dtype in (torch.float16, torch.bfloat16):
+            return rec.record(lambda f, a, k: _fp32_stats(super(_Mode, self).__torch_dispatch__(f, types, a, k)),
+                              func, args, kwargs)
+        return rec.record(lambda f, a, k: super(_Mode, self).__torch_dispatch__(f, types, a, k), func, args, kwargs)
+
+
+_LAYER_NORM = torch.ops.aten.native_layer_norm.default
+
+
+def _fp32_stats(out: tuple) -> tuple:
+    """CUDA's LayerNorm kernel keeps mean and rstd in fp32 (its accumulation type) for 16-bit
+    inputs, where the CPU kernel the CUDA target runs on keeps them in the input's dtype; the
+    16-bit ones die inside the op, like a real kernel's scratch."""
+    y, mean, rstd = out
+    return y, mean.float(), rstd.float()
+
+
+class _Recorder:
+    def __init__(self, paths: dict[int, str]) -> None:
+        self.recording = False
+        self.depth = 0
+        self.placeholders: list[OpNode] = []
+        self.ops: list[OpNode] = []
+        self.storages: dict[int, Storage] = {}
+        self.live: dict[int, Storage] = {}  # StorageImpl address -> live Storage
+        self.refs: dict[int, weakref.ref] = {}
+        self.saves: list[SaveEvent] = []
+        self.paths = paths
+        self.stack: list[str] = [""]
+        self.module_inputs: dict[str, tuple[int, ...]] = {}  # first input shape of each module
+        self.seq_start: list[int] = []  # autograd sequence number when each open module started
+        self.phase = "forward"
+        self.phase_start: dict[str, int] = {}
+        self.closed = False
+        self.recompute_rules: Optional[Callable[[], Any]] = None  # CUDA target: rules for recomputes
+        self.recompute_ctx: Any = None
+        self.scoped = False  # recompute_ctx spans a whole checkpointed segment
+        self.micro_steps: list[tuple[int, int]] = []  # (forward start, backward start) per micro-step
+        self.fp32_norm_stats = False  # CUDA target: LayerNorm's mean/rstd in fp32 (see _fp32_stats)
+        self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
+        self.clearing = False  # inside an autocast cache clear (see ``clearing_cache``)
+
+    # -- storages -----------------------------------------------------------------
+    def storage(self, t: torch.Tensor, kind: str, name: str, created: int, module: str) -> Storage:
+        st = t.untyped_storage()
+        key = st._cdata
+        s = self.live.get(key)
+        if s is None:
+            s = Storage(len(self.storages), st.nbytes(), kind, created, None, module, name,
+                        str(t.dtype).replace("torch.", ""), tuple(t.shape))
+            self.storages[s.sid] = s
+            self.live[key] = s
+            self.refs[s.sid] = weakref.ref(st, lambda _r, key=key, s=s: self._freed(key, s))
+        return s
+
+    def _freed(self, key: int, s: Storage) -> None:
+        if self.closed:
+            return
+        s.freed = len(self.ops) - 1
+        if self.clearing:
+            s.cache_freed = True
+        if self.live.get(key) is s:
+            del self.live[key]
+
+    @contextlib.contextmanager
+    def clearing_cache(self) -> Iterator[None]:
+        """Storages freed inside mark themselves ``cache_freed``: autocast's cast cache (or the
+        CUDA rules' copy of it) held their last reference; checkpoint plans need to know."""
+        was, self.clearing = self.clearing, True
+        try:
+            yield
+        finally:
+            self.clearing = was
+
+    def preexisting(self, t: torch.Tensor, kind: str, name: str) -> None:
+        s = self.storage(t, kind, name, -1, "")
+        node = OpNode("placeholder", name, (), {}, name.replace(".", "_"))
+        self.placeholders.append(node)
+        node.meta.update(shape=tuple(t.shape), dtype=t.dtype, storage=s.sid, kind=kind)
+        setattr(t, _NODE, node)
+
+    # -- ops ----------------------------------------------------------------------
+    def _arg(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            node = getattr(a, _NODE, None)
+            if node is None:  # a tensor made outside the recorded step (e.g. a constant)
+                self.preexisting(a, "external", f"external_{len(self.storages)}")
+                node = getattr(a, _NODE)
+            return node
+        if isinstance(a, (list, tuple)):
+            return [self._arg(x) for x in a]
+        return a
+
+    def module_now(self) -> str:
+        if self.node_module is not None:
+            return self.node_module
+        if self.phase == "backward" and len(self.stack) == 1:  # (a deeper stack: a checkpoint's recompute)
+            fn = torch._C._current_autograd_node()
+            return fn.metadata.get(_TAG, "") if fn is not None else ""
+        return self.stack[-1]
+
+    def record(self, call: Callable[[Any, tuple, dict], Any], func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
+        kwargs = kwargs or {}
+        if func is _ADD and self.phase == "backward" and not kwargs and self._accumulates_inplace(args):
+            func = torch.ops.aten.add_.Tensor  # what eager does for real tensors (see below)
+        self.depth += 1
+        try:
+            out = call(func, args, kwargs)
+        finally:
+            self.depth -= 1
+        index = len(self.ops)
+        # torch.tensor(...) under the fake mode makes a real constant that lift_fresh turns into a
+        # fake one: the lifted tensor is the allocation a real run makes, the constant is not
+        node = OpNode("call_function", func, () if func in _LIFTS else tuple(self._arg(a) for a in args),
+                      {k: self._arg(v) for k, v in kwargs.items()} if kwargs else {}, f"op{index}")
+        self.ops.append(node)
+        module = self.module_now()
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        metas = []
+        new_bytes = 0
+        for i, t in enumerate(outs):
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = self.storage(t, "activation", str(func), index, module)
+            if s.created == index:
+                new_bytes += s.nbytes
+                if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+                    src = self.live.get(args[0].untyped_storage()._cdata)
+                    s.source = src.sid if src is not None else None
+            metas.append((tuple(t.shape), t.dtype, s.sid))
+            if outs is out:
+                setattr(t, _NODE, (node, i))
+            else:
+                setattr(t, _NODE, node)
+        node.meta.update(index=index, phase=self.phase, module=module, outputs=tuple(metas),
+                         bytes=new_bytes)
+        if len(metas) != len(outs) and outs is out:  # some outputs are not tensors: where each tensor is
+            node.meta["positions"] = tuple(i for i, t in enumerate(outs) if isinstance(t, torch.Tensor))
+        if self.phase == "backward" and len(self.stack) > 1:
+            node.meta["recompute"] = True  # a checkpointed segment's forward, run again
+        if metas:
+            node.meta.update(shape=metas[0][0], dtype=metas[0][1], storage=metas[0][2])
+        return out
+
+    def _accumulates_inplace(self, args: tuple) -> bool:
+        """The engine sums gradients from several producers with ``old + new``; for a real
+        tensor it does ``old.add_(new)`` instead when it holds the only reference to ``old``
+        and its storage (torch/csrc/autograd/input_buffer.cpp, can_accumulate_inplace). Fake
+        tensors are subclass-like, so the engine never takes that branch for them; graphmem
+        takes it on their behalf so the timeline matches a real run. The engine's adds are
+        the ones that run after the producing node's post hook fired."""
+        fn = torch._C._current_autograd_node()
+        if fn is None or not fn.metadata.get(_DONE):
+            return False
+        old, new = args
+        if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)):
+            return False
+        uses, storage_uses = _unique_counts()
+        return (old.shape == new.shape and old.dtype == new.dtype and _dense(old)
+                and old._use_count() == uses
+                and torch._C._storage_Use_Count(old.untyped_storage()._cdata) == storage_uses)
+
+    # -- autograd hooks -----------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> _Packed:
+        s = self.storage(t, "external", "saved", len(self.ops) - 1, self.stack[-1])
+        ev = SaveEvent(s.sid, len(self.ops) - 1, None, self.stack[-1], self.phase,
+                       tuple(t.shape), str(t.dtype).replace("torch.", ""))
+        self.saves.append(ev)
+        return _Packed(t, ev, self)
+
+    @staticmethod
+    def unpack(h: _Packed) -> torch.Tensor:
+        if not h.event.grad_fn:
+            fn = torch._C._current_autograd_node()
+            h.event.grad_fn = fn.name() if fn is not None else ""
+        return h.tensor
+
+    # -- module paths -------------------------------------------------------------
+    @contextlib.contextmanager
+    def recompute_scope(self) -> Iterator[None]:
+        """Around a whole checkpointed segment run by graphmem/planning/apply.py: in a recompute
+        on the CUDA target, one rules context for all its blocks, as torch.utils.checkpoint
+        runs the segment in one autocast context (its cast cache lives until the end)."""
+        if self.phase != "backward" or self.recompute_rules is None or self.recompute_ctx is not None:
+            yield
+            return
+        ctx = self.recompute_ctx = self.recompute_rules()
+        self.scoped = True
+        ctx.__enter__()
+        try:
+            yield
+        finally:
+            self.recompute_ctx, self.scoped = None, False
+            ctx.__exit__(None, None, None)
+
+    def pre_hook(self, module: nn.Module, args: Any) -> None:
+        if self.phase == "backward" and len(self.stack) == 1 and self.recompute_rules is not None \
+                and self.recompute_ctx is None:
+            # a checkpoint's recompute: on the CUDA target the device's rules (dropout kernel,
+            # SDPA backend, autocast, which checkpoint re-enters) hold there as in forward
+            self.recompute_ctx = self.recompute_rules()
+            self.recompute_ctx.__enter__()
+        path = self.paths.get(id(module), type(module).__name__)
+        self.stack.append(path)
+        if path not in self.module_inputs:
+            first = next((a for a in _tensors(args)), None)
+            self.module_inputs[path] = tuple(first.shape) if first is not None else ()
+        self.seq_start.append(torch._C._autograd._get_sequence_nr())
+
+    def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        path = self.stack.pop()
+        start = self.seq_start.pop()
+        if len(self.stack) == 1 and self.recompute_ctx is not None and not self.scoped:
+            ctx, self.recompute_ctx = self.recompute_ctx, None
+            ctx.__exit__(None, None, None)
+        if self.phase == "forward":
+            _tag_grad_fns(output, path, start)
+
+    def set_phase(self, phase: str) -> None:
+        # The loss's autograd nodes stay untagged: their backward ops belong to the root ("").
+        self.phase = phase
+        self.phase_start[phase] = len(self.ops)
+        if phase == "forward":
+            self.micro_steps.append((len(self.ops), -1))
+        elif phase == "backward" and self.micro_steps:
+            self.micro_steps[-1] = (self.micro_steps[-1][0], len(self.ops))
+        self.stack = [""]
+        self.seq_start = []
+
+
+@contextlib.contextmanager
+def _rng_states(cap: "_Recorder", counted: bool) -> Iterator[None]:
+    """torch.utils.checkpoint stashes the CPU generator's state (a real 5,056-byte uint8
+    tensor, made without dispatch, so fake tensors never see it) per checkpointed call and
+    copies it again around each recompute. On the CPU target that is step memory: record it.
+    (On the CUDA target the stashed states live in host memory.)"""
+    if not counted:
+        yield
+        return
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        t = original()
+        if cap.recording and not cap.closed:  # allocated between the last op and the next
+            cap.storage(t, "external", "cpu rng state", len(cap.ops), cap.module_now())
+        return t
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return bool(torch._prims_common.is_non_overlapping_and_dense_or_false(t))
+
+
+_COUNTS: list[tuple[int, int]] = []
+
+
+class _Probe(TorchDispatchMode):
+    """Reads the reference counts a uniquely held gradient shows inside a dispatch mode."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        fn = torch._C._current_autograd_node()
+        if func is _ADD and fn is not None and fn.metadata.get(_DONE) and not _COUNTS:
+            _COUNTS.append((args[0]._use_count(), torch._C._storage_Use_Count(args[0].untyped_storage()._cdata)))
+        return func(*args, **(kwargs or {}))
+
+
+def _unique_counts() -> tuple[int, int]:
+    """Calibrated once per process on a tiny real step: ``y * y`` sends two fresh gradients to
+    ``y``'s producer, and the first is held only by the engine's input buffer."""
+    if not _COUNTS:
+        x = torch.ones(2, requires_grad=True)
+        with _Probe():
+            y = x.exp()
+            loss = (y * y).sum()
+            _tag_grad_fns(loss, "")
+            loss.backward()
+        if not _COUNTS:
+            _COUNTS.append((-1, -1))  # never matches: the out-of-place sum is kept
+    return _COUNTS[0]
+
+
+def _tag_grad_fns(output: Any, path: str, start: int = 0) -> None:
+    """Label the autograd nodes a module created with its path (innermost module wins:
+    inner modules finish, and tag, first; the walk stops at nodes already tagged and at
+    nodes created before the module started, whose sequence number is below ``start``),
+    and add a post hook that marks each node as run (see _accumulates_inplace)."""
+    todo = []
+    for t in _tensors(output):
+        if t.grad_fn is not None:
+            todo.append(t.grad_fn)
+    while todo:
+        fn = todo.pop()
+        md = fn.metadata
+        if _TAG in md or fn._sequence_nr() < start:
+            continue
+        md[_TAG] = path
+        if getattr(getattr(fn, "_forward_cls", None), "boxed_grads_call", False):
+            # a hook would make the engine hand this node its grads in a tuple it holds until
+            # the node returns, where it otherwise passes a list the node frees as it goes
+            # (AOTAutograd's compiled backward); the node marks itself done (graphmem/capture/compiled.py)
+            pass
+        else:
+            fn.register_hook(lambda grad_inputs, grad_outputs, md=md: md.__setitem__(_DONE, True))
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                todo.append(nxt)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+

@@ -1,0 +1,439 @@
+"""Capture a deep model once per kind of block: record the step with the chain of identical
+blocks cut to 5, then write the other blocks' ops, storages and save events by copying a
+middle block's (renumbered, renamed, re-linked to its neighbours).
+
+Why it is exact, and how that is checked every time: identical blocks run the same ops on the
+same shapes, so block i's forward and backward are block 2's with the names and the links to
+the neighbouring blocks shifted (the first two and last two blocks, which touch what is around
+the chain, are their own). That premise is tested on the model itself before the copy is
+trusted: the step is also captured with 6 blocks, and the 5-block capture widened to 6 must
+equal it op for op, storage for storage, save for save (indices, sizes, lifetimes, module
+paths). Blocks must also hold the same settings (no per-block index that changes what they
+do: ``blocks_alike``). If anything differs, or the chain does not run block by block, graphmem
+captures the whole depth as usual. What no check short of a full capture can see: a parent
+whose loop treats some later block differently (``if i == 40: ...``); ``analyze(reuse=False)``
+or ``--no-reuse`` captures every block.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from graphmem.capture.chains import Chain, find_chain, truncated
+from graphmem.stepgraph import OpNode, SaveEvent, StepGraph, Storage
+
+DEPTH = 5  # blocks captured: the first, the second, a middle one (the template), the last two
+MIN_LENGTH = 16  # shorter chains are captured whole (9 blocks captured would not pay)
+
+
+class NotReusable(Exception):
+    """The widened graph would not be the model's own: capture at full depth instead."""
+
+
+class _Regions:
+    """A capture cut into: prefix, F0..F(k-1), head, B(k-1)..B0, tail (each a range of ops)."""
+
+    def __init__(self, g: StepGraph, chain: Chain, k: int) -> None:
+        prefix = f"{chain.path}." if chain.path else ""
+        self.prefix, self.k = prefix, k
+        back = g.phase_start.get("backward", g.num_ops)
+        labels = [self.block_of(op.meta.get("module", "")) for op in g.ops]
+        if any(op.meta.get("recompute") for op in g.ops):
+            raise NotReusable("checkpointed")
+        fwd = [i for i in range(back) if labels[i] is not None]
+        bwd = [i for i in range(back, g.num_ops) if labels[i] is not None]
+        if not fwd or not bwd:
+            raise NotReusable("no block ops")
+        self.regions: list[tuple[str, Optional[int], int, int]] = [("prefix", None, 0, fwd[0] - 1)]
+        starts: list[tuple[int, int]] = []
+        for i in fwd:
+            if not starts or starts[-1][0] != labels[i]:
+                starts.append((labels[i], i))  # type: ignore[arg-type]
+        if [b for b, _ in starts] != list(range(k)):
+            raise NotReusable("forward not block by block")
+        for n, (b, s) in enumerate(starts):
+            self.regions.append(("F", b, s, starts[n + 1][1] - 1 if n + 1 < len(starts) else fwd[-1]))
+        self.regions.append(("head", None, fwd[-1] + 1, bwd[0] - 1))
+        runs: list[list[int]] = []
+        for i in range(bwd[0], bwd[-1] + 1):
+            if labels[i] is None or (runs and runs[-1][0] == labels[i]):
+                runs[-1][2] = i
+            else:
+                runs.append([labels[i], i, i])  # type: ignore[list-item]
+        if [r[0] for r in runs] != list(reversed(range(k))):
+            raise NotReusable("backward not block by block")
+        self.regions += [("B", b, s, e) for b, s, e in runs]
+        self.regions.append(("tail", None, bwd[-1] + 1, g.num_ops - 1))
+        self.where: list[tuple[str, Optional[int], int]] = [("", None, 0)] * g.num_ops  # op -> (kind, block, pos)
+        for kind, blk, s, e in self.regions:
+            for i in range(s, e + 1):
+                self.where[i] = (kind, blk, i - s)
+
+    def block_of(self, path: str) -> Optional[int]:
+        if not path.startswith(self.prefix):
+            return None
+        head = path[len(self.prefix):].split(".", 1)[0]
+        return int(head) if head.isdigit() else None
+
+    def region(self, kind: str, block: Optional[int]) -> tuple[int, int]:
+        for k, b, s, e in self.regions:
+            if k == kind and b == block:
+                return s, e
+        raise NotReusable(f"no region {kind}{block}")
+
+
+def _role(block: int, n: int) -> str:
+    return "first" if block == 0 else "last" if block == n - 1 else "inner"
+
+
+class _Widen:
+    def __init__(self, g: StepGraph, r: _Regions, n: int) -> None:
+        self.g, self.r, self.n, self.k = g, r, n, r.k
+        # synthesized regions in order: (kind, block, template block)
+        order: list[tuple[str, Optional[int], Optional[int]]] = [("prefix", None, None)]
+        order += [("F", b, self.template(b)) for b in range(n)]
+        order.append(("head", None, None))
+        order += [("B", b, self.template(b)) for b in reversed(range(n))]
+        order.append(("tail", None, None))
+        self.order = order
+        self.start: dict[tuple[str, Optional[int]], int] = {}
+        pos = 0
+        for kind, b, t in order:
+            s, e = r.region(kind, t)
+            self.start[(kind, b)] = pos
+            pos += e - s + 1
+        self.total = pos
+
+    def template(self, b: int) -> int:
+        """The captured block that block b copies: the ends and their neighbours are their own
+        (they touch what is around the chain), every other block copies block 2, whose
+        neighbours are blocks like it."""
+        n, k = self.n, self.k
+        if b in (0, 1):
+            return b
+        if b >= n - 2:
+            return k - (n - b)
+        return 2
+
+    def copies(self, j: Optional[int]) -> list[Optional[int]]:
+        """The blocks that captured block j becomes."""
+        if j is None:
+            return [None]
+        n, k = self.n, self.k
+        if j in (0, 1):
+            return [j]
+        if j >= k - 2:
+            return [n - (k - j)]
+        return list(range(2, n - 2)) if j == 2 else []
+
+    def block(self, j: Optional[int], ctx_b: Optional[int], ctx_j: Optional[int]) -> Optional[int]:
+        """The synthesized block that template block j is, seen from template block ctx_j
+        written as block ctx_b (None: outside the chain)."""
+        if j is None:
+            return None
+        if ctx_j is None:
+            mine = self.copies(j)
+            if len(mine) != 1:
+                raise NotReusable("an interior block is referred to from outside the chain")
+            return mine[0]
+        b = ctx_b + (j - ctx_j)  # type: ignore[operator]
+        if not 0 <= b < self.n:
+            raise NotReusable("a block refers to a block that has no counterpart")
+        return b
+
+    def same_op(self, u: int, b: int) -> int:
+        """Template op u (of some block) as the op at the same place of block b's template."""
+        kind, j, pos = self.r.where[u]
+        t = self.template(b)
+        if j == t:
+            return u
+        s, e = self.r.region(kind, t)
+        if s + pos > e or self.g.ops[s + pos].target != self.g.ops[u].target:
+            raise NotReusable("blocks differ")
+        return s + pos
+
+    def index(self, u: Optional[int], ctx_b: Optional[int], ctx_j: Optional[int]) -> Optional[int]:
+        if u is None or u < 0:
+            return u
+        if u >= self.g.num_ops:  # made after the last op (nothing follows)
+            return self.total + (u - self.g.num_ops)
+        kind, j, pos = self.r.where[u]
+        b = self.block(j, ctx_b, ctx_j)
+        if b is not None:
+            u = self.same_op(u, b)
+            pos = self.r.where[u][2]
+        return self.start[(kind, b)] + pos
+
+
+def _rename(path: str, prefix: str, j: Optional[int], b: Optional[int]) -> str:
+    if j is None or b is None or j == b:
+        return path
+    old = f"{prefix}{j}"
+    if path == old or path.startswith(old + "."):
+        return f"{prefix}{b}" + path[len(old):]
+    return path
+
+
+def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> StepGraph:
+    """The step of the model with n blocks, from its capture with k identical blocks."""
+    r = _Regions(g, chain, k)
+    w = _Widen(g, r, n)
+    prefix = r.prefix
+
+    def owner_of_index(u: int) -> Optional[int]:
+        return r.where[u][1] if 0 <= u < g.num_ops else None
+
+    def owner(st: Storage) -> Optional[int]:
+        """The captured block a storage belongs to: a block's parameter, or made by its op."""
+        return r.block_of(st.name) if st.created < 0 else owner_of_index(st.created)
+
+    copies_of = w.copies
+
+    # placeholders in the order a full capture makes them (block by block), then storages:
+    # the pre-existing ones in that order, the others by the op that made them
+    runs: list[tuple[Optional[int], list[OpNode]]] = []
+    for p in g.placeholders:
+        j = r.block_of(p.target) if isinstance(p.target, str) else None
+        if runs and runs[-1][0] == j:
+            runs[-1][1].append(p)
+        else:
+            runs.append((j, [p]))
+    planned: list[tuple[OpNode, Optional[int], Optional[int]]] = [
+        (p, b, j) for j, run in runs for b in copies_of(j) for p in run]
+    sid_of: dict[tuple[int, Optional[int]], int] = {}
+    for p, b, _ in planned:
+        sid_of.setdefault((p.meta["storage"], b), len(sid_of))
+    made = sorted(((w.index(st.created, b, j), st.sid, -1 if b is None else b, st, b, j)
+                   for st in g.storages.values() if st.created >= 0
+                   for j in [owner_of_index(st.created)] for b in copies_of(j)), key=lambda x: x[:3])
+    for *_, st, b, _ in made:
+        sid_of[(st.sid, b)] = len(sid_of)
+
+    by_name = {st.name: st.sid for st in g.storages.values() if st.created < 0}
+
+    def same_storage(tsid: int, j: int, b: int) -> int:
+        """Template storage of block j as the one at the same place of block b's template."""
+        t = w.template(b)
+        st = g.storages[tsid]
+        if j == t:
+            return tsid
+        if st.created < 0:
+            other = by_name.get(_rename(st.name, prefix, j, t))
+            if other is None:
+                raise NotReusable("a parameter has no counterpart")
+            return other
+        u = w.same_op(st.created, b)
+        mine = [x for _, _, x in g.ops[st.created].meta["outputs"]]
+        theirs = [x for _, _, x in g.ops[u].meta["outputs"]]
+        if tsid not in mine or len(mine) != len(theirs):
+            raise NotReusable("a storage no op made")
+        return theirs[mine.index(tsid)]
+
+    def sid(template_sid: int, ctx_b: Optional[int], ctx_j: Optional[int]) -> int:
+        j = owner(g.storages[template_sid])
+        b = w.block(j, ctx_b, ctx_j)
+        if b is not None:
+            template_sid = same_storage(template_sid, j, b)  # type: ignore[arg-type]
+        try:
+            return sid_of[(template_sid, b)]
+        except KeyError:
+            raise NotReusable("a storage has no counterpart") from None
+
+    storages: dict[int, Storage] = {}
+    for (tsid, b), new in sorted(sid_of.items(), key=lambda x: x[1]):
+        st = g.storages[tsid]
+        j = owner(st)
+        storages[new] = Storage(
+            new, st.nbytes, st.kind, w.index(st.created, b, j), w.index(st.freed, b, j),  # type: ignore[arg-type]
+            _rename(st.module, prefix, j, b), _rename(st.name, prefix, j, b) if st.created < 0 else st.name,
+            st.dtype, st.shape, sid(st.source, b, j) if st.source is not None else None)
+
+    placeholders: list[OpNode] = []
+    ph_of: dict[tuple[str, Optional[int]], OpNode] = {}  # (template name, block) -> placeholder
+    for p, b, j in planned:
+        name = _rename(p.target, prefix, j, b)
+        q = OpNode("placeholder", name, (), {}, name.replace(".", "_"))
+        q.meta.update(p.meta, storage=sid(p.meta["storage"], b, j))
+        placeholders.append(q)
+        ph_of[(p.target, b)] = q
+
+    ops: list[OpNode] = [None] * w.total  # type: ignore[list-item]
+
+    def twin(kind: str, t: Optional[int], pos: int) -> Optional[OpNode]:
+        """The op at the same place of a neighbouring captured block: where both refer to the
+        same op of a third block, that op is shared (e.g. a causal mask the compiler computed
+        once), not the neighbour's."""
+        if t is None:
+            return None
+        for t2 in (t + 1, t - 1):
+            if 0 <= t2 < k:
+                s2, e2 = r.region(kind, t2)
+                if s2 + pos <= e2:
+                    return g.ops[s2 + pos]
+        return None
+
+    def shared(a: OpNode, other: Any) -> bool:
+        return other is a or (isinstance(other, tuple) and other[0] is a)
+
+    def arg(a: Any, ctx_b: Optional[int], ctx_j: Optional[int], other: Any = None) -> Any:
+        if isinstance(a, OpNode):
+            if a.op == "placeholder":
+                j = r.block_of(a.target) if isinstance(a.target, str) else None
+                b = w.block(j, ctx_b, ctx_j)
+                q = ph_of.get((_rename(a.target, prefix, j, w.template(b)) if b is not None else a.target, b))
+                if q is None:
+                    raise NotReusable("a placeholder has no counterpart")
+                return q
+            if shared(a, other) and r.where[a.meta["index"]][1] != ctx_j:
+                return ops[w.index(a.meta["index"], None, None)]  # type: ignore[index]
+            return ops[w.index(a.meta["index"], ctx_b, ctx_j)]  # type: ignore[index]
+        if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], OpNode):
+            o = other[0] if isinstance(other, tuple) and len(other) == 2 else None
+            return (arg(a[0], ctx_b, ctx_j, o), a[1])
+        if isinstance(a, list):
+            others = other if isinstance(other, list) and len(other) == len(a) else [None] * len(a)
+            return [arg(x, ctx_b, ctx_j, y) for x, y in zip(a, others)]
+        return a
+
+    for kind, b, t in w.order:
+        s, e = r.region(kind, t)
+        base = w.start[(kind, b)]
+        for u in range(s, e + 1):
+            op = g.ops[u]
+            i = base + u - s
+            tw = twin(kind, t, u - s)
+            targs = tw.args if tw is not None and len(tw.args) == len(op.args) else (None,) * len(op.args)
+            node = OpNode(op.op, op.target, tuple(arg(a, b, t, o) for a, o in zip(op.args, targs)),
+                          {key: arg(v, b, t, tw.kwargs.get(key) if tw is not None else None)
+                           for key, v in op.kwargs.items()}, f"op{i}")
+            meta = dict(op.meta)
+            meta["index"] = i
+            meta["module"] = _rename(op.meta.get("module", ""), prefix, t, b)
+            meta["outputs"] = tuple((shape, dtype, sid(x, b, t)) for shape, dtype, x in op.meta["outputs"])
+            if "storage" in meta:
+                meta["storage"] = meta["outputs"][0][2]
+            node.meta = meta
+            ops[i] = node
+
+    saves: list[SaveEvent] = []
+    by_block: dict[Optional[int], list[SaveEvent]] = {}
+    for ev in g.saves:
+        j = r.block_of(ev.module)  # (packed_at is the op before the saving one: maybe the block before)
+        by_block.setdefault(j if j is not None else owner_of_index(ev.packed_at), []).append(ev)
+    for j, evs in by_block.items():
+        neighbour = by_block.get(j + 1 if j is not None and j + 1 < k else (j - 1 if j is not None else None), [])
+        for n_ev, ev in enumerate(evs):
+            mate = neighbour[n_ev] if len(neighbour) == len(evs) else None
+            common = mate is not None and mate.sid == ev.sid and owner(g.storages[ev.sid]) != j  # a shared tensor
+            for b in copies_of(j):
+                saves.append(SaveEvent(sid(ev.sid, None, None) if common else sid(ev.sid, b, j),
+                                       w.index(ev.packed_at, b, j), w.index(ev.released_at, b, j),  # type: ignore[arg-type]
+                                       _rename(ev.module, prefix, j, b), ev.phase, ev.shape, ev.dtype, ev.grad_fn))
+    saves.sort(key=lambda e: e.packed_at)
+
+    grad_runs: list[tuple[Optional[int], list[int]]] = []  # the template's order, block by block
+    for x in g.gradients:
+        j = owner(g.storages[x])
+        if grad_runs and grad_runs[-1][0] == j:
+            grad_runs[-1][1].append(x)
+        else:
+            grad_runs.append((j, [x]))
+    gradients = [sid_of[(x, b)] for j, run in grad_runs for b in copies_of(j) for x in run]
+    phase_start = {p: (w.index(i, None, None) or 0 if i < g.num_ops else w.total) for p, i in g.phase_start.items()}
+    module_inputs: dict[str, tuple[int, ...]] = {}
+    for path, shape in g.module_inputs.items():
+        j = r.block_of(path)
+        if j is None:
+            module_inputs[path] = shape
+        else:
+            for b in copies_of(j):
+                module_inputs[_rename(path, prefix, j, b)] = shape
+    return StepGraph(placeholders, ops, storages, saves, phase_start, g.device, gradients, g.root, modules,
+                     module_inputs, g.target, dict(g.attention_backends))
+
+
+def _signature(g: StepGraph) -> tuple:
+    """Everything the passes read, with storages named by creation order (not by id)."""
+    order = {s.sid: n for n, s in enumerate(sorted(g.storages.values(), key=lambda s: (s.created, s.freed if s.freed is not None else 1 << 60, s.kind, s.name, s.module, s.nbytes)))}
+
+    def ref(a: Any) -> Any:
+        if isinstance(a, OpNode):
+            return ("p", a.target) if a.op == "placeholder" else a.meta["index"]
+        if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], OpNode):
+            return (ref(a[0]), a[1])
+        if isinstance(a, list):
+            return [ref(x) for x in a]
+        return a
+
+    ops = tuple((str(op.target), op.meta["phase"], op.meta["module"], op.meta["bytes"], op.meta.get("recompute", False),
+                 tuple((s, str(d), order[x]) for s, d, x in op.meta["outputs"]), repr(tuple(ref(a) for a in op.args)),
+                 repr({k: ref(v) for k, v in op.kwargs.items()})) for op in g.ops)
+    storages = tuple(sorted((order[s.sid], s.nbytes, s.kind, s.created, s.freed if s.freed is not None else -2, s.module,
+                             s.name, s.dtype, s.shape, order.get(s.source, -1) if s.source is not None else -1)
+                            for s in g.storages.values()))
+    saves = tuple(sorted((order[e.sid], e.packed_at, e.released_at if e.released_at is not None else -2, e.module,
+                          e.phase, e.shape, e.dtype, e.grad_fn) for e in g.saves))
+    return (ops, storages, saves, tuple(sorted(g.phase_start.items())), tuple(sorted(order[x] for x in g.gradients)),
+            tuple(sorted(g.module_inputs.items())), tuple(sorted(p.target for p in g.placeholders)))
+
+
+_MODULE_STATE = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set"}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+    if isinstance(a, dict) and isinstance(b, dict):  # hook tables and the like: same keys, alike values
+        return len(a) == len(b) and all(type(x) is type(y) for x, y in zip(a.values(), b.values()))
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def blocks_alike(model: nn.Module, chain: Chain) -> bool:
+    """Every block of the chain holds the same settings as block 1 (a block that knows its
+    own index, e.g. a ``layer_id`` that changes what it does, is not copied)."""
+    blocks = list(model.get_submodule(chain.path).children()) if chain.path else list(model.children())
+    first = list(blocks[1].named_modules())
+    for blk in blocks[1:]:
+        mods = list(blk.named_modules())
+        if [n for n, _ in mods] != [n for n, _ in first]:
+            return False
+        for (_, a), (_, b) in zip(first, mods):
+            va = {k: v for k, v in vars(a).items() if k not in _MODULE_STATE}
+            vb = {k: v for k, v in vars(b).items() if k not in _MODULE_STATE}
+            if type(a) is not type(b) or va.keys() != vb.keys() or not all(_same(va[k], vb[k]) for k in va):
+                return False
+    return True
+
+
+def capture_reusing(model: nn.Module, capture_at: Callable[[], StepGraph]) -> tuple[StepGraph, bool]:
+    """The step at full depth: widened from 4 blocks when the check passes (True), else captured."""
+    chain = find_chain(model)
+    if chain is None or chain.length < MIN_LENGTH or not blocks_alike(model, chain):
+        return capture_at(), False
+    modules = [name for name, _ in model.named_modules()]
+    try:
+        with truncated(model, chain, DEPTH):
+            small = capture_at()
+        with truncated(model, chain, DEPTH + 1):
+            check = capture_at()
+        names_check = [name for name, _ in _named_at(model, chain, DEPTH + 1)]
+        if _signature(widen(small, chain, DEPTH, DEPTH + 1, names_check)) != _signature(check):
+            raise NotReusable("the widened graph differs from the capture")
+        g = widen(small, chain, DEPTH, chain.length, modules)
+        per_block = {key: check.attention_backends.get(key, 0) - small.attention_backends.get(key, 0)
+                     for key in set(check.attention_backends) | set(small.attention_backends)}
+        g.attention_backends = {key: small.attention_backends.get(key, 0) + (chain.length - DEPTH) * v
+                                for key, v in per_block.items() if small.attention_backends.get(key, 0) + (chain.length - DEPTH) * v}
+        return g, True
+    except NotReusable:
+        return capture_at(), False
+
+
+def _named_at(model: nn.Module, chain: Chain, k: int) -> list[tuple[str, nn.Module]]:
+    with truncated(model, chain, k):
+        return list(model.named_modules())

@@ -1,0 +1,103 @@
+"""The target a step is predicted for: device, parameter dtype, autocast, SDPA backend.
+
+The CPU target runs PyTorch's own CPU kernels' rules on fake tensors (exact, proven against
+real CPU runs). The CUDA target cannot run backward on fake CUDA tensors without a GPU (the
+autograd engine needs a CUDA context: pytorch/pytorch#92627, whose fix allocates a real CUDA
+tensor), so graphmem runs the step on fake CPU tensors and applies CUDA's memory-relevant
+rules itself (graphmem/capture/cuda_rules.py): dropout keeps a 1-byte bool mask (CUDA's fused
+native_dropout) instead of the CPU's float noise; F.scaled_dot_product_attention runs the
+backend CUDA would pick (flash, memory-efficient, cuDNN or math) through that backend's own
+aten op, so its saved tensors are the kernel's; autocast follows CUDA's cast lists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from graphmem.errors import UsageError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ATTENTION = ("auto", "flash", "efficient", "cudnn", "math")
+MODES = ("eager", "compiled")
+# compute capability of the GPUs users name (NVIDIA's tables)
+GPUS = {"v100": (7, 0), "t4": (7, 5), "a100": (8, 0), "a10": (8, 6), "l4": (8, 9), "h100": (9, 0), "h200": (9, 0),
+        "b200": (10, 0)}
+
+
+@dataclass(frozen=True)
+class Target:
+    device: str = "cpu"  # "cpu" | "cuda"
+    dtype: Optional[str] = None  # parameter dtype: None (as built, fp32) | "fp32" | "bf16" | "fp16"
+    amp: Optional[str] = None  # autocast dtype: None | "bf16" | "fp16"
+    attention: str = "auto"  # SDPA backend on the CUDA target
+    gpu: str = "h100"  # GPU generation for the CUDA backend rules
+    mode: str = "eager"  # "eager" | "compiled" (torch.compile: AOTAutograd + min-cut partition)
+
+    @property
+    def param_dtype(self) -> Optional[torch.dtype]:
+        return DTYPES[self.dtype] if self.dtype else None
+
+    @property
+    def amp_dtype(self) -> Optional[torch.dtype]:
+        return DTYPES[self.amp] if self.amp else None
+
+    @property
+    def capability(self) -> tuple[int, int]:
+        return GPUS[self.gpu]
+
+    def describe(self) -> str:
+        parts = [self.device + (" (CUDA rules on fake CPU tensors)" if self.device == "cuda" else "")]
+        if self.dtype:
+            parts.append(f"params {self.dtype}")
+        if self.amp:
+            parts.append(f"amp {self.amp}")
+        if self.device == "cuda":
+            parts.append(f"attention {self.attention} on {self.gpu}")
+        elif self.attention != "auto":
+            parts.append(f"attention {self.attention}")
+        if self.mode == "compiled":
+            parts.append("torch.compile (AOTAutograd, min-cut partition)")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"device": self.device, "dtype": self.dtype or "fp32", "amp": self.amp,
+                "attention": self.attention, "gpu": self.gpu if self.device == "cuda" else None,
+                "mode": self.mode}
+
+
+def make_target(device: str = "cpu", dtype: Optional[str] = None, amp: Optional[str] = None,
+                attention: str = "auto", gpu: str = "h100", mode: str = "eager") -> Target:
+    """Check the options and name the fix when they do not fit together."""
+    device = str(device)
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"unknown device {device!r}: use cpu or cuda")
+    check_device(device)
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}: use fp32, bf16 or fp16")
+    if amp is not None and amp not in ("bf16", "fp16"):
+        raise UsageError(f"unknown amp dtype {amp!r}: use bf16 or fp16")
+    if amp is not None and dtype not in (None, "fp32"):
+        raise UsageError(f"--amp {amp} casts fp32 parameters; with --dtype {dtype} there is nothing to cast: drop one")
+    if attention not in ATTENTION:
+        raise UsageError(f"unknown attention backend {attention!r}: use one of {', '.join(ATTENTION)}")
+    if gpu not in GPUS:
+        raise UsageError(f"unknown gpu {gpu!r}: use one of {', '.join(GPUS)}")
+    if device == "cpu" and attention in ("efficient", "cudnn"):
+        raise UsageError(f"--attention {attention} is a CUDA kernel; on the CPU target use auto, flash or math")
+    if mode not in MODES:
+        raise UsageError(f"unknown mode {mode!r}: use eager or compiled")
+    if mode == "compiled" and device == "cuda":
+        raise UsageError("--mode compiled predicts torch.compile on the CPU target (AOTAutograd graphs checked against "
+                         "real CPU runs); use --device cpu, or --mode eager for the CUDA target")
+    return Target(device, dtype, amp, attention, gpu, mode)
+
+
+def check_device(device: str) -> None:
+    """Fake CUDA tensors need a CUDA build of torch (no GPU needed); say so in one line."""
+    if torch.device(device).type == "cuda" and torch.version.cuda is None:
+        raise UsageError(
+            f"--device cuda needs a CUDA build of PyTorch (it runs without a GPU); this is torch "
+            f"{torch.__version__} without CUDA: pip install torch==2.14.1 (the default PyPI wheel is a CUDA build)"
+        )

@@ -1,0 +1,5 @@
+import sys
+
+from graphmem.cli.main import main
+
+sys.exit(main())

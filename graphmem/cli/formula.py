@@ -1,0 +1,114 @@
+"""`graphmem formula`, `graphmem fit` and `graphmem sweep`: exact formulas and the questions
+users ask of them (will it fit, what does a grid of sizes cost)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from graphmem.errors import UsageError
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"invalid list {text!r}: expected positive integers separated by commas, e.g. 1,8,32") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"invalid list {text!r}: expected positive integers separated by commas, e.g. 1,8,32")
+    return values
+
+
+def _common(p: argparse.ArgumentParser, shape_required: bool) -> None:
+    p.add_argument("model", help="a model file or a preset name")
+    p.add_argument("--input-shape", required=shape_required, metavar="SHAPE", help="e.g. 32x1024")
+    from graphmem.cli.main import add_target_arguments
+
+    add_target_arguments(p)
+    p.add_argument("--json", action="store_true", help="JSON output")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def add_commands(sub: Any) -> None:
+    f = sub.add_parser("formula", help="exact activation/peak formulas and per-block alpha, beta, gamma")
+    _common(f, True)
+    f.add_argument("--d-model", type=int, help="override the inferred d_model")
+    f.add_argument("--heads", type=int, help="override the inferred number of attention heads")
+    f.set_defaults(run=_formula)
+    fit = sub.add_parser("fit", help="largest batch (or sequence length) whose peak fits in memory")
+    _common(fit, False)
+    fit.add_argument("--memory", required=True, help="e.g. 80GiB, 40GB")
+    g = fit.add_mutually_exclusive_group()
+    g.add_argument("--seq", type=int, help="fixed sequence length: find the batch size")
+    g.add_argument("--batch", type=int, help="fixed batch size: find the sequence length")
+    fit.set_defaults(run=_fit)
+    sw = sub.add_parser("sweep", help="activation and peak bytes over batch x sequence sizes")
+    _common(sw, False)
+    sw.add_argument("--batch", required=True, help="e.g. 1,8,32")
+    sw.add_argument("--seq", required=True, help="e.g. 512,1024,2048")
+    sw.set_defaults(run=_sweep)
+
+
+def _report(args: argparse.Namespace, shape: str) -> Any:
+    from graphmem import analyze
+    from graphmem.cli.main import target_options
+
+    return analyze(args.model, input_shape=shape, **target_options(args))
+
+
+def _formula(args: argparse.Namespace) -> int:
+    from graphmem.progress import Progress, quiet
+    from graphmem.render.formula import render_coefficients
+
+    with quiet(args.json), Progress(desc="captures") as bar:
+        c = _report(args, args.input_shape).formula(d_model=args.d_model, n_heads=args.heads, tick=bar.update)
+    sys.stdout.write(json.dumps({"coefficients": c.to_dict()}, indent=2) + "\n" if args.json else render_coefficients(c))
+    return 0
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from graphmem.capture.load import parse_shape
+    from graphmem.render.formula import render_fit
+    from graphmem.units import parse_bytes
+
+    parse_bytes(args.memory)
+    for name in ("seq", "batch"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be a positive integer")
+    shape = args.input_shape
+    if shape is None:
+        if args.seq is None and args.batch is None:
+            raise UsageError("give --seq (to find the batch size), --batch (to find the sequence length) or --input-shape")
+        shape = f"{args.batch or 1}x{args.seq or 128}"
+    parse_shape(shape)
+    from graphmem.progress import Progress, quiet
+
+    with quiet(args.json), Progress(desc="captures") as bar:
+        a = _report(args, shape).fit(args.memory, seq=args.seq, batch=args.batch, tick=bar.update)
+    if args.json:
+        sys.stdout.write(json.dumps({"fit": {"variable": a.variable, "value": a.value, "memory_bytes": a.memory,
+                                             "fixed": a.fixed, "predicted_peak": a.peak_at_value,
+                                             "predicted_peak_above": a.peak_above, "captured_peak": a.captured_at_value,
+                                             "captured_peak_above": a.captured_above}}, indent=2) + "\n")
+    else:
+        sys.stdout.write(render_fit(a))
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from graphmem.render.formula import render_sweep
+
+    batches, seqs = _ints(args.batch), _ints(args.seq)
+    shape = args.input_shape or f"{max(batches)}x{max(seqs)}"
+    from graphmem.progress import Progress, quiet
+
+    with quiet(args.json), Progress(desc="captures") as bar:
+        sw = _report(args, shape).sweep(batches, seqs, tick=bar.update)
+    if args.json:
+        sys.stdout.write(json.dumps({"sweep": [dict(zip(("batch", "seq", "activation_bytes", "peak_bytes",
+                                                          "captured_activation_bytes", "captured_peak_bytes"), r))
+                                               for r in sw.rows]}, indent=2) + "\n")
+    else:
+        sys.stdout.write(render_sweep(sw))
+    return 0

@@ -1,0 +1,477 @@
+"""Exact activation and peak formulas in the input's dimensions, and per-block alpha/beta/gamma.
+
+How: captures at chosen sizes give exact byte counts; finite differences find each variable's
+degree, Lagrange interpolation over a grid gives the exact polynomial, and held-out captures at
+the full depth must match it to the byte before anything is printed. A repeated block chain
+(a ModuleList of identical children) is captured truncated to 2 and 3 blocks, which is cheap
+for deep models: whole(L) = rest + L * block, checked against full-depth captures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Callable, Optional
+
+import sympy
+import torch
+import torch.nn as nn
+
+from graphmem.capture.capture import capture
+from graphmem.capture.chains import Chain, find_chain, truncated
+from graphmem.errors import GraphmemError, UsageError
+from graphmem.passes import liveness, saved
+from graphmem.passes.coefficients import (
+    BlockSplit,
+    PeakModel,
+    degree_of,
+    evaluate,
+    interpolate,
+    mismatches,
+    split_block,
+    terms,
+)
+from graphmem.training.step import LossFn
+
+PROBES = 5  # equally spaced samples per variable to find its degree (<= 3, one kept as a check)
+STEPS = (1, 32)  # try consecutive sizes, then multiples of 32 (strided convs and pooling round)
+MIN_SIZE = 3  # formulas are fitted and checked for sizes >= 3: PyTorch special-cases sizes 1 and 2
+# (a size-1 dim makes reshape a view instead of a copy, e.g. logits[:, :-1] at s = 2); smaller
+# sizes are captured instead of read off a formula
+ALPHA_B, ALPHA_S = 11, 13  # primes no bundled width divides: they tell b and s apart in shapes
+
+
+class NotPolynomialError(GraphmemError):
+    """The bytes are not a polynomial in some input dimension (padding, rounding, branches)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    activation: int
+    peak: int
+    block: int  # bytes saved by block 1 of the chain (its subtree)
+    timeline: tuple[int, ...]  # live bytes during each op
+    ops: tuple[Any, ...]  # the op sequence (targets)
+    step: Any
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Exact formulas for one model, target and loss. Polynomials are sympy expressions in
+    ``variables`` (``b`` is the batch); ``*_terms`` map monomials to exact coefficients."""
+
+    variables: tuple[str, ...]
+    dims: tuple[int, ...]  # which input dimensions the variables are
+    base_shape: tuple[int, ...]
+    steps: tuple[int, ...]  # a variable with step 32 is polynomial on multiples of 32 only
+    activation: sympy.Expr
+    activation_terms: dict[str, Fraction]
+    peak: Optional[PeakModel]  # exact: the largest of the per-op live-bytes polynomials
+    peak_terms: Optional[dict[str, Fraction]]  # the piece that peaks at the base shape
+    peak_note: str
+    held_out: tuple[tuple[tuple[int, ...], int, int], ...]  # (point, activation, peak) captured
+    chain: Optional[Chain]
+    block_terms: dict[str, Fraction] = field(default_factory=dict)  # per block
+    nonblock_terms: dict[str, Fraction] = field(default_factory=dict)
+    d_model: Optional[int] = None
+    n_heads: Optional[int] = None
+    split: Optional[BlockSplit] = None
+    note: str = ""
+
+    @property
+    def alpha(self) -> Optional[Fraction]:
+        return self.split.alpha if self.split else None
+
+    @property
+    def beta(self) -> Optional[Fraction]:
+        return self.split.beta if self.split else None
+
+    @property
+    def gamma(self) -> Optional[Fraction]:
+        return self.split.gamma if self.split else None
+
+    @property
+    def blocks(self) -> int:
+        return self.chain.length if self.chain else 0
+
+    def _symbols(self) -> list[sympy.Symbol]:
+        return [sympy.Symbol(v) for v in self.variables]
+
+    def point(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(shape[d] for d in self.dims)
+
+    def covers(self, shape: tuple[int, ...]) -> bool:
+        """Whether the formulas hold at ``shape`` (sizes >= MIN_SIZE, on each variable's lattice)."""
+        return all(v >= MIN_SIZE and v % st == 0 for v, st in zip(self.point(shape), self.steps))
+
+    def activation_at(self, shape: tuple[int, ...]) -> int:
+        return _exact_int(evaluate(self.activation, self._symbols(), self.point(shape)))
+
+    def peak_at(self, shape: tuple[int, ...]) -> int:
+        if self.peak is None:
+            raise NotPolynomialError(self.peak_note)
+        return self.peak.at(self.point(shape))[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        q = _jsonable
+        return {
+            "variables": list(self.variables), "dims": list(self.dims), "steps": list(self.steps),
+            "activation": str(self.activation), "activation_terms": {k: q(v) for k, v in self.activation_terms.items()},
+            "peak": (str(self.peak.polynomial(self.peak.at(self.point(self.base_shape))[1]))
+                     if self.peak is not None else None),
+            "peak_pieces": len(self.peak.rows) if self.peak is not None else 0,
+            "peak_terms": {k: q(v) for k, v in self.peak_terms.items()} if self.peak_terms else None,
+            "peak_note": self.peak_note,
+            "alpha": q(self.alpha), "beta": q(self.beta), "gamma": q(self.gamma),
+            "d_model": self.d_model, "n_heads": self.n_heads, "blocks": self.blocks,
+            "block_path": self.chain.path if self.chain else None,
+            "block_terms": {k: q(v) for k, v in self.block_terms.items()},
+            "nonblock_terms": {k: q(v) for k, v in self.nonblock_terms.items()},
+            "held_out": [{"point": list(p), "activation_bytes": a, "peak_bytes": pk} for p, a, pk in self.held_out],
+            "note": self.note,
+        }
+
+
+def _jsonable(x: Optional[Fraction]) -> Any:
+    if x is None:
+        return None
+    return int(x) if x.denominator == 1 else str(x)
+
+
+def _exact_int(x: Fraction) -> int:
+    if x.denominator != 1:
+        raise NotPolynomialError(f"the formula gives a non-integer byte count {x} here: outside where it holds")
+    return int(x)
+
+
+def variables_of(example: tuple) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Which input dimensions vary: all of an integer (token) input, named (b, s); a float
+    input keeps its feature dimension fixed: (b, s, d) -> (b, s), (b, c, h, w) -> (b, h, w),
+    (b, d) -> (b,)."""
+    x = next((t for t in example if isinstance(t, torch.Tensor)), None)
+    if x is None:
+        raise UsageError("the model's first input is not a tensor; nothing to vary")
+    n = x.dim()
+    if not x.is_floating_point():
+        dims = tuple(range(n))
+    elif n >= 4:
+        dims = (0, *range(2, n))
+    else:
+        dims = tuple(range(n - 1))
+    if len(dims) == 2:
+        return ("b", "s"), dims
+    if n >= 4 and x.is_floating_point() and len(dims) == 3:
+        return ("b", "h", "w"), dims
+    return ("b", *(f"x{d}" for d in dims[1:])), dims
+
+
+class Sampler:
+    """Captures the step at given sizes (and chain depths), with a cache."""
+
+    def __init__(self, model: nn.Module, make_inputs: Callable[[tuple[int, ...]], tuple],
+                 loss: Optional[LossFn], base: tuple[int, ...], dims: tuple[int, ...], device: Any,
+                 tick: Callable[[], None] = lambda: None) -> None:
+        self.model, self.make_inputs, self.loss, self.base, self.dims, self.device = model, make_inputs, loss, base, dims, device
+        self.chain = find_chain(model)
+        self.cache: dict[tuple[tuple[int, ...], Optional[int]], Sample] = {}
+        self.tick = tick
+
+    def shape(self, point: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(self.base)
+        for d, v in zip(self.dims, point):
+            shape[d] = v
+        return tuple(shape)
+
+    def __call__(self, point: tuple[int, ...], depth: Optional[int] = None) -> Sample:
+        key = (point, depth)
+        if key not in self.cache:
+            shape = self.shape(point)
+            with truncated(self.model, self.chain, depth):
+                def at() -> Any:
+                    return capture(self.model, lambda: self.make_inputs(shape), self.loss, self.device)
+                full = depth is None or (self.chain is not None and depth >= self.chain.length)
+                if full and getattr(self.device, "mode", "eager") != "compiled":
+                    from graphmem.capture.reuse import capture_reusing
+
+                    g = capture_reusing(self.model, at)[0]  # a deep chain: 5 blocks captured, checked
+                else:
+                    g = at()
+            sv = saved(g)
+            block = 0
+            if self.chain is not None:
+                path = f"{self.chain.path}.1" if self.chain.path else "1"
+                block = next((m.activation_bytes for m in sv.modules if m.path == path), 0)
+            lv = liveness(g)
+            self.cache[key] = Sample(sv.activation_bytes, lv.peak_bytes, block, lv.timeline,
+                                     tuple(n.target for n in g.ops), (g, sv))
+            self.tick()
+        return self.cache[key]
+
+
+def _probe_values(base: int, step: int) -> list[int]:
+    low = base - (PROBES - 1) * step
+    if low >= MIN_SIZE and (step == 1 or low % step == 0):
+        return [base - j * step for j in range(PROBES)][::-1]
+    start = MIN_SIZE if step == 1 else step
+    return [start + j * step for j in range(PROBES)]
+
+
+def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
+        n_heads: Optional[int] = None, checks: int = 5) -> Coefficients:
+    """Find the exact activation (and peak) polynomial; raise NotPolynomialError if none holds."""
+    base_point = tuple(sampler.base[d] for d in sampler.dims)
+    chain = sampler.chain if sampler.chain and sampler.chain.length > 3 else None
+    k2 = 2 if chain else None
+    symbols = [sympy.Symbol(n) for n in names]
+
+    # 1. degree of each variable, at depth 2 when there is a chain
+    degrees, steps, grids, peak_degrees = [], [], [], []
+    for i, name in enumerate(names):
+        for step in STEPS:
+            values = _probe_values(base_point[i], step)
+            points = [base_point[:i] + (v,) + base_point[i + 1:] for v in values]
+            act = [sampler(p, k2).activation for p in points]
+            deg = degree_of(act)
+            if deg is not None:
+                break
+        else:
+            raise NotPolynomialError(
+                f"activation bytes are not a polynomial in {name} (input dimension {sampler.dims[i]}): "
+                f"samples at {name}={values} give {act}; the model pads, rounds or branches on it, so "
+                "graphmem prints no formula (analyze each size instead)")
+        degrees.append(deg)
+        steps.append(step)
+        grids.append(values)
+        peak_degrees.append(_timeline_degree([sampler(p, k2) for p in points]))
+
+    # 2. interpolate on the grid (depth 2 and 3 for a chain)
+    def poly_of(depth: Optional[int], attr: str, degs: list[int]) -> sympy.Expr:
+        sub = [g[: d + 1] for g, d in zip(grids, degs)]
+        samples = {p: getattr(sampler(p, depth), attr) for p in _product(sub)}
+        return interpolate(samples, sub, symbols)
+
+    act2 = poly_of(k2, "activation", degrees)
+    block_poly = sympy.Integer(0)
+    if chain:
+        block_poly = poly_of(k2, "block", degrees)
+        activation = sympy.expand(act2 + (chain.length - 2) * block_poly)
+    else:
+        activation = act2
+
+    # 3. held-out captures at full depth
+    held = _held_out(base_point, steps, grids, checks)
+    measured = {p: sampler(p) for p in held}
+    bad = mismatches(activation, symbols, {p: s.activation for p, s in measured.items()})
+    if bad:
+        p, m, pred = bad[0]
+        raise NotPolynomialError(
+            f"activation bytes are not one polynomial over the sampled range: at {dict(zip(names, p))} "
+            f"a capture gives {m} B, the fitted polynomial {pred} B; graphmem prints no formula")
+    if None in peak_degrees:
+        peak, peak_note = None, "the live bytes of some op are not a polynomial in the input size; use captures"
+    else:
+        peak, peak_note = peak_model(sampler, [g[: d + 1] for g, d in zip(grids, peak_degrees)], symbols, measured)
+    peak_terms = None
+    if peak is not None:
+        peak_terms = terms(peak.polynomial(peak.at(base_point)[1]), symbols)
+
+    # 4. per-block split
+    coeffs = dict(
+        variables=names, dims=sampler.dims, base_shape=sampler.base, steps=tuple(steps),
+        activation=activation, activation_terms=terms(activation, symbols), peak=peak,
+        peak_terms=peak_terms, peak_note=peak_note,
+        held_out=tuple((p, s.activation, s.peak) for p, s in measured.items()), chain=sampler.chain,
+    )
+    if sampler.chain is None:
+        return Coefficients(**coeffs)
+    if chain is None:  # a short chain: per-block bytes from a full capture's block 1
+        block_poly = poly_of(None, "block", degrees)
+    block_terms = terms(block_poly, symbols)
+    nonblock = sympy.expand(activation - sampler.chain.length * block_poly)
+    coeffs.update(block_terms=block_terms, nonblock_terms=terms(nonblock, symbols))
+    if names[:2] != ("b", "s"):
+        return Coefficients(**coeffs, note="alpha/beta are defined for (b, s, d_model) token inputs")
+    d, h, gamma = _block_shapes(sampler, k2, d_model, n_heads)
+    note = ""
+    if h is None:
+        h, note = 1, "n_heads not found in the attention shapes: beta is per b*s**2 (pass --heads)"
+    return Coefficients(**coeffs, d_model=d, n_heads=h, split=split_block(block_terms, d, h, gamma), note=note)
+
+
+def _timeline_degree(samples: list[Sample]) -> Optional[int]:
+    """Highest degree, over ops, of the live bytes along equally spaced samples."""
+    if len({s.ops for s in samples}) != 1:
+        return None
+    worst = 0
+    for column in zip(*(s.timeline for s in samples)):
+        d = degree_of(column)
+        if d is None:
+            return None
+        worst = max(worst, d)
+    return worst
+
+
+def peak_model(sampler: Sampler, grids: list[list[int]], symbols: list[sympy.Symbol],
+               checks: dict[tuple[int, ...], Sample]) -> tuple[Optional[PeakModel], str]:
+    """The exact piecewise-polynomial peak from full-depth captures on ``grids``, checked at
+    ``checks``; (None, why) when the op sequence changes with the size or a check misses."""
+    samples = {p: sampler(p) for p in _product(grids)}
+    ops = {s.ops for s in samples.values()} | {s.ops for s in checks.values()}
+    if len(ops) > 1:
+        return None, "the op sequence changes with the input size, so the peak is not a formula; use captures"
+    model = PeakModel({p: s.timeline for p, s in samples.items()}, grids, symbols)
+    for p, s in checks.items():
+        if model.at(p)[0] != s.peak:
+            return None, (f"the peak is not a polynomial per op over the sampled range (at {p}: captured "
+                          f"{s.peak} B, formula {model.at(p)[0]} B); use captures")
+    return model, ""
+
+
+def _block_shapes(sampler: Sampler, depth: Optional[int], d_model: Optional[int],
+                  n_heads: Optional[int]) -> tuple[int, Optional[int], Fraction]:
+    """d_model (block input's last dim), n_heads (dim 1 of (b, h, s, ...) tensors the block
+    saves) and gamma (bytes per token of saved tensors whose per-token size is not a
+    multiple of d_model), read off a capture at b=11, s=13."""
+    point = (ALPHA_B, ALPHA_S) + tuple(sampler.base[d] for d in sampler.dims[2:])
+    g, sv = sampler(point, depth).step
+    prefix = f"{sampler.chain.path}.1" if sampler.chain.path else "1"
+    block_input = g.module_inputs.get(prefix, ())
+    d = d_model or (block_input[-1] if block_input else None)
+    if not d:
+        raise UsageError("cannot infer d_model from the block's input; pass --d-model")
+    mine = [t for t in sv.tensors if t.module == prefix or t.module.startswith(prefix + ".")]
+    heads = [t.shape[1] for t in mine if len(t.shape) == 4 and t.shape[0] == ALPHA_B and t.shape[2] == ALPHA_S]
+    h = n_heads or (max(heads) if heads else None)
+    gamma = Fraction(0)
+    per_token = ALPHA_B * ALPHA_S
+    itemsize = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1}
+    for t in mine:
+        if t.bytes % per_token or list(t.shape).count(ALPHA_S) >= 2:
+            continue  # not per token (or the s**2 attention tensors: beta)
+        elements = t.bytes // per_token // itemsize.get(t.dtype, 1)
+        if elements % d:
+            gamma += t.bytes // per_token
+    return d, h, gamma
+
+
+def _product(grids: list[list[int]]) -> list[tuple[int, ...]]:
+    from itertools import product
+
+    return [tuple(p) for p in product(*grids)]
+
+
+def _held_out(base: tuple[int, ...], steps: list[int], grids: list[list[int]], n: int) -> list[tuple[int, ...]]:
+    """n deterministic pseudo-random points in [MIN_SIZE, max(base, 8)] per variable (on the variable's
+    lattice), off the fitting grid."""
+    import random
+
+    rng = random.Random(20261122)
+    out: list[tuple[int, ...]] = []
+    for _ in range(100 * n):
+        p = tuple(rng.randrange(MIN_SIZE if st == 1 else st, max(b, 8 * st) + 1, st) for b, st in zip(base, steps))
+        if p not in out and not all(v in g for v, g in zip(p, grids)):
+            out.append(p)
+        if len(out) == n:
+            break
+    return out
+
+
+@dataclass(frozen=True)
+class Sweep:
+    batches: tuple[int, ...]
+    seqs: tuple[int, ...]
+    rows: tuple[tuple[int, int, int, Optional[int], Optional[int], Optional[int]], ...]
+    # (b, s, activation, peak, captured activation, captured peak): captured only where spot-checked
+    coefficients: Coefficients
+
+
+def sweep(source: Any, batches: list[int], seqs: list[int], tick: Optional[Callable[[], None]] = None) -> Sweep:
+    """Activation and peak over the grid from the exact formulas; the first point is captured."""
+    if not batches or not seqs or min(batches + seqs) < 1:
+        raise UsageError("sweep needs positive batch and sequence lists, e.g. --batch 1,8,32 --seq 512,1024")
+    base = list(source.base_shape)
+    if tuple(source.names[:2]) != ("b", "s"):
+        raise UsageError(f"sweep varies batch and sequence length, but this model's input {tuple(base)} has "
+                         f"no sequence dimension (its sizes are {', '.join(source.names)}); analyze each size instead")
+    base[0], base[1] = max(batches), max(seqs)
+    sampler = source.sampler_for(tuple(base), (0, 1), tick)
+    coeffs = fit(sampler, ("b", "s"), checks=2)
+    rows = []
+    for i, (b, s) in enumerate((b, s) for b in batches for s in seqs):
+        shape = tuple([b, s] + base[2:])
+        if not coeffs.covers(shape):  # too small for the formula: the capture is the answer
+            c = sampler((b, s))
+            rows.append((b, s, c.activation, c.peak, c.activation, c.peak))
+            continue
+        peak = coeffs.peak_at(shape) if coeffs.peak is not None else None
+        captured = sampler((b, s)) if i == 0 else None
+        rows.append((b, s, coeffs.activation_at(shape), peak,
+                     captured.activation if captured else None, captured.peak if captured else None))
+    return Sweep(tuple(batches), tuple(seqs), tuple(rows), coeffs)
+
+
+@dataclass(frozen=True)
+class FitAnswer:
+    variable: str  # "b" or "s"
+    value: int  # the largest value whose predicted peak fits (0: even 1 does not fit)
+    memory: int
+    fixed: dict[str, int]
+    peak_at_value: Optional[int]  # predicted
+    peak_above: int  # predicted at value + 1
+    captured_at_value: Optional[int]  # confirmation captures at the full depth
+    captured_above: Optional[int]  # None when the model itself refuses value + 1
+    limit: str = ""  # set when the model, not the memory, bounds the answer
+
+
+def largest_fitting(coeffs: Coefficients, sampler: Sampler, memory: int, variable: str,
+                    fixed: dict[str, int]) -> FitAnswer:
+    """Largest value of ``variable`` (others fixed) whose predicted peak <= memory, exact from
+    the peak formula (doubling, then bisection: bytes do not shrink as b or s grow), confirmed
+    by captures at the answer and one above."""
+    if coeffs.peak is None:
+        raise NotPolynomialError(f"cannot answer from a formula: {coeffs.peak_note}")
+    names = list(coeffs.variables)
+    if variable not in names:
+        raise UsageError(f"{variable!r} is not one of the formula's variables {names}")
+    base = dict(zip(names, (sampler.base[d] for d in sampler.dims)))
+    base.update(fixed)
+
+    def point(v: int) -> tuple[int, ...]:
+        return tuple(v if n == variable else base[n] for n in names)
+
+    def predict(v: int) -> int:  # below MIN_SIZE the formula does not hold: capture
+        return coeffs.peak.at(point(v))[0] if v >= MIN_SIZE else sampler(point(v)).peak
+
+    lo, hi = 0, 1
+    while predict(hi) <= memory:
+        lo, hi = hi, hi * 2
+        if hi > 2**40:
+            raise UsageError(f"the predicted peak does not grow with {variable}; nothing bounds it")
+    while hi - lo > 1:  # predict(lo) <= memory < predict(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if predict(mid) <= memory else (lo, mid)
+    def runs(v: int) -> bool:
+        try:
+            sampler(point(v))
+            return True
+        except GraphmemError:
+            return False
+
+    limit = ""
+    if lo >= 1 and not runs(lo):  # the memory allows more than the model accepts: bisect captures
+        good, bad = base[variable], lo
+        if not runs(good):
+            raise GraphmemError(f"the model does not run at {variable}={good}")
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if runs(mid) else (good, mid)
+        lo, limit = good, f"the model accepts {variable} <= {good}; the memory would allow more"
+    at = sampler(point(lo)).peak if lo >= 1 else None
+    above = sampler(point(lo + 1)).peak if runs(lo + 1) else None
+    if not limit and above is None:
+        limit = f"the model accepts {variable} <= {lo}"
+    if (at is not None and at != predict(lo)) or (above is not None and above != predict(lo + 1)):
+        raise NotPolynomialError(
+            f"the peak formula does not hold at {variable}={lo}..{lo + 1} (captured {at} and {above} B, "
+            f"predicted {predict(lo) if lo else None} and {predict(lo + 1)} B); use captures")
+    return FitAnswer(variable, lo, memory, {n: base[n] for n in names if n != variable},
+                     predict(lo) if lo >= 1 else None, predict(lo + 1), at, above, limit)

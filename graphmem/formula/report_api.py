@@ -1,0 +1,61 @@
+"""What ``Report.formula``, ``.coefficients``, ``.fit`` and ``.sweep`` run: the report's
+model captured again at other input sizes (through its graphmem.recapture.Recapture)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from graphmem.errors import UsageError
+from graphmem.formula.fit import Coefficients, FitAnswer, Sweep, largest_fitting
+from graphmem.formula.fit import fit as fit_formula
+from graphmem.formula.fit import sweep as sweep_formula
+from graphmem.units import parse_bytes
+
+
+def _source(report: Any) -> Any:
+    if report.source is None:
+        raise UsageError("this report has no model to capture again (built by hand)")
+    return report.source
+
+
+def coefficients(report: Any) -> Coefficients:
+    kept = _source(report).kept
+    if "coefficients" not in kept:
+        kept["coefficients"] = formula(report)
+    return kept["coefficients"]
+
+
+def formula(report: Any, d_model: Optional[int] = None, n_heads: Optional[int] = None, checks: int = 5,
+            tick: Any = None, keep: bool = False) -> Coefficients:
+    source = _source(report)
+    result = fit_formula(source.sampler(tick), source.names, d_model=d_model, n_heads=n_heads, checks=checks)
+    if keep:
+        source.kept["coefficients"] = result
+    return result
+
+
+def fit(report: Any, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None,
+        tick: Any = None) -> FitAnswer:
+    source = _source(report)
+    if seq is not None and batch is not None:
+        raise UsageError("give seq= (to find the batch) or batch= (to find the sequence length), not both")
+    memory_bytes = parse_bytes(memory)
+    base = list(source.base_shape)
+    if (seq is not None or batch is not None) and tuple(source.names[:2]) != ("b", "s"):
+        raise UsageError(f"this model's input {tuple(base)} has no sequence dimension; use fit without seq/batch")
+    if batch is None:
+        if seq is not None:
+            if len(base) < 2:
+                raise UsageError("seq= needs a (batch, seq, ...) input")
+            base[1] = seq
+        sampler, name = source.sampler_for(tuple(base), (0,), tick), "b"
+    else:
+        if len(base) < 2:
+            raise UsageError("batch= needs a (batch, seq, ...) input")
+        base[0] = batch
+        sampler, name = source.sampler_for(tuple(base), (1,), tick), "s"
+    coeffs = fit_formula(sampler, (name,), checks=0)  # the confirming captures check it
+    return largest_fitting(coeffs, sampler, memory_bytes, name, {})
+
+
+def sweep(report: Any, batches: Any, seqs: Any, tick: Any = None) -> Sweep:
+    return sweep_formula(_source(report), list(batches), list(seqs), tick)

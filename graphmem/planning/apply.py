@@ -1,0 +1,144 @@
+"""Apply a checkpoint plan to a module: real ``torch.utils.checkpoint`` (non-reentrant) segments.
+
+A segment ``(a, b)`` of a block chain (``model.<chain>[a..b]``) runs as one checkpointed
+function: the forward keeps only the segment's input, backward runs blocks a..b forward again
+and then their backward. The blocks are not wrapped or renamed: the first block's ``forward``
+is replaced (on the instance) by one that checkpoints blocks a..b, and blocks a+1..b pass
+their input through when the parent calls them, so ``state_dict`` keys, parameters, hooks and
+optimizers are untouched and ``remove()`` restores the module exactly.
+
+Segments longer than one block assume what chains of blocks do: the parent calls the blocks in
+order, each on the previous one's output with the same extra arguments
+(``x = block(x, *args)``), and uses only the last output.
+
+A segment may run under a selective policy (graphmem/planning/selective.py ``OpPolicy``): anything with
+``session()`` returning an object with ``block()`` (called before each block of the segment)
+and ``contexts()`` (the ``context_fn`` of ``torch.utils.checkpoint``: a fresh pair from
+``create_selective_checkpoint_contexts``), made once per checkpointed call.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import types
+from typing import Any, Optional, Sequence
+
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from graphmem.capture.recompute import recompute_scope
+from graphmem.errors import UsageError
+
+_STATE = threading.local()
+
+
+def _inside() -> bool:
+    return getattr(_STATE, "depth", 0) > 0
+
+
+class Applied:
+    """What ``apply_segments`` changed; ``remove()`` undoes it."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        self._blocks = blocks
+
+    def remove(self) -> None:
+        for blk in self._blocks:
+            if "forward" in vars(blk) and getattr(blk.forward, "_graphmem_checkpoint", False):
+                del blk.forward
+        self._blocks = []
+
+    def __enter__(self) -> "Applied":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+# SAC's cached tensors go through the saved-tensor hooks around the step (graphmem's capture,
+# measure_saved) like any saved tensor, where this torch has the opt-in (older ones bypass them)
+_RESPECT: dict[str, Any] = ({"respect_saved_tensors_hooks": True}
+                            if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
+
+
+def _runner(blocks: list[nn.Module], session: Any) -> Any:
+    def run(x: Any, *args: Any, **kwargs: Any) -> Any:
+        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+        scope = recompute_scope()
+        try:
+            with scope() if scope is not None else contextlib.nullcontext():
+                for blk in blocks:  # through __call__: hooks fire, module paths stay right
+                    if session is not None:
+                        session.block()  # the policy counts op calls per block
+                    x = blk(x, *args, **kwargs)
+            return x
+        finally:
+            _STATE.depth -= 1
+    return run
+
+
+def _segment_forward(blocks: list[nn.Module], originals: list[Any], policy: Any = None) -> Any:
+    def head(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if _inside():
+            return originals[0](x, *args, **kwargs)
+        if policy is None:
+            return checkpoint(_runner(blocks, None), x, *args, use_reentrant=False, **kwargs)
+        session = policy.session()
+        return checkpoint(_runner(blocks, session), x, *args, use_reentrant=False, context_fn=session.contexts,
+                          **_RESPECT, **kwargs)
+
+    head._graphmem_checkpoint = True  # type: ignore[attr-defined]
+    return head
+
+
+def _member_forward(original: Any) -> Any:
+    def member(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if _inside():
+            return original(x, *args, **kwargs)
+        return x  # the segment's first block already ran this one, checkpointed
+
+    member._graphmem_checkpoint = True  # type: ignore[attr-defined]
+    return member
+
+
+def chain_blocks(model: nn.Module, chain: str) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``chain`` with their paths: the children of a ModuleList/Sequential, or of
+    several run one after another, named with commas (``"layer1,layer2,layer3,layer4"``)."""
+    out: list[tuple[str, nn.Module]] = []
+    for holder in chain.split(","):
+        try:
+            m = model.get_submodule(holder)
+        except AttributeError as e:
+            raise UsageError(f"the model has no module {holder!r} to checkpoint") from e
+        out += [(f"{holder}.{name}" if holder else name, child) for name, child in m.named_children()]
+    return out
+
+
+def apply_segments(model: nn.Module, chain: str, segments: Sequence[tuple[int, int]],
+                   policies: Optional[Sequence[Any]] = None) -> Applied:
+    """Checkpoint ``model.<chain>[a..b]`` for each ``(a, b)`` in ``segments`` (inclusive;
+    ``chain`` may name several holders run in order, see ``chain_blocks``, and a segment may
+    span them); ``policies[i]`` (None: plain checkpointing) is segment i's selective policy."""
+    policies = list(policies) if policies is not None else [None] * len(segments)
+    if len(policies) != len(segments):
+        raise UsageError(f"{len(policies)} policies for {len(segments)} segments: give one per segment (None: all recomputed)")
+    blocks = [m for _, m in chain_blocks(model, chain)]
+    used: set[int] = set()
+    for a, b in segments:  # all checks first: a refused plan changes nothing
+        if not (0 <= a <= b < len(blocks)):
+            raise UsageError(f"segment {a}..{b} is outside {chain} (blocks 0..{len(blocks) - 1})")
+        if used & set(range(a, b + 1)):
+            raise UsageError(f"segment {a}..{b} overlaps another segment")
+        used |= set(range(a, b + 1))
+        if any(getattr(m.forward, "_graphmem_checkpoint", False) for m in blocks[a:b + 1]):
+            raise UsageError(f"{chain}.{a} is already checkpointed by graphmem; remove() that plan first")
+    changed: list[nn.Module] = []
+    for (a, b), policy in zip(segments, policies):
+        members = blocks[a:b + 1]
+        originals = [m.forward for m in members]
+        members[0].forward = types.MethodType(_segment_forward(members, originals, policy), members[0])
+        for m, orig in zip(members[1:], originals[1:]):
+            m.forward = types.MethodType(_member_forward(orig), m)
+        changed.extend(members)
+    return Applied(changed)

@@ -1,0 +1,40 @@
+"""What ``Report.planner``, ``.plan`` and ``.plans`` run: planners measured once per report
+(kept in its graphmem.recapture.Recapture) and the plans they choose."""
+from __future__ import annotations
+
+from typing import Any
+
+from graphmem.errors import UsageError
+from graphmem.planning.planner import CheckpointPlan, Planner, PlanSummary, parse_limits, summarize
+from graphmem.planning.selective import LEVELS, SelectivePlanner
+
+
+def planner(report: Any, selective: Any = False) -> Planner:
+    """The report's planner for ``selective`` (False: plain; True: LEVELS levels; an int: that many)."""
+    if report.source is None:
+        raise UsageError("this report has no model to capture again (built by hand)")
+    kept = report.source.kept
+    if selective is False or selective is None:
+        if "planner" not in kept:
+            kept["planner"] = Planner(report)
+        return kept["planner"]
+    count = LEVELS if selective is True else selective
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise UsageError(f"selective must be True, False or a number of levels >= 1, not {selective!r}")
+    key = f"selective_planner_{count}"
+    if key not in kept:
+        kept[key] = SelectivePlanner(report, planner(report), count)
+    return kept[key]
+
+
+def plan(report: Any, budget: Any = None, max_overhead: Any = None, selective: Any = False) -> CheckpointPlan:
+    return planner(report, selective).plan(*parse_limits(budget, max_overhead))
+
+
+def plans(report: Any, budget: Any = None, max_overhead: Any = None, points: int = 50, keep: bool = False,
+          selective: Any = False) -> PlanSummary:
+    limits = parse_limits(budget, max_overhead, required=False)
+    summary = summarize(planner(report, selective), *limits, points=points)
+    if keep:
+        report.source.kept["plan_summary"] = summary
+    return summary

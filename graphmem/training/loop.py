@@ -1,0 +1,159 @@
+"""The whole training step: micro-batches, then the optimizer step, then ``zero_grad``.
+
+One definition shared by the fake capture (graphmem/capture/capture.py) and the real measurement
+(graphmem/validation/measure.py), like graphmem/training/step.py for forward/loss/backward, so predicted and
+measured numbers describe the same loop::
+
+    for i in range(micro_batches):                 # each runs the given input shape
+        out = model(*inputs); loss = loss_fn(out, inputs) / micro_batches; loss.backward()
+    optimizer.step(); optimizer.zero_grad(set_to_none=True)
+
+As in a plain Python loop, the previous micro-step's ``out`` and ``loss`` stay referenced
+until reassigned, and the last ones until the step ends. Gradients accumulate in ``.grad``
+across micro-steps (AccumulateGrad adds in place). With ``master_weights`` (the mixed
+precision recipe of ZeRO, Rajbhandari et al. 2020, section 3: 16-bit parameters and
+gradients, an fp32 master copy of the parameters, fp32 optimizer states) the optimizer runs
+on the fp32 masters: each master's ``.grad`` is an fp32 copy of the 16-bit gradient, made
+during the step; after it the masters are copied back into the 16-bit parameters and both
+sets of gradients are released. (Loss scaling changes scalars only and is left out.)
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+
+from graphmem.errors import UsageError
+from graphmem.training.optim import (
+    OPTIMIZERS,
+    ScalarReads,
+    check_optimizer,
+    make_optimizer,
+    resolved_impl,
+    state_tensors,
+)
+from graphmem.training.step import LossFn, default_loss, run_step
+
+Mark = Callable[[str, list[tuple[str, torch.Tensor]]], None]  # (kind, [(name, tensor)])
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    optimizer: Optional[str] = None  # sgd | momentum | adam | adamw | adafactor; None: no step
+    impl: str = "auto"  # auto | foreach | forloop | fused
+    master_weights: bool = False  # fp32 master copy of 16-bit parameters (the 16-psi recipe)
+    micro_batches: int = 1  # gradient accumulation steps
+    trace_micro_steps: int = 2  # micro-steps the fake capture runs: 3..k repeat step 2 exactly
+
+    @property
+    def active(self) -> bool:
+        return self.optimizer is not None or self.micro_batches > 1
+
+    def describe(self, device: str = "cpu") -> str:
+        parts = []
+        if self.optimizer:
+            parts.append(f"{self.optimizer} ({resolved_impl(self.impl, device)})")
+        if self.master_weights:
+            parts.append("fp32 master weights")
+        if self.micro_batches > 1:
+            parts.append(f"{self.micro_batches} micro-batches")
+        return ", ".join(parts)
+
+    def to_dict(self, device: str = "cpu") -> dict[str, Any]:
+        return {"optimizer": self.optimizer, "impl": resolved_impl(self.impl, device) if self.optimizer else None,
+                "master_weights": self.master_weights, "micro_batches": self.micro_batches}
+
+
+def make_train_step(optimizer: Optional[str] = None, impl: str = "auto", master_weights: bool = False,
+                    micro_batches: int = 1, dtype: Optional[str] = None) -> TrainStep:
+    """Check the options against each other and name the fix when they do not fit."""
+    check_optimizer(optimizer, impl)
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise UsageError(f"micro-batches must be a positive integer, got {micro_batches!r}")
+    if master_weights and optimizer is None:
+        raise UsageError("--master-weights keeps an fp32 copy for the optimizer: add --optimizer adam (or another)")
+    if master_weights and dtype not in ("bf16", "fp16"):
+        raise UsageError("--master-weights needs 16-bit parameters: add --dtype bf16 or --dtype fp16 "
+                         "(with --amp the parameters are already fp32)")
+    return TrainStep(optimizer, impl, master_weights, micro_batches)
+
+
+class Session:
+    """One model's optimizer (and fp32 masters) for ``step``; built before the step runs, so
+    the masters exist before it, like the parameters (state is created lazily by the step)."""
+
+    def __init__(self, step: TrainStep, params: dict[str, torch.Tensor], device: str) -> None:
+        self.step = step
+        self.params = {n: p for n, p in params.items() if p.requires_grad}
+        self.masters: dict[str, torch.Tensor] = {}
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        if step.optimizer is None:
+            return
+        if step.master_weights:
+            with torch.no_grad():
+                self.masters = {n: p.detach().float().requires_grad_(True) for n, p in self.params.items()}
+        targets = list((self.masters or self.params).values())
+        if not targets:
+            raise UsageError("no parameter requires grad, so the optimizer has nothing to update; "
+                             "unfreeze some parameters or drop --optimizer")
+        self.optimizer = make_optimizer(step.optimizer, step.impl, targets, device)
+
+    def run(self, forward: Callable[..., Any], inputs: tuple, loss_fn: Optional[LossFn],
+            on_phase: Callable[[str], None], forward_context: Callable[[], ContextManager[Any]],
+            mark: Mark = lambda kind, named: None, fake: bool = False) -> tuple[Any, torch.Tensor]:
+        """Micro-steps, then the optimizer step. ``mark`` is told which tensors are gradients,
+        optimizer states and fp32 gradient copies while they exist; ``fake`` runs only
+        ``trace_micro_steps`` micro-steps (see _micro_steps) and answers ``.item()``."""
+        k = self.step.micro_batches
+        base = loss_fn or default_loss
+        scaled: LossFn = base if k == 1 else (lambda out, inp: base(out, inp) / k)
+        runs = min(k, self.step.trace_micro_steps) if fake else k
+        out: Any = None
+        loss: Any = None
+        for _ in range(runs):
+            out, loss = run_step(forward, inputs, scaled, on_phase, forward_context)
+        mark("gradient", [(n, p.grad) for n, p in self.params.items() if p.grad is not None])
+        if self.optimizer is None:
+            return out, loss
+        on_phase("optimizer")
+        with ScalarReads() if fake else contextlib.nullcontext():
+            self._optimizer_step(mark)
+        return out, loss
+
+    def _optimizer_step(self, mark: Mark) -> None:
+        assert self.optimizer is not None
+        names = {id(t): n for n, t in (self.masters or self.params).items()}
+        with torch.no_grad():
+            if self.masters:
+                for n, m in self.masters.items():
+                    g = self.params[n].grad
+                    m.grad = None if g is None else g.float()  # fp32 copy of the 16-bit gradient
+                mark("gradient copy", [(n, m.grad) for n, m in self.masters.items() if m.grad is not None])
+            self.optimizer.step()
+            mark("optimizer state", [(f"{names.get(id(p), '?')}:{key}", t) for p, key, t in state_tensors(self.optimizer)])
+            if self.masters:
+                for n, m in self.masters.items():
+                    self.params[n].copy_(m)
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params.values():
+            p.grad = None
+
+
+def relabel_accumulation(ops: list, saves: list, phase_start: dict[str, int]) -> None:
+    """Ops and saves of the micro-steps before the last belong to phase "accumulate": the
+    forward/loss/backward phases name the last micro-step, whose saved set is the step's
+    activations (each micro-step saves the same)."""
+    start = phase_start.get("forward", 0)
+    if start == 0:
+        return
+    for node in ops[:start]:
+        node.meta["phase"] = "accumulate"
+    for e in saves:
+        if e.packed_at < start:
+            e.phase = "accumulate"
+    phase_start["accumulate"] = 0
+
+
+__all__ = ["TrainStep", "Session", "make_train_step", "relabel_accumulation", "OPTIMIZERS"]

@@ -1,0 +1,113 @@
+"""The training options beyond forward/backward (graphmem/training/loop.py: micro-batches, optimizer,
+master weights; graphmem/training/lora.py; passes/budget.py: ZeRO/FSDP/tensor parallel) gathered
+for ``graphmem.analyze``, and the budget it reports as ``report.budget``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch.nn as nn
+
+from graphmem.passes.budget import Budget, Parallel, budget, make_parallel
+from graphmem.training.loop import TrainStep, make_train_step
+from graphmem.training.lora import LoRA, apply_lora, make_lora
+from graphmem.training.optim import resolved_impl
+
+
+@dataclass(frozen=True)
+class Training:
+    train: TrainStep
+    lora: Optional[LoRA]
+    parallel: Parallel
+
+    @property
+    def requested(self) -> bool:
+        """Any option given: the report then carries a budget."""
+        return self.train.active or self.train.master_weights or self.lora is not None or self.parallel != Parallel()
+
+
+def make_training(dtype: Optional[str] = None, optimizer: Optional[str] = None, optimizer_impl: str = "auto",
+                  master_weights: bool = False, micro_batches: int = 1, lora_rank: Optional[int] = None,
+                  lora_targets: Union[str, Sequence[str], None] = None, world_size: int = 1, zero: int = 0,
+                  fsdp: Optional[str] = None, tp: int = 1, sp: bool = False) -> Training:
+    train = make_train_step(optimizer, optimizer_impl, master_weights, micro_batches, dtype)
+    lora = make_lora(lora_rank, lora_targets if lora_targets is None or isinstance(lora_targets, str) else tuple(lora_targets))
+    return Training(train, lora, make_parallel(world_size, zero, fsdp, tp, sp))
+
+
+def prepare(module: nn.Module, training: Training) -> tuple[nn.Module, tuple[str, ...]]:
+    """The module to capture: with LoRA, a meta copy with adapters (the given one untouched)."""
+    if training.lora is None:
+        return module, ()
+    return apply_lora(module, training.lora)
+
+
+def units_of(module: nn.Module) -> tuple[str, ...]:
+    """What ZeRO-3/FSDP gathers one at a time: the blocks of the repeated chain (a transformer's
+    layers, as FSDP's transformer auto-wrap policy wraps them); the rest is the root unit."""
+    from graphmem.capture.chains import find_chain
+
+    chain = find_chain(module)
+    if chain is None:
+        return ()
+    return tuple(f"{chain.path}.{i}" if chain.path else str(i) for i in range(chain.length))
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """``report.budget``: what the whole step holds, per rank (``rank``) and, when the step is
+    split over ranks, on one device without parallelism (``single``) for comparison."""
+
+    training: Training
+    device: str
+    lora_layers: tuple[str, ...]
+    rank: Budget
+    single: Optional[Budget]
+
+    @property
+    def rows(self) -> Any:
+        return self.rank.rows
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.rank.peak_bytes
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.rank.model_state_bytes
+
+    def row(self, name: str) -> Any:
+        return self.rank.row(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        t = self.training
+        out: dict[str, Any] = {**t.train.to_dict(self.device),
+                               "lora": {**t.lora.to_dict(), "layers": list(self.lora_layers)} if t.lora else None,
+                               "parallel": t.parallel.to_dict(), "per_rank": _budget_dict(self.rank)}
+        if self.single is not None:
+            out["single_device"] = _budget_dict(self.single)
+        return out
+
+
+def _budget_dict(b: Budget) -> dict[str, Any]:
+    return {
+        "rows": {r.name: {"bytes": r.size, "at_peak": r.at_peak} for r in b.rows},
+        "model_state_bytes": b.model_state_bytes, "step_counter_bytes": b.step_counter_bytes,
+        "optimizer_states": dict(b.states_by_name), "parameters": b.parameters, "trainable_parameters": b.trainable,
+        "peak": {"bytes": b.peak_bytes, "index": b.peak_index, "phase": b.peak_phase, "op": b.peak_op,
+                 "module": b.peak_module, "top_temporaries": [{"made_by": n, "bytes": v} for n, v in b.top_temporaries]},
+        "later_steps_peak": {"bytes": b.later_peak_bytes, "index": b.later_peak_index, "phase": b.later_peak_phase},
+        **({"gathered_unit": b.largest_unit, "gather_bytes": b.gather_bytes} if b.gather_bytes else {}),
+        **({"tp_linears": {"column": b.tp_split[0], "row": b.tp_split[1]}} if b.tp_split != (0, 0) else {}),
+    }
+
+
+def step_budget(g: Any, lv: Any, sv: Any, training: Training, module: nn.Module, lora_layers: tuple[str, ...]) -> StepBudget:
+    units = units_of(module)
+    rank = budget(g, lv, sv, training.parallel, units)
+    single = budget(g, lv, sv, Parallel(), units) if training.parallel != Parallel() else None
+    device = g.target.device if g.target is not None else g.device
+    return StepBudget(training, device, lora_layers, rank, single)
+
+
+__all__ = ["Training", "make_training", "prepare", "StepBudget", "step_budget", "resolved_impl"]

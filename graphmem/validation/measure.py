@@ -1,0 +1,121 @@
+"""Ground truth from a REAL run of the same training step (graphmem/training/step.py) on the CPU.
+
+- Saved bytes: ``saved_tensors_hooks`` on the real forward and loss, deduplicated by storage,
+  parameters and buffers excluded — the definition of activation bytes.
+- Peak: the CPU allocator's own events, read from ``torch.profiler`` with
+  ``profile_memory=True`` (every c10 CPU allocation and free, with its size). The peak is the
+  bytes live before the step (parameters, buffers, inputs) plus the largest running sum of
+  those events during the step.
+
+These functions allocate real memory: use small shapes.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+import torch.nn as nn
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from graphmem.training.loop import Session, TrainStep
+from graphmem.training.optim import state_tensors
+from graphmem.training.step import LossFn, run_step
+
+
+@dataclass(frozen=True)
+class Measured:
+    saved_bytes: int  # distinct non-parameter storages saved for backward (forward + loss)
+    peak_bytes: int  # baseline + largest running sum of allocator events
+    baseline_bytes: int  # parameters, buffers and inputs, live before the step
+    allocations: int  # allocator events seen
+    state_bytes: int = 0  # optimizer state (distinct storages) after the step, with graphmem/training/loop.py
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> tuple[set[int], int]:
+    keys: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        keys[st._cdata] = st.nbytes()
+    return set(keys), sum(keys.values())
+
+
+def _autocast(amp: Optional[torch.dtype]) -> Callable[[], ContextManager[Any]]:
+    """The real step's forward context: CPU autocast to ``amp``, or nothing."""
+    return (lambda: torch.autocast("cpu", dtype=amp)) if amp is not None else contextlib.nullcontext
+
+
+def measure_saved(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = None,
+                  amp: Optional[torch.dtype] = None) -> int:
+    """Bytes of the distinct storages autograd saves in a real forward + loss (under CPU
+    autocast to ``amp`` if given)."""
+    state = [*model.parameters(), *model.buffers()]
+    excluded, _ = _storage_bytes(state)
+    saved: dict[int, int] = {}
+    phase = ["forward"]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if phase[0] != "backward" and st._cdata not in excluded:
+            saved[st._cdata] = st.nbytes()
+        return t
+
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_step(model, inputs, loss_fn, lambda p: phase.__setitem__(0, p), _autocast(amp))
+    model.zero_grad(set_to_none=True)
+    return sum(saved.values())
+
+
+def _allocation_events(prof: Any) -> list[tuple[int, int]]:
+    events: list[tuple[int, int]] = []
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+        todo.extend(e.children)
+    events.sort()
+    return events
+
+
+def measure_peak(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = None,
+                 train: Optional[TrainStep] = None, warm_steps: int = 0,
+                 amp: Optional[torch.dtype] = None) -> Measured:
+    """Real CPU step under the profiler; the peak from the allocator's events. ``train`` adds
+    micro-batches and the optimizer step (graphmem/training/loop.py); ``warm_steps`` runs that many
+    whole steps first, unprofiled (the optimizer states then exist before the measured one);
+    ``amp`` runs forward and loss under CPU autocast to that dtype."""
+    context = _autocast(amp)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    session = Session(train, dict(model.named_parameters()), "cpu") if train is not None else None
+    for _ in range(warm_steps):
+        if session is not None:
+            out, loss = session.run(model, inputs, loss_fn, lambda p: None, context)
+            del out, loss
+    states = [t for _, _, t in state_tensors(session.optimizer)] if session and session.optimizer else []
+    masters = list(session.masters.values()) if session is not None else []
+    tensors = [*model.parameters(), *model.buffers(), *(x for x in inputs if isinstance(x, torch.Tensor)),
+               *masters, *states]
+    _, baseline = _storage_bytes(tensors)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        if session is None:
+            out, loss = run_step(model, inputs, loss_fn, forward_context=context)
+        else:
+            out, loss = session.run(model, inputs, loss_fn, lambda p: None, context)
+    del out, loss
+    state_bytes = 0
+    if session is not None and session.optimizer is not None:
+        state_bytes = _storage_bytes([t for _, _, t in state_tensors(session.optimizer)])[1]
+    events = _allocation_events(prof)
+    running = high = 0
+    for _, size in events:
+        running += size
+        high = max(high, running)
+    model.zero_grad(set_to_none=True)
+    saved = measure_saved(model, inputs, loss_fn, amp)
+    return Measured(saved, baseline + high, baseline, len(events), state_bytes)

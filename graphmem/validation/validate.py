@@ -1,0 +1,415 @@
+"""``graphmem.validate``: the final REAL run. One training step is predicted on fake tensors
+(``graphmem.analyze``), then run for real on the CPU or a GPU, and the numbers are put side by
+side: saved-for-backward bytes must match exactly, the peak within a tolerance.
+
+What is compared (the same step, graphmem/training/step.py, in train mode with ``.grad`` unset):
+
+- CPU (graphmem/validation/measure.py): saved bytes from ``saved_tensors_hooks`` (distinct storages,
+  parameters excluded) — exact; the bytes live before the step (parameters, buffers, inputs) —
+  exact; the peak from the CPU allocator's own events (torch.profiler) plus those bytes. The
+  prediction may be below the real peak by the scratch a kernel allocates inside one op
+  (oneDNN convolution workspaces: ~2.5 % for ResNets, ``--tolerance 2.5``) and is never above it.
+- CUDA: a warm-up step first (cuBLAS/cuDNN create their workspaces and handles; they stay
+  allocated and are not part of the step), then ``reset_peak_memory_stats`` and the measured
+  step. ``peak allocated`` compares ``torch.cuda.max_memory_allocated()`` with the allocated
+  bytes at the start of the measured step plus the rise that the caching-allocator model
+  (passes/allocator.py) predicts over the step; the before-step bytes (which hold the
+  workspaces) and the reserved peak (the real cache was shaped by building the model and the
+  warm-up, the model's starts empty) are shown for information and have no verdict.
+
+Validate allocates the real model, so it first refuses a step whose predicted peak exceeds a
+safety budget (half of the available RAM; 90 % of the free GPU memory for CUDA, where running
+out is an error, not a machine in swap).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from graphmem.capture.load import Loaded, load, make_inputs, parse_shape
+from graphmem.errors import GraphmemError, UsageError
+from graphmem.report import Report
+from graphmem.training.step import LossFn, run_step
+from graphmem.units import fmt_bytes
+
+DEFAULT_TOLERANCE = 1.0  # percent of the measured peak
+RAM_SHARE = 0.5  # of MemAvailable: the page cache and other programs keep the rest
+GPU_SHARE = 0.9  # of the free device memory: an OOM there is an exception, not a frozen machine
+NO_GPU = "no GPU on this machine; validate --device cpu here, or run on a GPU host"
+
+
+class ValidationError(GraphmemError):
+    """The real run disagrees with the prediction (exit code 1)."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class Row:
+    """One compared quantity. ``rule``: "exact", "tolerance" or "info" (no verdict)."""
+
+    name: str
+    predicted: int
+    measured: int
+    rule: str
+    ok: Optional[bool]  # None for "info"
+
+    @property
+    def difference(self) -> int:
+        return self.predicted - self.measured  # negative: the prediction is below the real run
+
+    @property
+    def percent(self) -> Optional[float]:
+        return 100.0 * self.difference / self.measured if self.measured else None
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Predicted vs measured for one real step. ``ok``: every row with a verdict passed;
+    ``reason``: one line naming the first failure ("" when ok); ``check()`` raises it."""
+
+    model: str
+    device: str
+    input_shapes: tuple[tuple[int, ...], ...]
+    tolerance: float  # percent
+    rows: tuple[Row, ...]
+    reason: str
+    report: Optional[Report] = field(default=None, repr=False, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return not self.reason
+
+    def row(self, name: str) -> Row:
+        return next(r for r in self.rows if r.name == name)
+
+    def check(self) -> None:
+        """Raise ValidationError (exit code 1 in the CLI) when outside the tolerance."""
+        if self.reason:
+            raise ValidationError(self.reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "device": self.device, "input_shapes": [list(s) for s in self.input_shapes],
+                "tolerance_percent": self.tolerance, "ok": self.ok, "reason": self.reason,
+                "rows": [{"name": r.name, "predicted": r.predicted, "measured": r.measured,
+                          "difference": r.difference, "percent": r.percent, "rule": r.rule, "ok": r.ok}
+                         for r in self.rows]}
+
+
+def available_memory() -> int:
+    """Bytes the OS can hand out without swapping: ``MemAvailable`` from /proc/meminfo, else
+    (no /proc, e.g. macOS) the physical memory size, which the 50 % share keeps conservative."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+
+
+def validate(
+    model: Union[nn.Module, str, "os.PathLike[str]"],
+    inputs: Any = None,
+    *,
+    input_shape: Union[str, tuple, list, None] = None,
+    loss: Optional[LossFn] = None,
+    device: Union[str, torch.device] = "cpu",
+    tolerance: Optional[float] = None,
+) -> Validation:
+    """Predict one training step on fake tensors, run it for real, compare.
+
+    ``model``: a model file or preset (built for real on ``device`` after the prediction fits
+    the memory budget) or a real nn.Module on ``device`` (used as it is; its train/eval flags
+    and ``.grad`` are restored afterwards, its weights are never changed). ``tolerance``: the
+    allowed peak gap in percent of the measured peak (default 1; CPU convnets need ~2.5).
+
+    >>> import torch, graphmem
+    >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    >>> v = graphmem.validate(net, (torch.randn(8, 16),))
+    >>> v.ok, v.row("saved for backward").difference
+    (True, 0)
+    """
+    from graphmem.api import analyze
+
+    dev = _device(device)
+    try:
+        tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
+    except (TypeError, ValueError):
+        tol = math.nan
+    if not math.isfinite(tol) or tol < 0:
+        raise UsageError(f"invalid tolerance {tolerance!r}: expected a percentage >= 0, e.g. 1 or 2.5")
+    if inputs is None and input_shape is None:
+        raise UsageError("no inputs: pass example inputs or input_shape=(batch, ...) / --input-shape 32x1024")
+    shape = _shape(input_shape) if inputs is None else None
+    given = None if inputs is None else tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+    if isinstance(model, nn.Module):
+        _check_real(model, dev)
+        report = analyze(model, given, input_shape=shape, loss=loss, **_target(dev))
+        _check_budget(report, dev, resident=report.parameter_bytes + report.buffer_bytes)
+        loaded: Optional[Loaded] = Loaded(type(model).__name__, model, None, None)
+    elif isinstance(model, (str, os.PathLike)):
+        spec = os.fspath(model)
+        report = analyze(spec, given, input_shape=shape, loss=loss, **_target(dev))
+        _check_budget(report, dev, resident=0)  # nothing real exists yet
+        loaded = None
+    else:
+        raise UsageError(f"model must be an nn.Module, a model file or a preset name, not {type(model).__name__}")
+
+    with _rng(dev):
+        torch.manual_seed(0)  # deterministic weights and inputs (values never change the bytes)
+        if loaded is None:
+            loaded = _build(spec, dev)
+        real = tuple(_to(x, dev) for x in given) if given is not None else _inputs(loaded, shape or (), dev)
+        shapes = tuple(tuple(x.shape) for x in real if isinstance(x, torch.Tensor))
+        if shapes != tuple(report.input_shapes):
+            raise ValidationError(f"the real inputs have shapes {shapes}, the analyzed ones {report.input_shapes}; "
+                                  "example_inputs(shape) must return the same shapes every time")
+        loss_fn = loss or loaded.loss
+        with _restored(loaded.module):
+            measured = _cpu(report, loaded.module, real, loss_fn) if dev.type == "cpu" else \
+                _cuda(report, loaded.module, real, loss_fn, dev)
+    convs = report.step is not None and any("convolution" in str(op.target) for op in report.step.ops)
+    hint = " (CPU convnets need ~2.5 %, oneDNN scratch: --tolerance 2.5)" if dev.type == "cpu" and convs and tol < 2.5 else ""
+    rows, reason = _judge(measured, tol, hint)
+    return Validation(report.model, str(dev), shapes, tol, rows, reason, report)
+
+
+# -- the real model and inputs ----------------------------------------------------------------
+
+def _device(device: Union[str, torch.device]) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"invalid device {device!r}: expected cpu or cuda") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"validate runs on cpu or cuda, not {dev.type}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(NO_GPU)
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    return dev
+
+
+def _target(dev: torch.device) -> dict[str, Any]:
+    """analyze()'s target for this device; for CUDA, the GPU generation actually present (its
+    SDPA backend rules decide what attention saves)."""
+    if dev.type == "cpu":
+        return {"device": "cpu"}
+    from graphmem.capture.target import GPUS
+
+    cap = torch.cuda.get_device_capability(dev)
+    known = sorted((c, name) for name, c in GPUS.items() if c <= cap)  # exact match, else the closest older one
+    exact = [name for c, name in known if c == cap]
+    return {"device": "cuda", "gpu": exact[0] if exact else known[-1][1] if known else "v100"}
+
+
+def _cuda_model(report: Report) -> Any:
+    """The caching-allocator model's result for the predicted step (analyze computes it for the
+    CUDA target)."""
+    from graphmem.passes.allocator import allocator
+
+    assert report.step is not None
+    return getattr(report, "cuda_allocator", None) or allocator(report.step)
+
+
+def _shape(input_shape: Union[str, tuple, list, None]) -> tuple[int, ...]:
+    from graphmem.api import _shape_of
+
+    return parse_shape(input_shape) if isinstance(input_shape, str) else _shape_of(input_shape)  # type: ignore[arg-type]
+
+
+def _check_real(module: nn.Module, dev: torch.device) -> None:
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t.device.type == "meta":
+            raise UsageError(f"{name} is on the meta device: a real run needs real weights; pass a real module, "
+                             "or the model file / preset name, which validate builds for real")
+        if t.device.type != dev.type:
+            raise UsageError(f"{name} is on {t.device} but the run is on {dev}; move the module with "
+                             f".to({dev.type!r}) or validate with device={t.device.type!r}")
+
+
+def _build(spec: str, dev: torch.device) -> Loaded:
+    """The model built for real on ``dev`` from its preset or model file.
+
+    Why rebuild rather than ``load(spec).module.to_empty(device)`` and re-initialize: the
+    model's own ``__init__`` also computes non-persistent buffers (LLaMA's RoPE cos/sin, GPT-2's
+    causal mask, position-id tables used for indexing) that ``to_empty`` would leave as garbage
+    and no generic initializer can recompute; rebuilding gives exactly the buffers, weight
+    tying and init a user's training run would have. ``load`` (meta) has already run during
+    the prediction, so the file is known to be well formed here."""
+    return load(spec, device=str(dev))
+
+
+def _inputs(loaded: Loaded, shape: tuple[int, ...], dev: torch.device) -> tuple:
+    """The model file's example_inputs, or the default-input rule, on the real device."""
+    with torch.device(dev):
+        made = make_inputs(loaded, shape)
+    return tuple(_to(x, dev) for x in made)  # example_inputs may name a device itself
+
+
+def _to(x: Any, dev: torch.device) -> Any:
+    if not isinstance(x, torch.Tensor) or x.device == dev:
+        return x
+    if x.device.type == "meta":
+        raise UsageError("an input is on the meta device: a real run needs real inputs (or give input_shape)")
+    return x.detach().to(dev).requires_grad_(x.requires_grad)
+
+
+@contextlib.contextmanager
+def _rng(dev: torch.device) -> Iterator[None]:
+    """Seed freely without changing the caller's random streams."""
+    with torch.random.fork_rng(devices=[dev.index] if dev.type == "cuda" else []):
+        yield
+
+
+@contextlib.contextmanager
+def _restored(module: nn.Module) -> Iterator[None]:
+    """A user's module comes back with its train/eval flags and ``.grad`` as they were."""
+    modes = [(m, m.training) for m in module.modules()]
+    grads = [(p, p.grad) for p in module.parameters()]
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        for p, g in grads:
+            p.grad = g
+
+
+# -- the memory budget ------------------------------------------------------------------------
+
+def _check_budget(report: Report, dev: torch.device, resident: int) -> None:
+    """Refuse (UsageError) a real step that could exhaust the machine. ``resident``: bytes that
+    already exist (a real module's weights) and so need no new memory."""
+    if dev.type == "cpu":
+        needed, free, share, what = report.peak_bytes - resident, available_memory(), RAM_SHARE, "available RAM"
+    else:
+        needed = _cuda_model(report).max_reserved - resident
+        free, share, what = torch.cuda.mem_get_info(dev)[0], GPU_SHARE, f"free memory on {dev}"
+    budget = int(free * share)
+    if needed <= budget:
+        return
+    fixed = report.baseline_bytes - report.input_bytes + report.gradient_bytes - resident
+    shapes = ", ".join("x".join(map(str, s)) for s in report.input_shapes)
+    hint = ("the weights and gradients alone exceed it: validate a smaller configuration of the model"
+            if fixed > budget else f"use a smaller --input-shape than {shapes}, e.g. {_smaller(report)}")
+    raise UsageError(f"a real step of {report.model} needs about {fmt_bytes(needed)} ({needed:,} B), over the "
+                     f"safety budget of {fmt_bytes(budget)} ({share:.0%} of the {fmt_bytes(free)} {what}); {hint}")
+
+
+def _smaller(report: Report) -> str:
+    dims = list(report.input_shapes[0]) if report.input_shapes else [1]
+    i = 0 if dims[0] > 1 else len(dims) - 1
+    dims[i] = max(1, dims[i] // 2)
+    return "x".join(map(str, dims))
+
+
+# -- the measurements -------------------------------------------------------------------------
+
+def _cpu(report: Report, module: nn.Module, inputs: tuple, loss_fn: Optional[LossFn]) -> tuple[Row, ...]:
+    from graphmem.validation.measure import measure_peak
+
+    with _without_profiler_log():
+        real = measure_peak(module, inputs, loss_fn)  # the step under the profiler, then the saved set
+    return (Row("saved for backward", report.activation_bytes, real.saved_bytes, "exact", None),
+            Row("before the step", report.baseline_bytes, real.baseline_bytes, "exact", None),
+            Row("peak", report.peak_bytes, real.peak_bytes, "tolerance", None))
+
+
+# kineto (torch.profiler's C++ side) logs "USDT:2026-01-01 12:00:00 123:123 File.cpp:39] profiler_start"
+# lines to file descriptor 2 whatever KINETO_LOG_LEVEL says.
+_KINETO_LINE = re.compile(rb"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+:\d+\] ")
+
+
+@contextlib.contextmanager
+def _without_profiler_log() -> Iterator[None]:
+    """Drop kineto's log lines from stderr (the CLI promises one stderr line on failure); every
+    other line written to stderr meanwhile (warnings) is passed on afterwards."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            rest = b"".join(line for line in tmp.read().splitlines(keepends=True) if not _KINETO_LINE.match(line))
+            if rest:
+                sys.stderr.write(rest.decode(errors="replace"))
+
+
+def _cuda(report: Report, module: nn.Module, inputs: tuple, loss_fn: Optional[LossFn],
+          dev: torch.device) -> tuple[Row, ...]:
+    from graphmem.validation.measure import measure_saved
+
+    assert report.step is not None
+    model = _cuda_model(report)  # the caching allocator replayed over the predicted step
+    first = sum(1 for s in report.step.storages.values() if s.created == -1 and s.nbytes)
+    model_before = model.timeline[first - 1][0] if first else 0  # parameters, buffers, inputs
+
+    module.train()
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x.grad is not None:
+                x.grad = None
+        out, loss = run_step(module, inputs, loss_fn)
+        del out, loss
+        torch.cuda.synchronize(dev)
+
+    step()  # warm-up: workspaces and handles are created here and stay allocated
+    module.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    step()
+    max_allocated, max_reserved = torch.cuda.max_memory_allocated(dev), torch.cuda.max_memory_reserved(dev)
+    module.zero_grad(set_to_none=True)
+    saved = measure_saved(module, inputs, loss_fn)  # storages are storages on any device
+    return (Row("saved for backward", report.activation_bytes, saved, "exact", None),
+            Row("allocated before the step", model_before, before, "info", None),
+            Row("peak allocated", before + model.max_allocated - model_before, max_allocated, "tolerance", None),
+            Row("peak reserved", model.max_reserved, max_reserved, "info", None))
+
+
+def _judge(rows: tuple[Row, ...], tol: float, hint: str = "") -> tuple[tuple[Row, ...], str]:
+    """Each row with its verdict, and one line naming the first failure ("" when all pass);
+    ``hint`` ends a peak failure's line."""
+    judged, reason = [], ""
+    for r in rows:
+        ok, why = _verdict(r, tol, hint)
+        judged.append(replace(r, ok=ok))
+        reason = reason or why
+    return tuple(judged), reason
+
+
+def _verdict(r: Row, tol: float, hint: str) -> tuple[Optional[bool], str]:
+    d = r.difference
+    if r.rule == "info":
+        return None, ""
+    if r.rule == "exact":
+        return d == 0, "" if d == 0 else (f"{r.name}: predicted {r.predicted:,} B, measured {r.measured:,} B ({d:+,} B); "
+                                          "these must match exactly (a graphmem bug: please report it with the --json output)")
+    if d > 0:
+        return False, (f"{r.name}: predicted {r.predicted:,} B is above the measured {r.measured:,} B by {d:,} B; "
+                       "graphmem counts memory the real step never allocates (a graphmem bug: please report it)")
+    if -d <= tol / 100.0 * r.measured:
+        return True, ""
+    return False, (f"{r.name}: predicted {r.predicted:,} B is {-(r.percent or 0.0):.3f} % below the measured "
+                   f"{r.measured:,} B, outside the {tol:g} % tolerance{hint}")
