@@ -3,25 +3,53 @@
 >>> import graphmem
 >>> report = graphmem.analyze("gpt2", input_shape=(1, 128))   # doctest: +SKIP
 >>> report.activation_bytes, report.peak_bytes                 # doctest: +SKIP
+
+The public names are loaded on first use (PEP 562), so the command line answers ``--help``
+and usage errors without importing torch.
 """
-from graphmem.api import analyze
-from graphmem.capture.capture import capture
-from graphmem.capture.load import parse_shape
-from graphmem.ci import assert_activation_bytes
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from graphmem.errors import (
-                     CaptureError,
-                     DataDependentError,
-                     GraphmemError,
-                     ModelLoadError,
-                     PassError,
-                     UnsupportedOpError,
-                     UsageError,
+    CaptureError,
+    DataDependentError,
+    GraphmemError,
+    ModelLoadError,
+    PassError,
+    UnsupportedOpError,
+    UsageError,
 )
-from graphmem.report import Report
-from graphmem.stepgraph import StepGraph
-from graphmem.validation.validate import validate
+
+if TYPE_CHECKING:
+    from graphmem import capture
+    from graphmem.api import analyze
+    from graphmem.capture.load import parse_shape
+    from graphmem.ci import assert_activation_bytes
+    from graphmem.report import Report
+    from graphmem.stepgraph import StepGraph
+    from graphmem.validation.validate import validate
+
+_LAZY = {"analyze": "graphmem.api", "parse_shape": "graphmem.capture.load",
+         "assert_activation_bytes": "graphmem.ci", "Report": "graphmem.report", "StepGraph": "graphmem.stepgraph",
+         "validate": "graphmem.validation.validate"}
 
 __all__ = ["analyze", "capture", "parse_shape", "Report", "StepGraph", "GraphmemError", "UsageError",
            "ModelLoadError", "CaptureError", "DataDependentError", "UnsupportedOpError", "PassError",
            "assert_activation_bytes", "validate"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "capture":  # the package graphmem/capture/, callable as the capture function
+        return importlib.import_module("graphmem.capture")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'graphmem' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -11,12 +11,12 @@ import torch.nn as nn
 from graphmem.capture.capture import capture
 from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
 from graphmem.capture.reuse import capture_reusing
-from graphmem.capture.target import make_target
+from graphmem.capture.target import Target, make_target
 from graphmem.errors import UsageError
 from graphmem.passes import allocator, compare_modes, liveness, notes, saved
 from graphmem.recapture import Recapture
 from graphmem.report import Report
-from graphmem.training.spec import make_training, prepare, step_budget
+from graphmem.training.spec import Training, make_training, prepare, step_budget
 from graphmem.training.step import LossFn
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
@@ -69,6 +69,8 @@ def analyze(
     fsdp: Optional[str] = None,
     tp: int = 1,
     sp: bool = False,
+    target: Optional[Target] = None,
+    training: Optional[Training] = None,
 ) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
@@ -92,6 +94,10 @@ def analyze(
     accumulation), ``lora_rank``/``lora_targets`` (adapters on the named linear layers, the rest
     frozen), and per-rank budgets for ``world_size`` ranks with ``zero`` (1-3) or ``fsdp``
     ("full", "grad-op") and ``tp`` (tensor parallel, ``sp`` sequence parallel).
+
+    The keyword options are a convenience: they build a frozen ``Target``
+    (graphmem/capture/target.py) and a frozen ``Training`` spec (graphmem/training/spec.py),
+    checked once; pass ``target=`` / ``training=`` objects instead to reuse them.
 
     >>> import torch, graphmem
     >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -118,9 +124,11 @@ def analyze(
         make = inputs if isinstance(inputs, tuple) else (inputs,)
         resize = _resized(make)
     loss_fn = loss or loaded.loss
-    target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode)
-    training = make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank, lora_targets,
-                             world_size, zero, fsdp, tp, sp)
+    if target is None:
+        target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode)
+    if training is None:
+        training = make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
+                                 lora_targets, world_size, zero, fsdp, tp, sp)
     if training.train.active and target.mode == "compiled":
         raise UsageError("the optimizer step and micro-batches are traced in eager mode; drop --mode compiled "
                          "(or the --optimizer/--micro-batches options)")
@@ -129,7 +137,7 @@ def analyze(
     # yet: the training step's accumulate/optimizer phases (not block-shaped) and compiled mode
     # (AOTAutograd hands back gradients per parameter after the chain)
     capture_at: Any = lambda: capture(module, make, loss_fn, target, train=training.train)  # noqa: E731
-    reusable = reuse and not training.train.active and mode != "compiled"
+    reusable = reuse and not training.train.active and target.mode != "compiled"
     g = capture_reusing(module, capture_at)[0] if reusable else capture_at()
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     loss_name = "default (output if scalar, else sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")

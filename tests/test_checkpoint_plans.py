@@ -15,7 +15,7 @@ from chains import rand_chain, rand_micro
 
 import graphmem
 from graphmem.capture.capture import capture
-from graphmem.capture.chains import find_chain
+from graphmem.chains import find_chain
 from graphmem.errors import PassError, UsageError
 from graphmem.models import gpt2, llama
 from graphmem.passes import liveness

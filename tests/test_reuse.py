@@ -6,9 +6,9 @@ import torch.nn as nn
 
 import graphmem
 from graphmem.capture.capture import capture
-from graphmem.capture.chains import find_chain
 from graphmem.capture.reuse import _signature, blocks_alike, capture_reusing
 from graphmem.capture.target import make_target
+from graphmem.chains import find_chain
 from graphmem.models import gpt2, llama
 from graphmem.passes import liveness, saved
 

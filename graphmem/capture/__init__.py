@@ -4,14 +4,28 @@ load.py (model files, presets, default inputs) · target.py (device, dtypes, aut
 backend, mode) · cuda_rules.py (the CUDA target's memory rules on fake CPU tensors) ·
 fakes.py (fake state and batch) · recorder.py (the fake mode that records ops, storages,
 saves, frees, module paths) · capture.py (the step) · compiled.py (torch.compile's step) ·
-chains.py (chains of identical blocks) · reuse.py (deep chains captured at depth 5, widened) ·
+reuse.py (deep chains captured at depth 5, widened) ·
 recompute.py (the context a checkpointed segment's recompute runs in).
 """
+import sys
+import types
+from typing import Any
+
 from graphmem.capture.capture import capture
-from graphmem.capture.chains import Chain, find_chain, truncated
 from graphmem.capture.load import Loaded, load, make_inputs, parse_shape
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target, make_target
 
-__all__ = ["capture", "capture_reusing", "Chain", "find_chain", "truncated", "Loaded", "load", "make_inputs",
+__all__ = ["capture", "capture_reusing", "Loaded", "load", "make_inputs",
            "parse_shape", "Target", "make_target"]
+
+
+class _CallablePackage(types.ModuleType):
+    """``graphmem.capture(model, inputs)`` stays the capture function it was before this
+    package existed: the package, called, captures."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return capture(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

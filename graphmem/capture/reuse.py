@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from graphmem.capture.chains import Chain, find_chain, truncated
+from graphmem.chains import Chain, find_chain, truncated
 from graphmem.stepgraph import OpNode, SaveEvent, StepGraph, Storage
 
 DEPTH = 5  # blocks captured: the first, the second, a middle one (the template), the last two

@@ -1,4 +1,4 @@
-"""`graphmem formula`, `graphmem fit` and `graphmem sweep`: exact formulas and the questions
+"""``graphmem formula``, ``graphmem fit`` and ``graphmem sweep``: exact formulas and the questions
 users ask of them (will it fit, what does a grid of sizes cost)."""
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from graphmem.cli.options import add_debug_argument, add_model_arguments, add_target_arguments, analyze_args
 from graphmem.errors import UsageError
 
 
@@ -21,40 +22,55 @@ def _ints(text: str) -> list[int]:
 
 
 def _common(p: argparse.ArgumentParser, shape_required: bool) -> None:
-    p.add_argument("model", help="a model file or a preset name")
-    p.add_argument("--input-shape", required=shape_required, metavar="SHAPE", help="e.g. 32x1024")
-    from graphmem.cli.main import add_target_arguments
-
+    add_model_arguments(p, shape_required)
     add_target_arguments(p)
     p.add_argument("--json", action="store_true", help="JSON output")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_debug_argument(p)
 
 
-def add_commands(sub: Any) -> None:
-    f = sub.add_parser("formula", help="exact activation/peak formulas and per-block alpha, beta, gamma")
-    _common(f, True)
-    f.add_argument("--d-model", type=int, help="override the inferred d_model")
-    f.add_argument("--heads", type=int, help="override the inferred number of attention heads")
-    f.set_defaults(run=_formula)
-    fit = sub.add_parser("fit", help="largest batch (or sequence length) whose peak fits in memory")
-    _common(fit, False)
-    fit.add_argument("--memory", required=True, help="e.g. 80GiB, 40GB")
-    g = fit.add_mutually_exclusive_group()
-    g.add_argument("--seq", type=int, help="fixed sequence length: find the batch size")
-    g.add_argument("--batch", type=int, help="fixed batch size: find the sequence length")
-    fit.set_defaults(run=_fit)
-    sw = sub.add_parser("sweep", help="activation and peak bytes over batch x sequence sizes")
-    _common(sw, False)
-    sw.add_argument("--batch", required=True, help="e.g. 1,8,32")
-    sw.add_argument("--seq", required=True, help="e.g. 512,1024,2048")
-    sw.set_defaults(run=_sweep)
+class Formula:
+    name = "formula"
+    help = "exact activation/peak formulas and per-block alpha, beta, gamma"
+
+    def prepare_parser(self, p: argparse.ArgumentParser) -> None:
+        _common(p, True)
+        p.add_argument("--d-model", type=int, help="override the inferred d_model")
+        p.add_argument("--heads", type=int, help="override the inferred number of attention heads")
+
+    def run(self, args: argparse.Namespace) -> int:
+        return _formula(args)
+
+
+class Fit:
+    name = "fit"
+    help = "largest batch (or sequence length) whose peak fits in memory"
+
+    def prepare_parser(self, p: argparse.ArgumentParser) -> None:
+        _common(p, False)
+        p.add_argument("--memory", required=True, help="e.g. 80GiB, 40GB")
+        g = p.add_mutually_exclusive_group()
+        g.add_argument("--seq", type=int, help="fixed sequence length: find the batch size")
+        g.add_argument("--batch", type=int, help="fixed batch size: find the sequence length")
+
+    def run(self, args: argparse.Namespace) -> int:
+        return _fit(args)
+
+
+class Sweep:
+    name = "sweep"
+    help = "activation and peak bytes over batch x sequence sizes"
+
+    def prepare_parser(self, p: argparse.ArgumentParser) -> None:
+        _common(p, False)
+        p.add_argument("--batch", required=True, help="e.g. 1,8,32")
+        p.add_argument("--seq", required=True, help="e.g. 512,1024,2048")
+
+    def run(self, args: argparse.Namespace) -> int:
+        return _sweep(args)
 
 
 def _report(args: argparse.Namespace, shape: str) -> Any:
-    from graphmem import analyze
-    from graphmem.cli.main import target_options
-
-    return analyze(args.model, input_shape=shape, **target_options(args))
+    return analyze_args(args, shape)
 
 
 def _formula(args: argparse.Namespace) -> int:

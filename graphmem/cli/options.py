@@ -1,16 +1,54 @@
-"""The whole-step options of ``graphmem analyze`` (optimizer, precision recipe, LoRA,
-micro-batches, per-rank parallelism); any of them adds the budget table to the report."""
+"""Options shared by the commands, declared once, and turned into the frozen objects the
+library takes: a Target (graphmem/capture/target.py) and a Training spec
+(graphmem/training/spec.py). Torch is imported only when an option object is built, so
+``graphmem --help`` and usage errors answer fast. The choices below are the library's own
+(tests/test_cli_options.py checks they agree)."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-from graphmem.training.optim import IMPLS, OPTIMIZERS
+from graphmem.errors import UsageError
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("fp32", "bf16", "fp16")
+AMP = ("bf16", "fp16")
+ATTENTION = ("auto", "flash", "efficient", "cudnn", "math")
+MODES = ("eager", "compiled")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adafactor")
+IMPLS = ("auto", "foreach", "forloop", "fused")
+
+
+def add_model_arguments(p: argparse.ArgumentParser, shape_required: bool = True, real: bool = False) -> None:
+    p.add_argument("model", help="a model file (defines `model`) or a preset name, see `graphmem presets`"
+                   + ("; built for real" if real else ""))
+    p.add_argument("--input-shape", required=shape_required, metavar="SHAPE",
+                   help="e.g. 32x1024 (tokens) or 8x3x224x224" + (" (keep it small: this allocates)" if real else ""))
+
+
+def add_debug_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
+    """--device/--dtype/--amp/--attention/--gpu/--mode/--no-reuse."""
+    g = p.add_argument_group("target")
+    g.add_argument("--device", default="cpu", choices=DEVICES, help="target device (default cpu)")
+    g.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default: as built, fp32)")
+    g.add_argument("--amp", choices=AMP, help="autocast with fp32 parameters")
+    g.add_argument("--attention", default="auto", choices=ATTENTION,
+                   help="SDPA backend (default auto: PyTorch's own choice for the target)")
+    g.add_argument("--gpu", default="h100", help="GPU for the CUDA backend rules: h100, a100, l4, a10, t4, v100, ...")
+    g.add_argument("--mode", default="eager", choices=MODES,
+                   help="eager autograd (default) or torch.compile's step (AOTAutograd, min-cut partition), shown beside eager")
+    g.add_argument("--no-reuse", action="store_true",
+                   help="capture every block of a deep chain (default: 5 captured and copied, checked at depth 6)")
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training step (any of these adds the per-rank budget table)")
-    g.add_argument("--optimizer", choices=list(OPTIMIZERS), help="run this torch.optim optimizer after backward, then zero_grad")
-    g.add_argument("--optimizer-impl", default="auto", choices=list(IMPLS),
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help="run this torch.optim optimizer after backward, then zero_grad")
+    g.add_argument("--optimizer-impl", default="auto", choices=IMPLS,
                    help="auto (torch.optim's choice on the target: foreach on cuda, for-loop on cpu), foreach, forloop, fused")
     g.add_argument("--master-weights", action="store_true",
                    help="fp32 master copy of the 16-bit parameters for the optimizer (with --dtype bf16/fp16: ZeRO's 16-psi recipe)")
@@ -24,7 +62,50 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sp", action="store_true", help="sequence parallel with --tp: the tensors outside the TP regions split too")
 
 
-def training_options(args: argparse.Namespace) -> dict:
-    return {"optimizer": args.optimizer, "optimizer_impl": args.optimizer_impl, "master_weights": args.master_weights,
-            "micro_batches": args.micro_batches, "lora_rank": args.lora_rank, "lora_targets": args.lora_targets,
-            "world_size": args.world_size, "zero": args.zero, "fsdp": args.fsdp, "tp": args.tp, "sp": args.sp}
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoint plans")
+    g.add_argument("--budget", metavar="MEM", help="memory budget for the step's peak, e.g. 40GiB: the plan with the "
+                   "fewest recompute FLOPs that fits")
+    g.add_argument("--max-overhead", metavar="PCT", help="recompute cap, e.g. 20%%: the plan with the lowest peak "
+                   "whose recompute stays within it")
+    g.add_argument("--selective", nargs="?", const=True, default=False, type=int, metavar="LEVELS",
+                   help="selective checkpointing: a checkpointed segment may also keep some ops' outputs (the knapsack's "
+                   "choice at LEVELS memory levels, default 3), measured like plain checkpointing")
+    g.add_argument("--points", type=int, default=50, help="budgets tried for the Pareto frontier (default 50)")
+
+
+def check_plan_arguments(args: argparse.Namespace, planning: bool) -> None:
+    if not planning and (args.budget is not None or args.max_overhead is not None or args.selective is not False):
+        raise UsageError("--budget, --max-overhead and --selective choose a checkpoint plan: add --plan")
+    if args.selective is not True and args.selective is not False and args.selective < 1:
+        raise UsageError("--selective takes a number of levels >= 1")
+    if args.budget is not None and args.max_overhead is not None:
+        raise UsageError("give --budget or --max-overhead, not both")
+    if args.points < 2:
+        raise UsageError("--points must be at least 2")
+
+
+def target_of(args: argparse.Namespace) -> Any:
+    """The frozen Target the target options name (checked once, here)."""
+    from graphmem.capture.target import make_target
+
+    return make_target(args.device, args.dtype, args.amp, args.attention, args.gpu, args.mode)
+
+
+def training_of(args: argparse.Namespace) -> Any:
+    """The frozen Training spec the training options name (checked once, here); commands
+    without training options get the plain step."""
+    from graphmem.training.spec import make_training
+
+    if not hasattr(args, "optimizer"):
+        return make_training(args.dtype)
+    return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
+                         args.lora_rank, args.lora_targets, args.world_size, args.zero, args.fsdp, args.tp, args.sp)
+
+
+def analyze_args(args: argparse.Namespace, input_shape: Any = None) -> Any:
+    """``graphmem.analyze`` of the command's model with its target and training options."""
+    from graphmem.api import analyze
+
+    return analyze(args.model, input_shape=args.input_shape if input_shape is None else input_shape,
+                   target=target_of(args), training=training_of(args), reuse=not args.no_reuse)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from graphmem.capture.capture import capture
-from graphmem.capture.chains import Chain, find_chain, truncated
+from graphmem.chains import Chain, find_chain, truncated
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.passes import liveness, saved
 from graphmem.passes.coefficients import (

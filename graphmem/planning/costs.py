@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import flop_registry
 
 from graphmem.capture.capture import capture
-from graphmem.capture.chains import Chain, find_chain, truncated
+from graphmem.chains import Chain, find_chain, truncated
 from graphmem.errors import GraphmemError, PassError
 from graphmem.passes.checkpoint import NOTHING, ChainCosts, Piece, Stage, evaluate, level_after, segments_of
 from graphmem.planning.apply import apply_segments, chain_blocks

@@ -77,9 +77,7 @@ class CheckpointPlan:
         if not self.segments:
             return "# nothing to checkpoint: this plan keeps every block's activations"
         if any(p is not None for p in self.policies):
-            from graphmem.planning.selective import policy_code
-
-            return policy_code(self)
+            return _policy_code(self)
         segs = ", ".join(f"({a}, {b})" for a, b in self.segments)
         lines = ["import graphmem.planning as gc",
                  f"gc.apply_segments(model, {self.chain!r}, [{segs}])  # torch.utils.checkpoint, non-reentrant"]
@@ -99,11 +97,32 @@ class CheckpointPlan:
                 **({"policies": [p.name if p is not None else None for p in self.policies]} if self.policies else {})}
 
 
+def _policy_code(plan: CheckpointPlan) -> str:
+    """Python that applies a plan with selective segments."""
+    used: dict[str, Any] = {}  # name -> graphmem.planning.selective.OpPolicy
+    for p in plan.policies:
+        if p is not None:
+            used.setdefault(p.name, p)
+    names = {name: f"keep_{name.lower()}" for name in used}
+    segs = ", ".join(f"({a}, {b})" for a, b in plan.segments)
+    pols = ", ".join(names[p.name] if p is not None else "None" for p in plan.policies)
+    lines = ["import graphmem.planning as gc", "from graphmem.planning import OpPolicy",
+             "# each block keeps the outputs of these ops ((op, its call index in the block)); the rest is recomputed"]
+    lines += [f"{names[n]} = OpPolicy(frozenset({p.literal()}), {n!r})" for n, p in used.items()]
+    lines += [f"gc.apply_segments(model, {plan.chain!r}, [{segs}],",
+              f"                  policies=[{pols}])  # torch.utils.checkpoint, non-reentrant, selective"]
+    if plan.segments and all(a == b for a, b in plan.segments) and None not in plan.policies and len(used) == 1:
+        (name, _), = used.items()
+        lines += ["# or, in the parent's forward, with torch alone (one block per checkpoint call):",
+                  f"#   x = checkpoint(block, x, use_reentrant=False, context_fn={names[name]}.context_fn)"]
+    return "\n".join(lines)
+
+
 def step_flops(g: Any) -> int:
     """FLOPs of the whole step: with k micro-batches, of which two were traced, the second
     micro-step's count k - 1 times (graphmem/training/loop.py)."""
     flops = [op_flops(op) for op in g.ops]
-    k = getattr(g.train, "micro_batches", 1) if g.train is not None else 1
+    k = g.train.micro_batches if g.train is not None else 1
     if len(g.micro_steps) < 2 or k <= len(g.micro_steps):
         return sum(flops)
     second, end = g.micro_steps[1][0], g.phase_start.get("optimizer", g.num_ops)

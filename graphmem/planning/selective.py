@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from graphmem.capture.chains import find_chain
+from graphmem.chains import find_chain
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.passes import selective as sel
 from graphmem.passes.checkpoint import Evaluated
@@ -254,24 +254,3 @@ class SelectivePlanner(Planner):
     def _policies(self, e: Evaluated) -> tuple[Any, ...]:
         pol = (None, *self.levels.policies)
         return tuple(pol[int(m) - 1] for _, _, m in e.segments if m)
-
-
-def policy_code(plan: CheckpointPlan) -> str:
-    """Python that applies a plan with selective segments."""
-    used: dict[str, OpPolicy] = {}
-    for p in plan.policies:
-        if p is not None:
-            used.setdefault(p.name, p)
-    names = {name: f"keep_{name.lower()}" for name in used}
-    segs = ", ".join(f"({a}, {b})" for a, b in plan.segments)
-    pols = ", ".join(names[p.name] if p is not None else "None" for p in plan.policies)
-    lines = ["import graphmem.planning as gc", "from graphmem.planning import OpPolicy",
-             "# each block keeps the outputs of these ops ((op, its call index in the block)); the rest is recomputed"]
-    lines += [f"{names[n]} = OpPolicy(frozenset({p.literal()}), {n!r})" for n, p in used.items()]
-    lines += [f"gc.apply_segments(model, {plan.chain!r}, [{segs}],",
-              f"                  policies=[{pols}])  # torch.utils.checkpoint, non-reentrant, selective"]
-    if plan.segments and all(a == b for a, b in plan.segments) and None not in plan.policies and len(used) == 1:
-        (name, _), = used.items()
-        lines += ["# or, in the parent's forward, with torch alone (one block per checkpoint call):",
-                  f"#   x = checkpoint(block, x, use_reentrant=False, context_fn={names[name]}.context_fn)"]
-    return "\n".join(lines)

@@ -45,7 +45,7 @@ def prepare(module: nn.Module, training: Training) -> tuple[nn.Module, tuple[str
 def units_of(module: nn.Module) -> tuple[str, ...]:
     """What ZeRO-3/FSDP gathers one at a time: the blocks of the repeated chain (a transformer's
     layers, as FSDP's transformer auto-wrap policy wraps them); the rest is the root unit."""
-    from graphmem.capture.chains import find_chain
+    from graphmem.chains import find_chain
 
     chain = find_chain(module)
     if chain is None:

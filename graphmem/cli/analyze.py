@@ -1,0 +1,123 @@
+"""``graphmem analyze``: one training step's memory (tables, JSON, Markdown, tree, plot,
+memory_viz snapshot), optionally with formulas and checkpoint plans; ``graphmem presets``."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from graphmem.cli.options import (
+    add_debug_argument,
+    add_model_arguments,
+    add_plan_arguments,
+    add_target_arguments,
+    add_training_arguments,
+    analyze_args,
+    check_plan_arguments,
+)
+from graphmem.cli.plan import plan_status
+from graphmem.errors import UsageError
+
+
+class Analyze:
+    name = "analyze"
+    help = "analyze one training step (forward, loss, backward)"
+
+    def prepare_parser(self, p: argparse.ArgumentParser) -> None:
+        add_model_arguments(p)
+        add_target_arguments(p)
+        add_training_arguments(p)
+        o = p.add_argument_group("output")
+        o.add_argument("--json", action="store_true", help="print the report as JSON (exact integers); same as --format json")
+        o.add_argument("--format", choices=["text", "json", "markdown"], help="output format (default text)")
+        o.add_argument("--tree", action="store_true", help="print the module tree of saved bytes (text format)")
+        o.add_argument("--plot", metavar="PATH", help="also write a PNG of memory over the step (needs graphmem[plot])")
+        o.add_argument("--snapshot", metavar="PATH", help="also write the step as a memory_viz snapshot pickle")
+        o.add_argument("--depth", type=int, default=3, help="module table depth (default 3)")
+        o.add_argument("--top", type=int, default=10, help="rows in the largest-tensor tables (default 10)")
+        p.add_argument("--formula", action="store_true",
+                       help="also fit the exact formulas (alpha/beta/gamma per block; a few more captures)")
+        p.add_argument("--plan", action="store_true",
+                       help="also plan activation checkpoints (with --budget or --max-overhead: choose one)")
+        add_plan_arguments(p)
+        add_debug_argument(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from graphmem.progress import Progress, quiet
+
+        fmt = output_format(args)  # flag mistakes and a missing matplotlib fail before the analysis
+        check_plan_arguments(args, args.plan)
+        with quiet(fmt == "json"):
+            report = analyze_args(args)
+            summary = report.plans(args.budget, args.max_overhead, points=args.points, keep=True,
+                                   selective=args.selective) if args.plan else None
+            if args.formula:
+                with Progress(desc="captures") as bar:
+                    report.formula(tick=bar.update, keep=True)
+        write_files(report, args)  # --plot, --snapshot
+        sys.stdout.write(render_report(report, fmt, args))
+        return plan_status(summary) if summary is not None else 0
+
+
+class Presets:
+    name = "presets"
+    help = "list the bundled model presets"
+
+    def prepare_parser(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from graphmem import models
+
+        for name, (family, cfg) in models.PRESETS.items():
+            print(f"{name:14s} {family:7s} {cfg}")
+        return 0
+
+
+def output_format(args: argparse.Namespace) -> str:
+    """Check the output flags before the analysis runs, so a mistake costs nothing."""
+    fmt: str = args.format or ("json" if args.json else "text")
+    if args.json and fmt != "json":
+        raise UsageError(f"--json and --format {fmt} disagree; use one of them")
+    if args.tree and fmt != "text":
+        raise UsageError(f"--tree draws the text module tree; it does not combine with --format {fmt}")
+    for flag, path in (("--plot", args.plot), ("--snapshot", args.snapshot)):
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise UsageError(f"{flag} {path}: the folder {os.path.dirname(os.path.abspath(path))} does not exist")
+    if args.plot is not None:
+        from graphmem.render.plot import require_matplotlib
+
+        require_matplotlib()
+    return fmt
+
+
+def render_report(report: Any, fmt: str, args: argparse.Namespace) -> str:
+    from graphmem.render import render_json, render_markdown, render_text, render_tree
+    from graphmem.render.plan import render_plan
+
+    if fmt == "json":
+        return render_json(report)
+    plans = render_plan(report.known_plans) if report.known_plans is not None else ""
+    if fmt == "markdown":
+        out = render_markdown(report, depth=args.depth, top=args.top)
+        return out + (f"\n## Checkpoint plans\n\n```\n{plans}```\n" if plans else "")
+    out = render_tree(report, depth=args.depth) if args.tree else render_text(report, depth=args.depth, top=args.top)
+    return out + (f"\n{plans}" if plans else "")
+
+
+def write_files(report: Any, args: argparse.Namespace) -> None:
+    """``--plot`` (PNG) and ``--snapshot`` (memory_viz pickle); a line on stderr for each."""
+    from graphmem.render.plot import plot_timeline
+    from graphmem.render.snapshot import snapshot_bytes
+
+    for path, make, what in ((args.plot, plot_timeline, "memory plot"),
+                             (args.snapshot, snapshot_bytes, "memory snapshot (open it at https://pytorch.org/memory_viz)")):
+        if path is None:
+            continue
+        try:
+            with open(path, "wb") as f:
+                f.write(make(report))
+        except OSError as e:
+            raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
+        print(f"graphmem: wrote the {what} to {path}", file=sys.stderr)

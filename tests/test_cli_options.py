@@ -1,0 +1,55 @@
+"""The CLI declares its option choices without importing torch (fast --help); they must be
+the library's own, and options reach the library as the frozen objects it takes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from graphmem.capture import target
+from graphmem.cli import options
+from graphmem.cli.main import parser
+from graphmem.training import optim
+
+
+def test_choices_are_the_librarys() -> None:
+    assert options.DTYPES == tuple(target.DTYPES)
+    assert options.ATTENTION == target.ATTENTION
+    assert options.MODES == target.MODES
+    assert options.OPTIMIZERS == tuple(optim.OPTIMIZERS)
+    assert options.IMPLS == optim.IMPLS
+
+
+def test_options_become_one_target_and_one_training_spec() -> None:
+    args = parser().parse_args(["analyze", "gpt2", "--input-shape", "2x16", "--device", "cuda", "--amp", "bf16",
+                                "--micro-batches", "4", "--optimizer", "adam"])
+    t, tr = options.target_of(args), options.training_of(args)
+    assert (t.device, t.amp, t.mode) == ("cuda", "bf16", "eager")
+    assert tr.train.micro_batches == 4 and tr.train.optimizer == "adam"
+    # frozen: built and checked once, passed whole
+    import dataclasses
+
+    assert dataclasses.is_dataclass(t) and t.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert dataclasses.is_dataclass(tr) and tr.__dataclass_params__.frozen  # type: ignore[attr-defined]
+
+
+def test_help_does_not_import_torch() -> None:
+    code = ("import sys; from graphmem.cli.main import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert out.strip().splitlines()[-1] == "False"
+
+
+def test_public_names_still_work() -> None:
+    import torch
+
+    import graphmem
+
+    net = torch.nn.Linear(4, 3)
+    g = graphmem.capture(net, (torch.randn(2, 4),))  # the capture function, as before the package existed
+    assert isinstance(g, graphmem.StepGraph)
+    assert graphmem.analyze(net, (torch.randn(2, 4),)).activation_bytes == 2 * 4 * 4  # the input, saved by addmm
+    import graphmem.checkpointing as gc  # what plan.code() printed in graphmem 0.1
+    from graphmem.selective import OpPolicy
+
+    assert gc.apply_segments is graphmem.planning.apply_segments and OpPolicy is graphmem.planning.OpPolicy

@@ -1,0 +1,98 @@
+"""The layout holds: no import cycles between graphmem's modules (imports inside functions
+count; only optional third-party imports may be lazy), and each layer imports only the layers
+below it (DESIGN.md's data flow: capture -> passes -> formula / planning -> report -> render -> cli)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"graphmem": ROOT / "graphmem", "graphmem.passes": ROOT / "passes", "graphmem.models": ROOT / "models"}
+
+# what each layer may import (besides itself); the top-level modules are named by file
+LAYERS: dict[str, set[str]] = {
+    "errors": set(), "units": {"errors"}, "stepgraph": {"errors"}, "chains": set(),
+    "training": {"errors", "units", "stepgraph", "chains", "passes"},
+    "passes": {"errors", "stepgraph"},
+    "models": set(),
+    "capture": {"errors", "units", "stepgraph", "chains", "training", "models"},
+    "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training"},
+    "recapture": {"capture", "formula", "training"},
+    "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula"},
+    "report": {"stepgraph", "passes", "formula", "planning"},
+    "compare": {"errors", "report"},
+    "render": {"errors", "units", "stepgraph", "passes", "report", "compare", "planning", "formula", "training",
+               "validation"},
+    "api": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "recapture", "report"},
+    "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api"},
+    "ci": {"errors", "units", "api", "report", "compare", "render", "training", "capture"},
+    "progress": set(),
+    "checkpointing": {"planning"}, "selective": {"planning"},  # compatibility names for printed plan code
+    "cli": {"errors", "units", "api", "report", "compare", "render", "capture", "training", "formula", "planning",
+            "validation", "progress", "models"},
+    "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            if pkg == "graphmem" and path.is_relative_to(ROOT / "graphmem") and "__pycache__" in path.parts:
+                continue
+            rel = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((pkg, *rel[:-1])) if rel[-1] == "__init__" else ".".join((pkg, *rel))
+            out[name] = path
+    return out
+
+
+def _imports(path: Path, name: str, is_pkg: bool) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def _graph() -> nx.DiGraph:
+    mods = _modules()
+    g = nx.DiGraph()
+    g.add_nodes_from(mods)
+    for name, path in mods.items():
+        for target in _imports(path, name, path.name == "__init__.py"):
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if target and target != name and not (name.startswith(target + ".") and target in PACKAGES):
+                g.add_edge(name, target)
+    return g
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def test_no_import_cycles() -> None:
+    g = _graph()
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c + [c[0]]) for c in cycles[:5])
+
+
+def test_layers_import_only_below() -> None:
+    g = _graph()
+    bad = sorted(f"{a} -> {b}" for a, b in g.edges
+                 if _layer(a) != _layer(b) and _layer(b) not in LAYERS[_layer(a)])
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_every_module_has_a_layer() -> None:
+    assert {_layer(m) for m in _modules()} <= set(LAYERS)
