@@ -158,6 +158,7 @@ def analyze(
 def _beside_eager(report: Report, model: nn.Module, inputs: Any, loss_fn: Optional[LossFn]) -> Report:
     """``report`` (compiled mode) with ``compiled``: the same step captured eagerly, side by side."""
     g = report.step
+    assert g is not None  # analyze keeps the step graph
     eager_target = dataclasses.replace(g.target, mode="eager")
     eager, _ = capture_reusing(model, lambda: capture(model, inputs, loss_fn, eager_target))
     return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager)))

@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from graphmem.formula import report_api as formula_api
 from graphmem.passes import Liveness, LiveTensor, ModuleSaved, SavedSet, SavedTensor
+from graphmem.planning import report_api as planning_api
 from graphmem.stepgraph import StepGraph
 
 
@@ -46,9 +48,8 @@ class Report:
     def coefficients(self) -> Any:
         """Exact formulas (graphmem.formula.Coefficients): ``.activation`` / ``.peak`` polynomials
         in the input's dimensions and, for a block chain, ``.alpha``, ``.beta``, ``.gamma``."""
-        from graphmem.formula import report_api
 
-        return report_api.coefficients(self)
+        return formula_api.coefficients(self)
 
     @property
     def known_coefficients(self) -> Any:
@@ -60,18 +61,16 @@ class Report:
                 tick: Any = None, keep: bool = False) -> Any:
         """Fit the exact formulas (see ``coefficients``), with overrides; ``keep`` stores them
         as this report's ``coefficients``."""
-        from graphmem.formula import report_api
 
-        return report_api.formula(self, d_model, n_heads, checks, tick, keep)
+        return formula_api.formula(self, d_model, n_heads, checks, tick, keep)
 
     def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None) -> Any:
         """The largest batch (at sequence length ``seq``, default: this report's) or, given
         ``batch``, the largest sequence length whose peak fits in ``memory`` (bytes or a string
         like "80GiB"): a graphmem.formula.FitAnswer, exact from the peak formula and confirmed
         by captures at the answer and one above."""
-        from graphmem.formula import report_api
 
-        return report_api.fit(self, memory, seq, batch, tick)
+        return formula_api.fit(self, memory, seq, batch, tick)
 
     def max_batch(self, memory: Any, seq: Optional[int] = None) -> int:
         """Largest batch size whose predicted peak fits in ``memory``, e.g. ``max_batch("80GiB", seq=1024)``."""
@@ -80,16 +79,14 @@ class Report:
     def sweep(self, batches: Any, seqs: Any, tick: Any = None) -> Any:
         """Activation and peak bytes over a grid of (batch, seq) from the exact formulas, with
         the first point spot-checked by a capture: a graphmem.formula.Sweep."""
-        from graphmem.formula import report_api
 
-        return report_api.sweep(self, batches, seqs, tick)
+        return formula_api.sweep(self, batches, seqs, tick)
 
     @property
     def planner(self) -> Any:
         """graphmem.planning.Planner for the model's chain of blocks (measured once, a few captures)."""
-        from graphmem.planning import report_api
 
-        return report_api.planner(self, False)
+        return planning_api.planner(self, False)
 
     def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False) -> Any:
         """The checkpoint plan (graphmem.planning.CheckpointPlan) with the fewest recompute FLOPs
@@ -102,17 +99,15 @@ class Report:
         >>> plan.segments, plan.peak_bytes, plan.overhead  # doctest: +SKIP
         >>> handle = plan.apply(model)                     # torch.utils.checkpoint; handle.remove() undoes
         """
-        from graphmem.planning import report_api
 
-        return report_api.plan(self, budget, max_overhead, selective)
+        return planning_api.plan(self, budget, max_overhead, selective)
 
     def plans(self, budget: Any = None, max_overhead: Any = None, points: int = 50, keep: bool = False,
               selective: Any = False) -> Any:
         """graphmem.planning.PlanSummary: the chosen plan (if a limit is given), the baselines beside
         graphmem's plan at their own peak, and the Pareto frontier; ``keep`` adds it to JSON."""
-        from graphmem.planning import report_api
 
-        return report_api.plans(self, budget, max_overhead, points, keep, selective)
+        return planning_api.plans(self, budget, max_overhead, points, keep, selective)
 
     @property
     def known_plans(self) -> Any:

@@ -7,6 +7,7 @@ path as a model file.
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,6 +37,8 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 class CausalSelfAttention(nn.Module):
+    mask: torch.Tensor  # (1, 1, block_size, block_size) bool, explicit attention only
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         if config.n_embd % config.n_head != 0:
@@ -108,6 +111,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    transformer: Any  # ModuleDict(wte, wpe, drop, h, ln_f): the names of HF's GPT-2
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config

@@ -150,6 +150,9 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    rope_cos: torch.Tensor  # (max_seq_len, head_dim)
+    rope_sin: torch.Tensor
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config

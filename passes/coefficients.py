@@ -128,13 +128,13 @@ class PeakModel:
         n = len(next(iter(timelines.values())))
         self.rows = [[0] * len(self.exponents) for _ in range(n)]  # op i -> integer coefficients * denom
         for point, row in rows.items():
-            scaled = [int(c * denom) for c in row]
+            scaled = [int(f * denom) for f in row]
             for i, value in enumerate(timelines[point]):
                 if value:
                     r = self.rows[i]
-                    for k, c in enumerate(scaled):
-                        if c:
-                            r[k] += value * c
+                    for k, coef in enumerate(scaled):
+                        if coef:
+                            r[k] += value * coef
 
     def _monomials(self, point: Sequence[int]) -> list[int]:
         out = []

@@ -102,6 +102,17 @@ MODELS: dict[str, Callable[[], Case]] = {
 }
 
 
+def tiny_gpt(n_layer: int = 2, attention: str = "sdpa", dropout: float = 0.0, block_size: int = 32) -> nn.Module:
+    """The tiny GPT-2 the tests share (vocab 101, 2 heads, d_model 32), seeded."""
+    torch.manual_seed(0)
+    return gpt2.build(gpt2.GPTConfig(vocab_size=101, block_size=block_size, n_layer=n_layer, n_head=2, n_embd=32,
+                                     attention=attention, dropout=dropout))
+
+
+def tokens(b: int = 2, s: int = 16) -> tuple[torch.Tensor]:
+    return (torch.randint(0, 101, (b, s)),)
+
+
 def build(table: dict[str, Callable[[], Case]], name: str) -> Case:
     torch.manual_seed(0)
     return table[name]()

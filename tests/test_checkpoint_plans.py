@@ -11,7 +11,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from chains import rand_chain, rand_micro
+from cases import tiny_gpt, tokens
+from random_chains import rand_chain, rand_micro
 
 import graphmem
 from graphmem.capture.capture import capture
@@ -96,10 +97,8 @@ def test_piece_composition() -> None:
 
 # -- real models -----------------------------------------------------------------------------------
 def _gpt(layers: int = 6) -> tuple:
-    torch.manual_seed(0)
-    cfg = gpt2.GPTConfig(vocab_size=101, block_size=32, n_layer=layers, n_head=2, n_embd=32, dropout=0.1,
-                         attention="explicit")
-    return gpt2.build(cfg), (torch.randint(0, 101, (2, 16)),), gpt2.loss
+    model = tiny_gpt(layers, "explicit", dropout=0.1)
+    return model, tokens(), gpt2.loss
 
 
 def _llama(layers: int = 6) -> tuple:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import sympy
 import torch
+from cases import tiny_gpt
 
 import graphmem
 from graphmem.cli.main import main
@@ -57,9 +58,7 @@ def test_split_block() -> None:
 # -- per-block coefficients, derived by hand ------------------------------------------------------
 
 def _gpt(attention: str, dropout: float) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return gpt2.build(gpt2.GPTConfig(vocab_size=101, block_size=64, n_layer=4, n_head=2, n_embd=32,
-                                     attention=attention, dropout=dropout))
+    return tiny_gpt(4, attention, dropout, block_size=64)
 
 
 def test_gpt2_explicit_attention_with_dropout_alpha_beta_by_hand() -> None:

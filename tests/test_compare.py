@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cases import tiny_gpt
 
 import graphmem
 from graphmem import cli
 from graphmem.compare import SavedGroup, compare
-from graphmem.models.gpt2 import GPT, GPTConfig
 from graphmem.render import fmt_bytes, render_json
 from graphmem.render.compare import render_comparison
 
@@ -68,9 +68,7 @@ def test_gelu_to_relu_mlp_from_the_command_line(capsys: pytest.CaptureFixture[st
 
 
 def _gpt(attention: str) -> dict:
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=101, block_size=32, n_layer=2, n_head=2, n_embd=32, attention=attention)
-    return json.loads(render_json(graphmem.analyze(GPT(cfg), input_shape=(2, 16))))  # as read from a file
+    return json.loads(render_json(graphmem.analyze(tiny_gpt(2, attention, dropout=0.1), input_shape=(2, 16))))  # as read from a file
 
 
 def test_explicit_attention_to_sdpa_on_tiny_gpt2() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cases import tiny_gpt
 
 import graphmem
 from graphmem.cli.main import main
@@ -34,9 +35,7 @@ def _real_saved(module: torch.nn.Module, inputs: tuple, loss) -> int:
 
 
 def _gpt() -> torch.nn.Module:
-    torch.manual_seed(0)
-    net = gpt2.build(gpt2.GPTConfig(vocab_size=101, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
-    return net.train()
+    return tiny_gpt().train()
 
 
 def test_exported_program_matches_a_real_run_of_its_module() -> None:

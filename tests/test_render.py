@@ -7,13 +7,13 @@ number in them was derived by hand once (see the ``*_by_hand`` tests below).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
 import torch.nn as nn
+from conftest import check_golden
 
 import graphmem
 import graphmem.render.text
@@ -23,7 +23,6 @@ from graphmem.report import Report
 
 GOLDEN = Path(__file__).parent / "golden"
 MLP_FILE = Path(__file__).resolve().parent.parent / "models" / "mlp.py"
-UPDATE = os.environ.get("GRAPHMEM_UPDATE_GOLDEN") == "1"
 
 
 # -- tiny deterministic models ----------------------------------------------------------------
@@ -73,11 +72,7 @@ def analyze(name: str) -> Report:
 # -- golden text ------------------------------------------------------------------------------
 
 def _check_golden(name: str, text: str) -> None:
-    path = GOLDEN / f"{name}.txt"
-    if UPDATE:
-        path.write_text(text, encoding="utf-8")
-    expected = path.read_text(encoding="utf-8")
-    assert text == expected, f"render_text differs from {path}; rerun with GRAPHMEM_UPDATE_GOLDEN=1 if intended"
+    check_golden(text, GOLDEN / f"{name}.txt")
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

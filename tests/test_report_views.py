@@ -8,10 +8,10 @@ and check the diff by hand.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+from conftest import check_golden
 from test_render import MODELS, analyze
 
 from graphmem import cli
@@ -20,14 +20,10 @@ from graphmem.render.tree import render_tree
 
 GOLDEN = Path(__file__).parent / "golden"
 MLP_FILE = Path(__file__).resolve().parent.parent / "models" / "mlp.py"
-UPDATE = os.environ.get("GRAPHMEM_UPDATE_GOLDEN") == "1"
 
 
 def _check_golden(filename: str, text: str) -> None:
-    path = GOLDEN / filename
-    if UPDATE:
-        path.write_text(text, encoding="utf-8")
-    assert text == path.read_text(encoding="utf-8"), f"output differs from {path}; GRAPHMEM_UPDATE_GOLDEN=1 if intended"
+    check_golden(text, GOLDEN / filename)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from chains import _stage, piece
+from random_chains import _stage, piece
 from test_checkpoint_plans import LM_TOLERANCE, MODELS
 
 import graphmem

@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from cases import tiny_gpt
 from test_render import analyze
 from torch.cuda import _memory_viz
 
 import graphmem
-from graphmem.models.gpt2 import GPT, GPTConfig
 from graphmem.render.snapshot import ALIGN, BASE_ADDRESS, memory_snapshot, snapshot_bytes
 from graphmem.report import Report
 
@@ -27,9 +26,7 @@ VIEWER_OPCODES = {"PROTO", "APPEND", "APPENDS", "LIST", "TUPLE", "NEWFALSE", "NE
 
 
 def _gpt() -> Report:
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=101, block_size=32, n_layer=2, n_head=2, n_embd=32, attention="explicit")
-    return graphmem.analyze(GPT(cfg), input_shape=(2, 16))
+    return graphmem.analyze(tiny_gpt(2, "explicit", dropout=0.1), input_shape=(2, 16))
 
 
 REPORTS = {"nested": lambda: analyze("nested"), "gpt2-tiny": _gpt}

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from graphmem.capture.compiled import CompiledStep
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import Inputs, fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.recompute import segment_scope
@@ -83,7 +84,6 @@ def capture(
         for m in model.modules():  # train mode (set directly: an exported module refuses .train())
             m.training = True
         if target.mode == "compiled":  # torch.compile's step, traced once on its own fake tensors
-            from graphmem.capture.compiled import CompiledStep
 
             compiled = CompiledStep.trace(model, inputs, loss_fn, target)
         with fake_mode:

@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
+from graphmem.capture.recorder import _DONE, _Recorder, _tensors, node_metadata
 from graphmem.capture.target import Target
 from graphmem.errors import CaptureError, GraphmemError
 from graphmem.training.step import LossFn, run_step
@@ -157,9 +158,7 @@ class _Backend:
                     interpreter.env = {}  # the interpreter keeps the output node's value: let the caller own it
                     node = torch._C._current_autograd_node() if kind == "backward" else None
                     if node is not None:  # what capture's post hook does for other nodes
-                        from graphmem.capture.recorder import _DONE
-
-                        node.metadata[_DONE] = True
+                        node_metadata(node)[_DONE] = True
             run._boxed_call = True  # type: ignore[attr-defined]
             return run
         return compile
@@ -268,8 +267,6 @@ def _cache_sizes() -> dict[int, int]:
 def _module_inputs(model: nn.Module, mode: FakeTensorMode, inputs: Any, target: Target) -> dict[str, tuple[int, ...]]:
     """First input shape of each module, from an eager forward without grad (graph code runs no
     module hooks; the shapes are the same either way)."""
-    from graphmem.capture.recorder import _tensors
-
     paths = {id(m): name for name, m in model.named_modules()}
     shapes: dict[str, tuple[int, ...]] = {}
 
@@ -295,8 +292,6 @@ def _module_inputs(model: nn.Module, mode: FakeTensorMode, inputs: Any, target: 
 
 def _translate(e: Exception, phase: str, root: str) -> GraphmemError:
     """Dynamo wraps what fails while tracing; translate the innermost cause like an eager capture."""
-    from graphmem.capture.recorder import _Recorder
-
     inner: BaseException = e
     while inner.__cause__ is not None and not isinstance(inner, GraphmemError):
         inner = inner.__cause__

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from graphmem.errors import ModelLoadError, UsageError
+from graphmem.models import PRESETS, config_of, family_of, preset_names
 from graphmem.training.step import LossFn
 
 _SHAPE = re.compile(r"^\d+(x\d+)*$")
@@ -65,11 +66,10 @@ def make_inputs(loaded: Loaded, shape: tuple[int, ...]) -> tuple:
 def load(spec: str, device: str = "meta") -> Loaded:
     """A path to a model file, or a preset name (``gpt2``, ``llama-2-7b``, ...), built on
     ``device``: the meta device for analysis, a real one for ``graphmem validate``."""
-    from graphmem import models
 
-    if spec in models.PRESETS:
-        family = models.family_of(spec)
-        config = models.config_of(spec)
+    if spec in PRESETS:
+        family = family_of(spec)
+        config = config_of(spec)
         with torch.device(device):
             module = family.build(config)
         return Loaded(spec, module, lambda shape: family.example_inputs(shape, config), family.loss, config)
@@ -79,7 +79,7 @@ def load(spec: str, device: str = "meta") -> Loaded:
         return load_file(spec, device)
     raise UsageError(
         f"{spec!r} is neither a model file nor a preset; give a path to a .py file that defines "
-        f"`model`, or one of: {', '.join(models.preset_names())}"
+        f"`model`, or one of: {', '.join(preset_names())}"
     )
 
 

@@ -33,6 +33,11 @@ _METADATA_OPS = frozenset(
 )
 
 
+def node_metadata(fn: Any) -> dict:
+    """An autograd node's metadata dict (a property; torch's stubs call it a method)."""
+    return fn.metadata
+
+
 class _Packed:
     """What the pack hook returns; its destruction is autograd releasing the saved tensor."""
 
@@ -57,7 +62,7 @@ class _Mode(FakeTensorMode):
         super().__init__(allow_non_fake_inputs=False)
         self.rec = rec
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         rec = self.rec
         if rec.depth or not rec.recording or func.namespace in ("prim", "profiler") or func in _METADATA_OPS:
             return super().__torch_dispatch__(func, types, args, kwargs)  # queries never allocate
@@ -70,7 +75,7 @@ class _Mode(FakeTensorMode):
 _LAYER_NORM = torch.ops.aten.native_layer_norm.default
 
 
-def _fp32_stats(out: tuple) -> tuple:
+def _fp32_stats(out: Any) -> tuple:
     """CUDA's LayerNorm kernel keeps mean and rstd in fp32 (its accumulation type) for 16-bit
     inputs, where the CPU kernel the CUDA target runs on keeps them in the input's dtype; the
     16-bit ones die inside the op, like a real kernel's scratch."""
@@ -113,7 +118,7 @@ class _Recorder:
                         str(t.dtype).replace("torch.", ""), tuple(t.shape))
             self.storages[s.sid] = s
             self.live[key] = s
-            self.refs[s.sid] = weakref.ref(st, lambda _r, key=key, s=s: self._freed(key, s))
+            self.refs[s.sid] = weakref.ref(st, lambda _r, key=key, s=s: self._freed(key, s))  # type: ignore[misc]
         return s
 
     def _freed(self, key: int, s: Storage) -> None:
@@ -159,7 +164,7 @@ class _Recorder:
             return self.node_module
         if self.phase == "backward" and len(self.stack) == 1:  # (a deeper stack: a checkpoint's recompute)
             fn = torch._C._current_autograd_node()
-            return fn.metadata.get(_TAG, "") if fn is not None else ""
+            return node_metadata(fn).get(_TAG, "") if fn is not None else ""
         return self.stack[-1]
 
     def record(self, call: Callable[[Any, tuple, dict], Any], func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
@@ -213,14 +218,14 @@ class _Recorder:
         takes it on their behalf so the timeline matches a real run. The engine's adds are
         the ones that run after the producing node's post hook fired."""
         fn = torch._C._current_autograd_node()
-        if fn is None or not fn.metadata.get(_DONE):
+        if fn is None or not node_metadata(fn).get(_DONE):
             return False
         old, new = args
         if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)):
             return False
         uses, storage_uses = _unique_counts()
         return (old.shape == new.shape and old.dtype == new.dtype and _dense(old)
-                and old._use_count() == uses
+                and old._use_count() == uses  # type: ignore[attr-defined]
                 and torch._C._storage_Use_Count(old.untyped_storage()._cdata) == storage_uses)
 
     # -- autograd hooks -----------------------------------------------------------
@@ -325,9 +330,9 @@ _COUNTS: list[tuple[int, int]] = []
 class _Probe(TorchDispatchMode):
     """Reads the reference counts a uniquely held gradient shows inside a dispatch mode."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         fn = torch._C._current_autograd_node()
-        if func is _ADD and fn is not None and fn.metadata.get(_DONE) and not _COUNTS:
+        if func is _ADD and fn is not None and node_metadata(fn).get(_DONE) and not _COUNTS:
             _COUNTS.append((args[0]._use_count(), torch._C._storage_Use_Count(args[0].untyped_storage()._cdata)))
         return func(*args, **(kwargs or {}))
 
@@ -358,7 +363,7 @@ def _tag_grad_fns(output: Any, path: str, start: int = 0) -> None:
             todo.append(t.grad_fn)
     while todo:
         fn = todo.pop()
-        md = fn.metadata
+        md = node_metadata(fn)
         if _TAG in md or fn._sequence_nr() < start:
             continue
         md[_TAG] = path

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import sympy
 import torch
 import torch.nn as nn
 
 from graphmem.capture.capture import capture
+from graphmem.capture.reuse import capture_reusing
 from graphmem.chains import Chain, find_chain, truncated
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.passes import liveness, saved
@@ -190,8 +191,6 @@ class Sampler:
                     return capture(self.model, lambda: self.make_inputs(shape), self.loss, self.device)
                 full = depth is None or (self.chain is not None and depth >= self.chain.length)
                 if full and getattr(self.device, "mode", "eager") != "compiled":
-                    from graphmem.capture.reuse import capture_reusing
-
                     g = capture_reusing(self.model, at)[0]  # a deep chain: 5 blocks captured, checked
                 else:
                     g = at()
@@ -269,7 +268,7 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
     if None in peak_degrees:
         peak, peak_note = None, "the live bytes of some op are not a polynomial in the input size; use captures"
     else:
-        peak, peak_note = peak_model(sampler, [g[: d + 1] for g, d in zip(grids, peak_degrees)], symbols, measured)
+        peak, peak_note = peak_model(sampler, [g[: cast(int, d) + 1] for g, d in zip(grids, peak_degrees)], symbols, measured)
     peak_terms = None
     if peak is not None:
         peak_terms = terms(peak.polynomial(peak.at(base_point)[1]), symbols)
@@ -333,6 +332,7 @@ def _block_shapes(sampler: Sampler, depth: Optional[int], d_model: Optional[int]
     multiple of d_model), read off a capture at b=11, s=13."""
     point = (ALPHA_B, ALPHA_S) + tuple(sampler.base[d] for d in sampler.dims[2:])
     g, sv = sampler(point, depth).step
+    assert sampler.chain is not None  # the caller found the chain
     prefix = f"{sampler.chain.path}.1" if sampler.chain.path else "1"
     block_input = g.module_inputs.get(prefix, ())
     d = d_model or (block_input[-1] if block_input else None)
@@ -438,8 +438,11 @@ def largest_fitting(coeffs: Coefficients, sampler: Sampler, memory: int, variabl
     def point(v: int) -> tuple[int, ...]:
         return tuple(v if n == variable else base[n] for n in names)
 
+    peak = coeffs.peak
+    assert peak is not None  # largest_fitting's callers have a peak formula
+
     def predict(v: int) -> int:  # below MIN_SIZE the formula does not hold: capture
-        return coeffs.peak.at(point(v))[0] if v >= MIN_SIZE else sampler(point(v)).peak
+        return peak.at(point(v))[0] if v >= MIN_SIZE else sampler(point(v)).peak
 
     lo, hi = 0, 1
     while predict(hi) <= memory:

@@ -23,6 +23,7 @@ from graphmem.passes.checkpoint import (
 )
 from graphmem.planning.apply import Applied, apply_segments, chain_blocks
 from graphmem.planning.costs import PlanError, chain_costs, measure, op_flops
+from graphmem.units import fmt_bytes, parse_bytes
 
 __all__ = ["CheckpointPlan", "Planner", "PlanSummary", "PlanError", "chain_costs", "measure", "op_flops",
            "parse_limits", "summarize"]
@@ -198,7 +199,6 @@ class Planner:
 
 def parse_limits(budget: Any, max_overhead: Any, required: bool = True) -> tuple[Optional[int], Optional[float]]:
     """("40GiB" | bytes | None, "20%" | 0.2 | None) -> (bytes, fraction); exactly one unless not required."""
-    from graphmem.units import parse_bytes
 
     if budget is not None and max_overhead is not None:
         raise UsageError("give a memory budget or a maximum recompute overhead, not both")
@@ -218,8 +218,6 @@ def parse_limits(budget: Any, max_overhead: Any, required: bool = True) -> tuple
 
 
 def _gib(n: int) -> str:
-    from graphmem.units import fmt_bytes
-
     return fmt_bytes(n)
 
 

@@ -7,6 +7,7 @@ from typing import Sequence
 
 from tabulate import tabulate
 
+from graphmem.render.formula import render_coefficients
 from graphmem.render.text import _lifetime, _module, _shapes, _shown_modules
 from graphmem.report import Report
 from graphmem.units import fmt_bytes, fmt_share
@@ -64,8 +65,6 @@ def render_markdown(report: Report, depth: int = 3, top: int = 10) -> str:
     out += ["", f"### Live at the peak (top {min(top, len(report.live_at_peak))} of {len(report.live_at_peak)})", "",
             _table(rows, ["tensor", "kind", "module", "shape", "bytes"], "llllr")]
     if report.known_coefficients is not None:
-        from graphmem.render.formula import render_coefficients
-
         out += ["", "### Formula", "", "```", render_coefficients(report.known_coefficients).rstrip("\n"), "```"]
     if report.notes:
         out += ["", "### Notes", ""] + [f"- {n}" for n in report.notes]

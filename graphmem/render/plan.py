@@ -5,6 +5,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from graphmem.planning.planner import CheckpointPlan, PlanSummary
+from graphmem.render.selective import render_levels
 from graphmem.units import fmt_bytes
 
 
@@ -60,8 +61,6 @@ def render_plan(s: PlanSummary, top: int = 12) -> str:
         step = (len(shown) - 1) / (top - 1)
         shown = [shown[round(i * step)] for i in range(top)]
     if s.selective is not None:
-        from graphmem.render.selective import render_levels
-
         lines += render_levels(s.selective, fmt_flops)
     lines += ["", f"Pareto frontier: {len(s.frontier)} plans (fewest FLOPs for their peak){'; ' + str(len(shown)) + ' shown' if len(shown) < len(s.frontier) else ''}",
               tabulate([_row(p) for p in shown],

@@ -4,6 +4,9 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from graphmem.passes import ModuleSaved
+from graphmem.render.budget import render_budget
+from graphmem.render.compiled import render_modes
+from graphmem.render.formula import render_coefficients
 from graphmem.report import Report
 from graphmem.units import fmt_bytes, fmt_share
 
@@ -89,16 +92,10 @@ def render_text(report: Report, depth: int = 3, top: int = 10) -> str:
               tabulate(rows, headers=["tensor", "kind", "module", "shape", "bytes"], tablefmt="simple",
                        colalign=("left", "left", "left", "left", "right"))]
     if report.compiled is not None:
-        from graphmem.render.compiled import render_modes
-
         lines += ["", render_modes(report.compiled, depth, top).rstrip("\n")]
     if report.known_coefficients is not None:
-        from graphmem.render.formula import render_coefficients
-
         lines += ["", render_coefficients(report.known_coefficients).rstrip("\n")]
     if report.budget is not None:
-        from graphmem.render.budget import render_budget
-
         lines += ["", render_budget(report.budget).rstrip("\n")]
     if report.notes:
         lines += ["", "Notes"] + [f"- {n}" for n in report.notes]

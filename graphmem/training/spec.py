@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.nn as nn
 
+from graphmem.chains import find_chain
 from graphmem.passes.budget import Budget, Parallel, budget, make_parallel
 from graphmem.training.loop import TrainStep, make_train_step
 from graphmem.training.lora import LoRA, apply_lora, make_lora
@@ -45,7 +46,6 @@ def prepare(module: nn.Module, training: Training) -> tuple[nn.Module, tuple[str
 def units_of(module: nn.Module) -> tuple[str, ...]:
     """What ZeRO-3/FSDP gathers one at a time: the blocks of the repeated chain (a transformer's
     layers, as FSDP's transformer auto-wrap policy wraps them); the rest is the root unit."""
-    from graphmem.chains import find_chain
 
     chain = find_chain(module)
     if chain is None:

@@ -35,11 +35,15 @@ from typing import Any, Iterator, Optional, Union
 import torch
 import torch.nn as nn
 
+from graphmem.api import _shape_of, analyze
 from graphmem.capture.load import Loaded, load, make_inputs, parse_shape
+from graphmem.capture.target import GPUS
 from graphmem.errors import GraphmemError, UsageError
+from graphmem.passes.allocator import allocator
 from graphmem.report import Report
 from graphmem.training.step import LossFn, run_step
 from graphmem.units import fmt_bytes
+from graphmem.validation.measure import measure_peak, measure_saved
 
 DEFAULT_TOLERANCE = 1.0  # percent of the measured peak
 RAM_SHARE = 0.5  # of MemAvailable: the page cache and other programs keep the rest
@@ -140,7 +144,6 @@ def validate(
     >>> v.ok, v.row("saved for backward").difference
     (True, 0)
     """
-    from graphmem.api import analyze
 
     dev = _device(device)
     try:
@@ -207,7 +210,6 @@ def _target(dev: torch.device) -> dict[str, Any]:
     SDPA backend rules decide what attention saves)."""
     if dev.type == "cpu":
         return {"device": "cpu"}
-    from graphmem.capture.target import GPUS
 
     cap = torch.cuda.get_device_capability(dev)
     known = sorted((c, name) for name, c in GPUS.items() if c <= cap)  # exact match, else the closest older one
@@ -218,15 +220,12 @@ def _target(dev: torch.device) -> dict[str, Any]:
 def _cuda_model(report: Report) -> Any:
     """The caching-allocator model's result for the predicted step (analyze computes it for the
     CUDA target)."""
-    from graphmem.passes.allocator import allocator
 
     assert report.step is not None
     return getattr(report, "cuda_allocator", None) or allocator(report.step)
 
 
 def _shape(input_shape: Union[str, tuple, list, None]) -> tuple[int, ...]:
-    from graphmem.api import _shape_of
-
     return parse_shape(input_shape) if isinstance(input_shape, str) else _shape_of(input_shape)  # type: ignore[arg-type]
 
 
@@ -319,8 +318,6 @@ def _smaller(report: Report) -> str:
 # -- the measurements -------------------------------------------------------------------------
 
 def _cpu(report: Report, module: nn.Module, inputs: tuple, loss_fn: Optional[LossFn]) -> tuple[Row, ...]:
-    from graphmem.validation.measure import measure_peak
-
     with _without_profiler_log():
         real = measure_peak(module, inputs, loss_fn)  # the step under the profiler, then the saved set
     return (Row("saved for backward", report.activation_bytes, real.saved_bytes, "exact", None),
@@ -355,8 +352,6 @@ def _without_profiler_log() -> Iterator[None]:
 
 def _cuda(report: Report, module: nn.Module, inputs: tuple, loss_fn: Optional[LossFn],
           dev: torch.device) -> tuple[Row, ...]:
-    from graphmem.validation.measure import measure_saved
-
     assert report.step is not None
     model = _cuda_model(report)  # the caching allocator replayed over the predicted step
     first = sum(1 for s in report.step.storages.values() if s.created == -1 and s.nbytes)
