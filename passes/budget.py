@@ -138,52 +138,115 @@ def _unit_of(path: str, units: tuple[str, ...]) -> int:
     return -1
 
 
-def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parallel(),
-           units: tuple[str, ...] = ()) -> Budget:
-    """One rank's budget. ``units`` are the module paths ZeRO-3/FSDP gathers one at a time
-    (api.py passes the blocks of the model's repeated chain); the rest is the root unit."""
-    t, dp = parallel.tp, parallel.dp
-    den = t * dp  # every rank's byte count is an integer over den, rounded up at the end
-    marks: Optional[TPMarks] = tp_marks(g) if t > 1 else None
-    saved_sids = {x.sid for x in sv.tensors}
-    opt_start = g.phase_start.get("optimizer", g.num_ops)
-    shard_states = parallel.zero >= 1 or parallel.fsdp is not None
-    shard_grads = parallel.zero >= 2 or parallel.fsdp is not None
-    shard_params = parallel.zero == 3 or parallel.fsdp is not None
+@dataclass(frozen=True)
+class _Shares:
+    """How one rank holds each storage: numerators over ``den`` = tp * dp, before and after
+    data-parallel sharding, and the budget row it belongs to."""
 
-    def row_of(s: Storage) -> str:
+    g: StepGraph
+    parallel: Parallel
+    marks: Optional[TPMarks]
+    saved_sids: frozenset[int]
+    opt_start: int
+
+    @property
+    def den(self) -> int:  # every rank's byte count is an integer over den, rounded up at the end
+        return self.parallel.tp * self.parallel.dp
+
+    @property
+    def shard_states(self) -> bool:
+        return self.parallel.zero >= 1 or self.parallel.fsdp is not None
+
+    @property
+    def shard_grads(self) -> bool:
+        return self.parallel.zero >= 2 or self.parallel.fsdp is not None
+
+    @property
+    def shard_params(self) -> bool:
+        return self.parallel.zero == 3 or self.parallel.fsdp is not None
+
+    def row_of(self, s: Storage) -> str:
         if s.kind in _KIND_ROW:
             return _KIND_ROW[s.kind]
-        return "activations" if s.sid in saved_sids else "temporaries"
+        return "activations" if s.sid in self.saved_sids else "temporaries"
 
-    def tp_part(s: Storage) -> int:  # numerator after tensor parallelism (over den)
+    def tp_part(self, s: Storage) -> int:  # numerator after tensor parallelism (over den)
+        den, marks = self.den, self.marks
         if marks is None or (s.kind == "optimizer state" and _numel(s) <= 1):  # step counters: whole
             return den
         param = s.sid if s.kind == "parameter" else s.owner
         if param is not None:
             split = param in marks.weights
         else:
-            split = s.sid in marks.sharded or (parallel.sp and s.sid in marks.stream and s.created < opt_start
+            split = s.sid in marks.sharded or (self.parallel.sp and s.sid in marks.stream and s.created < self.opt_start
                                                and not (s.kind == "input" and not _floating(s.dtype)))
-        return den // t if split else den
+        return den // self.parallel.tp if split else den
 
-    def part(s: Storage) -> tuple[int, int]:  # (numerator before and after data-parallel sharding)
-        before = tp_part(s)
+    def part(self, s: Storage) -> tuple[int, int]:  # (numerator before and after data-parallel sharding)
+        before = self.tp_part(s)
         scalar = s.kind == "optimizer state" and _numel(s) <= 1
         sharded = (not scalar and (
-            (shard_states and (s.kind in ("optimizer state", "master", "gradient copy")
-                               or (s.created >= opt_start and s.kind not in ("gradient", "parameter", "buffer"))))
-            or (shard_grads and s.kind == "gradient") or (shard_params and s.kind == "parameter")))
-        return before, before // dp if sharded else before
+            (self.shard_states and (s.kind in ("optimizer state", "master", "gradient copy")
+                                    or (s.created >= self.opt_start and s.kind not in ("gradient", "parameter", "buffer"))))
+            or (self.shard_grads and s.kind == "gradient") or (self.shard_params and s.kind == "parameter")))
+        return before, before // self.parallel.dp if sharded else before
 
+
+def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parallel(),
+           units: tuple[str, ...] = ()) -> Budget:
+    """One rank's budget. ``units`` are the module paths ZeRO-3/FSDP gathers one at a time
+    (api.py passes the blocks of the model's repeated chain); the rest is the root unit."""
+    opt_start = g.phase_start.get("optimizer", g.num_ops)
+    marks = tp_marks(g) if parallel.tp > 1 else None
+    sh = _Shares(g, parallel, marks, frozenset(x.sid for x in sv.tensors), opt_start)
+    den = sh.den
+    parts = {sid: sh.part(g.storages[sid]) for sid in lv.intervals}
+    gather, largest, gather_max = _gathered(g, units, parts, sh.shard_params, parallel.fsdp == "grad-op", opt_start)
+    timeline, later_line = _timelines(g, lv, parts, gather)
+    n = g.num_ops
+    peak_index = max(range(n), key=timeline.__getitem__, default=-1)
+    later_index = max(range(n), key=later_line.__getitem__, default=-1)
+    base = sum(g.storages[sid].nbytes * parts[sid][1] for sid in lv.intervals if g.storages[sid].created < 0)
+    peak = timeline[peak_index] if n else base
+    held, at_peak, contributors = _rows(g, lv, sh, parts, peak_index)
+    states = [s for s in g.storages.values() if s.kind == "optimizer state"]
+    by_name: dict[str, int] = {}
+    for s in states:
+        key = s.name.split(" (")[0].rsplit(":", 1)[-1]
+        by_name[key] = by_name.get(key, 0) + _ceil(s.nbytes * parts.get(s.sid, sh.part(s))[1], den)
+    params = [s for s in g.storages.values() if s.kind == "parameter"]
+    with_grad = {s.owner for s in g.storages.values() if s.kind == "gradient"}
+    notes = _row_notes(parallel, sh.shard_states, sh.shard_grads, sh.shard_params, parallel.tp)
+    out_rows = [BudgetRow(r, held[r], _ceil(at_peak[r], den), notes.get(r, "")) for r in ROWS]
+    if sh.shard_params:
+        out_rows.append(BudgetRow("gathered parameters", _ceil(gather_max, den), _ceil(gather[peak_index] if n else 0, den),
+                                  f"all-gather buffers; largest unit {largest or '(root)'}"))
+    top = tuple((name, _ceil(v, den)) for name, v in sorted(contributors.items(), key=lambda kv: -kv[1])[:5])
+    node = g.ops[peak_index] if peak_index >= 0 else None
+    return Budget(
+        parallel=parallel, rows=tuple(out_rows), peak_bytes=_ceil(peak, den), peak_index=peak_index,
+        peak_phase=g.phase_of(peak_index),
+        later_peak_bytes=_ceil(later_line[later_index], den) if n else _ceil(peak, den),
+        later_peak_index=later_index, later_peak_phase=g.phase_of(later_index),
+        model_state_bytes=sum(held[r] for r in ("parameters", "gradients", "optimizer states", "master copies")),
+        step_counter_bytes=sum(_ceil(s.nbytes * den, den) for s in states if _numel(s) <= 1), states_by_name=by_name,
+        parameters=sum(_numel(s) for s in params), trainable=sum(_numel(s) for s in params if s.sid in with_grad),
+        peak_op=str(node.target) if node is not None else "",
+        peak_module=node.meta.get("module", "") if node is not None else "", top_temporaries=top,
+        largest_unit=largest, gather_bytes=_ceil(gather_max, den), tp_split=_forward_linears(g, marks),
+        timeline=tuple(_ceil(v, den) for v in timeline))
+
+
+def _timelines(g: StepGraph, lv: Liveness, parts: dict[int, tuple[int, int]],
+               gather: list[int]) -> tuple[list[int], list[int]]:
+    """One rank's live bytes per op (numerators over den) in the traced step and in later steps,
+    where the optimizer states live from the start."""
     n = g.num_ops
     diff = [0] * (n + 1)
     later = [0] * (n + 1)
-    rows = {r: 0 for r in ROWS}
-    parts: dict[int, tuple[int, int]] = {}
     for sid, (start, stop) in lv.intervals.items():
         s = g.storages[sid]
-        before, after = parts[sid] = part(s)
+        before, after = parts[sid]
         diff[start] += s.nbytes * after
         diff[stop + 1] -= s.nbytes * after
         if s.kind == "gradient" and after < before:  # whole until its reduce-scatter
@@ -192,12 +255,6 @@ def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parall
         if s.kind == "optimizer state" and s.created >= 0:  # later steps: live from the start
             later[0] += s.nbytes * after
             later[s.created] -= s.nbytes * after
-    for s in g.storages.values():
-        before, after = parts.get(s.sid) or part(s)
-        r = row_of(s)
-        if r != "temporaries" and (s.sid in lv.intervals or s.created < 0):
-            rows[r] += s.nbytes * after
-    gather, largest, gather_max = _gathered(g, units, parts, shard_params, parallel.fsdp == "grad-op", opt_start)
     timeline: list[int] = []
     later_line: list[int] = []
     live = extra = 0
@@ -206,10 +263,19 @@ def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parall
         extra += later[i]
         timeline.append(live + gather[i])
         later_line.append(live + gather[i] + extra)
-    peak_index = max(range(n), key=timeline.__getitem__, default=-1)
-    later_index = max(range(n), key=later_line.__getitem__, default=-1)
-    base = sum(g.storages[sid].nbytes * parts[sid][1] for sid, (a, _) in lv.intervals.items() if g.storages[sid].created < 0)
-    peak = timeline[peak_index] if n else base
+    return timeline, later_line
+
+
+def _rows(g: StepGraph, lv: Liveness, sh: _Shares, parts: dict[int, tuple[int, int]],
+          peak_index: int) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """Bytes one rank holds per row, bytes per row live at the peak (over den), and the
+    temporaries live at the peak by the op (or kind) that made them."""
+    rows = {r: 0 for r in ROWS}
+    for s in g.storages.values():
+        after = (parts.get(s.sid) or sh.part(s))[1]
+        r = sh.row_of(s)
+        if r != "temporaries" and (s.sid in lv.intervals or s.created < 0):
+            rows[r] += s.nbytes * after
     at_peak = {r: 0 for r in ROWS}
     contributors: dict[str, int] = {}
     for sid, (a, b) in lv.intervals.items():
@@ -217,35 +283,13 @@ def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parall
             s = g.storages[sid]
             before, after = parts[sid]
             nb = s.nbytes * (before if s.kind == "gradient" and s.created == peak_index else after)
-            at_peak[row_of(s)] += nb
-            if row_of(s) == "temporaries":
+            at_peak[sh.row_of(s)] += nb
+            if sh.row_of(s) == "temporaries":
                 label = s.kind if s.kind == "gradient copy" else s.name
                 contributors[label] = contributors.get(label, 0) + nb
-    states = [s for s in g.storages.values() if s.kind == "optimizer state"]
-    by_name: dict[str, int] = {}
-    for s in states:
-        key = s.name.split(" (")[0].rsplit(":", 1)[-1]
-        by_name[key] = by_name.get(key, 0) + _ceil(s.nbytes * parts.get(s.sid, part(s))[1], den)
-    params = [s for s in g.storages.values() if s.kind == "parameter"]
-    with_grad = {s.owner for s in g.storages.values() if s.kind == "gradient"}
-    held = {r: _ceil(v, den) for r, v in rows.items()}
-    held["temporaries"] = _ceil(at_peak["temporaries"], den)
-    notes = _row_notes(parallel, shard_states, shard_grads, shard_params, t)
-    out_rows = [BudgetRow(r, held[r], _ceil(at_peak[r], den), notes.get(r, "")) for r in ROWS]
-    if shard_params:
-        out_rows.append(BudgetRow("gathered parameters", _ceil(gather_max, den), _ceil(gather[peak_index] if n else 0, den),
-                                  f"all-gather buffers; largest unit {largest or '(root)'}"))
-    top = tuple((name, _ceil(v, den)) for name, v in sorted(contributors.items(), key=lambda kv: -kv[1])[:5])
-    node = g.ops[peak_index] if peak_index >= 0 else None
-    return Budget(
-        parallel, tuple(out_rows), _ceil(peak, den), peak_index, g.phase_of(peak_index),
-        _ceil(later_line[later_index], den) if n else _ceil(peak, den), later_index, g.phase_of(later_index),
-        sum(held[r] for r in ("parameters", "gradients", "optimizer states", "master copies")),
-        sum(_ceil(s.nbytes * den, den) for s in states if _numel(s) <= 1), by_name,
-        sum(_numel(s) for s in params), sum(_numel(s) for s in params if s.sid in with_grad),
-        str(node.target) if node is not None else "", node.meta.get("module", "") if node is not None else "", top,
-        largest, _ceil(gather_max, den), _forward_linears(g, marks),
-        tuple(_ceil(v, den) for v in timeline))
+    held = {r: _ceil(v, sh.den) for r, v in rows.items()}
+    held["temporaries"] = _ceil(at_peak["temporaries"], sh.den)
+    return held, at_peak, contributors
 
 
 def _forward_linears(g: StepGraph, marks: Optional[TPMarks]) -> tuple[int, int]:
