@@ -178,180 +178,200 @@ def _rename(path: str, prefix: str, j: Optional[int], b: Optional[int]) -> str:
 
 def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> StepGraph:
     """The step of the model with n blocks, from its capture with k identical blocks."""
-    r = _Regions(g, chain, k)
-    w = _Widen(g, r, n)
-    prefix = r.prefix
+    w = _Copier(g, _Regions(g, chain, k), n)
+    storages = w.storages()
+    placeholders = w.placeholders()
+    ops = w.ops()
+    phase_start = {p: (w.index(i, None, None) or 0 if i < g.num_ops else w.total) for p, i in g.phase_start.items()}
+    return StepGraph(placeholders, ops, storages, w.saves(), phase_start, g.device, w.gradients(), g.root, modules,
+                     w.module_inputs(), g.target, dict(g.attention_backends))
 
-    def owner_of_index(u: int) -> Optional[int]:
-        return r.where[u][1] if 0 <= u < g.num_ops else None
 
-    def owner(st: Storage) -> Optional[int]:
+class _Copier(_Widen):
+    """Writes the widened graph: storages numbered as a full capture numbers them, then
+    placeholders, ops (their arguments re-linked), saves, gradients and module inputs."""
+
+    def __init__(self, g: StepGraph, r: _Regions, n: int) -> None:
+        super().__init__(g, r, n)
+        self.prefix = r.prefix
+        # placeholders in the order a full capture makes them (block by block), then storages:
+        # the pre-existing ones in that order, the others by the op that made them
+        runs: list[tuple[Optional[int], list[OpNode]]] = []
+        for p in g.placeholders:
+            j = r.block_of(p.target) if isinstance(p.target, str) else None
+            if runs and runs[-1][0] == j:
+                runs[-1][1].append(p)
+            else:
+                runs.append((j, [p]))
+        self.planned: list[tuple[OpNode, Optional[int], Optional[int]]] = [
+            (p, b, j) for j, run in runs for b in self.copies(j) for p in run]
+        self.sid_of: dict[tuple[int, Optional[int]], int] = {}
+        for p, b, _ in self.planned:
+            self.sid_of.setdefault((p.meta["storage"], b), len(self.sid_of))
+        made = sorted(((self.index(st.created, b, j), st.sid, -1 if b is None else b, st, b, j)
+                       for st in g.storages.values() if st.created >= 0
+                       for j in [self.owner_of_index(st.created)] for b in self.copies(j)), key=lambda x: x[:3])
+        for *_, st, b, _ in made:
+            self.sid_of[(st.sid, b)] = len(self.sid_of)
+        self.by_name = {st.name: st.sid for st in g.storages.values() if st.created < 0}
+        self.ph_of: dict[tuple[str, Optional[int]], OpNode] = {}  # (template name, block) -> placeholder
+        self.new_ops: list[OpNode] = [None] * self.total  # type: ignore[list-item]
+
+    def owner_of_index(self, u: int) -> Optional[int]:
+        return self.r.where[u][1] if 0 <= u < self.g.num_ops else None
+
+    def owner(self, st: Storage) -> Optional[int]:
         """The captured block a storage belongs to: a block's parameter, or made by its op."""
-        return r.block_of(st.name) if st.created < 0 else owner_of_index(st.created)
+        return self.r.block_of(st.name) if st.created < 0 else self.owner_of_index(st.created)
 
-    copies_of = w.copies
-
-    # placeholders in the order a full capture makes them (block by block), then storages:
-    # the pre-existing ones in that order, the others by the op that made them
-    runs: list[tuple[Optional[int], list[OpNode]]] = []
-    for p in g.placeholders:
-        j = r.block_of(p.target) if isinstance(p.target, str) else None
-        if runs and runs[-1][0] == j:
-            runs[-1][1].append(p)
-        else:
-            runs.append((j, [p]))
-    planned: list[tuple[OpNode, Optional[int], Optional[int]]] = [
-        (p, b, j) for j, run in runs for b in copies_of(j) for p in run]
-    sid_of: dict[tuple[int, Optional[int]], int] = {}
-    for p, b, _ in planned:
-        sid_of.setdefault((p.meta["storage"], b), len(sid_of))
-    made = sorted(((w.index(st.created, b, j), st.sid, -1 if b is None else b, st, b, j)
-                   for st in g.storages.values() if st.created >= 0
-                   for j in [owner_of_index(st.created)] for b in copies_of(j)), key=lambda x: x[:3])
-    for *_, st, b, _ in made:
-        sid_of[(st.sid, b)] = len(sid_of)
-
-    by_name = {st.name: st.sid for st in g.storages.values() if st.created < 0}
-
-    def same_storage(tsid: int, j: int, b: int) -> int:
+    def same_storage(self, tsid: int, j: int, b: int) -> int:
         """Template storage of block j as the one at the same place of block b's template."""
-        t = w.template(b)
+        g, t = self.g, self.template(b)
         st = g.storages[tsid]
         if j == t:
             return tsid
         if st.created < 0:
-            other = by_name.get(_rename(st.name, prefix, j, t))
+            other = self.by_name.get(_rename(st.name, self.prefix, j, t))
             if other is None:
                 raise NotReusable("a parameter has no counterpart")
             return other
-        u = w.same_op(st.created, b)
+        u = self.same_op(st.created, b)
         mine = [x for _, _, x in g.ops[st.created].meta["outputs"]]
         theirs = [x for _, _, x in g.ops[u].meta["outputs"]]
         if tsid not in mine or len(mine) != len(theirs):
             raise NotReusable("a storage no op made")
         return theirs[mine.index(tsid)]
 
-    def sid(template_sid: int, ctx_b: Optional[int], ctx_j: Optional[int]) -> int:
-        j = owner(g.storages[template_sid])
-        b = w.block(j, ctx_b, ctx_j)
+    def sid(self, template_sid: int, ctx_b: Optional[int], ctx_j: Optional[int]) -> int:
+        j = self.owner(self.g.storages[template_sid])
+        b = self.block(j, ctx_b, ctx_j)
         if b is not None:
-            template_sid = same_storage(template_sid, j, b)  # type: ignore[arg-type]
+            template_sid = self.same_storage(template_sid, j, b)  # type: ignore[arg-type]
         try:
-            return sid_of[(template_sid, b)]
+            return self.sid_of[(template_sid, b)]
         except KeyError:
             raise NotReusable("a storage has no counterpart") from None
 
-    storages: dict[int, Storage] = {}
-    for (tsid, b), new in sorted(sid_of.items(), key=lambda x: x[1]):
-        st = g.storages[tsid]
-        j = owner(st)
-        storages[new] = Storage(
-            new, st.nbytes, st.kind, w.index(st.created, b, j), w.index(st.freed, b, j),  # type: ignore[arg-type]
-            _rename(st.module, prefix, j, b), _rename(st.name, prefix, j, b) if st.created < 0 else st.name,
-            st.dtype, st.shape, sid(st.source, b, j) if st.source is not None else None)
+    def storages(self) -> dict[int, Storage]:
+        out: dict[int, Storage] = {}
+        prefix = self.prefix
+        for (tsid, b), new in sorted(self.sid_of.items(), key=lambda x: x[1]):
+            st = self.g.storages[tsid]
+            j = self.owner(st)
+            out[new] = Storage(
+                new, st.nbytes, st.kind, self.index(st.created, b, j), self.index(st.freed, b, j),  # type: ignore[arg-type]
+                _rename(st.module, prefix, j, b), _rename(st.name, prefix, j, b) if st.created < 0 else st.name,
+                st.dtype, st.shape, self.sid(st.source, b, j) if st.source is not None else None)
+        return out
 
-    placeholders: list[OpNode] = []
-    ph_of: dict[tuple[str, Optional[int]], OpNode] = {}  # (template name, block) -> placeholder
-    for p, b, j in planned:
-        name = _rename(p.target, prefix, j, b)
-        q = OpNode("placeholder", name, (), {}, name.replace(".", "_"))
-        q.meta.update(p.meta, storage=sid(p.meta["storage"], b, j))
-        placeholders.append(q)
-        ph_of[(p.target, b)] = q
+    def placeholders(self) -> list[OpNode]:
+        out: list[OpNode] = []
+        for p, b, j in self.planned:
+            name = _rename(p.target, self.prefix, j, b)
+            q = OpNode("placeholder", name, (), {}, name.replace(".", "_"))
+            q.meta.update(p.meta, storage=self.sid(p.meta["storage"], b, j))
+            out.append(q)
+            self.ph_of[(p.target, b)] = q
+        return out
 
-    ops: list[OpNode] = [None] * w.total  # type: ignore[list-item]
-
-    def twin(kind: str, t: Optional[int], pos: int) -> Optional[OpNode]:
+    def twin(self, kind: str, t: Optional[int], pos: int) -> Optional[OpNode]:
         """The op at the same place of a neighbouring captured block: where both refer to the
         same op of a third block, that op is shared (e.g. a causal mask the compiler computed
         once), not the neighbour's."""
         if t is None:
             return None
         for t2 in (t + 1, t - 1):
-            if 0 <= t2 < k:
-                s2, e2 = r.region(kind, t2)
+            if 0 <= t2 < self.k:
+                s2, e2 = self.r.region(kind, t2)
                 if s2 + pos <= e2:
-                    return g.ops[s2 + pos]
+                    return self.g.ops[s2 + pos]
         return None
 
-    def shared(a: OpNode, other: Any) -> bool:
-        return other is a or (isinstance(other, tuple) and other[0] is a)
-
-    def arg(a: Any, ctx_b: Optional[int], ctx_j: Optional[int], other: Any = None) -> Any:
+    def arg(self, a: Any, ctx_b: Optional[int], ctx_j: Optional[int], other: Any = None) -> Any:
+        """An op argument re-linked: placeholders and ops of the same or another block."""
         if isinstance(a, OpNode):
             if a.op == "placeholder":
-                j = r.block_of(a.target) if isinstance(a.target, str) else None
-                b = w.block(j, ctx_b, ctx_j)
-                q = ph_of.get((_rename(a.target, prefix, j, w.template(b)) if b is not None else a.target, b))
+                j = self.r.block_of(a.target) if isinstance(a.target, str) else None
+                b = self.block(j, ctx_b, ctx_j)
+                name = _rename(a.target, self.prefix, j, self.template(b)) if b is not None else a.target
+                q = self.ph_of.get((name, b))
                 if q is None:
                     raise NotReusable("a placeholder has no counterpart")
                 return q
-            if shared(a, other) and r.where[a.meta["index"]][1] != ctx_j:
-                return ops[w.index(a.meta["index"], None, None)]  # type: ignore[index]
-            return ops[w.index(a.meta["index"], ctx_b, ctx_j)]  # type: ignore[index]
+            shared = other is a or (isinstance(other, tuple) and other[0] is a)
+            if shared and self.r.where[a.meta["index"]][1] != ctx_j:
+                return self.new_ops[self.index(a.meta["index"], None, None)]  # type: ignore[index]
+            return self.new_ops[self.index(a.meta["index"], ctx_b, ctx_j)]  # type: ignore[index]
         if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], OpNode):
             o = other[0] if isinstance(other, tuple) and len(other) == 2 else None
-            return (arg(a[0], ctx_b, ctx_j, o), a[1])
+            return (self.arg(a[0], ctx_b, ctx_j, o), a[1])
         if isinstance(a, list):
             others = other if isinstance(other, list) and len(other) == len(a) else [None] * len(a)
-            return [arg(x, ctx_b, ctx_j, y) for x, y in zip(a, others)]
+            return [self.arg(x, ctx_b, ctx_j, y) for x, y in zip(a, others)]
         return a
 
-    for kind, b, t in w.order:
-        s, e = r.region(kind, t)
-        base = w.start[(kind, b)]
-        for u in range(s, e + 1):
-            op = g.ops[u]
-            i = base + u - s
-            tw = twin(kind, t, u - s)
-            targs = tw.args if tw is not None and len(tw.args) == len(op.args) else (None,) * len(op.args)
-            node = OpNode(op.op, op.target, tuple(arg(a, b, t, o) for a, o in zip(op.args, targs)),
-                          {key: arg(v, b, t, tw.kwargs.get(key) if tw is not None else None)
-                           for key, v in op.kwargs.items()}, f"op{i}")
-            meta = dict(op.meta)
-            meta["index"] = i
-            meta["module"] = _rename(op.meta.get("module", ""), prefix, t, b)
-            meta["outputs"] = tuple((shape, dtype, sid(x, b, t)) for shape, dtype, x in op.meta["outputs"])
-            if "storage" in meta:
-                meta["storage"] = meta["outputs"][0][2]
-            node.meta = meta
-            ops[i] = node
+    def ops(self) -> list[OpNode]:
+        g, ops = self.g, self.new_ops
+        for kind, b, t in self.order:
+            s, e = self.r.region(kind, t)
+            base = self.start[(kind, b)]
+            for u in range(s, e + 1):
+                op = g.ops[u]
+                i = base + u - s
+                tw = self.twin(kind, t, u - s)
+                targs = tw.args if tw is not None and len(tw.args) == len(op.args) else (None,) * len(op.args)
+                node = OpNode(op.op, op.target, tuple(self.arg(a, b, t, o) for a, o in zip(op.args, targs)),
+                              {key: self.arg(v, b, t, tw.kwargs.get(key) if tw is not None else None)
+                               for key, v in op.kwargs.items()}, f"op{i}")
+                meta = dict(op.meta)
+                meta["index"] = i
+                meta["module"] = _rename(op.meta.get("module", ""), self.prefix, t, b)
+                meta["outputs"] = tuple((shape, dtype, self.sid(x, b, t)) for shape, dtype, x in op.meta["outputs"])
+                if "storage" in meta:
+                    meta["storage"] = meta["outputs"][0][2]
+                node.meta = meta
+                ops[i] = node
+        return ops
 
-    saves: list[SaveEvent] = []
-    by_block: dict[Optional[int], list[SaveEvent]] = {}
-    for ev in g.saves:
-        j = r.block_of(ev.module)  # (packed_at is the op before the saving one: maybe the block before)
-        by_block.setdefault(j if j is not None else owner_of_index(ev.packed_at), []).append(ev)
-    for j, evs in by_block.items():
-        neighbour = by_block.get(j + 1 if j is not None and j + 1 < k else (j - 1 if j is not None else None), [])
-        for n_ev, ev in enumerate(evs):
-            mate = neighbour[n_ev] if len(neighbour) == len(evs) else None
-            common = mate is not None and mate.sid == ev.sid and owner(g.storages[ev.sid]) != j  # a shared tensor
-            for b in copies_of(j):
-                saves.append(SaveEvent(sid(ev.sid, None, None) if common else sid(ev.sid, b, j),
-                                       w.index(ev.packed_at, b, j), w.index(ev.released_at, b, j),  # type: ignore[arg-type]
-                                       _rename(ev.module, prefix, j, b), ev.phase, ev.shape, ev.dtype, ev.grad_fn))
-    saves.sort(key=lambda e: e.packed_at)
+    def saves(self) -> list[SaveEvent]:
+        g, k = self.g, self.k
+        out: list[SaveEvent] = []
+        by_block: dict[Optional[int], list[SaveEvent]] = {}
+        for ev in g.saves:
+            j = self.r.block_of(ev.module)  # (packed_at is the op before the saving one: maybe the block before)
+            by_block.setdefault(j if j is not None else self.owner_of_index(ev.packed_at), []).append(ev)
+        for j, evs in by_block.items():
+            neighbour = by_block.get(j + 1 if j is not None and j + 1 < k else (j - 1 if j is not None else None), [])
+            for n_ev, ev in enumerate(evs):
+                mate = neighbour[n_ev] if len(neighbour) == len(evs) else None
+                common = mate is not None and mate.sid == ev.sid and self.owner(g.storages[ev.sid]) != j  # a shared tensor
+                for b in self.copies(j):
+                    out.append(SaveEvent(self.sid(ev.sid, None, None) if common else self.sid(ev.sid, b, j),
+                                         self.index(ev.packed_at, b, j), self.index(ev.released_at, b, j),  # type: ignore[arg-type]
+                                         _rename(ev.module, self.prefix, j, b), ev.phase, ev.shape, ev.dtype, ev.grad_fn))
+        out.sort(key=lambda e: e.packed_at)
+        return out
 
-    grad_runs: list[tuple[Optional[int], list[int]]] = []  # the template's order, block by block
-    for x in g.gradients:
-        j = owner(g.storages[x])
-        if grad_runs and grad_runs[-1][0] == j:
-            grad_runs[-1][1].append(x)
-        else:
-            grad_runs.append((j, [x]))
-    gradients = [sid_of[(x, b)] for j, run in grad_runs for b in copies_of(j) for x in run]
-    phase_start = {p: (w.index(i, None, None) or 0 if i < g.num_ops else w.total) for p, i in g.phase_start.items()}
-    module_inputs: dict[str, tuple[int, ...]] = {}
-    for path, shape in g.module_inputs.items():
-        j = r.block_of(path)
-        if j is None:
-            module_inputs[path] = shape
-        else:
-            for b in copies_of(j):
-                module_inputs[_rename(path, prefix, j, b)] = shape
-    return StepGraph(placeholders, ops, storages, saves, phase_start, g.device, gradients, g.root, modules,
-                     module_inputs, g.target, dict(g.attention_backends))
+    def gradients(self) -> list[int]:
+        grad_runs: list[tuple[Optional[int], list[int]]] = []  # the template's order, block by block
+        for x in self.g.gradients:
+            j = self.owner(self.g.storages[x])
+            if grad_runs and grad_runs[-1][0] == j:
+                grad_runs[-1][1].append(x)
+            else:
+                grad_runs.append((j, [x]))
+        return [self.sid_of[(x, b)] for j, run in grad_runs for b in self.copies(j) for x in run]
+
+    def module_inputs(self) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for path, shape in self.g.module_inputs.items():
+            j = self.r.block_of(path)
+            if j is None:
+                out[path] = shape
+            else:
+                for b in self.copies(j):
+                    out[_rename(path, self.prefix, j, b)] = shape
+        return out
 
 
 def _signature(g: StepGraph) -> tuple:
