@@ -1,9 +1,8 @@
-"""A tiny progress bar for long library work (several captures, a search over plans).
+"""A progress bar (tqdm) for long library work (several captures, a search over plans).
 
 It draws on stderr only when stderr is a terminal and the CLI is not printing JSON; anywhere
 else (pipes, files, CI logs, pytest, JSON mode) it is silent, so it never mixes into output
-that a program reads. Library code may use it freely: it is not output, and it leaves nothing
-behind (the line is cleared when the work ends).
+that a program reads. The bar's line is cleared when the work ends.
 
     from graphmem.progress import progress, Progress
 
@@ -20,14 +19,14 @@ behind (the line is cleared when the work ends).
 from __future__ import annotations
 
 import sys
-import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterable, Iterator, Optional, TextIO, TypeVar
 
+from tqdm import tqdm
+
 T = TypeVar("T")
 _QUIET: ContextVar[bool] = ContextVar("graphmem_progress_quiet", default=False)
-WIDTH = 24  # characters of the bar itself
 
 
 @contextmanager
@@ -41,20 +40,18 @@ def quiet(on: bool = True) -> Iterator[None]:
 
 
 class Progress:
-    """``[#########...............]  3/8  fitting`` on one stderr line, redrawn in place."""
+    """A tqdm bar on ``stream`` (default stderr), on only for a terminal outside ``quiet()``."""
 
     def __init__(self, total: Optional[int] = None, desc: str = "", stream: Optional[TextIO] = None,
                  min_interval: float = 0.1) -> None:
-        self.total, self.desc, self.done = total, desc, 0
         self.stream = stream if stream is not None else sys.stderr
-        self.min_interval = min_interval  # seconds between redraws (the last step always draws)
         isatty = getattr(self.stream, "isatty", None)
         self.enabled = not _QUIET.get() and callable(isatty) and bool(isatty())
-        self._last_draw = float("-inf")
-        self._width = 0  # of the last line drawn, to clear it
+        self.done = 0
+        self._bar = tqdm(total=total, desc=desc, file=self.stream, disable=not self.enabled, leave=False,
+                         mininterval=min_interval, dynamic_ncols=True)
 
     def __enter__(self) -> "Progress":
-        self._draw(force=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -62,34 +59,11 @@ class Progress:
 
     def update(self, n: int = 1) -> None:
         self.done += n
-        self._draw(force=self.total is not None and self.done >= self.total)
+        self._bar.update(n)
 
     def close(self) -> None:
         """Clear the bar's line (a no-op when disabled or already closed)."""
-        if self.enabled and self._width:
-            self.stream.write("\r" + " " * self._width + "\r")
-            self.stream.flush()
-        self._width = 0
-
-    def line(self) -> str:
-        if self.total:
-            filled = min(WIDTH, WIDTH * self.done // self.total)
-            text = f"[{'#' * filled}{'.' * (WIDTH - filled)}] {self.done}/{self.total}"
-        else:
-            text = f"[{self.done}]"
-        return f"{text}  {self.desc}" if self.desc else text
-
-    def _draw(self, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if not force and now - self._last_draw < self.min_interval:
-            return
-        self._last_draw = now
-        text = self.line()
-        self.stream.write("\r" + text + " " * max(0, self._width - len(text)))
-        self.stream.flush()
-        self._width = max(self._width, len(text))
+        self._bar.close()
 
 
 def progress(iterable: Iterable[T], total: Optional[int] = None, desc: str = "",
