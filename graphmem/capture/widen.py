@@ -1,0 +1,360 @@
+"""Widen a capture of a chain cut to k identical blocks into the step with n blocks: each
+block's ops, storages and save events are a captured block's, renumbered, renamed and
+re-linked to their neighbours (the check that this is exact lives in graphmem/capture/reuse.py).
+
+The capture is cut into regions (prefix, forward of each block, head, backward of each block,
+tail); the first two and last two blocks are their own templates (they touch what is around
+the chain), every other block copies block 2.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from graphmem.chains import Chain
+from graphmem.stepgraph import OpNode, SaveEvent, StepGraph, Storage
+
+
+class NotReusable(Exception):
+    """The widened graph would not be the model's own: capture at full depth instead."""
+
+
+class _Regions:
+    """A capture cut into: prefix, F0..F(k-1), head, B(k-1)..B0, tail (each a range of ops)."""
+
+    def __init__(self, g: StepGraph, chain: Chain, k: int) -> None:
+        prefix = f"{chain.path}." if chain.path else ""
+        self.prefix, self.k = prefix, k
+        back = g.phase_start.get("backward", g.num_ops)
+        labels = [self.block_of(op.meta.get("module", "")) for op in g.ops]
+        if any(op.meta.get("recompute") for op in g.ops):
+            raise NotReusable("checkpointed")
+        fwd = [i for i in range(back) if labels[i] is not None]
+        bwd = [i for i in range(back, g.num_ops) if labels[i] is not None]
+        if not fwd or not bwd:
+            raise NotReusable("no block ops")
+        self.regions: list[tuple[str, Optional[int], int, int]] = [("prefix", None, 0, fwd[0] - 1)]
+        starts: list[tuple[int, int]] = []
+        for i in fwd:
+            if not starts or starts[-1][0] != labels[i]:
+                starts.append((labels[i], i))  # type: ignore[arg-type]
+        if [b for b, _ in starts] != list(range(k)):
+            raise NotReusable("forward not block by block")
+        for n, (b, s) in enumerate(starts):
+            self.regions.append(("F", b, s, starts[n + 1][1] - 1 if n + 1 < len(starts) else fwd[-1]))
+        self.regions.append(("head", None, fwd[-1] + 1, bwd[0] - 1))
+        runs: list[list[int]] = []
+        for i in range(bwd[0], bwd[-1] + 1):
+            if labels[i] is None or (runs and runs[-1][0] == labels[i]):
+                runs[-1][2] = i
+            else:
+                runs.append([labels[i], i, i])  # type: ignore[list-item]
+        if [r[0] for r in runs] != list(reversed(range(k))):
+            raise NotReusable("backward not block by block")
+        self.regions += [("B", b, s, e) for b, s, e in runs]
+        self.regions.append(("tail", None, bwd[-1] + 1, g.num_ops - 1))
+        self.where: list[tuple[str, Optional[int], int]] = [("", None, 0)] * g.num_ops  # op -> (kind, block, pos)
+        for kind, blk, s, e in self.regions:
+            for i in range(s, e + 1):
+                self.where[i] = (kind, blk, i - s)
+
+    def block_of(self, path: str) -> Optional[int]:
+        if not path.startswith(self.prefix):
+            return None
+        head = path[len(self.prefix):].split(".", 1)[0]
+        return int(head) if head.isdigit() else None
+
+    def region(self, kind: str, block: Optional[int]) -> tuple[int, int]:
+        for k, b, s, e in self.regions:
+            if k == kind and b == block:
+                return s, e
+        raise NotReusable(f"no region {kind}{block}")
+
+
+def _role(block: int, n: int) -> str:
+    return "first" if block == 0 else "last" if block == n - 1 else "inner"
+
+
+class _Widen:
+    def __init__(self, g: StepGraph, r: _Regions, n: int) -> None:
+        self.g, self.r, self.n, self.k = g, r, n, r.k
+        # synthesized regions in order: (kind, block, template block)
+        order: list[tuple[str, Optional[int], Optional[int]]] = [("prefix", None, None)]
+        order += [("F", b, self.template(b)) for b in range(n)]
+        order.append(("head", None, None))
+        order += [("B", b, self.template(b)) for b in reversed(range(n))]
+        order.append(("tail", None, None))
+        self.order = order
+        self.start: dict[tuple[str, Optional[int]], int] = {}
+        pos = 0
+        for kind, b, t in order:
+            s, e = r.region(kind, t)
+            self.start[(kind, b)] = pos
+            pos += e - s + 1
+        self.total = pos
+
+    def template(self, b: int) -> int:
+        """The captured block that block b copies: the ends and their neighbours are their own
+        (they touch what is around the chain), every other block copies block 2, whose
+        neighbours are blocks like it."""
+        n, k = self.n, self.k
+        if b in (0, 1):
+            return b
+        if b >= n - 2:
+            return k - (n - b)
+        return 2
+
+    def copies(self, j: Optional[int]) -> list[Optional[int]]:
+        """The blocks that captured block j becomes."""
+        if j is None:
+            return [None]
+        n, k = self.n, self.k
+        if j in (0, 1):
+            return [j]
+        if j >= k - 2:
+            return [n - (k - j)]
+        return list(range(2, n - 2)) if j == 2 else []
+
+    def block(self, j: Optional[int], ctx_b: Optional[int], ctx_j: Optional[int]) -> Optional[int]:
+        """The synthesized block that template block j is, seen from template block ctx_j
+        written as block ctx_b (None: outside the chain)."""
+        if j is None:
+            return None
+        if ctx_j is None:
+            mine = self.copies(j)
+            if len(mine) != 1:
+                raise NotReusable("an interior block is referred to from outside the chain")
+            return mine[0]
+        b = ctx_b + (j - ctx_j)  # type: ignore[operator]
+        if not 0 <= b < self.n:
+            raise NotReusable("a block refers to a block that has no counterpart")
+        return b
+
+    def same_op(self, u: int, b: int) -> int:
+        """Template op u (of some block) as the op at the same place of block b's template."""
+        kind, j, pos = self.r.where[u]
+        t = self.template(b)
+        if j == t:
+            return u
+        s, e = self.r.region(kind, t)
+        if s + pos > e or self.g.ops[s + pos].target != self.g.ops[u].target:
+            raise NotReusable("blocks differ")
+        return s + pos
+
+    def index(self, u: Optional[int], ctx_b: Optional[int], ctx_j: Optional[int]) -> Optional[int]:
+        if u is None or u < 0:
+            return u
+        if u >= self.g.num_ops:  # made after the last op (nothing follows)
+            return self.total + (u - self.g.num_ops)
+        kind, j, pos = self.r.where[u]
+        b = self.block(j, ctx_b, ctx_j)
+        if b is not None:
+            u = self.same_op(u, b)
+            pos = self.r.where[u][2]
+        return self.start[(kind, b)] + pos
+
+
+def _rename(path: str, prefix: str, j: Optional[int], b: Optional[int]) -> str:
+    if j is None or b is None or j == b:
+        return path
+    old = f"{prefix}{j}"
+    if path == old or path.startswith(old + "."):
+        return f"{prefix}{b}" + path[len(old):]
+    return path
+
+
+def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> StepGraph:
+    """The step of the model with n blocks, from its capture with k identical blocks."""
+    w = _Copier(g, _Regions(g, chain, k), n)
+    storages = w.storages()
+    placeholders = w.placeholders()
+    ops = w.ops()
+    phase_start = {p: (w.index(i, None, None) or 0 if i < g.num_ops else w.total) for p, i in g.phase_start.items()}
+    return StepGraph(placeholders, ops, storages, w.saves(), phase_start, g.device, w.gradients(), g.root, modules,
+                     w.module_inputs(), g.target, dict(g.attention_backends))
+
+
+class _Copier(_Widen):
+    """Writes the widened graph: storages numbered as a full capture numbers them, then
+    placeholders, ops (their arguments re-linked), saves, gradients and module inputs."""
+
+    def __init__(self, g: StepGraph, r: _Regions, n: int) -> None:
+        super().__init__(g, r, n)
+        self.prefix = r.prefix
+        # placeholders in the order a full capture makes them (block by block), then storages:
+        # the pre-existing ones in that order, the others by the op that made them
+        runs: list[tuple[Optional[int], list[OpNode]]] = []
+        for p in g.placeholders:
+            j = r.block_of(p.target) if isinstance(p.target, str) else None
+            if runs and runs[-1][0] == j:
+                runs[-1][1].append(p)
+            else:
+                runs.append((j, [p]))
+        self.planned: list[tuple[OpNode, Optional[int], Optional[int]]] = [
+            (p, b, j) for j, run in runs for b in self.copies(j) for p in run]
+        self.sid_of: dict[tuple[int, Optional[int]], int] = {}
+        for p, b, _ in self.planned:
+            self.sid_of.setdefault((p.meta["storage"], b), len(self.sid_of))
+        made = sorted(((self.index(st.created, b, j), st.sid, -1 if b is None else b, st, b, j)
+                       for st in g.storages.values() if st.created >= 0
+                       for j in [self.owner_of_index(st.created)] for b in self.copies(j)), key=lambda x: x[:3])
+        for *_, st, b, _ in made:
+            self.sid_of[(st.sid, b)] = len(self.sid_of)
+        self.by_name = {st.name: st.sid for st in g.storages.values() if st.created < 0}
+        self.ph_of: dict[tuple[str, Optional[int]], OpNode] = {}  # (template name, block) -> placeholder
+        self.new_ops: list[OpNode] = [None] * self.total  # type: ignore[list-item]
+
+    def owner_of_index(self, u: int) -> Optional[int]:
+        return self.r.where[u][1] if 0 <= u < self.g.num_ops else None
+
+    def owner(self, st: Storage) -> Optional[int]:
+        """The captured block a storage belongs to: a block's parameter, or made by its op."""
+        return self.r.block_of(st.name) if st.created < 0 else self.owner_of_index(st.created)
+
+    def same_storage(self, tsid: int, j: int, b: int) -> int:
+        """Template storage of block j as the one at the same place of block b's template."""
+        g, t = self.g, self.template(b)
+        st = g.storages[tsid]
+        if j == t:
+            return tsid
+        if st.created < 0:
+            other = self.by_name.get(_rename(st.name, self.prefix, j, t))
+            if other is None:
+                raise NotReusable("a parameter has no counterpart")
+            return other
+        u = self.same_op(st.created, b)
+        mine = [x for _, _, x in g.ops[st.created].meta["outputs"]]
+        theirs = [x for _, _, x in g.ops[u].meta["outputs"]]
+        if tsid not in mine or len(mine) != len(theirs):
+            raise NotReusable("a storage no op made")
+        return theirs[mine.index(tsid)]
+
+    def sid(self, template_sid: int, ctx_b: Optional[int], ctx_j: Optional[int]) -> int:
+        j = self.owner(self.g.storages[template_sid])
+        b = self.block(j, ctx_b, ctx_j)
+        if b is not None:
+            template_sid = self.same_storage(template_sid, j, b)  # type: ignore[arg-type]
+        try:
+            return self.sid_of[(template_sid, b)]
+        except KeyError:
+            raise NotReusable("a storage has no counterpart") from None
+
+    def storages(self) -> dict[int, Storage]:
+        out: dict[int, Storage] = {}
+        prefix = self.prefix
+        for (tsid, b), new in sorted(self.sid_of.items(), key=lambda x: x[1]):
+            st = self.g.storages[tsid]
+            j = self.owner(st)
+            out[new] = Storage(
+                new, st.nbytes, st.kind, self.index(st.created, b, j), self.index(st.freed, b, j),  # type: ignore[arg-type]
+                _rename(st.module, prefix, j, b), _rename(st.name, prefix, j, b) if st.created < 0 else st.name,
+                st.dtype, st.shape, self.sid(st.source, b, j) if st.source is not None else None)
+        return out
+
+    def placeholders(self) -> list[OpNode]:
+        out: list[OpNode] = []
+        for p, b, j in self.planned:
+            name = _rename(p.target, self.prefix, j, b)
+            q = OpNode("placeholder", name, (), {}, name.replace(".", "_"))
+            q.meta.update(p.meta, storage=self.sid(p.meta["storage"], b, j))
+            out.append(q)
+            self.ph_of[(p.target, b)] = q
+        return out
+
+    def twin(self, kind: str, t: Optional[int], pos: int) -> Optional[OpNode]:
+        """The op at the same place of a neighbouring captured block: where both refer to the
+        same op of a third block, that op is shared (e.g. a causal mask the compiler computed
+        once), not the neighbour's."""
+        if t is None:
+            return None
+        for t2 in (t + 1, t - 1):
+            if 0 <= t2 < self.k:
+                s2, e2 = self.r.region(kind, t2)
+                if s2 + pos <= e2:
+                    return self.g.ops[s2 + pos]
+        return None
+
+    def arg(self, a: Any, ctx_b: Optional[int], ctx_j: Optional[int], other: Any = None) -> Any:
+        """An op argument re-linked: placeholders and ops of the same or another block."""
+        if isinstance(a, OpNode):
+            if a.op == "placeholder":
+                j = self.r.block_of(a.target) if isinstance(a.target, str) else None
+                b = self.block(j, ctx_b, ctx_j)
+                name = _rename(a.target, self.prefix, j, self.template(b)) if b is not None else a.target
+                q = self.ph_of.get((name, b))
+                if q is None:
+                    raise NotReusable("a placeholder has no counterpart")
+                return q
+            shared = other is a or (isinstance(other, tuple) and other[0] is a)
+            if shared and self.r.where[a.meta["index"]][1] != ctx_j:
+                return self.new_ops[self.index(a.meta["index"], None, None)]  # type: ignore[index]
+            return self.new_ops[self.index(a.meta["index"], ctx_b, ctx_j)]  # type: ignore[index]
+        if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], OpNode):
+            o = other[0] if isinstance(other, tuple) and len(other) == 2 else None
+            return (self.arg(a[0], ctx_b, ctx_j, o), a[1])
+        if isinstance(a, list):
+            others = other if isinstance(other, list) and len(other) == len(a) else [None] * len(a)
+            return [self.arg(x, ctx_b, ctx_j, y) for x, y in zip(a, others)]
+        return a
+
+    def ops(self) -> list[OpNode]:
+        g, ops = self.g, self.new_ops
+        for kind, b, t in self.order:
+            s, e = self.r.region(kind, t)
+            base = self.start[(kind, b)]
+            for u in range(s, e + 1):
+                op = g.ops[u]
+                i = base + u - s
+                tw = self.twin(kind, t, u - s)
+                targs = tw.args if tw is not None and len(tw.args) == len(op.args) else (None,) * len(op.args)
+                node = OpNode(op.op, op.target, tuple(self.arg(a, b, t, o) for a, o in zip(op.args, targs)),
+                              {key: self.arg(v, b, t, tw.kwargs.get(key) if tw is not None else None)
+                               for key, v in op.kwargs.items()}, f"op{i}")
+                meta = dict(op.meta)
+                meta["index"] = i
+                meta["module"] = _rename(op.meta.get("module", ""), self.prefix, t, b)
+                meta["outputs"] = tuple((shape, dtype, self.sid(x, b, t)) for shape, dtype, x in op.meta["outputs"])
+                if "storage" in meta:
+                    meta["storage"] = meta["outputs"][0][2]
+                node.meta = meta
+                ops[i] = node
+        return ops
+
+    def saves(self) -> list[SaveEvent]:
+        g, k = self.g, self.k
+        out: list[SaveEvent] = []
+        by_block: dict[Optional[int], list[SaveEvent]] = {}
+        for ev in g.saves:
+            j = self.r.block_of(ev.module)  # (packed_at is the op before the saving one: maybe the block before)
+            by_block.setdefault(j if j is not None else self.owner_of_index(ev.packed_at), []).append(ev)
+        for j, evs in by_block.items():
+            neighbour = by_block.get(j + 1 if j is not None and j + 1 < k else (j - 1 if j is not None else None), [])
+            for n_ev, ev in enumerate(evs):
+                mate = neighbour[n_ev] if len(neighbour) == len(evs) else None
+                common = mate is not None and mate.sid == ev.sid and self.owner(g.storages[ev.sid]) != j  # a shared tensor
+                for b in self.copies(j):
+                    out.append(SaveEvent(self.sid(ev.sid, None, None) if common else self.sid(ev.sid, b, j),
+                                         self.index(ev.packed_at, b, j), self.index(ev.released_at, b, j),  # type: ignore[arg-type]
+                                         _rename(ev.module, self.prefix, j, b), ev.phase, ev.shape, ev.dtype, ev.grad_fn))
+        out.sort(key=lambda e: e.packed_at)
+        return out
+
+    def gradients(self) -> list[int]:
+        grad_runs: list[tuple[Optional[int], list[int]]] = []  # the template's order, block by block
+        for x in self.g.gradients:
+            j = self.owner(self.g.storages[x])
+            if grad_runs and grad_runs[-1][0] == j:
+                grad_runs[-1][1].append(x)
+            else:
+                grad_runs.append((j, [x]))
+        return [self.sid_of[(x, b)] for j, run in grad_runs for b in self.copies(j) for x in run]
+
+    def module_inputs(self) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for path, shape in self.g.module_inputs.items():
+            j = self.r.block_of(path)
+            if j is None:
+                out[path] = shape
+            else:
+                for b in self.copies(j):
+                    out[_rename(path, self.prefix, j, b)] = shape
+        return out
