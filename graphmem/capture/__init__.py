@@ -4,7 +4,7 @@ load.py (model files, presets, default inputs) · target.py (device, dtypes, aut
 backend, mode) · cuda_rules.py (the CUDA target's memory rules on fake CPU tensors) ·
 fakes.py (fake state and batch) · recorder.py (the fake mode that records ops, storages,
 saves, frees, module paths) · capture.py (the step) · compiled.py (torch.compile's step) ·
-reuse.py (deep chains captured at depth 5, widened) ·
+reuse.py (deep chains captured at depth 5, checked at depth 6) · widen.py (the copy) ·
 recompute.py (the context a checkpointed segment's recompute runs in).
 """
 import sys
