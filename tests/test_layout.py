@@ -4,6 +4,7 @@ below it (DESIGN.md's data flow: capture -> passes -> formula / planning -> repo
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import networkx as nx
@@ -96,3 +97,13 @@ def test_layers_import_only_below() -> None:
 
 def test_every_module_has_a_layer() -> None:
     assert {_layer(m) for m in _modules()} <= set(LAYERS)
+
+
+def test_cited_paths_exist() -> None:
+    """Docstrings and docs name files by their repository path; each one must exist."""
+    pattern = re.compile(r"(?<![\w/.])((?:graphmem|passes|models|benchmarks|tests|docs)/[\w/]+\.(?:py|md))\b")
+    sources = [p for folder in ("graphmem", "passes", "models", "benchmarks", "docs") for p in (ROOT / folder).rglob("*")
+               if p.suffix in (".py", ".md")] + [ROOT / "README.md"]
+    missing = sorted({f"{src.relative_to(ROOT)}: {m}" for src in sources for m in pattern.findall(src.read_text())
+                      if not (ROOT / m).exists()})
+    assert not missing, "paths that do not exist:\n" + "\n".join(missing)
