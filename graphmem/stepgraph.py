@@ -85,8 +85,8 @@ class StepGraph:
     module_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # first input's shape
     target: Any = None  # graphmem.capture.Target
     attention_backends: dict[str, int] = field(default_factory=dict)  # CUDA target: SDPA kernel -> calls
-    compiled: Any = None  # compiled mode: graphmem.compiled.CompiledGraphs (the forward/backward fx graphs)
-    train: Any = None  # graphmem.train.TrainStep when micro-batches / an optimizer step were traced
+    compiled: Any = None  # compiled mode: graphmem.capture.compiled.CompiledGraphs (the forward/backward fx graphs)
+    train: Any = None  # graphmem.training.loop.TrainStep when micro-batches / an optimizer step were traced
     micro_steps: tuple[tuple[int, int], ...] = ()  # (forward start, backward start) of each traced micro-step
 
     _graph: Optional[fx.Graph] = field(default=None, repr=False, compare=False)

@@ -89,7 +89,7 @@ def _is_view(n: Any) -> bool:
 
 def recomputed(compiled: Any) -> tuple[Recomputed, ...]:
     """Forward ops the partitioner placed in the backward graphs of ``compiled``
-    (graphmem.compiled.CompiledGraphs), largest output first."""
+    (graphmem.capture.compiled.CompiledGraphs), largest output first."""
     out = []
     for g in compiled.backward:
         for n in g.graph.graph.nodes:

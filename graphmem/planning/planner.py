@@ -236,7 +236,7 @@ class PlanSummary:
     frontier: tuple[CheckpointPlan, ...]
     depth_captured: int  # blocks captured to measure the chain (4 for identical blocks)
     problem: Optional[str] = None  # why no plan was chosen for the budget given (none fits)
-    selective: Any = None  # graphmem.planning.Levels: the ops each selective level keeps
+    selective: Any = None  # graphmem.planning.selective.Levels: the ops each selective level keeps
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -10,7 +10,7 @@ from graphmem.units import fmt_bytes
 
 
 def render_levels(levels: Any, fmt_flops: Any) -> list[str]:
-    """Lines for a graphmem.planning.Levels."""
+    """Lines for a graphmem.planning.selective.Levels."""
     names = [p.name for p in levels.policies]
     rows = []
     for o in levels.ops:
