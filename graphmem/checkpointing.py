@@ -89,10 +89,40 @@ def _runner(blocks: list[nn.Module], session: Any) -> Any:
     return run
 
 
+# arguments through which a block writes into a key/value cache (Hugging Face's ``Cache``): a
+# checkpointed block gets None / False, as transformers' own gradient checkpointing gives it,
+# because its recompute would write into the cache a second time (longer keys than the mask)
+_CACHE_ARGS = {"past_key_values": None, "past_key_value": None, "layer_past": None, "use_cache": False}
+
+
+def _without_cache(forward: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``args`` / ``kwargs`` of a call of ``forward`` (after its first argument) with the cache
+    arguments that hold something replaced by ``_CACHE_ARGS``; unchanged if there are none."""
+    try:
+        sig = inspect.signature(forward)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if not set(_CACHE_ARGS) & set(sig.parameters):
+        return args, kwargs
+    try:
+        bound = sig.bind(None, *args, **kwargs)
+    except TypeError:
+        return args, kwargs
+    changed = False
+    for name, value in _CACHE_ARGS.items():
+        if bound.arguments.get(name) not in (None, False):
+            bound.arguments[name] = value
+            changed = True
+    if not changed:
+        return args, kwargs
+    return tuple(bound.args[1:]), dict(bound.kwargs)
+
+
 def _segment_forward(blocks: list[nn.Module], originals: list[Any], policy: Any = None) -> Any:
     def head(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
         if _inside():
             return originals[0](x, *args, **kwargs)
+        args, kwargs = _without_cache(originals[0], args, kwargs)
         if policy is None:
             return checkpoint(_runner(blocks, None), x, *args, use_reentrant=False, **kwargs)
         session = policy.session()

@@ -231,11 +231,20 @@ class SelectivePlanner(Planner):
                                 f"measured: {e}; plan without --selective") from e
             costs.append(level)
         self.modes = sel.Modes(tuple(costs))
+        self._problem = next((c.problem for c in costs if not c.exact), "")
         try:
             self.modes.check()
-        except Exception as e:
-            raise PlanError(f"selective checkpointing: {e}; plan without --selective") from e
+        except Exception as e:  # the levels do not compose: the program's plans are estimates, captures decide
+            self._problem = self._problem or f"selective checkpointing: {e}"
         self.mode_tables = self.modes.tables()
+
+    @property
+    def exact(self) -> bool:
+        return not self._problem
+
+    @property
+    def problem(self) -> str:
+        return self._problem
 
     def _optimal(self, budget: int) -> Optional[Evaluated]:
         return sel.optimal(self.modes, budget, self.mode_tables)
@@ -243,8 +252,8 @@ class SelectivePlanner(Planner):
     def minimum_peak(self) -> int:
         return sel.modal_minimum_peak(self.modes, self.mode_tables)
 
-    def frontier(self, points: int = 50) -> list[CheckpointPlan]:
-        return [self._plan("graphmem", e) for e in sel.modal_frontier(self.modes, points, self.mode_tables)]
+    def _frontier(self, points: int = 50) -> tuple[Evaluated, ...]:
+        return tuple(sel.modal_frontier(self.modes, points, self.mode_tables))
 
     def _baselines(self) -> dict[str, Evaluated]:
         out = super()._baselines()
