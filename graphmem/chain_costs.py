@@ -65,7 +65,13 @@ def op_flops(node: OpNode) -> int:
     formula = flop_registry.get(_SAME_AS.get(packet, packet))  # type: ignore[arg-type]
     if formula is None:
         return 0
-    outs = tuple(torch.empty(s, dtype=d, device="meta") for s, d, _ in node.meta.get("outputs", ()))
+    outs: tuple[Any, ...] = tuple(torch.empty(s, dtype=d, device="meta") for s, d, _ in node.meta.get("outputs", ()))
+    positions = node.meta.get("positions")
+    if positions and list(positions) != list(range(len(outs))):  # outputs that are None (a conv's unneeded grad_input)
+        full: list[Any] = [None] * (max(positions) + 1)
+        for p, t in zip(positions, outs):
+            full[p] = t
+        outs = tuple(full)
     out = outs[0] if len(outs) == 1 else outs
     return int(formula(*(_meta(a) for a in node.args), **{k: _meta(v) for k, v in node.kwargs.items()}, out_val=out))
 

@@ -54,12 +54,12 @@ def _t5() -> Any:
     return m, (_ids(), None, _ids(16))  # input_ids, attention_mask, decoder_input_ids
 
 
-def _timm(name: str, **kw: Any) -> Callable[[], Any]:
+def _timm(name: str, size: int, batch: int, **kw: Any) -> Callable[[], Any]:
     def build() -> Any:
         import timm
 
         m = timm.create_model(name, pretrained=False, **kw)
-        return m, (torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)),)
+        return m, (torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1)),)
     return build
 
 
@@ -71,8 +71,11 @@ ZOO: dict[str, tuple[str, Callable[[], Any]]] = {
     "qwen2": ("transformers", _decoder("qwen2")),
     "bert": ("transformers", _decoder("bert")),
     "t5": ("transformers", _t5),
-    "vit": ("timm", _timm("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=4, num_classes=10)),
-    "convnext": ("timm", _timm("convnext_atto", num_classes=10)),
+    "vit": ("timm", _timm("vit_tiny_patch16_224", 64, 4, img_size=64, patch_size=8, depth=4, num_classes=10,
+                          embed_dim=64, num_heads=4)),
+    "resnet": ("timm", _timm("test_resnet", 64, 8, num_classes=10)),
+    "test_convnext": ("timm", _timm("test_convnext", 64, 8, num_classes=10)),
+    "convnext": ("timm", _timm("convnext_atto", 32, 4, num_classes=10)),
     "lora_llama": ("peft", _decoder("lora_llama")),
 }
 

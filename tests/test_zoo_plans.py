@@ -1,0 +1,128 @@
+"""Checkpoint plans on real models (tests/zoo.py: transformers, timm, peft; tiny configs,
+random weights, CPU).
+
+GIVEN a real model, WHEN graphmem plans at a budget halfway between the peak with every block
+checkpointed and the peak without checkpoints, and the plan is applied to a fresh copy of the
+model for one real CPU step, THEN the real saved bytes equal the plan's captured ones (0 B),
+the real peak equals the plan's within the model's stated tolerance, and the plan fits.
+
+Tolerances (real peak - predicted), each from a kernel whose scratch fake tensors cannot see:
+see ``TOLERANCE``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphmem
+from graphmem.measure import measure_peak, measure_saved
+from graphmem.passes.checkpoint import baselines
+
+from zoo import ZOO, build
+
+# real CPU peak minus predicted peak, in bytes, allowed per model (0 unless listed: Llama,
+# Qwen2, T5, ViT measure 0 B). The gap is scratch a CPU kernel allocates inside the op at the
+# peak, which fake tensors cannot see; it is there without checkpoints too (the report's own
+# peak), so it belongs to the analysis, not to the plan:
+TOLERANCE: dict[str, int] = {
+    # the peak is in the MLP's backward (GPT-2's tanh GELU: aten.mul); TensorIterator's
+    # scalar operands there: measured 32-128 B eager, 24-96 B SDPA
+    "gpt2_eager": 128,
+    "gpt2_sdpa": 96,
+    # the same in the LoRA Llama's MLP backward: measured 64 B with every plan
+    "lora_llama": 64,
+    # BertForMaskedLM peaks in aten.native_layer_norm_backward of the MLM head's LayerNorm,
+    # whose CPU kernel (ATen's layer_norm_kernel.cpp) allocates per-thread gamma/beta
+    # partial sums: measured 31,744 B, the same without checkpoints
+    "bert": 31744,
+}
+
+def _model(name: str) -> tuple:
+    pytest.importorskip(ZOO[name][0])
+    if name == "lora_llama":
+        pytest.importorskip("transformers")
+    return build(name)
+
+
+def _budget(report: graphmem.Report) -> int:
+    pl = report.planner
+    every = baselines(pl.costs)["every block"]
+    low = pl.verifier.measure(every)[0]
+    assert low < report.peak_bytes, "checkpointing every block must lower this model's peak"
+    return (low + report.peak_bytes) // 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in ZOO if n not in ("convnext", "test_convnext", "resnet")])
+def test_a_plan_holds_on_a_real_step(name: str) -> None:
+    model, inputs = _model(name)
+    report = graphmem.analyze(model, inputs)
+    budget = _budget(report)
+    plan = report.plan(budget=budget)
+    v = plan.verification
+    assert v is not None and plan.peak_bytes == v.captured_peak <= budget
+    assert plan.segments  # the budget is below the peak without checkpoints
+    fresh, fresh_inputs = build(name)
+    keys = list(fresh.state_dict())
+    with plan.apply(fresh):
+        assert list(fresh.state_dict()) == keys
+        real = measure_peak(fresh, fresh_inputs)
+    assert list(fresh.state_dict()) == keys
+    assert real.saved_bytes == v.captured_saved, (plan.segments, real.saved_bytes, v.captured_saved)
+    assert 0 <= real.peak_bytes - plan.peak_bytes <= TOLERANCE.get(name, 0), (plan.segments, real.peak_bytes, plan.peak_bytes)
+    if report.planner.exact:
+        assert v.proven and v.captured_peak == v.predicted_peak
+    else:
+        assert not v.proven and 1 <= v.captures <= 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2_eager", "llama_gqa", "vit"])
+def test_selective_plans_hold_on_a_real_step(name: str) -> None:
+    model, inputs = _model(name)
+    report = graphmem.analyze(model, inputs)
+    budget = _budget(report)
+    plan = report.plan(budget=budget, selective=2)
+    v = plan.verification
+    assert v is not None and plan.peak_bytes == v.captured_peak <= budget
+    fresh, fresh_inputs = build(name)
+    with plan.apply(fresh):
+        real = measure_peak(fresh, fresh_inputs)
+    assert real.saved_bytes == v.captured_saved
+    assert 0 <= real.peak_bytes - plan.peak_bytes <= TOLERANCE.get(name, 0)
+
+
+def test_a_checkpointed_hf_block_writes_no_kv_cache() -> None:
+    """GIVEN GPT-2 with its default use_cache=True (a DynamicCache built per step and handed
+    to every block), WHEN every block is checkpointed, THEN the real step runs (the recompute
+    would otherwise append to the cache a second time: keys twice as long as the mask) and
+    its loss and gradients equal an unchecked step's."""
+    model, (ids,) = _model("gpt2_eager")
+    torch.manual_seed(0)  # the same dropout masks in both steps
+    ref = model(ids).logits.float().pow(2).mean()
+    ref.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    from graphmem.checkpointing import apply_segments
+
+    with apply_segments(model, "transformer.h", [(i, i) for i in range(4)]):
+        torch.manual_seed(0)
+        out = model(ids)
+        loss = out.logits.float().pow(2).mean()
+        loss.backward()
+    assert torch.equal(loss, ref)
+    for n, p in model.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(p.grad, grads[n])
+    # the cache holds the keys of no checkpointed block
+    assert out.past_key_values.get_seq_length() == 0
+
+
+def test_pieces_that_compose_without_the_kv_cache_give_a_proven_plan() -> None:
+    """Llama with use_cache=False: no cache keeps the stored blocks' keys and values past
+    their backward, the pieces compose, the plan is proven optimal."""
+    model, inputs = _model("llama_gqa")
+    model.config.use_cache = False
+    report = graphmem.analyze(model, inputs)
+    plan = report.plan(budget=_budget(report))
+    assert report.planner.exact and plan.verification is not None and plan.verification.proven
