@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from .errors import CaptureError, DataDependentError, GraphmemError, UnsupportedOpError
+from .hf_paths import real_paths
 from .checkpointing import segment_scope
 from .cuda_rules import CudaRules
 from .step import LossFn, default_loss, run_step
@@ -186,7 +187,7 @@ def capture(
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                     _reparametrize_module(model, state, tie_weights=True, strict=False), \
                     _rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
-                    segment_scope(cap.recompute_scope):
+                    segment_scope(cap.recompute_scope), real_paths():
                 cap.recording = True
                 context = forward_context(target, backends, cap.clearing_cache)
                 if session is None:

@@ -51,14 +51,17 @@ def segment_scope(scope: Callable[[], ContextManager[Any]]) -> Iterator[None]:
 class Applied:
     """What ``apply_segments`` changed; ``remove()`` undoes it."""
 
-    def __init__(self, blocks: list[nn.Module]) -> None:
+    def __init__(self, blocks: list[nn.Module], switched: Optional[list[nn.Module]] = None) -> None:
         self._blocks = blocks
+        self._switched = switched or []  # blocks whose transformers checkpointing was turned off
 
     def remove(self) -> None:
         for blk in self._blocks:
             if "forward" in vars(blk) and getattr(blk.forward, "_graphmem_checkpoint", False):
                 del blk.forward
-        self._blocks = []
+        for blk in self._switched:
+            blk.gradient_checkpointing = True
+        self._blocks, self._switched = [], []
 
     def __enter__(self) -> "Applied":
         return self
@@ -174,6 +177,11 @@ def apply_segments(model: nn.Module, chain: str, segments: Sequence[tuple[int, i
         used |= set(range(a, b + 1))
         if any(getattr(m.forward, "_graphmem_checkpoint", False) for m in blocks[a:b + 1]):
             raise UsageError(f"{chain}.{a} is already checkpointed by graphmem; remove() that plan first")
+    # the plan replaces transformers' own checkpointing (gradient_checkpointing_enable()) of the
+    # chain's layers; remove() turns it back on
+    switched = [m for m in blocks if hf_checkpointed(m)]
+    for m in switched:
+        m.gradient_checkpointing = False
     changed: list[nn.Module] = []
     for (a, b), policy in zip(segments, policies):
         members = blocks[a:b + 1]
@@ -182,4 +190,10 @@ def apply_segments(model: nn.Module, chain: str, segments: Sequence[tuple[int, i
         for m, orig in zip(members[1:], originals[1:]):
             m.forward = types.MethodType(_member_forward(orig), m)
         changed.extend(members)
-    return Applied(changed)
+    return Applied(changed, switched)
+
+
+def hf_checkpointed(block: nn.Module) -> bool:
+    """Whether transformers' gradient checkpointing is on for this layer (a
+    ``GradientCheckpointingLayer`` after ``model.gradient_checkpointing_enable()``)."""
+    return vars(block).get("gradient_checkpointing") is True and hasattr(block, "_gradient_checkpointing_func")

@@ -14,7 +14,7 @@ from graphmem.passes.checkpoint import (
 )
 
 from .chain_costs import PlanError, chain_costs, measure, op_flops
-from .checkpointing import Applied, apply_segments, chain_blocks
+from .checkpointing import Applied, apply_segments, chain_blocks, hf_checkpointed
 from .errors import UsageError
 from .plan_verify import UNRUNNABLE, Verification, Verifier, forward_end, search
 
@@ -118,6 +118,10 @@ class Planner:
         self.step_flops = step_flops(report.step)
         self._none = evaluate(self.costs, segments_of(self.costs.n, []))
         self.verifier = Verifier(report, self.costs.chain, self._policies)
+        # transformers' own checkpointing is on (gradient_checkpointing_enable()): the report is
+        # that step; plans are measured and applied in its place
+        self.hf_checkpointing = report.source is not None and any(
+            hf_checkpointed(m) for _, m in chain_blocks(report.source.module, self.costs.chain))
         self._kept_without = report.liveness.timeline[forward_end(report.step)]
 
     @property
@@ -223,11 +227,35 @@ class Planner:
         best = min(tried, key=lambda c: (self.verifier.measure(c)[0], c.recompute_flops))
         return self._verified("graphmem", best, None, False)
 
+    def no_plan_peak(self) -> int:
+        """The peak without checkpoints (the report's, unless transformers' checkpointing is on)."""
+        if not self.hf_checkpointing:
+            return int(self.report.peak_bytes)
+        return self.verifier.measure(self._none)[0]
+
+    def hf_baseline(self) -> Optional[tuple[CheckpointPlan, CheckpointPlan]]:
+        """transformers' gradient checkpointing, as the model has it on (every layer, the
+        report's own step), beside graphmem's plan for its peak; None when it is off."""
+        if not self.hf_checkpointing:
+            return None
+        every = evaluate(self.costs, segments_of(self.costs.n, [(i, i) for i in range(self.costs.n)]))
+        peak = int(self.report.peak_bytes)
+        base = replace(self._plan("transformers gradient_checkpointing_enable()", every, None), peak_bytes=peak,
+                       activation_bytes=int(self.report.activation_bytes), verification=None)
+        try:
+            mine = self.plan(budget=peak)
+        except PlanError:
+            return None
+        return base, mine
+
     def baselines(self) -> list[tuple[CheckpointPlan, CheckpointPlan]]:
         """Each baseline beside graphmem's plan for the baseline's own peak as the budget
         (where the pieces do not compose, the baseline's captured peak, and graphmem's plan
         the cheapest captured one that fits it)."""
         out = []
+        hf = self.hf_baseline()
+        if hf is not None:
+            out.append(hf)
         for name, e in self._baselines().items():
             if not self.exact:
                 if not self._runnable(e):
@@ -334,6 +362,6 @@ def summarize(planner: Planner, budget: Optional[int] = None, max_overhead: Opti
     c = planner.costs
     base, front = tuple(planner.baselines()), tuple(planner.frontier(points))
     low = planner.minimum_peak() if planner.exact else planner._smallest_captured()
-    return PlanSummary(c.chain, c.n, planner.step_flops, planner.report.peak_bytes, low,
+    return PlanSummary(c.chain, c.n, planner.step_flops, planner.no_plan_peak(), low,
                        chosen, base, front, planner.depth, problem, getattr(planner, "levels", None),
                        planner.exact, planner.problem)

@@ -35,6 +35,10 @@ TOLERANCE: dict[str, int] = {
     # whose CPU kernel (ATen's layer_norm_kernel.cpp) allocates per-thread gamma/beta
     # partial sums: measured 31,744 B, the same without checkpoints
     "bert": 31744,
+    # ConvNeXt's depthwise 7x7 convolutions: ATen's CPU convolution_backward allocates a
+    # 3,211,264-B scratch inside the op at the peak (profiled), 2.7-3.1 MB above the capture
+    # with or without checkpoints
+    "convnext": 3211264,
 }
 
 def _model(name: str) -> tuple:
@@ -53,7 +57,7 @@ def _budget(report: graphmem.Report) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in ZOO if n not in ("convnext", "test_convnext", "resnet")])
+@pytest.mark.parametrize("name", list(ZOO))
 def test_a_plan_holds_on_a_real_step(name: str) -> None:
     model, inputs = _model(name)
     report = graphmem.analyze(model, inputs)
@@ -164,3 +168,42 @@ def test_cli_plans_a_transformers_model_file_and_says_how_it_verified() -> None:
         real = measure_peak(model, (ids,), mod.loss)
     assert real.saved_bytes == chosen["verification"]["captured_saved_bytes"]
     assert 0 <= real.peak_bytes - chosen["peak_bytes"] <= 64, (real.peak_bytes, chosen["peak_bytes"])
+
+
+@pytest.mark.slow
+def test_a_plan_replaces_transformers_own_checkpointing() -> None:
+    """GIVEN Llama with model.gradient_checkpointing_enable() (every layer checkpointed by
+    transformers, which turns its KV cache off), WHEN analyzed, THEN the report is that step
+    (peak and saved bytes equal a real one), the plans show it as a baseline beside graphmem's
+    plan at its peak, and that plan applied in its place (transformers' flag off while applied,
+    back on after) has its captured peak and saved bytes in a real step."""
+    model, inputs = _model("llama_gqa")
+    model.gradient_checkpointing_enable()
+    report = graphmem.analyze(model, inputs)
+    real = measure_peak(model, inputs)
+    assert (report.peak_bytes, report.activation_bytes) == (real.peak_bytes, real.saved_bytes)
+    summary = report.plans()
+    hf, mine = summary.baselines[0]
+    assert hf.name.startswith("transformers") and hf.peak_bytes == report.peak_bytes
+    assert mine.peak_bytes <= hf.peak_bytes and mine.recompute_flops < hf.recompute_flops
+    assert summary.no_plan_peak > report.peak_bytes  # without any checkpoints
+    fresh, fresh_inputs = build("llama_gqa")
+    fresh.gradient_checkpointing_enable()
+    keys = list(fresh.state_dict())
+    with mine.apply(fresh):
+        assert not any(layer.gradient_checkpointing for layer in fresh.model.layers)
+        got = measure_peak(fresh, fresh_inputs)
+    assert all(layer.gradient_checkpointing for layer in fresh.model.layers) and list(fresh.state_dict()) == keys
+    assert mine.verification is not None
+    assert (got.peak_bytes, got.saved_bytes) == (mine.peak_bytes, mine.verification.captured_saved)
+
+
+def test_fake_tensors_take_transformers_real_mask_path() -> None:
+    """Llama without a KV cache (use_cache=False): transformers checks on the real run that the
+    position ids are one sequence per row and builds no mask; on fake tensors it would count
+    the FakeTensor as tracing and materialize one per layer (graphmem/hf_paths.py)."""
+    model, inputs = _model("llama_gqa")
+    model.config.use_cache = False
+    report = graphmem.analyze(model, inputs)
+    real = measure_peak(model, inputs)
+    assert (report.peak_bytes, report.activation_bytes) == (real.peak_bytes, real.saved_bytes)

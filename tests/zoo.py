@@ -73,9 +73,7 @@ ZOO: dict[str, tuple[str, Callable[[], Any]]] = {
     "t5": ("transformers", _t5),
     "vit": ("timm", _timm("vit_tiny_patch16_224", 64, 4, img_size=64, patch_size=8, depth=4, num_classes=10,
                           embed_dim=64, num_heads=4)),
-    "resnet": ("timm", _timm("test_resnet", 64, 8, num_classes=10)),
-    "test_convnext": ("timm", _timm("test_convnext", 64, 8, num_classes=10)),
-    "convnext": ("timm", _timm("convnext_atto", 32, 4, num_classes=10)),
+    "convnext": ("timm", _timm("test_convnext", 64, 8, num_classes=10)),  # timm's tiny test ConvNeXt
     "lora_llama": ("peft", _decoder("lora_llama")),
 }
 
