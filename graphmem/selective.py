@@ -219,7 +219,10 @@ class SelectivePlanner(Planner):
         plain = report.planner  # measured once per report
         super().__init__(report, (plain.costs, plain.depth))
         chain = find_chain(report.source.module)
-        assert chain is not None  # Planner found it
+        if chain is None or chain.path != self.costs.chain:
+            raise PlanError(f"selective plans apply one op policy to every block of a chain of identical blocks; "
+                            f"{self.costs.chain or 'the chain'} holds unlike blocks (graphmem plans it at full depth); "
+                            "plan without selective")
         prefix = f"{chain.path}." if chain.path else ""
         self.levels = choose_levels(report.step, prefix, 1 if chain.length > 2 else 0, count)
         costs = [self.costs]

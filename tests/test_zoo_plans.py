@@ -81,7 +81,7 @@ def test_a_plan_holds_on_a_real_step(name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2_eager", "llama_gqa", "vit"])
+@pytest.mark.parametrize("name", ["gpt2_eager", "llama_gqa", "bert", "vit"])
 def test_selective_plans_hold_on_a_real_step(name: str) -> None:
     model, inputs = _model(name)
     report = graphmem.analyze(model, inputs)
