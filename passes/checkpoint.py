@@ -64,6 +64,8 @@ class Piece:
 
 
 NOTHING = Piece(0, 0)
+# a role no capture could show (its plan failed to run): the program never chooses it
+UNMEASURED = Piece(1 << 60, 0)
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,11 @@ class ChainCosts:
     entry: int = 0
     head_entry_free: Piece = NOTHING
     head_post_entry_free: Piece = NOTHING
+    # whether the pieces compose: every role measured alike in every capture, ``check`` holds
+    # and stitching gives each captured plan's peak. Without it the program is an estimate
+    # (graphmem/plan_verify.py checks its plans by captures); ``problem`` says what disagreed.
+    exact: bool = True
+    problem: str = ""
 
     @property
     def n(self) -> int:

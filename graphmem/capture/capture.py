@@ -22,6 +22,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from graphmem.capture.compiled import CompiledStep
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import Inputs, fake_batch, fake_state, forward_context, translate_error
+from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recompute import segment_scope
 from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _unique_counts
 from graphmem.capture.target import Target
@@ -117,7 +118,7 @@ def capture(
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                     _reparametrize_module(model, state, tie_weights=True, strict=False), \
                     _rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
-                    segment_scope(cap.recompute_scope):
+                    segment_scope(cap.recompute_scope), real_paths():
                 cap.recording = True
                 context = forward_context(target, backends, cap.clearing_cache)
                 if session is None:

@@ -40,14 +40,17 @@ def _inside() -> bool:
 class Applied:
     """What ``apply_segments`` changed; ``remove()`` undoes it."""
 
-    def __init__(self, blocks: list[nn.Module]) -> None:
+    def __init__(self, blocks: list[nn.Module], switched: Optional[list[nn.Module]] = None) -> None:
         self._blocks = blocks
+        self._switched = switched or []  # blocks whose transformers checkpointing was turned off
 
     def remove(self) -> None:
         for blk in self._blocks:
             if "forward" in vars(blk) and getattr(blk.forward, "_graphmem_checkpoint", False):
                 del blk.forward
-        self._blocks = []
+        for blk in self._switched:
+            blk.gradient_checkpointing = True  # type: ignore[assignment]  # a flag, not a submodule
+        self._blocks, self._switched = [], []
 
     def __enter__(self) -> "Applied":
         return self
@@ -78,10 +81,40 @@ def _runner(blocks: list[nn.Module], session: Any) -> Any:
     return run
 
 
+# arguments through which a block writes into a key/value cache (Hugging Face's ``Cache``): a
+# checkpointed block gets None / False, as transformers' own gradient checkpointing gives it,
+# because its recompute would write into the cache a second time (longer keys than the mask)
+_CACHE_ARGS = {"past_key_values": None, "past_key_value": None, "layer_past": None, "use_cache": False}
+
+
+def _without_cache(forward: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``args`` / ``kwargs`` of a call of ``forward`` (after its first argument) with the cache
+    arguments that hold something replaced by ``_CACHE_ARGS``; unchanged if there are none."""
+    try:
+        sig = inspect.signature(forward)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if not set(_CACHE_ARGS) & set(sig.parameters):
+        return args, kwargs
+    try:
+        bound = sig.bind(None, *args, **kwargs)
+    except TypeError:
+        return args, kwargs
+    changed = False
+    for name, value in _CACHE_ARGS.items():
+        if bound.arguments.get(name) not in (None, False):
+            bound.arguments[name] = value
+            changed = True
+    if not changed:
+        return args, kwargs
+    return tuple(bound.args[1:]), dict(bound.kwargs)
+
+
 def _segment_forward(blocks: list[nn.Module], originals: list[Any], policy: Any = None) -> Any:
     def head(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
         if _inside():
             return originals[0](x, *args, **kwargs)
+        args, kwargs = _without_cache(originals[0], args, kwargs)
         if policy is None:
             return checkpoint(_runner(blocks, None), x, *args, use_reentrant=False, **kwargs)
         session = policy.session()
@@ -133,6 +166,11 @@ def apply_segments(model: nn.Module, chain: str, segments: Sequence[tuple[int, i
         used |= set(range(a, b + 1))
         if any(getattr(m.forward, "_graphmem_checkpoint", False) for m in blocks[a:b + 1]):
             raise UsageError(f"{chain}.{a} is already checkpointed by graphmem; remove() that plan first")
+    # the plan replaces transformers' own checkpointing (gradient_checkpointing_enable()) of the
+    # chain's layers; remove() turns it back on
+    switched = [m for m in blocks if hf_checkpointed(m)]
+    for m in switched:
+        m.gradient_checkpointing = False  # type: ignore[assignment]
     changed: list[nn.Module] = []
     for (a, b), policy in zip(segments, policies):
         members = blocks[a:b + 1]
@@ -141,4 +179,10 @@ def apply_segments(model: nn.Module, chain: str, segments: Sequence[tuple[int, i
         for m, orig in zip(members[1:], originals[1:]):
             m.forward = types.MethodType(_member_forward(orig), m)
         changed.extend(members)
-    return Applied(changed)
+    return Applied(changed, switched)
+
+
+def hf_checkpointed(block: nn.Module) -> bool:
+    """Whether transformers' gradient checkpointing is on for this layer (a
+    ``GradientCheckpointingLayer`` after ``model.gradient_checkpointing_enable()``)."""
+    return vars(block).get("gradient_checkpointing") is True and hasattr(block, "_gradient_checkpointing_func")

@@ -21,8 +21,9 @@ from graphmem.passes.checkpoint import (
     segments_of,
     tables,
 )
-from graphmem.planning.apply import Applied, apply_segments, chain_blocks
+from graphmem.planning.apply import Applied, apply_segments, chain_blocks, hf_checkpointed
 from graphmem.planning.costs import PlanError, chain_costs, measure, op_flops
+from graphmem.planning.verify import UNRUNNABLE, Verification, Verifier, forward_end, search
 from graphmem.units import fmt_bytes, parse_bytes
 
 __all__ = ["CheckpointPlan", "Planner", "PlanSummary", "PlanError", "chain_costs", "measure", "op_flops",
@@ -52,6 +53,9 @@ class CheckpointPlan:
     policies: tuple[Any, ...] = ()  # per segment: its selective policy (graphmem.planning.OpPolicy) or None
     max_overhead: Optional[float] = None  # the recompute cap it was chosen under (instead of a budget)
     block_paths: tuple[str, ...] = ()  # module path of each block (chains over several holders)
+    # how the peak was checked: a capture of the step with the plan applied (graphmem/planning/verify.py);
+    # when present, ``peak_bytes`` and ``activation_bytes`` are the captured ones
+    verification: Optional[Verification] = None
 
     @property
     def overhead(self) -> float:
@@ -95,6 +99,7 @@ class CheckpointPlan:
                 "peak_bytes": self.peak_bytes, "activation_bytes": self.activation_bytes,
                 "recompute_flops": self.recompute_flops, "overhead": self.overhead, "budget": self.budget,
                 "max_overhead": self.max_overhead,
+                "verification": self.verification.to_dict() if self.verification is not None else None,
                 **({"policies": [p.name if p is not None else None for p in self.policies]} if self.policies else {})}
 
 
@@ -139,12 +144,51 @@ class Planner:
         self.tables = tables(self.costs)
         self.step_flops = step_flops(report.step)
         self._none = evaluate(self.costs, segments_of(self.costs.n, []))
+        self.verifier = Verifier(report, self.costs.chain, self._policies)
+        # transformers' own checkpointing is on (gradient_checkpointing_enable()): the report is
+        # that step; plans are measured and applied in its place
+        self.hf_checkpointing = report.source is not None and any(
+            hf_checkpointed(m) for _, m in chain_blocks(report.source.module, self.costs.chain))
+        self._kept_without = report.liveness.timeline[forward_end(report.step)]
 
-    def _plan(self, name: str, e: Evaluated, budget: Optional[int] = None) -> CheckpointPlan:
+    @property
+    def exact(self) -> bool:
+        """Whether the chain's pieces compose (the program's plans are then optimal)."""
+        return self.costs.exact
+
+    @property
+    def problem(self) -> str:
+        return self.costs.problem
+
+    def _plan(self, name: str, e: Evaluated, budget: Optional[int] = None,
+              verification: Optional[Verification] = None) -> CheckpointPlan:
         act = self.report.activation_bytes + e.kept_bytes - self._none.kept_bytes
-        return CheckpointPlan(name, self.costs.chain, self.costs.n, e.checkpointed, e.peak_bytes, act,
+        peak = e.peak_bytes
+        if verification is not None:  # what the forward keeps, from the capture
+            peak = verification.captured_peak
+            act = self.report.activation_bytes + verification.captured_kept - self._kept_without
+        return CheckpointPlan(name, self.costs.chain, self.costs.n, e.checkpointed, peak, act,
                               e.recompute_flops, self.step_flops, budget, self._policies(e),
-                              block_paths=tuple(s.name for s in self.costs.stages))
+                              block_paths=tuple(s.name for s in self.costs.stages), verification=verification)
+
+    def _verified(self, name: str, e: Evaluated, budget: Optional[int], proven: bool) -> CheckpointPlan:
+        peak, saved_bytes, kept = self.verifier.measure(e)
+        v = Verification(e.peak_bytes, peak, saved_bytes, kept, proven, len(self.verifier.seen),
+                         "" if self.exact else self.problem)
+        return self._plan(name, e, budget, v)
+
+    def _candidates(self) -> list[Evaluated]:
+        """Plans a search may capture: the frontier's and the baselines'."""
+        return [*self._frontier(), *self._baselines().values()]
+
+    def _frontier(self, points: int = 50) -> tuple[Evaluated, ...]:
+        return frontier(self.costs, points, self.tables)
+
+    def _smallest_captured(self) -> int:
+        return min((p for p, _, _ in self.verifier.seen.values() if p < UNRUNNABLE), default=UNRUNNABLE)
+
+    def _runnable(self, e: Evaluated) -> bool:
+        return e.peak_bytes < UNRUNNABLE and self.verifier.measure(e)[0] < UNRUNNABLE
 
     def _policies(self, e: Evaluated) -> tuple[Any, ...]:
         return ()
@@ -160,14 +204,24 @@ class Planner:
             raise UsageError("give a memory budget or a maximum recompute overhead (not both)")
         if budget is not None:
             e = self._optimal(budget)
-            if e is None:
-                raise PlanError(f"no checkpoint plan fits {_gib(budget)}: the smallest peak any plan of "
-                                f"{self.costs.chain} reaches is {_gib(self.minimum_peak())}; raise the "
-                                "budget or shrink the batch")
-            return self._plan("graphmem", e, budget)
+            if self.exact:
+                if e is None:
+                    raise PlanError(f"no checkpoint plan fits {_gib(budget)}: the smallest peak any plan of "
+                                    f"{self.costs.chain} reaches is {_gib(self.minimum_peak())}; raise the "
+                                    "budget or shrink the batch")
+                if self.verifier.measure(e)[0] == e.peak_bytes:  # the capture confirms the program
+                    return self._verified("graphmem", e, budget, True)
+            got, _ = search(self.verifier, self._candidates(), lambda peak, c: peak <= budget, e, self._optimal, budget)
+            if got is None:
+                raise PlanError(f"no checkpoint plan fits {_gib(budget)}: the smallest peak of the "
+                                f"{len(self.verifier.seen)} plans of {self.costs.chain} graphmem captured is "
+                                f"{_gib(self._smallest_captured())}; raise the budget or shrink the batch")
+            return self._verified("graphmem", got, budget, False)
         assert max_overhead is not None
         if max_overhead < 0:
             raise UsageError("the maximum overhead must be >= 0")
+        if not self.exact:
+            return replace(self._capped(max_overhead), max_overhead=max_overhead)
         lo, hi = self.minimum_peak(), self._none.peak_bytes  # smallest budget whose plan is cheap enough
         while lo < hi:
             mid = (lo + hi) // 2
@@ -178,23 +232,92 @@ class Planner:
                 lo = mid + 1
         e = self._optimal(lo)
         assert e is not None
-        return replace(self._plan("graphmem", e), max_overhead=max_overhead)
+        if self.verifier.measure(e)[0] != e.peak_bytes:
+            return replace(self._capped(max_overhead), max_overhead=max_overhead)
+        return replace(self._verified("graphmem", e, None, True), max_overhead=max_overhead)
+
+    def _capped(self, max_overhead: float) -> CheckpointPlan:
+        """The lowest captured peak among candidate plans within the recompute cap (the
+        pieces do not compose: the program's peaks are estimates)."""
+        cap = max_overhead * self.step_flops
+        within = sorted({self.verifier.key(c): c for c in self._candidates()
+                         if c.recompute_flops <= cap and c.peak_bytes < UNRUNNABLE}.values(),
+                        key=lambda c: (c.peak_bytes, c.recompute_flops))
+        tried = [c for c in within if self.verifier.key(c) in self.verifier.seen]
+        for c in within:
+            if len(self.verifier.seen) >= 10:
+                break
+            self.verifier.measure(c)
+            tried.append(c)
+        if not tried:
+            tried = [evaluate(self.costs, segments_of(self.costs.n, []))]
+        best = min(tried, key=lambda c: (self.verifier.measure(c)[0], c.recompute_flops))
+        return self._verified("graphmem", best, None, False)
+
+    def no_plan_peak(self) -> int:
+        """The peak without checkpoints (the report's, unless transformers' checkpointing is on)."""
+        if not self.hf_checkpointing:
+            return int(self.report.peak_bytes)
+        return self.verifier.measure(self._none)[0]
+
+    def hf_baseline(self) -> Optional[tuple[CheckpointPlan, CheckpointPlan]]:
+        """transformers' gradient checkpointing, as the model has it on (every layer, the
+        report's own step), beside graphmem's plan for its peak; None when it is off."""
+        if not self.hf_checkpointing:
+            return None
+        every = evaluate(self.costs, segments_of(self.costs.n, [(i, i) for i in range(self.costs.n)]))
+        peak = int(self.report.peak_bytes)
+        base = replace(self._plan("transformers gradient_checkpointing_enable()", every, None), peak_bytes=peak,
+                       activation_bytes=int(self.report.activation_bytes), verification=None)
+        try:
+            mine = self.plan(budget=peak)
+        except PlanError:
+            return None
+        return base, mine
 
     def baselines(self) -> list[tuple[CheckpointPlan, CheckpointPlan]]:
-        """Each baseline beside graphmem's plan for the baseline's own peak as the budget."""
+        """Each baseline beside graphmem's plan for the baseline's own peak as the budget
+        (where the pieces do not compose, the baseline's captured peak, and graphmem's plan
+        the cheapest captured one that fits it)."""
         out = []
+        hf = self.hf_baseline()
+        if hf is not None:
+            out.append(hf)
         for name, e in self._baselines().items():
+            if not self.exact:
+                if not self._runnable(e):
+                    continue
+                base = self._verified(name, e, None, False)
+                try:
+                    mine = self.plan(budget=base.peak_bytes)
+                except PlanError:  # the search's captures ran out before it met the baseline
+                    mine = replace(base, name="graphmem", budget=base.peak_bytes)
+                out.append((base, mine))
+                continue
             base = self._plan(name, e, None)
-            mine = self._optimal(e.peak_bytes)
-            assert mine is not None  # the baseline itself fits
-            out.append((base, self._plan("graphmem", mine, e.peak_bytes)))
+            chosen = self._optimal(e.peak_bytes)
+            assert chosen is not None  # the baseline itself fits
+            out.append((base, self._plan("graphmem", chosen, e.peak_bytes)))
         return out
 
     def _baselines(self) -> dict[str, Evaluated]:
         return baselines(self.costs)
 
     def frontier(self, points: int = 50) -> list[CheckpointPlan]:
-        return [self._plan("graphmem", e) for e in frontier(self.costs, points, self.tables)]
+        if not self.exact:  # the captured plans, Pareto-optimal by captured peak
+            return _pareto([self._verified("graphmem", e, None, False) for e in self._captured() if self._runnable(e)])
+        return [self._plan("graphmem", e) for e in self._frontier(points)]
+
+    def _captured(self) -> list[Evaluated]:
+        return list(self.verifier.plans.values())
+
+
+def _pareto(plans: list[CheckpointPlan]) -> list[CheckpointPlan]:
+    out: list[CheckpointPlan] = []
+    for p in sorted(plans, key=lambda p: (p.recompute_flops, p.peak_bytes)):
+        if not out or p.peak_bytes < out[-1].peak_bytes:
+            out.append(p)
+    return out
 
 
 def parse_limits(budget: Any, max_overhead: Any, required: bool = True) -> tuple[Optional[int], Optional[float]]:
@@ -237,13 +360,15 @@ class PlanSummary:
     depth_captured: int  # blocks captured to measure the chain (4 for identical blocks)
     problem: Optional[str] = None  # why no plan was chosen for the budget given (none fits)
     selective: Any = None  # graphmem.planning.selective.Levels: the ops each selective level keeps
+    exact: bool = True  # the chain's pieces compose: the program's plans are optimal
+    inexact_because: str = ""  # otherwise, what disagreed (plans are then the best of those captured)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "chain": self.chain, "blocks": self.blocks, "step_flops": self.step_flops,
             "no_plan_peak_bytes": self.no_plan_peak, "minimum_peak_bytes": self.minimum_peak,
             "chosen": self.chosen.to_dict() if self.chosen is not None else None,
-            "problem": self.problem,
+            "problem": self.problem, "pieces_compose": self.exact,
             "baselines": [{"baseline": b.to_dict(), "graphmem": g.to_dict()} for b, g in self.baselines],
             "frontier": [p.to_dict() for p in self.frontier],
             **({"selective": self.selective.to_dict()} if self.selective is not None else {}),
@@ -259,6 +384,8 @@ def summarize(planner: Planner, budget: Optional[int] = None, max_overhead: Opti
         except PlanError as e:  # no plan fits: the frontier still shows what is reachable
             problem = str(e)
     c = planner.costs
-    return PlanSummary(c.chain, c.n, planner.step_flops, planner._none.peak_bytes, planner.minimum_peak(),
-                       chosen, tuple(planner.baselines()), tuple(planner.frontier(points)), planner.depth,
-                       problem, getattr(planner, "levels", None))
+    base, front = tuple(planner.baselines()), tuple(planner.frontier(points))
+    low = planner.minimum_peak() if planner.exact else planner._smallest_captured()
+    return PlanSummary(c.chain, c.n, planner.step_flops, planner.no_plan_peak(), low,
+                       chosen, base, front, planner.depth, problem, getattr(planner, "levels", None),
+                       planner.exact, planner.problem)

@@ -28,7 +28,7 @@ from graphmem.chains import find_chain
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.passes import selective as sel
 from graphmem.passes.checkpoint import Evaluated
-from graphmem.planning.planner import CheckpointPlan, PlanError, Planner, measure, op_flops
+from graphmem.planning.planner import PlanError, Planner, measure, op_flops
 from graphmem.stepgraph import OpNode, StepGraph
 
 LEVELS = 3  # selective levels measured by default
@@ -218,7 +218,10 @@ class SelectivePlanner(Planner):
             raise UsageError("the number of selective levels must be at least 1")
         super().__init__(report, (plain.costs, plain.depth))
         chain = find_chain(report.source.module)
-        assert chain is not None  # Planner found it
+        if chain is None or chain.path != self.costs.chain:
+            raise PlanError(f"selective plans apply one op policy to every block of a chain of identical blocks; "
+                            f"{self.costs.chain or 'the chain'} holds unlike blocks (graphmem plans it at full depth); "
+                            "plan without selective")
         prefix = f"{chain.path}." if chain.path else ""
         self.levels = choose_levels(report.step, prefix, 1 if chain.length > 2 else 0, count)
         costs = [self.costs]
@@ -230,11 +233,20 @@ class SelectivePlanner(Planner):
                                 f"measured: {e}; plan without --selective") from e
             costs.append(level)
         self.modes = sel.Modes(tuple(costs))
+        self._problem = next((c.problem for c in costs if not c.exact), "")
         try:
             self.modes.check()
-        except Exception as e:
-            raise PlanError(f"selective checkpointing: {e}; plan without --selective") from e
+        except Exception as e:  # the levels do not compose: the program's plans are estimates, captures decide
+            self._problem = self._problem or f"selective checkpointing: {e}"
         self.mode_tables = self.modes.tables()
+
+    @property
+    def exact(self) -> bool:
+        return not self._problem
+
+    @property
+    def problem(self) -> str:
+        return self._problem
 
     def _optimal(self, budget: int) -> Optional[Evaluated]:
         return sel.optimal(self.modes, budget, self.mode_tables)
@@ -242,8 +254,8 @@ class SelectivePlanner(Planner):
     def minimum_peak(self) -> int:
         return sel.modal_minimum_peak(self.modes, self.mode_tables)
 
-    def frontier(self, points: int = 50) -> list[CheckpointPlan]:
-        return [self._plan("graphmem", e) for e in sel.modal_frontier(self.modes, points, self.mode_tables)]
+    def _frontier(self, points: int = 50) -> tuple[Evaluated, ...]:
+        return tuple(sel.modal_frontier(self.modes, points, self.mode_tables))
 
     def _baselines(self) -> dict[str, Evaluated]:
         out = super()._baselines()

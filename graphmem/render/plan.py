@@ -34,8 +34,11 @@ def render_plan(s: PlanSummary, top: int = 12) -> str:
     chain = s.chain or "(model)"
     lines = [f"Checkpoint plans for {chain} ({s.blocks} blocks; recompute = forward FLOPs run again in "
              f"backward, overhead = recompute / the step's {fmt_flops(s.step_flops)})",
-             f"  peak without checkpoints {fmt_bytes(s.no_plan_peak)}; smallest peak any plan reaches "
-             f"{fmt_bytes(s.minimum_peak)}"]
+             f"  peak without checkpoints {fmt_bytes(s.no_plan_peak)}; smallest peak "
+             f"{'any plan reaches' if s.exact else 'of the plans captured'} {fmt_bytes(s.minimum_peak)}"]
+    if not s.exact:
+        lines += [f"  the chain's pieces do not compose ({s.inexact_because}): the program's peaks are estimates; "
+                  "the peaks below are captures of the step with each plan applied"]
     if s.chosen is not None:
         p = s.chosen
         limit = (f"budget {fmt_bytes(p.budget)}" if p.budget is not None
@@ -44,6 +47,7 @@ def render_plan(s: PlanSummary, top: int = 12) -> str:
                       f"{fmt_bytes(p.activation_bytes)}, recompute {fmt_flops(p.recompute_flops)} "
                       f"(+{100 * p.overhead:.1f}% of the step's FLOPs)",
                   f"  checkpointed segments of {chain}: {_segments(p, limit=len(p.segments))}",
+                  *([f"  {p.verification.line()}"] if p.verification is not None else []),
                   "  apply it:",
                   *("    " + line for line in p.code().splitlines())]
     if s.problem is not None:
@@ -62,7 +66,8 @@ def render_plan(s: PlanSummary, top: int = 12) -> str:
         shown = [shown[round(i * step)] for i in range(top)]
     if s.selective is not None:
         lines += render_levels(s.selective, fmt_flops)
-    lines += ["", f"Pareto frontier: {len(s.frontier)} plans (fewest FLOPs for their peak){'; ' + str(len(shown)) + ' shown' if len(shown) < len(s.frontier) else ''}",
+    what = "" if s.exact else ", of the plans captured"
+    lines += ["", f"Pareto frontier{what}: {len(s.frontier)} plans (fewest FLOPs for their peak){'; ' + str(len(shown)) + ' shown' if len(shown) < len(s.frontier) else ''}",
               tabulate([_row(p) for p in shown],
                        headers=["peak", "activations", "recompute", "overhead", "checkpointed segments"],
                        disable_numparse=True)]

@@ -1,0 +1,46 @@
+"""transformers' real code paths on fake tensors.
+
+transformers asks ``is_tracing(tensor)`` before reading a tensor's values, and counts a
+FakeTensor as tracing (``transformers.utils.import_utils.is_fake_tensor``). Where its answer
+changes memory, graphmem's capture would record a step the real run never takes:
+
+- ``masking_utils.find_packed_sequence_indices``: without a KV cache and an attention mask (a
+  training step with ``use_cache=False``, or under transformers' own gradient checkpointing,
+  which turns the cache off), the real run finds the position ids are one sequence per row and
+  returns None, so SDPA runs causal without a mask; on fake tensors it returns the packed-
+  sequence ids and every layer gets a materialized (b, 1, s, s) mask: more saved bytes and a
+  higher peak than the real step (98 KB on a 4-layer Llama at 2x32).
+
+While a capture runs, ``find_packed_sequence_indices`` answers for fake position ids as the
+real run does for the position ids transformers makes itself (``arange``: one sequence per
+row, None). Known limitation: packed batches (position ids restarting inside a row, passed by
+the caller) are analyzed as unpacked.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator
+
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+@contextlib.contextmanager
+def real_paths() -> Iterator[None]:
+    """Within: transformers (if imported) takes its real-run branches on fake tensors."""
+    masking: Any = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None) if masking is not None else None
+    if original is None:
+        yield
+        return
+
+    def find_packed_sequence_indices(position_ids: Any) -> Any:
+        if isinstance(position_ids, FakeTensor):
+            return None  # one sequence per row, as the real run finds for transformers' own position ids
+        return original(position_ids)
+
+    masking.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
