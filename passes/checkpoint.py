@@ -138,7 +138,7 @@ class ChainCosts:
     head_post_entry_free: Piece = NOTHING
     # whether the pieces compose: every role measured alike in every capture, ``check`` holds
     # and stitching gives each captured plan's peak. Without it the program is an estimate
-    # (graphmem/plan_verify.py checks its plans by captures); ``problem`` says what disagreed.
+    # (graphmem/planning/verify.py checks its plans by captures); ``problem`` says what disagreed.
     exact: bool = True
     problem: str = ""
 
