@@ -132,29 +132,27 @@ def test_pieces_that_compose_without_the_kv_cache_give_a_proven_plan() -> None:
 
 
 @pytest.mark.slow
-def test_cli_plans_a_transformers_model_file_and_says_how_it_verified() -> None:
+def test_cli_plans_a_transformers_model_file_and_says_how_it_verified(capsys: pytest.CaptureFixture) -> None:
     """GIVEN a model file that builds transformers' LlamaForCausalLM, WHEN `graphmem analyze
     ... --plan --budget` runs, THEN it prints the plan with its verification, and the JSON's
     chosen plan, applied to the real model for a real CPU step, has the printed peak and saved
-    bytes."""
+    bytes. (In-process: the CLI's main, as `graphmem` calls it.)"""
     pytest.importorskip("transformers")
     import importlib.util
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
-    import graphmem.checkpointing as gc
+    import graphmem.planning as gc
+    from graphmem.cli import main
 
     path = str(Path(__file__).parent / "plan_models" / "hf_llama.py")
-    args = [sys.executable, "-m", "graphmem.cli", "analyze", path, "--input-shape", "2x64", "--plan", "--budget", "4MiB"]
-    text = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert text.returncode == 0, text.stderr
-    assert "Chosen plan (budget 4.00 MiB)" in text.stdout and "verified: captured peak" in text.stdout
-    assert "best of" in text.stdout  # the KV cache keeps stored layers' keys: the pieces do not compose
-    out = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    chosen = json.loads(out.stdout)["plan"]["chosen"]
+    args = ["analyze", path, "--input-shape", "2x64", "--plan", "--budget", "4MiB"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "Chosen plan (budget 4.00 MiB)" in text and "verified: captured peak" in text
+    assert "best of" in text  # the KV cache keeps stored layers' keys: the pieces do not compose
+    assert main([*args, "--json"]) == 0
+    chosen = json.loads(capsys.readouterr().out)["plan"]["chosen"]
     assert chosen["peak_bytes"] == chosen["verification"]["captured_peak_bytes"] <= 4 * 2**20
     spec = importlib.util.spec_from_file_location("hf_llama_file", path)
     assert spec is not None and spec.loader is not None
