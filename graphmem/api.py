@@ -16,24 +16,11 @@ from graphmem.errors import UsageError
 from graphmem.passes import allocator, compare_modes, liveness, notes, saved
 from graphmem.recapture import Recapture
 from graphmem.report import Report
+from graphmem.training.batch import as_batch, resizer
 from graphmem.training.spec import Training, make_training, prepare, step_budget
 from graphmem.training.step import LossFn
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
-
-
-def _resized(example: tuple) -> Any:
-    """inputs for another shape of the first tensor (fake-tensor values do not matter)."""
-    def make(shape: tuple[int, ...]) -> tuple:
-        out, done = [], False
-        for x in example:
-            if isinstance(x, torch.Tensor) and not done:
-                out.append(torch.empty(shape, dtype=x.dtype).requires_grad_(x.requires_grad and x.is_floating_point()))
-                done = True
-            else:
-                out.append(x)
-        return tuple(out)
-    return make
 
 
 def _shape_of(shape: Union[str, tuple, list]) -> tuple[int, ...]:
@@ -121,8 +108,8 @@ def analyze(
         make: Any = lambda: make_inputs(loaded, shape)
         resize: Any = lambda s: make_inputs(loaded, s)
     else:
-        make = inputs if isinstance(inputs, tuple) else (inputs,)
-        resize = _resized(make)
+        make = as_batch(inputs)
+        resize = resizer(make)
     loss_fn = loss or loaded.loss
     if target is None:
         target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode)

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from graphmem.errors import ModelLoadError, UsageError
 from graphmem.models import PRESETS, config_of, family_of, preset_names
+from graphmem.training.batch import Batch, as_batch
 from graphmem.training.step import LossFn
 
 _SHAPE = re.compile(r"^\d+(x\d+)*$")
@@ -56,11 +57,12 @@ def default_inputs(module: nn.Module, shape: tuple[int, ...]) -> tuple[torch.Ten
     return (torch.randn(shape),)
 
 
-def make_inputs(loaded: Loaded, shape: tuple[int, ...]) -> tuple:
+def make_inputs(loaded: Loaded, shape: tuple[int, ...]) -> Batch:
+    """The batch for ``shape``: the model file's ``example_inputs(shape)`` (a tensor, tuple, dict
+    or ``(args, kwargs)``), else the default-input rule."""
     if loaded.example_inputs is not None:
-        out = loaded.example_inputs(shape)
-        return out if isinstance(out, tuple) else tuple(out) if isinstance(out, list) else (out,)
-    return default_inputs(loaded.module, shape)
+        return as_batch(loaded.example_inputs(shape))
+    return as_batch(default_inputs(loaded.module, shape))
 
 
 def load(spec: str, device: str = "meta") -> Loaded:

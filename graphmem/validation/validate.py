@@ -41,6 +41,7 @@ from graphmem.capture.target import GPUS
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.passes.allocator import allocator
 from graphmem.report import Report
+from graphmem.training.batch import Batch, as_batch
 from graphmem.training.step import LossFn, run_step
 from graphmem.units import fmt_bytes
 from graphmem.validation.measure import measure_peak, measure_saved
@@ -133,7 +134,8 @@ def validate(
 ) -> Validation:
     """Predict one training step on fake tensors, run it for real, compare.
 
-    ``model``: a model file or preset (built for real on ``device`` after the prediction fits
+    ``inputs``: a tuple, a dict (``model(**inputs)``, as Hugging Face loops call it) or
+    ``(args, kwargs)``. ``model``: a model file or preset (built for real on ``device`` after the prediction fits
     the memory budget) or a real nn.Module on ``device`` (used as it is; its train/eval flags
     and ``.grad`` are restored afterwards, its weights are never changed). ``tolerance``: the
     allowed peak gap in percent of the measured peak (default 1; CPU convnets need ~2.5).
@@ -155,7 +157,7 @@ def validate(
     if inputs is None and input_shape is None:
         raise UsageError("no inputs: pass example inputs or input_shape=(batch, ...) / --input-shape 32x1024")
     shape = _shape(input_shape) if inputs is None else None
-    given = None if inputs is None else tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    given = None if inputs is None else as_batch(inputs)
 
     if isinstance(model, nn.Module):
         _check_real(model, dev)
@@ -174,8 +176,8 @@ def validate(
         torch.manual_seed(0)  # deterministic weights and inputs (values never change the bytes)
         if loaded is None:
             loaded = _build(spec, dev)
-        real = tuple(_to(x, dev) for x in given) if given is not None else _inputs(loaded, shape or (), dev)
-        shapes = tuple(tuple(x.shape) for x in real if isinstance(x, torch.Tensor))
+        real = given.map(lambda x: _to(x, dev)) if given is not None else _inputs(loaded, shape or (), dev)
+        shapes = tuple(tuple(x.shape) for x in real.tensors())
         if shapes != tuple(report.input_shapes):
             raise ValidationError(f"the real inputs have shapes {shapes}, the analyzed ones {report.input_shapes}; "
                                   "example_inputs(shape) must return the same shapes every time")
@@ -251,11 +253,11 @@ def _build(spec: str, dev: torch.device) -> Loaded:
     return load(spec, device=str(dev))
 
 
-def _inputs(loaded: Loaded, shape: tuple[int, ...], dev: torch.device) -> tuple:
+def _inputs(loaded: Loaded, shape: tuple[int, ...], dev: torch.device) -> Batch:
     """The model file's example_inputs, or the default-input rule, on the real device."""
     with torch.device(dev):
         made = make_inputs(loaded, shape)
-    return tuple(_to(x, dev) for x in made)  # example_inputs may name a device itself
+    return made.map(lambda x: _to(x, dev))  # example_inputs may name a device itself
 
 
 def _to(x: Any, dev: torch.device) -> Any:
@@ -317,7 +319,7 @@ def _smaller(report: Report) -> str:
 
 # -- the measurements -------------------------------------------------------------------------
 
-def _cpu(report: Report, module: nn.Module, inputs: tuple, loss_fn: Optional[LossFn]) -> tuple[Row, ...]:
+def _cpu(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn]) -> tuple[Row, ...]:
     with _without_profiler_log():
         real = measure_peak(module, inputs, loss_fn)  # the step under the profiler, then the saved set
     return (Row("saved for backward", report.activation_bytes, real.saved_bytes, "exact", None),
@@ -350,7 +352,7 @@ def _without_profiler_log() -> Iterator[None]:
                 sys.stderr.write(rest.decode(errors="replace"))
 
 
-def _cuda(report: Report, module: nn.Module, inputs: tuple, loss_fn: Optional[LossFn],
+def _cuda(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn],
           dev: torch.device) -> tuple[Row, ...]:
     assert report.step is not None
     model = _cuda_model(report)  # the caching allocator replayed over the predicted step
@@ -361,8 +363,8 @@ def _cuda(report: Report, module: nn.Module, inputs: tuple, loss_fn: Optional[Lo
 
     def step() -> None:
         module.zero_grad(set_to_none=True)
-        for x in inputs:
-            if isinstance(x, torch.Tensor) and x.grad is not None:
+        for x in inputs.tensors():
+            if x.grad is not None:
                 x.grad = None
         out, loss = run_step(module, inputs, loss_fn)
         del out, loss
