@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from graphmem.capture.capture import capture
+from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target, make_target
@@ -17,6 +18,7 @@ from graphmem.passes import allocator, compare_modes, liveness, notes, saved
 from graphmem.recapture import Recapture
 from graphmem.report import Report
 from graphmem.training.batch import as_batch, resizer
+from graphmem.training.peft_lora import is_hf_model
 from graphmem.training.spec import Training, make_training, prepare, step_budget
 from graphmem.training.step import LossFn
 
@@ -58,6 +60,7 @@ def analyze(
     sp: bool = False,
     target: Optional[Target] = None,
     training: Optional[Training] = None,
+    hf: Optional[HFOptions] = None,
 ) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
@@ -92,7 +95,9 @@ def analyze(
     >>> report.activation_bytes          # input (512 B) + ReLU output (1024 B), saved for backward
     1536
     """
-    loaded = load(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else None
+    if target is None:
+        target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode)
+    loaded = load(os.fspath(model), target=target, options=hf) if isinstance(model, (str, os.PathLike)) else None
     if isinstance(model, torch.export.ExportedProgram):
         loaded = from_exported(model)
         if inputs is None and input_shape is None and model.example_inputs:
@@ -111,8 +116,11 @@ def analyze(
         make = as_batch(inputs)
         resize = resizer(make)
     loss_fn = loss or loaded.loss
-    if target is None:
-        target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode)
+    if loaded.dtype is not None and target.dtype is None and target.amp is None:
+        target = dataclasses.replace(target, dtype=loaded.dtype)  # an HF config's torch_dtype
+    if target.attention == "eager" and not is_hf_model(loaded.module):
+        raise UsageError("--attention eager picks a Hugging Face model's own attention; this model is not one: "
+                         "use math for SDPA's explicit kernel")
     if training is None:
         training = make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
                                  lora_targets, world_size, zero, fsdp, tp, sp)
@@ -127,7 +135,7 @@ def analyze(
     reusable = reuse and not training.train.active and target.mode != "compiled"
     g = capture_reusing(module, capture_at)[0] if reusable else capture_at()
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
-    loss_name = "default (output if scalar, else sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
+    loss_name = "default (the model's own loss if its output has one, else the output if scalar, else the sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")
     source: Optional[Recapture] = None
     if example:

@@ -30,9 +30,11 @@ class Training:
 def make_training(dtype: Optional[str] = None, optimizer: Optional[str] = None, optimizer_impl: str = "auto",
                   master_weights: bool = False, micro_batches: int = 1, lora_rank: Optional[int] = None,
                   lora_targets: Union[str, Sequence[str], None] = None, world_size: int = 1, zero: int = 0,
-                  fsdp: Optional[str] = None, tp: int = 1, sp: bool = False) -> Training:
+                  fsdp: Optional[str] = None, tp: int = 1, sp: bool = False,
+                  lora_alpha: Optional[float] = None) -> Training:
     train = make_train_step(optimizer, optimizer_impl, master_weights, micro_batches, dtype)
-    lora = make_lora(lora_rank, lora_targets if lora_targets is None or isinstance(lora_targets, str) else tuple(lora_targets))
+    lora = make_lora(lora_rank, lora_targets if lora_targets is None or isinstance(lora_targets, str) else tuple(lora_targets),
+                     lora_alpha)
     return Training(train, lora, make_parallel(world_size, zero, fsdp, tp, sp))
 
 
