@@ -186,7 +186,12 @@ def attn_implementation(target: Target) -> str:
 
 
 def build(config: Any, target: Target, trust_remote_code: bool, device: str = "meta") -> nn.Module:
+    """The model on ``device``, set up for training as fine-tuning scripts do: ``use_cache``
+    off (a KV cache has no use in a training step, and a checkpointed block's recompute would
+    append to it again)."""
     cls = model_class(config, trust_remote_code)
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
     dtype = param_dtype(config, target)
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation(target)}
     if trust_remote_code:

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from graphmem.chains import find_chain
 from graphmem.passes.budget import Budget, Parallel, budget, make_parallel
+from graphmem.passes.spike import Temporaries, temporaries_at
 from graphmem.training.loop import TrainStep, make_train_step
 from graphmem.training.lora import LoRA, apply_lora, make_lora
 from graphmem.training.optim import resolved_impl
@@ -65,6 +66,7 @@ class StepBudget:
     lora_layers: tuple[str, ...]
     rank: Budget
     single: Optional[Budget]
+    spike: tuple[Temporaries, ...] = ()  # the temporaries live at rank's peak, made -> freed (passes/spike.py)
 
     @property
     def rows(self) -> Any:
@@ -88,6 +90,9 @@ class StepBudget:
                                "parallel": t.parallel.to_dict(), "per_rank": _budget_dict(self.rank)}
         if self.single is not None:
             out["single_device"] = _budget_dict(self.single)
+        out["temporaries_at_peak"] = [{"made_by": t.made_by, "bytes": t.nbytes, "tensors": t.count,
+                                       "first_made": t.first_made, "last_freed": t.last_freed,
+                                       "freed_by": t.freed_by, "phase": t.phase} for t in self.spike]
         return out
 
 
@@ -109,7 +114,8 @@ def step_budget(g: Any, lv: Any, sv: Any, training: Training, module: nn.Module,
     rank = budget(g, lv, sv, training.parallel, units)
     single = budget(g, lv, sv, Parallel(), units) if training.parallel != Parallel() else None
     device = g.target.device if g.target is not None else g.device
-    return StepBudget(training, device, lora_layers, rank, single)
+    spike = temporaries_at(g, lv, rank.peak_index, frozenset(t.sid for t in sv.tensors)) if rank.peak_index >= 0 else ()
+    return StepBudget(training, device, lora_layers, rank, single, spike)
 
 
 __all__ = ["Training", "make_training", "prepare", "StepBudget", "step_budget", "resolved_impl"]
