@@ -33,12 +33,14 @@ batch of your own (``graphmem.analyze(model, batch)``).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import socket
+import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -68,6 +70,21 @@ class HFOptions:
             raise UsageError(f"--decoder-length must be a positive integer, got {d!r}")
         if self.config is not None and not _local_config_file(self.config):
             raise UsageError(f"--config {self.config}: no such config.json or model directory; check the path")
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """transformers' and peft's advice for inference users (generation flags, token ids outside a
+    tiny vocabulary, deprecations) is not about memory: errors only while graphmem builds."""
+    transformers = transformers_module()
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(level)
 
 
 def transformers_module() -> Any:
@@ -147,7 +164,8 @@ def make_config(raw: dict, trust_remote_code: bool, name: str) -> Any:
     if "torch_dtype" in kwargs:  # the published name; transformers 5 reads dtype
         kwargs.setdefault("dtype", kwargs.pop("torch_dtype"))
     try:
-        return transformers.AutoConfig.for_model(model_type, **kwargs)
+        with quiet():
+            return transformers.AutoConfig.for_model(model_type, **kwargs)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"{name}: model_type {model_type!r} is unknown to transformers "
                              f"{transformers.__version__}; upgrade transformers ({EXTRA} --upgrade)") from e
@@ -181,8 +199,20 @@ def param_dtype(config: Any, target: Target) -> torch.dtype:
     return dtype if dtype in TORCH_DTYPES else torch.float32
 
 
-def attn_implementation(target: Target) -> str:
-    return "eager" if target.attention == "eager" else "sdpa"
+def attn_implementation(target: Target, cls: Any) -> str:
+    """``eager`` when asked for, or when the class has no SDPA path (Gemma 2's soft-capping):
+    transformers itself refuses ``sdpa`` there; else ``sdpa``."""
+    if target.attention == "eager" or not getattr(cls, "_supports_sdpa", True):
+        return "eager"
+    return "sdpa"
+
+
+def _concrete(cls: Any, config: Any) -> Any:
+    mapping = getattr(cls, "_model_mapping", None)
+    try:
+        return mapping[type(config)] if mapping is not None else cls
+    except KeyError:
+        return cls
 
 
 def build(config: Any, target: Target, trust_remote_code: bool, device: str = "meta") -> nn.Module:
@@ -193,11 +223,11 @@ def build(config: Any, target: Target, trust_remote_code: bool, device: str = "m
     if hasattr(config, "use_cache"):
         config.use_cache = False
     dtype = param_dtype(config, target)
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation(target)}
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation(target, _concrete(cls, config))}
     if trust_remote_code:
         kwargs["trust_remote_code"] = True
     try:
-        with torch.device(device):
+        with torch.device(device), quiet():
             if cls.__name__.startswith("AutoModel"):
                 return cls.from_config(config, **kwargs)
             return cls._from_config(config, **kwargs)

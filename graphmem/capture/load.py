@@ -134,6 +134,8 @@ def load_hf(spec: str, device: str, target: Target, options: hf.HFOptions) -> Lo
     config = hf.make_config(raw, options.trust_remote_code, name)
     module = hf.build(config, target, options.trust_remote_code, device)
     length = options.decoder_length
+    if target.attention != "eager" and getattr(module.config, "_attn_implementation", "") == "eager":
+        name += " (eager attention: transformers has no SDPA path for it)"
     return Loaded(name, module,
                   lambda shape: hf.batch(module, shape, length), None, config, hf.dtype_name(module))
 

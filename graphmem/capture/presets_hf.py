@@ -1,7 +1,7 @@
 """Bundled Hugging Face configs of popular families, so ``graphmem analyze llama-3.1-8b`` works
 offline. Each is the model's published config.json on the Hugging Face hub (the repository is
 named beside it), kept to the fields that shape the model; tokenizer ids, generation settings
-and label names are left out (they do not change memory; ViT's 1000 ImageNet labels are given
+label names and generation flags (Gemma 2's cache_implementation) are left out (they do not change memory; ViT's 1000 ImageNet labels are given
 as ``num_labels``). Where the published file names custom code (``auto_map``: Phi-3's first
 release) it is dropped, because transformers has the family built in.
 
@@ -50,7 +50,7 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 152064}),
     "gemma-2-9b": ("google/gemma-2-9b", {
         "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
-        "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "cache_implementation": "hybrid",
+        "attention_dropout": 0.0, "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
         "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3584, "intermediate_size": 14336,
         "max_position_embeddings": 8192, "num_attention_heads": 16, "num_hidden_layers": 42,

@@ -8,6 +8,7 @@ A model that already is a peft model (``PeftModel``) is analyzed as it is, witho
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch.nn as nn
@@ -34,7 +35,9 @@ def apply_peft(model: nn.Module, lora: Any) -> tuple[nn.Module, tuple[str, ...]]
     targets: Any = "all-linear" if lora.targets == ("all-linear",) else list(lora.targets)
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
     try:
-        wrapped = peft.get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft's notes for Conv1D (fan_in_fan_out) and deprecations
+            warnings.simplefilter("ignore")
+            wrapped = peft.get_peft_model(model, config)
     except ValueError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
