@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from graphmem.api import _shape_of, analyze
+from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import Loaded, load, make_inputs, parse_shape
 from graphmem.capture.target import GPUS
 from graphmem.errors import GraphmemError, UsageError
@@ -131,6 +132,7 @@ def validate(
     loss: Optional[LossFn] = None,
     device: Union[str, torch.device] = "cpu",
     tolerance: Optional[float] = None,
+    hf: Optional[HFOptions] = None,
 ) -> Validation:
     """Predict one training step on fake tensors, run it for real, compare.
 
@@ -166,7 +168,7 @@ def validate(
         loaded: Optional[Loaded] = Loaded(type(model).__name__, model, None, None)
     elif isinstance(model, (str, os.PathLike)):
         spec = os.fspath(model)
-        report = analyze(spec, given, input_shape=shape, loss=loss, **_target(dev))
+        report = analyze(spec, given, input_shape=shape, loss=loss, hf=hf, **_target(dev))
         _check_budget(report, dev, resident=0)  # nothing real exists yet
         loaded = None
     else:
@@ -175,7 +177,7 @@ def validate(
     with _rng(dev):
         torch.manual_seed(0)  # deterministic weights and inputs (values never change the bytes)
         if loaded is None:
-            loaded = _build(spec, dev)
+            loaded = _build(spec, dev, report, hf)
         real = given.map(lambda x: _to(x, dev)) if given is not None else _inputs(loaded, shape or (), dev)
         shapes = tuple(tuple(x.shape) for x in real.tensors())
         if shapes != tuple(report.input_shapes):
@@ -241,7 +243,7 @@ def _check_real(module: nn.Module, dev: torch.device) -> None:
                              f".to({dev.type!r}) or validate with device={t.device.type!r}")
 
 
-def _build(spec: str, dev: torch.device) -> Loaded:
+def _build(spec: str, dev: torch.device, report: Report, hf: Optional[HFOptions]) -> Loaded:
     """The model built for real on ``dev`` from its preset or model file.
 
     Why rebuild rather than ``load(spec).module.to_empty(device)`` and re-initialize: the
@@ -250,7 +252,8 @@ def _build(spec: str, dev: torch.device) -> Loaded:
     and no generic initializer can recompute; rebuilding gives exactly the buffers, weight
     tying and init a user's training run would have. ``load`` (meta) has already run during
     the prediction, so the file is known to be well formed here."""
-    return load(spec, device=str(dev))
+    target = report.step.target if report.step is not None else None  # an HF model's dtype and attention
+    return load(spec, device=str(dev), target=target, options=hf)
 
 
 def _inputs(loaded: Loaded, shape: tuple[int, ...], dev: torch.device) -> Batch:
