@@ -287,3 +287,25 @@ def test_all_linear_through_peft_on_a_config() -> None:
     pytest.importorskip("peft")
     report = graphmem.analyze("hf-gpt2", input_shape=(1, 16), lora_rank=8, lora_targets="all-linear")
     assert report.budget is not None and len(report.budget.lora_layers) == 48  # 4 Conv1D x 12 blocks, not lm_head
+
+
+# -- re-captures: formulas at other sizes, plans applied ------------------------------------------
+
+@pytest.mark.slow
+def test_formula_and_plan_resize_and_apply_a_dict_batch() -> None:
+    # GIVEN a dict batch (input_ids, attention_mask, labels): every (b, s) tensor resizes together
+    torch.manual_seed(0)
+    config = tiny_configs()["causal-lm"]
+    config.num_hidden_layers, config.use_cache = 4, False
+    model = transformers.LlamaForCausalLM(config)
+    batch = hf.batch(model, (2, 16))
+    report = graphmem.analyze(model, batch)
+    # WHEN a formula is fitted: THEN it holds at a size captured directly
+    coeffs = report.formula()
+    assert coeffs.variables == ("b", "s")
+    assert coeffs.activation_at((3, 24)) == graphmem.analyze(model, hf.batch(model, (3, 24))).activation_bytes
+    # WHEN a plan is applied to the real model: THEN the real step's peak is the plan's
+    plan = report.plan(max_overhead="30%")
+    with plan.apply(model):
+        real = measure_peak(model, batch)
+    assert real.peak_bytes - plan.peak_bytes <= LM_TOLERANCE * real.peak_bytes and real.peak_bytes >= plan.peak_bytes
