@@ -309,3 +309,31 @@ def test_formula_and_plan_resize_and_apply_a_dict_batch() -> None:
     with plan.apply(model):
         real = measure_peak(model, batch)
     assert real.peak_bytes - plan.peak_bytes <= LM_TOLERANCE * real.peak_bytes and real.peak_bytes >= plan.peak_bytes
+
+
+# -- the Falcon question: the spike at optimizer.step -----------------------------------------------
+
+def test_adam_foreach_spike_is_named_with_when_it_is_freed_and_equals_a_real_step() -> None:
+    # GIVEN a Falcon (multi-query, parallel attention) whose weights outweigh its activations,
+    # trained with torch.optim.Adam(foreach=True), as on a GPU (docs/hf.md)
+    cfg = transformers.FalconConfig(vocab_size=2048, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False,
+                                    alibi=False, use_cache=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(cfg)
+    batch = hf.batch(model, (1, 4))
+    report = graphmem.analyze(model, batch, optimizer="adam", optimizer_impl="foreach")
+    b = report.budget
+    assert b is not None and b.rank.peak_phase == "optimizer"
+    # THEN the spike is exp_avg_sq.sqrt() of every parameter at once, made and freed inside the step
+    spike = b.spike[0]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert (spike.made_by, spike.nbytes, spike.count) == ("aten._foreach_sqrt.default", params,
+                                                          len(list(model.parameters())))
+    assert spike.phase == spike.freed_phase == "optimizer" and spike.freed_by.startswith("aten._foreach_addcdiv_")
+    text = graphmem.render.render_text(report)
+    assert "aten._foreach_sqrt.default: " in text and "the last freed after op" in text
+    # and the step's peak is the real one (CPU allocator events, the same foreach Adam)
+    real = measure_peak(model, batch, train=b.training.train)
+    assert real.saved_bytes == report.activation_bytes
+    assert 0 <= real.peak_bytes - b.peak_bytes <= LM_TOLERANCE * real.peak_bytes
