@@ -331,7 +331,9 @@ def test_adam_foreach_spike_is_named_with_when_it_is_freed_and_equals_a_real_ste
     assert (spike.made_by, spike.nbytes, spike.count) == ("aten._foreach_sqrt.default", params,
                                                           len(list(model.parameters())))
     assert spike.phase == spike.freed_phase == "optimizer" and spike.freed_by.startswith("aten._foreach_addcdiv_")
-    text = graphmem.render.render_text(report)
+    from graphmem.render import render_text
+
+    text = render_text(report)
     assert "aten._foreach_sqrt.default: " in text and "the last freed after op" in text
     # and the step's peak is the real one (CPU allocator events, the same foreach Adam)
     real = measure_peak(model, batch, train=b.training.train)
