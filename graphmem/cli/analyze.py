@@ -71,9 +71,12 @@ class Presets:
 
     def run(self, args: argparse.Namespace) -> int:
         from graphmem import models
+        from graphmem.capture.presets_hf import HF_PRESETS
 
         for name, (family, cfg) in models.PRESETS.items():
             print(f"{name:14s} {family:7s} {cfg}")
+        for name, (repo, raw) in HF_PRESETS.items():  # Hugging Face configs (docs/hf.md), needs graphmem[hf]
+            print(f"{name:14s} {'hf':7s} {raw['architectures'][0]} from {repo}'s config.json")
         return 0
 
 
