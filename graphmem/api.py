@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from graphmem.capture.capture import capture
 from graphmem.capture.hf import HFOptions
+from graphmem.capture.hf import batch as hf_inputs
 from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target, make_target
@@ -105,7 +106,11 @@ def analyze(
     if loaded is None:
         if not isinstance(model, nn.Module):
             raise UsageError(f"model must be an nn.Module, a model file or a preset name, not {type(model).__name__}")
-        loaded = Loaded(type(model).__name__, model, None, None)
+        hf_batch = None
+        if is_hf_model(model):  # --input-shape makes the batch its forward takes (graphmem/capture/hf.py)
+            length = hf.decoder_length if hf is not None else None
+            hf_batch = lambda shape: hf_inputs(model, shape, length)  # noqa: E731
+        loaded = Loaded(type(model).__name__, model, hf_batch, None)
     if inputs is None:
         if input_shape is None:
             raise UsageError("no inputs: pass example inputs or input_shape=(batch, ...) / --input-shape 32x1024")

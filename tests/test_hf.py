@@ -339,3 +339,10 @@ def test_adam_foreach_spike_is_named_with_when_it_is_freed_and_equals_a_real_ste
     real = measure_peak(model, batch, train=b.training.train)
     assert real.saved_bytes == report.activation_bytes
     assert 0 <= real.peak_bytes - b.peak_bytes <= LM_TOLERANCE * real.peak_bytes
+
+
+def test_an_hf_module_with_an_input_shape_gets_its_batch() -> None:
+    model = transformers.BertForMaskedLM(tiny_configs()["masked-lm"])
+    by_shape = graphmem.analyze(model, input_shape=(2, 8))
+    assert by_shape.input_shapes == ((2, 8), (2, 8), (2, 8))  # input_ids, attention_mask, labels
+    assert by_shape.activation_bytes == graphmem.analyze(model, hf.batch(model, (2, 8))).activation_bytes

@@ -240,7 +240,10 @@ def build(config: Any, target: Target, trust_remote_code: bool, device: str = "m
 
 
 def batch(model: nn.Module, shape: tuple[int, ...], decoder_length: Optional[int] = None) -> dict[str, torch.Tensor]:
-    """The keyword batch ``model`` takes at ``shape`` (see the module docstring)."""
+    """The keyword batch ``model`` takes at ``shape`` (see the module docstring); a peft model's
+    is its base model's."""
+    get_base = getattr(model, "get_base_model", None)
+    model = get_base() if callable(get_base) else model
     config: Any = model.config
     params = inspect.signature(model.forward).parameters
     main = getattr(model, "main_input_name", "input_ids")
