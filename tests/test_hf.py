@@ -346,3 +346,13 @@ def test_an_hf_module_with_an_input_shape_gets_its_batch() -> None:
     by_shape = graphmem.analyze(model, input_shape=(2, 8))
     assert by_shape.input_shapes == ((2, 8), (2, 8), (2, 8))  # input_ids, attention_mask, labels
     assert by_shape.activation_bytes == graphmem.analyze(model, hf.batch(model, (2, 8))).activation_bytes
+
+
+def test_validate_cli_builds_the_config_for_real_and_agrees(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from graphmem import cli
+
+    tiny_configs()["causal-lm"].save_pretrained(tmp_path)
+    code = cli.main(["validate", str(tmp_path), "--input-shape", "2x8", "--json"])
+    out, _ = capfd.readouterr()
+    rows = {r["name"]: r for r in json.loads(out)["validation"]["rows"]}
+    assert code == 0 and rows["saved for backward"]["difference"] == 0 and rows["before the step"]["difference"] == 0
