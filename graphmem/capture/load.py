@@ -18,7 +18,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from graphmem.capture import hf
+from graphmem.capture.hf import HFOptions, config_dict, dtype_name, looks_like_hub_id, make_config
+from graphmem.capture.hf import batch as hf_batch
+from graphmem.capture.hf import build as build_model
 from graphmem.capture.presets_hf import HF_PRESETS, hub_ids
 from graphmem.capture.target import Target
 from graphmem.errors import ModelLoadError, UsageError
@@ -74,13 +76,13 @@ def all_preset_names() -> list[str]:
 
 
 def load(spec: str, device: str = "meta", target: Optional[Target] = None,
-         options: Optional[hf.HFOptions] = None) -> Loaded:
+         options: Optional[HFOptions] = None) -> Loaded:
     """A path to a model file, a preset name (``gpt2``, ``llama-2-7b``, ``llama-3.1-8b``, ...), a
     Hugging Face config.json, model directory or hub id (graphmem/capture/hf.py), built on
     ``device``: the meta device for analysis, a real one for ``graphmem validate``. ``target``
     chooses an HF model's dtype and attention; ``options`` how to load it."""
     target = target or Target()
-    options = options or hf.HFOptions()
+    options = options or HFOptions()
     if spec in PRESETS:
         family = family_of(spec)
         config = config_of(spec)
@@ -93,11 +95,11 @@ def load(spec: str, device: str = "meta", target: Optional[Target] = None,
         return load_exported(spec)
     if os.path.isdir(spec) or (spec.endswith(".json") and os.path.isfile(spec)):
         return load_hf(spec, device, target, options)
-    if spec.endswith(".py") or os.sep in spec and not hf.looks_like_hub_id(spec) or os.path.exists(spec):
+    if spec.endswith(".py") or os.sep in spec and not looks_like_hub_id(spec) or os.path.exists(spec):
         return load_file(spec, device)
-    if "/" in spec and hf.looks_like_hub_id(spec):
+    if "/" in spec and looks_like_hub_id(spec):
         return load_hf(spec, device, target, options)
-    if hf.looks_like_hub_id(spec) and _in_hf_cache(spec):
+    if looks_like_hub_id(spec) and _in_hf_cache(spec):
         return load_hf(spec, device, target, options)
     raise UsageError(
         f"{spec!r} is neither a model file nor a preset; give a path to a .py file that defines "
@@ -118,26 +120,26 @@ def _in_hf_cache(spec: str) -> bool:
         return False
 
 
-def load_hf(spec: str, device: str, target: Target, options: hf.HFOptions) -> Loaded:
+def load_hf(spec: str, device: str, target: Target, options: HFOptions) -> Loaded:
     """A Hugging Face model from its config alone; the batch from its signature (hf.batch);
     its own loss (the ``labels`` in that batch)."""
     name = spec
     source = options.config or spec
     bundled = HF_PRESETS[spec][1] if spec in HF_PRESETS and options.config is None else None
     try:
-        raw, _where = hf.config_dict(source, options.trust_remote_code, bundled)
+        raw, _where = config_dict(source, options.trust_remote_code, bundled)
     except ModelLoadError as e:
         preset = hub_ids().get(spec.lower())
         if preset is None:
             raise
         raise ModelLoadError(f"{e}, or use the bundled preset {preset} (the same config.json)") from e
-    config = hf.make_config(raw, options.trust_remote_code, name)
-    module = hf.build(config, target, options.trust_remote_code, device)
+    config = make_config(raw, options.trust_remote_code, name)
+    module = build_model(config, target, options.trust_remote_code, device)
     length = options.decoder_length
     if target.attention != "eager" and getattr(module.config, "_attn_implementation", "") == "eager":
         name += " (eager attention: transformers has no SDPA path for it)"
     return Loaded(name, module,
-                  lambda shape: hf.batch(module, shape, length), None, config, hf.dtype_name(module))
+                  lambda shape: hf_batch(module, shape, length), None, config, dtype_name(module))
 
 
 def from_exported(ep: Any, name: str = "ExportedProgram") -> Loaded:
