@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 
 from graphmem.capture.capture import capture
+from graphmem.capture.hf import HFOptions
+from graphmem.capture.hf import batch as hf_inputs
 from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target, make_target
@@ -16,24 +18,12 @@ from graphmem.errors import UsageError
 from graphmem.passes import allocator, compare_modes, liveness, notes, saved
 from graphmem.recapture import Recapture
 from graphmem.report import Report
+from graphmem.training.batch import as_batch, resizer
+from graphmem.training.peft_lora import is_hf_model
 from graphmem.training.spec import Training, make_training, prepare, step_budget
 from graphmem.training.step import LossFn
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
-
-
-def _resized(example: tuple) -> Any:
-    """inputs for another shape of the first tensor (fake-tensor values do not matter)."""
-    def make(shape: tuple[int, ...]) -> tuple:
-        out, done = [], False
-        for x in example:
-            if isinstance(x, torch.Tensor) and not done:
-                out.append(torch.empty(shape, dtype=x.dtype).requires_grad_(x.requires_grad and x.is_floating_point()))
-                done = True
-            else:
-                out.append(x)
-        return tuple(out)
-    return make
 
 
 def _shape_of(shape: Union[str, tuple, list]) -> tuple[int, ...]:
@@ -71,6 +61,7 @@ def analyze(
     sp: bool = False,
     target: Optional[Target] = None,
     training: Optional[Training] = None,
+    hf: Optional[HFOptions] = None,
 ) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
@@ -105,7 +96,9 @@ def analyze(
     >>> report.activation_bytes          # input (512 B) + ReLU output (1024 B), saved for backward
     1536
     """
-    loaded = load(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else None
+    if target is None:
+        target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode)
+    loaded = load(os.fspath(model), target=target, options=hf) if isinstance(model, (str, os.PathLike)) else None
     if isinstance(model, torch.export.ExportedProgram):
         loaded = from_exported(model)
         if inputs is None and input_shape is None and model.example_inputs:
@@ -113,7 +106,11 @@ def analyze(
     if loaded is None:
         if not isinstance(model, nn.Module):
             raise UsageError(f"model must be an nn.Module, a model file or a preset name, not {type(model).__name__}")
-        loaded = Loaded(type(model).__name__, model, None, None)
+        hf_batch = None
+        if is_hf_model(model):  # --input-shape makes the batch its forward takes (graphmem/capture/hf.py)
+            length = hf.decoder_length if hf is not None else None
+            hf_batch = lambda shape: hf_inputs(model, shape, length)  # noqa: E731
+        loaded = Loaded(type(model).__name__, model, hf_batch, None)
     if inputs is None:
         if input_shape is None:
             raise UsageError("no inputs: pass example inputs or input_shape=(batch, ...) / --input-shape 32x1024")
@@ -121,11 +118,14 @@ def analyze(
         make: Any = lambda: make_inputs(loaded, shape)
         resize: Any = lambda s: make_inputs(loaded, s)
     else:
-        make = inputs if isinstance(inputs, tuple) else (inputs,)
-        resize = _resized(make)
+        make = as_batch(inputs)
+        resize = resizer(make)
     loss_fn = loss or loaded.loss
-    if target is None:
-        target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode)
+    if loaded.dtype is not None and target.dtype is None and target.amp is None:
+        target = dataclasses.replace(target, dtype=loaded.dtype)  # an HF config's torch_dtype
+    if target.attention == "eager" and not is_hf_model(loaded.module):
+        raise UsageError("--attention eager picks a Hugging Face model's own attention; this model is not one: "
+                         "use math for SDPA's explicit kernel")
     if training is None:
         training = make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
                                  lora_targets, world_size, zero, fsdp, tp, sp)
@@ -140,7 +140,7 @@ def analyze(
     reusable = reuse and not training.train.active and target.mode != "compiled"
     g = capture_reusing(module, capture_at)[0] if reusable else capture_at()
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
-    loss_name = "default (output if scalar, else sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
+    loss_name = "default (the model's own loss if its output has one, else the output if scalar, else the sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")
     source: Optional[Recapture] = None
     if example:

@@ -59,8 +59,8 @@ def capture(
 ) -> StepGraph:
     """Record one training step of ``model`` on fake tensors.
 
-    ``inputs`` is a tuple of tensors (real, meta or fake: only their shapes and dtypes are
-    used) or a zero-argument callable run under the fake mode with the fake device as the
+    ``inputs`` is a tuple of tensors, a dict of keyword inputs or ``(args, kwargs)`` (real, meta
+    or fake: only their shapes and dtypes are used), or a zero-argument callable returning one run under the fake mode with the fake device as the
     default device (so ``torch.randint(...)`` inside it makes fake tensors). ``device`` is a
     device name or a Target (graphmem/capture/target.py); the CUDA target runs on fake CPU tensors
     with CUDA's rules applied.
@@ -90,9 +90,9 @@ def capture(
         with fake_mode:
             state, seen = fake_state(model, device, dtype, cap.preexisting)
             fake_inputs = fake_batch(inputs, fake_mode, device, dtype)
-            for i, x in enumerate(fake_inputs):
+            for name, x in fake_inputs.named():
                 if isinstance(x, torch.Tensor):
-                    cap.preexisting(x, "input", f"input_{i}")
+                    cap.preexisting(x, "input", name)
             session = _session(train, model, seen, cap, target.device)
         marked: dict[str, list[int]] = {}
         mark = _marker(cap, seen, model, marked)  # before the step swaps the fake parameters into the module
@@ -101,12 +101,12 @@ def capture(
             nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True),  # also when a recompute stops early
         ]
 
-        def forward(*args: Any) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> Any:
             if compiled is not None:
-                return compiled.replay(cap, args)
-            return model(*args)
+                return compiled.replay(cap, args, kwargs)
+            return model(*args, **kwargs)
 
-        def tagged_loss(out: Any, inputs: tuple) -> torch.Tensor:
+        def tagged_loss(out: Any, inputs: Any) -> torch.Tensor:
             loss = (loss_fn or default_loss)(out, inputs)
             if isinstance(loss, torch.Tensor):
                 _tag_grad_fns(loss, "")  # the loss's nodes (and any left untagged) belong to the root

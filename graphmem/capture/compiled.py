@@ -63,9 +63,9 @@ def module_path(stack: Optional[dict], names: frozenset[str]) -> str:
 _ROOT = "graphmem_root"
 
 
-def _call(graphmem_root: nn.Module, *args: Any) -> Any:
-    """What gets compiled: a call of the model, as ``torch.compile(model)(*args)`` traces it."""
-    return graphmem_root(*args)
+def _call(graphmem_root: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What gets compiled: a call of the model, as ``torch.compile(model)(*args, **kwargs)`` traces it."""
+    return graphmem_root(*args, **kwargs)
 
 
 def _fresh_call() -> Callable[..., Any]:
@@ -196,7 +196,7 @@ class CompiledStep:
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False):
-                    run_step(lambda *a: optimized(model, *a), batch, loss_fn, lambda p: phase.__setitem__(0, p),
+                    run_step(lambda *a, **k: optimized(model, *a, **k), batch, loss_fn, lambda p: phase.__setitem__(0, p),
                              forward_context(target, {}))
         except GraphmemError:
             step.close()
@@ -213,11 +213,11 @@ class CompiledStep:
                                "torch._dynamo.explain(model)(*inputs)")
         return step
 
-    def replay(self, rec: Any, args: tuple) -> Any:
+    def replay(self, rec: Any, args: tuple, kwargs: Any) -> Any:
         """The forward, run from the compiled code on graphmem's fake tensors (step 2 above);
         the capture has put its fake parameters into the module."""
         self.backend.recorder, self.backend.replaying = rec, True
-        return torch._dynamo.run(self.call)(self.model, *args)
+        return torch._dynamo.run(self.call)(self.model, *args, **kwargs)
 
     def check_replayed(self) -> None:
         """The replay ran the same compiled graphs as the trace, as often."""
@@ -282,7 +282,7 @@ def _module_inputs(model: nn.Module, mode: FakeTensorMode, inputs: Any, target: 
         with mode, torch.no_grad():
             state, _ = fake_state(model, device, target.param_dtype)
             batch = fake_batch(inputs, mode, device, target.param_dtype)
-            torch.func.functional_call(model, state, batch, strict=False, tie_weights=True)
+            torch.func.functional_call(model, state, batch.args, dict(batch.kwargs), strict=False, tie_weights=True)
     except Exception:
         pass  # the compiled trace reports what fails, with its own message
     finally:

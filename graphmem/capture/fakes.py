@@ -19,8 +19,9 @@ from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
 from graphmem.errors import CaptureError, DataDependentError, GraphmemError, UnsupportedOpError
+from graphmem.training.batch import Batch, as_batch
 
-Inputs = Union[tuple, Callable[[], tuple]]
+Inputs = Union[tuple, dict, Batch, Callable[[], Any]]
 
 
 def _fake_like(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -48,18 +49,14 @@ def fake_state(model: nn.Module, device: torch.device, dtype: Optional[torch.dty
 
 
 def fake_batch(inputs: "Inputs", fake_mode: FakeTensorMode, device: torch.device,
-               dtype: Optional[torch.dtype]) -> tuple:
-    """The step's inputs as fake tensors of ``fake_mode`` (run under it)."""
+               dtype: Optional[torch.dtype]) -> Batch:
+    """The step's inputs (a tuple, dict or ``(args, kwargs)``: graphmem/training/batch.py) as
+    fake tensors of ``fake_mode`` (run under it)."""
     with torch.device(device):
-        raw = inputs() if callable(inputs) else inputs
-    if not isinstance(raw, (tuple, list)):
-        raw = (raw,)
-    return tuple(
-        (x if fake_mode is getattr(x, "fake_mode", None) and (dtype is None or not x.is_floating_point())
-         else _fake_like(x, device, dtype))
-        if isinstance(x, torch.Tensor) else x
-        for x in raw
-    )
+        raw = inputs() if callable(inputs) and not isinstance(inputs, Batch) else inputs
+    return as_batch(raw).map(
+        lambda x: x if fake_mode is getattr(x, "fake_mode", None) and (dtype is None or not x.is_floating_point())
+        else _fake_like(x, device, dtype))
 
 
 def forward_context(target: Target, used: dict[str, int],

@@ -18,8 +18,14 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from graphmem.capture.hf import HFOptions, config_dict, dtype_name, looks_like_hub_id, make_config
+from graphmem.capture.hf import batch as hf_batch
+from graphmem.capture.hf import build as build_model
+from graphmem.capture.presets_hf import HF_PRESETS, hub_ids
+from graphmem.capture.target import Target
 from graphmem.errors import ModelLoadError, UsageError
 from graphmem.models import PRESETS, config_of, family_of, preset_names
+from graphmem.training.batch import Batch, as_batch
 from graphmem.training.step import LossFn
 
 _SHAPE = re.compile(r"^\d+(x\d+)*$")
@@ -42,9 +48,10 @@ class Loaded:
 
     name: str
     module: nn.Module
-    example_inputs: Optional[Callable[[tuple[int, ...]], tuple]]
+    example_inputs: Optional[Callable[[tuple[int, ...]], Any]]  # a tuple, dict or (args, kwargs)
     loss: Optional[LossFn]
     config: Any = None
+    dtype: Optional[str] = None  # the parameter dtype it was built in, when chosen by its config (HF)
 
 
 def default_inputs(module: nn.Module, shape: tuple[int, ...]) -> tuple[torch.Tensor]:
@@ -56,31 +63,83 @@ def default_inputs(module: nn.Module, shape: tuple[int, ...]) -> tuple[torch.Ten
     return (torch.randn(shape),)
 
 
-def make_inputs(loaded: Loaded, shape: tuple[int, ...]) -> tuple:
+def make_inputs(loaded: Loaded, shape: tuple[int, ...]) -> Batch:
+    """The batch for ``shape``: the model file's ``example_inputs(shape)`` (a tensor, tuple, dict
+    or ``(args, kwargs)``), else the default-input rule."""
     if loaded.example_inputs is not None:
-        out = loaded.example_inputs(shape)
-        return out if isinstance(out, tuple) else tuple(out) if isinstance(out, list) else (out,)
-    return default_inputs(loaded.module, shape)
+        return as_batch(loaded.example_inputs(shape))
+    return as_batch(default_inputs(loaded.module, shape))
 
 
-def load(spec: str, device: str = "meta") -> Loaded:
-    """A path to a model file, or a preset name (``gpt2``, ``llama-2-7b``, ...), built on
-    ``device``: the meta device for analysis, a real one for ``graphmem validate``."""
+def all_preset_names() -> list[str]:
+    return [*preset_names(), *HF_PRESETS]
 
+
+def load(spec: str, device: str = "meta", target: Optional[Target] = None,
+         options: Optional[HFOptions] = None) -> Loaded:
+    """A path to a model file, a preset name (``gpt2``, ``llama-2-7b``, ``llama-3.1-8b``, ...), a
+    Hugging Face config.json, model directory or hub id (graphmem/capture/hf.py), built on
+    ``device``: the meta device for analysis, a real one for ``graphmem validate``. ``target``
+    chooses an HF model's dtype and attention; ``options`` how to load it."""
+    target = target or Target()
+    options = options or HFOptions()
     if spec in PRESETS:
         family = family_of(spec)
         config = config_of(spec)
         with torch.device(device):
             module = family.build(config)
         return Loaded(spec, module, lambda shape: family.example_inputs(shape, config), family.loss, config)
+    if spec in HF_PRESETS or options.config is not None:
+        return load_hf(spec, device, target, options)
     if spec.endswith(".pt2"):
         return load_exported(spec)
-    if spec.endswith(".py") or os.sep in spec or os.path.exists(spec):
+    if os.path.isdir(spec) or (spec.endswith(".json") and os.path.isfile(spec)):
+        return load_hf(spec, device, target, options)
+    if spec.endswith(".py") or os.sep in spec and not looks_like_hub_id(spec) or os.path.exists(spec):
         return load_file(spec, device)
+    if "/" in spec and looks_like_hub_id(spec):
+        return load_hf(spec, device, target, options)
+    if looks_like_hub_id(spec) and _in_hf_cache(spec):
+        return load_hf(spec, device, target, options)
     raise UsageError(
         f"{spec!r} is neither a model file nor a preset; give a path to a .py file that defines "
-        f"`model`, or one of: {', '.join(preset_names())}"
+        f"`model`, a Hugging Face config.json, model directory or hub id (org/name), or one of: "
+        f"{', '.join(all_preset_names())}"
     )
+
+
+def _in_hf_cache(spec: str) -> bool:
+    try:
+        import transformers
+    except ImportError:
+        return False
+    try:
+        transformers.PretrainedConfig.get_config_dict(spec, local_files_only=True)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def load_hf(spec: str, device: str, target: Target, options: HFOptions) -> Loaded:
+    """A Hugging Face model from its config alone; the batch from its signature (hf.batch);
+    its own loss (the ``labels`` in that batch)."""
+    name = spec
+    source = options.config or spec
+    bundled = HF_PRESETS[spec][1] if spec in HF_PRESETS and options.config is None else None
+    try:
+        raw, _where = config_dict(source, options.trust_remote_code, bundled)
+    except ModelLoadError as e:
+        preset = hub_ids().get(spec.lower())
+        if preset is None:
+            raise
+        raise ModelLoadError(f"{e}, or use the bundled preset {preset} (the same config.json)") from e
+    config = make_config(raw, options.trust_remote_code, name)
+    module = build_model(config, target, options.trust_remote_code, device)
+    length = options.decoder_length
+    if target.attention != "eager" and getattr(module.config, "_attn_implementation", "") == "eager":
+        name += " (eager attention: transformers has no SDPA path for it)"
+    return Loaded(name, module,
+                  lambda shape: hf_batch(module, shape, length), None, config, dtype_name(module))
 
 
 def from_exported(ep: Any, name: str = "ExportedProgram") -> Loaded:

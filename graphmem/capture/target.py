@@ -19,7 +19,7 @@ import torch
 from graphmem.errors import UsageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ATTENTION = ("auto", "flash", "efficient", "cudnn", "math")
+ATTENTION = ("auto", "flash", "efficient", "cudnn", "math", "eager")  # eager: HF models' own softmax attention
 MODES = ("eager", "compiled")
 # compute capability of the GPUs users name (NVIDIA's tables)
 GPUS = {"v100": (7, 0), "t4": (7, 5), "a100": (8, 0), "a10": (8, 6), "l4": (8, 9), "h100": (9, 0), "h200": (9, 0),

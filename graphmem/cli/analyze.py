@@ -35,6 +35,8 @@ class Analyze:
         o.add_argument("--plot", metavar="PATH", help="also write a PNG of memory over the step (needs graphmem[plot])")
         o.add_argument("--snapshot", metavar="PATH", help="also write the step as a memory_viz snapshot pickle")
         o.add_argument("--depth", type=int, default=3, help="module table depth (default 3)")
+        o.add_argument("--expand", action="store_true",
+                       help="list every block of a run of identical ones (default: one row, e.g. layers.0-31 ×32)")
         o.add_argument("--top", type=int, default=10, help="rows in the largest-tensor tables (default 10)")
         p.add_argument("--formula", action="store_true",
                        help="also fit the exact formulas (alpha/beta/gamma per block; a few more captures)")
@@ -69,9 +71,12 @@ class Presets:
 
     def run(self, args: argparse.Namespace) -> int:
         from graphmem import models
+        from graphmem.capture.presets_hf import HF_PRESETS
 
         for name, (family, cfg) in models.PRESETS.items():
             print(f"{name:14s} {family:7s} {cfg}")
+        for name, (repo, raw) in HF_PRESETS.items():  # Hugging Face configs (docs/hf.md), needs graphmem[hf]
+            print(f"{name:14s} {'hf':7s} {raw['architectures'][0]} from {repo}'s config.json")
         return 0
 
 
@@ -100,9 +105,10 @@ def render_report(report: Any, fmt: str, args: argparse.Namespace) -> str:
         return render_json(report)
     plans = render_plan(report.known_plans) if report.known_plans is not None else ""
     if fmt == "markdown":
-        out = render_markdown(report, depth=args.depth, top=args.top)
+        out = render_markdown(report, depth=args.depth, top=args.top, expand=args.expand)
         return out + (f"\n## Checkpoint plans\n\n```\n{plans}```\n" if plans else "")
-    out = render_tree(report, depth=args.depth) if args.tree else render_text(report, depth=args.depth, top=args.top)
+    out = (render_tree(report, depth=args.depth, expand=args.expand) if args.tree
+           else render_text(report, depth=args.depth, top=args.top, expand=args.expand))
     return out + (f"\n{plans}" if plans else "")
 
 

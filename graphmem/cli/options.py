@@ -13,17 +13,24 @@ from graphmem.errors import UsageError
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 AMP = ("bf16", "fp16")
-ATTENTION = ("auto", "flash", "efficient", "cudnn", "math")
+ATTENTION = ("auto", "flash", "efficient", "cudnn", "math", "eager")
 MODES = ("eager", "compiled")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adafactor")
 IMPLS = ("auto", "foreach", "forloop", "fused")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, shape_required: bool = True, real: bool = False) -> None:
-    p.add_argument("model", help="a model file (defines `model`) or a preset name, see `graphmem presets`"
-                   + ("; built for real" if real else ""))
+    p.add_argument("model", help="a model file (defines `model`), a preset name (see `graphmem presets`), or a "
+                   "Hugging Face hub id, config.json or model directory" + ("; built for real" if real else ""))
     p.add_argument("--input-shape", required=shape_required, metavar="SHAPE",
                    help="e.g. 32x1024 (tokens) or 8x3x224x224" + (" (keep it small: this allocates)" if real else ""))
+    g = p.add_argument_group("Hugging Face models (pip install 'graphmem[hf]')")
+    g.add_argument("--config", metavar="PATH", help="the model's config.json (or its directory), instead of resolving "
+                   "MODEL locally, in the cache or on the hub")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a config that names the repository's own code (auto_map), as transformers does")
+    g.add_argument("--decoder-length", type=int, metavar="T",
+                   help="encoder-decoder models: the labels' length (default: the input length; speech models need it)")
 
 
 def add_debug_argument(p: argparse.ArgumentParser) -> None:
@@ -37,7 +44,8 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default: as built, fp32)")
     g.add_argument("--amp", choices=AMP, help="autocast with fp32 parameters")
     g.add_argument("--attention", default="auto", choices=ATTENTION,
-                   help="SDPA backend (default auto: PyTorch's own choice for the target)")
+                   help="SDPA backend (default auto: PyTorch's own choice for the target); a Hugging Face model runs "
+                   "attn_implementation='sdpa' with it, or its own softmax attention with eager")
     g.add_argument("--gpu", default="h100", help="GPU for the CUDA backend rules: h100, a100, l4, a10, t4, v100, ...")
     g.add_argument("--mode", default="eager", choices=MODES,
                    help="eager autograd (default) or torch.compile's step (AOTAutograd, min-cut partition), shown beside eager")
@@ -54,7 +62,9 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="fp32 master copy of the 16-bit parameters for the optimizer (with --dtype bf16/fp16: ZeRO's 16-psi recipe)")
     g.add_argument("--micro-batches", type=int, default=1, metavar="K", help="gradient accumulation: K micro-steps of --input-shape")
     g.add_argument("--lora-rank", type=int, metavar="R", help="LoRA adapters of rank R; every other parameter frozen")
-    g.add_argument("--lora-targets", metavar="NAMES", help="comma-separated module-name substrings of the nn.Linear layers to adapt, e.g. c_attn,c_proj")
+    g.add_argument("--lora-targets", metavar="NAMES", help="comma-separated module-name substrings of the layers to "
+                   "adapt, e.g. q_proj,v_proj or c_attn,c_proj, or all-linear (Hugging Face models: through peft)")
+    g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default 8, peft's; memory does not depend on it)")
     g.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (data parallel x tensor parallel)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage over the data-parallel ranks")
     g.add_argument("--fsdp", choices=["full", "grad-op"], help="FSDP sharding: full (FULL_SHARD) or grad-op (SHARD_GRAD_OP)")
@@ -100,7 +110,15 @@ def training_of(args: argparse.Namespace) -> Any:
     if not hasattr(args, "optimizer"):
         return make_training(args.dtype)
     return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
-                         args.lora_rank, args.lora_targets, args.world_size, args.zero, args.fsdp, args.tp, args.sp)
+                         args.lora_rank, args.lora_targets, args.world_size, args.zero, args.fsdp, args.tp, args.sp,
+                         lora_alpha=args.lora_alpha)
+
+
+def hf_of(args: argparse.Namespace) -> Any:
+    """The frozen HFOptions (graphmem/capture/hf.py) the Hugging Face options name."""
+    from graphmem.capture.hf import HFOptions
+
+    return HFOptions(args.config, args.trust_remote_code, args.decoder_length)
 
 
 def analyze_args(args: argparse.Namespace, input_shape: Any = None) -> Any:
@@ -108,4 +126,4 @@ def analyze_args(args: argparse.Namespace, input_shape: Any = None) -> Any:
     from graphmem.api import analyze
 
     return analyze(args.model, input_shape=args.input_shape if input_shape is None else input_shape,
-                   target=target_of(args), training=training_of(args), reuse=not args.no_reuse)
+                   target=target_of(args), training=training_of(args), reuse=not args.no_reuse, hf=hf_of(args))

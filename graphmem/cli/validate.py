@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from graphmem.cli.options import add_debug_argument, add_model_arguments
+from graphmem.cli.options import add_debug_argument, add_model_arguments, hf_of
 
 
 class Validate:
@@ -34,7 +34,8 @@ def _validate(args: argparse.Namespace) -> int:
     from graphmem.validation.validate import validate
 
     with quiet(args.json):
-        result = validate(args.model, input_shape=args.input_shape, device=args.device, tolerance=args.tolerance)
+        result = validate(args.model, input_shape=args.input_shape, device=args.device, tolerance=args.tolerance,
+                          hf=hf_of(args))
     sys.stdout.write(json.dumps({"validation": result.to_dict()}, indent=2) + "\n" if args.json
                      else render_validation(result))
     sys.stdout.flush()  # the table comes before the stderr line of a failure

@@ -168,7 +168,7 @@ def variables_of(example: tuple) -> tuple[tuple[str, ...], tuple[int, ...]]:
 class Sampler:
     """Captures the step at given sizes (and chain depths), with a cache."""
 
-    def __init__(self, model: nn.Module, make_inputs: Callable[[tuple[int, ...]], tuple],
+    def __init__(self, model: nn.Module, make_inputs: Callable[[tuple[int, ...]], Any],
                  loss: Optional[LossFn], base: tuple[int, ...], dims: tuple[int, ...], device: Any,
                  tick: Callable[[], None] = lambda: None) -> None:
         self.model, self.make_inputs, self.loss, self.base, self.dims, self.device = model, make_inputs, loss, base, dims, device

@@ -70,7 +70,7 @@ def render_budget(b: Any) -> str:
     per = f"{states / psi:.2f} B per parameter" if psi else ""
     lines.append(f"model states (parameters + gradients + optimizer states + master copies): "
                  f"{fmt_bytes(r.model_state_bytes)} per rank; without the step counters ({fmt_bytes(r.step_counter_bytes)}) "
-                 f"{fmt_bytes(states)} ({states / 1e9:.2f} GB) = {per} ({_count(psi)} trainable of {_count(r.parameters)})")
+                 f"{fmt_bytes(states)} ({states / 1e9:.2f} GB) = {per} ({_count(r.trainable)} trainable of {_count(r.parameters)})")
     if b.training.lora is not None:
         frozen = r.parameters - r.trainable
         lines.append(f"LoRA: {len(b.lora_layers)} layers adapted; {_count(frozen)} frozen parameters get no gradient "
@@ -85,6 +85,13 @@ def render_budget(b: Any) -> str:
         if r.top_temporaries:
             lines.append("  largest temporaries, by the op that made them: "
                          + ", ".join(f"{name} {fmt_bytes(v)}" for name, v in r.top_temporaries))
+        for t in b.spike[:3]:
+            if t.nbytes * 100 < r.peak_bytes:  # under 1 % of the peak: not what makes it
+                break
+            freed = (f"the last freed after op {t.last_freed} ({t.freed_by}, {t.freed_phase})"
+                     if t.last_freed is not None else "alive when the step ends")
+            lines.append(f"  {t.made_by}: {fmt_bytes(t.nbytes)} in {t.count} tensor{'s' if t.count > 1 else ''}, "
+                         f"made from op {t.first_made} ({t.phase}), {freed}")
     if p.tp > 1:
         lines.append(f"tensor parallel: {r.tp_split[0]} column-parallel and {r.tp_split[1]} row-parallel linear ops "
                      "found in the graph; their outputs up to the row-parallel linear are split over the ranks")

@@ -7,6 +7,7 @@ from typing import Sequence
 
 from tabulate import tabulate
 
+from graphmem.render.collapse import each, label
 from graphmem.render.formula import render_coefficients
 from graphmem.render.text import _lifetime, _module, _shapes, _shown_modules
 from graphmem.report import Report
@@ -28,7 +29,7 @@ def _exact(n: int) -> str:
     return f"{n:,} B"
 
 
-def render_markdown(report: Report, depth: int = 3, top: int = 10) -> str:
+def render_markdown(report: Report, depth: int = 3, top: int = 10, expand: bool = False) -> str:
     shapes = _shapes(report)
     fwd = report.phase_start.get("loss", report.num_ops)
     bwd = report.phase_start.get("backward", report.num_ops)
@@ -49,9 +50,9 @@ def render_markdown(report: Report, depth: int = 3, top: int = 10) -> str:
            f"ops recorded: {report.num_ops} (forward {fwd}, loss {bwd - fwd}, backward {report.num_ops - bwd})"]
 
     total = report.activation_bytes
-    rows = [[_module(m.path), fmt_bytes(m.activation_bytes),
+    rows = [[label(m, _module(m.path)), each(m, fmt_bytes(m.activation_bytes)),
              fmt_share(m.activation_bytes, total), m.count]
-            for m in _shown_modules(report, depth)]
+            for m in _shown_modules(report, depth, expand)]
     out += ["", f"### Saved for backward by module (depth ≤ {depth})", "",
             _table(rows, ["module", "saved", "share", "tensors"], "lrrr")]
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from graphmem.passes import ModuleSaved
 from graphmem.render.budget import render_budget
+from graphmem.render.collapse import ModuleRow, collapsed, each, label
 from graphmem.render.compiled import render_modes
 from graphmem.render.formula import render_coefficients
 from graphmem.report import Report
@@ -16,10 +16,10 @@ ROOT = "(model)"
 def _where(report: Report, index: int) -> str:
     if index < 0:
         return "before"
-    for phase, label in (("optimizer", "opt"), ("backward", "bwd"), ("loss", "loss"), ("forward", "fwd"),
+    for phase, short in (("optimizer", "opt"), ("backward", "bwd"), ("loss", "loss"), ("forward", "fwd"),
                          ("accumulate", "acc")):
         if report.phase_start.get(phase, report.num_ops) <= index:
-            return f"{label} {index}"
+            return f"{short} {index}"
     return str(index)
 
 
@@ -40,12 +40,14 @@ def _shapes(report: Report) -> str:
     return ", ".join("x".join(map(str, s)) for s in report.input_shapes) or "-"
 
 
-def _shown_modules(report: Report, depth: int) -> list[ModuleSaved]:
-    """Rows of a module table: the root, and the modules above ``depth`` that saved something."""
-    return [m for m in report.modules if m.path == "" or (m.activation_bytes and m.path.count(".") < depth)]
+def _shown_modules(report: Report, depth: int, expand: bool = False) -> list[ModuleRow]:
+    """Rows of a module table: the root, and the modules above ``depth`` that saved something;
+    runs of identical sibling blocks folded into one row unless ``expand`` (render/collapse.py)."""
+    return [m for m in collapsed(report.modules, expand)
+            if m.path == "" or (m.activation_bytes and m.path.count(".") < depth)]
 
 
-def render_text(report: Report, depth: int = 3, top: int = 10) -> str:
+def render_text(report: Report, depth: int = 3, top: int = 10, expand: bool = False) -> str:
     shapes = _shapes(report)
     target = report.target.describe() if report.target is not None else report.device
     lines = [f"graphmem · {report.model} · input {shapes} · target {target} · one training step"]
@@ -73,9 +75,9 @@ def render_text(report: Report, depth: int = 3, top: int = 10) -> str:
               f"ops recorded: {report.num_ops} (forward {fwd}, loss {bwd - fwd}, backward {report.num_ops - bwd})"]
 
     total = report.activation_bytes
-    rows = [["  " * (m.path.count(".") + 1 if m.path else 0) + _module(m.path),
-             fmt_bytes(m.activation_bytes), fmt_share(m.activation_bytes, total), m.count]
-            for m in _shown_modules(report, depth)]
+    rows = [["  " * (m.path.count(".") + 1 if m.path else 0) + label(m, _module(m.path)),
+             each(m, fmt_bytes(m.activation_bytes)), fmt_share(m.activation_bytes, total), m.count]
+            for m in _shown_modules(report, depth, expand)]
     lines += ["", f"Saved for backward by module (depth ≤ {depth})",
               tabulate(rows, headers=["module", "saved", "share", "tensors"], tablefmt="simple",
                        colalign=("left", "right", "right", "right"), preserve_whitespace=True)]

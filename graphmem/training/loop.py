@@ -5,7 +5,7 @@ One definition shared by the fake capture (graphmem/capture/capture.py) and the 
 measured numbers describe the same loop::
 
     for i in range(micro_batches):                 # each runs the given input shape
-        out = model(*inputs); loss = loss_fn(out, inputs) / micro_batches; loss.backward()
+        out = model(*args, **kwargs); loss = loss_fn(out, inputs) / micro_batches; loss.backward()
     optimizer.step(); optimizer.zero_grad(set_to_none=True)
 
 As in a plain Python loop, the previous micro-step's ``out`` and ``loss`` stay referenced
@@ -100,7 +100,7 @@ class Session:
                              "unfreeze some parameters or drop --optimizer")
         self.optimizer = make_optimizer(step.optimizer, step.impl, targets, device)
 
-    def run(self, forward: Callable[..., Any], inputs: tuple, loss_fn: Optional[LossFn],
+    def run(self, forward: Callable[..., Any], inputs: Any, loss_fn: Optional[LossFn],
             on_phase: Callable[[str], None], forward_context: Callable[[], ContextManager[Any]],
             mark: Mark = lambda kind, named: None, fake: bool = False) -> tuple[Any, torch.Tensor]:
         """Micro-steps, then the optimizer step. ``mark`` is told which tensors are gradients,

@@ -5,6 +5,8 @@ weights included, is frozen (requires_grad=False: no gradient, no optimizer stat
 
 graphmem wraps a structural copy whose parameters are meta tensors (no real memory, the
 user's module untouched); ``inplace=True`` wraps a real module (the ground-truth tests).
+This hand-written wrapper is for plain modules; Hugging Face models get peft's own layers
+(graphmem/training/peft_lora.py), so Conv1D and other projections work as peft adapts them.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from graphmem.errors import UsageError
+from graphmem.training.peft_lora import apply_peft, is_hf_model
 
 
 class LoRALinear(nn.Module):
@@ -46,15 +49,19 @@ class LoRA:
         return {"rank": self.rank, "targets": list(self.targets), "alpha": self.alpha, "dropout": self.dropout}
 
 
-def make_lora(rank: Optional[int], targets: Optional[str | tuple[str, ...] | list[str]]) -> Optional[LoRA]:
-    if rank is None and not targets:
+def make_lora(rank: Optional[int], targets: Optional[str | tuple[str, ...] | list[str]],
+              alpha: Optional[float] = None) -> Optional[LoRA]:
+    if rank is None and not targets and alpha is None:
         return None
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise UsageError(f"--lora-rank must be a positive integer, got {rank!r}")
     names = tuple(t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets or ()) if t.strip())
     if not names:
-        raise UsageError("--lora-rank needs --lora-targets: module-name substrings of the linear layers to adapt, e.g. qkv,proj")
-    return LoRA(rank, names)
+        raise UsageError("--lora-rank needs --lora-targets: module-name substrings of the linear layers to adapt, "
+                         "e.g. qkv,proj, or all-linear")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
+        raise UsageError(f"--lora-alpha must be a positive number, got {alpha!r}")
+    return LoRA(rank, names, 8.0 if alpha is None else float(alpha))
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
@@ -74,11 +81,15 @@ def meta_copy(module: nn.Module) -> nn.Module:
 
 
 def apply_lora(module: nn.Module, lora: LoRA, inplace: bool = False) -> tuple[nn.Module, tuple[str, ...]]:
-    """The module with LoRA on every nn.Linear whose name contains a target, and the wrapped
-    names. Everything but the adapters is frozen."""
+    """The module with LoRA on every nn.Linear whose name contains a target (``all-linear``:
+    every one), and the wrapped names. Everything but the adapters is frozen. A Hugging Face
+    model gets peft's own adapters instead (graphmem/training/peft_lora.py)."""
+    if is_hf_model(module):
+        return apply_peft(module if inplace else meta_copy(module), lora)
     model = module if inplace else meta_copy(module)
+    every = lora.targets == ("all-linear",)
     found = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, nn.Linear) and any(t in name for t in lora.targets)]
+             if isinstance(m, nn.Linear) and (every or any(t in name for t in lora.targets))]
     if not found:
         linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
         shown = ", ".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in linears)) or "none"

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from graphmem.chains import find_chain
 from graphmem.passes.budget import Budget, Parallel, budget, make_parallel
+from graphmem.passes.spike import Temporaries, temporaries_at
 from graphmem.training.loop import TrainStep, make_train_step
 from graphmem.training.lora import LoRA, apply_lora, make_lora
 from graphmem.training.optim import resolved_impl
@@ -30,9 +31,11 @@ class Training:
 def make_training(dtype: Optional[str] = None, optimizer: Optional[str] = None, optimizer_impl: str = "auto",
                   master_weights: bool = False, micro_batches: int = 1, lora_rank: Optional[int] = None,
                   lora_targets: Union[str, Sequence[str], None] = None, world_size: int = 1, zero: int = 0,
-                  fsdp: Optional[str] = None, tp: int = 1, sp: bool = False) -> Training:
+                  fsdp: Optional[str] = None, tp: int = 1, sp: bool = False,
+                  lora_alpha: Optional[float] = None) -> Training:
     train = make_train_step(optimizer, optimizer_impl, master_weights, micro_batches, dtype)
-    lora = make_lora(lora_rank, lora_targets if lora_targets is None or isinstance(lora_targets, str) else tuple(lora_targets))
+    lora = make_lora(lora_rank, lora_targets if lora_targets is None or isinstance(lora_targets, str) else tuple(lora_targets),
+                     lora_alpha)
     return Training(train, lora, make_parallel(world_size, zero, fsdp, tp, sp))
 
 
@@ -63,6 +66,7 @@ class StepBudget:
     lora_layers: tuple[str, ...]
     rank: Budget
     single: Optional[Budget]
+    spike: tuple[Temporaries, ...] = ()  # the temporaries live at rank's peak, made -> freed (passes/spike.py)
 
     @property
     def rows(self) -> Any:
@@ -86,6 +90,9 @@ class StepBudget:
                                "parallel": t.parallel.to_dict(), "per_rank": _budget_dict(self.rank)}
         if self.single is not None:
             out["single_device"] = _budget_dict(self.single)
+        out["temporaries_at_peak"] = [{"made_by": t.made_by, "bytes": t.nbytes, "tensors": t.count,
+                                       "first_made": t.first_made, "last_freed": t.last_freed,
+                                       "freed_by": t.freed_by, "phase": t.phase} for t in self.spike]
         return out
 
 
@@ -107,7 +114,8 @@ def step_budget(g: Any, lv: Any, sv: Any, training: Training, module: nn.Module,
     rank = budget(g, lv, sv, training.parallel, units)
     single = budget(g, lv, sv, Parallel(), units) if training.parallel != Parallel() else None
     device = g.target.device if g.target is not None else g.device
-    return StepBudget(training, device, lora_layers, rank, single)
+    spike = temporaries_at(g, lv, rank.peak_index, frozenset(t.sid for t in sv.tensors)) if rank.peak_index >= 0 else ()
+    return StepBudget(training, device, lora_layers, rank, single, spike)
 
 
 __all__ = ["Training", "make_training", "prepare", "StepBudget", "step_budget", "resolved_impl"]

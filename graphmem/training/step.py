@@ -1,8 +1,9 @@
 """The training step graphmem analyzes, shared by the fake capture and the real measurements.
 
 Keeping one definition is what makes predicted and measured numbers comparable: both run
-``out = forward(*inputs); loss = loss_fn(out, inputs); loss.backward()`` with the output
-still referenced during backward, as in ``logits = model(x); loss = ...; loss.backward()``.
+``out = forward(*args, **kwargs); loss = loss_fn(out, inputs); loss.backward()`` with the
+output still referenced during backward, as in ``logits = model(x); loss = ...; loss.backward()``
+or ``out = model(**batch); out.loss.backward()`` (graphmem/training/batch.py: the batch forms).
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 
 from graphmem.errors import CaptureError
+from graphmem.training.batch import as_batch
 
-LossFn = Callable[[Any, tuple], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]  # (output, inputs in the form given)
 
 
 def _floating_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -36,10 +38,26 @@ def _floating_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _floating_tensors(getattr(obj, f.name))
 
 
-def default_loss(output: Any, inputs: tuple) -> torch.Tensor:
-    """The output itself if it is a scalar tensor, else the sum of every floating-point tensor in it."""
+def own_loss(output: Any) -> Any:
+    """The loss the model computed itself: a ``loss`` field of the output (HF ``ModelOutput``
+    given ``labels``, a dict, a dataclass or any object with a ``loss`` attribute) holding a
+    scalar tensor; else None."""
+    if isinstance(output, torch.Tensor):
+        return None
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss
+    return None
+
+
+def default_loss(output: Any, inputs: Any) -> torch.Tensor:
+    """The model's own loss (an output field ``loss``, see own_loss); else the output itself
+    if it is a scalar tensor; else the sum of every floating-point tensor in it."""
     if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
         return output
+    own = own_loss(output)
+    if own is not None:
+        return own
     parts = [t.sum() for t in _floating_tensors(output) if t.requires_grad]
     if not parts:
         raise CaptureError(
@@ -54,19 +72,21 @@ def default_loss(output: Any, inputs: tuple) -> torch.Tensor:
 
 def run_step(
     forward: Callable[..., Any],
-    inputs: tuple,
+    inputs: Any,
     loss_fn: Optional[LossFn],
     on_phase: Callable[[str], None] = lambda phase: None,
     forward_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ) -> tuple[Any, torch.Tensor]:
     """Forward, loss, backward. ``on_phase`` is told when each phase starts; forward and loss
     run inside ``forward_context()`` (autocast, target rules), backward outside it, as in
-    ``with autocast(): loss = ...`` followed by ``loss.backward()``."""
+    ``with autocast(): loss = ...`` followed by ``loss.backward()``. ``inputs``: a tuple, a dict
+    or ``(args, kwargs)`` (graphmem/training/batch.py); the loss gets it in that form."""
+    batch = as_batch(inputs)
     with forward_context():
         on_phase("forward")
-        out = forward(*inputs)
+        out = batch.call(forward)
         on_phase("loss")
-        loss = (loss_fn or default_loss)(out, inputs)
+        loss = (loss_fn or default_loss)(out, batch.given)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise CaptureError(
             f"the loss must be a scalar tensor, got {type(loss).__name__}"

@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from graphmem.training.batch import as_batch
 from graphmem.training.loop import Session, TrainStep
 from graphmem.training.optim import state_tensors
 from graphmem.training.step import LossFn, run_step
@@ -47,10 +48,11 @@ def _autocast(amp: Optional[torch.dtype]) -> Callable[[], ContextManager[Any]]:
     return (lambda: torch.autocast("cpu", dtype=amp)) if amp is not None else contextlib.nullcontext
 
 
-def measure_saved(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = None,
+def measure_saved(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None,
                   amp: Optional[torch.dtype] = None) -> int:
     """Bytes of the distinct storages autograd saves in a real forward + loss (under CPU
-    autocast to ``amp`` if given)."""
+    autocast to ``amp`` if given). ``inputs``: a tuple, a dict (``model(**inputs)``) or
+    ``(args, kwargs)``, as graphmem/training/batch.py reads them."""
     state = [*model.parameters(), *model.buffers()]
     excluded, _ = _storage_bytes(state)
     saved: dict[int, int] = {}
@@ -82,7 +84,7 @@ def _allocation_events(prof: Any) -> list[tuple[int, int]]:
     return events
 
 
-def measure_peak(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = None,
+def measure_peak(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None,
                  train: Optional[TrainStep] = None, warm_steps: int = 0,
                  amp: Optional[torch.dtype] = None) -> Measured:
     """Real CPU step under the profiler; the peak from the allocator's events. ``train`` adds
@@ -99,7 +101,7 @@ def measure_peak(model: nn.Module, inputs: tuple, loss_fn: Optional[LossFn] = No
             del out, loss
     states = [t for _, _, t in state_tensors(session.optimizer)] if session and session.optimizer else []
     masters = list(session.masters.values()) if session is not None else []
-    tensors = [*model.parameters(), *model.buffers(), *(x for x in inputs if isinstance(x, torch.Tensor)),
+    tensors = [*model.parameters(), *model.buffers(), *as_batch(inputs).tensors(),
                *masters, *states]
     _, baseline = _storage_bytes(tensors)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -36,11 +36,13 @@ import torch
 import torch.nn as nn
 
 from graphmem.api import _shape_of, analyze
+from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import Loaded, load, make_inputs, parse_shape
 from graphmem.capture.target import GPUS
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.passes.allocator import allocator
 from graphmem.report import Report
+from graphmem.training.batch import Batch, as_batch
 from graphmem.training.step import LossFn, run_step
 from graphmem.units import fmt_bytes
 from graphmem.validation.measure import measure_peak, measure_saved
@@ -130,10 +132,12 @@ def validate(
     loss: Optional[LossFn] = None,
     device: Union[str, torch.device] = "cpu",
     tolerance: Optional[float] = None,
+    hf: Optional[HFOptions] = None,
 ) -> Validation:
     """Predict one training step on fake tensors, run it for real, compare.
 
-    ``model``: a model file or preset (built for real on ``device`` after the prediction fits
+    ``inputs``: a tuple, a dict (``model(**inputs)``, as Hugging Face loops call it) or
+    ``(args, kwargs)``. ``model``: a model file or preset (built for real on ``device`` after the prediction fits
     the memory budget) or a real nn.Module on ``device`` (used as it is; its train/eval flags
     and ``.grad`` are restored afterwards, its weights are never changed). ``tolerance``: the
     allowed peak gap in percent of the measured peak (default 1; CPU convnets need ~2.5).
@@ -155,7 +159,7 @@ def validate(
     if inputs is None and input_shape is None:
         raise UsageError("no inputs: pass example inputs or input_shape=(batch, ...) / --input-shape 32x1024")
     shape = _shape(input_shape) if inputs is None else None
-    given = None if inputs is None else tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    given = None if inputs is None else as_batch(inputs)
 
     if isinstance(model, nn.Module):
         _check_real(model, dev)
@@ -164,7 +168,7 @@ def validate(
         loaded: Optional[Loaded] = Loaded(type(model).__name__, model, None, None)
     elif isinstance(model, (str, os.PathLike)):
         spec = os.fspath(model)
-        report = analyze(spec, given, input_shape=shape, loss=loss, **_target(dev))
+        report = analyze(spec, given, input_shape=shape, loss=loss, hf=hf, **_target(dev))
         _check_budget(report, dev, resident=0)  # nothing real exists yet
         loaded = None
     else:
@@ -173,9 +177,9 @@ def validate(
     with _rng(dev):
         torch.manual_seed(0)  # deterministic weights and inputs (values never change the bytes)
         if loaded is None:
-            loaded = _build(spec, dev)
-        real = tuple(_to(x, dev) for x in given) if given is not None else _inputs(loaded, shape or (), dev)
-        shapes = tuple(tuple(x.shape) for x in real if isinstance(x, torch.Tensor))
+            loaded = _build(spec, dev, report, hf)
+        real = given.map(lambda x: _to(x, dev)) if given is not None else _inputs(loaded, shape or (), dev)
+        shapes = tuple(tuple(x.shape) for x in real.tensors())
         if shapes != tuple(report.input_shapes):
             raise ValidationError(f"the real inputs have shapes {shapes}, the analyzed ones {report.input_shapes}; "
                                   "example_inputs(shape) must return the same shapes every time")
@@ -239,7 +243,7 @@ def _check_real(module: nn.Module, dev: torch.device) -> None:
                              f".to({dev.type!r}) or validate with device={t.device.type!r}")
 
 
-def _build(spec: str, dev: torch.device) -> Loaded:
+def _build(spec: str, dev: torch.device, report: Report, hf: Optional[HFOptions]) -> Loaded:
     """The model built for real on ``dev`` from its preset or model file.
 
     Why rebuild rather than ``load(spec).module.to_empty(device)`` and re-initialize: the
@@ -248,14 +252,15 @@ def _build(spec: str, dev: torch.device) -> Loaded:
     and no generic initializer can recompute; rebuilding gives exactly the buffers, weight
     tying and init a user's training run would have. ``load`` (meta) has already run during
     the prediction, so the file is known to be well formed here."""
-    return load(spec, device=str(dev))
+    target = report.step.target if report.step is not None else None  # an HF model's dtype and attention
+    return load(spec, device=str(dev), target=target, options=hf)
 
 
-def _inputs(loaded: Loaded, shape: tuple[int, ...], dev: torch.device) -> tuple:
+def _inputs(loaded: Loaded, shape: tuple[int, ...], dev: torch.device) -> Batch:
     """The model file's example_inputs, or the default-input rule, on the real device."""
     with torch.device(dev):
         made = make_inputs(loaded, shape)
-    return tuple(_to(x, dev) for x in made)  # example_inputs may name a device itself
+    return made.map(lambda x: _to(x, dev))  # example_inputs may name a device itself
 
 
 def _to(x: Any, dev: torch.device) -> Any:
@@ -317,7 +322,7 @@ def _smaller(report: Report) -> str:
 
 # -- the measurements -------------------------------------------------------------------------
 
-def _cpu(report: Report, module: nn.Module, inputs: tuple, loss_fn: Optional[LossFn]) -> tuple[Row, ...]:
+def _cpu(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn]) -> tuple[Row, ...]:
     with _without_profiler_log():
         real = measure_peak(module, inputs, loss_fn)  # the step under the profiler, then the saved set
     return (Row("saved for backward", report.activation_bytes, real.saved_bytes, "exact", None),
@@ -350,7 +355,7 @@ def _without_profiler_log() -> Iterator[None]:
                 sys.stderr.write(rest.decode(errors="replace"))
 
 
-def _cuda(report: Report, module: nn.Module, inputs: tuple, loss_fn: Optional[LossFn],
+def _cuda(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn],
           dev: torch.device) -> tuple[Row, ...]:
     assert report.step is not None
     model = _cuda_model(report)  # the caching allocator replayed over the predicted step
@@ -361,8 +366,8 @@ def _cuda(report: Report, module: nn.Module, inputs: tuple, loss_fn: Optional[Lo
 
     def step() -> None:
         module.zero_grad(set_to_none=True)
-        for x in inputs:
-            if isinstance(x, torch.Tensor) and x.grad is not None:
+        for x in inputs.tensors():
+            if x.grad is not None:
                 x.grad = None
         out, loss = run_step(module, inputs, loss_fn)
         del out, loss
