@@ -192,7 +192,8 @@ class CompiledStep:
         step = CompiledStep(model, backend, call, codes, (), module_inputs)
         phase = ["forward"]
         try:  # a model compiled before in this process may have used up dynamo's recompile limit
-            with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
+            with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20), \
+                    partition_budget(target.memory_budget):
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False):
@@ -240,6 +241,16 @@ class CompiledStep:
         for code in _codes():
             if self._codes_before.get(id(code), 0) == 0 and _entries(code):
                 reset_code(code)
+
+
+def partition_budget(budget: Optional[float]) -> Any:
+    """``torch._functorch.config.activation_memory_budget`` set to ``budget`` while the step is
+    compiled (the partitioner reads it when it splits each joint graph), restored after."""
+    import contextlib
+
+    from torch._functorch import config
+
+    return config.patch(activation_memory_budget=budget) if budget is not None else contextlib.nullcontext()
 
 
 def _codes() -> list[Any]:
