@@ -246,11 +246,15 @@ class CompiledStep:
 def partition_budget(budget: Optional[float]) -> Any:
     """``torch._functorch.config.activation_memory_budget`` set to ``budget`` while the step is
     compiled (the partitioner reads it when it splits each joint graph), restored after."""
-    import contextlib
-
     from torch._functorch import config
 
-    return config.patch(activation_memory_budget=budget) if budget is not None else contextlib.nullcontext()
+    # the backward is compiled with the forward: lazily, AOTAutograd deep-copies the backward graph
+    # inside loss.backward(), under graphmem's fake mode, where copying a lifted constant (a real
+    # tensor) fails; compiled eagerly, it copies it outside any fake mode (graph_compile.py)
+    changes: dict[str, Any] = {"force_non_lazy_backward_lowering": True}
+    if budget is not None:
+        changes["activation_memory_budget"] = budget
+    return config.patch(changes)
 
 
 def _codes() -> list[Any]:

@@ -6,8 +6,8 @@ from tabulate import tabulate
 from graphmem.passes import ModuleSaved
 from graphmem.render.budget import render_budget
 from graphmem.render.compiled import render_modes
-from graphmem.render.memory_budget import render_memory_budgets
 from graphmem.render.formula import render_coefficients
+from graphmem.render.memory_budget import render_memory_budgets
 from graphmem.report import Report
 from graphmem.units import fmt_bytes, fmt_share
 
