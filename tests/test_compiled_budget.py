@@ -190,3 +190,12 @@ def test_budget_needs_compiled_mode() -> None:
     report = graphmem.analyze(nn.Linear(4, 4), (torch.randn(2, 4),))
     with pytest.raises(UsageError, match="mode=\"compiled\""):
         report.memory_budgets([1, 0.5])
+
+
+def test_plans_in_compiled_mode_name_the_budget_sweep() -> None:
+    from graphmem.planning import PlanError
+
+    module, inputs, loss = build(MODELS, "mlp")
+    report = graphmem.analyze(module, inputs, loss=loss, mode="compiled")
+    with pytest.raises(PlanError, match="--memory-budget"):
+        report.plan(budget="1GiB")

@@ -44,4 +44,7 @@ def render_modes(c: ModeComparison, depth: int = 3, top: int = 10) -> str:
         lines += ["", "Recomputed in backward: nothing (the partitioner saved every value backward needs)"]
     if c.graph_breaks:
         lines += ["", "Graph breaks (dynamo's reasons)"] + [f"- {b}" for b in c.graph_breaks]
+    lines += ["", "The compiled peak is AOTAutograd's graphs run op by op (the aot_eager backend); Inductor's fused "
+                  "kernels never materialize the intermediates inside a fusion and its scheduler reorders for peak "
+                  "memory, so an Inductor step's peak would be lower (docs/inductor.md)"]
     return "\n".join(lines) + "\n"
