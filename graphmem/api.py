@@ -47,6 +47,7 @@ def analyze(
     attention: str = "auto",
     gpu: str = "h100",
     mode: str = "eager",
+    memory_budget: Optional[float] = None,
     reuse: bool = True,
     optimizer: Optional[str] = None,
     optimizer_impl: str = "auto",
@@ -74,7 +75,9 @@ def analyze(
     SDPA backend: "auto", "flash", "efficient", "cudnn", "math") and ``gpu`` ("h100", "a100", ...)
     for the CUDA backend rules. ``mode="compiled"`` predicts ``torch.compile(model)``'s step
     (AOTAutograd's graphs split by the min-cut partitioner, as the ``aot_eager`` backend runs
-    them) and puts eager beside it in ``report.compiled``. ``reuse`` (default on): a chain of
+    them) and puts eager beside it in ``report.compiled``; ``memory_budget`` (0 to 1) sets
+    torch.compile's ``activation_memory_budget`` for the partition (``report.memory_budgets``
+    sweeps several values). ``reuse`` (default on): a chain of
     >= 16 identical blocks is captured at depth 5 and the other blocks copied, after a check at
     depth 6 (graphmem/capture/reuse.py); ``reuse=False`` captures every block.
 
@@ -97,7 +100,7 @@ def analyze(
     1536
     """
     if target is None:
-        target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode)
+        target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode, memory_budget)
     loaded = load(os.fspath(model), target=target, options=hf) if isinstance(model, (str, os.PathLike)) else None
     if isinstance(model, torch.export.ExportedProgram):
         loaded = from_exported(model)

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from graphmem.formula import report_api as formula_api
 from graphmem.passes import Liveness, LiveTensor, ModuleSaved, SavedSet, SavedTensor
+from graphmem.planning import memory_budget as memory_budget_api
 from graphmem.planning import report_api as planning_api
 from graphmem.stepgraph import StepGraph
 
@@ -109,6 +110,23 @@ class Report:
 
         return planning_api.plans(self, budget, max_overhead, points, keep, selective)
 
+    def memory_budgets(self, values: Any, keep: bool = False, tick: Any = None) -> Any:
+        """Compiled mode: the step at each value of torch.compile's activation memory budget
+        (``torch._functorch.config.activation_memory_budget``, 0 to 1), each partitioned by the
+        real min-cut partitioner: a graphmem.passes.memory_budget.BudgetSweep (saved bytes, peak,
+        recompute FLOPs per value, and where the peak is not monotonic). ``keep`` adds it to
+        the rendered report.
+
+        >>> sweep = report.memory_budgets([1, 0.8, 0.5, 0.2])  # doctest: +SKIP
+        >>> [(p.budget, p.peak_bytes) for p in sweep.points], sweep.rises  # doctest: +SKIP
+        """
+
+        return memory_budget_api.memory_budgets(self, values, keep, tick)
+
+    @property
+    def known_memory_budgets(self) -> Any:
+        return self.source.kept.get("memory_budgets") if self.source is not None else None
+
     @property
     def known_plans(self) -> Any:
         return self.source.kept.get("plan_summary") if self.source is not None else None
@@ -175,4 +193,5 @@ class Report:
             **({"budget": self.budget.to_dict()} if self.budget is not None else {}),
             **({"compiled": self.compiled.to_dict()} if self.compiled is not None else {}),
             **({"plan": self.known_plans.to_dict()} if self.known_plans is not None else {}),
+            **({"memory_budgets": self.known_memory_budgets.to_dict()} if self.known_memory_budgets is not None else {}),
         }

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from torch.utils.flop_counter import flop_registry
 
 from graphmem.passes.saved import SavedSet
 from graphmem.stepgraph import StepGraph
@@ -24,6 +25,7 @@ class Recomputed:
     shape: tuple[int, ...]  # of its (first) output
     dtype: str
     bytes: int  # bytes of its outputs
+    flops: int = 0  # its FLOPs by torch.utils.flop_counter's formulas (0 for ops without one)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,11 @@ class ModeComparison:
     forward_graphs: int
     backward_graphs: int
     graph_breaks: tuple[str, ...]
+    memory_budget: Optional[float] = None  # activation_memory_budget the partition ran with (None: torch's default)
+
+    @property
+    def recomputed_flops(self) -> int:
+        return sum(r.flops for r in self.recomputed)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: exact integers."""
@@ -54,9 +61,11 @@ class ModeComparison:
             "graph_breaks": list(self.graph_breaks),
             "modules": [{"path": m.path, "eager_bytes": m.eager_bytes, "compiled_bytes": m.compiled_bytes}
                         for m in self.modules],
+            "memory_budget": self.memory_budget,
             "recomputed_bytes": self.recomputed_bytes,
-            "recomputed": [{"op": r.op, "module": r.module, "shape": list(r.shape), "dtype": r.dtype, "bytes": r.bytes}
-                           for r in self.recomputed],
+            "recomputed_flops": self.recomputed_flops,
+            "recomputed": [{"op": r.op, "module": r.module, "shape": list(r.shape), "dtype": r.dtype, "bytes": r.bytes,
+                            "flops": r.flops} for r in self.recomputed],
         }
 
 
@@ -87,6 +96,30 @@ def _is_view(n: Any) -> bool:
                for a in n.all_input_nodes)
 
 
+_aten = torch.ops.aten
+# CPU kernels the flop counter has no entry for, counted by their CUDA twin's formula (as
+# graphmem/planning/costs.py does for a recorded op)
+_SAME_AS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _aten._scaled_dot_product_flash_attention_backward,
+}
+
+
+def node_flops(n: Any) -> int:
+    """FLOPs of one fx node by torch.utils.flop_counter's formulas, from its inputs' and output's
+    fake values (``meta["val"]``); 0 when the op has no formula."""
+    packet = getattr(n.target, "overloadpacket", None)
+    formula = flop_registry.get(_SAME_AS.get(packet, packet))  # type: ignore[arg-type]
+    if formula is None:
+        return 0
+
+    def val(a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return type(a)(val(x) for x in a)
+        return a.meta.get("val") if hasattr(a, "meta") else a
+    return int(formula(*val(n.args), **{k: val(v) for k, v in n.kwargs.items()}, out_val=n.meta.get("val")))
+
+
 def recomputed(compiled: Any) -> tuple[Recomputed, ...]:
     """Forward ops the partitioner placed in the backward graphs of ``compiled``
     (graphmem.capture.compiled.CompiledGraphs), largest output first."""
@@ -99,7 +132,7 @@ def recomputed(compiled: Any) -> tuple[Recomputed, ...]:
             first = _first(n.meta.get("val"))
             out.append(Recomputed(str(n.target), g.modules.get(n, ""), tuple(first.shape) if first is not None else (),
                                   str(first.dtype).replace("torch.", "") if first is not None else "",
-                                  _bytes(n.meta.get("val"))))
+                                  _bytes(n.meta.get("val")), node_flops(n)))
     return tuple(sorted(out, key=lambda r: -r.bytes))
 
 
@@ -115,7 +148,7 @@ def compare_modes(g: StepGraph, compiled: SavedSet, eager: SavedSet) -> ModeComp
     redo = recomputed(g.compiled)
     return ModeComparison(eager.activation_bytes, compiled.activation_bytes, modules, redo,
                           sum(r.bytes for r in redo), len(g.compiled.forward), len(g.compiled.backward),
-                          tuple(g.compiled.graph_breaks))
+                          tuple(g.compiled.graph_breaks), g.target.memory_budget if g.target is not None else None)
 
 
-__all__ = ["ModeComparison", "ModuleModes", "Recomputed", "compare_modes", "recomputed"]
+__all__ = ["ModeComparison", "ModuleModes", "Recomputed", "compare_modes", "node_flops", "recomputed"]

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from graphmem.capture.compiled import CompiledStep
+from graphmem.capture.compiled import CompiledStep, compiled_context
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import Inputs, fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.hf_paths import real_paths
@@ -86,7 +86,7 @@ def capture(
             m.training = True
         if target.mode == "compiled":  # torch.compile's step, traced once on its own fake tensors
 
-            compiled = CompiledStep.trace(model, inputs, loss_fn, target)
+            compiled = CompiledStep.trace(model, inputs, loss_fn, target, backends)
         with fake_mode:
             state, seen = fake_state(model, device, dtype, cap.preexisting)
             fake_inputs = fake_batch(inputs, fake_mode, device, dtype)
@@ -120,7 +120,8 @@ def capture(
                     _rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
                     segment_scope(cap.recompute_scope), real_paths():
                 cap.recording = True
-                context = forward_context(target, backends, cap.clearing_cache)
+                context = forward_context(target, backends, cap.clearing_cache) if compiled is None \
+                    else compiled_context(target)
                 if session is None:
                     out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, context)
                 else:

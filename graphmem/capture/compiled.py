@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from graphmem.capture.cuda_rules import select_backend
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.recorder import _DONE, _Recorder, _tensors, node_metadata
 from graphmem.capture.target import Target
@@ -126,8 +127,11 @@ class _Backend:
     """A dynamo backend: ``aot_eager`` (AOTAutograd, min-cut partition, nothing generated) with
     compilers that keep each graph and run it through ``_Run``."""
 
-    def __init__(self, names: frozenset[str]) -> None:
+    def __init__(self, names: frozenset[str], target: Optional[Target] = None,
+                 used: Optional[dict[str, int]] = None) -> None:
         self.names = names
+        self.target = target
+        self.used: dict[str, int] = {} if used is None else used  # CUDA target: SDPA backend -> calls
         self.graphs: list[CompiledGraph] = []
         self.recorder: Any = None  # graphmem's recorder during the replay
         self.replaying = False
@@ -135,6 +139,8 @@ class _Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         from torch._dynamo.backends.debugging import aot_eager
 
+        if self.target is not None and self.target.device == "cuda":
+            cuda_graph(gm, self.target, self.used)
         return aot_eager(gm, example_inputs, fw_compiler=self._compiler("forward"),
                          bw_compiler=self._compiler("backward"))
 
@@ -164,6 +170,37 @@ class _Backend:
         return compile
 
 
+_SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+
+
+def cuda_graph(gm: fx.GraphModule, target: Target, used: dict[str, int]) -> None:
+    """The CUDA target's rules in a graph dynamo captured, before AOTAutograd traces it: each
+    ``scaled_dot_product_attention`` becomes the backend op CUDA would run (graphmem/capture/cuda_rules.py
+    ``sdpa``), so the joint graph, the partition and the saved set hold that kernel's tensors.
+    Dropout needs no rewrite: AOTAutograd's decomposition already runs ``native_dropout`` (a bool
+    mask), CUDA's fused kernel; LayerNorm's fp32 statistics are the recorder's rule in the replay."""
+    from graphmem.capture.cuda_rules import sdpa
+
+    def cuda_sdpa(*args: Any, **kwargs: Any) -> Any:
+        return sdpa(target, counted, *args, **kwargs)
+
+    counted: dict[str, int] = {}  # AOTAutograd traces the function more than once: count the nodes instead
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _SDPA:
+            n.target = cuda_sdpa
+            q, k, mask = (_arg(n, i, name) for i, name in ((0, "query"), (1, "key"), (3, "attn_mask")))
+            if q is not None and k is not None:
+                backend = select_backend(target, q, k, mask, bool(n.kwargs.get("enable_gqa", False)))
+                used[backend] = used.get(backend, 0) + 1
+    gm.recompile()
+
+
+def _arg(n: fx.Node, i: int, name: str) -> Any:
+    """The fake value dynamo recorded for argument ``i`` (or keyword ``name``) of ``n``."""
+    a = n.args[i] if len(n.args) > i else n.kwargs.get(name)
+    return a.meta.get("example_value") if isinstance(a, fx.Node) else None
+
+
 class CompiledStep:
     """One model compiled by torch.compile on fake tensors, ready to replay under capture."""
 
@@ -175,13 +212,14 @@ class CompiledStep:
         self.module_inputs = module_inputs
 
     @staticmethod
-    def trace(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target) -> "CompiledStep":
-        """Compile and run one step of ``model`` on a plain fake mode (step 1 above)."""
+    def trace(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target,
+              used: Optional[dict[str, int]] = None) -> "CompiledStep":
+        """Compile and run one step of ``model`` on a plain fake mode (step 1 above); on the CUDA
+        target ``used`` counts the SDPA backends the graphs run."""
         from torch._dynamo.utils import counters
 
-
         names = frozenset(name for name, _ in model.named_modules())
-        backend = _Backend(names)
+        backend = _Backend(names, target, used)
         call = _fresh_call()
         optimized = torch.compile(call, backend=backend, dynamic=False)
         codes = _cache_sizes()
@@ -192,12 +230,13 @@ class CompiledStep:
         step = CompiledStep(model, backend, call, codes, (), module_inputs)
         phase = ["forward"]
         try:  # a model compiled before in this process may have used up dynamo's recompile limit
-            with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
+            with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20), \
+                    partition_budget(target.memory_budget):
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False):
                     run_step(lambda *a, **k: optimized(model, *a, **k), batch, loss_fn, lambda p: phase.__setitem__(0, p),
-                             forward_context(target, {}))
+                             compiled_context(target))
         except GraphmemError:
             step.close()
             raise
@@ -240,6 +279,29 @@ class CompiledStep:
         for code in _codes():
             if self._codes_before.get(id(code), 0) == 0 and _entries(code):
                 reset_code(code)
+
+
+def compiled_context(target: Target) -> Callable[[], Any]:
+    """What wraps forward and loss in compiled mode: the CPU target's (autocast, SDPA backend
+    choice; dynamo guards on them), and nothing on the CUDA target, whose rules are in the
+    graphs (``cuda_graph``) and in the recorder."""
+    import contextlib
+
+    return forward_context(target, {}) if target.device == "cpu" else contextlib.nullcontext
+
+
+def partition_budget(budget: Optional[float]) -> Any:
+    """``torch._functorch.config.activation_memory_budget`` set to ``budget`` while the step is
+    compiled (the partitioner reads it when it splits each joint graph), restored after."""
+    from torch._functorch import config
+
+    # the backward is compiled with the forward: lazily, AOTAutograd deep-copies the backward graph
+    # inside loss.backward(), under graphmem's fake mode, where copying a lifted constant (a real
+    # tensor) fails; compiled eagerly, it copies it outside any fake mode (graph_compile.py)
+    changes: dict[str, Any] = {"force_non_lazy_backward_lowering": True}
+    if budget is not None:
+        changes["activation_memory_budget"] = budget
+    return config.patch(changes)
 
 
 def _codes() -> list[Any]:

@@ -34,6 +34,8 @@ class Target:
     attention: str = "auto"  # SDPA backend on the CUDA target
     gpu: str = "h100"  # GPU generation for the CUDA backend rules
     mode: str = "eager"  # "eager" | "compiled" (torch.compile: AOTAutograd + min-cut partition)
+    # compiled mode: torch._functorch.config.activation_memory_budget for the partition (None: torch's own, 1.0)
+    memory_budget: Optional[float] = None
 
     @property
     def param_dtype(self) -> Optional[torch.dtype]:
@@ -58,17 +60,19 @@ class Target:
         elif self.attention != "auto":
             parts.append(f"attention {self.attention}")
         if self.mode == "compiled":
-            parts.append("torch.compile (AOTAutograd, min-cut partition)")
+            parts.append("torch.compile (AOTAutograd, min-cut partition"
+                         + (f", activation memory budget {self.memory_budget:g})" if self.memory_budget is not None else ")"))
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, object]:
         return {"device": self.device, "dtype": self.dtype or "fp32", "amp": self.amp,
                 "attention": self.attention, "gpu": self.gpu if self.device == "cuda" else None,
-                "mode": self.mode}
+                "mode": self.mode, "memory_budget": self.memory_budget}
 
 
 def make_target(device: str = "cpu", dtype: Optional[str] = None, amp: Optional[str] = None,
-                attention: str = "auto", gpu: str = "h100", mode: str = "eager") -> Target:
+                attention: str = "auto", gpu: str = "h100", mode: str = "eager",
+                memory_budget: Optional[float] = None) -> Target:
     """Check the options and name the fix when they do not fit together."""
     device = str(device)
     if device not in ("cpu", "cuda"):
@@ -88,10 +92,24 @@ def make_target(device: str = "cpu", dtype: Optional[str] = None, amp: Optional[
         raise UsageError(f"--attention {attention} is a CUDA kernel; on the CPU target use auto, flash or math")
     if mode not in MODES:
         raise UsageError(f"unknown mode {mode!r}: use eager or compiled")
-    if mode == "compiled" and device == "cuda":
-        raise UsageError("--mode compiled predicts torch.compile on the CPU target (AOTAutograd graphs checked against "
-                         "real CPU runs); use --device cpu, or --mode eager for the CUDA target")
-    return Target(device, dtype, amp, attention, gpu, mode)
+    if mode == "compiled" and device == "cuda" and amp is not None:
+        raise UsageError(f"--amp {amp} with --mode compiled on the CUDA target: autocast's CUDA cast lists are not "
+                         "applied inside dynamo's graphs yet; use --dtype bf16/fp16 (no autocast), or --mode eager")
+    if memory_budget is not None:
+        memory_budget = check_memory_budget(memory_budget)
+        if mode != "compiled":
+            raise UsageError("--memory-budget sets torch.compile's partitioner (activation_memory_budget): "
+                             "add --mode compiled")
+    return Target(device, dtype, amp, attention, gpu, mode, memory_budget)
+
+
+def check_memory_budget(value: object) -> float:
+    """``activation_memory_budget`` is a fraction of the activations the default partition
+    saves: 0 (recompute all it can) to 1 (PyTorch's default)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise UsageError(f"memory budget {value!r} is outside [0, 1]: give a fraction of the saved activations, "
+                         "e.g. --memory-budget 0.5 (1 is torch.compile's default)")
+    return float(value)
 
 
 def check_device(device: str) -> None:

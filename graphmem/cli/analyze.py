@@ -15,6 +15,7 @@ from graphmem.cli.options import (
     add_training_arguments,
     analyze_args,
     check_plan_arguments,
+    memory_budgets_of,
 )
 from graphmem.cli.plan import plan_status
 from graphmem.errors import UsageError
@@ -50,8 +51,12 @@ class Analyze:
 
         fmt = output_format(args)  # flag mistakes and a missing matplotlib fail before the analysis
         check_plan_arguments(args, args.plan)
+        budgets = memory_budgets_of(args)
         with quiet(fmt == "json"):
             report = analyze_args(args)
+            if len(budgets) > 1:  # the report is at the first value; the table has them all
+                with Progress(total=len(budgets), desc="memory budgets") as bar:
+                    report.memory_budgets(budgets, keep=True, tick=bar.update)
             summary = report.plans(args.budget, args.max_overhead, points=args.points, keep=True,
                                    selective=args.selective) if args.plan else None
             if args.formula:

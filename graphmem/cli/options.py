@@ -38,7 +38,7 @@ def add_debug_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
-    """--device/--dtype/--amp/--attention/--gpu/--mode/--no-reuse."""
+    """--device/--dtype/--amp/--attention/--gpu/--mode/--memory-budget/--no-reuse."""
     g = p.add_argument_group("target")
     g.add_argument("--device", default="cpu", choices=DEVICES, help="target device (default cpu)")
     g.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default: as built, fp32)")
@@ -49,6 +49,9 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", default="h100", help="GPU for the CUDA backend rules: h100, a100, l4, a10, t4, v100, ...")
     g.add_argument("--mode", default="eager", choices=MODES,
                    help="eager autograd (default) or torch.compile's step (AOTAutograd, min-cut partition), shown beside eager")
+    g.add_argument("--memory-budget", metavar="F[,F...]",
+                   help="with --mode compiled: torch.compile's activation_memory_budget (0-1) for the partitioner; "
+                   "several values, e.g. 1,0.8,0.5,0.2, also print a sweep table (the report is at the first value)")
     g.add_argument("--no-reuse", action="store_true",
                    help="capture every block of a deep chain (default: 5 captured and copied, checked at depth 6)")
 
@@ -99,7 +102,18 @@ def target_of(args: argparse.Namespace) -> Any:
     """The frozen Target the target options name (checked once, here)."""
     from graphmem.capture.target import make_target
 
-    return make_target(args.device, args.dtype, args.amp, args.attention, args.gpu, args.mode)
+    budgets = memory_budgets_of(args)
+    return make_target(args.device, args.dtype, args.amp, args.attention, args.gpu, args.mode,
+                       budgets[0] if budgets else None)
+
+
+def memory_budgets_of(args: argparse.Namespace) -> tuple[float, ...]:
+    """The values of --memory-budget (none when not given), each checked to lie in [0, 1]."""
+    if args.memory_budget is None:
+        return ()
+    from graphmem.planning.memory_budget import parse_budgets
+
+    return parse_budgets(args.memory_budget)
 
 
 def training_of(args: argparse.Namespace) -> Any:

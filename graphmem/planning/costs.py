@@ -448,7 +448,8 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
         raise PlanError("this report has no model to re-run (no tensor inputs); checkpoint plans need one")
     if getattr(report.target, "mode", "eager") == "compiled":
         raise PlanError("checkpoint plans are made for eager steps: under torch.compile the partitioner already "
-                        "chooses what to recompute (the report lists it); plan with --mode eager")
+                        "chooses what to recompute (the report lists it); to trade recompute for memory there, sweep "
+                        "its activation memory budget (--memory-budget 1,0.8,0.5,0.2), or plan with --mode eager")
     train = source.train
     micro = train.micro_batches if train is not None else 1
     model = source.module

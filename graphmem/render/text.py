@@ -7,6 +7,7 @@ from graphmem.render.budget import render_budget
 from graphmem.render.collapse import ModuleRow, collapsed, each, label
 from graphmem.render.compiled import render_modes
 from graphmem.render.formula import render_coefficients
+from graphmem.render.memory_budget import render_memory_budgets
 from graphmem.report import Report
 from graphmem.units import fmt_bytes, fmt_share
 
@@ -95,6 +96,8 @@ def render_text(report: Report, depth: int = 3, top: int = 10, expand: bool = Fa
                        colalign=("left", "left", "left", "left", "right"))]
     if report.compiled is not None:
         lines += ["", render_modes(report.compiled, depth, top).rstrip("\n")]
+    if report.known_memory_budgets is not None:
+        lines += ["", render_memory_budgets(report.known_memory_budgets).rstrip("\n")]
     if report.known_coefficients is not None:
         lines += ["", render_coefficients(report.known_coefficients).rstrip("\n")]
     if report.budget is not None:
