@@ -5,6 +5,11 @@ degree, Lagrange interpolation over a grid gives the exact polynomial, and held-
 the full depth must match it to the byte before anything is printed. A repeated block chain
 (a ModuleList of identical children) is captured truncated to 2 and 3 blocks, which is cheap
 for deep models: whole(L) = rest + L * block, checked against full-depth captures.
+
+The per-block polynomial and alpha/beta/gamma are the marginal cost of one more block, the
+whole step at 3 blocks minus at 2 (a short chain: at L minus at L - 1), as Korthikanti et al.
+count (a block's input belongs to the block; tests/test_korthikanti.py). The per-module table
+(passes/saved.py) stays module attribution: the bytes made inside each module.
 """
 from __future__ import annotations
 
@@ -278,8 +283,8 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
 
     act2 = poly_of(k2, "activation", degrees)
     block_poly = sympy.Integer(0)
-    if chain:
-        block_poly = poly_of(k2, "block", degrees)
+    if chain:  # what one more block costs: the whole step at 3 blocks minus at 2 (DESIGN.md, alpha/beta/gamma)
+        block_poly = sympy.expand(poly_of(k2 + 1, "activation", degrees) - act2)
         activation = sympy.expand(act2 + (chain.length - 2) * block_poly)
     else:
         activation = act2
@@ -310,14 +315,18 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
     )
     if sampler.chain is None:
         return Coefficients(**coeffs)
-    if chain is None:  # a short chain: per-block bytes from a full capture's block 1
-        block_poly = poly_of(None, "block", degrees)
+    marginal = chain is not None or sampler.chain.length >= 2
+    if chain is None:  # a short chain: the whole step at L blocks minus at L - 1 (one block: its own bytes)
+        length = sampler.chain.length
+        block_poly = (sympy.expand(activation - poly_of(length - 1, "activation", degrees)) if marginal
+                      else poly_of(None, "block", degrees))
     block_terms = terms(block_poly, symbols)
     nonblock = sympy.expand(activation - sampler.chain.length * block_poly)
     coeffs.update(block_terms=block_terms, nonblock_terms=terms(nonblock, symbols))
     if names[:2] != ("b", "s"):
         return Coefficients(**coeffs, note="alpha/beta are defined for (b, s, d_model) token inputs")
-    d, h, gamma = _block_shapes(sampler, k2, d_model, n_heads)
+    depth = k2 if chain is not None else (sampler.chain.length - 1 if marginal else None)
+    d, h, gamma = _block_shapes(sampler, depth, d_model, n_heads, marginal)
     note = ""
     if h is None:
         h, note = 1, "n_heads not found in the attention shapes: beta is per b*s**2 (pass --heads)"
@@ -354,12 +363,13 @@ def peak_model(sampler: Sampler, grids: list[list[int]], symbols: list[sympy.Sym
 
 
 def _block_shapes(sampler: Sampler, depth: Optional[int], d_model: Optional[int],
-                  n_heads: Optional[int]) -> tuple[int, Optional[int], Fraction]:
+                  n_heads: Optional[int], marginal: bool = True) -> tuple[int, Optional[int], Fraction]:
     """d_model (block input's last dim), n_heads (dim 1 of (b, h, s, ...) tensors the block
-    saves) and gamma (bytes per token of saved tensors whose per-token size is not a
-    multiple of d_model), read off a capture at b=11, s=13."""
+    saves) and gamma (bytes per token of saved tensors whose per-token size is not a multiple
+    of d_model), read off captures at b=11, s=13: for gamma, what one more block adds (the step
+    at ``depth`` + 1 blocks minus at ``depth``), or block 1's own tensors when not ``marginal``."""
     point = (ALPHA_B, ALPHA_S) + tuple(sampler.base[d] for d in sampler.dims[2:])
-    g, sv = sampler(point, depth).step
+    g, sv = sampler(point, depth + 1 if marginal and depth is not None else depth).step
     prefix = f"{sampler.chain.path}.1" if sampler.chain.path else "1"
     block_input = g.module_inputs.get(prefix, ())
     d = d_model or (block_input[-1] if block_input else None)
@@ -368,16 +378,25 @@ def _block_shapes(sampler: Sampler, depth: Optional[int], d_model: Optional[int]
     mine = [t for t in sv.tensors if t.module == prefix or t.module.startswith(prefix + ".")]
     heads = [t.shape[1] for t in mine if len(t.shape) == 4 and t.shape[0] == ALPHA_B and t.shape[2] == ALPHA_S]
     h = n_heads or (max(heads) if heads else None)
+    if not marginal:
+        return d, h, _not_d_per_token(mine, d)
+    fewer = sampler(point, depth).step[1]
+    return d, h, _not_d_per_token(list(sv.tensors), d) - _not_d_per_token(list(fewer.tensors), d)
+
+
+def _not_d_per_token(tensors: list[Any], d: int) -> Fraction:
+    """Bytes per token (at b=11, s=13) of the saved tensors whose per-token element count is not
+    a multiple of d_model (LayerNorm's mean/rstd, a logsumexp (b, h, s))."""
     gamma = Fraction(0)
     per_token = ALPHA_B * ALPHA_S
     itemsize = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1}
-    for t in mine:
+    for t in tensors:
         if t.bytes % per_token or list(t.shape).count(ALPHA_S) >= 2:
             continue  # not per token (or the s**2 attention tensors: beta)
         elements = t.bytes // per_token // itemsize.get(t.dtype, 1)
         if elements % d:
             gamma += t.bytes // per_token
-    return d, h, gamma
+    return gamma
 
 
 def _product(grids: list[list[int]]) -> list[tuple[int, ...]]:
