@@ -336,3 +336,34 @@ def _flash_cuda_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     if h_k != h:
         found.append(Scratch(2 * b * s_k * h * d * q.dtype.itemsize, "flash backward expanded dK, dV (GQA)"))
     return found
+
+
+# -- CPU matrix multiply: operands BLAS cannot read in place -------------------------------------
+def _blas_copies(m1: torch.Tensor, m2: torch.Tensor, result: torch.Tensor) -> int:
+    """aten/src/ATen/native/LinearAlgebra.cpp ``addmm_impl_cpu_``: BLAS reads each operand as a
+    column- or row-major matrix with a leading dimension at least its rows; an operand that is
+    neither (an expanded gradient, stride 0, as ``sum()``'s) is first cloned contiguous. The
+    result (made contiguous by the op) decides which operand plays BLAS's ``a``."""
+    rs, rz = result.stride(), result.shape
+    transpose_c = not (rs[0] == 1 and (rz[1] == 1 or rs[1] >= max(1, rz[0]))) and \
+        rs[1] == 1 and (rz[0] == 1 or rs[0] >= max(1, rz[1]))
+    if transpose_c:
+        m1, m2 = m2, m1
+    m, n = (rz[1], rz[0]) if transpose_c else (rz[0], rz[1])
+    k = m1.shape[0 if transpose_c else 1]
+    i, j = (1, 0) if transpose_c else (0, 1)
+    copies = 0
+    for t, lead, other in ((m1, m, k), (m2, k, n)):
+        st = t.stride()
+        if not ((st[i] == 1 and st[j] >= max(1, lead)) or (st[j] == 1 and st[i] >= max(1, other))):
+            copies += t.numel() * t.element_size()
+    return copies
+
+
+@register_scratch(_op("mm"), _op("addmm"))
+def _mm(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+    m1, m2 = (args[0], args[1]) if len(args) < 3 or not isinstance(args[2], torch.Tensor) else (args[1], args[2])
+    if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.numel() == 0 or m1.shape[1] == 0 \
+            or out.dtype not in (torch.float32, torch.float64):  # bf16/fp16 may take oneDNN's matmul instead
+        return []
+    return [Scratch(_blas_copies(m1, m2, out), "operand copies for BLAS (LinearAlgebra.cpp addmm_impl_cpu_)")]

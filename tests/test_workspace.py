@@ -209,3 +209,29 @@ def test_moe_exact_and_independent_of_routing(name: str) -> None:
     other = measure_peak(model, (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7)),))
     assert report.activation_bytes == real.saved_bytes == other.saved_bytes
     assert report.peak_bytes == real.peak_bytes == other.peak_bytes
+
+
+def test_mm_copies_an_expanded_operand_for_blas() -> None:
+    """LinearAlgebra.cpp addmm_impl_cpu_: the (32, 128) expanded gradient of ``sum()`` is cloned
+    before BLAS reads it, once for each of the linear layer's two backward matmuls."""
+    lin = nn.Linear(32, 128, bias=False)
+    x = torch.randn(32, 32, requires_grad=True)
+    got = _op_scratch(lambda: lin(x).sum().backward(), ("aten::mm",))
+    report = graphmem.analyze(nn.Sequential(lin), (x,), loss=lambda out, inputs: out.sum())
+    scratch = [n.meta.get("scratch", 0) for n in report.step.ops if str(n.target) == "aten.mm.default"]
+    assert got == scratch == [32 * 128 * 4, 32 * 128 * 4]
+
+
+def test_moe_with_a_per_expert_loop_is_refused_in_one_line() -> None:
+    """Where memory does depend on the routing: transformers' "eager" experts loop over the
+    experts hit, gathering each one's tokens (nonzero / where): data-dependent sizes that fake
+    tensors cannot know. graphmem says so in one line; the grouped_mm path is routing-free."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=64)
+    config._experts_implementation = "eager"
+    model = transformers.MixtralForCausalLM(config)
+    with pytest.raises(graphmem.errors.DataDependentError, match="nonzero") as err:
+        graphmem.analyze(model, (torch.randint(0, 128, (2, 16)),))
+    assert "\n" not in str(err.value)
