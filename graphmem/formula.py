@@ -248,8 +248,11 @@ def _probe_values(base: int, step: int) -> list[int]:
 
 
 def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
-        n_heads: Optional[int] = None, checks: int = 5) -> Coefficients:
-    """Find the exact activation (and peak) polynomial; raise NotPolynomialError if none holds."""
+        n_heads: Optional[int] = None, checks: int = 5,
+        bounds: Optional[dict[int, tuple[int, Optional[int]]]] = None) -> Coefficients:
+    """Find the exact activation (and peak) polynomial; raise NotPolynomialError if none holds.
+    ``bounds`` (variable index -> (lowest, highest or None)) keeps the held-out checks inside
+    one piece of a piecewise formula (graphmem/piecewise.py); the probes stay near the base."""
     base_point = tuple(sampler.base[d] for d in sampler.dims)
     chain = sampler.chain if sampler.chain and sampler.chain.length > 3 else None
     k2 = 2 if chain else None
@@ -290,7 +293,7 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
         activation = act2
 
     # 3. held-out captures at full depth
-    held = _held_out(base_point, steps, grids, checks)
+    held = _held_out(base_point, steps, grids, checks, bounds or {})
     measured = {p: sampler(p) for p in held}
     bad = mismatches(activation, symbols, {p: s.activation for p, s in measured.items()})
     if bad:
@@ -405,15 +408,23 @@ def _product(grids: list[list[int]]) -> list[tuple[int, ...]]:
     return [tuple(p) for p in product(*grids)]
 
 
-def _held_out(base: tuple[int, ...], steps: list[int], grids: list[list[int]], n: int) -> list[tuple[int, ...]]:
+def _held_out(base: tuple[int, ...], steps: list[int], grids: list[list[int]], n: int,
+              bounds: Optional[dict[int, tuple[int, Optional[int]]]] = None) -> list[tuple[int, ...]]:
     """n deterministic pseudo-random points in [MIN_SIZE, max(base, 8)] per variable (on the variable's
-    lattice), off the fitting grid."""
+    lattice; within ``bounds`` where given), off the fitting grid."""
     import random
 
     rng = random.Random(20261122)
     out: list[tuple[int, ...]] = []
+    ranges = []
+    for i, (b, st) in enumerate(zip(base, steps)):
+        low, high = MIN_SIZE if st == 1 else st, max(b, 8 * st)
+        if bounds and i in bounds:
+            lo, hi = bounds[i]
+            low, high = max(low, -(-lo // st) * st), high if hi is None else min(high, hi)
+        ranges.append((low, max(low, high)))
     for _ in range(100 * n):
-        p = tuple(rng.randrange(MIN_SIZE if st == 1 else st, max(b, 8 * st) + 1, st) for b, st in zip(base, steps))
+        p = tuple(rng.randrange(low, high + 1, st) for (low, high), st in zip(ranges, steps))
         if p not in out and not all(v in g for v, g in zip(p, grids)):
             out.append(p)
         if len(out) == n:
@@ -440,7 +451,16 @@ def sweep(source: Any, batches: list[int], seqs: list[int], tick: Optional[Calla
                          f"no sequence dimension (its sizes are {', '.join(source.names)}); analyze each size instead")
     base[0], base[1] = max(batches), max(seqs)
     sampler = source.sampler_for(tuple(base), (0, 1), tick)
-    coeffs = fit(sampler, ("b", "s"), checks=2)
+    try:
+        coeffs: Any = fit(sampler, ("b", "s"), checks=2)
+    except NotPolynomialError:  # one polynomial on each side of a sliding window (graphmem/piecewise.py)
+        from .piecewise import fit_windowed, window_of
+
+        window = window_of(source.module)
+        if window is None:
+            raise
+        coeffs = fit_windowed(lambda shape: source.sampler_for(shape, (0, 1), tick), ("b", "s"), (0, 1),
+                              tuple(base), window, 2)
     rows = []
     for i, (b, s) in enumerate((b, s) for b in batches for s in seqs):
         shape = tuple([b, s] + base[2:])

@@ -65,7 +65,17 @@ class Report:
         if self.source is None:
             raise formula.UsageError("this report has no model to capture again (built by hand)")
         sampler = self.source.sampler(tick)
-        result = formula.fit(sampler, self.source.names, d_model=d_model, n_heads=n_heads, checks=checks)
+        try:
+            result = formula.fit(sampler, self.source.names, d_model=d_model, n_heads=n_heads, checks=checks)
+        except formula.NotPolynomialError:  # one polynomial on each side of a sliding window?
+            from graphmem.piecewise import fit_windowed, window_of
+
+            window = window_of(self.source.module)
+            if window is None:
+                raise
+            src = self.source
+            result = fit_windowed(lambda base: src.sampler_for(base, src.dims, tick), src.names, src.dims,
+                                  src.base_shape, window, checks, d_model=d_model, n_heads=n_heads)
         if keep:
             self._cache["coefficients"] = result
         return result
@@ -97,7 +107,16 @@ class Report:
                 raise formula.UsageError("batch= needs a (batch, seq, ...) input")
             base[0] = batch
             sampler, name = self.source.sampler_for(tuple(base), (1,), tick), "s"
-        coeffs = formula.fit(sampler, (name,), checks=0)  # the confirming captures check it
+        try:
+            coeffs: Any = formula.fit(sampler, (name,), checks=0)  # the confirming captures check it
+        except formula.NotPolynomialError:
+            from graphmem.piecewise import fit_windowed, window_of
+
+            window = window_of(self.source.module) if name == "s" else None
+            if window is None:
+                raise
+            src = self.source
+            coeffs = fit_windowed(lambda b: src.sampler_for(b, (1,), tick), ("s",), (1,), tuple(base), window, 0)
         return formula.largest_fitting(coeffs, sampler, memory_bytes, name, {})
 
     def max_batch(self, memory: Any, seq: Optional[int] = None) -> int:
