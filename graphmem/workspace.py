@@ -255,7 +255,8 @@ def _flash_cpu_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
 def _layer_norm_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     """aten/src/ATen/native/cpu/layer_norm_kernel.cpp ``LayerNormBackwardKernelImplInternal``:
     when dgamma or dbeta is wanted, a zeroed {2, num_threads, N} buffer for the two-pass
-    reduction; ``LayerNormBackwardKernelImpl`` first makes ``dY.contiguous()``."""
+    reduction; ``LayerNormBackwardKernelImpl`` first makes ``dY.contiguous()``, and
+    aten/src/ATen/native/layer_norm.cpp ``layer_norm_backward_cpu`` the input's."""
     names = ("grad_out", "input", "normalized_shape", "mean", "rstd", "weight", "bias", "output_mask")
     bound = dict(zip(names, args), **kwargs)
     dy, x, mask = bound["grad_out"], bound["input"], bound["output_mask"]
@@ -265,7 +266,17 @@ def _layer_norm_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
         found.append(Scratch(2 * torch.get_num_threads() * n * x.dtype.itemsize, "layer norm backward buffer (layer_norm_kernel.cpp)"))
     if not dy.is_contiguous():
         found.append(Scratch(dy.numel() * dy.dtype.itemsize, "dY.contiguous()"))
+    if not x.is_contiguous():  # aten/src/ATen/native/layer_norm.cpp layer_norm_backward_cpu: expect_contiguous
+        found.append(Scratch(x.numel() * x.dtype.itemsize, "input.expect_contiguous()"))
     return found
+
+
+@register_scratch(_op("native_layer_norm"))
+def _layer_norm(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+    """aten/src/ATen/native/layer_norm.cpp ``layer_norm_cpu``: ``input.expect_contiguous()``, a
+    dense copy of a strided input for the kernel, gone when the op returns."""
+    x = args[0]
+    return [] if x.is_contiguous() else [Scratch(x.numel() * x.dtype.itemsize, "input.expect_contiguous()")]
 
 
 # -- oneDNN LSTM scratch (forward and backward) --------------------------------------------------
@@ -367,3 +378,11 @@ def _mm(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
             or out.dtype not in (torch.float32, torch.float64):  # bf16/fp16 may take oneDNN's matmul instead
         return []
     return [Scratch(_blas_copies(m1, m2, out), "operand copies for BLAS (LinearAlgebra.cpp addmm_impl_cpu_)")]
+
+
+@register_scratch(_op("embedding_dense_backward"))
+def _embedding_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+    """aten/src/ATen/native/Embedding.cpp ``embedding_dense_backward_cpu``:
+    ``grad_.contiguous().view({numel, d})``, a dense copy of a strided output gradient."""
+    grad = args[0]
+    return [] if grad.is_contiguous() else [Scratch(grad.numel() * grad.dtype.itemsize, "grad.contiguous()")]
