@@ -287,7 +287,7 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
     act2 = poly_of(k2, "activation", degrees)
     block_poly = sympy.Integer(0)
     if chain:  # what one more block costs: the whole step at 3 blocks minus at 2 (DESIGN.md, alpha/beta/gamma)
-        block_poly = sympy.expand(poly_of(k2 + 1, "activation", degrees) - act2)
+        block_poly = sympy.expand(poly_of(3, "activation", degrees) - act2)
         activation = sympy.expand(act2 + (chain.length - 2) * block_poly)
     else:
         activation = act2

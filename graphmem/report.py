@@ -65,6 +65,7 @@ class Report:
         if self.source is None:
             raise formula.UsageError("this report has no model to capture again (built by hand)")
         sampler = self.source.sampler(tick)
+        result: Any  # formula.Coefficients, or piecewise.PiecewiseCoefficients around a sliding window
         try:
             result = formula.fit(sampler, self.source.names, d_model=d_model, n_heads=n_heads, checks=checks)
         except formula.NotPolynomialError:  # one polynomial on each side of a sliding window?

@@ -137,6 +137,7 @@ def _grouped_mm(run: Run, args: tuple, kwargs: dict, mode: Any) -> torch.Tensor:
     dtype = out_dtype or a.dtype
     check(dtype == a.dtype, "Grouped gemm output dtype must match `mat_a` dtype")
     if a2:
+        assert offs is not None  # checked above: 2-d operands come with offsets
         size = [offs.size(0), a.size(0), b.size(1)] if b2 else [a.size(0), b.size(-1)]
         if not b2:
             check(offs.size(0) == b.size(0), "matrix batch sizes have to match")

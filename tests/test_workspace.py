@@ -235,3 +235,20 @@ def test_moe_with_a_per_expert_loop_is_refused_in_one_line() -> None:
     with pytest.raises(graphmem.errors.DataDependentError, match="nonzero") as err:
         graphmem.analyze(model, (torch.randint(0, 128, (2, 16)),))
     assert "\n" not in str(err.value)
+
+
+def test_text_report_names_the_workspace_at_the_peak() -> None:
+    """The peak line says how much of it is kernel workspace inside the peak op (here the
+    LayerNorm backward buffer and dY copy), which the per-op test above checks against the kernel."""
+    from graphmem.render.text import render_text
+
+    ln = nn.LayerNorm(64)
+    x = torch.randn(2, 17, 64, requires_grad=True)
+    report = graphmem.analyze(nn.Sequential(ln), (x,), loss=lambda out, inputs: out.sum())
+    assert report.peak_op == "aten.native_layer_norm_backward.default"
+    scratch = next(n.meta["scratch"] for n in report.step.ops if "native_layer_norm_backward" in str(n.target))
+    real = measure_peak(nn.Sequential(ln), (x,), lambda out, inputs: out.sum())
+    assert report.peak_bytes == real.peak_bytes
+    from graphmem.render.units import fmt_bytes
+
+    assert f"kernel workspace {fmt_bytes(scratch)} inside it" in render_text(report)
