@@ -8,7 +8,7 @@ from graphmem.stepgraph import StepGraph
 def notes(g: StepGraph) -> tuple[str, ...]:
     found: dict[str, None] = {}
     for node in g.ops:
-        rule = NOTE_RULES.get(node.target)
+        rule = NOTE_RULES.get((node.target, g.device))
         if rule is not None:
             found.setdefault(rule(node), None)
     return tuple(found)

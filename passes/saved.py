@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from graphmem.stepgraph import StepGraph, Storage
 
-CATEGORIES = ("activation", "input", "autocast copy", "other")
+CATEGORIES = ("activation", "input", "autocast copy", "workspace", "other")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ def _category(s: Storage, storages: dict[int, Storage]) -> str:
         return "autocast copy"  # a forward cast of a weight (what autocast caches and saves)
     if s.kind == "activation":
         return "activation"
+    if s.kind == "workspace":
+        return "workspace"  # a kernel's workspace it keeps for backward (oneDNN LSTM; graphmem/capture/workspace.py)
     return "other"
 
 

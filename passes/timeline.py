@@ -7,6 +7,8 @@ Categories (each storage belongs to exactly one, for its whole live interval):
 - ``optimizer``:   optimizer states and fp32 master copies (graphmem/training/loop.py)
 - ``activations``: the storages saved for backward (what ``activation_bytes`` counts, the saved
   batch included), from the forward op that makes them to the backward op that frees them
+- ``workspace``:   kernel scratch, live inside one op (graphmem/capture/workspace.py); a workspace the
+  kernel returns and autograd saves (oneDNN LSTM) counts under ``activations``
 - ``other``:       everything else: inputs that are not saved, temporaries, the output and the
   loss, intermediate gradients during backward
 
@@ -23,7 +25,7 @@ from graphmem.passes.liveness import Liveness
 from graphmem.passes.saved import SavedTensor
 from graphmem.stepgraph import StepGraph, Storage
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "workspace", "other")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ def _category(s: Storage, saved_sids: set[int]) -> str:
         return "optimizer"
     if s.sid in saved_sids:
         return "activations"
+    if s.kind == "workspace":
+        return "workspace"
     return "other"
 
 

@@ -43,9 +43,10 @@ def test_plot_one_report() -> None:
     ax = fig.axes[0]
     assert [t.get_text() for t in fig.legends[0].texts] == [
         "parameters + buffers", "gradients (.grad)", "activations (saved for backward)",
-        "other (inputs, temporaries, outputs)"]
-    # the four stacked bands, the phase lines at the loss (op 5) and backward (op 6) boundaries
-    assert len(ax.collections) == 4
+        "kernel workspace (scratch inside an op)", "other (inputs, temporaries, outputs)"]
+    # the five stacked bands (workspace: the last linear's backward copies sum()'s expanded
+    # gradient for BLAS), the phase lines at the loss (op 5) and backward (op 6) boundaries
+    assert len(ax.collections) == 5
     assert sorted(line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == "--") == [5, 6]
     texts = _texts(fig)
     assert {"forward", "loss", "backward", "peak 6.91 KiB"} <= set(texts)  # 7080 B, op 25

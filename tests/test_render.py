@@ -93,7 +93,7 @@ def test_render_text_sequential_numbers_by_hand() -> None:
     assert r.input_bytes == 8 * 16 * f32 == 512
     # Saved: the batch (Linear 0 needs it for its weight grad) and the ReLU output (ReLU's own
     # backward and Linear 2's weight grad both use it; one storage, counted once).
-    assert r.by_category == {"activation": 8 * 32 * f32, "input": 8 * 16 * f32, "autocast copy": 0, "other": 0}
+    assert r.by_category == {"activation": 8 * 32 * f32, "input": 8 * 16 * f32, "autocast copy": 0, "workspace": 0, "other": 0}
     assert r.activation_bytes == 512 + 1024 == 1536  # 1.50 KiB
     # Peak: during Linear 0's bias-grad sum in backward (op 25), live are the parameters (2704),
     # the batch (512), the output (8x4: 128), loss and its ones_like grad (4 + 4), the grads of

@@ -29,6 +29,7 @@ from graphmem.capture.target import Target
 from graphmem.errors import GraphmemError
 from graphmem.stepgraph import StepGraph
 from graphmem.training.loop import Session, TrainStep, relabel_accumulation
+from graphmem.training.optim import resolved_impl
 from graphmem.training.step import LossFn, default_loss, run_step
 
 
@@ -74,6 +75,7 @@ def capture(
     _unique_counts()  # calibrate before entering the fake mode
     paths = {id(m): name for name, m in model.named_modules()}
     cap = _Recorder(paths)
+    cap.device = target.device
     if target.device == "cuda":
         cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)
         cap.fp32_norm_stats = True
@@ -95,7 +97,12 @@ def capture(
                     cap.preexisting(x, "input", name)
             session = _session(train, model, seen, cap, target.device)
         marked: dict[str, list[int]] = {}
-        mark = _marker(cap, seen, model, marked)  # before the step swaps the fake parameters into the module
+        # torch.optim keeps the step counters of its for-loop and foreach implementations on the host
+        # (torch/optim/adam.py _init_group: torch.tensor(0.0) unless fused or capturable); fused keeps
+        # them on the parameters' device. The CUDA target runs on fake CPU tensors, so say which.
+        host_steps = target.device == "cuda" and train is not None and \
+            resolved_impl(train.impl, target.device) != "fused"
+        mark = _marker(cap, seen, model, marked, host_steps)  # before the step swaps the fake parameters into the module
         handles = [] if compiled is not None else [  # compiled: modules come from the graphs' node metadata
             nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
             nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True),  # also when a recompute stops early
@@ -175,9 +182,10 @@ def _session(train: Optional[TrainStep], model: nn.Module, seen: dict[int, torch
 
 
 def _marker(cap: _Recorder, seen: dict[int, torch.Tensor], model: nn.Module,
-            marked: dict[str, list[int]]) -> Callable[[str, list[tuple[str, torch.Tensor]]], None]:
+            marked: dict[str, list[int]], host_steps: bool = False) -> Callable[[str, list[tuple[str, torch.Tensor]]], None]:
     """Sets the kind of the storages the training step names (gradients, optimizer states, fp32
-    gradient copies) and the parameter each belongs to (``Storage.owner``: its storage id)."""
+    gradient copies) and the parameter each belongs to (``Storage.owner``: its storage id).
+    ``host_steps``: scalar ``step`` states live in host memory, so they take no device bytes."""
     param_sid = {name: cap.live[seen[id(p)].untyped_storage()._cdata].sid for name, p in model.named_parameters()}
 
     def mark(kind: str, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -186,6 +194,8 @@ def _marker(cap: _Recorder, seen: dict[int, torch.Tensor], model: nn.Module,
             s.kind = kind
             if kind != "gradient":
                 s.name = f"{name} ({kind})"
+            if host_steps and kind == "optimizer state" and name.endswith(":step") and t.numel() <= 1:
+                s.nbytes, s.name = 0, f"{name} (optimizer state, host memory)"
             s.owner = param_sid.get(name.split(":")[0])
             marked.setdefault(kind, []).append(s.sid)
     return mark

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphmem.capture.workspace import WORKSPACE_OUTPUTS, kernel_rule, scratch
 from graphmem.stepgraph import OpNode, SaveEvent, Storage
 
 _NODE = "_graphmem_node"  # attribute set on each fake tensor: the OpNode (or (OpNode, i)) that produced it
@@ -69,6 +70,11 @@ class _Mode(FakeTensorMode):
         if func is _LAYER_NORM and rec.fp32_norm_stats and args[0].dtype in (torch.float16, torch.bfloat16):
             return rec.record(lambda f, a, k: _fp32_stats(super(_Mode, self).__torch_dispatch__(f, types, a, k)),
                               func, args, kwargs)
+        rule = kernel_rule(func, rec.device)
+        if rule is not None:  # the real kernel's behaviour where the fake kernel's differs (graphmem/capture/workspace.py)
+            # the rule makes its new tensors under ``self`` (the mode is off inside its own dispatch)
+            return rec.record(lambda f, a, k: rule(lambda *a2, **k2: super(_Mode, self).__torch_dispatch__(f, types, a2, k2),
+                                                   a, k, self), func, args, kwargs)
         return rec.record(lambda f, a, k: super(_Mode, self).__torch_dispatch__(f, types, a, k), func, args, kwargs)
 
 
@@ -107,6 +113,7 @@ class _Recorder:
         self.fp32_norm_stats = False  # CUDA target: LayerNorm's mean/rstd in fp32 (see _fp32_stats)
         self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
         self.clearing = False  # inside an autocast cache clear (see ``clearing_cache``)
+        self.device = "cpu"  # the target device: which kernel and scratch rules hold (graphmem/capture/workspace.py)
 
     # -- storages -----------------------------------------------------------------
     def storage(self, t: torch.Tensor, kind: str, name: str, created: int, module: str) -> Storage:
@@ -208,6 +215,18 @@ class _Recorder:
             node.meta["recompute"] = True  # a checkpointed segment's forward, run again
         if metas:
             node.meta.update(shape=metas[0][0], dtype=metas[0][1], storage=metas[0][2])
+        for i in WORKSPACE_OUTPUTS.get(func, ()):  # a kernel's workspace, returned as an output
+            if i < len(outs) and isinstance(outs[i], torch.Tensor) and outs[i].numel():
+                ws = self.storages[self.live[outs[i].untyped_storage()._cdata].sid]
+                if ws.created == index:
+                    ws.kind, ws.name = "workspace", f"{func} workspace"
+        found = scratch(func, self.device, args, kwargs, out)
+        for sc in found:  # allocated and freed inside the kernel: live during this op only
+            s = Storage(len(self.storages), sc.nbytes, "workspace", index, index, module, f"{func} scratch: {sc.what}",
+                        "uint8", (sc.nbytes,))
+            self.storages[s.sid] = s
+        if found:
+            node.meta["scratch"] = sum(sc.nbytes for sc in found)
         return out
 
     def _accumulates_inplace(self, args: tuple) -> bool:

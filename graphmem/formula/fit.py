@@ -5,6 +5,11 @@ degree, Lagrange interpolation over a grid gives the exact polynomial, and held-
 the full depth must match it to the byte before anything is printed. A repeated block chain
 (a ModuleList of identical children) is captured truncated to 2 and 3 blocks, which is cheap
 for deep models: whole(L) = rest + L * block, checked against full-depth captures.
+
+The per-block polynomial and alpha/beta/gamma are the marginal cost of one more block, the
+whole step at 3 blocks minus at 2 (a short chain: at L minus at L - 1), as Korthikanti et al.
+count (a block's input belongs to the block; tests/test_korthikanti.py). The per-module table
+(passes/saved.py) stays module attribution: the bytes made inside each module.
 """
 from __future__ import annotations
 
@@ -215,8 +220,11 @@ def _probe_values(base: int, step: int) -> list[int]:
 
 
 def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
-        n_heads: Optional[int] = None, checks: int = 5) -> Coefficients:
-    """Find the exact activation (and peak) polynomial; raise NotPolynomialError if none holds."""
+        n_heads: Optional[int] = None, checks: int = 5,
+        bounds: Optional[dict[int, tuple[int, Optional[int]]]] = None) -> Coefficients:
+    """Find the exact activation (and peak) polynomial; raise NotPolynomialError if none holds.
+    ``bounds`` (variable index -> (lowest, highest or None)) keeps the held-out checks inside
+    one piece of a piecewise formula (graphmem/formula/piecewise.py); the probes stay near the base."""
     base_point = tuple(sampler.base[d] for d in sampler.dims)
     chain = sampler.chain if sampler.chain and sampler.chain.length > 3 else None
     k2 = 2 if chain else None
@@ -250,14 +258,14 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
 
     act2 = poly_of(k2, "activation", degrees)
     block_poly = sympy.Integer(0)
-    if chain:
-        block_poly = poly_of(k2, "block", degrees)
+    if chain:  # what one more block costs: the whole step at 3 blocks minus at 2 (DESIGN.md, alpha/beta/gamma)
+        block_poly = sympy.expand(poly_of(3, "activation", degrees) - act2)
         activation = sympy.expand(act2 + (chain.length - 2) * block_poly)
     else:
         activation = act2
 
     # 3. held-out captures at full depth
-    held = _held_out(base_point, steps, grids, checks)
+    held = _held_out(base_point, steps, grids, checks, bounds or {})
     measured = {p: sampler(p) for p in held}
     bad = mismatches(activation, symbols, {p: s.activation for p, s in measured.items()})
     if bad:
@@ -282,14 +290,18 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
     )
     if sampler.chain is None:
         return Coefficients(**coeffs)
-    if chain is None:  # a short chain: per-block bytes from a full capture's block 1
-        block_poly = poly_of(None, "block", degrees)
+    marginal = chain is not None or sampler.chain.length >= 2
+    if chain is None:  # a short chain: the whole step at L blocks minus at L - 1 (one block: its own bytes)
+        length = sampler.chain.length
+        block_poly = (sympy.expand(activation - poly_of(length - 1, "activation", degrees)) if marginal
+                      else poly_of(None, "block", degrees))
     block_terms = terms(block_poly, symbols)
     nonblock = sympy.expand(activation - sampler.chain.length * block_poly)
     coeffs.update(block_terms=block_terms, nonblock_terms=terms(nonblock, symbols))
     if names[:2] != ("b", "s"):
         return Coefficients(**coeffs, note="alpha/beta are defined for (b, s, d_model) token inputs")
-    d, h, gamma = _block_shapes(sampler, k2, d_model, n_heads)
+    depth = k2 if chain is not None else (sampler.chain.length - 1 if marginal else None)
+    d, h, gamma = _block_shapes(sampler, depth, d_model, n_heads, marginal)
     note = ""
     if h is None:
         h, note = 1, "n_heads not found in the attention shapes: beta is per b*s**2 (pass --heads)"
@@ -326,12 +338,13 @@ def peak_model(sampler: Sampler, grids: list[list[int]], symbols: list[sympy.Sym
 
 
 def _block_shapes(sampler: Sampler, depth: Optional[int], d_model: Optional[int],
-                  n_heads: Optional[int]) -> tuple[int, Optional[int], Fraction]:
+                  n_heads: Optional[int], marginal: bool = True) -> tuple[int, Optional[int], Fraction]:
     """d_model (block input's last dim), n_heads (dim 1 of (b, h, s, ...) tensors the block
-    saves) and gamma (bytes per token of saved tensors whose per-token size is not a
-    multiple of d_model), read off a capture at b=11, s=13."""
+    saves) and gamma (bytes per token of saved tensors whose per-token size is not a multiple
+    of d_model), read off captures at b=11, s=13: for gamma, what one more block adds (the step
+    at ``depth`` + 1 blocks minus at ``depth``), or block 1's own tensors when not ``marginal``."""
     point = (ALPHA_B, ALPHA_S) + tuple(sampler.base[d] for d in sampler.dims[2:])
-    g, sv = sampler(point, depth).step
+    g, sv = sampler(point, depth + 1 if marginal and depth is not None else depth).step
     assert sampler.chain is not None  # the caller found the chain
     prefix = f"{sampler.chain.path}.1" if sampler.chain.path else "1"
     block_input = g.module_inputs.get(prefix, ())
@@ -341,16 +354,25 @@ def _block_shapes(sampler: Sampler, depth: Optional[int], d_model: Optional[int]
     mine = [t for t in sv.tensors if t.module == prefix or t.module.startswith(prefix + ".")]
     heads = [t.shape[1] for t in mine if len(t.shape) == 4 and t.shape[0] == ALPHA_B and t.shape[2] == ALPHA_S]
     h = n_heads or (max(heads) if heads else None)
+    if not marginal:
+        return d, h, _not_d_per_token(mine, d)
+    fewer = sampler(point, depth).step[1]
+    return d, h, _not_d_per_token(list(sv.tensors), d) - _not_d_per_token(list(fewer.tensors), d)
+
+
+def _not_d_per_token(tensors: list[Any], d: int) -> Fraction:
+    """Bytes per token (at b=11, s=13) of the saved tensors whose per-token element count is not
+    a multiple of d_model (LayerNorm's mean/rstd, a logsumexp (b, h, s))."""
     gamma = Fraction(0)
     per_token = ALPHA_B * ALPHA_S
     itemsize = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1}
-    for t in mine:
+    for t in tensors:
         if t.bytes % per_token or list(t.shape).count(ALPHA_S) >= 2:
             continue  # not per token (or the s**2 attention tensors: beta)
         elements = t.bytes // per_token // itemsize.get(t.dtype, 1)
         if elements % d:
             gamma += t.bytes // per_token
-    return d, h, gamma
+    return gamma
 
 
 def _product(grids: list[list[int]]) -> list[tuple[int, ...]]:
@@ -359,54 +381,28 @@ def _product(grids: list[list[int]]) -> list[tuple[int, ...]]:
     return [tuple(p) for p in product(*grids)]
 
 
-def _held_out(base: tuple[int, ...], steps: list[int], grids: list[list[int]], n: int) -> list[tuple[int, ...]]:
+def _held_out(base: tuple[int, ...], steps: list[int], grids: list[list[int]], n: int,
+              bounds: Optional[dict[int, tuple[int, Optional[int]]]] = None) -> list[tuple[int, ...]]:
     """n deterministic pseudo-random points in [MIN_SIZE, max(base, 8)] per variable (on the variable's
-    lattice), off the fitting grid."""
+    lattice; within ``bounds`` where given), off the fitting grid."""
     import random
 
     rng = random.Random(20261122)
     out: list[tuple[int, ...]] = []
+    ranges = []
+    for i, (b, st) in enumerate(zip(base, steps)):
+        low, high = MIN_SIZE if st == 1 else st, max(b, 8 * st)
+        if bounds and i in bounds:
+            lo, hi = bounds[i]
+            low, high = max(low, -(-lo // st) * st), high if hi is None else min(high, hi)
+        ranges.append((low, max(low, high)))
     for _ in range(100 * n):
-        p = tuple(rng.randrange(MIN_SIZE if st == 1 else st, max(b, 8 * st) + 1, st) for b, st in zip(base, steps))
+        p = tuple(rng.randrange(low, high + 1, st) for (low, high), st in zip(ranges, steps))
         if p not in out and not all(v in g for v, g in zip(p, grids)):
             out.append(p)
         if len(out) == n:
             break
     return out
-
-
-@dataclass(frozen=True)
-class Sweep:
-    batches: tuple[int, ...]
-    seqs: tuple[int, ...]
-    rows: tuple[tuple[int, int, int, Optional[int], Optional[int], Optional[int]], ...]
-    # (b, s, activation, peak, captured activation, captured peak): captured only where spot-checked
-    coefficients: Coefficients
-
-
-def sweep(source: Any, batches: list[int], seqs: list[int], tick: Optional[Callable[[], None]] = None) -> Sweep:
-    """Activation and peak over the grid from the exact formulas; the first point is captured."""
-    if not batches or not seqs or min(batches + seqs) < 1:
-        raise UsageError("sweep needs positive batch and sequence lists, e.g. --batch 1,8,32 --seq 512,1024")
-    base = list(source.base_shape)
-    if tuple(source.names[:2]) != ("b", "s"):
-        raise UsageError(f"sweep varies batch and sequence length, but this model's input {tuple(base)} has "
-                         f"no sequence dimension (its sizes are {', '.join(source.names)}); analyze each size instead")
-    base[0], base[1] = max(batches), max(seqs)
-    sampler = source.sampler_for(tuple(base), (0, 1), tick)
-    coeffs = fit(sampler, ("b", "s"), checks=2)
-    rows = []
-    for i, (b, s) in enumerate((b, s) for b in batches for s in seqs):
-        shape = tuple([b, s] + base[2:])
-        if not coeffs.covers(shape):  # too small for the formula: the capture is the answer
-            c = sampler((b, s))
-            rows.append((b, s, c.activation, c.peak, c.activation, c.peak))
-            continue
-        peak = coeffs.peak_at(shape) if coeffs.peak is not None else None
-        captured = sampler((b, s)) if i == 0 else None
-        rows.append((b, s, coeffs.activation_at(shape), peak,
-                     captured.activation if captured else None, captured.peak if captured else None))
-    return Sweep(tuple(batches), tuple(seqs), tuple(rows), coeffs)
 
 
 @dataclass(frozen=True)

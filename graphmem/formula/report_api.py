@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from graphmem.errors import UsageError
-from graphmem.formula.fit import Coefficients, FitAnswer, Sweep, largest_fitting
+from graphmem.formula.fit import FitAnswer, NotPolynomialError, largest_fitting
 from graphmem.formula.fit import fit as fit_formula
-from graphmem.formula.fit import sweep as sweep_formula
+from graphmem.formula.piecewise import fit_windowed, window_of
+from graphmem.formula.sweep import Sweep
+from graphmem.formula.sweep import sweep as sweep_formula
 from graphmem.units import parse_bytes
 
 
@@ -17,7 +19,7 @@ def _source(report: Any) -> Any:
     return report.source
 
 
-def coefficients(report: Any) -> Coefficients:
+def coefficients(report: Any) -> Any:
     kept = _source(report).kept
     if "coefficients" not in kept:
         kept["coefficients"] = formula(report)
@@ -25,9 +27,17 @@ def coefficients(report: Any) -> Coefficients:
 
 
 def formula(report: Any, d_model: Optional[int] = None, n_heads: Optional[int] = None, checks: int = 5,
-            tick: Any = None, keep: bool = False) -> Coefficients:
+            tick: Any = None, keep: bool = False) -> Any:
     source = _source(report)
-    result = fit_formula(source.sampler(tick), source.names, d_model=d_model, n_heads=n_heads, checks=checks)
+    result: Any  # Coefficients, or PiecewiseCoefficients around a sliding window
+    try:
+        result = fit_formula(source.sampler(tick), source.names, d_model=d_model, n_heads=n_heads, checks=checks)
+    except NotPolynomialError:  # one polynomial on each side of a sliding window?
+        window = window_of(source.module)
+        if window is None:
+            raise
+        result = fit_windowed(lambda base: source.sampler_for(base, source.dims, tick), source.names, source.dims,
+                              source.base_shape, window, checks, d_model=d_model, n_heads=n_heads)
     if keep:
         source.kept["coefficients"] = result
     return result
@@ -53,7 +63,14 @@ def fit(report: Any, memory: Any, seq: Optional[int] = None, batch: Optional[int
             raise UsageError("batch= needs a (batch, seq, ...) input")
         base[0] = batch
         sampler, name = source.sampler_for(tuple(base), (1,), tick), "s"
-    coeffs = fit_formula(sampler, (name,), checks=0)  # the confirming captures check it
+    coeffs: Any
+    try:
+        coeffs = fit_formula(sampler, (name,), checks=0)  # the confirming captures check it
+    except NotPolynomialError:
+        window = window_of(source.module) if name == "s" else None
+        if window is None:
+            raise
+        coeffs = fit_windowed(lambda b: source.sampler_for(b, (1,), tick), ("s",), (1,), tuple(base), window, 0)
     return largest_fitting(coeffs, sampler, memory_bytes, name, {})
 
 

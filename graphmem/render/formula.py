@@ -26,6 +26,11 @@ def _poly(terms: dict[str, Fraction]) -> str:
 
 
 def render_coefficients(c: Any) -> str:
+    if hasattr(c, "breakpoint"):  # graphmem.formula.piecewise.PiecewiseCoefficients
+        name = c.variables[c.index]
+        return (f"Piecewise in {name}, breakpoint {name} = {c.breakpoint}: {c.why}\n"
+                f"[{name} < {c.breakpoint}] " + render_coefficients(c.below)
+                + f"[{name} >= {c.breakpoint}] " + render_coefficients(c.above))
     names = ", ".join(c.variables)
     where = " (polynomial on multiples of " + ", ".join(
         f"{st} in {n}" for n, st in zip(c.variables, c.steps) if st > 1) + ")" if any(st > 1 for st in c.steps) else ""

@@ -21,9 +21,11 @@ LABELS = {
     "gradients": "gradients (.grad)",
     "optimizer": "optimizer states + master copies",
     "activations": "activations (saved for backward)",
+    "workspace": "kernel workspace (scratch inside an op)",
     "other": "other (inputs, temporaries, outputs)",
 }
-COLORS = {"parameters": "#4e79a7", "gradients": "#59a14f", "optimizer": "#b07aa1", "activations": "#f28e2c", "other": "#bab0ab"}
+COLORS = {"parameters": "#4e79a7", "gradients": "#59a14f", "optimizer": "#b07aa1", "activations": "#f28e2c",
+          "workspace": "#e15759", "other": "#bab0ab"}
 OVERLAY = "#c0392b"
 INSTALL = "pip install 'graphmem[plot]'"
 
@@ -133,7 +135,7 @@ def timeline_figure(report: Report, other: Optional[Report] = None, labels: Opti
     ax, side = fig.subplots(1, 2, width_ratios=[3, 1])
     n = report.num_ops
     xs = list(range(n + 1))
-    shown = [c for c in CATEGORIES if c != "optimizer" or any(tl.by_category[c])]  # optimizer: with --optimizer
+    shown = [c for c in CATEGORIES if c not in ("optimizer", "workspace") or any(tl.by_category[c])]  # when present
     ax.stackplot(xs, *[_steps(tl.by_category[c], scale) for c in shown], step="post",
                  colors=[COLORS[c] for c in shown], labels=[LABELS[c] for c in shown],
                  linewidth=0, zorder=2)

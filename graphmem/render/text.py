@@ -65,7 +65,7 @@ def render_text(report: Report, depth: int = 3, top: int = 10, expand: bool = Fa
         ["activations", fmt_bytes(report.activation_bytes), f"saved for backward: {cats}" if cats else "nothing saved"],
         ["peak", fmt_bytes(report.peak_bytes),
          f"op {report.peak_index} ({report.peak_phase}, {report.peak_op}, {_module(report.peak_module)})"
-         if report.peak_index >= 0 else "before the step"],
+         + _scratch(report) if report.peak_index >= 0 else "before the step"],
     ]
     if report.cuda_allocator is not None:
         a = report.cuda_allocator
@@ -105,3 +105,9 @@ def render_text(report: Report, depth: int = 3, top: int = 10, expand: bool = Fa
     if report.notes:
         lines += ["", "Notes"] + [f"- {n}" for n in report.notes]
     return "\n".join(lines) + "\n"
+
+
+def _scratch(report: Report) -> str:
+    """The kernel workspace live inside the peak op (graphmem/capture/workspace.py), when there is some."""
+    nbytes = sum(t.nbytes for t in report.live_at_peak if t.kind == "workspace" and t.freed == t.created)
+    return f"; kernel workspace {fmt_bytes(nbytes)} inside it" if nbytes else ""
