@@ -35,6 +35,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 import torch.nn as nn
 
+import graphmem.validation.measure as measure  # called through the module: tests patch it
 from graphmem.api import _shape_of, analyze
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import Loaded, load, make_inputs, parse_shape
@@ -45,7 +46,6 @@ from graphmem.report import Report
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.step import LossFn, run_step
 from graphmem.units import fmt_bytes
-from graphmem.validation.measure import measure_peak, measure_saved
 
 DEFAULT_TOLERANCE = 1.0  # percent of the measured peak
 RAM_SHARE = 0.5  # of MemAvailable: the page cache and other programs keep the rest
@@ -243,7 +243,7 @@ def _check_real(module: nn.Module, dev: torch.device) -> None:
                              f".to({dev.type!r}) or validate with device={t.device.type!r}")
 
 
-def _build(spec: str, dev: torch.device, report: Report, hf: Optional[HFOptions]) -> Loaded:
+def _build(spec: str, dev: torch.device, report: Optional[Report] = None, hf: Optional[HFOptions] = None) -> Loaded:
     """The model built for real on ``dev`` from its preset or model file.
 
     Why rebuild rather than ``load(spec).module.to_empty(device)`` and re-initialize: the
@@ -252,7 +252,7 @@ def _build(spec: str, dev: torch.device, report: Report, hf: Optional[HFOptions]
     and no generic initializer can recompute; rebuilding gives exactly the buffers, weight
     tying and init a user's training run would have. ``load`` (meta) has already run during
     the prediction, so the file is known to be well formed here."""
-    target = report.step.target if report.step is not None else None  # an HF model's dtype and attention
+    target = report.step.target if report is not None and report.step is not None else None  # an HF model's dtype, attention
     return load(spec, device=str(dev), target=target, options=hf)
 
 
@@ -324,7 +324,7 @@ def _smaller(report: Report) -> str:
 
 def _cpu(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn]) -> tuple[Row, ...]:
     with _without_profiler_log():
-        real = measure_peak(module, inputs, loss_fn)  # the step under the profiler, then the saved set
+        real = measure.measure_peak(module, inputs, loss_fn)  # the step under the profiler, then the saved set
     return (Row("saved for backward", report.activation_bytes, real.saved_bytes, "exact", None),
             Row("before the step", report.baseline_bytes, real.baseline_bytes, "exact", None),
             Row("peak", report.peak_bytes, real.peak_bytes, "tolerance", None))
@@ -381,7 +381,7 @@ def _cuda(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[Lo
     step()
     max_allocated, max_reserved = torch.cuda.max_memory_allocated(dev), torch.cuda.max_memory_reserved(dev)
     module.zero_grad(set_to_none=True)
-    saved = measure_saved(module, inputs, loss_fn)  # storages are storages on any device
+    saved = measure.measure_saved(module, inputs, loss_fn)  # storages are storages on any device
     return (Row("saved for backward", report.activation_bytes, saved, "exact", None),
             Row("allocated before the step", model_before, before, "info", None),
             Row("peak allocated", before + model.max_allocated - model_before, max_allocated, "tolerance", None),
