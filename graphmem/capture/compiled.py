@@ -19,12 +19,18 @@ How: two runs of the step, both on fake tensors, nothing real allocated.
    recorder the module of the node running (its ``nn_module_stack``), since module hooks inside
    a compiled graph never fire.
 
+The partition runs at ``Target.memory_budget`` (``activation_memory_budget``, ``partition_config``).
+On the CUDA target, dynamo's graphs get the CUDA rules before AOTAutograd traces them
+(``cuda_graph``: SDPA's backend op; dropout is already CUDA's native_dropout after
+AOTAutograd's decomposition; LayerNorm's fp32 statistics come from the recorder in the replay).
+
 Every compiled graph must run as often in the replay as in the trace (``check_replayed``); the
 cache entries the trace added are removed afterwards (``close``), so analyses do not pile up in
 dynamo's cache or hit its recompile limit.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -34,7 +40,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graphmem.capture.cuda_rules import select_backend
+from graphmem.capture.cuda_rules import sdpa, select_backend
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.recorder import _DONE, _Recorder, _tensors, node_metadata
 from graphmem.capture.target import Target
@@ -179,8 +185,6 @@ def cuda_graph(gm: fx.GraphModule, target: Target, used: dict[str, int]) -> None
     ``sdpa``), so the joint graph, the partition and the saved set hold that kernel's tensors.
     Dropout needs no rewrite: AOTAutograd's decomposition already runs ``native_dropout`` (a bool
     mask), CUDA's fused kernel; LayerNorm's fp32 statistics are the recorder's rule in the replay."""
-    from graphmem.capture.cuda_rules import sdpa
-
     def cuda_sdpa(*args: Any, **kwargs: Any) -> Any:
         return sdpa(target, counted, *args, **kwargs)
 
@@ -231,7 +235,7 @@ class CompiledStep:
         phase = ["forward"]
         try:  # a model compiled before in this process may have used up dynamo's recompile limit
             with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20), \
-                    partition_budget(target.memory_budget):
+                    partition_config(target.memory_budget):
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False):
@@ -285,14 +289,13 @@ def compiled_context(target: Target) -> Callable[[], Any]:
     """What wraps forward and loss in compiled mode: the CPU target's (autocast, SDPA backend
     choice; dynamo guards on them), and nothing on the CUDA target, whose rules are in the
     graphs (``cuda_graph``) and in the recorder."""
-    import contextlib
-
     return forward_context(target, {}) if target.device == "cpu" else contextlib.nullcontext
 
 
-def partition_budget(budget: Optional[float]) -> Any:
-    """``torch._functorch.config.activation_memory_budget`` set to ``budget`` while the step is
-    compiled (the partitioner reads it when it splits each joint graph), restored after."""
+def partition_config(budget: Optional[float]) -> Any:
+    """AOTAutograd's settings while the step is compiled, restored after:
+    ``activation_memory_budget`` set to ``budget`` (the partitioner reads it when it splits each
+    joint graph; None keeps torch's), and the backward compiled with the forward."""
     from torch._functorch import config
 
     # the backward is compiled with the forward: lazily, AOTAutograd deep-copies the backward graph
