@@ -135,16 +135,17 @@ def test_each_input_kind_equals_a_real_model_call_with_labels(kind: str, tmp_pat
     # WHEN graphmem analyzes the config (meta device, fake batch) and the real module with that batch
     report = graphmem.analyze(str(tmp_path), input_shape=SHAPES[kind], hf=options)
     measured = measure_peak(real.module, batch)
-    # THEN the saved bytes are exact and the peak equals the CPU allocator's, except where
-    # transformers itself branches on fake tensors: Whisper's decoder (no decoder mask) skips its
-    # causal mask on real tensors but builds it when it sees fake ones (is_tracing): one fp32
-    # (b, 1, t, t) mask more, known and stated in graphmem/capture/hf.py
-    extra = 2 * 5 * 5 * 4 if kind == "speech" else 0
-    assert report.activation_bytes - extra == measured.saved_bytes
+    # THEN the saved bytes are exact and the peak equals the CPU allocator's (transformers takes
+    # its real-run branches on fake tensors during a capture: graphmem/capture/hf_paths.py; before
+    # that, Whisper's decoder built a causal mask only on fake tensors)
+    assert report.activation_bytes == measured.saved_bytes
     assert report.baseline_bytes == measured.baseline_bytes
-    if not extra:
+    if kind == "speech":  # Whisper's Conv1d encoder: oneDNN convolution scratch, no rule (passes/oprules.py)
+        assert report.peak_bytes <= measured.peak_bytes <= report.peak_bytes * 1.12
+        assert any("convolution" in n for n in report.notes)
+    else:
         assert_peak(report, measured.peak_bytes)
-    assert graphmem.analyze(real.module, batch).activation_bytes - extra == measured.saved_bytes
+    assert graphmem.analyze(real.module, batch).activation_bytes == measured.saved_bytes
 
 
 def test_the_models_own_loss_is_the_loss() -> None:

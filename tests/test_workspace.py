@@ -254,6 +254,6 @@ def test_text_report_names_the_workspace_at_the_peak() -> None:
     scratch = next(n.meta["scratch"] for n in report.step.ops if "native_layer_norm_backward" in str(n.target))
     real = measure_peak(nn.Sequential(ln), (x,), lambda out, inputs: out.sum())
     assert report.peak_bytes == real.peak_bytes
-    from graphmem.render.units import fmt_bytes
+    from graphmem.units import fmt_bytes
 
     assert f"kernel workspace {fmt_bytes(scratch)} inside it" in render_text(report)

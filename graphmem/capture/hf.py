@@ -28,9 +28,9 @@ model's ``main_input_name`` and ``forward`` signature:
   3000 frames) and ``labels`` of ``decoder_length`` tokens (required).
 
 Known limitations: transformers takes its tracing path when it sees fake tensors
-(``is_tracing``): a causal mask it skips on real tensors when it can read that nothing is padded
-is built on fake ones. graphmem's text batch is padded, so both build it; Whisper's decoder
-without a decoder mask builds one fp32 (b, 1, t, t) mask that a real step skips. Weights are never read, so a checkpoint whose shapes differ from its config
+(``is_tracing``); during a capture graphmem/capture/hf_paths.py answers its packed-sequence
+check as the real run does (so Whisper's decoder, too, skips the causal mask a real step skips),
+and graphmem's text batch is padded so both runs build the same masks. Weights are never read, so a checkpoint whose shapes differ from its config
 (pruned, quantized) is analyzed as the config says; multimodal models (image + text) need a
 batch of your own (``graphmem.analyze(model, batch)``).
 """
