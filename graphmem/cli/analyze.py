@@ -9,10 +9,8 @@ from typing import Any
 
 from graphmem.cli.options import (
     add_debug_argument,
-    add_model_arguments,
     add_plan_arguments,
-    add_target_arguments,
-    add_training_arguments,
+    add_step_arguments,
     analyze_args,
     check_plan_arguments,
     memory_budgets_of,
@@ -26,9 +24,7 @@ class Analyze:
     help = "analyze one training step (forward, loss, backward)"
 
     def prepare_parser(self, p: argparse.ArgumentParser) -> None:
-        add_model_arguments(p)
-        add_target_arguments(p)
-        add_training_arguments(p)
+        add_step_arguments(p)
         o = p.add_argument_group("output")
         o.add_argument("--json", action="store_true", help="print the report as JSON (exact integers); same as --format json")
         o.add_argument("--format", choices=["text", "json", "markdown"], help="output format (default text)")

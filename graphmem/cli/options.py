@@ -33,6 +33,13 @@ def add_model_arguments(p: argparse.ArgumentParser, shape_required: bool = True,
                    help="encoder-decoder models: the labels' length (default: the input length; speech models need it)")
 
 
+def add_step_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, its target and its training step: what every command that analyzes a step takes."""
+    add_model_arguments(p)
+    add_target_arguments(p)
+    add_training_arguments(p)
+
+
 def add_debug_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 

@@ -9,10 +9,8 @@ from typing import Any
 
 from graphmem.cli.options import (
     add_debug_argument,
-    add_model_arguments,
     add_plan_arguments,
-    add_target_arguments,
-    add_training_arguments,
+    add_step_arguments,
     analyze_args,
     check_plan_arguments,
 )
@@ -23,9 +21,7 @@ class Plan:
     help = "activation checkpoint plans: the cheapest that fits a budget, baselines, frontier"
 
     def prepare_parser(self, p: argparse.ArgumentParser) -> None:
-        add_model_arguments(p)
-        add_target_arguments(p)
-        add_training_arguments(p)
+        add_step_arguments(p)
         add_plan_arguments(p)
         p.add_argument("--top", type=int, default=12, help="frontier rows shown (default 12)")
         p.add_argument("--json", action="store_true", help="JSON output (exact integers)")
