@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from graphmem.formula import report_api as formula_api
 from graphmem.passes import Liveness, LiveTensor, ModuleSaved, SavedSet, SavedTensor
 from graphmem.planning import memory_budget as memory_budget_api
 from graphmem.planning import report_api as planning_api
@@ -50,6 +49,8 @@ class Report:
         """Exact formulas (graphmem.formula.Coefficients): ``.activation`` / ``.peak`` polynomials
         in the input's dimensions and, for a block chain, ``.alpha``, ``.beta``, ``.gamma``."""
 
+        from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
+
         return formula_api.coefficients(self)
 
     @property
@@ -63,6 +64,8 @@ class Report:
         """Fit the exact formulas (see ``coefficients``), with overrides; ``keep`` stores them
         as this report's ``coefficients``."""
 
+        from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
+
         return formula_api.formula(self, d_model, n_heads, checks, tick, keep)
 
     def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None) -> Any:
@@ -70,6 +73,8 @@ class Report:
         ``batch``, the largest sequence length whose peak fits in ``memory`` (bytes or a string
         like "80GiB"): a graphmem.formula.FitAnswer, exact from the peak formula and confirmed
         by captures at the answer and one above."""
+
+        from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
 
         return formula_api.fit(self, memory, seq, batch, tick)
 
@@ -80,6 +85,8 @@ class Report:
     def sweep(self, batches: Any, seqs: Any, tick: Any = None) -> Any:
         """Activation and peak bytes over a grid of (batch, seq) from the exact formulas, with
         the first point spot-checked by a capture: a graphmem.formula.Sweep."""
+
+        from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
 
         return formula_api.sweep(self, batches, seqs, tick)
 

@@ -18,7 +18,6 @@ from fractions import Fraction
 from typing import Any, Callable, Optional, cast
 
 import sympy
-import torch
 import torch.nn as nn
 
 from graphmem.capture.capture import capture
@@ -147,27 +146,6 @@ def _exact_int(x: Fraction) -> int:
     if x.denominator != 1:
         raise NotPolynomialError(f"the formula gives a non-integer byte count {x} here: outside where it holds")
     return int(x)
-
-
-def variables_of(example: tuple) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """Which input dimensions vary: all of an integer (token) input, named (b, s); a float
-    input keeps its feature dimension fixed: (b, s, d) -> (b, s), (b, c, h, w) -> (b, h, w),
-    (b, d) -> (b,)."""
-    x = next((t for t in example if isinstance(t, torch.Tensor)), None)
-    if x is None:
-        raise UsageError("the model's first input is not a tensor; nothing to vary")
-    n = x.dim()
-    if not x.is_floating_point():
-        dims = tuple(range(n))
-    elif n >= 4:
-        dims = (0, *range(2, n))
-    else:
-        dims = tuple(range(n - 1))
-    if len(dims) == 2:
-        return ("b", "s"), dims
-    if n >= 4 and x.is_floating_point() and len(dims) == 3:
-        return ("b", "h", "w"), dims
-    return ("b", *(f"x{d}" for d in dims[1:])), dims
 
 
 class Sampler:
