@@ -53,10 +53,6 @@ class Recapture:
         self._sampler: Optional[Sampler] = None
         self.kept: dict[str, Any] = {}  # answers computed once: planners, kept coefficients and plans
 
-    @property
-    def device(self) -> Target:  # the capture's target (named for capture()'s argument)
-        return self.target
-
     def sampler_for(self, base: tuple[int, ...], dims: tuple[int, ...], tick: Any = None) -> Sampler:
         """A fresh sampler around another base shape, varying only ``dims``."""
         from graphmem.formula.fit import Sampler  # sympy (0.3 s) is imported only when formulas are asked for

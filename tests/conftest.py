@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
-
-import pytest
 
 UPDATE_GOLDEN = os.environ.get("GRAPHMEM_UPDATE_GOLDEN") == "1"
 
@@ -19,7 +16,3 @@ def check_golden(text: str, path: Path) -> None:
     assert path.exists(), f"{path} is missing; create it with GRAPHMEM_UPDATE_GOLDEN=1"
     assert text == path.read_text(encoding="utf-8"), f"output differs from {path}; GRAPHMEM_UPDATE_GOLDEN=1 if intended"
 
-
-@pytest.fixture
-def golden() -> Callable[[str, Path], None]:
-    return check_golden

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
+from graphmem.capture.target import Target
 from graphmem.chains import Chain, find_chain, truncated
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.passes import liveness, saved
@@ -152,7 +153,7 @@ class Sampler:
     """Captures the step at given sizes (and chain depths), with a cache."""
 
     def __init__(self, model: nn.Module, make_inputs: Callable[[tuple[int, ...]], Any],
-                 loss: Optional[LossFn], base: tuple[int, ...], dims: tuple[int, ...], device: Any,
+                 loss: Optional[LossFn], base: tuple[int, ...], dims: tuple[int, ...], device: Target,
                  tick: Callable[[], None] = lambda: None) -> None:
         self.model, self.make_inputs, self.loss, self.base, self.dims, self.device = model, make_inputs, loss, base, dims, device
         self.chain = find_chain(model)
@@ -173,7 +174,7 @@ class Sampler:
                 def at() -> Any:
                     return capture(self.model, lambda: self.make_inputs(shape), self.loss, self.device)
                 full = depth is None or (self.chain is not None and depth >= self.chain.length)
-                if full and getattr(self.device, "mode", "eager") != "compiled":
+                if full and self.device.mode != "compiled":
                     g = capture_reusing(self.model, at)[0]  # a deep chain: 5 blocks captured, checked
                 else:
                     g = at()

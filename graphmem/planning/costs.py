@@ -466,8 +466,8 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
 
     def capture_at() -> StepGraph:
         if train is not None and train.active:
-            return capture(model, lambda: source.make(shape), source.loss, source.device, train=train)
-        return capture(model, lambda: source.make(shape), source.loss, source.device)
+            return capture(model, lambda: source.make(shape), source.loss, source.target, train=train)
+        return capture(model, lambda: source.make(shape), source.loss, source.target)
 
     if chain.length > DEPTH and "," not in chain.path:
         try:

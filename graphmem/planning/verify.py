@@ -95,9 +95,9 @@ def capture_plan(report: Any, chain: str, segments: Sequence[tuple[int, int]],
     model, shape, train = source.module, source.base_shape, source.train
     with apply_segments(model, chain, segments, policies):
         if train is not None and train.active:
-            g = capture(model, lambda: source.make(shape), source.loss, source.device, train=train)
+            g = capture(model, lambda: source.make(shape), source.loss, source.target, train=train)
         else:
-            g = capture(model, lambda: source.make(shape), source.loss, source.device)
+            g = capture(model, lambda: source.make(shape), source.loss, source.target)
     lv = liveness(g)
     return lv.peak_bytes, saved(g).activation_bytes, lv.timeline[forward_end(g)]
 
