@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.nn as nn
 
+from graphmem.capture.capture import capture
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
+from graphmem.stepgraph import StepGraph
 from graphmem.training.loop import TrainStep
 from graphmem.training.step import LossFn
 
@@ -52,6 +54,12 @@ class Recapture:
         self.names, self.dims = variables_of(example)
         self._sampler: Optional[Sampler] = None
         self.kept: dict[str, Any] = {}  # answers computed once: planners, kept coefficients and plans
+
+    def capture(self, shape: Optional[tuple[int, ...]] = None) -> StepGraph:
+        """The step captured again at ``shape`` (default: the analyzed one), with the training step
+        (micro-batches, optimizer) as the first capture ran it."""
+        size = self.base_shape if shape is None else shape
+        return capture(self.module, lambda: self.make(size), self.loss, self.target, train=self.train)
 
     def sampler_for(self, base: tuple[int, ...], dims: tuple[int, ...], tick: Any = None) -> Sampler:
         """A fresh sampler around another base shape, varying only ``dims``."""

@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import flop_registry
 
-from graphmem.capture.capture import capture
 from graphmem.chains import Chain, find_chain, truncated
 from graphmem.errors import GraphmemError, PassError
 from graphmem.passes.checkpoint import (
@@ -450,8 +449,7 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
         raise PlanError("checkpoint plans are made for eager steps: under torch.compile the partitioner already "
                         "chooses what to recompute (the report lists it); to trade recompute for memory there, sweep "
                         "its activation memory budget (--memory-budget 1,0.8,0.5,0.2), or plan with --mode eager")
-    train = source.train
-    micro = train.micro_batches if train is not None else 1
+    micro = source.train.micro_batches if source.train is not None else 1
     model = source.module
     chain = find_chain(model)  # identical blocks (captured at depth 4), unless unlike ones make a longer chain
     stages = stage_chain(model) if policy is None else None
@@ -462,13 +460,7 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
                         "modules, or several run one after another)" if policy is None else
                         f"{report.model} has no chain of identical blocks (an nn.ModuleList/Sequential of >= 2 like "
                         "modules): selective plans apply one policy to every block; plan without --selective")
-    shape = source.base_shape
-
-    def capture_at() -> StepGraph:
-        if train is not None and train.active:
-            return capture(model, lambda: source.make(shape), source.loss, source.target, train=train)
-        return capture(model, lambda: source.make(shape), source.loss, source.target)
-
+    capture_at = source.capture
     if chain.length > DEPTH and "," not in chain.path:
         try:
             costs = _widen(chain_costs(model, chain, capture_at, DEPTH, policy, micro), chain.length,

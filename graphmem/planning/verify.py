@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from graphmem.capture.capture import capture
 from graphmem.errors import GraphmemError
 from graphmem.passes import liveness, saved
 from graphmem.passes.checkpoint import UNMEASURED, Evaluated
@@ -92,12 +91,8 @@ def capture_plan(report: Any, chain: str, segments: Sequence[tuple[int, int]],
     tensors with the segments of ``chain`` checkpointed (as ``plan.apply`` does), at the
     report's own size and depth."""
     source = report.source
-    model, shape, train = source.module, source.base_shape, source.train
-    with apply_segments(model, chain, segments, policies):
-        if train is not None and train.active:
-            g = capture(model, lambda: source.make(shape), source.loss, source.target, train=train)
-        else:
-            g = capture(model, lambda: source.make(shape), source.loss, source.target)
+    with apply_segments(source.module, chain, segments, policies):
+        g = source.capture()
     lv = liveness(g)
     return lv.peak_bytes, saved(g).activation_bytes, lv.timeline[forward_end(g)]
 
