@@ -70,7 +70,7 @@ class Sweep:
 
 
 def _report(args: argparse.Namespace, shape: str) -> Any:
-    return analyze_args(args, shape)
+    return analyze_args(args, shape, trains=False)
 
 
 def _formula(args: argparse.Namespace) -> int:

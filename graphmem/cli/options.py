@@ -124,12 +124,9 @@ def memory_budgets_of(args: argparse.Namespace) -> tuple[float, ...]:
 
 
 def training_of(args: argparse.Namespace) -> Any:
-    """The frozen Training spec the training options name (checked once, here); commands
-    without training options get the plain step."""
+    """The frozen Training spec the training options name (checked once, here)."""
     from graphmem.training.spec import make_training
 
-    if not hasattr(args, "optimizer"):
-        return make_training(args.dtype)
     return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
                          args.lora_rank, args.lora_targets, args.world_size, args.zero, args.fsdp, args.tp, args.sp,
                          lora_alpha=args.lora_alpha)
@@ -142,9 +139,12 @@ def hf_of(args: argparse.Namespace) -> Any:
     return HFOptions(args.config, args.trust_remote_code, args.decoder_length)
 
 
-def analyze_args(args: argparse.Namespace, input_shape: Any = None) -> Any:
-    """``graphmem.analyze`` of the command's model with its target and training options."""
+def analyze_args(args: argparse.Namespace, input_shape: Any = None, *, trains: bool = True) -> Any:
+    """``graphmem.analyze`` of the command's model with its target options, and its training
+    options when the command has them (``trains``; else the plain step)."""
     from graphmem.api import analyze
+    from graphmem.training.spec import make_training
 
+    training = training_of(args) if trains else make_training(args.dtype)
     return analyze(args.model, input_shape=args.input_shape if input_shape is None else input_shape,
-                   target=target_of(args), training=training_of(args), reuse=not args.no_reuse, hf=hf_of(args))
+                   target=target_of(args), training=training, reuse=not args.no_reuse, hf=hf_of(args))
