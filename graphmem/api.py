@@ -138,9 +138,9 @@ def analyze(
     if training.train.active and target.mode == "compiled":
         raise UsageError("the optimizer step and micro-batches are traced in eager mode; drop --mode compiled "
                          "(or the --optimizer/--micro-batches options)")
-    if training.quantization is not None and (target.amp is not None or target.mode == "compiled"):
-        raise UsageError("--qlora computes in bitsandbytes' compute dtype (bf16) in eager mode: drop --amp and "
-                         "--mode compiled (--dtype sets the non-quantized weights)")
+    if training.quantization is not None and target.mode == "compiled":
+        raise UsageError("--qlora is analyzed in eager mode (bitsandbytes' ops under torch.compile are not traced "
+                         "here): drop --mode compiled")
     module, lora_layers = prepare(loaded.module, training, target.param_dtype)
     if training.keeps_dtypes:  # the quantized copy holds its own dtypes (graphmem/training/qlora.py)
         target = dataclasses.replace(target, dtype=None)

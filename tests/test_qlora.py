@@ -13,8 +13,8 @@ import torch
 import graphmem
 from graphmem.cli.main import main
 from graphmem.errors import UsageError
-from graphmem.training.lora import LoRA
 from graphmem.training.loop import TrainStep
+from graphmem.training.lora import LoRA
 from graphmem.training.peft_lora import apply_peft
 from graphmem.training.qlora import Quantization, quant_state_tensors, quantize
 from graphmem.validation.measure import measure_peak
@@ -27,7 +27,7 @@ LM_TOLERANCE = 0.001  # tests/test_ground_truth.py: LMs, the prediction never ab
 V = 128
 
 
-def _model(kind: str) -> Any:
+def _model(kind: str, dtype: torch.dtype = torch.bfloat16) -> Any:
     torch.manual_seed(0)
     if kind == "llama":
         m = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -35,7 +35,7 @@ def _model(kind: str) -> Any:
     else:  # GPT-2: Conv1D projections, tied head
         m = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=V, n_positions=64, n_embd=64, n_layer=2, n_head=4,
                                            eos_token_id=0, bos_token_id=0))
-    return m.to(torch.bfloat16)
+    return m.to(dtype)
 
 
 def _state_bytes(model: torch.nn.Module) -> int:
@@ -45,26 +45,30 @@ def _state_bytes(model: torch.nn.Module) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,targets,peak_in_linear", [("llama", ("all-linear",), False),
-                                                         ("gpt2", ("all-linear",), False),
-                                                         ("gpt2", ("c_attn", "c_fc"), True)])
-def test_qlora_step_matches_a_real_quantized_step(kind: str, targets: tuple[str, ...], peak_in_linear: bool) -> None:
+@pytest.mark.parametrize("kind,targets,amp,peak_in_linear", [("llama", ("all-linear",), False, False),
+                                                              ("llama", ("all-linear",), True, False),
+                                                              ("gpt2", ("all-linear",), False, False),
+                                                              ("gpt2", ("c_attn", "c_fc"), False, True)])
+def test_qlora_step_matches_a_real_quantized_step(kind: str, targets: tuple[str, ...], amp: bool,
+                                                  peak_in_linear: bool) -> None:
     """``peak_in_linear``: GPT-2's un-adapted mlp.c_proj has no clone after it (peft's Linear4bit
     adds one), so the real peak is inside its forward gemm_4bit, where ``F.linear``'s bf16 oneDNN
     gemm allocates scratch graphmem does not model (for any bf16 CPU matmul): there the
-    prediction stays below the real peak by at most that scratch."""
-    model = _model(kind)
+    prediction stays below the real peak by at most that scratch. ``amp``: fp32 weights beside the
+    4-bit ones under bf16 autocast (what Trainer(bf16=True) runs)."""
+    model = _model(kind, torch.float32 if amp else torch.bfloat16)
     ids = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
-    r = graphmem.analyze(model, batch, qlora=True, lora_rank=4, lora_targets=",".join(targets), optimizer="adamw")
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # the given model untouched
+    r = graphmem.analyze(model, batch, qlora=True, lora_rank=4, lora_targets=",".join(targets), optimizer="adamw",
+                         amp="bf16" if amp else None)
+    assert all(p.dtype == (torch.float32 if amp else torch.bfloat16) for p in model.parameters())  # untouched
     g, b = r.step, r.budget
     assert g is not None and b is not None
     quantize(model, Quantization())  # the real model, quantized by bitsandbytes' CPU backend
     real_model, _ = apply_peft(model, LoRA(4, targets))
     packed = [p for p in real_model.parameters() if p.dtype == torch.uint8]
     assert packed and all(type(p).__name__ == "Params4bit" for p in packed)
-    real = measure_peak(real_model, batch, None, train=TrainStep("adamw"))
+    real = measure_peak(real_model, batch, None, train=TrainStep("adamw"), amp=torch.bfloat16 if amp else None)
     assert r.activation_bytes == real.saved_bytes
     assert b.row("parameters").size + b.row("buffers").size == _state_bytes(real_model)
     assert b.row("optimizer states").size == real.state_bytes
@@ -74,6 +78,11 @@ def test_qlora_step_matches_a_real_quantized_step(kind: str, targets: tuple[str,
         x, w = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(64, 256, dtype=torch.bfloat16)
         onednn = _in_op_high(lambda: torch.nn.functional.linear(x, w))[0] - 64 * 64 * 2
     assert 0 <= gap <= LM_TOLERANCE * real.peak_bytes + onednn, (r.peak_bytes, real.peak_bytes)
+    q = b.quantized  # the 4-bit line: the real model's packed weights and quant states
+    assert q is not None and q.layers == len(packed) and q.weights == 2 * q.packed_bytes
+    assert q.packed_bytes == sum(p.untyped_storage().nbytes() for p in packed)
+    states = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in quant_state_tensors(real_model)}
+    assert q.state_bytes == sum(states.values()) > 0
     gemms = [s for s in g.storages.values() if s.kind == "workspace" and "gemm_4bit" in s.name]
     assert len(gemms) >= len(packed)  # every 4-bit matmul's dequantized weight, counted in the peak
 
@@ -126,7 +135,7 @@ def test_qlora_mistakes_are_one_line(capsys: pytest.CaptureFixture[str]) -> None
     assert len(err) == 1 and "Hugging Face model" in err[0], err
     for options, phrase in [({}, "add --lora-rank"), (dict(master_weights=True, optimizer="adam", dtype="bf16"),
                                                        "drop --master-weights"),
-                            (dict(amp="bf16"), "drop --amp")]:
+                            (dict(mode="compiled"), "drop --mode compiled")]:
         lora = {} if phrase == "add --lora-rank" else dict(lora_rank=4, lora_targets="all-linear")
         with pytest.raises(UsageError, match=phrase):
             graphmem.analyze("hf-gpt2", input_shape=(1, 8), qlora=True, **lora, **options)

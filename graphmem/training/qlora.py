@@ -26,9 +26,11 @@ with ``--plan``.
 """
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 from dataclasses import dataclass
+from math import prod
 from typing import Any, Callable, Optional
 
 import torch
@@ -81,11 +83,16 @@ def check_quantization(lora: Any, train: Any, parallel: Any) -> None:
 
 
 def _bitsandbytes() -> Any:
+    quiet = logging.getLogger("bitsandbytes")  # its CPU backend logs, on import, a missing inference-only kernel
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         import bitsandbytes
         import transformers  # noqa: F401  (its bitsandbytes integration picks the layers)
     except ImportError:
         raise UsageError("--qlora quantizes through bitsandbytes and transformers: pip install 'graphmem[qlora]'") from None
+    finally:
+        quiet.setLevel(level)
     return bitsandbytes
 
 
@@ -151,8 +158,39 @@ def quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The tensors of every 4-bit weight's QuantState: memory the quantized model holds beside
     its parameters and buffers."""
     out: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor, field: str) -> torch.Tensor:
+        out.append(t)
+        return t
+
     for p in model.parameters():
         qs = quant_state_of(p)
         if qs is not None:
-            fake_quant_state(qs, lambda t, field: out.append(t) or t)
+            fake_quant_state(qs, keep)
     return out
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """What the quantized model holds: ``layers`` 4-bit linear layers with ``weights`` weights
+    packed into ``packed_bytes`` (two per byte), and ``state_bytes`` of QuantStates (block
+    scales, codes, offsets: the report's buffers hold them)."""
+
+    layers: int
+    weights: int
+    packed_bytes: int
+    state_bytes: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"layers": self.layers, "weights": self.weights, "packed_bytes": self.packed_bytes,
+                "quant_state_bytes": self.state_bytes}
+
+
+def quantized_summary(model: nn.Module) -> Optional[Quantized]:
+    """The 4-bit weights of ``model`` (None without any)."""
+    packed = {id(p): p for p in model.parameters() if quant_state_of(p) is not None}
+    if not packed:
+        return None
+    states = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in quant_state_tensors(model)}
+    return Quantized(len(packed), sum(prod(quant_state_of(p).shape) for p in packed.values()),
+                     sum(p.untyped_storage().nbytes() for p in packed.values()), sum(states.values()))

@@ -15,9 +15,16 @@ from graphmem.passes.budget import Budget, Parallel, budget, make_parallel
 from graphmem.passes.spike import Temporaries, temporaries_at
 from graphmem.training.loop import TrainStep, make_train_step
 from graphmem.training.lora import LoRA, apply_lora, make_lora, meta_copy
-from graphmem.training.peft_lora import is_hf_model
-from graphmem.training.qlora import Quantization, check_quantization, make_quantization, quantize
 from graphmem.training.optim import resolved_impl
+from graphmem.training.peft_lora import is_hf_model
+from graphmem.training.qlora import (
+    Quantization,
+    Quantized,
+    check_quantization,
+    make_quantization,
+    quantize,
+    quantized_summary,
+)
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,7 @@ class StepBudget:
     rank: Budget
     single: Optional[Budget]
     spike: tuple[Temporaries, ...] = ()  # the temporaries live at rank's peak, made -> freed (passes/spike.py)
+    quantized: Optional[Quantized] = None  # the 4-bit weights (graphmem/training/qlora.py)
 
     @property
     def rows(self) -> Any:
@@ -110,7 +118,8 @@ class StepBudget:
         t = self.training
         out: dict[str, Any] = {**t.train.to_dict(self.device),
                                "lora": {**t.lora.to_dict(), "layers": list(self.lora_layers)} if t.lora else None,
-                               "quantization": t.quantization.to_dict() if t.quantization else None,
+                               "quantization": {**t.quantization.to_dict(), **self.quantized.to_dict()}
+                               if t.quantization and self.quantized else None,
                                "parallel": t.parallel.to_dict(), "per_rank": _budget_dict(self.rank)}
         if self.single is not None:
             out["single_device"] = _budget_dict(self.single)
@@ -139,7 +148,8 @@ def step_budget(g: Any, lv: Any, sv: Any, training: Training, module: nn.Module,
     single = budget(g, lv, sv, Parallel(), units) if training.parallel != Parallel() else None
     device = g.target.device if g.target is not None else g.device
     spike = temporaries_at(g, lv, rank.peak_index, frozenset(t.sid for t in sv.tensors)) if rank.peak_index >= 0 else ()
-    return StepBudget(training, device, lora_layers, rank, single, spike)
+    quantized = quantized_summary(module) if training.quantization is not None else None
+    return StepBudget(training, device, lora_layers, rank, single, spike, quantized)
 
 
 __all__ = ["Training", "make_training", "prepare", "StepBudget", "step_budget", "resolved_impl"]
