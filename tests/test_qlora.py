@@ -139,3 +139,25 @@ def test_qlora_mistakes_are_one_line(capsys: pytest.CaptureFixture[str]) -> None
         lora = {} if phrase == "add --lora-rank" else dict(lora_rank=4, lora_targets="all-linear")
         with pytest.raises(UsageError, match=phrase):
             graphmem.analyze("hf-gpt2", input_shape=(1, 8), qlora=True, **lora, **options)
+
+
+@pytest.mark.parametrize("tokens,bound", [(1600, False), (64, True)])
+def test_cuda_target_counts_the_dequantize_fallback(tokens: int, bound: bool) -> None:
+    """The CUDA target (graphmem/capture/bnb_rules.py, from backends/cuda/ops.py ``gemm_4bit``):
+    past 1536 rows bitsandbytes always takes ``_dequant_linear_fallback``: per forward matmul
+    the (N, K) weight in bf16 and the fp32 block scales twice; below, the fused kernel may run
+    instead, and the scratch says it is an upper bound."""
+    model = _model("llama")
+    ids = torch.zeros(1, tokens, dtype=torch.long)
+    r = graphmem.analyze(model, {"input_ids": ids, "labels": ids}, qlora=True, lora_rank=4, lora_targets="q_proj",
+                         device="cuda")
+    assert r.step is not None
+    quantize(model, Quantization())
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    expected = sorted(m.out_features * m.in_features * 2 + 2 * 4 * m.weight.quant_state.absmax.numel() for m in layers)
+    found: dict[int, int] = {}
+    for s in r.step.storages.values():
+        if s.kind == "workspace" and "gemm_4bit" in s.name:
+            found[s.created] = found.get(s.created, 0) + s.nbytes
+            assert ("upper bound" in s.name) == bound, s.name
+    assert sorted(found.values()) == expected  # one per layer: forward only (backward dequantizes in visible ops)
