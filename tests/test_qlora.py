@@ -5,6 +5,7 @@ truth (graphmem/validation/measure.py): saved bytes to the byte, the quantized m
 prediction never above), and the gemm_4bit scratch rule against the kernel's own allocations."""
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -161,3 +162,10 @@ def test_cuda_target_counts_the_dequantize_fallback(tokens: int, bound: bool) ->
             found[s.created] = found.get(s.created, 0) + s.nbytes
             assert ("upper bound" in s.name) == bound, s.name
     assert sorted(found.values()) == expected  # one per layer: forward only (backward dequantizes in visible ops)
+
+
+def test_without_bitsandbytes_the_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes then raises ImportError
+    with pytest.raises(UsageError, match=r"graphmem\[qlora\]"):
+        graphmem.analyze(_model("llama"), {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, qlora=True,
+                         lora_rank=4, lora_targets="q_proj")
