@@ -31,12 +31,17 @@ import sys
 import warnings
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 
 from graphmem.errors import UsageError
+
+if TYPE_CHECKING:
+    from graphmem.passes.budget import Parallel
+    from graphmem.training.loop import TrainStep
+    from graphmem.training.lora import LoRA
 
 QUANT_TYPES = ("nf4", "fp4")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -71,7 +76,7 @@ def make_quantization(quantization: Optional[str]) -> Optional[Quantization]:
     return Quantization(quantization)
 
 
-def check_quantization(lora: Any, train: Any, parallel: Any) -> None:
+def check_quantization(lora: Optional[LoRA], train: TrainStep, parallel: Parallel) -> None:
     """What QLoRA trains and how: LoRA adapters on one device, the 4-bit base frozen."""
     if lora is None:
         raise UsageError("--qlora trains LoRA adapters on the frozen 4-bit base: add --lora-rank and --lora-targets "
