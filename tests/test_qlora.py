@@ -169,3 +169,21 @@ def test_without_bitsandbytes_the_extra_is_named(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(UsageError, match=r"graphmem\[qlora\]"):
         graphmem.analyze(_model("llama"), {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, qlora=True,
                          lora_rank=4, lora_targets="q_proj")
+
+
+@pytest.mark.slow
+def test_a_quantized_peft_model_is_analyzed_as_it_is() -> None:
+    """The model a QLoRA script holds (quantized by bitsandbytes, adapted by peft), handed to
+    graphmem.analyze without --qlora: its 4-bit weights and QuantStates as they are."""
+    model = _model("llama")
+    quantize(model, Quantization())
+    real_model, _ = apply_peft(model, LoRA(4, ("q_proj", "v_proj")))
+    ids = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    r = graphmem.analyze(real_model, batch, optimizer="adamw")
+    real = measure_peak(real_model, batch, None, train=TrainStep("adamw"))
+    b = r.budget
+    assert b is not None and b.quantized is not None and b.quantized.layers == 14  # 2 blocks x 7 linears
+    assert r.activation_bytes == real.saved_bytes
+    assert b.row("parameters").size + b.row("buffers").size == _state_bytes(real_model)
+    assert 0 <= real.peak_bytes - r.peak_bytes <= LM_TOLERANCE * real.peak_bytes

@@ -97,7 +97,7 @@ class StepBudget:
     rank: Budget
     single: Optional[Budget]
     spike: tuple[Temporaries, ...] = ()  # the temporaries live at rank's peak, made -> freed (passes/spike.py)
-    quantized: Optional[Quantized] = None  # the 4-bit weights (graphmem/training/qlora.py)
+    quantized: Optional[Quantized] = None  # the 4-bit weights, if any (graphmem/training/qlora.py)
 
     @property
     def rows(self) -> Any:
@@ -118,8 +118,8 @@ class StepBudget:
         t = self.training
         out: dict[str, Any] = {**t.train.to_dict(self.device),
                                "lora": {**t.lora.to_dict(), "layers": list(self.lora_layers)} if t.lora else None,
-                               "quantization": {**t.quantization.to_dict(), **self.quantized.to_dict()}
-                               if t.quantization and self.quantized else None,
+                               "quantization": {**(t.quantization.to_dict() if t.quantization else {}),
+                                                **self.quantized.to_dict()} if self.quantized else None,
                                "parallel": t.parallel.to_dict(), "per_rank": _budget_dict(self.rank)}
         if self.single is not None:
             out["single_device"] = _budget_dict(self.single)
@@ -148,7 +148,7 @@ def step_budget(g: Any, lv: Any, sv: Any, training: Training, module: nn.Module,
     single = budget(g, lv, sv, Parallel(), units) if training.parallel != Parallel() else None
     device = g.target.device if g.target is not None else g.device
     spike = temporaries_at(g, lv, rank.peak_index, frozenset(t.sid for t in sv.tensors)) if rank.peak_index >= 0 else ()
-    quantized = quantized_summary(module) if training.quantization is not None else None
+    quantized = quantized_summary(module)  # --qlora's, or a model quantized by the user's own script
     return StepBudget(training, device, lora_layers, rank, single, spike, quantized)
 
 
