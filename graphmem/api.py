@@ -55,6 +55,7 @@ def analyze(
     micro_batches: int = 1,
     lora_rank: Optional[int] = None,
     lora_targets: Any = None,
+    qlora: bool = False,
     world_size: int = 1,
     zero: int = 0,
     fsdp: Optional[str] = None,
@@ -86,7 +87,9 @@ def analyze(
     ``zero_grad``) with ``optimizer_impl`` ("auto", "foreach", "forloop", "fused"),
     ``master_weights`` (fp32 masters of 16-bit parameters), ``micro_batches`` (gradient
     accumulation), ``lora_rank``/``lora_targets`` (adapters on the named linear layers, the rest
-    frozen), and per-rank budgets for ``world_size`` ranks with ``zero`` (1-3) or ``fsdp``
+    frozen), ``qlora`` (a Hugging Face model's linear layers in 4-bit NF4 with double quantization
+    and bf16 compute through bitsandbytes, LoRA adapters through peft: graphmem/training/qlora.py),
+    and per-rank budgets for ``world_size`` ranks with ``zero`` (1-3) or ``fsdp``
     ("full", "grad-op") and ``tp`` (tensor parallel, ``sp`` sequence parallel).
 
     The keyword options are a convenience: they build a frozen ``Target``
@@ -131,11 +134,16 @@ def analyze(
                          "use math for SDPA's explicit kernel")
     if training is None:
         training = make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
-                                 lora_targets, world_size, zero, fsdp, tp, sp)
+                                 lora_targets, world_size, zero, fsdp, tp, sp, quantization="nf4" if qlora else None)
     if training.train.active and target.mode == "compiled":
         raise UsageError("the optimizer step and micro-batches are traced in eager mode; drop --mode compiled "
                          "(or the --optimizer/--micro-batches options)")
-    module, lora_layers = prepare(loaded.module, training)
+    if training.quantization is not None and target.mode == "compiled":
+        raise UsageError("--qlora is analyzed in eager mode (bitsandbytes' ops under torch.compile are not traced "
+                         "here): drop --mode compiled")
+    module, lora_layers = prepare(loaded.module, training, target.param_dtype)
+    if training.keeps_dtypes:  # the quantized copy holds its own dtypes (graphmem/training/qlora.py)
+        target = dataclasses.replace(target, dtype=None)
     # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6); not
     # yet: the training step's accumulate/optimizer phases (not block-shaped) and compiled mode
     # (AOTAutograd hands back gradients per parameter after the chain)

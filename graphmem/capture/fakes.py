@@ -20,6 +20,7 @@ from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
 from graphmem.errors import CaptureError, DataDependentError, GraphmemError, UnsupportedOpError
 from graphmem.training.batch import Batch, as_batch
+from graphmem.training.qlora import fake_quant_state, quant_state_of
 
 Inputs = Union[tuple, dict, Batch, Callable[[], Any]]
 
@@ -44,8 +45,28 @@ def fake_state(model: nn.Module, device: torch.device, dtype: Optional[torch.dty
             if id(p) not in seen:
                 seen[id(p)] = _fake_like(p, device, dtype)
                 on_new(seen[id(p)], kind, name)
+                qs = quant_state_of(p)
+                if qs is not None:
+                    _attach_quant_state(seen[id(p)], qs, name, device, seen, on_new)
             state[name] = seen[id(p)]
     return state, seen
+
+
+def _attach_quant_state(fake: torch.Tensor, qs: Any, name: str, device: torch.device, seen: dict[int, torch.Tensor],
+                        on_new: Callable[[torch.Tensor, str, str], None]) -> None:
+    """A bitsandbytes 4-bit weight (graphmem/training/qlora.py): its fake carries a QuantState of
+    fake tensors in their own dtypes (fp32 and uint8 block scales), each reported as a buffer, so
+    ``Linear4bit.forward`` finds ``weight.quant_state`` as on the real parameter
+    (bitsandbytes/nn/modules.py ``fix_4bit_weight_quant_state_from_module``)."""
+    import graphmem.capture.bnb_rules  # noqa: F401  (the gemm_4bit kernel's scratch)
+
+    def make(t: torch.Tensor, field: str) -> torch.Tensor:
+        if id(t) not in seen:  # double quantization's code can be shared between layers
+            seen[id(t)] = _fake_like(t, device)
+            on_new(seen[id(t)], "buffer", f"{name}.quant_state.{field}")
+        return seen[id(t)]
+
+    fake.quant_state = fake_quant_state(qs, make)  # type: ignore[attr-defined]
 
 
 def fake_batch(inputs: "Inputs", fake_mode: FakeTensorMode, device: torch.device,

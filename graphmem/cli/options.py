@@ -75,6 +75,9 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-targets", metavar="NAMES", help="comma-separated module-name substrings of the layers to "
                    "adapt, e.g. q_proj,v_proj or c_attn,c_proj, or all-linear (Hugging Face models: through peft)")
     g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default 8, peft's; memory does not depend on it)")
+    g.add_argument("--qlora", dest="quantization", action="store_const", const="nf4",
+                   help="QLoRA: the linear layers in 4-bit NF4 with double quantization and bf16 compute through "
+                   "bitsandbytes (Hugging Face models, with --lora-rank; pip install 'graphmem[qlora]')")
     g.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (data parallel x tensor parallel)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage over the data-parallel ranks")
     g.add_argument("--fsdp", choices=["full", "grad-op"], help="FSDP sharding: full (FULL_SHARD) or grad-op (SHARD_GRAD_OP)")
@@ -129,7 +132,7 @@ def training_of(args: argparse.Namespace) -> Any:
 
     return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
                          args.lora_rank, args.lora_targets, args.world_size, args.zero, args.fsdp, args.tp, args.sp,
-                         lora_alpha=args.lora_alpha)
+                         lora_alpha=args.lora_alpha, quantization=args.quantization)
 
 
 def hf_of(args: argparse.Namespace) -> Any:

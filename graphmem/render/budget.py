@@ -33,6 +33,8 @@ def _title(b: Any) -> str:
         parts.append(t.train.describe(b.device))
     elif t.train.micro_batches > 1:
         parts.append(f"{t.train.micro_batches} micro-batches, no optimizer step")
+    if t.quantization is not None:
+        parts.append(t.quantization.describe())
     if t.lora is not None:
         parts.append(f"{t.lora.describe()} ({len(b.lora_layers)} layers)")
     parts.append(t.parallel.describe())
@@ -77,6 +79,12 @@ def render_budget(b: Any) -> str:
                      f"and no optimizer state; activations are still saved wherever a gradient needs them "
                      f"({fmt_bytes(r.row('activations').size)} here: autograd skips only what a frozen weight's own "
                      "gradient would need; the input gradient still flows back through the frozen layers above each adapter)")
+    if b.quantized is not None:
+        q = b.quantized
+        lines.append(f"4-bit: {q.layers} linear layers, {_count(q.weights)} weights held as {fmt_bytes(q.packed_bytes)} "
+                     f"packed (2 per byte; the parameter counts above count a packed byte as one) + "
+                     f"{fmt_bytes(q.state_bytes)} of block scales and codes (in buffers); each matmul dequantizes its "
+                     "weight to the compute dtype inside bitsandbytes' gemm_4bit (its scratch, in temporaries)")
     if r.peak_index >= 0:
         module = f", module {r.peak_module}" if r.peak_module else ""
         lines.append(f"why the peak: op {r.peak_index} ({r.peak_phase}: {r.peak_op}{module}) is {_WHY.get(r.peak_phase, r.peak_phase)}")

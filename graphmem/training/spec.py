@@ -6,14 +6,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
+import torch
 import torch.nn as nn
 
 from graphmem.chains import find_chain
+from graphmem.errors import UsageError
 from graphmem.passes.budget import Budget, Parallel, budget, make_parallel
 from graphmem.passes.spike import Temporaries, temporaries_at
 from graphmem.training.loop import TrainStep, make_train_step
-from graphmem.training.lora import LoRA, apply_lora, make_lora
+from graphmem.training.lora import LoRA, apply_lora, make_lora, meta_copy
 from graphmem.training.optim import resolved_impl
+from graphmem.training.peft_lora import is_hf_model
+from graphmem.training.qlora import (
+    Quantization,
+    Quantized,
+    check_quantization,
+    make_quantization,
+    quantize,
+    quantized_summary,
+)
 
 
 @dataclass(frozen=True)
@@ -21,29 +32,48 @@ class Training:
     train: TrainStep
     lora: Optional[LoRA]
     parallel: Parallel
+    quantization: Optional[Quantization] = None  # 4-bit base weights through bitsandbytes (QLoRA)
 
     @property
     def requested(self) -> bool:
         """Any option given: the report then carries a budget."""
         return self.train.active or self.train.master_weights or self.lora is not None or self.parallel != Parallel()
 
+    @property
+    def keeps_dtypes(self) -> bool:
+        """The prepared module holds its final dtypes (4-bit weights, fp32 adapters and block
+        scales): the capture casts nothing."""
+        return self.quantization is not None
+
 
 def make_training(dtype: Optional[str] = None, optimizer: Optional[str] = None, optimizer_impl: str = "auto",
                   master_weights: bool = False, micro_batches: int = 1, lora_rank: Optional[int] = None,
                   lora_targets: Union[str, Sequence[str], None] = None, world_size: int = 1, zero: int = 0,
                   fsdp: Optional[str] = None, tp: int = 1, sp: bool = False,
-                  lora_alpha: Optional[float] = None) -> Training:
+                  lora_alpha: Optional[float] = None, quantization: Optional[str] = None) -> Training:
     train = make_train_step(optimizer, optimizer_impl, master_weights, micro_batches, dtype)
     lora = make_lora(lora_rank, lora_targets if lora_targets is None or isinstance(lora_targets, str) else tuple(lora_targets),
                      lora_alpha)
-    return Training(train, lora, make_parallel(world_size, zero, fsdp, tp, sp))
+    quant = make_quantization(quantization)
+    if quant is not None:
+        check_quantization(lora, train, make_parallel(world_size, zero, fsdp, tp, sp))
+    return Training(train, lora, make_parallel(world_size, zero, fsdp, tp, sp), quant)
 
 
-def prepare(module: nn.Module, training: Training) -> tuple[nn.Module, tuple[str, ...]]:
-    """The module to capture: with LoRA, a meta copy with adapters (the given one untouched)."""
+def prepare(module: nn.Module, training: Training,
+            dtype: Optional[torch.dtype] = None) -> tuple[nn.Module, tuple[str, ...]]:
+    """The module to capture: with LoRA, a meta copy with adapters (the given one untouched);
+    with quantization, that copy's linear layers in 4 bits first, the rest in ``dtype``."""
     if training.lora is None:
         return module, ()
-    return apply_lora(module, training.lora)
+    if training.quantization is None:
+        return apply_lora(module, training.lora)
+    if not is_hf_model(module):
+        raise UsageError(f"--qlora runs the QLoRA recipe (transformers' bitsandbytes integration, peft's adapters) on a "
+                         f"Hugging Face model; {type(module).__name__} is a plain nn.Module: drop --qlora")
+    model = meta_copy(module)
+    quantize(model, training.quantization, dtype)
+    return apply_lora(model, training.lora, inplace=True)
 
 
 def units_of(module: nn.Module) -> tuple[str, ...]:
@@ -67,6 +97,7 @@ class StepBudget:
     rank: Budget
     single: Optional[Budget]
     spike: tuple[Temporaries, ...] = ()  # the temporaries live at rank's peak, made -> freed (passes/spike.py)
+    quantized: Optional[Quantized] = None  # the 4-bit weights, if any (graphmem/training/qlora.py)
 
     @property
     def rows(self) -> Any:
@@ -87,6 +118,8 @@ class StepBudget:
         t = self.training
         out: dict[str, Any] = {**t.train.to_dict(self.device),
                                "lora": {**t.lora.to_dict(), "layers": list(self.lora_layers)} if t.lora else None,
+                               "quantization": {**(t.quantization.to_dict() if t.quantization else {}),
+                                                **self.quantized.to_dict()} if self.quantized else None,
                                "parallel": t.parallel.to_dict(), "per_rank": _budget_dict(self.rank)}
         if self.single is not None:
             out["single_device"] = _budget_dict(self.single)
@@ -115,7 +148,8 @@ def step_budget(g: Any, lv: Any, sv: Any, training: Training, module: nn.Module,
     single = budget(g, lv, sv, Parallel(), units) if training.parallel != Parallel() else None
     device = g.target.device if g.target is not None else g.device
     spike = temporaries_at(g, lv, rank.peak_index, frozenset(t.sid for t in sv.tensors)) if rank.peak_index >= 0 else ()
-    return StepBudget(training, device, lora_layers, rank, single, spike)
+    quantized = quantized_summary(module)  # --qlora's, or a model quantized by the user's own script
+    return StepBudget(training, device, lora_layers, rank, single, spike, quantized)
 
 
 __all__ = ["Training", "make_training", "prepare", "StepBudget", "step_budget", "resolved_impl"]

@@ -2,6 +2,8 @@
 
 - Saved bytes: ``saved_tensors_hooks`` on the real forward and loss, deduplicated by storage,
   parameters and buffers excluded — the definition of activation bytes.
+- Model state: parameters, buffers and a 4-bit model's bitsandbytes quant states
+  (graphmem/training/qlora.py), which live beside the packed weights.
 - Peak: the CPU allocator's own events, read from ``torch.profiler`` with
   ``profile_memory=True`` (every c10 CPU allocation and free, with its size). The peak is the
   bytes live before the step (parameters, buffers, inputs) plus the largest running sum of
@@ -23,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from graphmem.training.batch import as_batch
 from graphmem.training.loop import Session, TrainStep
 from graphmem.training.optim import state_tensors
+from graphmem.training.qlora import quant_state_tensors
 from graphmem.training.step import LossFn, run_step
 
 
@@ -53,7 +56,7 @@ def measure_saved(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = Non
     """Bytes of the distinct storages autograd saves in a real forward + loss (under CPU
     autocast to ``amp`` if given). ``inputs``: a tuple, a dict (``model(**inputs)``) or
     ``(args, kwargs)``, as graphmem/training/batch.py reads them."""
-    state = [*model.parameters(), *model.buffers()]
+    state = [*model.parameters(), *model.buffers(), *quant_state_tensors(model)]
     excluded, _ = _storage_bytes(state)
     saved: dict[int, int] = {}
     phase = ["forward"]
@@ -101,7 +104,7 @@ def measure_peak(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None
             del out, loss
     states = [t for _, _, t in state_tensors(session.optimizer)] if session and session.optimizer else []
     masters = list(session.masters.values()) if session is not None else []
-    tensors = [*model.parameters(), *model.buffers(), *as_batch(inputs).tensors(),
+    tensors = [*model.parameters(), *model.buffers(), *quant_state_tensors(model), *as_batch(inputs).tensors(),
                *masters, *states]
     _, baseline = _storage_bytes(tensors)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

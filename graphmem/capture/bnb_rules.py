@@ -1,0 +1,66 @@
+"""Scratch of bitsandbytes' 4-bit matmul (``bitsandbytes::gemm_4bit``, graphmem/training/qlora.py):
+the op's fake (bitsandbytes/_ops.py) makes only the output, while the kernels dequantize the whole
+weight to the compute dtype inside the op and free it when it returns.
+
+- CPU: bitsandbytes/backends/default/ops.py ``_gemm_4bit_default_impl`` (the CPU backend registers
+  no gemm_4bit of its own): with double quantization the block scales are dequantized first
+  (``dequantize_blockwise(...) + absmax_offset``: one fp32 value per block lives on, the first
+  copy is freed by the addition), then ``dequantize_4bit`` makes the (N, K) weight in A's dtype
+  and ``F.linear`` runs on it.
+- CUDA: bitsandbytes/backends/cuda/ops.py ``gemm_4bit``: past M = 1536 rows (every training step
+  of any size) or with K not a multiple of the block size, ``_dequant_linear_fallback``: the
+  fp32 scales twice (``absmax_dq`` stays referenced until the function returns, beside
+  ``absmax_dq + absmax_offset``) and the (N, K) weight in A's dtype. At M <= 4 the fused kernel
+  allocates nothing more; between, ``_gemm_4bit_use_custom_cuda`` picks per GPU architecture
+  from the live device, which a fake step has not: graphmem counts the fallback's scratch there
+  (an upper bound) and names it.
+
+Registered when the first 4-bit weight is faked (graphmem/capture/fakes.py), so bitsandbytes is
+never imported for models without one.
+"""
+from __future__ import annotations
+
+from math import prod
+
+import torch
+
+from graphmem.capture.workspace import Scratch, register_scratch
+
+_NAMES = ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit", "absmax_code",
+          "absmax_offset")
+CUDA_FUSED_MAX_M = 1536  # backends/cuda/ops.py _gemm_4bit_custom_max_m (CUDA)
+CUDA_ALWAYS_FUSED_M = 4  # backends/cuda/ops.py _GEMM_4BIT_CUSTOM_FLOOR_M
+
+
+def _bound(args: tuple, kwargs: dict) -> dict:
+    return dict(zip(_NAMES, args), **kwargs)
+
+
+def _weight(a: dict) -> Scratch:
+    a_t = a["A"]
+    return Scratch(prod(a["shapeB"]) * a_t.element_size(), "the dequantized weight (dequantize_4bit)")
+
+
+def _scales(a: dict, copies: int) -> list[Scratch]:
+    q = a.get("absmax_8bit")
+    return [] if q is None else [Scratch(copies * q.numel() * 4, "fp32 block scales (dequantize_blockwise)")]
+
+
+@register_scratch(torch.ops.bitsandbytes.gemm_4bit.default, devices=("cpu",))
+def _gemm_4bit_cpu(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
+    a = _bound(args, kwargs)
+    return [*_scales(a, 1), _weight(a)]
+
+
+@register_scratch(torch.ops.bitsandbytes.gemm_4bit.default, devices=("cuda",))
+def _gemm_4bit_cuda(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
+    a = _bound(args, kwargs)
+    k = a["A"].shape[-1]
+    m = a["A"].numel() // k
+    if m <= CUDA_ALWAYS_FUSED_M and k % a["blocksize"] == 0:
+        return []
+    found = [*_scales(a, 2), _weight(a)]
+    if m <= CUDA_FUSED_MAX_M and k % a["blocksize"] == 0:
+        return [Scratch(s.nbytes, s.what + ", if bitsandbytes picks dequantize + F.linear on this GPU (upper bound)")
+                for s in found]
+    return found
