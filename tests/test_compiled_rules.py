@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_workspace import _op_scratch
-from zoo_families import ZOO
+from zoo import ACCURACY
 
 import graphmem
 from graphmem.capture.workspace import scratch
@@ -45,7 +45,7 @@ def test_compiled_peak_equals_real_compiled_step(name: str) -> None:
     """nn.TransformerEncoder (its peak: native_dropout_backward's temporaries, 1.6 % of the step before
     the rule; BERT and GPT-2 likewise, measured 0 B), Llama (CPU flash attention's buffers), ConvNeXt (oneDNN's
     depthwise weight gradient): peak and saved bytes to the byte."""
-    build, _, _ = ZOO[name]
+    build, _, _ = ACCURACY[name]
     model, inputs = build()
     report = graphmem.analyze(model, inputs, mode="compiled")
     names = {s.name for s in report.step.storages.values() if s.kind == "workspace"}
