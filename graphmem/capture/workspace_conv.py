@@ -4,8 +4,9 @@ scratch registry; graphmem/capture/recorder.py imports this module).
 Which oneDNN primitive runs, and so which layouts it reorders into, is chosen at run time from
 the shape, the ISA and the data type. The rules here cover the case whose scratch is large and
 follows one measured law: the depthwise convolution in channels-last layout (ConvNeXt's 7x7,
-MobileNet's and EfficientNet's in channels-last), fp32, square kernels, 16 channels or more. Other convolutions keep the report's
-note (passes/oprules.py): weight- and activation-sized reorders, a few percent of a step.
+MobileNet's and EfficientNet's in channels-last), fp32, square kernels, 16 channels or more.
+Other convolutions keep the report's note (passes/oprules.py): weight- and activation-sized
+reorders, a few percent of a step.
 
 PyTorch's side: aten/src/ATen/native/Convolution.cpp ``_select_conv_backend`` sends a CPU fp32
 convolution with ``groups > 1`` to oneDNN (``ConvParams::use_mkldnn``); aten/src/ATen/native/
@@ -99,20 +100,14 @@ def dw_backward_weights_applies(c: Geometry) -> bool:
             and (c.t_pad <= 1 or c.t_pad % c.sh == 0) and (b_pad <= 1 or b_pad % c.sh == 0))
 
 
-def dw_backward_data_applies(c: Geometry) -> bool:
-    """Same file, ``jit_uni_dw_conv_bwd_data_kernel_t::init_conf``: the output size the padded
-    input gives (end paddings not clamped)."""
-    return (c.oh == (c.ih + c.t_pad + c.end_pad(False) - c.kh) // c.sh + 1
-            and c.ow == (c.iw + c.l_pad + c.end_pad(True) - c.kw) // c.sw + 1)
-
-
 @register_scratch(aten.convolution.default)
 def _convolution(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
     b = dict(zip(names, args), **kwargs)
     c = _geometry(b, (out.size(2), out.size(3)) if isinstance(out, torch.Tensor) and out.dim() == 4 else (0, 0))
-    if c is None:  # the weight is reordered to Goihw16g whichever kernel runs (measured)
+    if c is None:
         return []
+    # measured: the weight is reordered to Goihw16g whichever kernel runs
     return [Scratch(_goihw16g(c), f"weight reorder to Goihw16g: {WHAT}")]
 
 
@@ -135,7 +130,7 @@ def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     grad = b["grad_output"]
     c = _geometry(b, (grad.size(2), grad.size(3)) if grad.dim() == 4 else (0, 0))
     mask = b["output_mask"]
-    if c is None or (mask[0] and not dw_backward_data_applies(c)):
+    if c is None:
         return []
     # the input gradient runs first and frees its Goihw16g weight before the weight gradient starts
     data = _goihw16g(c) if mask[0] else 0
