@@ -14,12 +14,13 @@ import torch.nn as nn
 from graphmem.capture.capture import capture
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
+from graphmem.passes.budget import Parallel
 from graphmem.stepgraph import StepGraph
 from graphmem.training.loop import TrainStep
 from graphmem.training.step import LossFn
 
 if TYPE_CHECKING:
-    from graphmem.formula.fit import Sampler
+    from graphmem.formula.sampler import Sampler
 
 
 def variables_of(example: tuple) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -48,9 +49,10 @@ class Recapture:
     training step (``train``: micro-batches, optimizer), as the first capture ran them."""
 
     def __init__(self, module: nn.Module, make: Any, loss: Optional[LossFn], target: Target,
-                 example: tuple, base_shape: tuple[int, ...], train: Optional[TrainStep] = None) -> None:
+                 example: tuple, base_shape: tuple[int, ...], train: Optional[TrainStep] = None,
+                 parallel: Parallel = Parallel()) -> None:
         self.module, self.make, self.loss, self.target, self.base_shape = module, make, loss, target, base_shape
-        self.train = train
+        self.train, self.parallel = train, parallel  # formulas are one rank's under tensor parallelism
         self.names, self.dims = variables_of(example)
         self._sampler: Optional[Sampler] = None
         self.kept: dict[str, Any] = {}  # answers computed once: planners, kept coefficients and plans
@@ -63,9 +65,9 @@ class Recapture:
 
     def sampler_for(self, base: tuple[int, ...], dims: tuple[int, ...], tick: Any = None) -> Sampler:
         """A fresh sampler around another base shape, varying only ``dims``."""
-        from graphmem.formula.fit import Sampler  # sympy (0.3 s) is imported only when formulas are asked for
+        from graphmem.formula.sampler import Sampler  # sympy (0.3 s) is imported only when formulas are asked for
 
-        return Sampler(self.module, self.make, self.loss, base, dims, self.target, tick or (lambda: None))
+        return Sampler(self.module, self.make, self.loss, base, dims, self.target, tick or (lambda: None), self.parallel)
 
     def sampler(self, tick: Any = None) -> Sampler:
         """The report's own sampler (kept, so its captures are reused across calls)."""

@@ -25,7 +25,8 @@ gives the later steps' peak: each op's live bytes plus the states not yet create
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from fractions import Fraction
+from typing import Callable, Optional
 
 from graphmem.errors import UsageError
 from graphmem.passes.liveness import Liveness
@@ -190,6 +191,13 @@ class _Shares:
                                     or (s.created >= self.opt_start and s.kind not in ("gradient", "parameter", "buffer"))))
             or (self.shard_grads and s.kind == "gradient") or (self.shard_params and s.kind == "parameter")))
         return before, before // self.parallel.dp if sharded else before
+
+
+def rank_share(g: StepGraph, parallel: Parallel) -> Callable[[int], Fraction]:
+    """The part of storage ``sid`` one rank holds under tensor (and sequence) parallelism."""
+    sh = _Shares(g, parallel, tp_marks(g) if parallel.tp > 1 else None, frozenset(),
+                 g.phase_start.get("optimizer", g.num_ops))
+    return lambda sid: Fraction(sh.tp_part(g.storages[sid]), sh.den)
 
 
 def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parallel(),

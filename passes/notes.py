@@ -11,4 +11,4 @@ def notes(g: StepGraph) -> tuple[str, ...]:
         rule = NOTE_RULES.get((node.target, g.device))
         if rule is not None:
             found.setdefault(rule(node), None)
-    return tuple(found)
+    return tuple(n for n in found if n)  # a rule returns "" for an op another rule covers

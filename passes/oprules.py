@@ -35,10 +35,12 @@ def _op(name: str) -> Any:
 
 @register_note(_op("convolution"), _op("convolution_backward"), devices=("cpu",))
 def _onednn_conv(node: fx.Node) -> str:
-    return ("aten.convolution (CPU): oneDNN's scratch inside the op (weight and gradient reorders, its "
-            "scratchpad; layouts chosen per shape, ISA and thread count) is not modelled: the real peak can be "
-            "higher by up to a few weight-sized buffers per convolution (measured: ViT patch embedding "
-            "+0.2-2 %, ConvNeXt's depthwise 7x7 backward tens of percent)")
+    if node.meta.get("scratch"):  # covered by a rule (graphmem/capture/workspace_conv.py: depthwise, channels-last)
+        return ""
+    return ("aten.convolution (CPU): oneDNN's scratch inside the op (weight and activation reorders to its "
+            "blocked layouts, its scratchpad; chosen per shape, ISA and thread count) is not modelled except for "
+            "channels-last fp32 depthwise convolutions: the real peak can be higher by up to a few weight- or "
+            "activation-sized buffers per convolution (measured: ViT patch embedding +0.2-2 %, MobileNetV3 +1.2 %)")
 
 
 @register_note(_op("convolution"), _op("convolution_backward"), devices=("cuda",))

@@ -218,3 +218,17 @@ def test_analyze_formula_flag_adds_the_formula_to_text_json_and_markdown(capsys:
     assert (data["coefficients"]["alpha"], data["coefficients"]["beta"], data["coefficients"]["blocks"]) == (72, 12, 4)
     assert main(["analyze", model, "--input-shape", "4x16", "--formula", "--format", "markdown"]) == 0
     assert "### Formula" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_formula_cli_per_rank_with_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    """--tp/--sp make every number of `graphmem formula` one rank's, as analyze(tp=, sp=) does; --sp alone is a
+    one-line usage error."""
+    model = str(HERE / "formula_models" / "tiny_gpt.py")
+    assert main(["formula", model, "--input-shape", "4x16", "--sp"]) == 2
+    assert "add --tp" in capsys.readouterr().err
+    assert main(["formula", model, "--input-shape", "4x16", "--tp", "2", "--sp", "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)["coefficients"]
+    assert c["per_rank"] == "2 ranks, tensor parallel 2 + sequence parallel"
+    whole = graphmem.analyze(model, input_shape=(4, 16)).coefficients
+    assert Fraction(c["alpha"]) == whole.alpha / 2 and Fraction(c["beta"]) == whole.beta / 2  # every tensor of the block split

@@ -18,6 +18,7 @@ polynomial missed the stream, and the held-out captures refused the extrapolatio
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -113,3 +114,33 @@ def test_megatron_block_fp16_cuda_alpha_34_beta_5(residual_inside: bool) -> None
     # residual stream (2·sbh per add, saved by the next LayerNorm) is not inside any block
     block1 = next(m for m in report.modules if m.path == "blocks.1")
     assert (block1.activation_bytes == per_block) == residual_inside
+
+
+def _rank_activations(model: nn.Module, tp: int, sp: bool) -> int:
+    report = graphmem.analyze(model, input_shape=(B, S), loss=loss, device="cuda", dtype="fp16", world_size=tp, tp=tp, sp=sp)
+    return next(r.size for r in report.budget.rank.rows if r.name == "activations")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_megatron_block_per_rank_table2_rows(sp: bool) -> None:
+    """Korthikanti et al. 2022, Table 2, per rank at t = 2: tensor parallel sbh(10 + 24/t + 5as/(ht))
+    (LayerNorm inputs and outputs and the two dropout masks stay whole: 10; the rest is split),
+    tensor + sequence parallel sbh/t·(34 + 5as/h). gamma (LayerNorm's fp32 mean and rstd) is whole
+    under TP and split with SP; the causal mask (a bool buffer slice) stays whole on every rank."""
+    t = 2
+    with torch.device("meta"):
+        model = Model(True)
+    report = graphmem.analyze(model, input_shape=(B, S), loss=loss, device="cuda", dtype="fp16", world_size=t, tp=t, sp=sp)
+    c = report.coefficients
+    assert "tensor parallel 2" in c.per_rank and ("sequence parallel" in c.per_rank) == sp
+    alpha, gamma = (Fraction(34, t), Fraction(16, t)) if sp else (10 + Fraction(24, t), Fraction(16))
+    assert (c.alpha, c.beta, c.gamma) == (alpha, Fraction(5, t), gamma)
+    assert c.split.rest == {"s**2": 1}
+    # the marginal cost per rank, checked directly: one more block adds what the row says
+    per_block = alpha * B * S * D + Fraction(5, t) * A * S * S * B + gamma * B * S + S * S
+    with torch.device("meta"):
+        deeper = Model(True)
+        deeper.blocks.append(Block(True))
+    assert _rank_activations(deeper, t, sp) - _rank_activations(model, t, sp) == per_block
+    assert c.activation_at((B, S)) == _rank_activations(model, t, sp)

@@ -17,6 +17,8 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import graphmem.capture.workspace_conv  # noqa: F401  (registers the convolution rules)
+import graphmem.capture.workspace_dropout  # noqa: F401  (registers the fused dropout rules)
 from graphmem.capture.workspace import WORKSPACE_OUTPUTS, kernel_rule, scratch
 from graphmem.stepgraph import OpNode, SaveEvent, Storage
 

@@ -24,6 +24,10 @@ def _ints(text: str) -> list[int]:
 def _common(p: argparse.ArgumentParser, shape_required: bool) -> None:
     add_model_arguments(p, shape_required)
     add_target_arguments(p)
+    g = p.add_argument_group("tensor parallelism (every number becomes one rank's)")
+    g.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size (Megatron column/row linears, "
+                   "from the graph): alpha/beta/gamma per rank, as Korthikanti et al. 2022, Table 2")
+    g.add_argument("--sp", action="store_true", help="sequence parallel with --tp: the tensors outside the TP regions split too")
     p.add_argument("--json", action="store_true", help="JSON output")
     add_debug_argument(p)
 
@@ -70,7 +74,10 @@ class Sweep:
 
 
 def _report(args: argparse.Namespace, shape: str) -> Any:
-    return analyze_args(args, shape, trains=False)
+    """The analyzed step; with --tp, on tp ranks (no data parallelism), so the formulas are one rank's."""
+    from graphmem.training.spec import make_training
+
+    return analyze_args(args, shape, make_training(args.dtype, world_size=args.tp, tp=args.tp, sp=args.sp))
 
 
 def _formula(args: argparse.Namespace) -> int:

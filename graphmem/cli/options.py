@@ -142,12 +142,11 @@ def hf_of(args: argparse.Namespace) -> Any:
     return HFOptions(args.config, args.trust_remote_code, args.decoder_length)
 
 
-def analyze_args(args: argparse.Namespace, input_shape: Any = None, *, trains: bool = True) -> Any:
-    """``graphmem.analyze`` of the command's model with its target options, and its training
-    options when the command has them (``trains``; else the plain step)."""
+def analyze_args(args: argparse.Namespace, input_shape: Any = None, training: Any = None) -> Any:
+    """``graphmem.analyze`` of the command's model with its target options and its training
+    options (or the given ``training`` spec, for commands without training options)."""
     from graphmem.api import analyze
-    from graphmem.training.spec import make_training
 
-    training = training_of(args) if trains else make_training(args.dtype)
     return analyze(args.model, input_shape=args.input_shape if input_shape is None else input_shape,
-                   target=target_of(args), training=training, reuse=not args.no_reuse, hf=hf_of(args))
+                   target=target_of(args), training=training_of(args) if training is None else training,
+                   reuse=not args.no_reuse, hf=hf_of(args))

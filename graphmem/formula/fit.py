@@ -18,14 +18,11 @@ from fractions import Fraction
 from typing import Any, Callable, Optional, cast
 
 import sympy
-import torch.nn as nn
 
-from graphmem.capture.capture import capture
-from graphmem.capture.reuse import capture_reusing
-from graphmem.capture.target import Target
-from graphmem.chains import Chain, find_chain, truncated
+from graphmem.chains import Chain
 from graphmem.errors import GraphmemError, UsageError
-from graphmem.passes import liveness, saved
+from graphmem.formula.sampler import Sample, Sampler
+from graphmem.passes.budget import rank_share
 from graphmem.passes.coefficients import (
     BlockSplit,
     PeakModel,
@@ -36,7 +33,6 @@ from graphmem.passes.coefficients import (
     split_block,
     terms,
 )
-from graphmem.training.step import LossFn
 
 PROBES = 5  # equally spaced samples per variable to find its degree (<= 3, one kept as a check)
 STEPS = (1, 32)  # try consecutive sizes, then multiples of 32 (strided convs and pooling round)
@@ -48,16 +44,6 @@ ALPHA_B, ALPHA_S = 11, 13  # primes no bundled width divides: they tell b and s 
 
 class NotPolynomialError(GraphmemError):
     """The bytes are not a polynomial in some input dimension (padding, rounding, branches)."""
-
-
-@dataclass(frozen=True)
-class Sample:
-    activation: int
-    peak: int
-    block: int  # bytes saved by block 1 of the chain (its subtree)
-    timeline: tuple[int, ...]  # live bytes during each op
-    ops: tuple[Any, ...]  # the op sequence (targets)
-    step: Any
 
 
 @dataclass(frozen=True)
@@ -82,6 +68,7 @@ class Coefficients:
     n_heads: Optional[int] = None
     split: Optional[BlockSplit] = None
     note: str = ""
+    per_rank: str = ""  # with tensor parallelism: the parallel layout whose one rank every number is
 
     @property
     def alpha(self) -> Optional[Fraction]:
@@ -133,7 +120,7 @@ class Coefficients:
             "block_terms": {k: q(v) for k, v in self.block_terms.items()},
             "nonblock_terms": {k: q(v) for k, v in self.nonblock_terms.items()},
             "held_out": [{"point": list(p), "activation_bytes": a, "peak_bytes": pk} for p, a, pk in self.held_out],
-            "note": self.note,
+            "note": self.note, "per_rank": self.per_rank or None,
         }
 
 
@@ -147,47 +134,6 @@ def _exact_int(x: Fraction) -> int:
     if x.denominator != 1:
         raise NotPolynomialError(f"the formula gives a non-integer byte count {x} here: outside where it holds")
     return int(x)
-
-
-class Sampler:
-    """Captures the step at given sizes (and chain depths), with a cache."""
-
-    def __init__(self, model: nn.Module, make_inputs: Callable[[tuple[int, ...]], Any],
-                 loss: Optional[LossFn], base: tuple[int, ...], dims: tuple[int, ...], device: Target,
-                 tick: Callable[[], None] = lambda: None) -> None:
-        self.model, self.make_inputs, self.loss, self.base, self.dims, self.device = model, make_inputs, loss, base, dims, device
-        self.chain = find_chain(model)
-        self.cache: dict[tuple[tuple[int, ...], Optional[int]], Sample] = {}
-        self.tick = tick
-
-    def shape(self, point: tuple[int, ...]) -> tuple[int, ...]:
-        shape = list(self.base)
-        for d, v in zip(self.dims, point):
-            shape[d] = v
-        return tuple(shape)
-
-    def __call__(self, point: tuple[int, ...], depth: Optional[int] = None) -> Sample:
-        key = (point, depth)
-        if key not in self.cache:
-            shape = self.shape(point)
-            with truncated(self.model, self.chain, depth):
-                def at() -> Any:
-                    return capture(self.model, lambda: self.make_inputs(shape), self.loss, self.device)
-                full = depth is None or (self.chain is not None and depth >= self.chain.length)
-                if full and self.device.mode != "compiled":
-                    g = capture_reusing(self.model, at)[0]  # a deep chain: 5 blocks captured, checked
-                else:
-                    g = at()
-            sv = saved(g)
-            block = 0
-            if self.chain is not None:
-                path = f"{self.chain.path}.1" if self.chain.path else "1"
-                block = next((m.activation_bytes for m in sv.modules if m.path == path), 0)
-            lv = liveness(g)
-            self.cache[key] = Sample(sv.activation_bytes, lv.peak_bytes, block, lv.timeline,
-                                     tuple(n.target for n in g.ops), (g, sv))
-            self.tick()
-        return self.cache[key]
 
 
 def _probe_values(base: int, step: int) -> list[int]:
@@ -266,6 +212,7 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
         activation=activation, activation_terms=terms(activation, symbols), peak=peak,
         peak_terms=peak_terms, peak_note=peak_note,
         held_out=tuple((p, s.activation, s.peak) for p, s in measured.items()), chain=sampler.chain,
+        per_rank=sampler.parallel.describe() if sampler.parallel.tp > 1 else "",
     )
     if sampler.chain is None:
         return Coefficients(**coeffs)
@@ -334,14 +281,16 @@ def _block_shapes(sampler: Sampler, depth: Optional[int], d_model: Optional[int]
     heads = [t.shape[1] for t in mine if len(t.shape) == 4 and t.shape[0] == ALPHA_B and t.shape[2] == ALPHA_S]
     h = n_heads or (max(heads) if heads else None)
     if not marginal:
-        return d, h, _not_d_per_token(mine, d)
-    fewer = sampler(point, depth).step[1]
-    return d, h, _not_d_per_token(list(sv.tensors), d) - _not_d_per_token(list(fewer.tensors), d)
+        return d, h, _not_d_per_token(mine, d, rank_share(g, sampler.parallel))
+    fg, fewer = sampler(point, depth).step
+    return d, h, (_not_d_per_token(list(sv.tensors), d, rank_share(g, sampler.parallel))
+                  - _not_d_per_token(list(fewer.tensors), d, rank_share(fg, sampler.parallel)))
 
 
-def _not_d_per_token(tensors: list[Any], d: int) -> Fraction:
+def _not_d_per_token(tensors: list[Any], d: int, share: Callable[[int], Fraction]) -> Fraction:
     """Bytes per token (at b=11, s=13) of the saved tensors whose per-token element count is not
-    a multiple of d_model (LayerNorm's mean/rstd, a logsumexp (b, h, s))."""
+    a multiple of d_model (LayerNorm's mean/rstd, a logsumexp (b, h, s)); one rank's part
+    (``share``: under sequence parallelism LayerNorm's statistics are split too)."""
     gamma = Fraction(0)
     per_token = ALPHA_B * ALPHA_S
     itemsize = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1}
@@ -350,7 +299,7 @@ def _not_d_per_token(tensors: list[Any], d: int) -> Fraction:
             continue  # not per token (or the s**2 attention tensors: beta)
         elements = t.bytes // per_token // itemsize.get(t.dtype, 1)
         if elements % d:
-            gamma += t.bytes // per_token
+            gamma += share(t.sid) * (t.bytes // per_token)
     return gamma
 
 

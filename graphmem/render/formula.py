@@ -37,6 +37,8 @@ def render_coefficients(c: Any) -> str:
     checked = ", ".join("(" + ", ".join(map(str, p)) + ")" for p, _, _ in c.held_out)
     lines = [f"Exact activation bytes in {names}{where}; reproduced to the byte by captures at {checked}",
              f"  whole step:   {_poly(c.activation_terms)}"]
+    if c.per_rank:
+        lines.insert(1, f"  one rank's bytes ({c.per_rank})")
     if c.chain is not None and c.block_terms:
         lines.append(f"  per block ({c.chain.path}, {c.blocks} blocks): {_poly(c.block_terms)}")
         lines.append(f"  outside the blocks: {_poly(c.nonblock_terms)}")

@@ -1,0 +1,138 @@
+"""Kernel rules for oneDNN's CPU convolution (registered in graphmem/capture/workspace.py's
+scratch registry; graphmem/capture/recorder.py imports this module).
+
+Which oneDNN primitive runs, and so which layouts it reorders into, is chosen at run time from
+the shape, the ISA and the data type. The rules here cover the case whose scratch is large and
+follows one measured law: the depthwise convolution in channels-last layout (ConvNeXt's 7x7,
+MobileNet's and EfficientNet's in channels-last), fp32, square kernels, 16 channels or more.
+Other convolutions keep the report's note (passes/oprules.py): weight- and activation-sized
+reorders, a few percent of a step.
+
+PyTorch's side: aten/src/ATen/native/Convolution.cpp ``_select_conv_backend`` sends a CPU fp32
+convolution with ``groups > 1`` to oneDNN (``ConvParams::use_mkldnn``); aten/src/ATen/native/
+mkldnn/Conv.cpp ``mkldnn_convolution_backward`` lays input, weight and gradient out channels-last
+when ``mkldnn_conv_use_channels_last(input, weight)`` (either suggests ChannelsLast) and calls
+ideep's ``convolution_backward_weights::compute_v2``, which computes the weight gradient in the
+primitive's own weight format (``pd.diff_weights_desc()``) and reorders it into the dense output.
+
+Measured on oneDNN v3.12 (torch 2.14, AVX-512), to the byte over random shapes, 1 or 2 threads
+(tests/test_workspace_conv.py):
+
+- the forward and the input gradient reorder the weight to ``Goihw16g`` (groups padded to 16);
+- the weight gradient runs oneDNN's depthwise kernel where its ``init_conf`` accepts the shape
+  (``dw_backward_weights_applies``: kernel width <= 3, ...): its ``Goihw16g`` gradient, the dense
+  copy, a bias-sized buffer with the bias gradient. Where it refuses (ConvNeXt's 7x7, MobileNet's
+  5x5), a grouped kernel computes it with each group's 1x1 (out, in) blocked to 16x16:
+  ``G·16·16·kh·kw`` fp32 elements (1,024x the weight), plus the same dense and bias buffers.
+  Batch, image size, stride and thread count do not change it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch._prims_common import suggest_memory_format
+
+from graphmem.capture.workspace import Scratch, register_scratch
+
+aten = torch.ops.aten
+WHAT = "oneDNN depthwise convolution, channels-last (mkldnn/Conv.cpp, measured law)"
+
+
+def _channels_last(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Conv.cpp ``mkldnn_conv_use_channels_last``: input or weight suggests ChannelsLast."""
+    return torch.channels_last in (suggest_memory_format(x), suggest_memory_format(w))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One 2-d convolution as oneDNN's ``jit_conv_conf_t`` sees it (its dilation is PyTorch's - 1)."""
+
+    g: int
+    ih: int
+    iw: int
+    oh: int
+    ow: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    t_pad: int
+    l_pad: int
+
+    def end_pad(self, along_w: bool) -> int:
+        """oneDNN ``calculate_end_padding``: (dst - 1)·stride + k - src - start."""
+        if along_w:
+            return (self.ow - 1) * self.sw + self.kw - self.iw - self.l_pad
+        return (self.oh - 1) * self.sh + self.kh - self.ih - self.t_pad
+
+
+def _geometry(b: dict, out_hw: tuple[int, int]) -> Optional[Geometry]:
+    """The convolution, when it is a channels-last fp32 2-d depthwise one without dilation, with
+    a square kernel and at least 16 channels (one full ``ch_block``): the domain measured to the
+    byte. Narrower or non-square ones (measured: up to a bias- or block-sized buffer more, from
+    oneDNN's bias and tail handling) and dilated ones (other kernels) keep the report's note."""
+    x, w = b["input"], b["weight"]
+    if not (x.dim() == 4 and not b["transposed"] and x.dtype == torch.float32 and b["groups"] > 1
+            and tuple(w.shape[:2]) == (b["groups"], 1) and x.size(1) == b["groups"] and _channels_last(x, w)
+            and list(b["dilation"]) == [1, 1] and b["groups"] >= 16 and w.size(2) == w.size(3)):
+        return None
+    return Geometry(b["groups"], x.size(2), x.size(3), out_hw[0], out_hw[1], w.size(2), w.size(3),
+                    b["stride"][0], b["stride"][1], b["padding"][0], b["padding"][1])
+
+
+def _goihw16g(c: Geometry) -> int:
+    """The weight in oneDNN's depthwise format ``Goihw16g``: groups padded to 16 (fp32)."""
+    return -(-c.g // 16) * 16 * c.kh * c.kw * 4
+
+
+def dw_backward_weights_applies(c: Geometry) -> bool:
+    """Same file, ``jit_uni_dw_conv_bwd_weights_kernel_t::init_conf``: kw <= 3, stride_w <= kw,
+    the output size the padded input gives, paddings at most k/2 (a multiple of the stride
+    above 1), an input that holds the filter."""
+    b_pad, r_pad = max(0, c.end_pad(False)), max(0, c.end_pad(True))
+    return (c.kw <= 3 and c.sw <= c.kw
+            and c.oh == (c.ih + c.t_pad + b_pad - c.kh) // c.sh + 1
+            and c.ow == (c.iw + c.l_pad + r_pad - c.kw) // c.sw + 1
+            and max(c.t_pad, b_pad) <= c.kh // 2 and max(c.l_pad, r_pad) <= c.kw // 2
+            and c.ih >= c.kh + (-c.t_pad) % c.sh
+            and (c.t_pad <= 1 or c.t_pad % c.sh == 0) and (b_pad <= 1 or b_pad % c.sh == 0))
+
+
+@register_scratch(aten.convolution.default)
+def _convolution(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
+    b = dict(zip(names, args), **kwargs)
+    c = _geometry(b, (out.size(2), out.size(3)) if isinstance(out, torch.Tensor) and out.dim() == 4 else (0, 0))
+    if c is None:
+        return []
+    # measured: the weight is reordered to Goihw16g whichever kernel runs
+    return [Scratch(_goihw16g(c), f"weight reorder to Goihw16g: {WHAT}")]
+
+
+def depthwise_weight_grad_scratch(c: Geometry, bias_grad: bool) -> int:
+    """Bytes beside the outputs while oneDNN computes a channels-last depthwise weight gradient:
+    the depthwise kernel's Goihw16g gradient and its dense copy, or, where that kernel refuses the
+    shape, a grouped kernel's gradient with each group's 1x1 blocked to 16x16, the dense copy and
+    a bias-sized one (measured)."""
+    dense, bias = c.g * c.kh * c.kw * 4, (c.g * 4 if bias_grad else 0)
+    if dw_backward_weights_applies(c):
+        return _goihw16g(c) + dense + bias
+    return c.g * 16 * 16 * c.kh * c.kw * 4 + dense + bias
+
+
+@register_scratch(aten.convolution_backward.default)
+def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+    names = ("grad_output", "input", "weight", "bias_sizes", "stride", "padding", "dilation", "transposed",
+             "output_padding", "groups", "output_mask")
+    b = dict(zip(names, args), **kwargs)
+    grad = b["grad_output"]
+    c = _geometry(b, (grad.size(2), grad.size(3)) if grad.dim() == 4 else (0, 0))
+    mask = b["output_mask"]
+    if c is None:
+        return []
+    # the input gradient runs first and frees its Goihw16g weight before the weight gradient starts
+    data = _goihw16g(c) if mask[0] else 0
+    weights = depthwise_weight_grad_scratch(c, mask[2]) if mask[1] else 0
+    return [Scratch(max(data, weights), f"weight-gradient blocks and reorders: {WHAT}")]

@@ -1,0 +1,75 @@
+"""Captures of one step at chosen input sizes and chain depths, for the formulas (graphmem/formula/fit.py).
+
+With tensor parallelism (``parallel.tp > 1``) a sample's activation, peak and timeline are one
+rank's (passes/budget.py: the tensors passes/tensor_parallel.py marks as split, divided by t; with
+sequence parallelism the stream too), so the fitted formulas and alpha/beta/gamma are per rank."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch.nn as nn
+
+from graphmem.capture.capture import capture
+from graphmem.capture.reuse import capture_reusing
+from graphmem.capture.target import Target
+from graphmem.chains import find_chain, truncated
+from graphmem.passes import liveness, saved
+from graphmem.passes.budget import Parallel, budget
+from graphmem.training.step import LossFn
+
+
+@dataclass(frozen=True)
+class Sample:
+    activation: int
+    peak: int
+    block: int  # bytes saved by block 1 of the chain (its subtree)
+    timeline: tuple[int, ...]  # live bytes during each op
+    ops: tuple[Any, ...]  # the op sequence (targets)
+    step: Any
+
+
+class Sampler:
+    """Captures the step at given sizes (and chain depths), with a cache."""
+
+    def __init__(self, model: nn.Module, make_inputs: Callable[[tuple[int, ...]], Any],
+                 loss: Optional[LossFn], base: tuple[int, ...], dims: tuple[int, ...], device: Target,
+                 tick: Callable[[], None] = lambda: None, parallel: Parallel = Parallel()) -> None:
+        self.model, self.make_inputs, self.loss, self.base, self.dims, self.device = model, make_inputs, loss, base, dims, device
+        self.parallel = parallel  # with tensor parallelism, every number is one rank's
+        self.chain = find_chain(model)
+        self.cache: dict[tuple[tuple[int, ...], Optional[int]], Sample] = {}
+        self.tick = tick
+
+    def shape(self, point: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(self.base)
+        for d, v in zip(self.dims, point):
+            shape[d] = v
+        return tuple(shape)
+
+    def __call__(self, point: tuple[int, ...], depth: Optional[int] = None) -> Sample:
+        key = (point, depth)
+        if key not in self.cache:
+            shape = self.shape(point)
+            with truncated(self.model, self.chain, depth):
+                def at() -> Any:
+                    return capture(self.model, lambda: self.make_inputs(shape), self.loss, self.device)
+                full = depth is None or (self.chain is not None and depth >= self.chain.length)
+                if full and self.device.mode != "compiled":
+                    g = capture_reusing(self.model, at)[0]  # a deep chain: 5 blocks captured, checked
+                else:
+                    g = at()
+            sv = saved(g)
+            block = 0
+            if self.chain is not None:
+                path = f"{self.chain.path}.1" if self.chain.path else "1"
+                block = next((m.activation_bytes for m in sv.modules if m.path == path), 0)
+            lv = liveness(g)
+            activation, peak, timeline = sv.activation_bytes, lv.peak_bytes, lv.timeline
+            if self.parallel.tp > 1:  # one rank's: what tensor (and sequence) parallelism splits, passes/budget.py
+                rank = budget(g, lv, sv, self.parallel)
+                activation = next(r.size for r in rank.rows if r.name == "activations")
+                peak, timeline = rank.peak_bytes, rank.timeline
+            self.cache[key] = Sample(activation, peak, block, timeline, tuple(n.target for n in g.ops), (g, sv))
+            self.tick()
+        return self.cache[key]
