@@ -127,7 +127,7 @@ class StageModule(nn.Module):
     """One pipeline stage: [the model's code before the chain,] blocks [a, b) [, the modules after it]."""
 
     def __init__(self, model: nn.Module, layout: Layout, a: int, b: int, first: bool, last: bool,
-                 consts: tuple[tuple, dict] = ((), {})) -> None:
+                 consts: tuple[tuple, dict] = ((), {})) -> None:  # the first block's inputs after the hidden state
         super().__init__()
         self._root = (model,)  # not registered: only this stage's modules are its parameters
         self.first, self.last = first, last
@@ -147,7 +147,7 @@ class StageModule(nn.Module):
             args, kwargs = block_inputs(self._root[0], self.layout.chain, lambda: self._root[0](x))
             h, rest = args[0], args[1:]
         else:
-            h, rest, kwargs = x, self.consts[0][1:], self.consts[1]
+            h, rest, kwargs = x, self.consts[0], self.consts[1]
         for block in self.blocks:
             h = _first(block(h, *rest, **kwargs))
         for m in self.post:
@@ -291,6 +291,47 @@ def fake_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+class _Held:
+    """A work that holds its tensor until it is destroyed, as gloo's SendWork/RecvWork do
+    (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp); the fake process group's FakeWork holds
+    nothing, so without this a sent activation would die earlier than in a real run (the
+    schedule keeps the last send's works until its next send: Schedule1F1B ``send_work``)."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self.work, self.tensor = work, tensor
+
+    def wait(self, *args: Any) -> Any:
+        return self.work.wait(*args) if self.work is not None else True
+
+
+@contextlib.contextmanager
+def _works_hold_tensors() -> Iterator[None]:
+    """Within: isend/irecv return works that hold their tensor; batch_isend_irecv issues them one
+    by one (its path for a backend without coalescing, gloo's; torch/distributed/distributed_c10d.py)."""
+    c10d = dist.distributed_c10d
+    isend, irecv = c10d.isend, c10d.irecv
+
+    def held(op: Callable[..., Any]) -> Callable[..., Any]:
+        def run(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return _Held(op(tensor, *args, **kwargs), tensor)
+        return run
+
+    def batch(ops: list[Any]) -> list[Any]:
+        return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+
+    patched = {"isend": held(isend), "irecv": held(irecv), "batch_isend_irecv": batch}
+    originals = {name: getattr(c10d, name) for name in patched}
+    for name, fn in patched.items():
+        setattr(c10d, name, fn)
+        setattr(dist, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(c10d, name, fn)
+            setattr(dist, name, fn)
+
+
 @dataclass(frozen=True)
 class Segment:
     kind: str  # forward | loss | backward
@@ -362,7 +403,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
     try:
         for m in model.modules():
             m.training = True
-        with fake_group(plan.rank, plan.pp):
+        with fake_group(plan.rank, plan.pp), _works_hold_tensors():
             with mode:
                 batch = as_batch(fake_batch(inputs, mode, device, target.param_dtype).given).tensors()[0]
                 consts = _consts(model, layout, batch, plan, mode)
@@ -421,7 +462,7 @@ def _consts(model: nn.Module, layout: Layout, batch: torch.Tensor, plan: Pipelin
     mb = batch.tensor_split(plan.micro_batches)[0]
     with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False), real_paths():
         args, kwargs = block_inputs(model, layout.chain, lambda: model(mb))
-    return args, kwargs
+    return args[1:], kwargs
 
 
 def _phases(cap: _Recorder, schedule: Any, stages: list[Any], segments: list[Segment],
