@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
-from graphmem.distributed.pipeline import Pipeline, block_inputs, build_schedule, probe, run_schedule, stage_loss
+from graphmem.distributed.pipeline import Pipeline, block_inputs, build_schedule, probe, run_model, run_schedule, stage_loss
 from graphmem.validation.measure import _allocation_events, _storage_bytes
 
 
@@ -30,7 +30,7 @@ def _rank(rank: int, build: Callable[[], tuple[nn.Module, Any, Any]], plan_args:
         consts: Any = ((), {})
         if plan.stages != (0,):
             with torch.no_grad():
-                args, kwargs = block_inputs(model, layout.chain, lambda: model(mb))
+                args, kwargs = block_inputs(model, layout.chain, lambda: run_model(model, mb))
                 consts = (args[1:], kwargs)
         schedule, stages = build_schedule(model, layout, plan, stage_loss(model, loss), torch.device("cpu"),
                                           consts, mb)

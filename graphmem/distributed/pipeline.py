@@ -23,7 +23,7 @@ precomputes them per stage; the batch's first tensor is the stage-0 input and th
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -119,6 +119,14 @@ def block_inputs(model: nn.Module, chain: Chain, call: Callable[[], Any]) -> tup
     raise UsageError(f"the model's forward never called {chain.path}.0; pipeline stages split that chain")
 
 
+def run_model(model: nn.Module, x: torch.Tensor) -> Any:
+    """``model(x)``; with ``use_cache=False`` where its forward takes one (a Hugging Face decoder's
+    KV cache would otherwise carry one micro-batch's keys into the next)."""
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        return model(x, use_cache=False)
+    return model(x)
+
+
 def _first(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out[0]  # a block's hidden state (HF blocks may return tuples)
 
@@ -144,7 +152,7 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            args, kwargs = block_inputs(self._root[0], self.layout.chain, lambda: self._root[0](x))
+            args, kwargs = block_inputs(self._root[0], self.layout.chain, lambda: run_model(self._root[0], x))
             h, rest = args[0], args[1:]
         else:
             h, rest, kwargs = x, self.consts[0], self.consts[1]
@@ -461,7 +469,7 @@ def _consts(model: nn.Module, layout: Layout, batch: torch.Tensor, plan: Pipelin
             state[f"{path}.{name}".lstrip(".")] = _fake_like(t, torch.device("cpu"))
     mb = batch.tensor_split(plan.micro_batches)[0]
     with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False), real_paths():
-        args, kwargs = block_inputs(model, layout.chain, lambda: model(mb))
+        args, kwargs = block_inputs(model, layout.chain, lambda: run_model(model, mb))
     return args[1:], kwargs
 
 
