@@ -36,7 +36,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from graphmem.capture.capture import _cache_clears
 from graphmem.capture.fakes import _fake_like, fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.hf_paths import real_paths
-from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _unique_counts
+from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _tensors, _unique_counts
 from graphmem.capture.target import Target
 from graphmem.chains import Chain, find_chain
 from graphmem.errors import GraphmemError, UsageError
@@ -415,12 +415,18 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
             with mode:
                 batch = as_batch(fake_batch(inputs, mode, device, target.param_dtype).given).tensors()[0]
                 consts = _consts(model, layout, batch, plan, mode)
+                for i, t in enumerate(_tensors(consts)):  # held by the stage from before the step
+                    cap.preexisting(t, "external", f"stage constant {i} (the first block's inputs)")
                 schedule, stages = build_schedule(model, layout, plan, stage_loss(model, loss), device, consts,
                                                   batch.tensor_split(plan.micro_batches)[0])
                 own = nn.ModuleList([s.submod for s in stages])
                 for s in stages:
                     cap.paths[id(s.submod)] = ""
-                state, seen = fake_state(own, device, target.param_dtype, cap.preexisting)
+                names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False),
+                                               *model.named_buffers(remove_duplicate=False)]}
+                mine = dict([*own.named_parameters(remove_duplicate=False), *own.named_buffers(remove_duplicate=False)])
+                state, seen = fake_state(own, device, target.param_dtype,  # named as in the model
+                                         lambda t, kind, n: cap.preexisting(t, kind, names.get(id(mine[n]), n)))
                 if any(s.is_first or s.is_last for s in stages):
                     cap.preexisting(batch, "input", "input")
             _phases(cap, schedule, stages, segments, forward_context(target, {}, cap.clearing_cache))
@@ -441,9 +447,10 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
                 raise
             except Exception as e:
                 raise translate_error(e, cap, type(model).__name__) from e
-        starts = {"forward": 0, "end": len(cap.ops)}
-        for seg in segments:
-            starts.setdefault(seg.kind, seg.first_op)
+        # micro-batches' forwards and backwards interleave: each op keeps its own phase (StageGraph.phase_of);
+        # phase_start says where the first backward begins
+        first_bwd = next((seg.first_op for seg in segments if seg.kind == "backward"), len(cap.ops))
+        starts = {"forward": 0, "loss": first_bwd, "backward": first_bwd, "end": len(cap.ops)}
         g = StageGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, starts, target.device, grads,
                        type(model).__name__, [n for n, _ in model.named_modules()], cap.module_inputs, target)
         return g, tuple(segments), layout
@@ -531,5 +538,6 @@ def analyze_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
     where = ", ".join(f"stage {s} ({layout.chain.path}.{a}..{b - 1})" for s, (a, b) in zip(plan.stages, blocks))
     line = (f"pipeline rank {plan.rank} of {plan.pp}, {plan.schedule} schedule, {plan.micro_batches} micro-batches, "
             f"{where}: at the peak {flight.at_peak} micro-batches' activations held "
-            f"({flight.bytes_at_peak:,} B); at most {flight.most}")
+            f"({flight.bytes_at_peak:,} B), at most {flight.most}; forwards and backwards interleave from op "
+            f"{g.phase_start['backward']} (each op's phase is its own)")
     return StageStep(g, lv, sv, (line, *notes(g)), flight, blocks)
