@@ -144,11 +144,14 @@ class StageModule(nn.Module):
         self.pre = nn.ModuleList([model.get_submodule(n) for n in layout.prologue] if first else [])
         self.post = nn.ModuleList([model.get_submodule(n) for n in layout.epilogue] if last else [])
         self.consts = consts
+        self.parent_tensors: dict[str, str] = {}  # the chain's ancestors' own tensors: this name -> the model's
         for i, p in enumerate(layout.parents if first else ()):
             for name, t in model.get_submodule(p).named_parameters(recurse=False):
                 self.register_parameter(f"parent{i}_{name}", t)
+                self.parent_tensors[f"parent{i}_{name}"] = f"{p}.{name}".lstrip(".")
             for name, t in model.get_submodule(p).named_buffers(recurse=False):
                 self.register_buffer(f"parent{i}_{name}", t)
+                self.parent_tensors[f"parent{i}_{name}"] = f"{p}.{name}".lstrip(".")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
@@ -427,6 +430,8 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
                 mine = dict([*own.named_parameters(remove_duplicate=False), *own.named_buffers(remove_duplicate=False)])
                 state, seen = fake_state(own, device, target.param_dtype,  # named as in the model
                                          lambda t, kind, n: cap.preexisting(t, kind, names.get(id(mine[n]), n)))
+                root_state = {name: state[f"{k}.{attr}"] for k, s in enumerate(stages)  # the model's code reads them
+                              for attr, name in s.submod.parent_tensors.items()}
                 if any(s.is_first or s.is_last for s in stages):
                     cap.preexisting(batch, "input", "input")
             _phases(cap, schedule, stages, segments, forward_context(target, {}, cap.clearing_cache))
@@ -435,6 +440,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
             try:
                 with mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                         _reparametrize_module(own, state, tie_weights=True, strict=False), \
+                        _reparametrize_module(model, root_state, strict=False), \
                         _rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths():
                     cap.recording = True
                     out = run_schedule(schedule, stages, batch)
