@@ -383,19 +383,19 @@ def in_flight(g: StepGraph, segments: tuple[Segment, ...], peak: int) -> InFligh
         if g.storages[e.sid].kind not in ("parameter", "buffer"):
             per.setdefault(key, {})[e.sid] = g.storages[e.sid].nbytes
 
-    def held(at: int) -> dict[tuple[int, int], int]:
-        out: dict[tuple[int, int], int] = {}
+    def held(at: int) -> dict[tuple[int, int], set[int]]:
+        out: dict[tuple[int, int], set[int]] = {}
         for i, key in owner.items():
             e = g.saves[i]
             if e.packed_at <= at and (e.released_at is None or e.released_at >= at) \
                     and g.storages[e.sid].kind not in ("parameter", "buffer"):
-                out[key] = out.get(key, 0) + 1
+                out.setdefault(key, set()).add(e.sid)
         return out
 
     at = held(peak)
     starts = sorted({s.first_op for s in segments if s.kind == "backward"} | {g.num_ops - 1})
     most = max((len(held(i - 1)) for i in starts), default=0)  # holdings grow until a backward starts
-    live_bytes = sum(b for key in at for b in per.get(key, {}).values())
+    live_bytes = sum(g.storages[sid].nbytes for sid in set().union(*at.values()))
     return InFlight(segments, tuple(sum(v.values()) for v in per.values()), len(at), live_bytes, most)
 
 
