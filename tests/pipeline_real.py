@@ -14,8 +14,16 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
-from graphmem.distributed.pipeline import Pipeline, block_inputs, build_schedule, probe, run_model, run_schedule, stage_loss
 from graphmem.capture.recorder import _tensors
+from graphmem.distributed.pipeline import (
+    Pipeline,
+    block_inputs,
+    build_schedule,
+    probe,
+    run_model,
+    run_schedule,
+    stage_loss,
+)
 from graphmem.validation.measure import _allocation_events, _storage_bytes
 
 

@@ -109,7 +109,7 @@ def block_inputs(model: nn.Module, chain: Chain, call: Callable[[], Any]) -> tup
     def stop(module: nn.Module, args: tuple, kwargs: dict) -> None:
         raise _Stop(args, kwargs)
 
-    handle = model.get_submodule(chain.path)[0].register_forward_pre_hook(stop, with_kwargs=True)
+    handle = _blocks(model, chain)[0].register_forward_pre_hook(stop, with_kwargs=True)
     try:
         call()
     except _Stop as s:
@@ -117,6 +117,10 @@ def block_inputs(model: nn.Module, chain: Chain, call: Callable[[], Any]) -> tup
     finally:
         handle.remove()
     raise UsageError(f"the model's forward never called {chain.path}.0; pipeline stages split that chain")
+
+
+def _blocks(model: nn.Module, chain: Chain) -> list[nn.Module]:
+    return list(model.get_submodule(chain.path).children())  # a ModuleList / Sequential (graphmem/chains.py)
 
 
 def run_model(model: nn.Module, x: torch.Tensor) -> Any:
@@ -140,14 +144,14 @@ class StageModule(nn.Module):
         self._root = (model,)  # not registered: only this stage's modules are its parameters
         self.first, self.last = first, last
         self.layout = layout
-        self.blocks = nn.ModuleList(list(model.get_submodule(layout.chain.path))[a:b])
+        self.blocks = nn.ModuleList(_blocks(model, layout.chain)[a:b])
         self.pre = nn.ModuleList([model.get_submodule(n) for n in layout.prologue] if first else [])
         self.post = nn.ModuleList([model.get_submodule(n) for n in layout.epilogue] if last else [])
         self.consts = consts
         self.parent_tensors: dict[str, str] = {}  # the chain's ancestors' own tensors: this name -> the model's
         for i, p in enumerate(layout.parents if first else ()):
-            for name, t in model.get_submodule(p).named_parameters(recurse=False):
-                self.register_parameter(f"parent{i}_{name}", t)
+            for name, param in model.get_submodule(p).named_parameters(recurse=False):
+                self.register_parameter(f"parent{i}_{name}", param)
                 self.parent_tensors[f"parent{i}_{name}"] = f"{p}.{name}".lstrip(".")
             for name, t in model.get_submodule(p).named_buffers(recurse=False):
                 self.register_buffer(f"parent{i}_{name}", t)
@@ -174,8 +178,8 @@ def probe(model: nn.Module, batch: Any, micro_batches: int) -> Layout:
         raise UsageError("pipeline stages split a chain of identical blocks (a ModuleList/Sequential); "
                          "this model has none")
     paths = {id(m): n for n, m in model.named_modules()}
-    holder = model.get_submodule(chain.path)
-    first_block, last_block = holder[0], holder[len(holder) - 1]
+    blocks = _blocks(model, chain)
+    first_block, last_block = blocks[0], blocks[-1]
     parents = tuple(p for p in paths.values() if chain.path == p or chain.path.startswith(p + ".") or p == "")
     parents = tuple(p for p in parents if p != chain.path)
     order: list[tuple[str, str]] = []  # (when, path)
@@ -259,7 +263,7 @@ def build_schedule(model: nn.Module, layout: Layout, plan: Pipeline, loss: Calla
     if layout.chain.length < n:
         raise UsageError(f"{layout.chain.path} has {layout.chain.length} blocks, fewer than the {n} pipeline stages")
     bounds = layout.bounds(n)
-    stages = []
+    stages: list[Any] = []
     for s in plan.stages:
         first, last = s == 0, s == n - 1
         mod = StageModule(model, layout, *bounds[s], first, last, consts)
