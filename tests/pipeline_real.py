@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 from graphmem.capture.recorder import _tensors
-from graphmem.distributed.pipeline import (
+from graphmem.distributed.pipeline_stages import (
     Pipeline,
     block_inputs,
     build_schedule,

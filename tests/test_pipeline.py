@@ -105,11 +105,11 @@ def test_bad_pipeline_options_name_the_fix(kwargs: dict, message: str) -> None:
 
 
 def test_cli_reports_rank_r() -> None:
-    run = subprocess.run([sys.executable, "-m", "graphmem.cli", "analyze", "models/gpt2.py", "--input-shape", "4x64",
+    run = subprocess.run([sys.executable, "-m", "graphmem.cli", "analyze", "tests/formula_models/tiny_gpt.py", "--input-shape", "4x16",
                           "--pp", "2", "--rank", "1", "--micro-batches", "4", "--json"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "pipeline rank 1 of 2, 1f1b schedule, 4 micro-batches" in run.stdout
-    bad = subprocess.run([sys.executable, "-m", "graphmem.cli", "analyze", "models/gpt2.py", "--input-shape", "4x64",
+    bad = subprocess.run([sys.executable, "-m", "graphmem.cli", "analyze", "tests/formula_models/tiny_gpt.py", "--input-shape", "4x16",
                           "--pp", "2", "--rank", "5"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--rank must be in 0..1" in bad.stderr
