@@ -3,15 +3,13 @@ pipelining's real schedules, checked against the same pipeline run for real (two
 gloo: tests/pipeline_real.py) and against the schedules' textbook in-flight counts."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from pipeline_real import measure_pipeline
 
 import graphmem
 from graphmem.capture.target import make_target
+from graphmem.cli.main import main
 from graphmem.distributed.pipeline import analyze_stage, make_pipeline
 from graphmem.errors import UsageError
 from graphmem.models import gpt2, llama
@@ -104,12 +102,13 @@ def test_bad_pipeline_options_name_the_fix(kwargs: dict, message: str) -> None:
         graphmem.analyze(gpt2.build(GPT), (torch.randint(0, 64, (4, 16)),), loss=gpt2.loss, **kwargs)
 
 
-def test_cli_reports_rank_r() -> None:
-    run = subprocess.run([sys.executable, "-m", "graphmem.cli", "analyze", "tests/formula_models/tiny_gpt.py", "--input-shape", "4x16",
-                          "--pp", "2", "--rank", "1", "--micro-batches", "4", "--json"],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert "pipeline rank 1 of 2, 1f1b schedule, 4 micro-batches" in run.stdout
-    bad = subprocess.run([sys.executable, "-m", "graphmem.cli", "analyze", "tests/formula_models/tiny_gpt.py", "--input-shape", "4x16",
-                          "--pp", "2", "--rank", "5"], capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--rank must be in 0..1" in bad.stderr
+def test_cli_reports_rank_r(capsys: pytest.CaptureFixture[str]) -> None:
+    model = "tests/formula_models/tiny_gpt.py"
+    assert main(["analyze", model, "--input-shape", "4x16", "--pp", "2", "--rank", "1", "--micro-batches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline rank 1 of 2, 1f1b schedule, 4 micro-batches, stage 1 (transformer.h.2..3)" in out
+    assert main(["analyze", model, "--input-shape", "4x16", "--pp", "2", "--rank", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--rank must be in 0..1" in err
+    assert main(["analyze", model, "--input-shape", "4x16", "--pp", "2", "--plan"]) == 2
+    assert "do not combine with it yet" in capsys.readouterr().err
