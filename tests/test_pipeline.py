@@ -90,6 +90,14 @@ def test_a_stage_holds_only_its_own_blocks() -> None:
     assert all(r.peak_bytes < whole.peak_bytes for r in ranks)
 
 
+def test_received_activations_take_the_target_dtype() -> None:
+    # stage 1's first LayerNorm saves its input: the activation received from stage 0
+    model, batch = gpt2.build(GPT), torch.randint(0, 64, (4, 16))
+    report = graphmem.analyze(model, (batch,), loss=gpt2.loss, pp=2, rank=1, micro_batches=4, dtype="bf16")
+    received = [t for t in report.saved if t.module == "transformer.h.2.ln_1"]
+    assert len(received) == 4 * 3 and {t.dtype for t in received} == {"bfloat16"}  # input, mean, rstd per micro-batch
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(pp=2, rank=2), "--rank must be in 0..1"),
     (dict(pp=2, schedule="zb"), "unknown --schedule"),

@@ -29,7 +29,6 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from graphmem.capture.capture import _cache_clears
@@ -170,7 +169,8 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
                   plan: Pipeline) -> tuple[StageGraph, tuple[Segment, ...], Layout]:
     """Record rank ``plan.rank``'s step of the pipeline on fake tensors (see the module docstring)."""
     device = torch.device("cpu")  # the CUDA target runs on fake CPU tensors (graphmem/capture/target.py)
-    layout = probe(model, inputs, plan.micro_batches)
+    context = forward_context(target, {}, contextlib.nullcontext)
+    layout = probe(model, inputs, plan.micro_batches, target.param_dtype, context)
     _unique_counts()
     cap = _Recorder({id(m): n for n, m in model.named_modules()})
     cap.device = target.device
@@ -184,7 +184,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
         with fake_group(plan.rank, plan.pp), _works_hold_tensors():
             with mode:
                 batch = as_batch(fake_batch(inputs, mode, device, target.param_dtype).given).tensors()[0]
-                consts = _consts(model, layout, batch, plan, mode)
+                consts = _consts(model, layout, batch, plan, target.param_dtype, context)
                 for i, t in enumerate(_tensors(consts)):  # held by the stage from before the step
                     cap.preexisting(t, "external", f"stage constant {i} (the first block's inputs)")
                 schedule, stages = build_schedule(model, layout, plan, stage_loss(model, loss), device, consts,
@@ -235,8 +235,8 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
             m.training = was
 
 
-def _consts(model: nn.Module, layout: Layout, batch: torch.Tensor, plan: Pipeline,
-            mode: FakeTensorMode) -> tuple[tuple, dict]:
+def _consts(model: nn.Module, layout: Layout, batch: torch.Tensor, plan: Pipeline, dtype: Optional[torch.dtype],
+            context: Callable[[], Any]) -> tuple[tuple, dict]:
     """The first block's inputs besides the hidden state, for stages after the first: the model's
     code before the chain run once before the step (unrecorded) on fake copies of its tensors."""
     if plan.stages == (0,):
@@ -246,9 +246,10 @@ def _consts(model: nn.Module, layout: Layout, batch: torch.Tensor, plan: Pipelin
         holder = model.get_submodule(path)
         recurse = path not in layout.parents
         for name, t in [*holder.named_parameters(recurse=recurse), *holder.named_buffers(recurse=recurse)]:
-            state[f"{path}.{name}".lstrip(".")] = _fake_like(t, torch.device("cpu"))
+            state[f"{path}.{name}".lstrip(".")] = _fake_like(t, torch.device("cpu"), dtype)
     mb = batch.tensor_split(plan.micro_batches)[0]
-    with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False), real_paths():
+    with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False), real_paths(), \
+            context():
         args, kwargs = block_inputs(model, layout.chain, lambda: run_model(model, mb))
     return args[1:], kwargs
 

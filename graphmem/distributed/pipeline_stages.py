@@ -5,6 +5,7 @@ own code before the chain, the last stage with the modules after it and the loss
 torch schedule over this rank's stages (torch/distributed/pipelining/schedules.py)."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -146,9 +147,11 @@ class StageModule(nn.Module):
         return h
 
 
-def probe(model: nn.Module, batch: Any, micro_batches: int) -> Layout:
-    """Run the model once on fake tensors (whole batch, no grad) and note which modules run
-    before its chain and after it, and the shapes at the cut for one micro-batch."""
+def probe(model: nn.Module, batch: Any, micro_batches: int, dtype: Optional[torch.dtype] = None,
+          context: Callable[[], Any] = contextlib.nullcontext) -> Layout:
+    """Run the model once on fake tensors (whole batch, no grad; parameters in ``dtype``, forward
+    in ``context()``: the target's autocast) and note which modules run before its chain and
+    after it, and the shapes and dtypes at the cut for one micro-batch."""
     chain = find_chain(model)
     if chain is None:
         raise UsageError("pipeline stages split a chain of identical blocks (a ModuleList/Sequential); "
@@ -177,12 +180,13 @@ def probe(model: nn.Module, batch: Any, micro_batches: int) -> Layout:
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        state, _ = fake_state(model, torch.device("cpu"), None)
-        fb = fake_batch(batch, mode, torch.device("cpu"), None)
+        state, _ = fake_state(model, torch.device("cpu"), dtype)
+        fb = fake_batch(batch, mode, torch.device("cpu"), dtype)
         h1 = nn.modules.module.register_module_forward_pre_hook(pre)
         h2 = nn.modules.module.register_module_forward_hook(post)
         try:
-            with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False), real_paths():
+            with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False), real_paths(), \
+                    context():
                 out = fb.call(model)
                 if "last" not in seen:
                     raise UsageError(f"the model's forward did not run {chain.path}'s blocks in order")
