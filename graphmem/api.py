@@ -141,7 +141,7 @@ def analyze(
     if training.train.active and target.mode == "compiled":
         raise UsageError("the optimizer step and micro-batches are traced in eager mode; drop --mode compiled "
                          "(or the --optimizer/--micro-batches options)")
-    if pp > 1:  # rank r's stage under torch's pipeline schedules (graphmem/distributed/pipeline.py)
+    if pp != 1 or rank != 0 or schedule != "1f1b":  # rank r's stage under torch's pipeline schedules (graphmem/distributed/pipeline.py)
         return _pipeline_stage(loaded, make, loss_fn, target, training, make_pipeline(
             pp, rank, schedule, training.train.micro_batches))
     module, lora_layers = prepare(loaded.module, training)

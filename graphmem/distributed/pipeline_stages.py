@@ -43,7 +43,7 @@ class Pipeline:
 
 def make_pipeline(pp: int, rank: int, schedule: str, micro_batches: int) -> Pipeline:
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 2:
-        raise UsageError(f"--pp must be an integer >= 2 (pipeline ranks), got {pp!r}")
+        raise UsageError(f"--pp must be an integer >= 2 (pipeline ranks; --rank and --schedule need it), got {pp!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < pp:
         raise UsageError(f"--rank must be in 0..{pp - 1} for --pp {pp}, got {rank!r}")
     if schedule not in SCHEDULES:
