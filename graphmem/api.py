@@ -14,6 +14,7 @@ from graphmem.capture.hf import batch as hf_inputs
 from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target, make_target
+from graphmem.distributed.pipeline import Pipeline, analyze_stage, make_pipeline
 from graphmem.errors import UsageError
 from graphmem.passes import allocator, compare_modes, liveness, notes, saved
 from graphmem.recapture import Recapture
@@ -61,6 +62,9 @@ def analyze(
     fsdp: Optional[str] = None,
     tp: int = 1,
     sp: bool = False,
+    pp: int = 1,
+    rank: int = 0,
+    schedule: str = "1f1b",
     target: Optional[Target] = None,
     training: Optional[Training] = None,
     hf: Optional[HFOptions] = None,
@@ -90,7 +94,9 @@ def analyze(
     frozen), ``qlora`` (a Hugging Face model's linear layers in 4-bit NF4 with double quantization
     and bf16 compute through bitsandbytes, LoRA adapters through peft: graphmem/training/qlora.py),
     and per-rank budgets for ``world_size`` ranks with ``zero`` (1-3) or ``fsdp``
-    ("full", "grad-op") and ``tp`` (tensor parallel, ``sp`` sequence parallel).
+    ("full", "grad-op") and ``tp`` (tensor parallel, ``sp`` sequence parallel). ``pp`` > 1: the
+    step of pipeline rank ``rank`` under torch.distributed.pipelining's ``schedule`` ("1f1b",
+    "gpipe", "interleaved") with ``micro_batches`` micro-batches (graphmem/distributed/pipeline.py).
 
     The keyword options are a convenience: they build a frozen ``Target``
     (graphmem/capture/target.py) and a frozen ``Training`` spec (graphmem/training/spec.py),
@@ -141,6 +147,9 @@ def analyze(
     if training.quantization is not None and target.mode == "compiled":
         raise UsageError("--qlora is analyzed in eager mode (bitsandbytes' ops under torch.compile are not traced "
                          "here): drop --mode compiled")
+    if pp != 1 or rank != 0 or schedule != "1f1b":  # rank r's stage under torch's pipeline schedules (graphmem/distributed/pipeline.py)
+        return _pipeline_stage(loaded, make, loss_fn, target, training, make_pipeline(
+            pp, rank, schedule, training.train.micro_batches))
     module, lora_layers = prepare(loaded.module, training, target.param_dtype)
     if training.keeps_dtypes:  # the quantized copy holds its own dtypes (graphmem/training/qlora.py)
         target = dataclasses.replace(target, dtype=None)
@@ -164,6 +173,17 @@ def analyze(
     if target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
         report = _beside_eager(report, loaded.module, make, loss_fn)
     return report
+
+
+def _pipeline_stage(loaded: Loaded, inputs: Any, loss_fn: Optional[LossFn], target: Target, training: Training,
+                    plan: Pipeline) -> Report:
+    if training.train.optimizer is not None or training.lora is not None or training.parallel.world_size > 1 \
+            or target.mode == "compiled":
+        raise UsageError("--pp runs the forward/backward schedule of one pipeline rank; it does not combine with "
+                         "--optimizer, --lora-rank, --world-size/--zero/--fsdp/--tp or --mode compiled yet")
+    st = analyze_stage(loaded.module, inputs, loss_fn, target, plan)
+    shapes = tuple(s.shape for s in st.graph.storages.values() if s.kind == "input")
+    return Report.build(st.graph, st.liveness, st.saved, loaded.name, shapes, "pipeline stage loss", st.notes)
 
 
 def _beside_eager(report: Report, model: nn.Module, inputs: Any, loss_fn: Optional[LossFn]) -> Report:

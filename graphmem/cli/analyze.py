@@ -9,11 +9,13 @@ from typing import Any
 
 from graphmem.cli.options import (
     add_debug_argument,
+    add_pipeline_arguments,
     add_plan_arguments,
     add_step_arguments,
     analyze_args,
     check_plan_arguments,
     memory_budgets_of,
+    pipeline_of,
 )
 from graphmem.cli.plan import plan_status
 from graphmem.errors import UsageError
@@ -25,6 +27,7 @@ class Analyze:
 
     def prepare_parser(self, p: argparse.ArgumentParser) -> None:
         add_step_arguments(p)
+        add_pipeline_arguments(p)
         o = p.add_argument_group("output")
         o.add_argument("--json", action="store_true", help="print the report as JSON (exact integers); same as --format json")
         o.add_argument("--format", choices=["text", "json", "markdown"], help="output format (default text)")
@@ -48,8 +51,9 @@ class Analyze:
         fmt = output_format(args)  # flag mistakes and a missing matplotlib fail before the analysis
         check_plan_arguments(args, args.plan)
         budgets = memory_budgets_of(args)
+        pipeline = pipeline_of(args)
         with quiet(fmt == "json"):
-            report = analyze_args(args)
+            report = analyze_args(args, pipeline=pipeline)
             if len(budgets) > 1:  # the report is at the first value; the table has them all
                 with Progress(total=len(budgets), desc="memory budgets") as bar:
                     report.memory_budgets(budgets, keep=True, tick=bar.update)

@@ -85,6 +85,23 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sp", action="store_true", help="sequence parallel with --tp: the tensors outside the TP regions split too")
 
 
+def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pipeline parallel (torch.distributed.pipelining's schedules, rank r's step)")
+    g.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline ranks: the chain of blocks split evenly "
+                   "over P stages; the report is rank --rank's (--micro-batches: the schedule's micro-batches)")
+    g.add_argument("--rank", type=int, default=0, metavar="R", help="the pipeline rank to report (0..P-1)")
+    g.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"],
+                   help="Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B (two stages per rank)")
+
+
+def pipeline_of(args: argparse.Namespace) -> tuple[int, int, str]:
+    """(pp, rank, schedule) of the pipeline options, checked when ``analyze`` builds the Pipeline."""
+    if args.pp > 1 and (args.plan or args.formula or args.memory_budget is not None):
+        raise UsageError("--pp reports one pipeline rank's step; --plan, --formula and --memory-budget do not "
+                         "combine with it yet")
+    return args.pp, args.rank, args.schedule
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoint plans")
     g.add_argument("--budget", metavar="MEM", help="memory budget for the step's peak, e.g. 40GiB: the plan with the "
@@ -142,11 +159,14 @@ def hf_of(args: argparse.Namespace) -> Any:
     return HFOptions(args.config, args.trust_remote_code, args.decoder_length)
 
 
-def analyze_args(args: argparse.Namespace, input_shape: Any = None, training: Any = None) -> Any:
+def analyze_args(args: argparse.Namespace, input_shape: Any = None, training: Any = None,
+                 pipeline: tuple[int, int, str] = (1, 0, "1f1b")) -> Any:
     """``graphmem.analyze`` of the command's model with its target options and its training
-    options (or the given ``training`` spec, for commands without training options)."""
+    options (or the given ``training`` spec, for commands without training options);
+    ``pipeline``: pipeline_of's (pp, rank, schedule)."""
     from graphmem.api import analyze
 
+    pp, rank, schedule = pipeline
     return analyze(args.model, input_shape=args.input_shape if input_shape is None else input_shape,
                    target=target_of(args), training=training_of(args) if training is None else training,
-                   reuse=not args.no_reuse, hf=hf_of(args))
+                   reuse=not args.no_reuse, hf=hf_of(args), pp=pp, rank=rank, schedule=schedule)

@@ -1,0 +1,1 @@
+"""Per-rank steps under torch.distributed's own parallel wrappers, run on a fake process group."""

@@ -1,0 +1,320 @@
+"""Pipeline parallelism: stage r's step as torch.distributed.pipelining's real schedules run it.
+
+The model's chain of identical blocks (graphmem/chains.py) is split evenly over the stages
+(``pp`` ranks, two virtual stages each for the interleaved schedule); stage 0 also runs the
+model's own code before the first block (embeddings), the last stage the modules after the
+last block (final norm, head) and the loss. Each stage is a ``PipelineStage`` on a submodule,
+as users build them; rank r runs the real ``Schedule1F1B`` / ``ScheduleGPipe`` /
+``ScheduleInterleaved1F1B`` ``step`` in this process on PyTorch's fake process group
+(torch/testing/_internal/distributed/fake_pg.py: its send/recv complete at once and leave the
+receive buffers as they are), on fake tensors, under graphmem's recorder. The step graph is
+stage r's: its forward and backward of every micro-batch in the schedule's order, the
+schedule's receive buffers, the loss and the merged output on the last stage.
+
+Shapes are given to ``PipelineStage`` (``input_args``/``output_args``: its static mode, torch/
+distributed/pipelining/stage.py ``PipelineStage.__init__``), so no metadata is exchanged.
+
+Known limitations: the modules after the chain are applied in the order the model calls them,
+one after another (checked: their output must have the model's output shape), so code the
+model runs between them is not run; a stage after the first receives the block inputs other
+than the hidden state (masks, rotary tables) computed once before the step, as torchtitan
+precomputes them per stage; the batch's first tensor is the stage-0 input and the loss target.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from graphmem.capture.capture import _cache_clears
+from graphmem.capture.fakes import _fake_like, fake_batch, fake_state, forward_context, translate_error
+from graphmem.capture.hf_paths import real_paths
+from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _tensors, _unique_counts
+from graphmem.capture.target import Target
+from graphmem.distributed.pipeline_stages import (
+    Layout,
+    Pipeline,
+    block_inputs,
+    build_schedule,
+    make_pipeline,
+    probe,
+    run_model,
+    run_schedule,
+    stage_loss,
+)
+from graphmem.errors import GraphmemError, UsageError
+from graphmem.stepgraph import StepGraph
+from graphmem.training.batch import as_batch
+from graphmem.training.step import LossFn
+
+
+@contextlib.contextmanager
+def fake_group(rank: int, world_size: int) -> Iterator[None]:
+    """torch.distributed's fake process group for ``rank`` (one process, no communication)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise UsageError("a torch.distributed process group is already initialized in this process; "
+                         "graphmem runs rank r on its own fake process group")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _Held:
+    """A work that holds its tensor until it is destroyed, as gloo's SendWork/RecvWork do
+    (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp); the fake process group's FakeWork holds
+    nothing, so without this a sent activation would die earlier than in a real run (the
+    schedule keeps the last send's works until its next send: Schedule1F1B ``send_work``)."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self.work, self.tensor = work, tensor
+
+    def wait(self, *args: Any) -> Any:
+        return self.work.wait(*args) if self.work is not None else True
+
+
+@contextlib.contextmanager
+def _works_hold_tensors() -> Iterator[None]:
+    """Within: isend/irecv return works that hold their tensor; batch_isend_irecv issues them one
+    by one (its path for a backend without coalescing, gloo's; torch/distributed/distributed_c10d.py)."""
+    c10d = dist.distributed_c10d
+    isend, irecv = c10d.isend, c10d.irecv
+
+    def held(op: Callable[..., Any]) -> Callable[..., Any]:
+        def run(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return _Held(op(tensor, *args, **kwargs), tensor)
+        return run
+
+    def batch(ops: list[Any]) -> list[Any]:
+        return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+
+    patched = {"isend": held(isend), "irecv": held(irecv), "batch_isend_irecv": batch}
+    originals = {name: getattr(c10d, name) for name in patched}
+    for name, fn in patched.items():
+        setattr(c10d, name, fn)
+        setattr(dist, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(c10d, name, fn)
+            setattr(dist, name, fn)
+
+
+@dataclass(frozen=True)
+class Segment:
+    kind: str  # forward | loss | backward
+    stage: int
+    micro_batch: int
+    first_op: int
+    first_save: int
+
+
+class StageGraph(StepGraph):
+    """A stage's step interleaves micro-batches' forwards and backwards: an op's phase is its own."""
+
+    def phase_of(self, index: int) -> str:
+        return "before" if index < 0 else str(self.ops[min(index, self.num_ops - 1)].meta["phase"])
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Micro-batches whose saved activations are held: at the peak and at most."""
+
+    segments: tuple[Segment, ...]
+    per_micro_batch: tuple[int, ...]  # saved bytes of each (stage, micro-batch) forward, in schedule order
+    at_peak: int  # micro-batches (per stage) with activations held at the peak op
+    bytes_at_peak: int
+    most: int  # the most held at any op
+
+
+def in_flight(g: StepGraph, segments: tuple[Segment, ...], peak: int) -> InFlight:
+    owner: dict[int, tuple[int, int]] = {}  # save event index -> (stage, micro-batch)
+    bounds = [s.first_save for s in segments] + [len(g.saves)]
+    for seg, end in zip(segments, bounds[1:]):
+        if seg.kind != "backward":
+            for i in range(seg.first_save, end):
+                owner[i] = (seg.stage, seg.micro_batch)
+    per: dict[tuple[int, int], dict[int, int]] = {}
+    for i, key in owner.items():
+        e = g.saves[i]
+        if g.storages[e.sid].kind not in ("parameter", "buffer"):
+            per.setdefault(key, {})[e.sid] = g.storages[e.sid].nbytes
+
+    def held(at: int) -> dict[tuple[int, int], set[int]]:
+        out: dict[tuple[int, int], set[int]] = {}
+        for i, key in owner.items():
+            e = g.saves[i]
+            if e.packed_at <= at and (e.released_at is None or e.released_at >= at) \
+                    and g.storages[e.sid].kind not in ("parameter", "buffer"):
+                out.setdefault(key, set()).add(e.sid)
+        return out
+
+    at = held(peak)
+    starts = sorted({s.first_op for s in segments if s.kind == "backward"} | {g.num_ops - 1})
+    most = max((len(held(i - 1)) for i in starts), default=0)  # holdings grow until a backward starts
+    live_bytes = sum(g.storages[sid].nbytes for sid in set().union(*at.values()))
+    return InFlight(segments, tuple(sum(v.values()) for v in per.values()), len(at), live_bytes, most)
+
+
+def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target: Target,
+                  plan: Pipeline) -> tuple[StageGraph, tuple[Segment, ...], Layout]:
+    """Record rank ``plan.rank``'s step of the pipeline on fake tensors (see the module docstring)."""
+    device = torch.device("cpu")  # the CUDA target runs on fake CPU tensors (graphmem/capture/target.py)
+    context = forward_context(target, {}, contextlib.nullcontext)
+    layout = probe(model, inputs, plan.micro_batches, target.param_dtype, context)
+    _unique_counts()
+    cap = _Recorder({id(m): n for n, m in model.named_modules()})
+    cap.device = target.device
+    mode = _Mode(cap)
+    segments: list[Segment] = []
+    training = [(m, m.training) for m in model.modules()]
+    handles: list[Any] = []
+    try:
+        for m in model.modules():
+            m.training = True
+        with fake_group(plan.rank, plan.pp), _works_hold_tensors():
+            with mode:
+                batch = as_batch(fake_batch(inputs, mode, device, target.param_dtype).given).tensors()[0]
+                consts = _consts(model, layout, batch, plan, target.param_dtype, context)
+                for i, t in enumerate(_tensors(consts)):  # held by the stage from before the step
+                    cap.preexisting(t, "external", f"stage constant {i} (the first block's inputs)")
+                schedule, stages = build_schedule(model, layout, plan, stage_loss(model, loss), device, consts,
+                                                  batch.tensor_split(plan.micro_batches)[0])
+                own = nn.ModuleList([s.submod for s in stages])
+                for s in stages:
+                    cap.paths[id(s.submod)] = ""
+                names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False),
+                                               *model.named_buffers(remove_duplicate=False)]}
+                mine = dict([*own.named_parameters(remove_duplicate=False), *own.named_buffers(remove_duplicate=False)])
+                state, seen = fake_state(own, device, target.param_dtype,  # named as in the model
+                                         lambda t, kind, n: cap.preexisting(t, kind, names.get(id(mine[n]), n)))
+                root_state = {name: state[f"{k}.{attr}"] for k, s in enumerate(stages)  # the model's code reads them
+                              for attr, name in s.submod.parent_tensors.items()}
+                if any(s.is_first or s.is_last for s in stages):
+                    cap.preexisting(batch, "input", "input")
+            _phases(cap, schedule, stages, segments, forward_context(target, {}, cap.clearing_cache))
+            handles = [nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
+                       nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True)]
+            try:
+                with mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
+                        _reparametrize_module(own, state, tie_weights=True, strict=False), \
+                        _reparametrize_module(model, root_state, strict=False), \
+                        _rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths():
+                    cap.recording = True
+                    out = run_schedule(schedule, stages, batch)
+                    grads = [cap.storage(p.grad, "gradient", "grad", len(cap.ops) - 1, "").sid
+                             for p in seen.values() if p.grad is not None]
+                    for sid in grads:
+                        cap.storages[sid].kind = "gradient"
+                    del out
+            except GraphmemError:
+                raise
+            except Exception as e:
+                raise translate_error(e, cap, type(model).__name__) from e
+        # micro-batches' forwards and backwards interleave: each op keeps its own phase (StageGraph.phase_of);
+        # phase_start says where the first backward begins
+        first_bwd = next((seg.first_op for seg in segments if seg.kind == "backward"), len(cap.ops))
+        starts = {"forward": 0, "loss": first_bwd, "backward": first_bwd, "end": len(cap.ops)}
+        g = StageGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, starts, target.device, grads,
+                       type(model).__name__, [n for n, _ in model.named_modules()], cap.module_inputs, target)
+        return g, tuple(segments), layout
+    finally:
+        cap.closed = True
+        for h in handles:
+            h.remove()
+        for m, was in training:
+            m.training = was
+
+
+def _consts(model: nn.Module, layout: Layout, batch: torch.Tensor, plan: Pipeline, dtype: Optional[torch.dtype],
+            context: Callable[[], Any]) -> tuple[tuple, dict]:
+    """The first block's inputs besides the hidden state, for stages after the first: the model's
+    code before the chain run once before the step (unrecorded) on fake copies of its tensors."""
+    if plan.stages == (0,):
+        return (), {}
+    state: dict[str, torch.Tensor] = {}
+    for path in (*layout.prologue, *layout.parents):
+        holder = model.get_submodule(path)
+        recurse = path not in layout.parents
+        for name, t in [*holder.named_parameters(recurse=recurse), *holder.named_buffers(recurse=recurse)]:
+            state[f"{path}.{name}".lstrip(".")] = _fake_like(t, torch.device("cpu"), dtype)
+    mb = batch.tensor_split(plan.micro_batches)[0]
+    with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False), real_paths(), \
+            context():
+        args, kwargs = block_inputs(model, layout.chain, lambda: run_model(model, mb))
+    return args[1:], kwargs
+
+
+def _phases(cap: _Recorder, schedule: Any, stages: list[Any], segments: list[Segment],
+            context: Callable[[], Any]) -> None:
+    """Tell the recorder each forward, loss and backward of a micro-batch as the schedule runs
+    it (wrapping this rank's own stage and schedule objects)."""
+    def mark(kind: str, stage: int, mb: int) -> None:
+        cap.set_phase(kind)
+        segments.append(Segment(kind, stage, mb, len(cap.ops), len(cap.saves)))
+
+    for st in stages:
+        fwd, bwd = st.forward_one_chunk, st.backward_one_chunk
+
+        def forward_one_chunk(mb: int, *a: Any, _f: Any = fwd, _s: Any = st, **k: Any) -> Any:
+            mark("forward", _s.stage_index, mb)
+            with context():
+                return _f(mb, *a, **k)
+
+        def backward_one_chunk(mb: int, *a: Any, _f: Any = bwd, _s: Any = st, **k: Any) -> Any:
+            mark("backward", _s.stage_index, mb)
+            return _f(mb, *a, **k)
+
+        st.forward_one_chunk, st.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    compute = schedule._compute_loss
+
+    def compute_loss(output: Any, target: Any, *a: Any, **k: Any) -> Any:
+        last = segments[-1]
+        mark("loss", last.stage, last.micro_batch)
+        loss = compute(output, target, *a, **k)
+        _tag_grad_fns(loss, "")
+        return loss
+
+    schedule._compute_loss = compute_loss
+
+
+@dataclass(frozen=True)
+class StageStep:
+    """What graphmem.analyze builds rank r's Report from."""
+
+    graph: StageGraph
+    liveness: Any  # passes/liveness.py Liveness
+    saved: Any  # passes/saved.py SavedSet
+    notes: tuple[str, ...]
+    in_flight: InFlight
+    blocks: tuple[tuple[int, int], ...]  # blocks [a, b) of each of this rank's stages
+
+
+def analyze_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target: Target,
+                  plan: Pipeline) -> StageStep:
+    """Rank ``plan.rank``'s step graph, saved set, peak and micro-batches in flight."""
+    from graphmem.passes import liveness, notes, saved
+
+    g, segments, layout = capture_stage(model, inputs, loss, target, plan)
+    lv, sv = liveness(g), saved(g)
+    flight = in_flight(g, segments, lv.peak_index)
+    bounds = layout.bounds(plan.pp * plan.virtual)
+    blocks = tuple(bounds[s] for s in plan.stages)
+    where = ", ".join(f"stage {s} ({layout.chain.path}.{a}..{b - 1})" for s, (a, b) in zip(plan.stages, blocks))
+    line = (f"pipeline rank {plan.rank} of {plan.pp}, {plan.schedule} schedule, {plan.micro_batches} micro-batches, "
+            f"{where}: at the peak {flight.at_peak} micro-batches' activations held "
+            f"({flight.bytes_at_peak:,} B), at most {flight.most}; forwards and backwards interleave from op "
+            f"{g.phase_start['backward']} (each op's phase is its own)")
+    return StageStep(g, lv, sv, (line, *notes(g)), flight, blocks)
+
+
+__all__ = ["Pipeline", "make_pipeline", "analyze_stage", "capture_stage", "StageStep", "InFlight", "fake_group"]

@@ -1,0 +1,147 @@
+"""Pipeline stages (graphmem/distributed/pipeline.py): rank r's step under torch.distributed.
+pipelining's real schedules, checked against the same pipeline run for real (two processes,
+gloo: tests/pipeline_real.py) and against the schedules' textbook in-flight counts."""
+from __future__ import annotations
+
+import pytest
+import torch
+from pipeline_real import measure_pipeline
+
+import graphmem
+from graphmem.capture.target import make_target
+from graphmem.cli.main import main
+from graphmem.distributed.pipeline import analyze_stage, make_pipeline
+from graphmem.errors import UsageError
+from graphmem.models import gpt2, llama
+
+GPT = gpt2.GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=64, block_size=16, dropout=0.1)
+LLAMA = llama.LlamaConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64, max_seq_len=16)
+
+
+def bundled_gpt2() -> tuple:
+    return gpt2.build(GPT), torch.randint(0, GPT.vocab_size, (4, 16)), gpt2.loss
+
+
+def hf_llama() -> tuple:
+    pytest.importorskip("transformers")
+    from zoo import _decoder
+
+    model, (ids,) = _decoder("llama")()
+    return model, torch.cat([ids, ids]), None  # batch 4: 4 micro-batches of one sequence
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build,schedules", [(bundled_gpt2, ("1f1b", "gpipe", "interleaved")), (hf_llama, ("1f1b",))],
+                         ids=["gpt2", "hf-llama"])
+def test_each_rank_is_a_real_gloo_pipeline_rank(build, schedules: tuple[str, ...], tmp_path) -> None:
+    # GIVEN the same two-rank pipeline run for real, one process per rank on gloo
+    real = measure_pipeline(build, 2, schedules, 4, str(tmp_path))
+    model, batch, loss = build()
+    for schedule in schedules:
+        for rank in range(2):
+            # WHEN graphmem runs that rank's schedule on the fake process group
+            report = graphmem.analyze(model, (batch,), loss=loss, pp=2, rank=rank, schedule=schedule, micro_batches=4)
+            # THEN saved bytes and the peak are the real rank's, to the byte
+            got = {"saved": report.activation_bytes, "baseline": report.baseline_bytes, "peak": report.peak_bytes}
+            assert got == real[schedule][rank], (schedule, rank)
+
+
+def hf_gpt2() -> tuple:
+    pytest.importorskip("transformers")
+    from zoo import _decoder
+
+    model, (ids,) = _decoder("gpt2_sdpa")()
+    return model, torch.cat([ids, ids]), None
+
+
+@pytest.mark.slow
+def test_hf_gpt2_ranks_are_real_up_to_its_gelu_scalars(tmp_path) -> None:
+    """transformers' GPT-2 GELU (NewGELUActivation, activations.py) multiplies by three Python
+    floats; eager wraps each in a 0-dim float64 tensor (8 B) that its MulBackward0 keeps until
+    the block's backward. Fake tensors do not see those wrapped numbers, so each block of each
+    micro-batch held at the peak is 24 B above the capture; saved bytes are exact."""
+    real = measure_pipeline(hf_gpt2, 2, ("1f1b", "gpipe"), 4, str(tmp_path))
+    model, batch, _ = hf_gpt2()
+    for schedule in ("1f1b", "gpipe"):
+        for rank in range(2):
+            st = _stage(model, batch, None, 2, rank, schedule, 4)
+            (a, b), = st.blocks
+            assert st.saved.activation_bytes == real[schedule][rank]["saved"]
+            assert real[schedule][rank]["peak"] - st.liveness.peak_bytes == st.in_flight.at_peak * (b - a) * 3 * 8
+
+
+def _stage(model: torch.nn.Module, batch: torch.Tensor, loss, pp: int, rank: int, schedule: str, m: int):
+    return analyze_stage(model, (batch,), loss, make_target("cpu"), make_pipeline(pp, rank, schedule, m))
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), pytest.param(4, 8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_1f1b_holds_min_m_p_minus_r_micro_batches_gpipe_all(pp: int, m: int, family: str) -> None:
+    """Narayanan et al. 2021 (Megatron-LM at scale), section 2.2: under 1F1B stage r of P keeps at
+    most min(M, P - r) micro-batches' activations (its warm-up forwards), under GPipe all M."""
+    module = gpt2.build(GPT) if family == "gpt2" else llama.build(LLAMA)
+    loss = gpt2.loss if family == "gpt2" else llama.loss
+    batch = torch.randint(0, 64, (m, 16))
+    for rank in range(pp):
+        one = _stage(module, batch, loss, pp, rank, "1f1b", m)
+        assert one.in_flight.most == min(m, pp - rank), rank
+        assert len(one.in_flight.per_micro_batch) == m
+        if rank in (0, pp - 1):
+            all_m = _stage(module, batch, loss, pp, rank, "gpipe", m)
+            assert all_m.in_flight.most == m
+            # holding every micro-batch costs: GPipe's peak is above 1F1B's on the same stage
+            assert all_m.liveness.peak_bytes > one.liveness.peak_bytes
+            assert all_m.saved.activation_bytes == one.saved.activation_bytes  # the same saves, held longer
+
+
+def test_interleaved_runs_two_virtual_stages_per_rank() -> None:
+    model, batch, loss = gpt2.build(GPT), torch.randint(0, 64, (4, 16)), gpt2.loss
+    st = _stage(model, batch, loss, 2, 0, "interleaved", 4)
+    assert st.blocks == ((0, 1), (2, 3))  # stages 0 and 2 of 4: one block each
+    assert len(st.in_flight.per_micro_batch) == 2 * 4  # each stage runs every micro-batch
+    assert st.in_flight.most > min(4, 2)  # interleaving holds more micro-batches than 1F1B's P - r
+    # every micro-batch's embedding saves a view of the one batch: its storage counts once in the step
+    assert st.saved.activation_bytes == sum(st.in_flight.per_micro_batch) - 3 * batch.untyped_storage().nbytes()
+
+
+def test_a_stage_holds_only_its_own_blocks() -> None:
+    model, batch = gpt2.build(GPT), torch.randint(0, 64, (4, 16))
+    whole = graphmem.analyze(model, (batch,), loss=gpt2.loss)
+    ranks = [graphmem.analyze(model, (batch,), loss=gpt2.loss, pp=2, rank=r, micro_batches=4) for r in range(2)]
+    # the tied embedding/head weight is on both ends, as each stage holds its own copy
+    assert ranks[0].parameter_bytes + ranks[1].parameter_bytes == whole.parameter_bytes + \
+        model.lm_head.weight.numel() * 4
+    assert all(r.peak_bytes < whole.peak_bytes for r in ranks)
+
+
+def test_received_activations_take_the_target_dtype() -> None:
+    # stage 1's first LayerNorm saves its input: the activation received from stage 0
+    model, batch = gpt2.build(GPT), torch.randint(0, 64, (4, 16))
+    report = graphmem.analyze(model, (batch,), loss=gpt2.loss, pp=2, rank=1, micro_batches=4, dtype="bf16")
+    received = [t for t in report.saved if t.module == "transformer.h.2.ln_1"]
+    assert len(received) == 4 * 3 and {t.dtype for t in received} == {"bfloat16"}  # input, mean, rstd per micro-batch
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(pp=2, rank=2), "--rank must be in 0..1"),
+    (dict(rank=1), "--rank and --schedule need it"),
+    (dict(pp=2, schedule="zb"), "unknown --schedule"),
+    (dict(pp=2, micro_batches=3), "split evenly into --micro-batches 3"),
+    (dict(pp=8, micro_batches=4), "fewer than the 8 pipeline stages"),
+    (dict(pp=2, optimizer="adam"), "does not combine"),
+])
+def test_bad_pipeline_options_name_the_fix(kwargs: dict, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        graphmem.analyze(gpt2.build(GPT), (torch.randint(0, 64, (4, 16)),), loss=gpt2.loss, **kwargs)
+
+
+def test_cli_reports_rank_r(capsys: pytest.CaptureFixture[str]) -> None:
+    model = "tests/formula_models/tiny_gpt.py"
+    assert main(["analyze", model, "--input-shape", "4x16", "--pp", "2", "--rank", "1", "--micro-batches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline rank 1 of 2, 1f1b schedule, 4 micro-batches, stage 1 (transformer.h.2..3)" in out
+    assert main(["analyze", model, "--input-shape", "4x16", "--pp", "2", "--rank", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--rank must be in 0..1" in err
+    assert main(["analyze", model, "--input-shape", "4x16", "--pp", "2", "--plan"]) == 2
+    assert "do not combine with it yet" in capsys.readouterr().err
