@@ -20,7 +20,7 @@ LAYERS: dict[str, set[str]] = {
     "models": set(),
     "capture": {"errors", "units", "stepgraph", "chains", "training", "models"},
     "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training"},
-    "recapture": {"errors", "capture", "formula", "training"},
+    "recapture": {"errors", "stepgraph", "passes", "capture", "formula", "training"},
     "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula"},
     "report": {"stepgraph", "passes", "formula", "planning"},
     "compare": {"errors", "report"},
