@@ -98,7 +98,7 @@ def advise(report: Any, memory: Any, ranks: int = 8, lora_rank: int = 16,
     limit = parse_bytes(memory)
     measurer = Measurer(report, tick)
     base = measurer.base
-    base_peak = measurer.peak(base)
+    base_peak, base_flops = measurer.peak(base), measurer.flops(base)
     changes: list[Change] = []
     left_out: list[LeftOut] = []
     for found, why in (L.loss(report, base, measurer.source.make), L.attention(report, base), L.precision(report, base), L.optimizer(report, base),
@@ -116,9 +116,17 @@ def advise(report: Any, memory: Any, ranks: int = 8, lora_rank: int = 16,
             left_out.append(LeftOut(change.kind, f"{change.name}: {e}"))
             continue
         measured[change.name] = (change, peak)
-        rows.append(_row(change.kind, change.name, change.how, peak, base_peak, limit, change.cost, change.cost_class,
-                         extent=change.extent))
+        cost, extent = change.cost, change.extent
+        if change.cost_class == "recompute":  # the FLOPs the changed step records beyond the step's own
+            extent = max(0, measurer.flops(change.apply(base)) - base_flops) / base_flops
+            cost = f"recompute {extent:.1%} of the step's FLOPs: {cost}"
+        rows.append(_row(change.kind, change.name, change.how, peak, base_peak, limit, cost, change.cost_class,
+                         extent=extent))
     plan, skipped = _plan_lever(report, limit, memory if isinstance(memory, str) else f"{limit}B", base_peak)
+    if plan is not None and base_peak > report.peak_bytes:
+        left_out.append(LeftOut("checkpoint", "the plan's peak is the first step's (the planner's); later steps, "
+                                f"with the optimizer states made, peak {fmt_bytes(base_peak - report.peak_bytes)} higher "
+                                "without a plan"))
     rows += [plan] if plan is not None else []
     left_out += [skipped] if skipped is not None else []
     combos = _combinations(measurer, base, measured, base_peak, limit)
@@ -149,7 +157,8 @@ def _plan_lever(report: Any, limit: int, budget: str, base_peak: int) -> tuple[O
     how = (f"graphmem plan ... --budget {budget} (or {call}.apply(model)): torch.utils.checkpoint over "
            f"{plan.chain} blocks {segments}")
     cost = f"recompute {plan.overhead:.1%} of the step's FLOPs"
-    return _row("checkpoint", f"checkpoint plan ({len(plan.segments)} segments)", how, plan.peak_bytes, base_peak,
+    count = len(plan.segments)
+    return _row("checkpoint", f"checkpoint plan ({count} segment{'s' if count != 1 else ''})", how, plan.peak_bytes, base_peak,
                 limit, cost, "recompute", extent=plan.overhead), None
 
 
@@ -180,9 +189,13 @@ def _combinations(measurer: Measurer, base: Setting, measured: dict[str, tuple[C
         setting, peak_now = trial, peak
         parts.append(change)
         cls = max((c.cost_class for c in parts), key=lambda c: COST_RANK[c])
+        extent = sum(c.extent for c in parts if c.cost_class == cls)
+        cost = "; ".join(c.cost for c in parts)
+        if cls == "recompute":
+            extent = max(0, measurer.flops(setting) - measurer.flops(base)) / measurer.flops(base)
+            cost = f"recompute {extent:.1%} of the step's FLOPs; " + "; ".join(c.cost for c in parts if c.cost_class != cls)
         out.append(_row("combination", " + ".join(c.name for c in parts), "; ".join(c.how.split(":")[0] for c in parts),
-                        peak, base_peak, limit, "; ".join(c.cost for c in parts), cls, tuple(c.name for c in parts),
-                        sum(c.extent for c in parts if c.cost_class == cls)))
+                        peak, base_peak, limit, cost.rstrip("; "), cls, tuple(c.name for c in parts), extent))
         if peak <= limit:
             break
     return out

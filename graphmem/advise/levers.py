@@ -86,7 +86,7 @@ def loss(report: Any, base: Setting, make: Callable[[tuple[int, ...]], Any]) -> 
         return [], [LeftOut("loss", "not a language model's own next-token loss: for your own head and loss, "
                             "graphmem.losses.chunked_cross_entropy(hidden, head.weight, targets) computes it in chunks")]
     return [Change("loss", "chunked LM head + cross-entropy", how,
-                   "recompute the LM head in backward (one chunk at a time)", "recompute",
+                   "the head's forward again in backward, one chunk at a time", "recompute",
                    _module(wrapped))], []
 
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
 from graphmem.passes import saved
+from graphmem.planning.planner import step_flops
 from graphmem.recapture import Captured, capture_step
 from graphmem.training.spec import Training, make_training, step_budget
 from graphmem.training.step import LossFn
@@ -88,4 +89,16 @@ class Measurer:
         return dataclasses.replace(cached, budget=plan)
 
     def peak(self, setting: Setting) -> int:
-        return self.captured(setting).peak_bytes
+        return step_peak(self.captured(setting))
+
+    def flops(self, setting: Setting) -> int:
+        """FLOPs of the step's recorded ops (planning/planner.py's ``step_flops``)."""
+        return step_flops(self.captured(setting).graph)
+
+
+def step_peak(step: Captured) -> int:
+    """The highest peak of any training step: the first, or a later one, whose optimizer states
+    exist before it starts (passes/budget.py's ``later_peak_bytes``), per rank."""
+    if step.budget is None:
+        return step.liveness.peak_bytes
+    return max(step.budget.peak_bytes, step.budget.rank.later_peak_bytes)
