@@ -115,6 +115,9 @@ def advise(report: Any, memory: Any, ranks: int = 8, lora_rank: int = 16,
         except GraphmemError as e:
             left_out.append(LeftOut(change.kind, f"{change.name}: {e}"))
             continue
+        if peak >= base_peak:  # captured, and the step's peak does not drop: not a lever here
+            left_out.append(LeftOut(change.kind, f"{change.name}: captured, the peak does not drop ({fmt_bytes(peak)})"))
+            continue
         measured[change.name] = (change, peak)
         cost, extent = change.cost, change.extent
         if change.cost_class == "recompute":  # the FLOPs the changed step records beyond the step's own
