@@ -163,6 +163,20 @@ def test_a_step_that_fits_and_one_nothing_fits() -> None:
     assert "not a language model" in left["loss"]
 
 
+def test_attention_lever_on_the_cuda_target() -> None:
+    from graphmem.models import gpt2
+
+    module = gpt2.build(gpt2.GPTConfig(vocab_size=101, block_size=256, n_layer=2, n_head=2, n_embd=32, attention="sdpa"))
+    inputs, loss = (torch.randint(0, 101, (2, 256)),), gpt2.loss  # long enough for math's (s, s) matrix to matter
+    forced = graphmem.analyze(module, inputs, loss=loss, device="cuda", amp="bf16", attention="math")
+    advice = forced.advise(memory=forced.peak_bytes - 1)
+    row = next(r for r in advice.levers if r.kind == "attention")
+    auto = graphmem.analyze(module, inputs, loss=loss, device="cuda", amp="bf16")
+    assert row.peak_bytes == auto.peak_bytes < forced.peak_bytes and "math" not in auto.attention_backends
+    left = {x.kind: x.why for x in auto.advise(memory=auto.peak_bytes - 1).left_out}
+    assert "already runs" in left["attention"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["advise", "gpt2", "--input-shape", "1x8", "--memory", "lots"], "invalid memory size"),
     (["advise", "gpt2", "--input-shape", "1x8", "--memory", "0GiB"], "invalid memory size"),

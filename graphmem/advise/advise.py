@@ -126,10 +126,6 @@ def advise(report: Any, memory: Any, ranks: int = 8, lora_rank: int = 16,
         rows.append(_row(change.kind, change.name, change.how, peak, base_peak, limit, cost, change.cost_class,
                          extent=extent))
     plan, skipped = _plan_lever(report, limit, memory if isinstance(memory, str) else f"{limit}B", base_peak)
-    if plan is not None and base_peak > report.peak_bytes:
-        left_out.append(LeftOut("checkpoint", "the plan's peak is the first step's (the planner's); later steps, "
-                                f"with the optimizer states made, peak {fmt_bytes(base_peak - report.peak_bytes)} higher "
-                                "without a plan"))
     rows += [plan] if plan is not None else []
     left_out += [skipped] if skipped is not None else []
     combos = _combinations(measurer, base, measured, base_peak, limit)
@@ -144,6 +140,10 @@ def _row(kind: str, name: str, how: str, peak: int, base_peak: int, limit: int, 
 
 def _plan_lever(report: Any, limit: int, budget: str, base_peak: int) -> tuple[Optional[Lever], Optional[LeftOut]]:
     """The planner's cheapest plan that fits (else its lowest-peak plan), verified by a capture."""
+    if base_peak > report.peak_bytes:
+        return None, LeftOut("checkpoint", "the step's highest peak is a later step's (the optimizer states made "
+                             f"before it: {fmt_bytes(base_peak)}); the planner plans the first step's "
+                             f"({fmt_bytes(report.peak_bytes)}): run graphmem plan to see its plans")
     try:
         try:
             plan = report.plan(budget=limit)
@@ -153,7 +153,7 @@ def _plan_lever(report: Any, limit: int, budget: str, base_peak: int) -> tuple[O
             call = "report.plan(max_overhead=1.0)"
     except GraphmemError as e:
         return None, LeftOut("checkpoint", f"no checkpoint plan: {e}")
-    if plan.peak_bytes >= base_peak:
+    if plan.peak_bytes >= base_peak or not plan.segments:
         return None, LeftOut("checkpoint", f"no checkpoint plan of {plan.chain} lowers the peak (at {report.peak_op}, "
                              f"{report.peak_phase}): checkpoints free activations, not what is live there")
     segments = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in plan.segments) or "none"

@@ -103,11 +103,14 @@ def attention(report: Any, base: Setting) -> tuple[list[Change], list[LeftOut]]:
         return [], [LeftOut("attention", "no scaled_dot_product_attention call in the step")]
     if "math" not in kernels:
         return [], [LeftOut("attention", f"SDPA already runs {', '.join(sorted(kernels))} (no (s, s) matrix kept)")]
-    backends = {"flash": "SDPBackend.FLASH_ATTENTION", "efficient": "SDPBackend.EFFICIENT_ATTENTION"}
-    return [Change("attention", f"attention {name}",
-                   f"--attention {name}: with torch.nn.attention.sdpa_kernel({enum}): ... around the step",
-                   "none (same FLOPs; a fused kernel)", "none",
-                   _target(attention=name)) for name, enum in backends.items()], []
+    if base.target.attention == "auto":
+        return [], [LeftOut("attention", "PyTorch's own choice for these SDPA calls is the math kernel: flash and "
+                            "memory-efficient refuse them (head dim, dtype, mask or unequal head counts; "
+                            "graphmem/capture/cuda_rules.py, select_backend), so forcing one would raise")]
+    return [Change("attention", "attention auto",
+                   "--attention auto: drop the sdpa_kernel(SDPBackend.MATH) context (PyTorch picks flash or "
+                   "memory-efficient where they accept the call)", "none (same FLOPs; a fused kernel)", "none",
+                   _target(attention="auto"))], []
 
 
 def precision(report: Any, base: Setting) -> tuple[list[Change], list[LeftOut]]:
