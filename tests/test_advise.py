@@ -77,7 +77,7 @@ def test_every_lever_is_analyze_with_the_change(name: str, head: str, opts: dict
     module, inputs, loss = build(MODELS, name)
     inputs = (torch.cat([inputs[0], inputs[0]]),)  # batch 4: micro-batches of 2 and 1
     report = graphmem.analyze(module, inputs, loss=loss, **opts)
-    advice = report.advise(memory=report.peak_bytes // 2)
+    advice = report.advise(memory=report.peak_bytes // 2, combine=True)
     kinds = {r.kind for r in advice.levers}
     assert {"optimizer", "precision", "micro-batches", "sharding", "lora", "loss"} <= kinds, kinds
     assert [r.peak_bytes for r in advice.levers] == sorted(r.peak_bytes for r in advice.levers)
@@ -139,6 +139,7 @@ def test_the_chosen_combination_fits_when_no_single_lever_does() -> None:
     module, inputs, loss = build(MODELS, "gpt2_sdpa")
     inputs = (torch.cat([inputs[0], inputs[0]]),)
     report = graphmem.analyze(module, inputs, loss=loss, optimizer="adamw")
+    assert not report.advise(memory=report.peak_bytes - 1).combinations  # a single lever fits: none captured
     tried = report.advise(memory=1)  # nothing fits: every lever is captured, the combinations go as far as they can
     single = min(r.peak_bytes for r in tried.levers)
     combined = min(r.peak_bytes for r in tried.combinations)

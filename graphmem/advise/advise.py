@@ -93,8 +93,9 @@ class Advice:
 
 
 def advise(report: Any, memory: Any, ranks: int = 8, lora_rank: int = 16,
-           tick: Optional[Callable[[], None]] = None) -> Advice:
-    """The levers of ``report``'s step, each captured, ranked, and the best few combined."""
+           tick: Optional[Callable[[], None]] = None, combine: bool = False) -> Advice:
+    """The levers of ``report``'s step, each captured, ranked, and the best few combined (when no
+    single lever fits, or ``combine``)."""
     limit = parse_bytes(memory)
     measurer = Measurer(report, tick)
     base = measurer.base
@@ -115,8 +116,8 @@ def advise(report: Any, memory: Any, ranks: int = 8, lora_rank: int = 16,
         except GraphmemError as e:
             left_out.append(LeftOut(change.kind, f"{change.name}: {e}"))
             continue
-        if peak >= base_peak:  # captured, and the step's peak does not drop: not a lever here
-            left_out.append(LeftOut(change.kind, f"{change.name}: captured, the peak does not drop ({fmt_bytes(peak)})"))
+        if peak >= base_peak:  # measured, and the step's peak does not drop: not a lever here
+            left_out.append(LeftOut(change.kind, f"{change.name}: the peak does not drop ({fmt_bytes(peak)})"))
             continue
         measured[change.name] = (change, peak)
         cost, extent = change.cost, change.extent
@@ -128,7 +129,9 @@ def advise(report: Any, memory: Any, ranks: int = 8, lora_rank: int = 16,
     plan, skipped = _plan_lever(report, limit, memory if isinstance(memory, str) else f"{limit}B", base_peak)
     rows += [plan] if plan is not None else []
     left_out += [skipped] if skipped is not None else []
-    combos = _combinations(measurer, base, measured, base_peak, limit)
+    # combinations only when no single lever fits: the answer needs them then, and each is a capture
+    fits = base_peak <= limit or any(r.fits for r in rows)
+    combos = [] if fits and not combine else _combinations(measurer, base, measured, base_peak, limit)
     rows.sort(key=lambda r: (r.peak_bytes, r.rank))
     return Advice(limit, base_peak, tuple(rows), tuple(combos), tuple(left_out), measurer.captures)
 

@@ -22,6 +22,8 @@ class Advise:
                        help="GPUs the sharding levers (ZeRO, FSDP) split over (default 8)")
         g.add_argument("--advise-lora-rank", type=int, default=16, metavar="R",
                        help="rank of the LoRA lever (default 16; weighed when the step has an optimizer)")
+        g.add_argument("--combine", action="store_true",
+                       help="also combine the best levers when one alone fits (default: only when none does)")
         p.add_argument("--json", action="store_true", help="JSON output (exact integers)")
         add_debug_argument(p)
 
@@ -37,7 +39,8 @@ class Advise:
         with quiet(args.json):
             report = analyze_args(args)
             with Progress(desc="captures") as bar:
-                advice = report.advise(args.memory, ranks=args.ranks, lora_rank=args.advise_lora_rank, tick=bar.update)
+                advice = report.advise(args.memory, ranks=args.ranks, lora_rank=args.advise_lora_rank, tick=bar.update,
+                                        combine=args.combine)
         if args.json:
             sys.stdout.write(json.dumps(advice_json(report, advice), indent=2) + "\n")
         else:
