@@ -99,13 +99,35 @@ def advise(report: Any, memory: Any, ranks: int = 8, lora_rank: int = 16,
     limit = parse_bytes(memory)
     measurer = Measurer(report, tick)
     base = measurer.base
-    base_peak, base_flops = measurer.peak(base), measurer.flops(base)
+    base_peak = measurer.peak(base)
     changes: list[Change] = []
     left_out: list[LeftOut] = []
-    for found, why in (L.loss(report, base, measurer.source.make), L.attention(report, base), L.precision(report, base), L.optimizer(report, base),
-                       L.micro_batches(report, base), L.sharding(report, base, ranks), L.lora(report, base, lora_rank)):
+    for found, why in (L.loss(report, base, measurer.source.make), L.attention(report, base),
+                       L.precision(report, base), L.optimizer(report, base), L.micro_batches(report, base),
+                       L.sharding(report, base, ranks), L.lora(report, base, lora_rank)):
         changes += found
         left_out += why
+    rows, measured = _singles(measurer, changes, base_peak, limit, left_out)
+    if base_peak > limit:
+        left_out.append(LeftOut("batch", "a smaller batch or sequence changes what each step trains on: `graphmem fit` "
+                                "gives the largest that fits from the exact formulas (docs/formulas.md; the first "
+                                "step's peak)"))
+    plan, skipped = _plan_lever(report, limit, memory if isinstance(memory, str) else f"{limit}B", base_peak)
+    rows += [plan] if plan is not None else []
+    left_out += [skipped] if skipped is not None else []
+    # combinations only when no single lever fits: the answer needs them then, and each is a capture
+    fits = base_peak <= limit or any(r.fits for r in rows)
+    combos = [] if fits and not combine else _combinations(measurer, base, measured, base_peak, limit)
+    rows.sort(key=lambda r: (r.peak_bytes, r.rank))
+    return Advice(limit, base_peak, tuple(rows), tuple(combos), tuple(left_out), measurer.captures)
+
+
+def _singles(measurer: Measurer, changes: list[Change], base_peak: int, limit: int,
+             left_out: list[LeftOut]) -> tuple[list[Lever], dict[str, tuple[Change, int]]]:
+    """Each change captured (micro-batch counts: until one fits); one that fails or does not lower
+    the peak goes to ``left_out`` with the reason."""
+    base = measurer.base
+    base_flops = measurer.flops(base)
     rows: list[Lever] = []
     measured: dict[str, tuple[Change, int]] = {}
     for change in changes:
@@ -126,14 +148,7 @@ def advise(report: Any, memory: Any, ranks: int = 8, lora_rank: int = 16,
             cost = f"recompute {extent:.1%} of the step's FLOPs: {cost}"
         rows.append(_row(change.kind, change.name, change.how, peak, base_peak, limit, cost, change.cost_class,
                          extent=extent))
-    plan, skipped = _plan_lever(report, limit, memory if isinstance(memory, str) else f"{limit}B", base_peak)
-    rows += [plan] if plan is not None else []
-    left_out += [skipped] if skipped is not None else []
-    # combinations only when no single lever fits: the answer needs them then, and each is a capture
-    fits = base_peak <= limit or any(r.fits for r in rows)
-    combos = [] if fits and not combine else _combinations(measurer, base, measured, base_peak, limit)
-    rows.sort(key=lambda r: (r.peak_bytes, r.rank))
-    return Advice(limit, base_peak, tuple(rows), tuple(combos), tuple(left_out), measurer.captures)
+    return rows, measured
 
 
 def _row(kind: str, name: str, how: str, peak: int, base_peak: int, limit: int, cost: str, cost_class: str,

@@ -74,7 +74,7 @@ def loss(report: Any, base: Setting, make: Callable[[tuple[int, ...]], Any]) -> 
                f"{losses.CHUNK} tokens at a time")
     elif base.loss is None and is_hf_model(module) and type(module).__name__.endswith("ForCausalLM"):
         config = module.config
-        if any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale")):
+        if any(config.to_dict().get(k) for k in ("final_logit_softcapping", "logit_scale")):
             return [], [LeftOut("loss", f"{type(module).__name__} scales or caps its logits before the loss; "
                                 "the chunked loss would drop that")]
         if "labels" not in make(base.shape).kwargs:
