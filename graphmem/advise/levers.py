@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from graphmem import losses
 from graphmem.advise.setting import Setting
@@ -73,7 +73,7 @@ def loss(report: Any, base: Setting, make: Callable[[tuple[int, ...]], Any]) -> 
         how = (f"model = graphmem.losses.ChunkedNextToken(model, {head!r}); loss = model(ids)  # head + cross-entropy, "
                f"{losses.CHUNK} tokens at a time")
     elif base.loss is None and is_hf_model(module) and type(module).__name__.endswith("ForCausalLM"):
-        config = module.config
+        config = cast(Any, module).config  # a transformers PreTrainedModel
         if any(config.to_dict().get(k) for k in ("final_logit_softcapping", "logit_scale")):
             return [], [LeftOut("loss", f"{type(module).__name__} scales or caps its logits before the loss; "
                                 "the chunked loss would drop that")]
