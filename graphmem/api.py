@@ -16,12 +16,12 @@ from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target, make_target
 from graphmem.distributed.pipeline import Pipeline, analyze_stage, make_pipeline
 from graphmem.errors import UsageError
-from graphmem.passes import allocator, compare_modes, liveness, notes, saved
-from graphmem.recapture import Recapture
+from graphmem.passes import allocator, compare_modes, notes, saved
+from graphmem.recapture import Recapture, capture_step
 from graphmem.report import Report
 from graphmem.training.batch import as_batch, resizer
 from graphmem.training.peft_lora import is_hf_model
-from graphmem.training.spec import Training, make_training, prepare, step_budget
+from graphmem.training.spec import Training, make_training
 from graphmem.training.step import LossFn
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
@@ -150,26 +150,19 @@ def analyze(
     if pp != 1 or rank != 0 or schedule != "1f1b":  # rank r's stage under torch's pipeline schedules (graphmem/distributed/pipeline.py)
         return _pipeline_stage(loaded, make, loss_fn, target, training, make_pipeline(
             pp, rank, schedule, training.train.micro_batches))
-    module, lora_layers = prepare(loaded.module, training, target.param_dtype)
-    if training.keeps_dtypes:  # the quantized copy holds its own dtypes (graphmem/training/qlora.py)
-        target = dataclasses.replace(target, dtype=None)
-    # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6); not
-    # yet: the training step's accumulate/optimizer phases (not block-shaped) and compiled mode
-    # (AOTAutograd hands back gradients per parameter after the chain)
-    capture_at: Any = lambda: capture(module, make, loss_fn, target, train=training.train)  # noqa: E731
-    reusable = reuse and not training.train.active and target.mode != "compiled"
-    g = capture_reusing(module, capture_at)[0] if reusable else capture_at()
+    step = capture_step(loaded.module, make, loss_fn, target, training, reuse)
+    g, module = step.graph, step.module
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     loss_name = "default (the model's own loss if its output has one, else the output if scalar, else the sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")
     source: Optional[Recapture] = None
     if example:
         probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
-        source = Recapture(module, resize, loss_fn, target, probe, example[0].shape, training.train, training.parallel)
+        source = Recapture(module, resize, loss_fn, step.target, probe, example[0].shape, training.train,
+                           training=training, original=loaded.module, reuse=reuse, asked_target=target)
     alloc = allocator(g) if target.device == "cuda" else None  # the caching allocator's view of the step
-    lv, sv = liveness(g), saved(g)
-    plan = step_budget(g, lv, sv, training, module, lora_layers) if training.requested else None
-    report = Report.build(g, lv, sv, loaded.name, shapes, loss_name, notes(g), source, alloc, budget=plan)
+    report = Report.build(g, step.liveness, step.saved, loaded.name, shapes, loss_name, notes(g), source, alloc,
+                          budget=step.budget)
     if target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
         report = _beside_eager(report, loaded.module, make, loss_fn)
     return report

@@ -6,17 +6,22 @@ A Report itself is frozen data; everything that captures again goes through this
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn as nn
 
 from graphmem.capture.capture import capture
+from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
+from graphmem.passes import Liveness, SavedSet, liveness, saved
 from graphmem.passes.budget import Parallel
 from graphmem.stepgraph import StepGraph
 from graphmem.training.loop import TrainStep
+from graphmem.training.spec import StepBudget, Training, prepare, step_budget
 from graphmem.training.step import LossFn
 
 if TYPE_CHECKING:
@@ -44,15 +49,58 @@ def variables_of(example: tuple) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return ("b", *(f"x{d}" for d in dims[1:])), dims
 
 
+@dataclass(frozen=True)
+class Captured:
+    """One captured step and the passes every report runs on it (``graphmem.analyze``'s core)."""
+
+    graph: StepGraph
+    liveness: Liveness
+    saved: SavedSet
+    budget: Optional[StepBudget]  # when the training spec asks for one
+    module: nn.Module  # the module captured (with LoRA adapters when asked for)
+    lora_layers: tuple[str, ...]
+    target: Target  # the target captured (dtype left to the module when it holds its own: QLoRA)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The step's peak: per rank when the training spec splits it over ranks."""
+        return self.budget.peak_bytes if self.budget is not None else self.liveness.peak_bytes
+
+
+def capture_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: Target, training: Training,
+                 reuse: bool = True) -> Captured:
+    """Capture one training step of ``module`` (LoRA applied from ``training``) and run the
+    passes: what ``graphmem.analyze`` and ``Report.advise`` both run."""
+    prepared, lora_layers = prepare(module, training, target.param_dtype)
+    if training.keeps_dtypes:  # the quantized copy holds its own dtypes (graphmem/training/qlora.py)
+        target = dataclasses.replace(target, dtype=None)
+    # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6); not
+    # yet: the training step's accumulate/optimizer phases (not block-shaped) and compiled mode
+    # (AOTAutograd hands back gradients per parameter after the chain)
+    capture_at: Any = lambda: capture(prepared, make, loss, target, train=training.train)  # noqa: E731
+    reusable = reuse and not training.train.active and target.mode != "compiled"
+    g = capture_reusing(prepared, capture_at)[0] if reusable else capture_at()
+    lv, sv = liveness(g), saved(g)
+    plan = step_budget(g, lv, sv, training, prepared, lora_layers) if training.requested else None
+    return Captured(g, lv, sv, plan, prepared, lora_layers, target)
+
+
 class Recapture:
     """The analyzed module, how to make inputs of another shape, the loss, the target and the
-    training step (``train``: micro-batches, optimizer), as the first capture ran them."""
+    training step (``train``: micro-batches, optimizer), as the first capture ran them;
+    ``original`` (the module before LoRA) and ``training`` (the whole spec) let ``Report.advise``
+    capture the step again with other options."""
 
     def __init__(self, module: nn.Module, make: Any, loss: Optional[LossFn], target: Target,
                  example: tuple, base_shape: tuple[int, ...], train: Optional[TrainStep] = None,
-                 parallel: Parallel = Parallel()) -> None:
+                 training: Optional[Training] = None, original: Optional[nn.Module] = None,
+                 reuse: bool = True, asked_target: Optional[Target] = None) -> None:
         self.module, self.make, self.loss, self.target, self.base_shape = module, make, loss, target, base_shape
-        self.train, self.parallel = train, parallel  # formulas are one rank's under tensor parallelism
+        self.train = train
+        self.parallel = training.parallel if training is not None else Parallel()  # formulas: one rank's under TP
+        self.training, self.original, self.reuse = training, original if original is not None else module, reuse
+        # the target as asked (``target`` is the one captured: dtype left to a QLoRA module's own)
+        self.asked_target = target if asked_target is None else asked_target
         self.names, self.dims = variables_of(example)
         self._sampler: Optional[Sampler] = None
         self.kept: dict[str, Any] = {}  # answers computed once: planners, kept coefficients and plans

@@ -117,6 +117,21 @@ class Report:
 
         return planning_api.plans(self, budget, max_overhead, points, keep, selective)
 
+    def advise(self, memory: Any, ranks: int = 8, lora_rank: int = 16, tick: Any = None, combine: bool = False) -> Any:
+        """What to change so the step's peak fits ``memory`` (bytes or "80GiB"): a
+        graphmem.advise.Advice, its levers ranked, each lever's peak a capture of the changed
+        step, and the cheapest lever or combination that fits (``advice.answer``). ``ranks``:
+        the GPUs the sharding levers split over; ``lora_rank``: the LoRA lever's rank; the best
+        levers are combined (each combination captured) when no single one fits, or ``combine``.
+
+        >>> advice = report.advise(memory="80GiB")          # doctest: +SKIP
+        >>> advice.answer, [(r.name, r.peak_bytes) for r in advice.levers]  # doctest: +SKIP
+        """
+
+        from graphmem.advise import advise  # captures again: loaded on use
+
+        return advise(self, memory, ranks, lora_rank, tick, combine)
+
     def memory_budgets(self, values: Any, keep: bool = False, tick: Any = None) -> Any:
         """Compiled mode: the step at each value of torch.compile's activation memory budget
         (``torch._functorch.config.activation_memory_budget``, 0 to 1), each partitioned by the

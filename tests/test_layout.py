@@ -23,10 +23,13 @@ LAYERS: dict[str, set[str]] = {
     "recapture": {"errors", "stepgraph", "capture", "formula", "training", "passes"},
     "distributed": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "models"},
     "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula"},
-    "report": {"stepgraph", "passes", "formula", "planning"},
+    "losses": {"capture"},
+    "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "recapture",
+               "losses", "models"},
+    "report": {"stepgraph", "passes", "formula", "planning", "advise"},
     "compare": {"errors", "report"},
     "render": {"errors", "units", "stepgraph", "passes", "report", "compare", "planning", "formula", "training",
-               "validation"},
+               "validation", "advise"},
     "api": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "recapture", "report",
             "distributed"},
     "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api"},
@@ -34,7 +37,7 @@ LAYERS: dict[str, set[str]] = {
     "progress": set(),
     "checkpointing": {"planning"}, "selective": {"planning"},  # compatibility names for printed plan code
     "cli": {"errors", "units", "api", "report", "compare", "render", "capture", "training", "formula", "planning",
-            "validation", "progress", "models"},
+            "validation", "progress", "models", "advise"},
     "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation"},
 }
 

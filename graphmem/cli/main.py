@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import NoReturn, Optional, Sequence
 
+from graphmem.cli.advise import Advise
 from graphmem.cli.analyze import Analyze, Presets
 from graphmem.cli.command import Command
 from graphmem.cli.compare import Compare
@@ -15,7 +16,7 @@ from graphmem.cli.plan import Plan
 from graphmem.cli.validate import Validate
 from graphmem.errors import GraphmemError, UsageError
 
-COMMANDS: list[Command] = [Analyze(), Plan(), Formula(), Fit(), Sweep(), Validate(), Compare(), Presets()]
+COMMANDS: list[Command] = [Analyze(), Plan(), Advise(), Formula(), Fit(), Sweep(), Validate(), Compare(), Presets()]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,222 @@
+"""``Report.advise``: what to change so the step fits in ``memory``, ranked. Every row's peak is a
+capture of the changed step (graphmem/advise/setting.py), the checkpoint plan's is the planner's
+verified plan (graphmem/planning), the batch's the fit's confirmation capture (graphmem/formula)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import graphmem.advise.levers as L
+from graphmem.advise.levers import COST_RANK, Change, LeftOut
+from graphmem.advise.setting import Measurer, Setting
+from graphmem.errors import GraphmemError
+from graphmem.units import fmt_bytes, parse_bytes
+
+COSTS_NOTE = ("costs are graphmem's measures (recompute FLOPs from the recorded ops, bytes moved by collectives) "
+              "or a stated trade-off, not times")
+SHARDING_NOTE = ("sharding rows: the per-rank budget of passes/budget.py's ZeRO/FSDP formulas on the captured step "
+                 "(not a capture of torch.distributed); communication: ring collectives, (N-1)/N of each buffer")
+STOP_AT_FIT = ("micro-batches",)  # tried in increasing order: once one fits, the larger ones are not captured
+
+
+@dataclass(frozen=True)
+class Lever:
+    kind: str
+    name: str
+    how: str
+    peak_bytes: int  # measured: a capture of the changed step
+    saving_bytes: int
+    cost: str
+    cost_class: str
+    fits: bool
+    parts: tuple[str, ...] = ()  # a combination: the levers' names
+    extent: float = 0.0  # within the cost class: the recompute share, micro-steps, bytes communicated
+
+    @property
+    def rank(self) -> tuple:
+        """Cheapest first: the cost class, then how much of it, fewer levers, the lower peak."""
+        return (COST_RANK[self.cost_class], self.extent, len(self.parts), self.peak_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "how": self.how, "peak_bytes": self.peak_bytes,
+                "saving_bytes": self.saving_bytes, "cost": self.cost, "cost_class": self.cost_class,
+                "fits": self.fits, **({"parts": list(self.parts)} if self.parts else {}),
+                "cost_extent": self.extent}
+
+
+@dataclass(frozen=True)
+class Advice:
+    memory: int
+    base_peak: int
+    levers: tuple[Lever, ...]  # single levers, lowest peak first
+    combinations: tuple[Lever, ...]
+    left_out: tuple[LeftOut, ...]
+    captures: int  # captures run for the advice (the report's own not counted)
+    notes: tuple[str, ...] = field(default=(COSTS_NOTE, SHARDING_NOTE))
+
+    @property
+    def choice(self) -> Optional[Lever]:
+        """The cheapest single lever that fits, else the cheapest fitting combination, else None."""
+        for rows in (self.levers, self.combinations):
+            fitting = [r for r in rows if r.fits]
+            if fitting:
+                return min(fitting, key=lambda r: r.rank)
+        return None
+
+    @property
+    def smallest(self) -> Optional[Lever]:
+        rows = [*self.levers, *self.combinations]
+        return min(rows, key=lambda r: r.peak_bytes) if rows else None
+
+    @property
+    def answer(self) -> str:
+        memory = fmt_bytes(self.memory)
+        if self.base_peak <= self.memory:
+            return f"the step already fits: peak {fmt_bytes(self.base_peak)} <= {memory}"
+        choice = self.choice
+        if choice is not None:
+            what = "combination" if choice.parts else "lever"
+            return (f"cheapest {what} that fits {memory}: {choice.name} (peak {fmt_bytes(choice.peak_bytes)}; "
+                    f"cost: {choice.cost})")
+        best = self.smallest
+        reached = f"; the smallest peak reached is {fmt_bytes(best.peak_bytes)} ({best.name})" if best else ""
+        return f"no lever or combination tried fits {memory}{reached}"
+
+    def to_dict(self) -> dict[str, Any]:
+        choice = self.choice
+        return {"memory": self.memory, "base_peak_bytes": self.base_peak, "answer": self.answer,
+                "choice": choice.name if choice is not None else None,
+                "levers": [r.to_dict() for r in self.levers],
+                "combinations": [r.to_dict() for r in self.combinations],
+                "left_out": [{"kind": x.kind, "why": x.why} for x in self.left_out],
+                "captures": self.captures, "notes": list(self.notes)}
+
+
+def advise(report: Any, memory: Any, ranks: int = 8, lora_rank: int = 16,
+           tick: Optional[Callable[[], None]] = None, combine: bool = False) -> Advice:
+    """The levers of ``report``'s step, each captured, ranked, and the best few combined (when no
+    single lever fits, or ``combine``)."""
+    limit = parse_bytes(memory)
+    measurer = Measurer(report, tick)
+    base = measurer.base
+    base_peak = measurer.peak(base)
+    changes: list[Change] = []
+    left_out: list[LeftOut] = []
+    for found, why in (L.loss(report, base, measurer.source.make), L.attention(report, base),
+                       L.precision(report, base), L.optimizer(report, base), L.micro_batches(report, base),
+                       L.sharding(report, base, ranks), L.lora(report, base, lora_rank)):
+        changes += found
+        left_out += why
+    rows, measured = _singles(measurer, changes, base_peak, limit, left_out)
+    if base_peak > limit:
+        left_out.append(LeftOut("batch", "a smaller batch or sequence changes what each step trains on: `graphmem fit` "
+                                "gives the largest that fits from the exact formulas (docs/formulas.md; the first "
+                                "step's peak)"))
+    plan, skipped = _plan_lever(report, limit, memory if isinstance(memory, str) else f"{limit}B", base_peak)
+    rows += [plan] if plan is not None else []
+    left_out += [skipped] if skipped is not None else []
+    # combinations only when no single lever fits: the answer needs them then, and each is a capture
+    fits = base_peak <= limit or any(r.fits for r in rows)
+    combos = [] if fits and not combine else _combinations(measurer, base, measured, base_peak, limit)
+    rows.sort(key=lambda r: (r.peak_bytes, r.rank))
+    return Advice(limit, base_peak, tuple(rows), tuple(combos), tuple(left_out), measurer.captures)
+
+
+def _singles(measurer: Measurer, changes: list[Change], base_peak: int, limit: int,
+             left_out: list[LeftOut]) -> tuple[list[Lever], dict[str, tuple[Change, int]]]:
+    """Each change captured (micro-batch counts: until one fits); one that fails or does not lower
+    the peak goes to ``left_out`` with the reason."""
+    base = measurer.base
+    base_flops = measurer.flops(base)
+    rows: list[Lever] = []
+    measured: dict[str, tuple[Change, int]] = {}
+    for change in changes:
+        if change.kind in STOP_AT_FIT and any(r.kind == change.kind and r.fits for r in rows):
+            continue
+        try:
+            peak = measurer.peak(change.apply(base))
+        except GraphmemError as e:
+            left_out.append(LeftOut(change.kind, f"{change.name}: {e}"))
+            continue
+        if peak >= base_peak:  # measured, and the step's peak does not drop: not a lever here
+            left_out.append(LeftOut(change.kind, f"{change.name}: the peak does not drop ({fmt_bytes(peak)})"))
+            continue
+        measured[change.name] = (change, peak)
+        cost, extent = change.cost, change.extent
+        if change.cost_class == "recompute":  # the FLOPs the changed step records beyond the step's own
+            extent = max(0, measurer.flops(change.apply(base)) - base_flops) / base_flops
+            cost = f"recompute {extent:.1%} of the step's FLOPs: {cost}"
+        rows.append(_row(change.kind, change.name, change.how, peak, base_peak, limit, cost, change.cost_class,
+                         extent=extent))
+    return rows, measured
+
+
+def _row(kind: str, name: str, how: str, peak: int, base_peak: int, limit: int, cost: str, cost_class: str,
+         parts: tuple[str, ...] = (), extent: float = 0.0) -> Lever:
+    return Lever(kind, name, how, peak, base_peak - peak, cost, cost_class, peak <= limit, parts, extent)
+
+
+def _plan_lever(report: Any, limit: int, budget: str, base_peak: int) -> tuple[Optional[Lever], Optional[LeftOut]]:
+    """The planner's cheapest plan that fits (else its lowest-peak plan), verified by a capture."""
+    if base_peak > report.peak_bytes:
+        return None, LeftOut("checkpoint", "the step's highest peak is a later step's (the optimizer states made "
+                             f"before it: {fmt_bytes(base_peak)}); the planner plans the first step's "
+                             f"({fmt_bytes(report.peak_bytes)}): run graphmem plan to see its plans")
+    try:
+        try:
+            plan = report.plan(budget=limit)
+            call = f"report.plan(budget={budget!r})"
+        except GraphmemError:  # none fits: the lowest peak any plan reaches (recompute at most the forward)
+            plan = report.plan(max_overhead=1.0)
+            call = "report.plan(max_overhead=1.0)"
+    except GraphmemError as e:
+        return None, LeftOut("checkpoint", f"no checkpoint plan: {e}")
+    if plan.peak_bytes >= base_peak or not plan.segments:
+        return None, LeftOut("checkpoint", f"no checkpoint plan of {plan.chain} lowers the peak (at {report.peak_op}, "
+                             f"{report.peak_phase}): checkpoints free activations, not what is live there")
+    segments = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in plan.segments) or "none"
+    how = (f"graphmem plan ... --budget {budget} (or {call}.apply(model)): torch.utils.checkpoint over "
+           f"{plan.chain} blocks {segments}")
+    cost = f"recompute {plan.overhead:.1%} of the step's FLOPs"
+    count = len(plan.segments)
+    return _row("checkpoint", f"checkpoint plan ({count} segment{'s' if count != 1 else ''})", how, plan.peak_bytes, base_peak,
+                limit, cost, "recompute", extent=plan.overhead), None
+
+
+def _combinations(measurer: Measurer, base: Setting, measured: dict[str, tuple[Change, int]], base_peak: int,
+                  limit: int, most: int = 4) -> list[Lever]:
+    """Greedy, each step captured: start from the best lever of the kind that saves most, add the
+    best lever of each other kind (capture-only kinds first, sharding last: it needs more GPUs)
+    while it lowers the peak, until the step fits or ``most`` levers are tried."""
+    best: dict[str, tuple[Change, int]] = {}
+    for change, peak in measured.values():
+        if peak < base_peak and change.cost_class in ("none", "trade-off", "recompute", "communication"):
+            if change.kind not in best or peak < best[change.kind][1]:
+                best[change.kind] = (change, peak)
+    order = sorted(best.values(), key=lambda cp: (cp[0].cost_class == "communication", cp[1]))
+    if len(order) < 2:
+        return []
+    out: list[Lever] = []
+    (first, peak_now), parts = order[0], [order[0][0]]
+    setting = first.apply(base)
+    for change, _ in order[1:most]:
+        trial = change.apply(setting)
+        try:
+            peak = measurer.peak(trial)
+        except GraphmemError:
+            continue
+        if peak >= peak_now:  # this lever does not help on top of the others
+            continue
+        setting, peak_now = trial, peak
+        parts.append(change)
+        cls = max((c.cost_class for c in parts), key=lambda c: COST_RANK[c])
+        extent = sum(c.extent for c in parts if c.cost_class == cls)
+        cost = "; ".join(c.cost for c in parts)
+        if cls == "recompute":
+            extent = max(0, measurer.flops(setting) - measurer.flops(base)) / measurer.flops(base)
+            cost = f"recompute {extent:.1%} of the step's FLOPs; " + "; ".join(c.cost for c in parts if c.cost_class != cls)
+        out.append(_row("combination", " + ".join(c.name for c in parts), "; ".join(c.how.split(":")[0] for c in parts),
+                        peak, base_peak, limit, cost.rstrip("; "), cls, tuple(c.name for c in parts), extent))
+        if peak <= limit:
+            break
+    return out

@@ -1,0 +1,228 @@
+"""The levers that change a step's setting (graphmem/advise/setting.py), each with the exact change
+to make and its cost, and the reasons a lever is left out. Costs are graphmem's own measures
+(recompute FLOPs, bytes moved by collectives) or a stated trade-off: never times."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, cast
+
+from graphmem import losses
+from graphmem.advise.setting import Setting
+from graphmem.models import gpt2, llama
+from graphmem.passes.budget import make_parallel
+from graphmem.training.lora import make_lora, meta_copy
+from graphmem.training.optim import resolved_impl
+from graphmem.training.peft_lora import is_hf_model
+from graphmem.units import fmt_bytes
+
+# what a lever costs, cheapest first: the order the answer line picks a fitting lever in
+COST_RANK = {"none": 0, "trade-off": 1, "recompute": 2, "communication": 3, "changes the run": 4}
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: str  # loss | attention | precision | optimizer | micro-batches | sharding | lora
+    name: str  # the row's label
+    how: str  # the exact change: options, or a few lines of code
+    cost: str  # what it costs, in words
+    cost_class: str  # a key of COST_RANK
+    apply: Callable[[Setting], Setting]
+    extent: float = 0.0  # within a cost class, how much: micro-steps, bytes communicated
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    kind: str
+    why: str
+
+
+# each lever's change of the setting
+def _target(**changes: Any) -> Callable[[Setting], Setting]:
+    return lambda s: s.with_target(**changes)
+
+
+def _train(**changes: Any) -> Callable[[Setting], Setting]:
+    return lambda s: s.with_train(**changes)
+
+
+def _both(target: dict[str, Any], train: dict[str, Any]) -> Callable[[Setting], Setting]:
+    return lambda s: s.with_target(**target).with_train(**train)
+
+
+def _micro(shape: tuple[int, ...], total: int) -> Callable[[Setting], Setting]:
+    return lambda s: s.replace(shape=shape).with_train(micro_batches=total)
+
+
+def _training(**changes: Any) -> Callable[[Setting], Setting]:
+    return lambda s: s.replace(training=dataclasses.replace(s.training, **changes))
+
+
+def _module(module: Any) -> Callable[[Setting], Setting]:
+    return lambda s: s.replace(module=module, loss=None)
+
+
+def loss(report: Any, base: Setting, make: Callable[[tuple[int, ...]], Any]) -> tuple[list[Change], list[LeftOut]]:
+    """The LM head and cross-entropy in chunks (graphmem/losses.py): the (tokens, vocab) logits and
+    their fp32 log-softmax are never whole. Weighed for graphmem's bundled language models and
+    Hugging Face causal LMs trained on their own loss; other losses are the user's code."""
+    module = base.module
+    if base.loss in (gpt2.loss, llama.loss):
+        head = "lm_head" if base.loss is gpt2.loss else "output"
+        wrapped: Any = losses.ChunkedNextToken(meta_copy(module), head)
+        how = (f"model = graphmem.losses.ChunkedNextToken(model, {head!r}); loss = model(ids)  # head + cross-entropy, "
+               f"{losses.CHUNK} tokens at a time")
+    elif base.loss is None and is_hf_model(module) and type(module).__name__.endswith("ForCausalLM"):
+        config = cast(Any, module).config  # a transformers PreTrainedModel
+        if any(config.to_dict().get(k) for k in ("final_logit_softcapping", "logit_scale")):
+            return [], [LeftOut("loss", f"{type(module).__name__} scales or caps its logits before the loss; "
+                                "the chunked loss would drop that")]
+        if "labels" not in make(base.shape).kwargs:
+            return [], [LeftOut("loss", "the batch has no labels: the model computes no loss of its own")]
+        wrapped = losses.ChunkedCausalLM(meta_copy(module))
+        how = ("model = graphmem.losses.ChunkedCausalLM(model); loss = model(**batch)  # lm_head + cross-entropy, "
+               f"{losses.CHUNK} tokens at a time")
+    else:
+        return [], [LeftOut("loss", "not a language model's own next-token loss: for your own head and loss, "
+                            "graphmem.losses.chunked_cross_entropy(hidden, head.weight, targets) computes it in chunks")]
+    return [Change("loss", "chunked LM head + cross-entropy", how,
+                   "the head's forward again in backward, one chunk at a time", "recompute",
+                   _module(wrapped))], []
+
+
+def attention(report: Any, base: Setting) -> tuple[list[Change], list[LeftOut]]:
+    """SDPA's math kernel keeps the (b, h, s, s) attention matrix; flash and efficient do not."""
+    kernels = dict(report.attention_backends)
+    if base.target.device != "cuda":
+        return [], [LeftOut("attention", "the SDPA backend is a CUDA kernel choice (the CPU target runs PyTorch's "
+                            "CPU kernels); analyze with --device cuda to weigh it")]
+    if base.target.attention == "eager":
+        return [], [LeftOut("attention", "the model runs Hugging Face's eager softmax attention: reload it with "
+                            "attn_implementation='sdpa' (--attention auto) to weigh the SDPA kernels")]
+    if not kernels:
+        return [], [LeftOut("attention", "no scaled_dot_product_attention call in the step")]
+    if "math" not in kernels:
+        return [], [LeftOut("attention", f"SDPA already runs {', '.join(sorted(kernels))} (no (s, s) matrix kept)")]
+    if base.target.attention == "auto":
+        return [], [LeftOut("attention", "PyTorch's own choice for these SDPA calls is the math kernel: flash and "
+                            "memory-efficient refuse them (head dim, dtype, mask or unequal head counts; "
+                            "graphmem/capture/cuda_rules.py, select_backend), so forcing one would raise")]
+    return [Change("attention", "attention auto",
+                   "--attention auto: drop the sdpa_kernel(SDPBackend.MATH) context (PyTorch picks flash or "
+                   "memory-efficient where they accept the call)", "none (same FLOPs; a fused kernel)", "none",
+                   _target(attention="auto"))], []
+
+
+def precision(report: Any, base: Setting) -> tuple[list[Change], list[LeftOut]]:
+    t, train = base.target, base.training.train
+    if t.amp is not None or t.dtype in ("bf16", "fp16"):
+        what = f"autocast {t.amp}" if t.amp is not None else f"{t.dtype} parameters"
+        if t.dtype in ("bf16", "fp16") and train.optimizer is not None and not train.master_weights:
+            what += " without fp32 masters"
+        return [], [LeftOut("precision", f"the step already runs in 16 bits ({what})")]
+    out = [Change("precision", "bf16 autocast", "--amp bf16: with torch.autocast(device_type, dtype=torch.bfloat16): "
+                  "forward and loss", "none (bf16 matmuls; fp32 parameters and optimizer)", "none",
+                  _target(amp="bf16"))]
+    if train.optimizer is None:
+        return out, [LeftOut("precision", "bf16 parameters with fp32 master weights need an optimizer in the step "
+                             "(--optimizer)")]
+    out.append(Change("precision", "bf16 params + fp32 masters",
+                      "--dtype bf16 --master-weights: model.to(torch.bfloat16); the optimizer steps an fp32 copy",
+                      "none (bf16 weights in forward/backward; fp32 updates)", "none",
+                      _both({"dtype": "bf16"}, {"master_weights": True})))
+    return out, []
+
+
+ALTERNATIVES = {"adam": ("adafactor", "momentum"), "adamw": ("adafactor", "momentum"),
+                "momentum": ("sgd",), "adafactor": (), "sgd": ()}
+_FUSED = ("adam", "adamw", "sgd", "momentum")
+
+
+def optimizer(report: Any, base: Setting) -> tuple[list[Change], list[LeftOut]]:
+    train = base.training.train
+    if train.optimizer is None:
+        return [], [LeftOut("optimizer", "no optimizer in the step: add --optimizer adamw (or another) to weigh "
+                            "the optimizer's states and its temporaries")]
+    impl = resolved_impl(train.impl, base.target.device)
+    out = []
+    impls = [i for i in ("forloop", "fused") if i != impl and (i != "fused" or train.optimizer in _FUSED)]
+    for other in impls:
+        flag = {"forloop": "foreach=False", "fused": "fused=True"}[other]
+        out.append(Change("optimizer", f"{train.optimizer} {other}",
+                          f"--optimizer-impl {other}: torch.optim.{_cls(train.optimizer)}(..., {flag})",
+                          "memory vs speed trade-off: " + ("one kernel launch per parameter instead of one per group"
+                                                           if other == "forloop" else "one fused kernel per parameter group"),
+                          "trade-off", _train(impl=other)))
+    for alt in ALTERNATIVES[train.optimizer]:
+        out.append(Change("optimizer", f"{alt} instead of {train.optimizer}",
+                          f"--optimizer {alt}: {_code(alt)}",
+                          "memory vs speed trade-off: fewer optimizer states, a different convergence to check",
+                          "trade-off", _train(optimizer=alt, impl="auto")))
+    return out, []
+
+
+def _cls(name: str) -> str:
+    return {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "momentum": "SGD", "adafactor": "Adafactor"}[name]
+
+
+def _code(name: str) -> str:
+    return {"adafactor": "torch.optim.Adafactor(params)", "momentum": "torch.optim.SGD(params, lr, momentum=0.9)",
+            "sgd": "torch.optim.SGD(params, lr)"}[name]
+
+
+def micro_batches(report: Any, base: Setting) -> tuple[list[Change], list[LeftOut]]:
+    """k micro-batches of b/k: the same samples per optimizer step (k divides b)."""
+    b = base.shape[0]
+    ks = [k for k in (2, 4, 8) if b % k == 0]
+    if not ks:
+        return [], [LeftOut("micro-batches", f"batch {b} has no divisor 2, 4 or 8 to split into micro-batches")]
+    out = []
+    for k in ks:
+        shape = (b // k, *base.shape[1:])
+        total = base.training.train.micro_batches * k
+        out.append(Change("micro-batches", f"{k} micro-batches of {b // k}",
+                          f"--input-shape {'x'.join(map(str, shape))} --micro-batches {total}: accumulate gradients over "
+                          f"{total} backward passes, then one optimizer step",
+                          f"none in FLOPs; {k} sequential micro-steps of smaller kernels", "trade-off",
+                          _micro(shape, total),
+                          extent=k))
+    return out, []
+
+
+def sharding(report: Any, base: Setting, ranks: int) -> tuple[list[Change], list[LeftOut]]:
+    """ZeRO / FSDP over ``ranks`` data-parallel ranks, per rank, from passes/budget.py's formulas on
+    the captured step (not a capture of torch.distributed). Communication per rank and step, ring
+    collectives moving (N-1)/N of a buffer each: ZeRO-1/2 and SHARD_GRAD_OP reduce-scatter the
+    gradients and all-gather the parameters once (what DDP's all-reduce moves); ZeRO-3 and
+    FULL_SHARD all-gather the parameters in forward and again in backward (1.5x)."""
+    if base.training.parallel.world_size > 1:
+        return [], [LeftOut("sharding", f"the step is already split: {base.training.parallel.describe()}")]
+    if ranks < 2:
+        return [], [LeftOut("sharding", "one rank (--ranks 1): nothing to shard over")]
+    share = (ranks - 1) / ranks
+    grads, params = report.gradient_bytes, report.parameter_bytes
+    once, twice = int(share * (grads + params)), int(share * (grads + 2 * params))
+    stages = [(f"ZeRO-{z}", f"--world-size {ranks} --zero {z}: DeepSpeed zero_optimization.stage={z}", make_parallel(ranks, z),
+               twice if z == 3 else once) for z in ((1, 2, 3) if base.training.train.optimizer else (2, 3))]
+    stages.append(("FSDP full", f"--world-size {ranks} --fsdp full: fully_shard(block) for each block, then the root "
+                   "(FSDP2; FULL_SHARD)", make_parallel(ranks, fsdp="full"), twice))
+    out = [Change("sharding", f"{name} over {ranks} ranks", how,
+                  f"communication {fmt_bytes(volume)} per rank per step on {ranks} GPUs",
+                  "communication", _training(parallel=parallel), volume)
+           for name, how, parallel, volume in stages]
+    return out, []
+
+
+def lora(report: Any, base: Setting, rank: int = 16) -> tuple[list[Change], list[LeftOut]]:
+    """Fine-tuning with LoRA adapters: the frozen weights keep no gradient or optimizer state."""
+    if base.training.lora is not None:
+        return [], [LeftOut("lora", f"the step already trains {base.training.lora.describe()}")]
+    if base.training.train.optimizer is None:
+        return [], [LeftOut("lora", "no optimizer in the step: LoRA saves the frozen weights' gradients and "
+                            "optimizer states (add --optimizer)")]
+    adapters = make_lora(rank, "all-linear")
+    return [Change("lora", f"LoRA r={rank} all-linear (fine-tuning)",
+                   f"--lora-rank {rank} --lora-targets all-linear: peft.get_peft_model(model, "
+                   f"LoraConfig(r={rank}, target_modules='all-linear'))",
+                   "changes the run: only the adapters train (fine-tuning, not pre-training)", "changes the run",
+                   _training(lora=adapters))], []

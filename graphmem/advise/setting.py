@@ -1,0 +1,105 @@
+"""A step's setting (target, training spec, input shape, loss, module) and the captures of its
+changes: every lever's peak is a capture of the changed step (graphmem/recapture.py's
+``capture_step``, what ``graphmem.analyze`` runs), never an estimate.
+
+Captures are cached by what the capture depends on; the parallel layout (ZeRO/FSDP/TP over
+ranks) is not part of it: passes/budget.py turns one captured step into a per-rank budget,
+so a sharding lever costs no capture."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch.nn as nn
+
+from graphmem.capture.target import Target
+from graphmem.errors import UsageError
+from graphmem.passes import saved
+from graphmem.planning.planner import step_flops
+from graphmem.recapture import Captured, capture_step
+from graphmem.training.spec import Training, make_training, step_budget
+from graphmem.training.step import LossFn
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Everything a capture of the step is made from."""
+
+    target: Target
+    training: Training
+    shape: tuple[int, ...]  # the first input's shape (the batch the inputs are made at)
+    loss: Optional[LossFn]
+    module: nn.Module  # before LoRA (the training spec adds adapters)
+
+    def replace(self, **changes: Any) -> "Setting":
+        return dataclasses.replace(self, **changes)
+
+    def with_train(self, **changes: Any) -> "Setting":
+        return self.replace(training=dataclasses.replace(
+            self.training, train=dataclasses.replace(self.training.train, **changes)))
+
+    def with_target(self, **changes: Any) -> "Setting":
+        return self.replace(target=dataclasses.replace(self.target, **changes))
+
+    @property
+    def key(self) -> tuple:
+        """What the capture depends on (not the parallel layout: see the module docstring)."""
+        return (self.target, self.training.train, self.training.lora, self.shape, self.loss, self.module)
+
+
+def base_setting(report: Any) -> Setting:
+    """The setting ``report`` was captured with."""
+    source = report.source
+    if source is None:
+        raise UsageError("this report has no model to capture again (built by hand)")
+    training = source.training or make_training(source.target.dtype)
+    return Setting(source.asked_target, training, tuple(source.base_shape), source.loss, source.original)
+
+
+class Measurer:
+    """Captures settings (once each), starting from the report's own capture."""
+
+    def __init__(self, report: Any, tick: Optional[Callable[[], None]] = None) -> None:
+        self.source = report.source
+        self.base = base_setting(report)
+        self.tick = tick or (lambda: None)
+        self.captures = 0  # captures run (the report's own is not counted)
+        step = report.step
+        lora = report.budget.lora_layers if report.budget is not None else ()
+        self._cache: dict[tuple, Captured] = {
+            self.base.key: Captured(step, report.liveness, saved(step), report.budget, self.source.module, lora,
+                                    self.source.target)}
+
+    def captured(self, setting: Setting) -> Captured:
+        """The step of ``setting``, captured (or taken from the cache), its budget per rank."""
+        cached = self._cache.get(setting.key)
+        if cached is None:
+            make = self.source.make
+            cached = capture_step(setting.module, lambda: make(setting.shape), setting.loss, setting.target,
+                                  setting.training, reuse=self.source.reuse)
+            self._cache[setting.key] = cached
+            self.captures += 1
+            self.tick()
+        if cached.budget is not None and cached.budget.training == setting.training:
+            return cached
+        if not setting.training.requested:
+            return dataclasses.replace(cached, budget=None)
+        g = cached.graph  # same step, another parallel layout: passes/budget.py's per-rank formulas
+        plan = step_budget(g, cached.liveness, cached.saved, setting.training, cached.module, cached.lora_layers)
+        return dataclasses.replace(cached, budget=plan)
+
+    def peak(self, setting: Setting) -> int:
+        return step_peak(self.captured(setting))
+
+    def flops(self, setting: Setting) -> int:
+        """FLOPs of the step's recorded ops (planning/planner.py's ``step_flops``)."""
+        return step_flops(self.captured(setting).graph)
+
+
+def step_peak(step: Captured) -> int:
+    """The highest peak of any training step: the first, or a later one, whose optimizer states
+    exist before it starts (passes/budget.py's ``later_peak_bytes``), per rank."""
+    if step.budget is None:
+        return step.liveness.peak_bytes
+    return max(step.budget.peak_bytes, step.budget.rank.later_peak_bytes)
