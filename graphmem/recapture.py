@@ -72,7 +72,7 @@ def capture_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: T
     """Capture one training step of ``module`` (LoRA applied from ``training``) and run the
     passes: what ``graphmem.analyze`` and ``Report.advise`` both run."""
     prepared, lora_layers = prepare(module, training, target.param_dtype)
-    if training.keeps_dtypes:  # the quantized copy holds its own dtypes (graphmem/training/qlora.py)
+    if training.keeps_dtypes(module):  # 4-bit weights, peft's fp32 adapters (graphmem/training/spec.py)
         target = dataclasses.replace(target, dtype=None)
     # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6); not
     # yet: the training step's accumulate/optimizer phases (not block-shaped) and compiled mode

@@ -284,6 +284,35 @@ def test_lora_options_build_peft_adapters_conv1d_included() -> None:
     assert report.budget.rank.trainable == trainable
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_lora_on_a_16_bit_model_keeps_peft_adapters_in_fp32(dtype: str) -> None:
+    """``--dtype bf16 --lora-rank 4`` (a preset or config in 16 bits): peft's get_peft_model makes
+    the adapters fp32 (autocast_adapter_dtype), so the real step saves fp32 adapter inputs and
+    holds fp32 adapter gradients and Adam states; graphmem equals it."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config)
+    batch = hf.batch(model, (2, 8))
+    report = graphmem.analyze(model, batch, dtype=dtype, lora_rank=4, lora_targets="q_proj,v_proj", optimizer="adamw")
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the given model is untouched
+    real_model = peft.get_peft_model(model.to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype])),
+                                     peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    adapters = [p for p in real_model.parameters() if p.requires_grad]
+    assert adapters and all(p.dtype == torch.float32 for p in adapters)  # peft's own choice
+    from graphmem.training.loop import TrainStep
+
+    real = measure_peak(real_model, batch, train=TrainStep("adamw"))
+    budget = report.budget
+    assert budget is not None
+    assert report.activation_bytes == real.saved_bytes
+    assert budget.row("optimizer states").size == real.state_bytes  # fp32 exp_avg, exp_avg_sq; step counters
+    assert real.state_bytes >= 2 * 4 * sum(p.numel() for p in adapters)
+    # (the peak is not compared: 16-bit CPU matmuls convert their operands inside the op, scratch
+    # graphmem models for no bf16/fp16 CPU gemm; the CUDA target is the one these dtypes are for)
+
+
 def test_all_linear_through_peft_on_a_config() -> None:
     pytest.importorskip("peft")
     report = graphmem.analyze("hf-gpt2", input_shape=(1, 16), lora_rank=8, lora_targets="all-linear")

@@ -39,11 +39,10 @@ class Training:
         """Any option given: the report then carries a budget."""
         return self.train.active or self.train.master_weights or self.lora is not None or self.parallel != Parallel()
 
-    @property
-    def keeps_dtypes(self) -> bool:
-        """The prepared module holds its final dtypes (4-bit weights, fp32 adapters and block
-        scales): the capture casts nothing."""
-        return self.quantization is not None
+    def keeps_dtypes(self, module: nn.Module) -> bool:
+        """``prepare(module, self, ...)`` holds its final dtypes (4-bit weights, block scales, peft's
+        fp32 adapters): the capture casts nothing."""
+        return self.quantization is not None or (self.lora is not None and is_hf_model(module))
 
 
 def make_training(dtype: Optional[str] = None, optimizer: Optional[str] = None, optimizer_impl: str = "auto",
@@ -67,7 +66,13 @@ def prepare(module: nn.Module, training: Training,
     if training.lora is None:
         return module, ()
     if training.quantization is None:
-        return apply_lora(module, training.lora)
+        if dtype is None or not is_hf_model(module):
+            return apply_lora(module, training.lora)
+        # peft's get_peft_model(autocast_adapter_dtype=True) makes the adapters of a 16-bit model
+        # fp32 (peft/peft_model.py, PeftModel.__init__ -> _cast_adapter_dtype): cast first, as
+        # from_pretrained(dtype=...) does, then adapt
+        model = meta_copy(module).to(dtype)
+        return apply_lora(model, training.lora, inplace=True)
     if not is_hf_model(module):
         raise UsageError(f"--qlora runs the QLoRA recipe (transformers' bitsandbytes integration, peft's adapters) on a "
                          f"Hugging Face model; {type(module).__name__} is a plain nn.Module: drop --qlora")
