@@ -245,6 +245,28 @@ def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parall
         timeline=tuple(_ceil(v, den) for v in timeline))
 
 
+def made_states(g: StepGraph) -> int:
+    """Bytes of the optimizer states the traced (first) step makes: every later step holds them
+    from its start."""
+    return sum(s.nbytes for s in g.storages.values() if s.kind == "optimizer state" and s.created >= 0)
+
+
+def later_steps_peak(g: StepGraph, lv: Liveness) -> int:
+    """The peak of every step after the first (on one device): each op's live bytes plus the
+    optimizer states the first step has not made yet at that op. Never below ``lv.peak_bytes``;
+    equal to it when the step has no optimizer."""
+    pending = [0] * (g.num_ops + 1)
+    for s in g.storages.values():
+        if s.kind == "optimizer state" and s.created >= 0:
+            pending[0] += s.nbytes
+            pending[s.created] -= s.nbytes
+    extra, peak = 0, lv.peak_bytes
+    for i, live in enumerate(lv.timeline[:g.num_ops]):
+        extra += pending[i]
+        peak = max(peak, live + extra)
+    return peak
+
+
 def _timelines(g: StepGraph, lv: Liveness, parts: dict[int, tuple[int, int]],
                gather: list[int]) -> tuple[list[int], list[int]]:
     """One rank's live bytes per op (numerators over den) in the traced step and in later steps,

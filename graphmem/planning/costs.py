@@ -19,6 +19,7 @@ from torch.utils.flop_counter import flop_registry
 
 from graphmem.chains import Chain, find_chain, truncated
 from graphmem.errors import GraphmemError, PassError
+from graphmem.passes.budget import later_steps_peak, made_states
 from graphmem.passes.checkpoint import (
     NOTHING,
     UNMEASURED,
@@ -89,7 +90,9 @@ class _Cut:
         created, freed = [0] * (n + 1), [0] * (n + 1)
         self.base = 0
         for s in g.storages.values():  # as passes/liveness.py: live during op i if created <= i <= freed
-            if s.created < 0:
+            # every step after the first holds the optimizer states from its start: plans are
+            # for those steps (passes/budget.py, later_steps_peak), so the states count as made before
+            if s.created < 0 or s.kind == "optimizer state":
                 if s.freed is not None and s.freed < 0:
                     continue
                 self.base += s.nbytes
@@ -461,13 +464,16 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
                         f"{report.model} has no chain of identical blocks (an nn.ModuleList/Sequential of >= 2 like "
                         "modules): selective plans apply one policy to every block; plan without --selective")
     capture_at = source.capture
+    # plans are for every step: after the first, the optimizer states live from the start
+    states, peak = made_states(report.step), later_steps_peak(report.step, report.liveness)
     if chain.length > DEPTH and "," not in chain.path:
         try:
             costs = _widen(chain_costs(model, chain, capture_at, DEPTH, policy, micro), chain.length,
-                           report.baseline_bytes, _tails(report.step, [p for p, _ in chain_blocks(model, chain.path)]))
+                           report.baseline_bytes + states,
+                           _tails(report.step, [p for p, _ in chain_blocks(model, chain.path)]))
             # pieces that do not compose at depth 4 (a KV cache keeping stored blocks' keys) would
             # not at full depth either: the widened chain is the estimate, captures check its plans
-            if evaluate(costs, segments_of(chain.length, [])).peak_bytes == report.peak_bytes:
+            if evaluate(costs, segments_of(chain.length, [])).peak_bytes == peak:
                 return costs, DEPTH
         except PlanError:
             pass
@@ -479,7 +485,8 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
                         "checkpointed (residual blocks); a block ending in an in-place op whose output only the "
                         "next op uses (a ResNet's last block), or a Sequential of single layers, is not one") from e
     got = evaluate(costs, segments_of(chain.length, [])).peak_bytes
-    if got != report.peak_bytes and costs.exact:
+    if got != peak and costs.exact:
         costs = replace(costs, exact=False, problem=f"the chain's pieces give a peak of {got} B without checkpoints, "
-                                                    f"the report {report.peak_bytes} B")
+                                                    f"the report {peak} B")
     return costs, chain.length
+

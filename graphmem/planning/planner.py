@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from graphmem.errors import UsageError
+from graphmem.passes.budget import later_steps_peak
 from graphmem.passes.checkpoint import (
     ChainCosts,
     Evaluated,
@@ -257,7 +258,7 @@ class Planner:
     def no_plan_peak(self) -> int:
         """The peak without checkpoints (the report's, unless transformers' checkpointing is on)."""
         if not self.hf_checkpointing:
-            return int(self.report.peak_bytes)
+            return later_steps_peak(self.report.step, self.report.liveness)
         return self.verifier.measure(self._none)[0]
 
     def hf_baseline(self) -> Optional[tuple[CheckpointPlan, CheckpointPlan]]:
@@ -266,7 +267,7 @@ class Planner:
         if not self.hf_checkpointing:
             return None
         every = evaluate(self.costs, segments_of(self.costs.n, [(i, i) for i in range(self.costs.n)]))
-        peak = int(self.report.peak_bytes)
+        peak = later_steps_peak(self.report.step, self.report.liveness)
         base = replace(self._plan("transformers gradient_checkpointing_enable()", every, None), peak_bytes=peak,
                        activation_bytes=int(self.report.activation_bytes), verification=None)
         try:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from graphmem.errors import GraphmemError
 from graphmem.passes import liveness, saved
+from graphmem.passes.budget import later_steps_peak
 from graphmem.passes.checkpoint import UNMEASURED, Evaluated
 from graphmem.planning.apply import apply_segments
 from graphmem.units import fmt_bytes
@@ -89,12 +90,13 @@ def capture_plan(report: Any, chain: str, segments: Sequence[tuple[int, int]],
                  policies: Optional[Sequence[Any]] = None) -> tuple[int, int, int]:
     """(peak, saved bytes, bytes live when the forward ends) of the report's step on fake
     tensors with the segments of ``chain`` checkpointed (as ``plan.apply`` does), at the
-    report's own size and depth."""
+    report's own size and depth; the peak is every step's (later steps hold the optimizer
+    states from their start)."""
     source = report.source
     with apply_segments(source.module, chain, segments, policies):
         g = source.capture()
     lv = liveness(g)
-    return lv.peak_bytes, saved(g).activation_bytes, lv.timeline[forward_end(g)]
+    return later_steps_peak(g, lv), saved(g).activation_bytes, lv.timeline[forward_end(g)]
 
 
 def forward_end(g: Any) -> int:
