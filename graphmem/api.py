@@ -136,12 +136,11 @@ def analyze(
         raise UsageError("the optimizer step and micro-batches are traced in eager mode; drop --mode compiled "
                          "(or the --optimizer/--micro-batches options)")
     module, lora_layers = prepare(loaded.module, training)
-    # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6); not
-    # yet: the training step's accumulate/optimizer phases (not block-shaped) and compiled mode
-    # (AOTAutograd hands back gradients per parameter after the chain)
+    # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6), in
+    # eager and compiled mode; not the training step's accumulate/optimizer phases (not block-shaped)
     capture_at: Any = lambda: capture(module, make, loss_fn, target, train=training.train)  # noqa: E731
-    reusable = reuse and not training.train.active and target.mode != "compiled"
-    g = capture_reusing(module, capture_at)[0] if reusable else capture_at()
+    reused = capture_reusing(module, capture_at) if reuse and not training.train.active else None
+    g = reused.graph if reused is not None else capture_at()
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     loss_name = "default (the model's own loss if its output has one, else the output if scalar, else the sum of floating outputs)" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")
@@ -152,7 +151,10 @@ def analyze(
     alloc = allocator(g) if target.device == "cuda" else None  # the caching allocator's view of the step
     lv, sv = liveness(g), saved(g)
     plan = step_budget(g, lv, sv, training, module, lora_layers) if training.requested else None
-    report = Report.build(g, lv, sv, loaded.name, shapes, loss_name, notes(g), source, alloc, budget=plan)
+    found = notes(g)
+    if reused is not None and reused.why and target.mode == "compiled":
+        found += (f"depth reuse not taken ({reused.why}): every block was compiled and captured",)
+    report = Report.build(g, lv, sv, loaded.name, shapes, loss_name, found, source, alloc, budget=plan)
     if target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
         report = _beside_eager(report, loaded.module, make, loss_fn)
     return report
@@ -163,5 +165,5 @@ def _beside_eager(report: Report, model: nn.Module, inputs: Any, loss_fn: Option
     g = report.step
     assert g is not None  # analyze keeps the step graph
     eager_target = dataclasses.replace(g.target, mode="eager")
-    eager, _ = capture_reusing(model, lambda: capture(model, inputs, loss_fn, eager_target))
-    return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager)))
+    eager = capture_reusing(model, lambda: capture(model, inputs, loss_fn, eager_target))
+    return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager.graph)))

@@ -130,9 +130,11 @@ def recomputed(compiled: Any) -> tuple[Recomputed, ...]:
                     or n.target is operator.getitem or _is_view(n)):
                 continue
             first = _first(n.meta.get("val"))
-            out.append(Recomputed(str(n.target), g.modules.get(n, ""), tuple(first.shape) if first is not None else (),
-                                  str(first.dtype).replace("torch.", "") if first is not None else "",
-                                  _bytes(n.meta.get("val")), node_flops(n)))
+            flops = node_flops(n)
+            for path in compiled.paths(g.modules.get(n, "")):  # a widened step: each block that copies it
+                out.append(Recomputed(str(n.target), path, tuple(first.shape) if first is not None else (),
+                                      str(first.dtype).replace("torch.", "") if first is not None else "",
+                                      _bytes(n.meta.get("val")), flops))
     return tuple(sorted(out, key=lambda r: -r.bytes))
 
 

@@ -44,6 +44,7 @@ from graphmem.capture.cuda_rules import sdpa, select_backend
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.recorder import _DONE, _Recorder, _tensors, node_metadata
 from graphmem.capture.target import Target
+from graphmem.capture.widen import block_copies, rename
 from graphmem.errors import CaptureError, GraphmemError
 from graphmem.training.step import LossFn, run_step
 
@@ -100,6 +101,18 @@ class CompiledGraphs:
 
     graphs: tuple[CompiledGraph, ...]
     graph_breaks: tuple[str, ...] = ()
+    widened: Optional[tuple[str, int, int]] = None  # depth reuse: (chain path + ".", blocks in the graphs, in the step)
+
+    def paths(self, path: str) -> list[str]:
+        """The module paths of the step that a graph node's module stands for: itself, or,
+        in a widened step (graphmem/capture/widen.py), each block that copies its block."""
+        if self.widened is None:
+            return [path]
+        prefix, k, n = self.widened
+        head = path[len(prefix):].split(".", 1)[0] if path.startswith(prefix) else ""
+        if not head.isdigit():
+            return [path]
+        return [rename(path, prefix, int(head), b) for b in block_copies(int(head), k, n)]
 
     @property
     def forward(self) -> tuple[CompiledGraph, ...]:

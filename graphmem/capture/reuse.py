@@ -16,7 +16,7 @@ or ``--no-reuse`` captures every block.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -85,11 +85,17 @@ def blocks_alike(model: nn.Module, chain: Chain) -> bool:
     return True
 
 
-def capture_reusing(model: nn.Module, capture_at: Callable[[], StepGraph]) -> tuple[StepGraph, bool]:
-    """The step at full depth: widened from 4 blocks when the check passes (True), else captured."""
+class Reused(NamedTuple):
+    graph: StepGraph
+    used: bool  # widened from the capture at depth 5
+    why: str = ""  # why not, where the chain was long enough to try
+
+
+def capture_reusing(model: nn.Module, capture_at: Callable[[], StepGraph]) -> Reused:
+    """The step at full depth: widened from 5 blocks when the check passes, else captured."""
     chain = find_chain(model)
     if chain is None or chain.length < MIN_LENGTH or not blocks_alike(model, chain):
-        return capture_at(), False
+        return Reused(capture_at(), False)
     modules = [name for name, _ in model.named_modules()]
     try:
         with truncated(model, chain, DEPTH):
@@ -97,16 +103,31 @@ def capture_reusing(model: nn.Module, capture_at: Callable[[], StepGraph]) -> tu
         with truncated(model, chain, DEPTH + 1):
             check = capture_at()
         names_check = [name for name, _ in _named_at(model, chain, DEPTH + 1)]
-        if _signature(widen(small, chain, DEPTH, DEPTH + 1, names_check)) != _signature(check):
+        widened = widen(small, chain, DEPTH, DEPTH + 1, names_check)
+        if _signature(widened) != _signature(check):
             raise NotReusable("the widened graph differs from the capture")
+        if _compiled_signature(widened) != _compiled_signature(check):
+            raise NotReusable("the compiled graphs differ (the partition is not the same in every block)")
         g = widen(small, chain, DEPTH, chain.length, modules)
         per_block = {key: check.attention_backends.get(key, 0) - small.attention_backends.get(key, 0)
                      for key in set(check.attention_backends) | set(small.attention_backends)}
         g.attention_backends = {key: small.attention_backends.get(key, 0) + (chain.length - DEPTH) * v
                                 for key, v in per_block.items() if small.attention_backends.get(key, 0) + (chain.length - DEPTH) * v}
-        return g, True
-    except NotReusable:
-        return capture_at(), False
+        return Reused(g, True)
+    except NotReusable as e:
+        return Reused(capture_at(), False, str(e))
+
+
+def _compiled_signature(g: StepGraph) -> tuple:
+    """Compiled mode: the graphs' counts, dynamo's graph breaks and the forward ops each backward
+    graph recomputes, by module path (a widened step's stand for every block's)."""
+    c = g.compiled
+    if c is None:
+        return ()
+    redo = sorted((str(n.target), path) for cg in c.backward for n in cg.graph.graph.nodes
+                  if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"
+                  for path in c.paths(cg.modules.get(n, "")))
+    return len(c.forward), len(c.backward), c.graph_breaks, tuple(redo)
 
 
 def _named_at(model: nn.Module, chain: Chain, k: int) -> list[tuple[str, nn.Module]]:
