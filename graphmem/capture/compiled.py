@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphmem.capture.cuda_rules import sdpa, select_backend
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
+from graphmem.capture.partition_record import Partition, recording
 from graphmem.capture.recorder import _DONE, _Recorder, _tensors, node_metadata
 from graphmem.capture.target import Target
 from graphmem.capture.widen import block_copies, rename
@@ -102,6 +103,7 @@ class CompiledGraphs:
     graphs: tuple[CompiledGraph, ...]
     graph_breaks: tuple[str, ...] = ()
     widened: Optional[tuple[str, int, int]] = None  # depth reuse: (chain path + ".", blocks in the graphs, in the step)
+    partitions: tuple[Partition, ...] = ()  # what the partitioner decided, per joint graph
 
     def paths(self, path: str) -> list[str]:
         """The module paths of the step that a graph node's module stands for: itself, or,
@@ -227,6 +229,7 @@ class CompiledStep:
         self._codes_before = codes
         self.graph_breaks = breaks
         self.module_inputs = module_inputs
+        self.partitions: list[Partition] = []
 
     @staticmethod
     def trace(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target,
@@ -248,7 +251,7 @@ class CompiledStep:
         phase = ["forward"]
         try:  # a model compiled before in this process may have used up dynamo's recompile limit
             with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20), \
-                    partition_config(target.memory_budget):
+                    partition_config(target.memory_budget), recording(step.partitions):
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False):
@@ -285,7 +288,7 @@ class CompiledStep:
                     "rerun with --debug and report it")
 
     def summary(self) -> CompiledGraphs:
-        return CompiledGraphs(tuple(self.backend.graphs), self.graph_breaks)
+        return CompiledGraphs(tuple(self.backend.graphs), self.graph_breaks, partitions=tuple(self.partitions))
 
     def close(self) -> None:
         """Drop the cache entries this compilation added to code objects that had none."""

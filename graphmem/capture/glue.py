@@ -31,12 +31,13 @@ def _owner(op: OpNode, owner_of: Callable[[Any], Optional[int]]) -> Optional[int
     return owners[0] if owners and owners[0] is not None and all(o == owners[0] for o in owners) else None
 
 
-def cut(g: StepGraph, name: str, first: int, last: int, block_at: list[Optional[int]],
+def cut(g: StepGraph, name: str, first: int, last: int, block_at: list[Optional[int]], labels: list[Optional[int]],
         block_of: Callable[[str], Optional[int]]) -> tuple[list[Region], dict[str, int]]:
     """Ops first..last cut into plain stretches (copied once) and sections (each block's run of
     glue, blocks in order (+1) or reversed (-1)). ``block_at``: the block of each op so far
-    (None outside the blocks), filled in for the glue. Returns the regions in order and each
-    section's direction."""
+    (None outside the blocks), filled in for the glue; ``labels``: the block of each op's
+    module (a backward graph's recomputed forward ops carry their block's). Returns the
+    regions in order and each section's direction."""
     def owner_of(a: OpNode) -> Optional[int]:
         if a.op == "placeholder":
             return block_of(a.target) if isinstance(a.target, str) else None
@@ -44,7 +45,7 @@ def cut(g: StepGraph, name: str, first: int, last: int, block_at: list[Optional[
 
     runs: list[list[Any]] = []  # [block, first, last]
     for i in range(first, last + 1):
-        j = _owner(g.ops[i], owner_of)
+        j = labels[i] if labels[i] is not None else _owner(g.ops[i], owner_of)
         block_at[i] = j
         if runs and runs[-1][0] == j:
             runs[-1][2] = i
@@ -83,4 +84,18 @@ def expand(regions: list[Region], directions: dict[str, int], copies: Callable[[
         if kind not in directions and len(blocks) > 1:
             raise NotBlockByBlock(f"one block's glue stands for {len(blocks)} blocks in no known order")
         out += [(kind, b) for b in (reversed(blocks) if directions.get(kind, 1) < 0 else blocks)]
+    return out
+
+
+def absorb(runs: list[list[int]]) -> list[list[int]]:
+    """Runs [block, first, last] with a run of a far block inside another block's (x, y, x with
+    y not x's neighbour: a value the compiler made once for all blocks, recomputed where the
+    first user needs it) merged into that block's."""
+    out: list[list[int]] = []
+    for run in runs:
+        if len(out) >= 2 and out[-2][0] == run[0] and abs(out[-1][0] - run[0]) > 1:
+            out.pop()
+            out[-1][2] = run[2]
+        else:
+            out.append(list(run))
     return out

@@ -21,6 +21,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn as nn
 
+from graphmem.capture.partition_record import not_periodic
 from graphmem.capture.widen import NotReusable, widen
 from graphmem.chains import Chain, find_chain, truncated
 from graphmem.stepgraph import OpNode, StepGraph
@@ -108,6 +109,10 @@ def capture_reusing(model: nn.Module, capture_at: Callable[[], StepGraph]) -> Re
             raise NotReusable("the widened graph differs from the capture")
         if _compiled_signature(widened) != _compiled_signature(check):
             raise NotReusable("the compiled graphs differ (the partition is not the same in every block)")
+        if small.compiled is not None and check.compiled is not None:
+            why = not_periodic(small.compiled.partitions, check.compiled.partitions, DEPTH, chain.length)
+            if why is not None:
+                raise NotReusable(why)
         g = widen(small, chain, DEPTH, chain.length, modules)
         per_block = {key: check.attention_backends.get(key, 0) - small.attention_backends.get(key, 0)
                      for key in set(check.attention_backends) | set(small.attention_backends)}

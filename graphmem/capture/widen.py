@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from graphmem.capture.glue import NotBlockByBlock, Region, absorb, cut, expand
 from graphmem.chains import Chain
-from graphmem.capture.glue import NotBlockByBlock, Region, cut, expand
 from graphmem.stepgraph import OpNode, SaveEvent, StepGraph, Storage
 
 
@@ -43,13 +43,15 @@ class _Regions:
             raise NotReusable("forward not block by block")
         for n, (b, s) in enumerate(starts):
             self.regions.append(("F", b, s, starts[n + 1][1] - 1 if n + 1 < len(starts) else fwd[-1]))
-        head = ("head", None, fwd[-1] + 1, bwd[0] - 1)
         runs: list[list[int]] = []
         for i in range(bwd[0], bwd[-1] + 1):
             if labels[i] is None or (runs and runs[-1][0] == labels[i]):
                 runs[-1][2] = i
             else:
                 runs.append([labels[i], i, i])  # type: ignore[list-item]
+        if g.compiled is not None:  # a backward graph may first recompute forward values of every block: glue
+            runs = absorb(runs)[-k:]
+        head = ("head", None, fwd[-1] + 1, runs[0][1] - 1)
         if [r[0] for r in runs] != list(reversed(range(k))):
             raise NotReusable("backward not block by block")
         self.regions += [("B", b, s, e) for b, s, e in runs]
@@ -61,10 +63,11 @@ class _Regions:
             block_at: list[Optional[int]] = [None] * g.num_ops
             for _, blk, s, e in self.regions:
                 block_at[s:e + 1] = [blk] * (e - s + 1)
-            self.head, d1 = cut(g, "head", head[2], head[3], block_at, self.block_of)
-            self.tail, d2 = cut(g, "tail", tail[2], tail[3], block_at, self.block_of)
+            self.head, d1 = cut(g, "head", head[2], head[3], block_at, labels, self.block_of)
+            self.tail, d2 = cut(g, "tail", tail[2], tail[3], block_at, labels, self.block_of)
             self.directions = {**d1, **d2}
         self.regions += self.head + self.tail
+        self.blocks = {(kind, blk): (s, e) for kind, blk, s, e in self.regions}
         self.where: list[tuple[str, Optional[int], int]] = [("", None, 0)] * g.num_ops  # op -> (kind, block, pos)
         for kind, blk, s, e in self.regions:
             for i in range(s, e + 1):
@@ -77,10 +80,10 @@ class _Regions:
         return int(head) if head.isdigit() else None
 
     def region(self, kind: str, block: Optional[int]) -> tuple[int, int]:
-        for k, b, s, e in self.regions:
-            if k == kind and b == block:
-                return s, e
-        raise NotReusable(f"no region {kind}{block}")
+        try:
+            return self.blocks[(kind, block)]
+        except KeyError:
+            raise NotReusable(f"no region {kind}{block}") from None
 
 
 def block_copies(j: int, k: int, n: int) -> list[int]:
@@ -91,10 +94,6 @@ def block_copies(j: int, k: int, n: int) -> list[int]:
     if j >= k - 2:
         return [n - (k - j)]
     return list(range(2, n - 2)) if j == 2 else []
-
-
-def _role(block: int, n: int) -> str:
-    return "first" if block == 0 else "last" if block == n - 1 else "inner"
 
 
 class _Widen:
@@ -142,9 +141,10 @@ class _Widen:
         written as block ctx_b (None: outside the chain)."""
         if j is None:
             return None
-        if ctx_j is None or (ctx_j <= 1 and j >= self.k - 2 and j - ctx_j >= 3):
-            # (the first blocks seen from the last: a value made once and used by every block, as
-            # a compiled graph's shared causal mask, dies in the last block; the check sees it)
+        if ctx_j is None or (min(j, ctx_j) <= 1 and max(j, ctx_j) >= self.k - 2 and abs(j - ctx_j) >= 3):
+            # (a first block seen from a last one or back: a value made once and used by every
+            # block, as a compiled graph's shared causal mask, lives from the first user to the
+            # last; the check at depth k + 1 sees whether that is what happened)
             mine = self.copies(j)
             if len(mine) != 1:
                 raise NotReusable("an interior block is referred to from outside the chain")
@@ -293,7 +293,7 @@ class _Copier(_Widen):
         if t is None:
             return None
         for t2 in (t + 1, t - 1):
-            if 0 <= t2 < self.k:
+            if (kind, t2) in self.r.blocks:
                 s2, e2 = self.r.region(kind, t2)
                 if s2 + pos <= e2:
                     return self.g.ops[s2 + pos]
