@@ -147,7 +147,7 @@ def analyze(
     source: Optional[Recapture] = None
     if example:
         probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
-        source = Recapture(module, resize, loss_fn, target, probe, example[0].shape, training.train)
+        source = Recapture(module, resize, loss_fn, target, probe, example[0].shape, training.train, reuse)
     alloc = allocator(g) if target.device == "cuda" else None  # the caching allocator's view of the step
     lv, sv = liveness(g), saved(g)
     plan = step_budget(g, lv, sv, training, module, lora_layers) if training.requested else None

@@ -46,9 +46,11 @@ class Recapture:
     training step (``train``: micro-batches, optimizer), as the first capture ran them."""
 
     def __init__(self, module: nn.Module, make: Any, loss: Optional[LossFn], target: Target,
-                 example: tuple, base_shape: tuple[int, ...], train: Optional[TrainStep] = None) -> None:
+                 example: tuple, base_shape: tuple[int, ...], train: Optional[TrainStep] = None,
+                 reuse: bool = True) -> None:
         self.module, self.make, self.loss, self.target, self.base_shape = module, make, loss, target, base_shape
         self.train = train
+        self.reuse = reuse  # depth reuse (graphmem/capture/reuse.py) for captures at full depth
         self.names, self.dims = variables_of(example)
         self._sampler: Optional[Sampler] = None
         self.kept: dict[str, Any] = {}  # answers computed once: planners, kept coefficients and plans

@@ -31,6 +31,22 @@ def _owner(op: OpNode, owner_of: Callable[[Any], Optional[int]]) -> Optional[int
     return owners[0] if owners and owners[0] is not None and all(o == owners[0] for o in owners) else None
 
 
+def _ref(a: Any) -> Optional[OpNode]:
+    node = a[0] if isinstance(a, tuple) and len(a) == 2 else a
+    return node if isinstance(node, OpNode) else None
+
+
+def _users(g: StepGraph, first: int, last: int) -> dict[int, list[int]]:
+    """Ops first..last -> the indices of the ops that take their outputs."""
+    out: dict[int, list[int]] = {}
+    for i, op in enumerate(g.ops):
+        for a in op.args:
+            node = _ref(a)
+            if node is not None and node.op != "placeholder" and first <= node.meta["index"] <= last:
+                out.setdefault(node.meta["index"], []).append(i)
+    return out
+
+
 def cut(g: StepGraph, name: str, first: int, last: int, block_at: list[Optional[int]], labels: list[Optional[int]],
         block_of: Callable[[str], Optional[int]]) -> tuple[list[Region], dict[str, int]]:
     """Ops first..last cut into plain stretches (copied once) and sections (each block's run of
@@ -43,9 +59,13 @@ def cut(g: StepGraph, name: str, first: int, last: int, block_at: list[Optional[
             return block_of(a.target) if isinstance(a.target, str) else None
         return block_at[a.meta["index"]]
 
+    users = _users(g, first, last)
     runs: list[list[Any]] = []  # [block, first, last]
     for i in range(first, last + 1):
         j = labels[i] if labels[i] is not None else _owner(g.ops[i], owner_of)
+        if j is None and not any(_ref(a) for a in g.ops[i].args):  # made from nothing (zeros) for one block's use
+            seen = {block_at[u] for u in users.get(i, ())}
+            j = seen.pop() if len(seen) == 1 else None
         block_at[i] = j
         if runs and runs[-1][0] == j:
             runs[-1][2] = i

@@ -56,6 +56,11 @@ def _signature(g: StepGraph) -> tuple:
 
 
 _MODULE_STATE = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set"}
+# transformers' index of a layer's KV cache entry, read only when a cache is passed
+# (transformers/models/llama/modeling_llama.py LlamaAttention.forward, gpt2/modeling_gpt2.py
+# GPT2Attention.forward); what a layer index changes in what a block computes is kept in other
+# attributes (GPT-2's ``scaling``, a sliding window), which must still be equal
+_CACHE_INDEX = {"layer_idx"}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -79,8 +84,8 @@ def blocks_alike(model: nn.Module, chain: Chain) -> bool:
         if [n for n, _ in mods] != [n for n, _ in first]:
             return False
         for (_, a), (_, b) in zip(first, mods):
-            va = {k: v for k, v in vars(a).items() if k not in _MODULE_STATE}
-            vb = {k: v for k, v in vars(b).items() if k not in _MODULE_STATE}
+            va = {k: v for k, v in vars(a).items() if k not in _MODULE_STATE and k not in _CACHE_INDEX}
+            vb = {k: v for k, v in vars(b).items() if k not in _MODULE_STATE and k not in _CACHE_INDEX}
             if type(a) is not type(b) or va.keys() != vb.keys() or not all(_same(va[k], vb[k]) for k in va):
                 return False
     return True
