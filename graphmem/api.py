@@ -79,7 +79,9 @@ def analyze(
     torch.compile's ``activation_memory_budget`` for the partition (``report.memory_budgets``
     sweeps several values). ``reuse`` (default on): a chain of
     >= 16 identical blocks is captured at depth 5 and the other blocks copied, after a check at
-    depth 6 (graphmem/capture/reuse.py); ``reuse=False`` captures every block.
+    depth 6 (graphmem/capture/reuse.py), in eager and compiled mode (where the partition must
+    also repeat at full depth; if not, every block is compiled and a note says why);
+    ``reuse=False`` captures every block.
 
     The whole training step (graphmem/training/loop.py), reported as ``report.budget``: ``optimizer``
     ("sgd", "momentum", "adam", "adamw", "adafactor"; torch.optim, run after backward, then

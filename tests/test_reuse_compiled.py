@@ -66,7 +66,7 @@ def _assert_same(widened: Any, full: Any) -> None:
     assert (a.peak_bytes, a.peak_index, a.timeline) == (b.peak_bytes, b.peak_index, b.timeline)
     assert saved(widened).activation_bytes == saved(full).activation_bytes
     assert widened.num_ops == full.num_ops and widened.gradients == full.gradients
-    assert sorted(recomputed(widened.compiled)) == sorted(recomputed(full.compiled))
+    assert sorted(map(repr, recomputed(widened.compiled))) == sorted(map(repr, recomputed(full.compiled)))
 
 
 @pytest.mark.parametrize("build", [_bundled_gpt2, _bundled_llama, _hf("gpt2"), _hf("llama")],
@@ -78,3 +78,25 @@ def test_widened_compiled_step_is_the_full_compiled_capture(build: Callable) -> 
     # THEN reuse was taken and the widened step is the full one, exactly
     assert reused.used, reused.why
     _assert_same(reused.graph, full)
+
+
+def test_a_fractional_budget_whose_cut_repeats_is_widened() -> None:
+    # GIVEN budget 0.8: the partitioner takes a more aggressive min cut, chosen by comparing its
+    # saved bytes with the whole step's (a ratio that depends on the depth)
+    reused, full = _widened_and_full(_bundled_gpt2, 0.8)
+    # THEN the comparison comes out the same at full depth, and the widened step is the full one
+    assert reused.used, reused.why
+    assert not full.compiled.partitions[0].knapsack and len(full.compiled.partitions[0].sizes) > 2
+    _assert_same(reused.graph, full)
+
+
+def test_a_knapsack_partition_is_compiled_at_full_depth_with_a_note() -> None:
+    # GIVEN budget 0.5, where the partitioner's knapsack picks what to recompute over all blocks at once
+    model, x, loss = _bundled_gpt2()
+    # WHEN analyzed with depth reuse (the default)
+    report = graphmem.analyze(model, x, loss=loss, mode="compiled", memory_budget=0.5)
+    # THEN every block was compiled (the knapsack's choice need not repeat block by block), and the report says so
+    assert report.step is not None and report.step.compiled.widened is None
+    assert report.step.compiled.partitions[0].knapsack
+    assert any("depth reuse not taken" in n and "knapsack" in n for n in report.notes)
+    assert report.compiled is not None and report.compiled.memory_budget == 0.5

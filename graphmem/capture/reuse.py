@@ -10,7 +10,11 @@ trusted: the step is also captured with 6 blocks, and the 5-block capture widene
 equal it op for op, storage for storage, save for save (indices, sizes, lifetimes, module
 paths). Blocks must also hold the same settings (no per-block index that changes what they
 do: ``blocks_alike``). If anything differs, or the chain does not run block by block, graphmem
-captures the whole depth as usual. What no check short of a full capture can see: a parent
+captures the whole depth as usual. Compiled mode (torch.compile's step) also compares the
+compiled graphs (their count, graph breaks, the forward ops recomputed in backward, per
+module) and checks that the partitioner's depth-dependent choices at a memory budget between 0
+and 1 come out the same at full depth (graphmem/capture/partition_record.py); ``Reused.why``
+says why reuse was not taken. What no check short of a full capture can see: a parent
 whose loop treats some later block differently (``if i == 40: ...``); ``analyze(reuse=False)``
 or ``--no-reuse`` captures every block.
 """
