@@ -4,6 +4,7 @@ is the full compiled capture exactly; where the partition may not repeat block b
 memory budget whose knapsack weighs the whole step), every block is compiled, with a note."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import pytest
@@ -16,7 +17,7 @@ from graphmem.capture.capture import capture
 from graphmem.capture.reuse import _compiled_signature, _signature, capture_reusing
 from graphmem.capture.target import make_target
 from graphmem.models import gpt2, llama
-from graphmem.passes import compare_modes, liveness, saved
+from graphmem.passes import liveness, saved
 from graphmem.passes.modes import recomputed
 
 pytestmark = pytest.mark.slow
@@ -100,3 +101,17 @@ def test_a_knapsack_partition_is_compiled_at_full_depth_with_a_note() -> None:
     assert report.step.compiled.partitions[0].knapsack
     assert any("depth reuse not taken" in n and "knapsack" in n for n in report.notes)
     assert report.compiled is not None and report.compiled.memory_budget == 0.5
+    # AND the sweep reuses depth at a value whose cut repeats (0.8: compiled at depth 5 and 6 only, no note)
+    sweep = report.memory_budgets([0.5, 0.8])
+    assert [p.budget for p in sweep.points] == [0.8, 0.5] and sweep.notes == ()
+    assert sweep.points[1].saved_bytes == report.activation_bytes
+
+
+def test_sweep_notes_are_rendered() -> None:
+    from graphmem.passes.memory_budget import BudgetPoint, budget_sweep
+    from graphmem.render.memory_budget import render_memory_budgets
+
+    sweep = dataclasses.replace(budget_sweep([BudgetPoint(1.0, 500, 1000, "backward", 0, 0, 0)]),
+                                notes=("budget 0.5: depth reuse not taken (why)",))
+    assert "Note: budget 0.5: depth reuse not taken (why)" in render_memory_budgets(sweep)
+    assert sweep.to_dict()["notes"] == ["budget 0.5: depth reuse not taken (why)"]
