@@ -16,6 +16,8 @@ import graphmem
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import _compiled_signature, _signature, capture_reusing
 from graphmem.capture.target import make_target
+from graphmem.capture.widen import widen
+from graphmem.chains import find_chain, truncated
 from graphmem.models import gpt2, llama
 from graphmem.passes import liveness, saved
 from graphmem.passes.modes import recomputed
@@ -101,6 +103,12 @@ def test_a_knapsack_partition_is_compiled_at_full_depth_with_a_note() -> None:
     assert report.step.compiled.partitions[0].knapsack
     assert any("depth reuse not taken" in n and "knapsack" in n for n in report.notes)
     assert report.compiled is not None and report.compiled.memory_budget == 0.5
+    # AND it had to: the depth-5 step widened to 16 blocks anyway is not the 16-block step (the
+    # knapsack recomputes other values at 16 blocks than 5 blocks' pattern copied)
+    with truncated(model, find_chain(model), 5):
+        small = capture(model, x, loss, make_target("cpu", None, None, "auto", "h100", "compiled", 0.5))
+    forced = widen(small, find_chain(model), 5, 16, [name for name, _ in model.named_modules()])
+    assert saved(forced).activation_bytes != report.activation_bytes
     # AND the sweep reuses depth at a value whose cut repeats (0.8: compiled at depth 5 and 6 only, no note)
     sweep = report.memory_budgets([0.5, 0.8])
     assert [p.budget for p in sweep.points] == [0.8, 0.5] and sweep.notes == ()
