@@ -135,7 +135,13 @@ def recomputed(compiled: Any) -> tuple[Recomputed, ...]:
                 out.append(Recomputed(str(n.target), path, tuple(first.shape) if first is not None else (),
                                       str(first.dtype).replace("torch.", "") if first is not None else "",
                                       _bytes(n.meta.get("val")), flops))
-    return tuple(sorted(out, key=lambda r: -r.bytes))
+    # largest first; ties by module path (block 2 before block 10) and op, so a widened step
+    # (graphmem/capture/widen.py) lists them as the full capture does
+    return tuple(sorted(out, key=lambda r: (-r.bytes, _path_key(r.module), r.op)))
+
+
+def _path_key(path: str) -> tuple:
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
 
 
 def compare_modes(g: StepGraph, compiled: SavedSet, eager: SavedSet) -> ModeComparison:
