@@ -18,6 +18,11 @@ shape, this times:
   memtracker  ``torch.distributed._tools.mem_tracker.MemTracker`` tracking the same step on a
               model built inside ``FakeTensorMode`` like ``bare`` (construction NOT timed;
               creating the tracker, ``track_external`` and the tracked step are).
+  compiled    (with ``--compiled``) ``graphmem.analyze(module, mode="compiled")``: torch.compile's
+              step on fake tensors (dynamo, AOTAutograd, the min-cut partitioner; a deep chain
+              compiled at depth 5 and 6 and widened, graphmem/capture/reuse.py), with the eager
+              capture beside it; printed next to the eager ``graphmem`` time (their ratio) and
+              the process's peak RSS after each.
 
 Each method first runs once on a shallow copy of each family (one block) at a tiny shape, so the
 one-time cost of the first ``FakeTensorMode`` use in a process (~1-2 s: decompositions, meta
@@ -35,6 +40,7 @@ Run from the repository root with the venv active:
     python benchmarks/bench_analyze.py                       # gpt2-xl 32x1024, llama-2-7b 1x4096
     python benchmarks/bench_analyze.py --cases gpt2:2x128    # quick
     python benchmarks/bench_analyze.py --cases gpt2-xl:32x1024 llama-2-7b:1x4096 --repeat 5 --budget 60
+    python benchmarks/bench_analyze.py --cases gpt2-xl:32x1024 --compiled   # + compiled mode vs eager, RSS
 
 Nothing is asserted: it is a benchmark. The goals are printed next to the ratios.
 """
@@ -70,7 +76,9 @@ LABELS = {
     "graphmem-all": "graphmem.analyze(module, reuse=False): every block captured",
     "graphmem+": "graphmem.analyze(preset name) (incl. meta construction)",
     "memtracker": "MemTracker under FakeTensorMode (excl. construction)",
+    "compiled": "graphmem.analyze(module, mode=\"compiled\") (eager beside it included)",
 }
+GOAL_COMPILED_OVER_EAGER = 2.0  # compiled analysis <= 2x the eager one (issue 18)
 
 
 # -- cases ------------------------------------------------------------------------------------
@@ -144,6 +152,14 @@ def run_graphmem_module(module: torch.nn.Module, shape: tuple[int, ...], loss_fn
                      "baseline_bytes": report.baseline_bytes, "num_ops": report.num_ops}
 
 
+def run_graphmem_compiled(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Callable) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    report = graphmem.analyze(module, input_shape=shape, loss=loss_fn, mode="compiled")
+    seconds = time.perf_counter() - t0
+    return seconds, {"activation_bytes": report.activation_bytes, "peak_bytes": report.peak_bytes,
+                     "num_ops": report.num_ops, "notes": report.notes, "rss_mib": peak_rss_mib()}
+
+
 def run_graphmem_preset(preset: str, shape: tuple[int, ...]) -> tuple[float, dict]:
     t0 = time.perf_counter()
     report = graphmem.analyze(preset, input_shape=shape)
@@ -210,7 +226,7 @@ def fmt_bytes(n: int | None) -> str:
     return f"{n:,} B ({n / 2**30:,.2f} GiB)"
 
 
-def warm_up(cases: list[Case]) -> float:
+def warm_up(cases: list[Case], compiled: bool = False) -> float:
     t0 = time.perf_counter()
     done = set()
     for case in cases:
@@ -225,12 +241,14 @@ def warm_up(cases: list[Case]) -> float:
             module = family.build(config)
         run_graphmem_module(module, shape, family.loss)
         run_memtracker(family, config, shape)
+        if compiled:  # dynamo's and AOTAutograd's first-use imports and caches
+            run_graphmem_compiled(module, shape, family.loss)
     run_graphmem_preset(cases[0].preset, tiny_shape(cases[0].shape))  # the by-name path (meta build, load)
     gc.collect()
     return time.perf_counter() - t0
 
 
-def bench_case(case: Case, repeat: int, budget: float) -> dict:
+def bench_case(case: Case, repeat: int, budget: float, methods: tuple[str, ...] = METHODS) -> dict:
     family = models.family_of(case.preset)
     config = models.config_of(case.preset)
     with torch.device("meta"):  # built once, reused: graphmem leaves the module as it was
@@ -241,12 +259,14 @@ def bench_case(case: Case, repeat: int, budget: float) -> dict:
         "graphmem-all": lambda: run_graphmem_module(meta_module, case.shape, family.loss, reuse=False),
         "graphmem+": lambda: run_graphmem_preset(case.preset, case.shape),
         "memtracker": lambda: run_memtracker(family, config, case.shape),
+        "compiled": lambda: run_graphmem_compiled(meta_module, case.shape, family.loss),
     }
     result = {}
-    for method in METHODS:
+    for method in methods:
         times, extra = measure(runs[method], repeat, budget)
-        result[method] = {"times": times, "best": min(times), "extra": extra}
-        print(f"  {method:<10} best {min(times):8.3f} s of {len(times)} run(s)", flush=True)
+        result[method] = {"times": times, "best": min(times), "extra": extra, "rss_mib": peak_rss_mib()}
+        print(f"  {method:<10} best {min(times):8.3f} s of {len(times)} run(s); peak RSS so far "
+              f"{peak_rss_mib():,.0f} MiB", flush=True)
     gc.collect()
     return result
 
@@ -291,6 +311,23 @@ def print_case(case: Case, r: dict) -> None:
         g["activation_bytes"] == gp["activation_bytes"] == ga["activation_bytes"]
     print(f"graphmem by module, by preset name and with every block captured agree: {'yes' if same else 'NO'}; "
           f"graphmem recorded {g['num_ops']:,} ops; peak RSS so far {peak_rss_mib():,.0f} MiB")
+    if "compiled" in r:
+        print_compiled(r)
+
+
+def print_compiled(r: dict) -> None:
+    c, e = r["compiled"], r["graphmem"]
+    ratio = c["best"] / e["best"]
+    print()
+    print(tabulate([
+        ["eager: graphmem.analyze(module)", f"{e['best']:.3f}", f"{e['rss_mib']:,.0f}"],
+        ["compiled: graphmem.analyze(module, mode=\"compiled\")", f"{c['best']:.3f}", f"{c['rss_mib']:,.0f}"],
+        ["compiled / eager", f"{ratio:.2f}x (goal <= {GOAL_COMPILED_OVER_EAGER:g}x: "
+         f"{'yes' if ratio <= GOAL_COMPILED_OVER_EAGER else 'no'})", ""],
+    ], headers=["analysis", "best s", "peak RSS after (MiB)"], disable_numparse=True))
+    x = c["extra"]
+    print(f"compiled: {x['num_ops']:,} ops, saved {fmt_bytes(x['activation_bytes'])}, peak {fmt_bytes(x['peak_bytes'])}"
+          + "".join(f"\n  note: {n}" for n in x["notes"] if "depth reuse" in n))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -299,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, metavar="PRESET:SHAPE",
                     help=f"cases to run, space- or comma-separated (default: {' '.join(DEFAULT_CASES)})")
     ap.add_argument("--repeat", type=int, default=3, help="runs per method; the best (min) is reported (default 3)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time graphmem.analyze(module, mode=\"compiled\") and print compiled / eager and RSS")
     ap.add_argument("--budget", type=float, default=20.0,
                     help="seconds per method per case: stop repeating once another run would exceed it (default 20)")
     args = ap.parse_args(argv)
@@ -316,12 +355,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"warm-up: each method once on a 1-block {'/'.join(families)} at a tiny shape, so the one-time "
           "FakeTensorMode setup of the process is not charged to the first method; not counted ...",
           end=" ", flush=True)
-    print(f"{warm_up(cases):.1f} s")
+    print(f"{warm_up(cases, args.compiled):.1f} s")
 
     results = []
     for case in cases:
         print(f"\n{case.label}:", flush=True)
-        r = bench_case(case, args.repeat, args.budget)
+        r = bench_case(case, args.repeat, args.budget, METHODS + (("compiled",) if args.compiled else ()))
         print_case(case, r)
         results.append((case, r))
 

@@ -84,7 +84,9 @@ def analyze(
     torch.compile's ``activation_memory_budget`` for the partition (``report.memory_budgets``
     sweeps several values). ``reuse`` (default on): a chain of
     >= 16 identical blocks is captured at depth 5 and the other blocks copied, after a check at
-    depth 6 (graphmem/capture/reuse.py); ``reuse=False`` captures every block.
+    depth 6 (graphmem/capture/reuse.py), in eager and compiled mode (where the partition must
+    also repeat at full depth; if not, every block is compiled and a note says why);
+    ``reuse=False`` captures every block.
 
     The whole training step (graphmem/training/loop.py), reported as ``report.budget``: ``optimizer``
     ("sgd", "momentum", "adam", "adamw", "adafactor"; torch.optim, run after backward, then
@@ -161,7 +163,10 @@ def analyze(
         source = Recapture(module, resize, loss_fn, step.target, probe, example[0].shape, training.train,
                            training=training, original=loaded.module, reuse=reuse, asked_target=target)
     alloc = allocator(g) if target.device == "cuda" else None  # the caching allocator's view of the step
-    report = Report.build(g, step.liveness, step.saved, loaded.name, shapes, loss_name, notes(g), source, alloc,
+    found = notes(g)
+    if step.reuse_note and target.mode == "compiled":
+        found += (f"depth reuse not taken ({step.reuse_note}): every block was compiled and captured",)
+    report = Report.build(g, step.liveness, step.saved, loaded.name, shapes, loss_name, found, source, alloc,
                           budget=step.budget)
     if target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
         report = _beside_eager(report, loaded.module, make, loss_fn)
@@ -184,5 +189,5 @@ def _beside_eager(report: Report, model: nn.Module, inputs: Any, loss_fn: Option
     g = report.step
     assert g is not None  # analyze keeps the step graph
     eager_target = dataclasses.replace(g.target, mode="eager")
-    eager, _ = capture_reusing(model, lambda: capture(model, inputs, loss_fn, eager_target))
-    return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager)))
+    eager = capture_reusing(model, lambda: capture(model, inputs, loss_fn, eager_target))
+    return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager.graph)))

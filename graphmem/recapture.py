@@ -60,6 +60,7 @@ class Captured:
     module: nn.Module  # the module captured (with LoRA adapters when asked for)
     lora_layers: tuple[str, ...]
     target: Target  # the target captured (dtype left to the module when it holds its own: QLoRA)
+    reuse_note: str = ""  # why depth reuse was not taken, when it was tried and not taken
 
     @property
     def peak_bytes(self) -> int:
@@ -74,15 +75,14 @@ def capture_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: T
     prepared, lora_layers = prepare(module, training, target.param_dtype)
     if training.keeps_dtypes(module):  # 4-bit weights, peft's fp32 adapters (graphmem/training/spec.py)
         target = dataclasses.replace(target, dtype=None)
-    # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6); not
-    # yet: the training step's accumulate/optimizer phases (not block-shaped) and compiled mode
-    # (AOTAutograd hands back gradients per parameter after the chain)
+    # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6), in
+    # eager and compiled mode; not the training step's accumulate/optimizer phases (not block-shaped)
     capture_at: Any = lambda: capture(prepared, make, loss, target, train=training.train)  # noqa: E731
-    reusable = reuse and not training.train.active and target.mode != "compiled"
-    g = capture_reusing(prepared, capture_at)[0] if reusable else capture_at()
+    reused = capture_reusing(prepared, capture_at) if reuse and not training.train.active else None
+    g = reused.graph if reused is not None else capture_at()
     lv, sv = liveness(g), saved(g)
     plan = step_budget(g, lv, sv, training, prepared, lora_layers) if training.requested else None
-    return Captured(g, lv, sv, plan, prepared, lora_layers, target)
+    return Captured(g, lv, sv, plan, prepared, lora_layers, target, reused.why if reused is not None else "")
 
 
 class Recapture:

@@ -42,6 +42,7 @@ class Rise:
 class BudgetSweep:
     points: tuple[BudgetPoint, ...]  # largest budget first
     rises: tuple[Rise, ...]  # where the peak or the saved bytes are not monotonic in the budget
+    notes: tuple[str, ...] = ()  # how points were captured, where it matters (depth reuse not taken)
 
     @property
     def monotonic(self) -> bool:
@@ -57,6 +58,7 @@ class BudgetSweep:
                             "peak_phase": p.peak_phase, "recomputed_ops": p.recomputed_ops,
                             "recomputed_bytes": p.recomputed_bytes, "recompute_flops": p.recompute_flops}
                            for p in self.points],
+                "notes": list(self.notes),
                 "not_monotonic": [{"what": r.what, "higher_budget": r.higher, "lower_budget": r.lower,
                                    "rise_bytes": r.bytes} for r in self.rises]}
 

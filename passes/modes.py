@@ -130,10 +130,18 @@ def recomputed(compiled: Any) -> tuple[Recomputed, ...]:
                     or n.target is operator.getitem or _is_view(n)):
                 continue
             first = _first(n.meta.get("val"))
-            out.append(Recomputed(str(n.target), g.modules.get(n, ""), tuple(first.shape) if first is not None else (),
-                                  str(first.dtype).replace("torch.", "") if first is not None else "",
-                                  _bytes(n.meta.get("val")), node_flops(n)))
-    return tuple(sorted(out, key=lambda r: -r.bytes))
+            flops = node_flops(n)
+            for path in compiled.paths(g.modules.get(n, "")):  # a widened step: each block that copies it
+                out.append(Recomputed(str(n.target), path, tuple(first.shape) if first is not None else (),
+                                      str(first.dtype).replace("torch.", "") if first is not None else "",
+                                      _bytes(n.meta.get("val")), flops))
+    # largest first; ties by module path (block 2 before block 10) and op, so a widened step
+    # (graphmem/capture/widen.py) lists them as the full capture does
+    return tuple(sorted(out, key=lambda r: (-r.bytes, _path_key(r.module), r.op)))
+
+
+def _path_key(path: str) -> tuple:
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
 
 
 def compare_modes(g: StepGraph, compiled: SavedSet, eager: SavedSet) -> ModeComparison:

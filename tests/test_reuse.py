@@ -15,7 +15,7 @@ from graphmem.passes import liveness, saved
 
 def _both(model: nn.Module, x: tuple, loss: object, target: object = None) -> tuple:
     at = lambda: capture(model, x, loss, target or "cpu")  # noqa: E731
-    widened, used = capture_reusing(model, at)
+    widened, used, _ = capture_reusing(model, at)
     return widened, used, at()
 
 

@@ -22,6 +22,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from graphmem.capture.compiled import CompiledStep, compiled_context
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import Inputs, fake_batch, fake_state, forward_context, translate_error
+from graphmem.capture.hand_back import hand_back_in_order
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recompute import segment_scope
 from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _unique_counts
@@ -146,6 +147,7 @@ def capture(
         phase_start["end"] = len(cap.ops)
         if compiled is not None:
             compiled.check_replayed()
+            hand_back_in_order(cap.ops, cap.storages, cap.saves, gradient_sids)
         return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
                          gradient_sids, type(model).__name__, [name for name, _ in model.named_modules()],
                          compiled.module_inputs if compiled is not None else cap.module_inputs, target, backends,

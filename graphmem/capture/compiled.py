@@ -42,8 +42,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphmem.capture.cuda_rules import sdpa, select_backend
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
+from graphmem.capture.partition_record import Partition, recording
 from graphmem.capture.recorder import _DONE, _Recorder, _tensors, node_metadata
 from graphmem.capture.target import Target
+from graphmem.capture.widen import block_copies, rename
 from graphmem.errors import CaptureError, GraphmemError
 from graphmem.training.step import LossFn, run_step
 
@@ -100,6 +102,19 @@ class CompiledGraphs:
 
     graphs: tuple[CompiledGraph, ...]
     graph_breaks: tuple[str, ...] = ()
+    widened: Optional[tuple[str, int, int]] = None  # depth reuse: (chain path + ".", blocks in the graphs, in the step)
+    partitions: tuple[Partition, ...] = ()  # what the partitioner decided, per joint graph
+
+    def paths(self, path: str) -> list[str]:
+        """The module paths of the step that a graph node's module stands for: itself, or,
+        in a widened step (graphmem/capture/widen.py), each block that copies its block."""
+        if self.widened is None:
+            return [path]
+        prefix, k, n = self.widened
+        head = path[len(prefix):].split(".", 1)[0] if path.startswith(prefix) else ""
+        if not head.isdigit():
+            return [path]
+        return [rename(path, prefix, int(head), b) for b in block_copies(int(head), k, n)]
 
     @property
     def forward(self) -> tuple[CompiledGraph, ...]:
@@ -214,6 +229,7 @@ class CompiledStep:
         self._codes_before = codes
         self.graph_breaks = breaks
         self.module_inputs = module_inputs
+        self.partitions: list[Partition] = []
 
     @staticmethod
     def trace(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target,
@@ -235,7 +251,7 @@ class CompiledStep:
         phase = ["forward"]
         try:  # a model compiled before in this process may have used up dynamo's recompile limit
             with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20), \
-                    partition_config(target.memory_budget):
+                    partition_config(target.memory_budget), recording(step.partitions):
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False):
@@ -272,7 +288,7 @@ class CompiledStep:
                     "rerun with --debug and report it")
 
     def summary(self) -> CompiledGraphs:
-        return CompiledGraphs(tuple(self.backend.graphs), self.graph_breaks)
+        return CompiledGraphs(tuple(self.backend.graphs), self.graph_breaks, partitions=tuple(self.partitions))
 
     def close(self) -> None:
         """Drop the cache entries this compilation added to code objects that had none."""

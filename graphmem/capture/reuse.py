@@ -10,17 +10,22 @@ trusted: the step is also captured with 6 blocks, and the 5-block capture widene
 equal it op for op, storage for storage, save for save (indices, sizes, lifetimes, module
 paths). Blocks must also hold the same settings (no per-block index that changes what they
 do: ``blocks_alike``). If anything differs, or the chain does not run block by block, graphmem
-captures the whole depth as usual. What no check short of a full capture can see: a parent
+captures the whole depth as usual. Compiled mode (torch.compile's step) also compares the
+compiled graphs (their count, graph breaks, the forward ops recomputed in backward, per
+module) and checks that the partitioner's depth-dependent choices at a memory budget between 0
+and 1 come out the same at full depth (graphmem/capture/partition_record.py); ``Reused.why``
+says why reuse was not taken. What no check short of a full capture can see: a parent
 whose loop treats some later block differently (``if i == 40: ...``); ``analyze(reuse=False)``
 or ``--no-reuse`` captures every block.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 
+from graphmem.capture.partition_record import not_periodic
 from graphmem.capture.widen import NotReusable, widen
 from graphmem.chains import Chain, find_chain, truncated
 from graphmem.stepgraph import OpNode, StepGraph
@@ -55,6 +60,11 @@ def _signature(g: StepGraph) -> tuple:
 
 
 _MODULE_STATE = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set"}
+# transformers' index of a layer's KV cache entry, read only when a cache is passed
+# (transformers/models/llama/modeling_llama.py LlamaAttention.forward, gpt2/modeling_gpt2.py
+# GPT2Attention.forward); what a layer index changes in what a block computes is kept in other
+# attributes (GPT-2's ``scaling``, a sliding window), which must still be equal
+_CACHE_INDEX = {"layer_idx"}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -78,18 +88,24 @@ def blocks_alike(model: nn.Module, chain: Chain) -> bool:
         if [n for n, _ in mods] != [n for n, _ in first]:
             return False
         for (_, a), (_, b) in zip(first, mods):
-            va = {k: v for k, v in vars(a).items() if k not in _MODULE_STATE}
-            vb = {k: v for k, v in vars(b).items() if k not in _MODULE_STATE}
+            va = {k: v for k, v in vars(a).items() if k not in _MODULE_STATE and k not in _CACHE_INDEX}
+            vb = {k: v for k, v in vars(b).items() if k not in _MODULE_STATE and k not in _CACHE_INDEX}
             if type(a) is not type(b) or va.keys() != vb.keys() or not all(_same(va[k], vb[k]) for k in va):
                 return False
     return True
 
 
-def capture_reusing(model: nn.Module, capture_at: Callable[[], StepGraph]) -> tuple[StepGraph, bool]:
-    """The step at full depth: widened from 4 blocks when the check passes (True), else captured."""
+class Reused(NamedTuple):
+    graph: StepGraph
+    used: bool  # widened from the capture at depth 5
+    why: str = ""  # why not, where the chain was long enough to try
+
+
+def capture_reusing(model: nn.Module, capture_at: Callable[[], StepGraph]) -> Reused:
+    """The step at full depth: widened from 5 blocks when the check passes, else captured."""
     chain = find_chain(model)
     if chain is None or chain.length < MIN_LENGTH or not blocks_alike(model, chain):
-        return capture_at(), False
+        return Reused(capture_at(), False)
     modules = [name for name, _ in model.named_modules()]
     try:
         with truncated(model, chain, DEPTH):
@@ -97,16 +113,35 @@ def capture_reusing(model: nn.Module, capture_at: Callable[[], StepGraph]) -> tu
         with truncated(model, chain, DEPTH + 1):
             check = capture_at()
         names_check = [name for name, _ in _named_at(model, chain, DEPTH + 1)]
-        if _signature(widen(small, chain, DEPTH, DEPTH + 1, names_check)) != _signature(check):
+        widened = widen(small, chain, DEPTH, DEPTH + 1, names_check)
+        if _signature(widened) != _signature(check):
             raise NotReusable("the widened graph differs from the capture")
+        if _compiled_signature(widened) != _compiled_signature(check):
+            raise NotReusable("the compiled graphs differ (the partition is not the same in every block)")
+        if small.compiled is not None and check.compiled is not None:
+            why = not_periodic(small.compiled.partitions, check.compiled.partitions, DEPTH, chain.length)
+            if why is not None:
+                raise NotReusable(why)
         g = widen(small, chain, DEPTH, chain.length, modules)
         per_block = {key: check.attention_backends.get(key, 0) - small.attention_backends.get(key, 0)
                      for key in set(check.attention_backends) | set(small.attention_backends)}
         g.attention_backends = {key: small.attention_backends.get(key, 0) + (chain.length - DEPTH) * v
                                 for key, v in per_block.items() if small.attention_backends.get(key, 0) + (chain.length - DEPTH) * v}
-        return g, True
-    except NotReusable:
-        return capture_at(), False
+        return Reused(g, True)
+    except NotReusable as e:
+        return Reused(capture_at(), False, str(e))
+
+
+def _compiled_signature(g: StepGraph) -> tuple:
+    """Compiled mode: the graphs' counts, dynamo's graph breaks and the forward ops each backward
+    graph recomputes, by module path (a widened step's stand for every block's)."""
+    c = g.compiled
+    if c is None:
+        return ()
+    redo = sorted((str(n.target), path) for cg in c.backward for n in cg.graph.graph.nodes
+                  if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"
+                  for path in c.paths(cg.modules.get(n, "")))
+    return len(c.forward), len(c.backward), c.graph_breaks, tuple(redo)
 
 
 def _named_at(model: nn.Module, chain: Chain, k: int) -> list[tuple[str, nn.Module]]:

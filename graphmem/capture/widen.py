@@ -8,8 +8,10 @@ the chain), every other block copies block 2.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
+from graphmem.capture.glue import NotBlockByBlock, Region, absorb, cut, expand
 from graphmem.chains import Chain
 from graphmem.stepgraph import OpNode, SaveEvent, StepGraph, Storage
 
@@ -41,17 +43,31 @@ class _Regions:
             raise NotReusable("forward not block by block")
         for n, (b, s) in enumerate(starts):
             self.regions.append(("F", b, s, starts[n + 1][1] - 1 if n + 1 < len(starts) else fwd[-1]))
-        self.regions.append(("head", None, fwd[-1] + 1, bwd[0] - 1))
         runs: list[list[int]] = []
         for i in range(bwd[0], bwd[-1] + 1):
             if labels[i] is None or (runs and runs[-1][0] == labels[i]):
                 runs[-1][2] = i
             else:
                 runs.append([labels[i], i, i])  # type: ignore[list-item]
+        if g.compiled is not None:  # a backward graph may first recompute forward values of every block: glue
+            runs = absorb(runs)[-k:]
+        head = ("head", None, fwd[-1] + 1, runs[0][1] - 1)
         if [r[0] for r in runs] != list(reversed(range(k))):
             raise NotReusable("backward not block by block")
         self.regions += [("B", b, s, e) for b, s, e in runs]
-        self.regions.append(("tail", None, bwd[-1] + 1, g.num_ops - 1))
+        tail = ("tail", None, bwd[-1] + 1, g.num_ops - 1)
+        self.head: list[Region] = [head]
+        self.tail: list[Region] = [tail]
+        self.directions: dict[str, int] = {}  # compiled mode: the glue's sections (graphmem/capture/glue.py)
+        if g.compiled is not None:
+            block_at: list[Optional[int]] = [None] * g.num_ops
+            for _, blk, s, e in self.regions:
+                block_at[s:e + 1] = [blk] * (e - s + 1)
+            self.head, d1 = cut(g, "head", head[2], head[3], block_at, labels, self.block_of)
+            self.tail, d2 = cut(g, "tail", tail[2], tail[3], block_at, labels, self.block_of)
+            self.directions = {**d1, **d2}
+        self.regions += self.head + self.tail
+        self.blocks = {(kind, blk): (s, e) for kind, blk, s, e in self.regions}
         self.where: list[tuple[str, Optional[int], int]] = [("", None, 0)] * g.num_ops  # op -> (kind, block, pos)
         for kind, blk, s, e in self.regions:
             for i in range(s, e + 1):
@@ -64,14 +80,20 @@ class _Regions:
         return int(head) if head.isdigit() else None
 
     def region(self, kind: str, block: Optional[int]) -> tuple[int, int]:
-        for k, b, s, e in self.regions:
-            if k == kind and b == block:
-                return s, e
-        raise NotReusable(f"no region {kind}{block}")
+        try:
+            return self.blocks[(kind, block)]
+        except KeyError:
+            raise NotReusable(f"no region {kind}{block}") from None
 
 
-def _role(block: int, n: int) -> str:
-    return "first" if block == 0 else "last" if block == n - 1 else "inner"
+def block_copies(j: int, k: int, n: int) -> list[int]:
+    """The blocks of an n-block step that block j of a k-block capture becomes: the first two
+    and last two are their own, block 2 is every other one."""
+    if j in (0, 1):
+        return [j]
+    if j >= k - 2:
+        return [n - (k - j)]
+    return list(range(2, n - 2)) if j == 2 else []
 
 
 class _Widen:
@@ -80,9 +102,9 @@ class _Widen:
         # synthesized regions in order: (kind, block, template block)
         order: list[tuple[str, Optional[int], Optional[int]]] = [("prefix", None, None)]
         order += [("F", b, self.template(b)) for b in range(n)]
-        order.append(("head", None, None))
+        order += self.glue(r.head)
         order += [("B", b, self.template(b)) for b in reversed(range(n))]
-        order.append(("tail", None, None))
+        order += self.glue(r.tail)
         self.order = order
         self.start: dict[tuple[str, Optional[int]], int] = {}
         pos = 0
@@ -91,6 +113,13 @@ class _Widen:
             self.start[(kind, b)] = pos
             pos += e - s + 1
         self.total = pos
+
+    def glue(self, regions: list[Region]) -> list[tuple[str, Optional[int], Optional[int]]]:
+        try:
+            stretch = expand(regions, self.r.directions, lambda j: block_copies(j, self.k, self.n))
+        except NotBlockByBlock as e:
+            raise NotReusable(str(e)) from None
+        return [(kind, b, None if b is None else self.template(b)) for kind, b in stretch]
 
     def template(self, b: int) -> int:
         """The captured block that block b copies: the ends and their neighbours are their own
@@ -105,21 +134,17 @@ class _Widen:
 
     def copies(self, j: Optional[int]) -> list[Optional[int]]:
         """The blocks that captured block j becomes."""
-        if j is None:
-            return [None]
-        n, k = self.n, self.k
-        if j in (0, 1):
-            return [j]
-        if j >= k - 2:
-            return [n - (k - j)]
-        return list(range(2, n - 2)) if j == 2 else []
+        return [None] if j is None else list(block_copies(j, self.k, self.n))
 
     def block(self, j: Optional[int], ctx_b: Optional[int], ctx_j: Optional[int]) -> Optional[int]:
         """The synthesized block that template block j is, seen from template block ctx_j
         written as block ctx_b (None: outside the chain)."""
         if j is None:
             return None
-        if ctx_j is None:
+        if ctx_j is None or (min(j, ctx_j) <= 1 and max(j, ctx_j) >= self.k - 2 and abs(j - ctx_j) >= 3):
+            # (a first block seen from a last one or back: a value made once and used by every
+            # block, as a compiled graph's shared causal mask, lives from the first user to the
+            # last; the check at depth k + 1 sees whether that is what happened)
             mine = self.copies(j)
             if len(mine) != 1:
                 raise NotReusable("an interior block is referred to from outside the chain")
@@ -153,7 +178,7 @@ class _Widen:
         return self.start[(kind, b)] + pos
 
 
-def _rename(path: str, prefix: str, j: Optional[int], b: Optional[int]) -> str:
+def rename(path: str, prefix: str, j: Optional[int], b: Optional[int]) -> str:
     if j is None or b is None or j == b:
         return path
     old = f"{prefix}{j}"
@@ -169,8 +194,9 @@ def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> Ste
     placeholders = w.placeholders()
     ops = w.ops()
     phase_start = {p: (w.index(i, None, None) or 0 if i < g.num_ops else w.total) for p, i in g.phase_start.items()}
+    compiled = dataclasses.replace(g.compiled, widened=(w.prefix, k, n)) if g.compiled is not None else None
     return StepGraph(placeholders, ops, storages, w.saves(), phase_start, g.device, w.gradients(), g.root, modules,
-                     w.module_inputs(), g.target, dict(g.attention_backends))
+                     w.module_inputs(), g.target, dict(g.attention_backends), compiled=compiled)
 
 
 class _Copier(_Widen):
@@ -217,7 +243,7 @@ class _Copier(_Widen):
         if j == t:
             return tsid
         if st.created < 0:
-            other = self.by_name.get(_rename(st.name, self.prefix, j, t))
+            other = self.by_name.get(rename(st.name, self.prefix, j, t))
             if other is None:
                 raise NotReusable("a parameter has no counterpart")
             return other
@@ -246,14 +272,14 @@ class _Copier(_Widen):
             j = self.owner(st)
             out[new] = Storage(
                 new, st.nbytes, st.kind, self.index(st.created, b, j), self.index(st.freed, b, j),  # type: ignore[arg-type]
-                _rename(st.module, prefix, j, b), _rename(st.name, prefix, j, b) if st.created < 0 else st.name,
+                rename(st.module, prefix, j, b), rename(st.name, prefix, j, b) if st.created < 0 else st.name,
                 st.dtype, st.shape, self.sid(st.source, b, j) if st.source is not None else None)
         return out
 
     def placeholders(self) -> list[OpNode]:
         out: list[OpNode] = []
         for p, b, j in self.planned:
-            name = _rename(p.target, self.prefix, j, b)
+            name = rename(p.target, self.prefix, j, b)
             q = OpNode("placeholder", name, (), {}, name.replace(".", "_"))
             q.meta.update(p.meta, storage=self.sid(p.meta["storage"], b, j))
             out.append(q)
@@ -267,7 +293,7 @@ class _Copier(_Widen):
         if t is None:
             return None
         for t2 in (t + 1, t - 1):
-            if 0 <= t2 < self.k:
+            if (kind, t2) in self.r.blocks:
                 s2, e2 = self.r.region(kind, t2)
                 if s2 + pos <= e2:
                     return self.g.ops[s2 + pos]
@@ -279,7 +305,7 @@ class _Copier(_Widen):
             if a.op == "placeholder":
                 j = self.r.block_of(a.target) if isinstance(a.target, str) else None
                 b = self.block(j, ctx_b, ctx_j)
-                name = _rename(a.target, self.prefix, j, self.template(b)) if b is not None else a.target
+                name = rename(a.target, self.prefix, j, self.template(b)) if b is not None else a.target
                 q = self.ph_of.get((name, b))
                 if q is None:
                     raise NotReusable("a placeholder has no counterpart")
@@ -311,7 +337,7 @@ class _Copier(_Widen):
                                for key, v in op.kwargs.items()}, f"op{i}")
                 meta = dict(op.meta)
                 meta["index"] = i
-                meta["module"] = _rename(op.meta.get("module", ""), self.prefix, t, b)
+                meta["module"] = rename(op.meta.get("module", ""), self.prefix, t, b)
                 meta["outputs"] = tuple((shape, dtype, self.sid(x, b, t)) for shape, dtype, x in op.meta["outputs"])
                 if "storage" in meta:
                     meta["storage"] = meta["outputs"][0][2]
@@ -325,6 +351,9 @@ class _Copier(_Widen):
         by_block: dict[Optional[int], list[SaveEvent]] = {}
         for ev in g.saves:
             j = self.r.block_of(ev.module)  # (packed_at is the op before the saving one: maybe the block before)
+            if j is None and g.compiled is not None:  # AOTAutograd's runtime saves every block's tensors at once
+                out += self.saved_at_once(ev)
+                continue
             by_block.setdefault(j if j is not None else self.owner_of_index(ev.packed_at), []).append(ev)
         for j, evs in by_block.items():
             neighbour = by_block.get(j + 1 if j is not None and j + 1 < k else (j - 1 if j is not None else None), [])
@@ -334,9 +363,18 @@ class _Copier(_Widen):
                 for b in self.copies(j):
                     out.append(SaveEvent(self.sid(ev.sid, None, None) if common else self.sid(ev.sid, b, j),
                                          self.index(ev.packed_at, b, j), self.index(ev.released_at, b, j),  # type: ignore[arg-type]
-                                         _rename(ev.module, self.prefix, j, b), ev.phase, ev.shape, ev.dtype, ev.grad_fn))
+                                         rename(ev.module, self.prefix, j, b), ev.phase, ev.shape, ev.dtype, ev.grad_fn))
         out.sort(key=lambda e: e.packed_at)
         return out
+
+    def saved_at_once(self, ev: SaveEvent) -> list[SaveEvent]:
+        """A save made outside the blocks (compiled mode: the compiled forward's outputs, saved
+        by AOTAutograd's runtime after the graph): one per block its storage's block becomes,
+        at the same point of the step."""
+        j = self.owner(self.g.storages[ev.sid])
+        at, until = self.index(ev.packed_at, None, None), self.index(ev.released_at, None, None)
+        return [SaveEvent(self.sid(ev.sid, b, j), at, until, ev.module, ev.phase, ev.shape, ev.dtype,  # type: ignore[arg-type]
+                          ev.grad_fn) for b in self.copies(j)]
 
     def gradients(self) -> list[int]:
         grad_runs: list[tuple[Optional[int], list[int]]] = []  # the template's order, block by block
@@ -356,5 +394,5 @@ class _Copier(_Widen):
                 out[path] = shape
             else:
                 for b in self.copies(j):
-                    out[_rename(path, self.prefix, j, b)] = shape
+                    out[rename(path, self.prefix, j, b)] = shape
         return out

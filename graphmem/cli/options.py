@@ -60,7 +60,8 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --mode compiled: torch.compile's activation_memory_budget (0-1) for the partitioner; "
                    "several values, e.g. 1,0.8,0.5,0.2, also print a sweep table (the report is at the first value)")
     g.add_argument("--no-reuse", action="store_true",
-                   help="capture every block of a deep chain (default: 5 captured and copied, checked at depth 6)")
+                   help="capture every block of a deep chain (default: 5 captured and copied, checked at depth 6; "
+                   "with --mode compiled, also that the partition repeats at full depth)")
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:

@@ -55,7 +55,7 @@ class Sampler:
                 def at() -> Any:
                     return capture(self.model, lambda: self.make_inputs(shape), self.loss, self.device)
                 full = depth is None or (self.chain is not None and depth >= self.chain.length)
-                if full and self.device.mode != "compiled":
+                if full:
                     g = capture_reusing(self.model, at)[0]  # a deep chain: 5 blocks captured, checked
                 else:
                     g = at()

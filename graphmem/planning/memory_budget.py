@@ -14,11 +14,13 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 from graphmem.capture.capture import capture
+from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import check_memory_budget
 from graphmem.errors import UsageError
 from graphmem.passes.liveness import liveness
 from graphmem.passes.memory_budget import BudgetPoint, BudgetSweep, budget_point, budget_sweep
 from graphmem.passes.saved import saved
+from graphmem.stepgraph import StepGraph
 
 
 def parse_budgets(values: Any) -> tuple[float, ...]:
@@ -52,20 +54,35 @@ def memory_budgets(report: Any, values: Any, keep: bool = False,
                          "and micro-batch options")
     own = source.target.memory_budget
     points: list[BudgetPoint] = []
+    notes: list[str] = []
     for v in parse_budgets(values):
         if own == v and report.step is not None:
             g, lv = report.step, report.liveness
         else:
-            target = dataclasses.replace(source.target, memory_budget=v)
-            g = capture(source.module, lambda: source.make(source.base_shape), source.loss, target)
+            g, why = _capture_at(source, v)
             lv = liveness(g)
+            if why:
+                notes.append(f"budget {v:g}: depth reuse not taken ({why}): every block was compiled and captured")
         points.append(budget_point(g, saved(g), lv if lv is not None else liveness(g), v))
         if tick is not None:
             tick()
-    sweep = budget_sweep(points)
+    sweep = dataclasses.replace(budget_sweep(points), notes=tuple(notes))
     if keep:
         source.kept["memory_budgets"] = sweep
     return sweep
+
+
+def _capture_at(source: Any, budget: float) -> tuple[StepGraph, str]:
+    """The report's step compiled at ``budget``: a deep chain captured at depth 5 and widened
+    where the partition repeats block by block (graphmem/capture/reuse.py); why not, if not."""
+    target = dataclasses.replace(source.target, memory_budget=budget)
+
+    def at() -> StepGraph:
+        return capture(source.module, lambda: source.make(source.base_shape), source.loss, target)
+    if not source.reuse:
+        return at(), ""
+    reused = capture_reusing(source.module, at)
+    return reused.graph, reused.why
 
 
 __all__ = ["memory_budgets", "parse_budgets"]

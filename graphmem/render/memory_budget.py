@@ -29,4 +29,5 @@ def render_memory_budgets(s: BudgetSweep) -> str:
     best = s.lowest_peak
     lines.append(f"Lowest peak: {fmt_bytes(best.peak_bytes)} at budget {best.budget:g} "
                  f"({fmt_flops(best.recompute_flops)} recomputed)")
+    lines += [f"Note: {n}" for n in s.notes]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,125 @@
+"""Depth reuse in compiled mode: a chain of >= 16 identical blocks compiled at depth 5 and 6
+(torch.compile's step: dynamo, AOTAutograd, the min-cut partitioner), widened to full depth,
+is the full compiled capture exactly; where the partition may not repeat block by block (a
+memory budget whose knapsack weighs the whole step), every block is compiled, with a note."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphmem
+from graphmem.capture.capture import capture
+from graphmem.capture.reuse import _compiled_signature, _signature, capture_reusing
+from graphmem.capture.target import make_target
+from graphmem.capture.widen import widen
+from graphmem.chains import find_chain, truncated
+from graphmem.models import gpt2, llama
+from graphmem.passes import liveness, saved
+from graphmem.passes.modes import recomputed
+
+pytestmark = pytest.mark.slow
+
+
+def _lm_loss(out: Any, inputs: tuple) -> torch.Tensor:
+    return F.cross_entropy(out.logits.flatten(0, 1), inputs[0].flatten())
+
+
+def _bundled_gpt2() -> tuple[nn.Module, tuple, Callable]:
+    return gpt2.build(gpt2.GPTConfig(vocab_size=101, block_size=32, n_layer=16, n_head=2, n_embd=32)), \
+        (torch.randint(0, 101, (2, 16)),), gpt2.loss
+
+
+def _bundled_llama() -> tuple[nn.Module, tuple, Callable]:
+    return llama.build(llama.LlamaConfig(vocab_size=101, dim=32, n_layers=16, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                                         max_seq_len=32)), (torch.randint(0, 101, (2, 16)),), llama.loss
+
+
+def _hf(name: str) -> Callable[[], tuple[nn.Module, tuple, Callable]]:
+    def build() -> tuple[nn.Module, tuple, Callable]:
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        if name == "gpt2":
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=16, n_embd=32, n_head=2, vocab_size=64,
+                                                                         n_positions=32))
+        else:
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                num_hidden_layers=16, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=64, max_position_embeddings=32))
+        return model, (torch.randint(0, 64, (2, 16)),), _lm_loss
+    return build
+
+
+def _widened_and_full(build: Callable[[], tuple[nn.Module, tuple, Callable]], budget: Any) -> tuple:
+    model, x, loss = build()
+    target = make_target("cpu", None, None, "auto", "h100", "compiled", budget)
+    at = lambda: capture(model, x, loss, target)  # noqa: E731
+    return capture_reusing(model, at), at()
+
+
+def _assert_same(widened: Any, full: Any) -> None:
+    widened.check()
+    assert _signature(widened) == _signature(full)  # op for op, storage for storage, save for save
+    assert _compiled_signature(widened) == _compiled_signature(full)
+    a, b = liveness(widened), liveness(full)
+    assert (a.peak_bytes, a.peak_index, a.timeline) == (b.peak_bytes, b.peak_index, b.timeline)
+    assert saved(widened).activation_bytes == saved(full).activation_bytes
+    assert widened.num_ops == full.num_ops and widened.gradients == full.gradients
+    assert recomputed(widened.compiled) == recomputed(full.compiled)  # in the same order
+
+
+@pytest.mark.parametrize("build", [_bundled_gpt2, _bundled_llama, _hf("gpt2"), _hf("llama")],
+                         ids=["gpt2", "llama", "hf_gpt2", "hf_llama"])
+def test_widened_compiled_step_is_the_full_compiled_capture(build: Callable) -> None:
+    # GIVEN a 16-block model compiled at the default budget (1: one min cut, block by block)
+    # WHEN it is captured with depth reuse and without
+    reused, full = _widened_and_full(build, None)
+    # THEN reuse was taken and the widened step is the full one, exactly
+    assert reused.used, reused.why
+    _assert_same(reused.graph, full)
+
+
+def test_a_fractional_budget_whose_cut_repeats_is_widened() -> None:
+    # GIVEN budget 0.8: the partitioner takes a more aggressive min cut, chosen by comparing its
+    # saved bytes with the whole step's (a ratio that depends on the depth)
+    reused, full = _widened_and_full(_bundled_gpt2, 0.8)
+    # THEN the comparison comes out the same at full depth, and the widened step is the full one
+    assert reused.used, reused.why
+    assert not full.compiled.partitions[0].knapsack and len(full.compiled.partitions[0].sizes) > 2
+    _assert_same(reused.graph, full)
+
+
+def test_a_knapsack_partition_is_compiled_at_full_depth_with_a_note() -> None:
+    # GIVEN budget 0.5, where the partitioner's knapsack picks what to recompute over all blocks at once
+    model, x, loss = _bundled_gpt2()
+    # WHEN analyzed with depth reuse (the default)
+    report = graphmem.analyze(model, x, loss=loss, mode="compiled", memory_budget=0.5)
+    # THEN every block was compiled (the knapsack's choice need not repeat block by block), and the report says so
+    assert report.step is not None and report.step.compiled.widened is None
+    assert report.step.compiled.partitions[0].knapsack
+    assert any("depth reuse not taken" in n and "knapsack" in n for n in report.notes)
+    assert report.compiled is not None and report.compiled.memory_budget == 0.5
+    # AND it had to: the depth-5 step widened to 16 blocks anyway is not the 16-block step (the
+    # knapsack recomputes other values at 16 blocks than 5 blocks' pattern copied)
+    with truncated(model, find_chain(model), 5):
+        small = capture(model, x, loss, make_target("cpu", None, None, "auto", "h100", "compiled", 0.5))
+    forced = widen(small, find_chain(model), 5, 16, [name for name, _ in model.named_modules()])
+    assert saved(forced).activation_bytes != report.activation_bytes
+    # AND the sweep reuses depth at a value whose cut repeats (0.8: compiled at depth 5 and 6 only, no note)
+    sweep = report.memory_budgets([0.5, 0.8])
+    assert [p.budget for p in sweep.points] == [0.8, 0.5] and sweep.notes == ()
+    assert sweep.points[1].saved_bytes == report.activation_bytes
+
+
+def test_sweep_notes_are_rendered() -> None:
+    from graphmem.passes.memory_budget import BudgetPoint, budget_sweep
+    from graphmem.render.memory_budget import render_memory_budgets
+
+    sweep = dataclasses.replace(budget_sweep([BudgetPoint(1.0, 500, 1000, "backward", 0, 0, 0)]),
+                                notes=("budget 0.5: depth reuse not taken (why)",))
+    assert "Note: budget 0.5: depth reuse not taken (why)" in render_memory_budgets(sweep)
+    assert sweep.to_dict()["notes"] == ["budget 0.5: depth reuse not taken (why)"]
