@@ -10,6 +10,7 @@ import graphmem.advise.levers as L
 from graphmem.advise.levers import COST_RANK, Change, LeftOut
 from graphmem.advise.setting import Measurer, Setting
 from graphmem.errors import GraphmemError
+from graphmem.passes.budget import later_steps_peak
 from graphmem.units import fmt_bytes, parse_bytes
 
 COSTS_NOTE = ("costs are graphmem's measures (recompute FLOPs from the recorded ops, bytes moved by collectives) "
@@ -158,10 +159,11 @@ def _row(kind: str, name: str, how: str, peak: int, base_peak: int, limit: int, 
 
 def _plan_lever(report: Any, limit: int, budget: str, base_peak: int) -> tuple[Optional[Lever], Optional[LeftOut]]:
     """The planner's cheapest plan that fits (else its lowest-peak plan), verified by a capture."""
-    if base_peak > report.peak_bytes:
-        return None, LeftOut("checkpoint", "the step's highest peak is a later step's (the optimizer states made "
-                             f"before it: {fmt_bytes(base_peak)}); the planner plans the first step's "
-                             f"({fmt_bytes(report.peak_bytes)}): run graphmem plan to see its plans")
+    one_device = later_steps_peak(report.step, report.liveness)  # what the planner plans: every step's peak
+    if base_peak != one_device:
+        return None, LeftOut("checkpoint", f"the step's peak is one rank's ({fmt_bytes(base_peak)}); the planner plans "
+                             f"the step on one device ({fmt_bytes(one_device)}): run graphmem plan without the "
+                             "sharding options to see its plans")
     try:
         try:
             plan = report.plan(budget=limit)
