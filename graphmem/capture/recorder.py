@@ -114,6 +114,7 @@ class _Recorder:
         self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
         self.clearing = False  # inside an autocast cache clear (see ``clearing_cache``)
         self.device = "cpu"  # the target device: which kernel and scratch rules hold (graphmem/capture/workspace.py)
+        self.on_op: Optional[Callable[[Any, tuple, dict, Any], None]] = None  # told of each recorded op (func, args, kwargs, out)
 
     # -- storages -----------------------------------------------------------------
     def storage(self, t: torch.Tensor, kind: str, name: str, created: int, module: str) -> Storage:
@@ -129,13 +130,27 @@ class _Recorder:
         return s
 
     def _freed(self, key: int, s: Storage) -> None:
-        if self.closed:
+        if self.closed or s.freed is not None:  # (already released by a storage resize)
             return
         s.freed = len(self.ops) - 1
         if self.clearing:
             s.cache_freed = True
         if self.live.get(key) is s:
             del self.live[key]
+
+    def released(self, t: torch.Tensor) -> None:
+        """``t``'s storage is about to be resized to 0 bytes (``UntypedStorage.resize_(0)``, as
+        FSDP2 frees an unsharded parameter): its allocation ends here, though the storage object
+        lives on; a later resize back is a new allocation (``storage`` records it then)."""
+        s = self.live.pop(t.untyped_storage()._cdata, None)
+        if s is not None and self.recording and not self.closed:
+            s.freed = len(self.ops) - 1
+
+    def relabel(self, t: torch.Tensor, kind: str, name: str) -> None:
+        """Give ``t``'s live storage a kind and name (a collective's buffer, a gathered parameter)."""
+        s = self.live.get(t.untyped_storage()._cdata)
+        if s is not None:
+            s.kind, s.name = kind, name
 
     @contextlib.contextmanager
     def clearing_cache(self) -> Iterator[None]:
@@ -227,6 +242,8 @@ class _Recorder:
             self.storages[s.sid] = s
         if found:
             node.meta["scratch"] = sum(sc.nbytes for sc in found)
+        if self.on_op is not None:
+            self.on_op(func, args, kwargs, out)
         return out
 
     def _accumulates_inplace(self, args: tuple) -> bool:
