@@ -77,9 +77,20 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default 8, peft's; memory does not depend on it)")
     g.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (data parallel x tensor parallel)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage over the data-parallel ranks")
-    g.add_argument("--fsdp", choices=["full", "grad-op"], help="FSDP sharding: full (FULL_SHARD) or grad-op (SHARD_GRAD_OP)")
-    g.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size (Megatron column/row linears, from the graph)")
+    g.add_argument("--fsdp", nargs="?", const="fully_shard", choices=["fully_shard", "full", "grad-op"],
+                   help="alone: rank --rank's step through PyTorch's fully_shard (FSDP2) per block; full (FULL_SHARD) "
+                   "or grad-op (SHARD_GRAD_OP): the per-rank formula over the single-device step")
+    g.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size: with --rank, DTensor's "
+                   "parallelize_module runs; without, Megatron's column/row split of the graph's linears (formula)")
     g.add_argument("--sp", action="store_true", help="sequence parallel with --tp: the tensors outside the TP regions split too")
+    d = p.add_argument_group("per rank through PyTorch's own wrappers (docs/distributed.md)")
+    d.add_argument("--rank", type=int, metavar="R", help="analyze rank R's step as fully_shard / parallelize_module run "
+                   "it under a fake process group of --world-size ranks (bare --fsdp implies --rank 0)")
+    d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                   help="fully_shard(reshard_after_forward=False): keep each block's gathered parameters until backward")
+    d.add_argument("--fsdp-param-dtype", choices=["fp32", "bf16", "fp16"], help="MixedPrecisionPolicy(param_dtype=...)")
+    d.add_argument("--fsdp-reduce-dtype", choices=["fp32", "bf16", "fp16"], help="MixedPrecisionPolicy(reduce_dtype=...)")
+    d.add_argument("--fsdp-offload", action="store_true", help="CPUOffloadPolicy: sharded parameters and gradients in host memory")
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,9 +141,23 @@ def training_of(args: argparse.Namespace) -> Any:
 
     if not hasattr(args, "optimizer"):
         return make_training(args.dtype)
+    formula = () if per_rank(args) else (args.world_size, args.zero, args.fsdp, args.tp, args.sp)  # the wrappers: see analyze_args
     return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
-                         args.lora_rank, args.lora_targets, args.world_size, args.zero, args.fsdp, args.tp, args.sp,
-                         lora_alpha=args.lora_alpha)
+                         args.lora_rank, args.lora_targets, *formula, lora_alpha=args.lora_alpha)
+
+
+def per_rank(args: argparse.Namespace) -> bool:
+    """--rank or bare --fsdp: rank r's step through the real wrappers (graphmem/distributed/)."""
+    return hasattr(args, "rank") and (args.rank is not None or args.fsdp == "fully_shard")
+
+
+def sharding_of(args: argparse.Namespace) -> dict[str, Any]:
+    """analyze's keyword options for the per-rank capture (checked there, by make_sharding)."""
+    if not per_rank(args):
+        return {}
+    return dict(world_size=args.world_size, rank=args.rank, zero=args.zero, fsdp=args.fsdp, tp=args.tp, sp=args.sp,
+                reshard_after_forward=args.reshard_after_forward, fsdp_param_dtype=args.fsdp_param_dtype,
+                fsdp_reduce_dtype=args.fsdp_reduce_dtype, fsdp_offload=args.fsdp_offload)
 
 
 def hf_of(args: argparse.Namespace) -> Any:
@@ -147,4 +172,5 @@ def analyze_args(args: argparse.Namespace, input_shape: Any = None) -> Any:
     from graphmem.api import analyze
 
     return analyze(args.model, input_shape=args.input_shape if input_shape is None else input_shape,
-                   target=target_of(args), training=training_of(args), reuse=not args.no_reuse, hf=hf_of(args))
+                   target=target_of(args), training=training_of(args), reuse=not args.no_reuse, hf=hf_of(args),
+                   **sharding_of(args))
