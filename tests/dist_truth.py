@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Callable
+import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,12 @@ def _keys(tensors: list[torch.Tensor]) -> dict[int, int]:
     return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
 
 
-def _step(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[int, int]:
-    """(saved bytes, peak bytes) of one real step of the wrapped ``model`` on this rank."""
+def _step(model: nn.Module, batch: Any, loss_fn: LossFn | None, kept: list) -> tuple[int, int]:
+    """(saved bytes, peak bytes) of one real step of the wrapped ``model`` on this rank. What
+    the step leaves alive is appended to ``kept`` and never freed: the CPU allocator's profiler
+    reporter (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter) remembers the sizes of blocks
+    allocated while profiling, and a block freed after profiling stopped would leave an entry
+    that a later case's block at the same address, freed while profiling, reports as its own."""
     saved: dict[int, int] = {}
     phase = ["forward"]
 
@@ -46,7 +51,7 @@ def _step(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[int, in
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, loss = run_step(model, batch, loss_fn, lambda p: phase.__setitem__(0, p))
-    del out, loss
+    kept.append((model, batch, out, loss))
     running = high = 0
     for _, size in _allocation_events(prof):
         running += size
@@ -54,30 +59,79 @@ def _step(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[int, in
     return sum(saved.values()), baseline + high
 
 
-def _worker(rank: int, world_size: int, init: str, build: Callable[[], nn.Module], make_batch: Callable[[], Any],
-            loss_fn: LossFn | None, sharding: Sharding, out: str) -> None:
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class Chain(nn.Module):
+    """A torch.nn chain of blocks and a head (fully_shard per block, the head in the root unit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block() for _ in range(3)])
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def case(name: str) -> tuple[nn.Module, tuple]:
+    """(model in train mode, inputs) of a named case, the same on every call: the Chain above,
+    or a tests/zoo.py model (transformers' Llama, GPT-2 with tied embeddings, ...)."""
+    torch.manual_seed(0)
+    if name == "chain":
+        return Chain().train(), (torch.randn(8, 64, generator=torch.Generator().manual_seed(1)),)
+    from tests.zoo import build
+
+    return build(name)
+
+
+def _settled(collective: Any) -> Any:
+    """``collective`` waited on, then held for a moment before it returns: gloo's worker thread
+    drops its reference to the Work (which holds the buffers) once it has run it, and a buffer
+    whose last reference dies there is freed on a thread torch.profiler does not watch (its free
+    event is lost and the measured running sum stays too high). Held here, the last reference
+    dies on the profiled thread, where FSDP2 drops it."""
+
+    def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        work = collective(*args, async_op=True, **kwargs)
+        work.wait()
+        time.sleep(0.02)
+        return work if async_op else None
+    return call
+
+
+def _worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Sharding]], out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    dist.all_gather_single = _settled(dist.all_gather_single)  # type: ignore[attr-defined]
+    dist.reduce_scatter_single = _settled(dist.reduce_scatter_single)  # type: ignore[attr-defined]
     try:
-        torch.manual_seed(0)
-        model = build()
+        results, kept = [], []  # type: ignore[var-annotated]
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-        shard(model, sharding, Meshes(mesh, mesh, None))
-        batch = make_batch()
-        model.train()
-        saved, peak = _step(model, batch, loss_fn)
-        torch.save({"saved": saved, "peak": peak}, f"{out}.{rank}")
+        for name, sharding in cases:
+            model, batch = case(name)
+            shard(model, sharding, Meshes(mesh, mesh, None))
+            saved, peak = _step(model, batch, None, kept)
+            results.append({"saved": saved, "peak": peak})
+        torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def measure_ranks(build: Callable[[], nn.Module], make_batch: Callable[[], Any], loss_fn: LossFn | None,
-                  sharding: Sharding) -> list[dict[str, int]]:
-    """{"saved", "peak"} of each rank of a real gloo run (``build``/``make_batch``/``loss_fn``
-    must be picklable: module-level functions)."""
-    torch.set_num_threads(1)
+def measure_ranks(cases: list[tuple[str, Sharding]], world_size: int) -> list[list[dict[str, int]]]:
+    """For each case (a name for ``case``, its sharding), each rank's {"saved", "peak"} from one
+    real gloo job of ``world_size`` processes running all the cases in turn."""
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
         out = os.path.join(tmp, "result")
-        mp.spawn(_worker, args=(sharding.world_size, init, build, make_batch, loss_fn, sharding, out),
-                 nprocs=sharding.world_size, join=True)
-        return [torch.load(f"{out}.{r}") for r in range(sharding.world_size)]
+        mp.spawn(_worker, args=(world_size, init, cases, out), nprocs=world_size, join=True)
+        per_rank = [torch.load(f"{out}.{r}") for r in range(world_size)]
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]

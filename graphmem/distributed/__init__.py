@@ -4,6 +4,7 @@
 ``parallelize_module`` (tensor/sequence parallel) under the fake process group
 (``fake_process_group``); ``Sharding`` / ``make_sharding`` hold the options. See docs/distributed.md.
 """
+from graphmem.distributed import collectives  # noqa: F401  (registers the gloo scratch rules)
 from graphmem.distributed.capture import capture_rank
 from graphmem.distributed.process_group import fake_process_group
 from graphmem.distributed.spec import Sharding, make_sharding
