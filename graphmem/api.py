@@ -145,7 +145,8 @@ def analyze(
     if target.attention == "eager" and not is_hf_model(loaded.module):
         raise UsageError("--attention eager picks a Hugging Face model's own attention; this model is not one: "
                          "use math for SDPA's explicit kernel")
-    if rank is not None or fsdp == "fully_shard":
+    if rank is not None or fsdp == "fully_shard" or fsdp_param_dtype or fsdp_reduce_dtype or fsdp_offload \
+            or not reshard_after_forward:
         sharding = make_sharding(world_size, rank or 0, fsdp == "fully_shard", reshard_after_forward,
                                  fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload, tp, sp)
         return _per_rank(loaded.name, loaded.module, make, loss_fn, target, sharding, bool(zero) or fsdp in ("full", "grad-op"),

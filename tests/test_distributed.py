@@ -49,4 +49,3 @@ def test_fsdp2_rank_matches_real_gloo(real: list[list[dict[str, int]]], single_g
         measured = real[index][rank]
         assert report.activation_bytes == measured["saved"], (name, rank)
         assert measured["peak"] - report.peak_bytes == single_gap[name], (name, rank)
-        assert single_gap[name] in (0, 96)  # GPT-2's 96 B: the single-device step's own gap

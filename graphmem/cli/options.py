@@ -147,8 +147,10 @@ def training_of(args: argparse.Namespace) -> Any:
 
 
 def per_rank(args: argparse.Namespace) -> bool:
-    """--rank or bare --fsdp: rank r's step through the real wrappers (graphmem/distributed/)."""
-    return hasattr(args, "rank") and (args.rank is not None or args.fsdp == "fully_shard")
+    """--rank, bare --fsdp or a fully_shard option: rank r's step through the real wrappers
+    (graphmem/distributed/; make_sharding says what is missing)."""
+    return hasattr(args, "rank") and (args.rank is not None or args.fsdp == "fully_shard" or bool(
+        args.fsdp_param_dtype or args.fsdp_reduce_dtype or args.fsdp_offload or not args.reshard_after_forward))
 
 
 def sharding_of(args: argparse.Namespace) -> dict[str, Any]:
