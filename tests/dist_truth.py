@@ -2,7 +2,7 @@
 (torch.multiprocessing.spawn), each rank measuring what graphmem/validation/measure.py measures
 on one device: the distinct storages autograd saves in forward and loss (parameters excluded:
 under FSDP2 the registered parameters during forward are the unsharded ones, so they are read
-at each save), and the peak from the CPU allocator's events under torch.profiler, plus the bytes
+at each save; a saved DTensor counts its local shard), and the peak from the CPU allocator's events under torch.profiler, plus the bytes
 live before the step (rank r's shards, buffers, the batch)."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -21,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from graphmem.distributed.fsdp import local, shard
 from graphmem.distributed.process_group import Meshes
 from graphmem.distributed.spec import Sharding
+from graphmem.distributed.tensor_parallel import parallelize
 from graphmem.training.batch import as_batch
 from graphmem.training.step import LossFn, run_step
 from graphmem.validation.measure import _allocation_events
@@ -41,7 +43,7 @@ def _step(model: nn.Module, batch: Any, loss_fn: LossFn | None, kept: list) -> t
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         params = _keys([local(p) for p in model.parameters()] + [local(b) for b in model.buffers()])
-        st = t.untyped_storage()
+        st = local(t).untyped_storage()  # a DTensor (tensor parallel) holds its local shard
         if phase[0] != "backward" and st._cdata not in params:
             saved[st._cdata] = st.nbytes()
         return t
@@ -88,6 +90,11 @@ def case(name: str) -> tuple[nn.Module, tuple]:
     torch.manual_seed(0)
     if name == "chain":
         return Chain().train(), (torch.randn(8, 64, generator=torch.Generator().manual_seed(1)),)
+    if name == "llama_bundled":  # models/llama.py, the decoder the tensor-parallel plan covers
+        from graphmem.models.llama import LlamaConfig, Transformer
+
+        config = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64)
+        return Transformer(config).train(), (torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1)),)
     from tests.zoo import build
 
     return build(name)
@@ -108,17 +115,33 @@ def _settled(collective: Any) -> Any:
     return call
 
 
+def _settled_wait(wait: Any) -> Any:
+    """The same for DTensor's functional collectives: their ``wait_tensor`` (torch/distributed/
+    _functional_collectives.py) returns once the work is done; the moment after lets gloo's
+    thread drop its reference first."""
+
+    def call(tensor: torch.Tensor) -> torch.Tensor:
+        out = wait(tensor)
+        time.sleep(0.02)
+        return out
+    return call
+
+
 def _worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Sharding]], out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     torch.set_num_threads(1)
     dist.all_gather_single = _settled(dist.all_gather_single)  # type: ignore[attr-defined]
     dist.reduce_scatter_single = _settled(dist.reduce_scatter_single)  # type: ignore[attr-defined]
+    funcol.wait_tensor = _settled_wait(funcol.wait_tensor)
     try:
         results, kept = [], []  # type: ignore[var-annotated]
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
         for name, sharding in cases:
             model, batch = case(name)
-            shard(model, sharding, Meshes(mesh, mesh, None))
+            if sharding.tp > 1:
+                parallelize(model, sharding, Meshes(mesh, None, mesh))
+            if sharding.fsdp:
+                shard(model, sharding, Meshes(mesh, mesh, None))
             saved, peak = _step(model, batch, None, kept)
             results.append({"saved": saved, "peak": peak})
         torch.save(results, f"{out}.{rank}")

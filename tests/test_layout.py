@@ -19,7 +19,7 @@ LAYERS: dict[str, set[str]] = {
     "passes": {"errors", "stepgraph"},
     "models": set(),
     "capture": {"errors", "units", "stepgraph", "chains", "training", "models"},
-    "distributed": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training"},
+    "distributed": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "models"},
     "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training"},
     "recapture": {"errors", "capture", "formula", "training"},
     "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula"},

@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from graphmem.capture.workspace import WORKSPACE_OUTPUTS, kernel_rule, scratch
 from graphmem.stepgraph import OpNode, SaveEvent, Storage
@@ -42,16 +42,17 @@ def node_metadata(fn: Any) -> dict:
 class _Packed:
     """What the pack hook returns; its destruction is autograd releasing the saved tensor."""
 
-    __slots__ = ("tensor", "event", "cap")
+    __slots__ = ("tensor", "events", "cap")
 
-    def __init__(self, tensor: torch.Tensor, event: SaveEvent, cap: "_Recorder") -> None:
+    def __init__(self, tensor: torch.Tensor, events: list[SaveEvent], cap: "_Recorder") -> None:
         self.tensor = tensor
-        self.event = event
+        self.events = events  # one per storage: a tensor subclass (DTensor) saves its inner tensors' storages
         self.cap = cap
 
     def __del__(self) -> None:
         if not self.cap.closed:
-            self.event.released_at = len(self.cap.ops) - 1
+            for event in self.events:
+                event.released_at = len(self.cap.ops) - 1
 
 
 class _Mode(FakeTensorMode):
@@ -65,8 +66,9 @@ class _Mode(FakeTensorMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         rec = self.rec
-        if rec.depth or not rec.recording or func.namespace in ("prim", "profiler") or func in _METADATA_OPS:
-            return super().__torch_dispatch__(func, types, args, kwargs)  # queries never allocate
+        if rec.depth or not rec.recording or func.namespace in ("prim", "profiler") or func in _METADATA_OPS \
+                or _wrapped(types):  # queries never allocate; a DTensor's op comes back as its local ops
+            return super().__torch_dispatch__(func, types, args, kwargs)
         if func is _LAYER_NORM and rec.fp32_norm_stats and args[0].dtype in (torch.float16, torch.bfloat16):
             return rec.record(lambda f, a, k: _fp32_stats(super(_Mode, self).__torch_dispatch__(f, types, a, k)),
                               func, args, kwargs)
@@ -79,6 +81,14 @@ class _Mode(FakeTensorMode):
 
 
 _LAYER_NORM = torch.ops.aten.native_layer_norm.default
+
+
+def _wrapped(types: Any) -> bool:
+    """An op on a tensor subclass that wraps others (DTensor): the fake mode hands it back to the
+    subclass (NotImplemented), whose ``__torch_dispatch__`` runs the op on its inner tensors,
+    which come back here and are recorded; the wrapper itself allocates nothing."""
+    return any(t is not FakeTensor and issubclass(t, torch.Tensor) and t is not torch.Tensor
+               and t is not nn.Parameter for t in types)
 
 
 def _fp32_stats(out: Any) -> tuple:
@@ -137,6 +147,15 @@ class _Recorder:
             s.cache_freed = True
         if self.live.get(key) is s:
             del self.live[key]
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run here are not the step's (a library's shape propagation on fake tensors)."""
+        was, self.recording = self.recording, False
+        try:
+            yield
+        finally:
+            self.recording = was
 
     def released(self, t: torch.Tensor) -> None:
         """``t``'s storage is about to be resized to 0 bytes (``UntypedStorage.resize_(0)``, as
@@ -266,17 +285,20 @@ class _Recorder:
 
     # -- autograd hooks -----------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Packed:
-        s = self.storage(t, "external", "saved", len(self.ops) - 1, self.stack[-1])
-        ev = SaveEvent(s.sid, len(self.ops) - 1, None, self.stack[-1], self.phase,
-                       tuple(t.shape), str(t.dtype).replace("torch.", ""))
-        self.saves.append(ev)
-        return _Packed(t, ev, self)
+        events = []
+        for inner in _inner_tensors(t):  # what holds memory: a DTensor's local shard, not its global wrapper
+            s = self.storage(inner, "external", "saved", len(self.ops) - 1, self.stack[-1])
+            events.append(SaveEvent(s.sid, len(self.ops) - 1, None, self.stack[-1], self.phase,
+                                    tuple(inner.shape), str(inner.dtype).replace("torch.", "")))
+        self.saves.extend(events)
+        return _Packed(t, events, self)
 
     @staticmethod
     def unpack(h: _Packed) -> torch.Tensor:
-        if not h.event.grad_fn:
-            fn = torch._C._current_autograd_node()
-            h.event.grad_fn = fn.name() if fn is not None else ""
+        for event in h.events:
+            if not event.grad_fn:
+                fn = torch._C._current_autograd_node()
+                event.grad_fn = fn.name() if fn is not None else ""
         return h.tensor
 
     # -- module paths -------------------------------------------------------------
@@ -354,6 +376,16 @@ def _rng_states(cap: "_Recorder", counted: bool) -> Iterator[None]:
         yield
     finally:
         torch.get_rng_state = original
+
+
+def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``t``'s memory: itself, or a wrapper subclass's inner tensors
+    (``__tensor_flatten__``, as DTensor keeps its local shard), recursively."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = [getattr(t, name) for name in names]
+    return [x for i in inner if isinstance(i, torch.Tensor) for x in _inner_tensors(i)]
 
 
 def _dense(t: torch.Tensor) -> bool:

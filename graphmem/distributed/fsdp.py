@@ -12,7 +12,9 @@ allocates it again with ``resize_(nbytes)`` (torch/distributed/fsdp/_fully_shard
 - the ``out`` tensors of ``fsdp.split_with_sizes_copy`` (FSDPParam.all_gather_outputs, the
   unsharded parameters' storage): kind "gathered parameter";
 - ``c10d._reduce_scatter_base_``'s output: "communication" until it becomes the sharded
-  gradients (capture marks it "gradient" then).
+  gradients (capture marks it "gradient" then);
+- the outputs of the functional collectives DTensor's redistributions run (tensor parallel):
+  "communication".
 """
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def watching(cap: _Recorder) -> Iterator[None]:
-    """Tell the recorder of FSDP2's storage resizes and name its collectives' buffers."""
+    """Tell the recorder of FSDP2's storage resizes and name its collectives' buffers; pause it
+    while DTensor propagates shapes."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
     alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
@@ -88,8 +91,19 @@ def watching(cap: _Recorder) -> Iterator[None]:
             cap.released(t)
         free(t)
 
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate_paused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # DTensor learns an op's output shape by running it on fake tensors (torch/distributed/tensor/
+        # _sharding_prop.py); a real run does that in a fake mode of its own, so it is no step memory
+        with cap.paused():
+            return propagate(self, *args, **kwargs)
+
     patched = [(_fsdp_param, "alloc_storage", alloc_storage), (_fsdp_param, "free_storage", free_storage),
-               (_fsdp_param_group, "alloc_storage", alloc_storage)]
+               (_fsdp_param_group, "alloc_storage", alloc_storage),
+               (ShardingPropagator, "_propagate_tensor_meta_non_cached", propagate_paused)]
     saved = [(m, name, getattr(m, name)) for m, name, _ in patched]
     for m, name, fn in patched:
         setattr(m, name, fn)
@@ -108,9 +122,14 @@ _CHUNK_CAT = "fsdp::chunk_cat"
 _REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
 
 
+_FUNCTIONAL = "_c10d_functional::"  # DTensor's redistributions: all_gather_into_tensor, reduce_scatter_tensor, all_reduce
+
+
 def _label(cap: _Recorder, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     name = func._schema.name
-    if name == _ALL_GATHER_COPY_IN:
+    if name.startswith(_FUNCTIONAL) and name != "_c10d_functional::wait_tensor" and isinstance(out, torch.Tensor):
+        cap.relabel(out, "communication", f"{name.split('::')[1]} output (DTensor redistribute)")
+    elif name == _ALL_GATHER_COPY_IN:
         cap.relabel(out[1], "communication", "all-gather buffer (fsdp.all_gather_copy_in)")
     elif name == _CHUNK_CAT:
         cap.relabel(kwargs["out"] if "out" in kwargs else args[3], "communication",

@@ -53,7 +53,7 @@ class RankView:
             sign = "+" if self.gap >= 0 else "-"
             out.append(f"formula cross-check ({self.formula.describe()}, passes/budget.py over the single-device "
                        f"step): peak {fmt_bytes(self.formula_peak)}; the wrappers' step: {sign}{fmt_bytes(abs(self.gap))}"
-                       + (" (the buffers above: the formula counts one gathered unit and no collective buffers)"
+                       + (" (the buffers above: the formula counts no collective buffers and at most one gathered unit)"
                           if self.gap > 0 and held else ""))
         return tuple(out)
 
