@@ -197,7 +197,7 @@ def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn]
     single = capture_reusing(module, lambda: capture(module, make, loss_fn, target))[0] if reuse \
         else capture(module, make, loss_fn, target)
     lv, sv = liveness(g), saved(g)
-    view = rank_view(g, lv, sharding, (single, liveness(single), saved(single)), units_of(module))
+    view = rank_view(g, lv, sv, sharding, (single, liveness(single), saved(single)), units_of(module))
     loss_name = "default" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     alloc = allocator(g) if target.device == "cuda" else None
     return Report.build(g, lv, sv, name, shapes, loss_name, notes(g) + view.lines(), None, alloc, sharding=view)

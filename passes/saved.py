@@ -50,7 +50,7 @@ def _category(s: Storage, storages: dict[int, Storage]) -> str:
         return "input"
     if s.source is not None and storages[s.source].kind in ("parameter", "buffer"):
         return "autocast copy"  # a forward cast of a weight (what autocast caches and saves)
-    if s.kind == "activation":
+    if s.kind in ("activation", "communication"):  # (a collective's output saved for backward is an activation)
         return "activation"
     if s.kind == "workspace":
         return "workspace"  # a kernel's workspace it keeps for backward (oneDNN LSTM; graphmem/capture/workspace.py)

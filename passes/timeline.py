@@ -48,10 +48,10 @@ def _category(s: Storage, saved_sids: set[int]) -> str:
         return "gradients"
     if s.kind in ("optimizer state", "master"):
         return "optimizer"
+    if s.sid in saved_sids:  # (a collective's output autograd saves, as sequence parallel's all-gather: an activation)
+        return "activations"
     if s.kind in ("communication", "gathered parameter"):
         return "communication"
-    if s.sid in saved_sids:
-        return "activations"
     if s.kind == "workspace":
         return "workspace"
     return "other"

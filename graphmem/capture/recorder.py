@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from graphmem.capture.workspace import WORKSPACE_OUTPUTS, kernel_rule, scratch
@@ -66,6 +66,9 @@ class _Mode(FakeTensorMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         rec = self.rec
+        if not rec.recording and _all_real(args, kwargs):  # outside the step: bookkeeping on real tensors (a
+            with unset_fake_temporarily():  # DeviceMesh's rank layout when FSDP composes with TP) runs for real
+                return func(*args, **(kwargs or {}))
         if rec.depth or not rec.recording or func.namespace in ("prim", "profiler") or func in _METADATA_OPS \
                 or _wrapped(types):  # queries never allocate; a DTensor's op comes back as its local ops
             return super().__torch_dispatch__(func, types, args, kwargs)
@@ -81,6 +84,12 @@ class _Mode(FakeTensorMode):
 
 
 _LAYER_NORM = torch.ops.aten.native_layer_norm.default
+
+
+def _all_real(args: tuple, kwargs: Optional[dict]) -> bool:
+    """Every tensor argument is a real (non-fake) tensor, and there is one."""
+    tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+    return bool(tensors) and not any(isinstance(t, FakeTensor) or is_traceable_wrapper_subclass(t) for t in tensors)
 
 
 def _wrapped(types: Any) -> bool:

@@ -10,6 +10,7 @@ from graphmem.distributed.spec import Sharding
 from graphmem.passes import Liveness
 from graphmem.passes.budget import Budget, Parallel, budget
 from graphmem.passes.saved import SavedSet
+from graphmem.passes.timeline import category_timeline
 from graphmem.stepgraph import StepGraph
 from graphmem.units import fmt_bytes
 
@@ -43,12 +44,14 @@ class RankView:
         out = [self.describe()]
         held = sum(b for _, _, b in self.communication_at_peak)
         if held:
-            parts: dict[str, int] = {}
+            parts: dict[str, tuple[int, set[str]]] = {}
             for unit, name, b in self.communication_at_peak:
-                key = f"{name.split(' (')[0]} of {unit or 'the root'}"
-                parts[key] = parts.get(key, 0) + b
+                key = name.split(" (")[0]
+                total, units = parts.get(key, (0, set()))
+                parts[key] = (total + b, units | {unit or "the root"})
             out.append(f"communication at the peak: {fmt_bytes(held)} (" + ", ".join(
-                f"{k}: {fmt_bytes(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])) + ")")
+                f"{k} of {', '.join(sorted(u)) if len(u) <= 2 else f'{len(u)} modules'}: {fmt_bytes(v)}"
+                for k, (v, u) in sorted(parts.items(), key=lambda kv: -kv[1][0])) + ")")
         if self.formula is not None and self.formula_peak is not None and self.gap is not None:
             sign = "+" if self.gap >= 0 else "-"
             out.append(f"formula cross-check ({self.formula.describe()}, passes/budget.py over the single-device "
@@ -72,24 +75,16 @@ def formula_of(sharding: Sharding) -> Parallel:
     return Parallel(sharding.world_size, 0, fsdp, sharding.tp, sharding.sp)
 
 
-def rank_view(g: StepGraph, lv: Liveness, sharding: Sharding,
+def rank_view(g: StepGraph, lv: Liveness, sv: SavedSet, sharding: Sharding,
               single: Optional[tuple[StepGraph, Liveness, SavedSet]], units: tuple[str, ...]) -> RankView:
-    """``g``/``lv``: rank r's capture; ``single``: the single-device step (for the formula)."""
-    comm = tuple((t.module, t.name, t.nbytes) for t in lv.live_at_peak if t.kind in ("communication", "gathered parameter"))
-    kinds = {sid for sid, s in g.storages.items() if s.kind in ("communication", "gathered parameter")}
-    diff = [0] * (g.num_ops + 1)
-    for sid in kinds & set(lv.intervals):
-        start, stop = lv.intervals[sid]
-        diff[start] += g.storages[sid].nbytes
-        diff[stop + 1] -= g.storages[sid].nbytes
-    live = most = 0
-    for d in diff:
-        live += d
-        most = max(most, live)
+    """``g``/``lv``/``sv``: rank r's capture; ``single``: the single-device step (for the formula)."""
+    tl = category_timeline(g, lv, sv.tensors)
+    comm = tuple((t.module, t.name, t.nbytes) for t in lv.live_at_peak if tl.category_of.get(t.sid) == "communication")
     formula: Optional[Parallel] = None
     formula_peak: Optional[int] = None
     if single is not None:
         formula = formula_of(sharding)
         b: Budget = budget(*single, formula, units)
         formula_peak = b.peak_bytes
-    return RankView(sharding, comm, most, formula, formula_peak, lv.peak_bytes)
+    return RankView(sharding, comm, max(tl.by_category["communication"], default=0), formula, formula_peak,
+                    lv.peak_bytes)
