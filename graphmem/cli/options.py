@@ -141,9 +141,12 @@ def training_of(args: argparse.Namespace) -> Any:
 
     if not hasattr(args, "optimizer"):
         return make_training(args.dtype)
-    formula = () if per_rank(args) else (args.world_size, args.zero, args.fsdp, args.tp, args.sp)  # the wrappers: see analyze_args
+    if per_rank(args):  # the wrappers run (analyze_args passes their options): no per-rank formula
+        return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
+                             args.lora_rank, args.lora_targets, lora_alpha=args.lora_alpha)
     return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
-                         args.lora_rank, args.lora_targets, *formula, lora_alpha=args.lora_alpha)
+                         args.lora_rank, args.lora_targets, args.world_size, args.zero, args.fsdp, args.tp, args.sp,
+                         lora_alpha=args.lora_alpha)
 
 
 def per_rank(args: argparse.Namespace) -> bool:

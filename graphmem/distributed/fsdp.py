@@ -48,7 +48,7 @@ def units(model: nn.Module) -> list[nn.Module]:
     """What fully_shard wraps, innermost first: each block of the chain (graphmem/chains.py,
     as transformers' layers are wrapped in PyTorch's FSDP2 examples), then the root."""
     chain = find_chain(model)
-    blocks = list(model.get_submodule(chain.path)) if chain is not None else []
+    blocks = list(model.get_submodule(chain.path).children()) if chain is not None else []
     return [*blocks, model]
 
 
