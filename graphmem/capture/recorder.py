@@ -14,9 +14,10 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphmem.capture.subclasses import all_real, inner_tensors, wrapped
 from graphmem.capture.workspace import WORKSPACE_OUTPUTS, kernel_rule, scratch
 from graphmem.stepgraph import OpNode, SaveEvent, Storage
 
@@ -66,11 +67,11 @@ class _Mode(FakeTensorMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         rec = self.rec
-        if not rec.recording and _all_real(args, kwargs):  # outside the step: bookkeeping on real tensors (a
+        if not rec.recording and all_real(args, kwargs):  # outside the step: bookkeeping on real tensors (a
             with unset_fake_temporarily():  # DeviceMesh's rank layout when FSDP composes with TP) runs for real
                 return func(*args, **(kwargs or {}))
         if rec.depth or not rec.recording or func.namespace in ("prim", "profiler") or func in _METADATA_OPS \
-                or _wrapped(types):  # queries never allocate; a DTensor's op comes back as its local ops
+                or wrapped(types):  # queries never allocate; a DTensor's op comes back as its local ops
             return super().__torch_dispatch__(func, types, args, kwargs)
         if func is _LAYER_NORM and rec.fp32_norm_stats and args[0].dtype in (torch.float16, torch.bfloat16):
             return rec.record(lambda f, a, k: _fp32_stats(super(_Mode, self).__torch_dispatch__(f, types, a, k)),
@@ -84,20 +85,6 @@ class _Mode(FakeTensorMode):
 
 
 _LAYER_NORM = torch.ops.aten.native_layer_norm.default
-
-
-def _all_real(args: tuple, kwargs: Optional[dict]) -> bool:
-    """Every tensor argument is a real (non-fake) tensor, and there is one."""
-    tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
-    return bool(tensors) and not any(isinstance(t, FakeTensor) or is_traceable_wrapper_subclass(t) for t in tensors)
-
-
-def _wrapped(types: Any) -> bool:
-    """An op on a tensor subclass that wraps others (DTensor): the fake mode hands it back to the
-    subclass (NotImplemented), whose ``__torch_dispatch__`` runs the op on its inner tensors,
-    which come back here and are recorded; the wrapper itself allocates nothing."""
-    return any(t is not FakeTensor and issubclass(t, torch.Tensor) and t is not torch.Tensor
-               and t is not nn.Parameter for t in types)
 
 
 def _fp32_stats(out: Any) -> tuple:
@@ -295,7 +282,7 @@ class _Recorder:
     # -- autograd hooks -----------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Packed:
         events = []
-        for inner in _inner_tensors(t):  # what holds memory: a DTensor's local shard, not its global wrapper
+        for inner in inner_tensors(t):  # what holds memory: a DTensor's local shard, not its global wrapper
             s = self.storage(inner, "external", "saved", len(self.ops) - 1, self.stack[-1])
             events.append(SaveEvent(s.sid, len(self.ops) - 1, None, self.stack[-1], self.phase,
                                     tuple(inner.shape), str(inner.dtype).replace("torch.", "")))
@@ -385,16 +372,6 @@ def _rng_states(cap: "_Recorder", counted: bool) -> Iterator[None]:
         yield
     finally:
         torch.get_rng_state = original
-
-
-def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors that hold ``t``'s memory: itself, or a wrapper subclass's inner tensors
-    (``__tensor_flatten__``, as DTensor keeps its local shard), recursively."""
-    if not is_traceable_wrapper_subclass(t):
-        return [t]
-    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
-    inner = [getattr(t, name) for name in names]
-    return [x for i in inner if isinstance(i, torch.Tensor) for x in _inner_tensors(i)]
 
 
 def _dense(t: torch.Tensor) -> bool:
