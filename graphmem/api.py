@@ -188,6 +188,9 @@ def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn]
     if formula:
         raise UsageError("--zero and --fsdp full|grad-op are the per-rank formulas; --rank and bare --fsdp run "
                          "PyTorch's wrappers: give one or the other")
+    if sharding.offload and target.device == "cuda":
+        raise UsageError("--fsdp-offload on --device cuda is not modelled yet: the CUDA target runs on CPU fake "
+                         "tensors, where CPUOffloadPolicy's host-to-device copies do not appear")
     if training.requested or target.mode == "compiled":
         raise UsageError("the per-rank capture runs forward and backward through the wrappers (no optimizer, "
                          "micro-batches, LoRA or compiled mode yet): drop those options, or drop --rank/--fsdp "
