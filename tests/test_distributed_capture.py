@@ -71,3 +71,22 @@ def test_per_rank_mistakes_are_one_line(args: list[str], phrase: str, capsys: py
     assert main(["analyze", "models/mlp.py", "--input-shape", "4x784", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and phrase in err[0], err
+
+
+@pytest.mark.parametrize("name", ["chain", "llama_gqa"])
+def test_zero3_formula_rows_cross_check(name: str) -> None:
+    """ZeRO-3 / FSDP full (passes/budget.py over the single-device step): parameters and gradients
+    divided by N. Every first dimension of these models divides by 2, so FSDP2 pads nothing and the
+    real wrappers' shards are the formula's rows to the byte; the peak differs by what the report says."""
+    from graphmem.passes import liveness, saved
+    from graphmem.passes.budget import Parallel, budget
+    from graphmem.training.spec import units_of
+
+    model, batch = case(name)
+    r = graphmem.analyze(model, batch, world_size=2, rank=0, fsdp="fully_shard")
+    single = graphmem.analyze(model, batch).step
+    assert single is not None
+    formula = budget(single, liveness(single), saved(single), Parallel(2, 0, "full"), units_of(model))
+    assert r.parameter_bytes == formula.row("parameters").size
+    assert r.gradient_bytes == formula.row("gradients").size
+    assert r.sharding.formula_peak == formula.peak_bytes and r.sharding.gap == r.peak_bytes - formula.peak_bytes
