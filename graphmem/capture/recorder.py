@@ -67,8 +67,8 @@ class _Mode(FakeTensorMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         rec = self.rec
-        if not rec.recording and all_real(args, kwargs):  # outside the step: bookkeeping on real tensors (a
-            with unset_fake_temporarily():  # DeviceMesh's rank layout when FSDP composes with TP) runs for real
+        if rec.real_bookkeeping and all_real(args, kwargs):  # while wrappers are set up: ops on real tensors (a
+            with unset_fake_temporarily():  # DeviceMesh's rank layout when FSDP composes with TP) run for real
                 return func(*args, **(kwargs or {}))
         if rec.depth or not rec.recording or func.namespace in ("prim", "profiler") or func in _METADATA_OPS \
                 or wrapped(types):  # queries never allocate; a DTensor's op comes back as its local ops
@@ -120,6 +120,7 @@ class _Recorder:
         self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
         self.clearing = False  # inside an autocast cache clear (see ``clearing_cache``)
         self.device = "cpu"  # the target device: which kernel and scratch rules hold (graphmem/capture/workspace.py)
+        self.real_bookkeeping = False  # (graphmem/distributed/capture.py, while fully_shard / parallelize_module set up)
         self.on_op: Optional[Callable[[Any, tuple, dict, Any], None]] = None  # told of each recorded op (func, args, kwargs, out)
 
     # -- storages -----------------------------------------------------------------

@@ -28,6 +28,7 @@ from graphmem.capture.target import Target
 from graphmem.distributed.fsdp import fake_copy, local, shard, watching
 from graphmem.distributed.process_group import fake_process_group
 from graphmem.distributed.spec import Sharding
+from graphmem.distributed.tensor_parallel import parallelize
 from graphmem.errors import GraphmemError
 from graphmem.stepgraph import StepGraph
 from graphmem.training.step import LossFn, default_loss, run_step
@@ -55,12 +56,12 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
         fake_mode = _Mode(cap)
         with fake_mode:
             wrapped = fake_copy(model, target.param_dtype)
+            cap.real_bookkeeping = True  # the meshes' own tensors are real
             if sharding.tp > 1:
-                from graphmem.distributed.tensor_parallel import parallelize
-
                 parallelize(wrapped, sharding, meshes)
             if sharding.fsdp:
                 shard(wrapped, sharding, meshes)
+            cap.real_bookkeeping = False
             cap.paths = {id(m): name for name, m in wrapped.named_modules()}
             param_sid = {}
             for kind, named in (("parameter", wrapped.named_parameters()), ("buffer", wrapped.named_buffers())):
