@@ -14,14 +14,16 @@ from graphmem.capture.hf import batch as hf_inputs
 from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target, make_target
+from graphmem.distributed import Sharding, capture_rank, make_sharding
 from graphmem.distributed.pipeline import Pipeline, analyze_stage, make_pipeline
+from graphmem.distributed.view import rank_view
 from graphmem.errors import UsageError
-from graphmem.passes import allocator, compare_modes, notes, saved
+from graphmem.passes import allocator, compare_modes, liveness, notes, saved
 from graphmem.recapture import Recapture, capture_step
 from graphmem.report import Report
 from graphmem.training.batch import as_batch, resizer
 from graphmem.training.peft_lora import is_hf_model
-from graphmem.training.spec import Training, make_training
+from graphmem.training.spec import Training, make_training, units_of
 from graphmem.training.step import LossFn
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
@@ -63,8 +65,12 @@ def analyze(
     tp: int = 1,
     sp: bool = False,
     pp: int = 1,
-    rank: int = 0,
     schedule: str = "1f1b",
+    rank: Optional[int] = None,
+    reshard_after_forward: bool = True,
+    fsdp_param_dtype: Optional[str] = None,
+    fsdp_reduce_dtype: Optional[str] = None,
+    fsdp_offload: bool = False,
     target: Optional[Target] = None,
     training: Optional[Training] = None,
     hf: Optional[HFOptions] = None,
@@ -98,7 +104,15 @@ def analyze(
     and per-rank budgets for ``world_size`` ranks with ``zero`` (1-3) or ``fsdp``
     ("full", "grad-op") and ``tp`` (tensor parallel, ``sp`` sequence parallel). ``pp`` > 1: the
     step of pipeline rank ``rank`` under torch.distributed.pipelining's ``schedule`` ("1f1b",
-    "gpipe", "interleaved") with ``micro_batches`` micro-batches (graphmem/distributed/pipeline.py).
+    "gpipe", "interleaved") with ``micro_batches`` micro-batches (graphmem/distributed/pipeline.py); docs/pipeline.md.
+
+    Rank ``rank``'s step as PyTorch's own wrappers run it (graphmem/distributed/, docs/distributed.md):
+    give ``rank`` or ``fsdp="fully_shard"``. ``fully_shard`` (FSDP2) wraps each block of the
+    model's chain and the root over ``world_size // tp`` ranks, with ``reshard_after_forward``,
+    ``fsdp_param_dtype``/``fsdp_reduce_dtype`` (MixedPrecisionPolicy) and ``fsdp_offload``
+    (CPUOffloadPolicy); ``tp``/``sp`` run DTensor's ``parallelize_module``. The report is that
+    rank's (local shards; collective buffers in the "communication" category) and
+    ``report.sharding`` puts the formula beside it.
 
     The keyword options are a convenience: they build a frozen ``Target``
     (graphmem/capture/target.py) and a frozen ``Training`` spec (graphmem/training/spec.py),
@@ -140,6 +154,18 @@ def analyze(
     if target.attention == "eager" and not is_hf_model(loaded.module):
         raise UsageError("--attention eager picks a Hugging Face model's own attention; this model is not one: "
                          "use math for SDPA's explicit kernel")
+    if pp != 1 or schedule != "1f1b":  # rank r's stage under torch's pipeline schedules (graphmem/distributed/pipeline.py)
+        training = training or make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
+                                             lora_targets, world_size, zero, fsdp, tp, sp)
+        return _pipeline_stage(loaded, make, loss_fn, target, training, make_pipeline(
+            pp, rank if rank is not None else 0, schedule, training.train.micro_batches))
+    if rank is not None or fsdp == "fully_shard" or fsdp_param_dtype or fsdp_reduce_dtype or fsdp_offload \
+            or not reshard_after_forward:
+        sharding = make_sharding(world_size, rank or 0, fsdp == "fully_shard", reshard_after_forward,
+                                 fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload, tp, sp)
+        return _per_rank(loaded.name, loaded.module, make, loss_fn, target, sharding, bool(zero) or fsdp in ("full", "grad-op"),
+                         training or make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches,
+                                                   lora_rank, lora_targets), reuse)
     if training is None:
         training = make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
                                  lora_targets, world_size, zero, fsdp, tp, sp, quantization="nf4" if qlora else None)
@@ -149,9 +175,6 @@ def analyze(
     if training.quantization is not None and target.mode == "compiled":
         raise UsageError("--qlora is analyzed in eager mode (bitsandbytes' ops under torch.compile are not traced "
                          "here): drop --mode compiled")
-    if pp != 1 or rank != 0 or schedule != "1f1b":  # rank r's stage under torch's pipeline schedules (graphmem/distributed/pipeline.py)
-        return _pipeline_stage(loaded, make, loss_fn, target, training, make_pipeline(
-            pp, rank, schedule, training.train.micro_batches))
     step = capture_step(loaded.module, make, loss_fn, target, training, reuse)
     g, module = step.graph, step.module
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
@@ -182,6 +205,33 @@ def _pipeline_stage(loaded: Loaded, inputs: Any, loss_fn: Optional[LossFn], targ
     st = analyze_stage(loaded.module, inputs, loss_fn, target, plan)
     shapes = tuple(s.shape for s in st.graph.storages.values() if s.kind == "input")
     return Report.build(st.graph, st.liveness, st.saved, loaded.name, shapes, "pipeline stage loss", st.notes)
+
+
+def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn], target: Target,
+              sharding: Sharding, formula: Any, training: Training, reuse: bool) -> Report:
+    """Rank r's step through the real wrappers (graphmem/distributed/capture.py), with the
+    per-rank formula over the single-device step beside it (graphmem/distributed/view.py)."""
+    if formula:
+        raise UsageError("--zero and --fsdp full|grad-op are the per-rank formulas; --rank and bare --fsdp run "
+                         "PyTorch's wrappers: give one or the other")
+    if sharding.offload and target.device == "cuda":
+        raise UsageError("--fsdp-offload on --device cuda is not modelled yet: the CUDA target runs on CPU fake "
+                         "tensors, where CPUOffloadPolicy's host-to-device copies do not appear")
+    if training.requested or target.mode == "compiled":
+        raise UsageError("the per-rank capture runs forward and backward through the wrappers (no optimizer, "
+                         "micro-batches, LoRA or compiled mode yet): drop those options, or drop --rank/--fsdp "
+                         "for the formulas")
+    # every block is captured: depth reuse's widening (graphmem/capture/widen.py) refuses a step whose
+    # blocks are referred to from outside the chain, as FSDP2's prefetch and root callbacks do
+    g = capture_rank(module, make, loss_fn, target, sharding)
+    shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
+    single = capture_reusing(module, lambda: capture(module, make, loss_fn, target))[0] if reuse \
+        else capture(module, make, loss_fn, target)
+    lv, sv = liveness(g), saved(g)
+    view = rank_view(g, lv, sv, sharding, (single, liveness(single), saved(single)), units_of(module))
+    loss_name = "default" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
+    alloc = allocator(g) if target.device == "cuda" else None
+    return Report.build(g, lv, sv, name, shapes, loss_name, notes(g) + view.lines(), None, alloc, sharding=view)
 
 
 def _beside_eager(report: Report, model: nn.Module, inputs: Any, loss_fn: Optional[LossFn]) -> Report:

@@ -39,6 +39,7 @@ class Report:
     cuda_allocator: Any = None  # CUDA target: passes.allocator.AllocatorResult (caching allocator model)
     budget: Any = None  # graphmem.training.spec.StepBudget: optimizer, precision, LoRA, per-rank budget
     compiled: Any = None  # compiled mode: passes.modes.ModeComparison (eager beside compiled)
+    sharding: Any = None  # graphmem.distributed.RankView: the rank this report is, its wrappers, the formula beside it
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # graphmem.recapture.Recapture: capture again
@@ -156,7 +157,7 @@ class Report:
     @staticmethod
     def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,
               notes: tuple[str, ...] = (), source: Any = None, cuda_allocator: Any = None,
-              budget: Any = None) -> "Report":
+              budget: Any = None, sharding: Any = None) -> "Report":
         kinds: dict[str, int] = {}
         for s in g.storages.values():
             if s.created < 0:
@@ -175,6 +176,7 @@ class Report:
             saved=sv.tensors, modules=sv.modules, num_ops=g.num_ops,
             phase_start=dict(g.phase_start), notes=notes, target=g.target,
             attention_backends=dict(g.attention_backends), cuda_allocator=cuda_allocator, budget=budget, step=g, liveness=lv, source=source,
+            sharding=sharding,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -214,6 +216,7 @@ class Report:
             **({"coefficients": self.known_coefficients.to_dict()} if self.known_coefficients is not None else {}),
             **({"budget": self.budget.to_dict()} if self.budget is not None else {}),
             **({"compiled": self.compiled.to_dict()} if self.compiled is not None else {}),
+            **({"sharding": self.sharding.to_dict()} if self.sharding is not None else {}),
             **({"plan": self.known_plans.to_dict()} if self.known_plans is not None else {}),
             **({"memory_budgets": self.known_memory_budgets.to_dict()} if self.known_memory_budgets is not None else {}),
         }

@@ -2,7 +2,8 @@
 for backward, deduplicated by storage, with categories, module attribution and lifetimes.
 
 activation_bytes = bytes of the distinct storages saved during forward and loss, not counting
-the model's parameters and buffers (a view counts as its base storage).
+the model's parameters and buffers (a view counts as its base storage; under FSDP2 the unsharded
+parameters it all-gathers are parameters too: graphmem/distributed/fsdp.py).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _category(s: Storage, storages: dict[int, Storage]) -> str:
         return "input"
     if s.source is not None and storages[s.source].kind in ("parameter", "buffer"):
         return "autocast copy"  # a forward cast of a weight (what autocast caches and saves)
-    if s.kind == "activation":
+    if s.kind in ("activation", "communication"):  # (a collective's output saved for backward is an activation)
         return "activation"
     if s.kind == "workspace":
         return "workspace"  # a kernel's workspace it keeps for backward (oneDNN LSTM; graphmem/capture/workspace.py)
@@ -77,7 +78,7 @@ def saved(g: StepGraph) -> SavedSet:
     param_bytes = 0
     for sid, i in first.items():
         s = g.storages[sid]
-        if s.kind in ("parameter", "buffer"):
+        if s.kind in ("parameter", "buffer", "gathered parameter"):  # (FSDP2's unsharded parameter: a parameter)
             param_bytes += s.nbytes
             continue
         made_by_op = s.created >= 0

@@ -7,6 +7,9 @@ Categories (each storage belongs to exactly one, for its whole live interval):
 - ``optimizer``:   optimizer states and fp32 master copies (graphmem/training/loop.py)
 - ``activations``: the storages saved for backward (what ``activation_bytes`` counts, the saved
   batch included), from the forward op that makes them to the backward op that frees them
+- ``communication``: collective buffers of the distributed wrappers (graphmem/distributed/): FSDP2's
+  all-gather buffers and the unsharded parameters copied out of them, reduce-scatter inputs
+  and outputs (until the output becomes the sharded gradients)
 - ``workspace``:   kernel scratch, live inside one op (graphmem/capture/workspace.py); a workspace the
   kernel returns and autograd saves (oneDNN LSTM) counts under ``activations``
 - ``other``:       everything else: inputs that are not saved, temporaries, the output and the
@@ -25,7 +28,7 @@ from graphmem.passes.liveness import Liveness
 from graphmem.passes.saved import SavedTensor
 from graphmem.stepgraph import StepGraph, Storage
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "workspace", "other")
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "workspace", "other")
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,10 @@ def _category(s: Storage, saved_sids: set[int]) -> str:
         return "gradients"
     if s.kind in ("optimizer state", "master"):
         return "optimizer"
-    if s.sid in saved_sids:
+    if s.sid in saved_sids:  # (a collective's output autograd saves, as sequence parallel's all-gather: an activation)
         return "activations"
+    if s.kind in ("communication", "gathered parameter"):
+        return "communication"
     if s.kind == "workspace":
         return "workspace"
     return "other"

@@ -124,7 +124,8 @@ def test_received_activations_take_the_target_dtype() -> None:
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(pp=2, rank=2), "--rank must be in 0..1"),
-    (dict(rank=1), "--rank and --schedule need it"),
+    (dict(schedule="gpipe"), "--rank and --schedule need it"),
+    (dict(rank=1), "is not one of the 1 ranks"),  # without --pp, --rank is FSDP/TP's (graphmem/distributed/)
     (dict(pp=2, schedule="zb"), "unknown --schedule"),
     (dict(pp=2, micro_batches=3), "split evenly into --micro-batches 3"),
     (dict(pp=8, micro_batches=4), "fewer than the 8 pipeline stages"),

@@ -26,6 +26,7 @@ def test_category_timeline_by_hand() -> None:
         "gradients": (0, 0, 0, 0, 100, 100),  # G from op 4
         "optimizer": (0, 0, 0, 0, 0, 0),  # no optimizer step traced
         "activations": (1040, 1040, 1340, 1340, 1340, 1040),  # A + X, and C during ops 2-4
+        "communication": (0, 0, 0, 0, 0, 0),  # no collectives (graphmem/distributed/)
         "workspace": (0, 0, 0, 0, 0, 0),  # no kernel scratch
         "other": (0, 500, 0, 0, 0, 2000),  # B at op 1, T at op 5
     }
@@ -33,8 +34,8 @@ def test_category_timeline_by_hand() -> None:
                               5: "gradients", 6: "other"}
     # AND the categories add up to the liveness timeline
     assert tuple(map(sum, zip(*tl.by_category.values()))) == lv.timeline == (1140, 1640, 1440, 1440, 1540, 3240)
-    assert tl.at(5) == {"parameters": 100, "gradients": 100, "optimizer": 0, "activations": 1040, "workspace": 0,
-                        "other": 2000}
+    assert tl.at(5) == {"parameters": 100, "gradients": 100, "optimizer": 0, "activations": 1040, "communication": 0,
+                        "workspace": 0, "other": 2000}
 
 
 def test_unsaved_input_is_other() -> None:

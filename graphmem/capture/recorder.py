@@ -14,11 +14,12 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphmem.capture.workspace_conv  # noqa: F401  (registers the convolution rules)
 import graphmem.capture.workspace_dropout  # noqa: F401  (registers the fused dropout rules)
+from graphmem.capture.subclasses import all_real, inner_tensors, wrapped
 from graphmem.capture.workspace import WORKSPACE_OUTPUTS, kernel_rule, scratch
 from graphmem.stepgraph import OpNode, SaveEvent, Storage
 
@@ -44,16 +45,17 @@ def node_metadata(fn: Any) -> dict:
 class _Packed:
     """What the pack hook returns; its destruction is autograd releasing the saved tensor."""
 
-    __slots__ = ("tensor", "event", "cap")
+    __slots__ = ("tensor", "events", "cap")
 
-    def __init__(self, tensor: torch.Tensor, event: SaveEvent, cap: "_Recorder") -> None:
+    def __init__(self, tensor: torch.Tensor, events: list[SaveEvent], cap: "_Recorder") -> None:
         self.tensor = tensor
-        self.event = event
+        self.events = events  # one per storage: a tensor subclass (DTensor) saves its inner tensors' storages
         self.cap = cap
 
     def __del__(self) -> None:
         if not self.cap.closed:
-            self.event.released_at = len(self.cap.ops) - 1
+            for event in self.events:
+                event.released_at = len(self.cap.ops) - 1
 
 
 class _Mode(FakeTensorMode):
@@ -67,8 +69,12 @@ class _Mode(FakeTensorMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         rec = self.rec
-        if rec.depth or not rec.recording or func.namespace in ("prim", "profiler") or func in _METADATA_OPS:
-            return super().__torch_dispatch__(func, types, args, kwargs)  # queries never allocate
+        if rec.real_bookkeeping and all_real(args, kwargs):  # while wrappers are set up: ops on real tensors (a
+            with unset_fake_temporarily():  # DeviceMesh's rank layout when FSDP composes with TP) run for real
+                return func(*args, **(kwargs or {}))
+        if rec.depth or not rec.recording or func.namespace in ("prim", "profiler") or func in _METADATA_OPS \
+                or wrapped(types):  # queries never allocate; a DTensor's op comes back as its local ops
+            return super().__torch_dispatch__(func, types, args, kwargs)
         if func is _LAYER_NORM and rec.fp32_norm_stats and args[0].dtype in (torch.float16, torch.bfloat16):
             return rec.record(lambda f, a, k: _fp32_stats(super(_Mode, self).__torch_dispatch__(f, types, a, k)),
                               func, args, kwargs)
@@ -116,6 +122,8 @@ class _Recorder:
         self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
         self.clearing = False  # inside an autocast cache clear (see ``clearing_cache``)
         self.device = "cpu"  # the target device: which kernel and scratch rules hold (graphmem/capture/workspace.py)
+        self.real_bookkeeping = False  # (graphmem/distributed/capture.py, while fully_shard / parallelize_module set up)
+        self.on_op: Optional[Callable[[Any, tuple, dict, Any], None]] = None  # told of each recorded op (func, args, kwargs, out)
 
     # -- storages -----------------------------------------------------------------
     def storage(self, t: torch.Tensor, kind: str, name: str, created: int, module: str) -> Storage:
@@ -131,13 +139,36 @@ class _Recorder:
         return s
 
     def _freed(self, key: int, s: Storage) -> None:
-        if self.closed:
+        if self.closed or s.freed is not None:  # (already released by a storage resize)
             return
         s.freed = len(self.ops) - 1
         if self.clearing:
             s.cache_freed = True
         if self.live.get(key) is s:
             del self.live[key]
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run here are not the step's (a library's shape propagation on fake tensors)."""
+        was, self.recording = self.recording, False
+        try:
+            yield
+        finally:
+            self.recording = was
+
+    def released(self, t: torch.Tensor) -> None:
+        """``t``'s storage is about to be resized to 0 bytes (``UntypedStorage.resize_(0)``, as
+        FSDP2 frees an unsharded parameter): its allocation ends here, though the storage object
+        lives on; a later resize back is a new allocation (``storage`` records it then)."""
+        s = self.live.pop(t.untyped_storage()._cdata, None)
+        if s is not None and self.recording and not self.closed:
+            s.freed = len(self.ops) - 1
+
+    def relabel(self, t: torch.Tensor, kind: str, name: str) -> None:
+        """Give ``t``'s live storage a kind and name (a collective's buffer, a gathered parameter)."""
+        s = self.live.get(t.untyped_storage()._cdata)
+        if s is not None:
+            s.kind, s.name = kind, name
 
     @contextlib.contextmanager
     def clearing_cache(self) -> Iterator[None]:
@@ -229,6 +260,8 @@ class _Recorder:
             self.storages[s.sid] = s
         if found:
             node.meta["scratch"] = sum(sc.nbytes for sc in found)
+        if self.on_op is not None:
+            self.on_op(func, args, kwargs, out)
         return out
 
     def _accumulates_inplace(self, args: tuple) -> bool:
@@ -251,17 +284,20 @@ class _Recorder:
 
     # -- autograd hooks -----------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Packed:
-        s = self.storage(t, "external", "saved", len(self.ops) - 1, self.stack[-1])
-        ev = SaveEvent(s.sid, len(self.ops) - 1, None, self.stack[-1], self.phase,
-                       tuple(t.shape), str(t.dtype).replace("torch.", ""))
-        self.saves.append(ev)
-        return _Packed(t, ev, self)
+        events = []
+        for inner in inner_tensors(t):  # what holds memory: a DTensor's local shard, not its global wrapper
+            s = self.storage(inner, "external", "saved", len(self.ops) - 1, self.stack[-1])
+            events.append(SaveEvent(s.sid, len(self.ops) - 1, None, self.stack[-1], self.phase,
+                                    tuple(inner.shape), str(inner.dtype).replace("torch.", "")))
+        self.saves.extend(events)
+        return _Packed(t, events, self)
 
     @staticmethod
     def unpack(h: _Packed) -> torch.Tensor:
-        if not h.event.grad_fn:
-            fn = torch._C._current_autograd_node()
-            h.event.grad_fn = fn.name() if fn is not None else ""
+        for event in h.events:
+            if not event.grad_fn:
+                fn = torch._C._current_autograd_node()
+                event.grad_fn = fn.name() if fn is not None else ""
         return h.tensor
 
     # -- module paths -------------------------------------------------------------

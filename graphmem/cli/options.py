@@ -6,7 +6,7 @@ library takes: a Target (graphmem/capture/target.py) and a Training spec
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Optional
 
 from graphmem.errors import UsageError
 
@@ -81,21 +81,31 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    "bitsandbytes (Hugging Face models, with --lora-rank; pip install 'graphmem[qlora]')")
     g.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (data parallel x tensor parallel)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage over the data-parallel ranks")
-    g.add_argument("--fsdp", choices=["full", "grad-op"], help="FSDP sharding: full (FULL_SHARD) or grad-op (SHARD_GRAD_OP)")
-    g.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size (Megatron column/row linears, from the graph)")
+    g.add_argument("--fsdp", nargs="?", const="fully_shard", choices=["fully_shard", "full", "grad-op"],
+                   help="alone: rank --rank's step through PyTorch's fully_shard (FSDP2) per block; full (FULL_SHARD) "
+                   "or grad-op (SHARD_GRAD_OP): the per-rank formula over the single-device step")
+    g.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size: with --rank, DTensor's "
+                   "parallelize_module runs; without, Megatron's column/row split of the graph's linears (formula)")
     g.add_argument("--sp", action="store_true", help="sequence parallel with --tp: the tensors outside the TP regions split too")
+    d = p.add_argument_group("per rank through PyTorch's own wrappers (docs/distributed.md)")
+    d.add_argument("--rank", type=int, metavar="R", help="analyze rank R's step as fully_shard / parallelize_module run "
+                   "it under a fake process group of --world-size ranks (bare --fsdp implies --rank 0)")
+    d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                   help="fully_shard(reshard_after_forward=False): keep each block's gathered parameters until backward")
+    d.add_argument("--fsdp-param-dtype", choices=["fp32", "bf16", "fp16"], help="MixedPrecisionPolicy(param_dtype=...)")
+    d.add_argument("--fsdp-reduce-dtype", choices=["fp32", "bf16", "fp16"], help="MixedPrecisionPolicy(reduce_dtype=...)")
+    d.add_argument("--fsdp-offload", action="store_true", help="CPUOffloadPolicy: sharded parameters and gradients in host memory")
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline parallel (torch.distributed.pipelining's schedules, rank r's step)")
     g.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline ranks: the chain of blocks split evenly "
-                   "over P stages; the report is rank --rank's (--micro-batches: the schedule's micro-batches)")
-    g.add_argument("--rank", type=int, default=0, metavar="R", help="the pipeline rank to report (0..P-1)")
+                   "over P stages; the report is rank --rank's (default 0; --micro-batches: the schedule's micro-batches)")
     g.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"],
                    help="Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B (two stages per rank)")
 
 
-def pipeline_of(args: argparse.Namespace) -> tuple[int, int, str]:
+def pipeline_of(args: argparse.Namespace) -> tuple[int, Optional[int], str]:
     """(pp, rank, schedule) of the pipeline options, checked when ``analyze`` builds the Pipeline."""
     if args.pp > 1 and (args.plan or args.formula or args.memory_budget is not None):
         raise UsageError("--pp reports one pipeline rank's step; --plan, --formula and --memory-budget do not "
@@ -148,9 +158,29 @@ def training_of(args: argparse.Namespace) -> Any:
     """The frozen Training spec the training options name (checked once, here)."""
     from graphmem.training.spec import make_training
 
+    if per_rank(args):  # the wrappers run (analyze_args passes their options): no per-rank formula
+        return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
+                             args.lora_rank, args.lora_targets, lora_alpha=args.lora_alpha,
+                             quantization=args.quantization)
     return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
                          args.lora_rank, args.lora_targets, args.world_size, args.zero, args.fsdp, args.tp, args.sp,
                          lora_alpha=args.lora_alpha, quantization=args.quantization)
+
+
+def per_rank(args: argparse.Namespace) -> bool:
+    """--rank, bare --fsdp or a fully_shard option: rank r's step through the real wrappers
+    (graphmem/distributed/; make_sharding says what is missing)."""
+    return (args.rank is not None or args.fsdp == "fully_shard" or bool(
+        args.fsdp_param_dtype or args.fsdp_reduce_dtype or args.fsdp_offload or not args.reshard_after_forward))
+
+
+def sharding_of(args: argparse.Namespace) -> dict[str, Any]:
+    """analyze's keyword options for the per-rank capture (checked there, by make_sharding)."""
+    if not per_rank(args):
+        return {}
+    return dict(world_size=args.world_size, rank=args.rank, zero=args.zero, fsdp=args.fsdp, tp=args.tp, sp=args.sp,
+                reshard_after_forward=args.reshard_after_forward, fsdp_param_dtype=args.fsdp_param_dtype,
+                fsdp_reduce_dtype=args.fsdp_reduce_dtype, fsdp_offload=args.fsdp_offload)
 
 
 def hf_of(args: argparse.Namespace) -> Any:
@@ -161,13 +191,18 @@ def hf_of(args: argparse.Namespace) -> Any:
 
 
 def analyze_args(args: argparse.Namespace, input_shape: Any = None, training: Any = None,
-                 pipeline: tuple[int, int, str] = (1, 0, "1f1b")) -> Any:
+                 pipeline: tuple[int, Optional[int], str] = (1, None, "1f1b")) -> Any:
     """``graphmem.analyze`` of the command's model with its target options and its training
     options (or the given ``training`` spec, for commands without training options);
     ``pipeline``: pipeline_of's (pp, rank, schedule)."""
     from graphmem.api import analyze
 
     pp, rank, schedule = pipeline
+    extra: dict[str, Any] = {}
+    if pp > 1 or schedule != "1f1b":  # one pipeline rank's step
+        extra = dict(pp=pp, rank=rank, schedule=schedule)
+    elif training is None:  # a command with the training options: per rank through the wrappers, if asked
+        extra = sharding_of(args)
     return analyze(args.model, input_shape=args.input_shape if input_shape is None else input_shape,
                    target=target_of(args), training=training_of(args) if training is None else training,
-                   reuse=not args.no_reuse, hf=hf_of(args), pp=pp, rank=rank, schedule=schedule)
+                   reuse=not args.no_reuse, hf=hf_of(args), **extra)

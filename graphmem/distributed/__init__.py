@@ -1,1 +1,13 @@
-"""Per-rank steps under torch.distributed's own parallel wrappers, run on a fake process group."""
+"""Per-rank memory from PyTorch's own distributed code, run in one process on fake tensors.
+
+``capture_rank`` records rank r's step with ``fully_shard`` (FSDP2) and/or DTensor
+``parallelize_module`` (tensor/sequence parallel) under the fake process group
+(``fake_process_group``); ``Sharding`` / ``make_sharding`` hold the options. See docs/distributed.md.
+Pipeline stages: ``analyze_stage`` in graphmem/distributed/pipeline.py (docs/pipeline.md).
+"""
+from graphmem.distributed import collectives  # noqa: F401  (registers the gloo scratch rules)
+from graphmem.distributed.capture import capture_rank
+from graphmem.distributed.process_group import fake_process_group
+from graphmem.distributed.spec import Sharding, make_sharding
+
+__all__ = ["capture_rank", "fake_process_group", "Sharding", "make_sharding"]

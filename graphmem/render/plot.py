@@ -21,11 +21,12 @@ LABELS = {
     "gradients": "gradients (.grad)",
     "optimizer": "optimizer states + master copies",
     "activations": "activations (saved for backward)",
+    "communication": "communication (all-gather / reduce-scatter buffers, gathered parameters)",
     "workspace": "kernel workspace (scratch inside an op)",
     "other": "other (inputs, temporaries, outputs)",
 }
 COLORS = {"parameters": "#4e79a7", "gradients": "#59a14f", "optimizer": "#b07aa1", "activations": "#f28e2c",
-          "workspace": "#e15759", "other": "#bab0ab"}
+          "communication": "#76b7b2", "workspace": "#e15759", "other": "#bab0ab"}
 OVERLAY = "#c0392b"
 INSTALL = "pip install 'graphmem[plot]'"
 
@@ -135,7 +136,7 @@ def timeline_figure(report: Report, other: Optional[Report] = None, labels: Opti
     ax, side = fig.subplots(1, 2, width_ratios=[3, 1])
     n = report.num_ops
     xs = list(range(n + 1))
-    shown = [c for c in CATEGORIES if c not in ("optimizer", "workspace") or any(tl.by_category[c])]  # when present
+    shown = [c for c in CATEGORIES if c not in ("optimizer", "communication", "workspace") or any(tl.by_category[c])]  # when present
     ax.stackplot(xs, *[_steps(tl.by_category[c], scale) for c in shown], step="post",
                  colors=[COLORS[c] for c in shown], labels=[LABELS[c] for c in shown],
                  linewidth=0, zorder=2)

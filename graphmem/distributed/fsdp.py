@@ -1,0 +1,141 @@
+"""FSDP2 on a fake copy of the model: ``fully_shard`` per block of the chain, then the root.
+
+What the recorder cannot see by itself (graphmem/capture/recorder.py records dispatched ops and
+storages dying): FSDP2 frees an unsharded parameter with ``UntypedStorage.resize_(0)`` and
+allocates it again with ``resize_(nbytes)`` (torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
+``free_storage`` / ``alloc_storage``), and its collectives' buffers are ordinary op outputs.
+``watching`` reports both to the recorder while the step runs, and names the buffers:
+
+- ``fsdp.all_gather_copy_in``'s flat output (the all-gather buffer, ``world_size`` x the unit's
+  shards; its input is a view of it) and ``fsdp.chunk_cat``'s output (the reduce-scatter input):
+  kind "communication";
+- the ``out`` tensors of ``fsdp.split_with_sizes_copy`` (FSDPParam.all_gather_outputs, the
+  unsharded parameters' storage): kind "gathered parameter";
+- ``c10d._reduce_scatter_base_``'s output: "communication" until it becomes the sharded
+  gradients (capture marks it "gradient" then);
+- the outputs of the functional collectives DTensor's redistributions run (tensor parallel):
+  "communication".
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from graphmem.capture.fakes import _fake_like
+from graphmem.capture.recorder import _Recorder
+from graphmem.chains import find_chain
+from graphmem.distributed.process_group import Meshes
+from graphmem.distributed.spec import Sharding
+
+
+def fake_copy(model: nn.Module, dtype: Optional[torch.dtype]) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fresh fake tensors (run under the
+    fake mode); tied parameters stay tied, the given module is untouched and nothing real is
+    copied (deepcopy's memo hands it the fake tensors)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(_fake_like(p, torch.device("cpu"), dtype), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = _fake_like(b, torch.device("cpu"), dtype)
+    return copy.deepcopy(model, memo)
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """What fully_shard wraps, innermost first: each block of the chain (graphmem/chains.py,
+    as transformers' layers are wrapped in PyTorch's FSDP2 examples), then the root."""
+    chain = find_chain(model)
+    blocks = list(model.get_submodule(chain.path).children()) if chain is not None else []
+    return [*blocks, model]
+
+
+def shard(model: nn.Module, sharding: Sharding, meshes: Meshes) -> None:
+    """fully_shard (torch/distributed/fsdp/_fully_shard/_fully_shard.py) on each unit."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=sharding.dtype(sharding.param_dtype),
+                                  reduce_dtype=sharding.dtype(sharding.reduce_dtype))
+    offload = CPUOffloadPolicy(pin_memory=False) if sharding.offload else OffloadPolicy()
+    for unit in units(model):
+        fully_shard(unit, mesh=meshes.dp, reshard_after_forward=sharding.reshard_after_forward,
+                    mp_policy=policy, offload_policy=offload)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what rank r holds); a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@contextlib.contextmanager
+def watching(cap: _Recorder) -> Iterator[None]:
+    """Tell the recorder of FSDP2's storage resizes and name its collectives' buffers; pause it
+    while DTensor propagates shapes."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def alloc_storage(t: torch.Tensor) -> None:
+        was = t.untyped_storage().nbytes()
+        alloc(t)
+        if was == 0 and t.untyped_storage().nbytes() and cap.recording:
+            cap.storage(t, "gathered parameter", "all-gather output (unsharded parameter)", len(cap.ops),
+                        cap.module_now()).kind = "gathered parameter"
+
+    def free_storage(t: torch.Tensor) -> None:
+        if t.untyped_storage().nbytes():
+            cap.released(t)
+        free(t)
+
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate_paused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # DTensor learns an op's output shape by running it on fake tensors (torch/distributed/tensor/
+        # _sharding_prop.py); a real run does that in a fake mode of its own, so it is no step memory
+        with cap.paused():
+            return propagate(self, *args, **kwargs)
+
+    patched = [(_fsdp_param, "alloc_storage", alloc_storage), (_fsdp_param, "free_storage", free_storage),
+               (_fsdp_param_group, "alloc_storage", alloc_storage),
+               (ShardingPropagator, "_propagate_tensor_meta_non_cached", propagate_paused)]
+    saved = [(m, name, getattr(m, name)) for m, name, _ in patched]
+    for m, name, fn in patched:
+        setattr(m, name, fn)
+    cap.on_op = lambda func, args, kwargs, out: _label(cap, func, args, kwargs, out)
+    try:
+        yield
+    finally:
+        cap.on_op = None
+        for m, name, fn in saved:
+            setattr(m, name, fn)
+
+
+_ALL_GATHER_COPY_IN = "fsdp::all_gather_copy_in"
+_SPLIT_COPY = "fsdp::split_with_sizes_copy"
+_CHUNK_CAT = "fsdp::chunk_cat"
+_REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
+
+
+_FUNCTIONAL = "_c10d_functional::"  # DTensor's redistributions: all_gather_into_tensor, reduce_scatter_tensor, all_reduce
+
+
+def _label(cap: _Recorder, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    name = func._schema.name
+    if name.startswith(_FUNCTIONAL) and name != "_c10d_functional::wait_tensor" and isinstance(out, torch.Tensor):
+        cap.relabel(out, "communication", f"{name.split('::')[1]} output (DTensor redistribute)")
+    elif name == _ALL_GATHER_COPY_IN:
+        cap.relabel(out[1], "communication", "all-gather buffer (fsdp.all_gather_copy_in)")
+    elif name == _CHUNK_CAT:
+        cap.relabel(kwargs["out"] if "out" in kwargs else args[3], "communication",
+                    "reduce-scatter input (fsdp.chunk_cat)")
+    elif name == _REDUCE_SCATTER:
+        cap.relabel(args[0], "communication", "reduce-scatter output (c10d._reduce_scatter_base_)")
+    elif name == _SPLIT_COPY:
+        for t in kwargs.get("out", args[2] if len(args) > 2 else ()):
+            cap.relabel(t, "gathered parameter", "all-gather output (unsharded parameter)")

@@ -1,0 +1,66 @@
+"""The frozen sharding spec of a per-rank capture: which of PyTorch's own wrappers run, for which rank.
+
+``fsdp``: ``fully_shard`` (FSDP2) per block of the model's chain and on the root, with
+``reshard_after_forward``, a ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``) and
+``CPUOffloadPolicy`` (``offload``). ``tp``/``sp``: DTensor ``parallelize_module`` over ``tp`` ranks
+(graphmem/distributed/tensor_parallel.py). Checked once, here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from graphmem.errors import UsageError
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Sharding:
+    world_size: int
+    rank: int = 0
+    fsdp: bool = False
+    reshard_after_forward: bool = True
+    param_dtype: Optional[str] = None  # MixedPrecisionPolicy.param_dtype ("bf16", ...)
+    reduce_dtype: Optional[str] = None  # MixedPrecisionPolicy.reduce_dtype
+    offload: bool = False  # CPUOffloadPolicy
+    tp: int = 1
+    sp: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+    def dtype(self, name: Optional[str]) -> Optional[torch.dtype]:
+        return _DTYPES[name] if name is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "rank": self.rank, "fsdp": self.fsdp,
+                "reshard_after_forward": self.reshard_after_forward, "param_dtype": self.param_dtype,
+                "reduce_dtype": self.reduce_dtype, "offload": self.offload, "tp": self.tp, "sp": self.sp}
+
+
+def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_after_forward: bool = True,
+                  param_dtype: Optional[str] = None, reduce_dtype: Optional[str] = None, offload: bool = False,
+                  tp: int = 1, sp: bool = False) -> Sharding:
+    """Check the options together; the error names the fix."""
+    for name, v in (("--world-size", world_size), ("--tp", tp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UsageError(f"{name} must be a positive integer, got {v!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise UsageError(f"--rank {rank!r} is not one of the {world_size} ranks: use 0 to {world_size - 1}")
+    if world_size % tp:
+        raise UsageError(f"--world-size {world_size} is not a multiple of --tp {tp}: world = data parallel x tensor parallel")
+    for name, d in (("--fsdp-param-dtype", param_dtype), ("--fsdp-reduce-dtype", reduce_dtype)):
+        if d is not None and d not in _DTYPES:
+            raise UsageError(f"unknown {name} {d!r}: use one of {', '.join(_DTYPES)}")
+    if not fsdp and (param_dtype or reduce_dtype or offload or not reshard_after_forward):
+        raise UsageError("the mixed-precision, offload and reshard options configure fully_shard: add --fsdp")
+    if sp and tp == 1:
+        raise UsageError("--sp splits the sequence over the tensor-parallel ranks: add --tp 2 (or more)")
+    if fsdp and world_size // tp == 1:
+        raise UsageError(f"--fsdp shards over the data-parallel ranks, and --world-size {world_size} / --tp {tp} "
+                         "leaves one: raise --world-size")
+    return Sharding(world_size, rank, fsdp, reshard_after_forward, param_dtype, reduce_dtype, offload, tp, sp)

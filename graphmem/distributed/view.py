@@ -1,0 +1,90 @@
+"""What a per-rank report adds: which rank, which wrappers, the communication buffers live at its
+peak, and the per-rank formula over the single-device step beside it (the cross-check), with the
+difference explained by what the wrappers hold that the formula does not see."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from graphmem.distributed.spec import Sharding
+from graphmem.passes import Liveness
+from graphmem.passes.budget import Budget, Parallel, budget
+from graphmem.passes.saved import SavedSet
+from graphmem.passes.timeline import category_timeline
+from graphmem.stepgraph import StepGraph
+from graphmem.units import fmt_bytes
+
+
+@dataclass(frozen=True)
+class RankView:
+    sharding: Sharding
+    communication_at_peak: tuple[tuple[str, str, int], ...]  # (unit module, buffer name, bytes) live at the peak
+    communication_max: int  # the most communication bytes live during any op
+    formula: Optional[Parallel]  # the formula's options (passes/budget.py), None if none applies
+    formula_peak: Optional[int]  # its peak over the single-device step
+    peak_bytes: int  # rank r's real peak (the report's)
+
+    @property
+    def gap(self) -> Optional[int]:
+        """Real peak minus the formula's: what the wrappers hold that the formula does not."""
+        return None if self.formula_peak is None else self.peak_bytes - self.formula_peak
+
+    def describe(self) -> str:
+        s = self.sharding
+        wrappers = []
+        if s.tp > 1:
+            wrappers.append(f"parallelize_module tp={s.tp}" + (" + sequence parallel" if s.sp else ""))
+        if s.fsdp:
+            mp = ", ".join(f"{k}={v}" for k, v in (("param_dtype", s.param_dtype), ("reduce_dtype", s.reduce_dtype)) if v)
+            wrappers.append(f"fully_shard over {s.dp}, reshard_after_forward={s.reshard_after_forward}"
+                            + (f", {mp}" if mp else "") + (", CPUOffloadPolicy" if s.offload else ""))
+        return f"rank {s.rank} of {s.world_size} ({'; '.join(wrappers)})"
+
+    def lines(self) -> tuple[str, ...]:
+        out = [self.describe()]
+        held = sum(b for _, _, b in self.communication_at_peak)
+        if held:
+            parts: dict[str, tuple[int, set[str]]] = {}
+            for unit, name, b in self.communication_at_peak:
+                key = name.split(" (")[0]
+                total, units = parts.get(key, (0, set()))
+                parts[key] = (total + b, units | {unit or "the root"})
+            out.append(f"communication at the peak: {fmt_bytes(held)} (" + ", ".join(
+                f"{k} of {', '.join(sorted(u)) if len(u) <= 2 else f'{len(u)} modules'}: {fmt_bytes(v)}"
+                for k, (v, u) in sorted(parts.items(), key=lambda kv: -kv[1][0])) + ")")
+        if self.formula is not None and self.formula_peak is not None and self.gap is not None:
+            sign = "+" if self.gap >= 0 else "-"
+            out.append(f"formula cross-check ({self.formula.describe()}, passes/budget.py over the single-device "
+                       f"step): peak {fmt_bytes(self.formula_peak)}; the wrappers' step: {sign}{fmt_bytes(abs(self.gap))}"
+                       + (" (the buffers above: the formula counts no collective buffers and at most one gathered unit)"
+                          if self.gap > 0 and held else ""))
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.sharding.to_dict(),
+                "communication_at_peak": [{"unit": u, "name": n, "bytes": b} for u, n, b in self.communication_at_peak],
+                "communication_max_bytes": self.communication_max,
+                "formula": self.formula.to_dict() if self.formula is not None else None,
+                "formula_peak_bytes": self.formula_peak, "gap_bytes": self.gap}
+
+
+def formula_of(sharding: Sharding) -> Parallel:
+    """The per-rank formula for the same layout: FSDP with resharding after forward is
+    FULL_SHARD (ZeRO-3), without it SHARD_GRAD_OP; tensor parallel is Korthikanti's split."""
+    fsdp = ("full" if sharding.reshard_after_forward else "grad-op") if sharding.fsdp else None
+    return Parallel(sharding.world_size, 0, fsdp, sharding.tp, sharding.sp)
+
+
+def rank_view(g: StepGraph, lv: Liveness, sv: SavedSet, sharding: Sharding,
+              single: Optional[tuple[StepGraph, Liveness, SavedSet]], units: tuple[str, ...]) -> RankView:
+    """``g``/``lv``/``sv``: rank r's capture; ``single``: the single-device step (for the formula)."""
+    tl = category_timeline(g, lv, sv.tensors)
+    comm = tuple((t.module, t.name, t.nbytes) for t in lv.live_at_peak if tl.category_of.get(t.sid) == "communication")
+    formula: Optional[Parallel] = None
+    formula_peak: Optional[int] = None
+    if single is not None:
+        formula = formula_of(sharding)
+        b: Budget = budget(*single, formula, units)
+        formula_peak = b.peak_bytes
+    return RankView(sharding, comm, max(tl.by_category["communication"], default=0), formula, formula_peak,
+                    lv.peak_bytes)

@@ -1,0 +1,167 @@
+"""Ground truth for per-rank captures: a REAL multi-process CPU step with gloo
+(torch.multiprocessing.spawn), each rank measuring what graphmem/validation/measure.py measures
+on one device: the distinct storages autograd saves in forward and loss (parameters excluded:
+under FSDP2 the registered parameters during forward are the unsharded ones, so they are read
+at each save; a saved DTensor counts its local shard), and the peak from the CPU allocator's events under torch.profiler, plus the bytes
+live before the step (rank r's shards, buffers, the batch)."""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import ProfilerActivity, profile
+
+from graphmem.distributed.fsdp import local, shard
+from graphmem.distributed.process_group import Meshes
+from graphmem.distributed.spec import Sharding
+from graphmem.distributed.tensor_parallel import parallelize
+from graphmem.training.batch import as_batch
+from graphmem.training.step import LossFn, run_step
+from graphmem.validation.measure import _allocation_events
+
+REPEAT = 3  # steps per case: a free the profiler misses (see _settled) only raises the running sum,
+# so the least of the measured peaks is the allocator's peak
+
+
+def _keys(tensors: list[torch.Tensor]) -> dict[int, int]:
+    return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+
+
+def _step(model: nn.Module, batch: Any, loss_fn: LossFn | None, kept: list) -> tuple[int, int]:
+    """(saved bytes, peak bytes) of one real step of the wrapped ``model`` on this rank. What
+    the step leaves alive is appended to ``kept`` and never freed: the CPU allocator's profiler
+    reporter (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter) remembers the sizes of blocks
+    allocated while profiling, and a block freed after profiling stopped would leave an entry
+    that a later case's block at the same address, freed while profiling, reports as its own."""
+    saved: dict[int, int] = {}
+    phase = ["forward"]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        params = _keys([local(p) for p in model.parameters()] + [local(b) for b in model.buffers()])
+        st = local(t).untyped_storage()  # a DTensor (tensor parallel) holds its local shard
+        if phase[0] != "backward" and st._cdata not in params:
+            saved[st._cdata] = st.nbytes()
+        return t
+
+    baseline = sum(_keys([local(p) for p in model.parameters()] + [local(b) for b in model.buffers()]
+                         + list(as_batch(batch).tensors())).values())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, loss = run_step(model, batch, loss_fn, lambda p: phase.__setitem__(0, p))
+    kept.append((model, batch, out, loss))
+    running = high = 0
+    for _, size in _allocation_events(prof):
+        running += size
+        high = max(high, running)
+    return sum(saved.values()), baseline + high
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class Chain(nn.Module):
+    """A torch.nn chain of blocks and a head (fully_shard per block, the head in the root unit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block() for _ in range(3)])
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def case(name: str) -> tuple[nn.Module, tuple]:
+    """(model in train mode, inputs) of a named case, the same on every call: the Chain above,
+    or a tests/zoo.py model (transformers' Llama, GPT-2 with tied embeddings, ...)."""
+    torch.manual_seed(0)
+    if name == "chain":
+        return Chain().train(), (torch.randn(8, 64, generator=torch.Generator().manual_seed(1)),)
+    if name == "llama_bundled":  # models/llama.py, the decoder the tensor-parallel plan covers
+        from graphmem.models.llama import LlamaConfig, Transformer
+
+        config = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64)
+        return Transformer(config).train(), (torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1)),)
+    from tests.zoo import build
+
+    return build(name)
+
+
+def _settled(collective: Any) -> Any:
+    """``collective`` waited on, then held for a moment before it returns: gloo's worker thread
+    drops its reference to the Work (which holds the buffers) once it has run it, and a buffer
+    whose last reference dies there is freed on a thread torch.profiler does not watch (its free
+    event is lost and the measured running sum stays too high). Held here, the last reference
+    dies on the profiled thread, where FSDP2 drops it."""
+
+    def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        work = collective(*args, async_op=True, **kwargs)
+        work.wait()
+        time.sleep(0.02)
+        return work if async_op else None
+    return call
+
+
+def _settled_wait(wait: Any) -> Any:
+    """The same for DTensor's functional collectives: their ``wait_tensor`` (torch/distributed/
+    _functional_collectives.py) returns once the work is done; the moment after lets gloo's
+    thread drop its reference first."""
+
+    def call(tensor: torch.Tensor) -> torch.Tensor:
+        out = wait(tensor)
+        time.sleep(0.02)
+        return out
+    return call
+
+
+def _worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Sharding]], out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    dist.all_gather_single = _settled(dist.all_gather_single)  # type: ignore[attr-defined]
+    dist.reduce_scatter_single = _settled(dist.reduce_scatter_single)  # type: ignore[attr-defined]
+    funcol.wait_tensor = _settled_wait(funcol.wait_tensor)
+    try:
+        results, kept = [], []  # type: ignore[var-annotated]
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+        for name, sharding in cases:
+            runs = []
+            for _ in range(REPEAT):  # a fresh model each time; everything kept alive (see _step)
+                model, batch = case(name)
+                if sharding.tp > 1:
+                    parallelize(model, sharding, Meshes(mesh, None, mesh))
+                if sharding.fsdp:
+                    shard(model, sharding, Meshes(mesh, mesh, None))
+                runs.append(_step(model, batch, None, kept))
+            saved = {s for s, _ in runs}
+            assert len(saved) == 1, saved  # autograd saves the same every time
+            results.append({"saved": saved.pop(), "peak": min(p for _, p in runs)})
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_ranks(cases: list[tuple[str, Sharding]], world_size: int) -> list[list[dict[str, int]]]:
+    """For each case (a name for ``case``, its sharding), each rank's {"saved", "peak"} from one
+    real gloo job of ``world_size`` processes running all the cases in turn."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'store')}"
+        out = os.path.join(tmp, "result")
+        mp.spawn(_worker, args=(world_size, init, cases, out), nprocs=world_size, join=True)
+        per_rank = [torch.load(f"{out}.{r}") for r in range(world_size)]
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]

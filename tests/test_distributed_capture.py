@@ -1,0 +1,92 @@
+"""Per-rank captures on fake tensors (graphmem/distributed/): what each rank holds follows FSDP2's
+own sharding rule, the collectives' buffers are their own category, and mistakes are one line.
+(The real-run ground truth is tests/test_distributed.py.)"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import graphmem
+from graphmem.cli.main import main
+from graphmem.passes.timeline import category_timeline
+from tests.dist_truth import case
+
+
+def _fsdp2_shard_bytes(model: torch.nn.Module, world: int) -> int:
+    """FSDP2 keeps rank r's chunk of dim 0 of each parameter, padded to ceil(d0 / world) rows
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _init_sharded_param)."""
+    return sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) * p.element_size()
+               for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["chain", "llama_gqa"])
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_each_rank_holds_its_padded_shards(name: str, world: int) -> None:
+    model, batch = case(name)
+    for rank in (0, world - 1):
+        r = graphmem.analyze(model, batch, world_size=world, rank=rank, fsdp="fully_shard")
+        assert r.parameter_bytes == _fsdp2_shard_bytes(model, world)
+        assert r.gradient_bytes == r.parameter_bytes  # the reduce-scatter outputs, one per unit
+        tl = category_timeline(r.step, r.liveness, r.saved)
+        assert max(tl.by_category["communication"]) > 0
+        assert r.sharding.communication_max == max(tl.by_category["communication"])
+
+
+def test_reshard_after_forward_frees_gathered_blocks_and_the_formula_is_beside_it() -> None:
+    model, batch = case("llama_gqa")
+    kept = graphmem.analyze(model, batch, world_size=4, rank=0, fsdp="fully_shard", reshard_after_forward=False)
+    freed = graphmem.analyze(model, batch, world_size=4, rank=0, fsdp="fully_shard")
+    assert freed.activation_bytes == kept.activation_bytes  # the same saved activations
+    gathered = lambda r: max(category_timeline(r.step, r.liveness, r.saved).by_category["communication"])  # noqa: E731
+    assert gathered(kept) > gathered(freed)  # every block's gathered parameters held until backward
+    assert kept.sharding.formula.fsdp == "grad-op" and freed.sharding.formula.fsdp == "full"
+    assert freed.sharding.gap == freed.peak_bytes - freed.sharding.formula_peak
+    assert any(n.startswith("formula cross-check") for n in freed.notes)
+
+
+@pytest.mark.slow
+def test_world_1024() -> None:
+    model, batch = case("chain")  # FSDP2 pads each 64-row weight to 1024 rows: 960 empty chunks per parameter
+    r = graphmem.analyze(model, batch, world_size=1024, rank=1023, fsdp="fully_shard")
+    assert r.parameter_bytes == _fsdp2_shard_bytes(model, 1024)
+
+
+def test_cli_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["analyze", "models/mlp.py", "--input-shape", "4x784", "--world-size", "4", "--rank", "2",
+                 "--fsdp", "--no-reshard-after-forward"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 2 of 4 (fully_shard over 4, reshard_after_forward=False)" in out
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (["--world-size", "4", "--rank", "4", "--fsdp"], "use 0 to 3"),
+    (["--world-size", "4", "--fsdp", "--zero", "3"], "give one or the other"),
+    (["--world-size", "4", "--fsdp-param-dtype", "bf16"], "add --fsdp"),
+    (["--world-size", "4", "--fsdp", "--optimizer", "adam"], "drop those options"),
+    (["--world-size", "1", "--fsdp"], "raise --world-size"),
+])
+def test_per_rank_mistakes_are_one_line(args: list[str], phrase: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["analyze", "models/mlp.py", "--input-shape", "4x784", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and phrase in err[0], err
+
+
+@pytest.mark.parametrize("name", ["chain", "llama_gqa"])
+def test_zero3_formula_rows_cross_check(name: str) -> None:
+    """ZeRO-3 / FSDP full (passes/budget.py over the single-device step): parameters and gradients
+    divided by N. Every first dimension of these models divides by 2, so FSDP2 pads nothing and the
+    real wrappers' shards are the formula's rows to the byte; the peak differs by what the report says."""
+    from graphmem.passes import liveness, saved
+    from graphmem.passes.budget import Parallel, budget
+    from graphmem.training.spec import units_of
+
+    model, batch = case(name)
+    r = graphmem.analyze(model, batch, world_size=2, rank=0, fsdp="fully_shard")
+    single = graphmem.analyze(model, batch).step
+    assert single is not None
+    formula = budget(single, liveness(single), saved(single), Parallel(2, 0, "full"), units_of(model))
+    assert r.parameter_bytes == formula.row("parameters").size
+    assert r.gradient_bytes == formula.row("gradients").size
+    assert r.sharding.formula_peak == formula.peak_bytes and r.sharding.gap == r.peak_bytes - formula.peak_bytes
