@@ -58,6 +58,7 @@ def test_cli_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
                  "--fsdp", "--no-reshard-after-forward"]) == 0
     out = capsys.readouterr().out
     assert "rank 2 of 4 (fully_shard over 4, reshard_after_forward=False)" in out
+    assert out.splitlines()[0].endswith("· rank 2 of 4 (fully_shard over 4, reshard_after_forward=False): one training step")
 
 
 @pytest.mark.parametrize("args,phrase", [

@@ -51,7 +51,7 @@ def _shown_modules(report: Report, depth: int, expand: bool = False) -> list[Mod
 def render_text(report: Report, depth: int = 3, top: int = 10, expand: bool = False) -> str:
     shapes = _shapes(report)
     target = report.target.describe() if report.target is not None else report.device
-    lines = [f"graphmem · {report.model} · input {shapes} · target {target} · one training step"]
+    lines = [f"graphmem · {report.model} · input {shapes} · target {target} · {_scope(report)}"]
     if report.attention_backends:
         lines.append("SDPA kernels: " + ", ".join(f"{k} × {v}" for k, v in report.attention_backends.items()))
     cats = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in report.by_category.items() if v)
@@ -111,3 +111,8 @@ def _scratch(report: Report) -> str:
     """The kernel workspace live inside the peak op (graphmem/capture/workspace.py), when there is some."""
     nbytes = sum(t.nbytes for t in report.live_at_peak if t.kind == "workspace" and t.freed == t.created)
     return f"; kernel workspace {fmt_bytes(nbytes)} inside it" if nbytes else ""
+
+
+def _scope(report: Report) -> str:
+    """What the report is of: one training step, or one rank's (graphmem/distributed/)."""
+    return "one training step" if report.sharding is None else f"{report.sharding.describe()}: one training step"

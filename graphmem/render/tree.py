@@ -11,7 +11,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from graphmem.render.collapse import ModuleRow, each, label
-from graphmem.render.text import ROOT, _shapes, _shown_modules
+from graphmem.render.text import ROOT, _scope, _shapes, _shown_modules
 from graphmem.report import Report
 from graphmem.units import fmt_bytes, fmt_share
 
@@ -47,7 +47,7 @@ def render_tree(report: Report, depth: int = 3, expand: bool = False) -> str:
     """The header, the totals and the module tree, as text."""
     shapes = _shapes(report)
     peak = (f"op {report.peak_index} ({report.peak_phase})" if report.peak_index >= 0 else "before the step")
-    lines = [f"graphmem · {report.model} · input {shapes} · target {report.target.describe() if report.target is not None else report.device} · one training step",
+    lines = [f"graphmem · {report.model} · input {shapes} · target {report.target.describe() if report.target is not None else report.device} · {_scope(report)}",
              f"activations {fmt_bytes(report.activation_bytes)} saved for backward · "
              f"peak {fmt_bytes(report.peak_bytes)} at {peak}",
              "",
@@ -56,3 +56,4 @@ def render_tree(report: Report, depth: int = 3, expand: bool = False) -> str:
                       tablefmt="simple", colalign=("left", "right", "right", "right", "right"),
                       preserve_whitespace=True)]
     return "\n".join(lines) + "\n"
+
