@@ -202,3 +202,19 @@ def test_cli_json_is_the_api(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["levers"] == [r.to_dict() for r in advice.levers]
     assert out["answer"] == advice.answer
     assert status == (0 if advice.choice is not None else 1)
+
+
+@pytest.mark.parametrize("opts", [{}, {"optimizer": "adamw"}])
+def test_the_batch_lever_is_the_largest_batch_whose_captured_step_fits(opts: dict[str, Any]) -> None:
+    # GIVEN a step that does not fit (with Adam: its later steps hold the states from the start)
+    module, inputs, loss = build(MODELS, "gpt2_sdpa")
+    inputs = (torch.cat([inputs[0]] * 4),)  # batch 8
+    report = graphmem.analyze(module, inputs, loss=loss, **opts)
+    limit = _peak(report) * 3 // 4
+    # WHEN advised
+    row = next(r for r in report.advise(memory=limit).levers if r.kind == "batch")
+    b = int(re.match(r"batch (\d+) instead of 8", row.name).group(1))  # type: ignore[union-attr]
+    # THEN the row is the step at that batch, captured; it fits, and one more sample does not
+    smaller = graphmem.analyze(module, (inputs[0][:b],), loss=loss, **opts)
+    assert row.peak_bytes == _peak(smaller) <= limit and row.fits and 1 <= b < 8
+    assert _peak(graphmem.analyze(module, (inputs[0][:b + 1],), loss=loss, **opts)) > limit

@@ -110,9 +110,9 @@ def advise(report: Any, memory: Any, ranks: int = 8, lora_rank: int = 16,
         left_out += why
     rows, measured = _singles(measurer, changes, base_peak, limit, left_out)
     if base_peak > limit:
-        left_out.append(LeftOut("batch", "a smaller batch or sequence changes what each step trains on: `graphmem fit` "
-                                "gives the largest that fits from the exact formulas (docs/formulas.md; the first "
-                                "step's peak)"))
+        row, skipped = _batch_lever(report, measurer, limit, base_peak)
+        rows += [row] if row is not None else []
+        left_out += [skipped] if skipped is not None else []
     plan, skipped = _plan_lever(report, limit, memory if isinstance(memory, str) else f"{limit}B", base_peak)
     rows += [plan] if plan is not None else []
     left_out += [skipped] if skipped is not None else []
@@ -155,6 +155,35 @@ def _singles(measurer: Measurer, changes: list[Change], base_peak: int, limit: i
 def _row(kind: str, name: str, how: str, peak: int, base_peak: int, limit: int, cost: str, cost_class: str,
          parts: tuple[str, ...] = (), extent: float = 0.0) -> Lever:
     return Lever(kind, name, how, peak, base_peak - peak, cost, cost_class, peak <= limit, parts, extent)
+
+
+def _batch_lever(report: Any, measurer: Measurer, limit: int, base_peak: int,
+                 tries: int = 3) -> tuple[Optional[Lever], Optional[LeftOut]]:
+    """The largest batch that fits: the exact formula's answer (``report.fit``, graphmem/formula;
+    forward and backward), then captured with the whole step (a later step's optimizer states
+    too) and lowered in proportion while the capture does not fit (``tries`` captures at most)."""
+    base = measurer.base
+    b = base.shape[0]
+    try:
+        value = min(report.fit(memory=limit).value, b - 1)
+    except GraphmemError as e:
+        return None, LeftOut("batch", f"no formula in the batch size: {e}")
+    peak = base_peak
+    for _ in range(tries):
+        if value < 1:
+            break
+        peak = measurer.peak(base.replace(shape=(value, *base.shape[1:])))
+        if peak <= limit:
+            break
+        value = min(value - 1, value * limit // peak)
+    if value < 1:
+        return None, LeftOut("batch", f"even a batch of 1 does not fit {fmt_bytes(limit)}")
+    shape = "x".join(map(str, (value, *base.shape[1:])))
+    how = (f"--input-shape {shape}: {value} samples a step instead of {b} (graphmem fit gives the largest batch from "
+           "the exact formulas)")
+    return _row("batch", f"batch {value} instead of {b}", how, peak, base_peak, limit,
+                f"{value / b:.0%} of the samples per optimizer step (fewer samples per step, not fewer bytes per "
+                "sample: micro-batches keep them)", "changes the run"), None
 
 
 def _plan_lever(report: Any, limit: int, budget: str, base_peak: int) -> tuple[Optional[Lever], Optional[LeftOut]]:
