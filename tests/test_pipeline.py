@@ -24,9 +24,9 @@ def bundled_gpt2() -> tuple:
 
 def hf_llama() -> tuple:
     pytest.importorskip("transformers")
-    from zoo import _decoder
+    from zoo import build as zoo_build
 
-    model, (ids,) = _decoder("llama")()
+    model, (ids,) = zoo_build("llama_gqa")
     return model, torch.cat([ids, ids]), None  # batch 4: 4 micro-batches of one sequence
 
 
@@ -48,9 +48,9 @@ def test_each_rank_is_a_real_gloo_pipeline_rank(build, schedules: tuple[str, ...
 
 def hf_gpt2() -> tuple:
     pytest.importorskip("transformers")
-    from zoo import _decoder
+    from zoo import build as zoo_build
 
-    model, (ids,) = _decoder("gpt2_sdpa")()
+    model, (ids,) = zoo_build("gpt2_sdpa")
     return model, torch.cat([ids, ids]), None
 
 
