@@ -112,3 +112,15 @@ def test_cited_paths_exist() -> None:
     missing = sorted({f"{src.relative_to(ROOT)}: {m}" for src in sources for m in pattern.findall(src.read_text())
                       if not (ROOT / m).exists()})
     assert not missing, "paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_package_is_installed() -> None:
+    """pyproject's package list names every folder with an __init__.py (a plain ``pip install .``
+    installs only those)."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    folders = {"graphmem." + ".".join(p.parent.relative_to(ROOT / "graphmem").parts)
+               for p in (ROOT / "graphmem").rglob("__init__.py") if p.parent != ROOT / "graphmem"}
+    assert folders | {"graphmem", "graphmem.passes", "graphmem.models"} == listed
