@@ -218,3 +218,28 @@ def test_the_batch_lever_is_the_largest_batch_whose_captured_step_fits(opts: dic
     smaller = graphmem.analyze(module, (inputs[0][:b],), loss=loss, **opts)
     assert row.peak_bytes == _peak(smaller) <= limit and row.fits and 1 <= b < 8
     assert _peak(graphmem.analyze(module, (inputs[0][:b + 1],), loss=loss, **opts)) > limit
+
+
+def test_lora_and_qlora_levers_are_analyze_with_those_options() -> None:
+    # GIVEN a Hugging Face model trained in full with AdamW (bf16 weights, as a preset's config gives)
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    import transformers
+
+    torch.manual_seed(0)  # wide enough that the frozen weights' gradients and Adam states outweigh the adapters
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    ids = torch.randint(0, 128, (2, 8))
+    batch = {"input_ids": ids, "labels": ids}
+    opts: dict[str, Any] = dict(optimizer="adamw", dtype="bf16")
+    report = graphmem.analyze(model, batch, **opts)
+    # WHEN advised
+    rows = {r.name: r for r in report.advise(memory=_peak(report) // 2).levers if r.kind == "lora"}
+    # THEN each adapter row is the step analyze captures with the same options
+    lora = rows["LoRA r=16 all-linear (fine-tuning)"]
+    qlora = rows["QLoRA r=16 all-linear (fine-tuning, 4-bit NF4 base)"]
+    assert lora.peak_bytes == _peak(graphmem.analyze(model, batch, lora_rank=16, lora_targets="all-linear", **opts))
+    assert qlora.peak_bytes == _peak(graphmem.analyze(model, batch, qlora=True, lora_rank=16, lora_targets="all-linear",
+                                                      **opts))
+    assert qlora.peak_bytes != lora.peak_bytes  # the 4-bit base is its own capture, not the LoRA row's

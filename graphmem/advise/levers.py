@@ -4,6 +4,7 @@ to make and its cost, and the reasons a lever is left out. Costs are graphmem's 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, cast
 
@@ -14,6 +15,7 @@ from graphmem.passes.budget import make_parallel
 from graphmem.training.lora import make_lora, meta_copy
 from graphmem.training.optim import resolved_impl
 from graphmem.training.peft_lora import is_hf_model
+from graphmem.training.qlora import make_quantization
 from graphmem.units import fmt_bytes
 
 # what a lever costs, cheapest first: the order the answer line picks a fitting lever in
@@ -221,8 +223,20 @@ def lora(report: Any, base: Setting, rank: int = 16) -> tuple[list[Change], list
         return [], [LeftOut("lora", "no optimizer in the step: LoRA saves the frozen weights' gradients and "
                             "optimizer states (add --optimizer)")]
     adapters = make_lora(rank, "all-linear")
-    return [Change("lora", f"LoRA r={rank} all-linear (fine-tuning)",
-                   f"--lora-rank {rank} --lora-targets all-linear: peft.get_peft_model(model, "
-                   f"LoraConfig(r={rank}, target_modules='all-linear'))",
-                   "changes the run: only the adapters train (fine-tuning, not pre-training)", "changes the run",
-                   _training(lora=adapters))], []
+    out = [Change("lora", f"LoRA r={rank} all-linear (fine-tuning)",
+                  f"--lora-rank {rank} --lora-targets all-linear: peft.get_peft_model(model, "
+                  f"LoraConfig(r={rank}, target_modules='all-linear'))",
+                  "changes the run: only the adapters train (fine-tuning, not pre-training)", "changes the run",
+                  _training(lora=adapters))]
+    if not is_hf_model(base.module):
+        return out, [LeftOut("lora", "QLoRA: the model is not a Hugging Face model (transformers' bitsandbytes "
+                             "integration replaces its linear layers)")]
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return out, [LeftOut("lora", "QLoRA: bitsandbytes is not installed (pip install 'graphmem[qlora]')")]
+    out.append(Change("lora", f"QLoRA r={rank} all-linear (fine-tuning, 4-bit NF4 base)",
+                      f"--qlora --lora-rank {rank} --lora-targets all-linear: from_pretrained(..., quantization_config="
+                      "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True, "
+                      "bnb_4bit_compute_dtype=torch.bfloat16)), then peft.get_peft_model",
+                      "changes the run: only the adapters train, over 4-bit base weights (their rounding)",
+                      "changes the run", _training(lora=adapters, quantization=make_quantization("nf4")), 1.0))
+    return out, []

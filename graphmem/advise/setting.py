@@ -45,7 +45,8 @@ class Setting:
     @property
     def key(self) -> tuple:
         """What the capture depends on (not the parallel layout: see the module docstring)."""
-        return (self.target, self.training.train, self.training.lora, self.shape, self.loss, self.module)
+        return (self.target, self.training.train, self.training.lora, self.training.quantization, self.shape,
+                self.loss, self.module)
 
 
 def base_setting(report: Any) -> Setting:
