@@ -204,7 +204,8 @@ def _pipeline_stage(loaded: Loaded, inputs: Any, loss_fn: Optional[LossFn], targ
                          "--optimizer, --lora-rank, --world-size/--zero/--fsdp/--tp or --mode compiled yet")
     st = analyze_stage(loaded.module, inputs, loss_fn, target, plan)
     shapes = tuple(s.shape for s in st.graph.storages.values() if s.kind == "input")
-    return Report.build(st.graph, st.liveness, st.saved, loaded.name, shapes, "pipeline stage loss", st.notes)
+    return Report.build(st.graph, st.liveness, st.saved, loaded.name, shapes, "pipeline stage loss", st.notes,
+                        sharding=plan)
 
 
 def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn], target: Target,

@@ -39,7 +39,9 @@ class Report:
     cuda_allocator: Any = None  # CUDA target: passes.allocator.AllocatorResult (caching allocator model)
     budget: Any = None  # graphmem.training.spec.StepBudget: optimizer, precision, LoRA, per-rank budget
     compiled: Any = None  # compiled mode: passes.modes.ModeComparison (eager beside compiled)
-    sharding: Any = None  # graphmem.distributed.RankView: the rank this report is, its wrappers, the formula beside it
+    # the rank this report is: graphmem.distributed.RankView (its wrappers, the formula beside it) or
+    # graphmem.distributed.pipeline_stages.Pipeline (its schedule); both describe() and to_dict()
+    sharding: Any = None
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # graphmem.recapture.Recapture: capture again

@@ -141,6 +141,7 @@ def test_cli_reports_rank_r(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["analyze", model, "--input-shape", "4x16", "--pp", "2", "--rank", "1", "--micro-batches", "4"]) == 0
     out = capsys.readouterr().out
     assert "pipeline rank 1 of 2, 1f1b schedule, 4 micro-batches, stage 1 (transformer.h.2..3)" in out
+    assert out.splitlines()[0].endswith("· pipeline rank 1 of 2, 1f1b schedule, 4 micro-batches: one training step")
     assert main(["analyze", model, "--input-shape", "4x16", "--pp", "2", "--rank", "5"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--rank must be in 0..1" in err

@@ -310,8 +310,7 @@ def analyze_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
     bounds = layout.bounds(plan.pp * plan.virtual)
     blocks = tuple(bounds[s] for s in plan.stages)
     where = ", ".join(f"stage {s} ({layout.chain.path}.{a}..{b - 1})" for s, (a, b) in zip(plan.stages, blocks))
-    line = (f"pipeline rank {plan.rank} of {plan.pp}, {plan.schedule} schedule, {plan.micro_batches} micro-batches, "
-            f"{where}: at the peak {flight.at_peak} micro-batches' activations held "
+    line = (f"{plan.describe()}, {where}: at the peak {flight.at_peak} micro-batches' activations held "
             f"({flight.bytes_at_peak:,} B), at most {flight.most}; forwards and backwards interleave from op "
             f"{g.phase_start['backward']} (each op's phase is its own)")
     return StageStep(g, lv, sv, (line, *notes(g)), flight, blocks)

@@ -40,6 +40,14 @@ class Pipeline:
         """This rank's stage indices (interleaved: r and r + pp, torch's looped placement)."""
         return tuple(self.rank + v * self.pp for v in range(self.virtual))
 
+    def describe(self) -> str:
+        """The report's scope: which rank, under which schedule (the first line of every view)."""
+        return f"pipeline rank {self.rank} of {self.pp}, {self.schedule} schedule, {self.micro_batches} micro-batches"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "pipeline", "pp": self.pp, "rank": self.rank, "schedule": self.schedule,
+                "micro_batches": self.micro_batches, "stages": list(self.stages)}
+
 
 def make_pipeline(pp: int, rank: int, schedule: str, micro_batches: int) -> Pipeline:
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 2:
