@@ -1,10 +1,10 @@
 """Per-rank captures through PyTorch's own wrappers (graphmem/distributed/) against real gloo runs.
 
-GIVEN a model wrapped by fully_shard (FSDP2) over 2 ranks, resharding after forward or not (or
+GIVEN a model wrapped by fully_shard (FSDP2) over 2 ranks (and over 4), resharding after forward or not (or
 with a bf16/fp32 MixedPrecisionPolicy), or
 the bundled Llama split by parallelize_module (tensor parallel, with and without sequence parallel)
 WHEN graphmem captures rank r on fake tensors under the fake process group
-THEN rank r's saved bytes equal a real 2-process gloo step's (saved_tensors_hooks) to the byte,
+THEN rank r's saved bytes equal a real 2-process (4-process) gloo step's (saved_tensors_hooks) to the byte,
 and its peak equals the real step's CPU allocator peak (torch.profiler) up to the same gap the
 single-device prediction has on that model (0 B for the torch.nn chain and Llama; GPT-2's 96 B
 are not from the distributed code), on every rank.
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import graphmem
-from graphmem.distributed import make_sharding
+from graphmem.distributed import Sharding, make_sharding
 from graphmem.validation.measure import measure_peak
 from tests.dist_truth import case, measure_ranks
 
@@ -47,11 +47,32 @@ def single_gap() -> dict[str, int]:
                               for n, s in CASES])
 def test_rank_matches_real_gloo(real: list[list[dict[str, int]]], single_gap: dict[str, int], index: int) -> None:
     name, sharding = CASES[index]
-    for rank in range(WORLD):
+    _every_rank_is_real(name, sharding, real[index], single_gap[name])
+
+
+# the same at 4 ranks: FSDP2 over 4 (padding: 4 does not divide every dimension the way 2 does)
+CASES4 = [("chain", make_sharding(4, 0, fsdp=True)), ("llama_gqa", make_sharding(4, 0, fsdp=True, reshard_after_forward=False))]
+
+
+@pytest.fixture(scope="module")
+def real4() -> list[list[dict[str, int]]]:
+    return measure_ranks(CASES4, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(CASES4)), ids=[f"{n}-reshard={s.reshard_after_forward}" for n, s in CASES4])
+def test_rank_matches_real_gloo_at_4_ranks(real4: list[list[dict[str, int]]], single_gap: dict[str, int],
+                                           index: int) -> None:
+    name, sharding = CASES4[index]
+    _every_rank_is_real(name, sharding, real4[index], single_gap[name])
+
+
+def _every_rank_is_real(name: str, sharding: Sharding, measured: list[dict[str, int]], gap: int) -> None:
+    for rank in range(sharding.world_size):
         model, batch = case(name)
-        report = graphmem.analyze(model, batch, world_size=WORLD, rank=rank, fsdp="fully_shard" if sharding.fsdp else None,
+        report = graphmem.analyze(model, batch, world_size=sharding.world_size, rank=rank,
+                                  fsdp="fully_shard" if sharding.fsdp else None,
                                   reshard_after_forward=sharding.reshard_after_forward, tp=sharding.tp, sp=sharding.sp,
                                   fsdp_param_dtype=sharding.param_dtype, fsdp_reduce_dtype=sharding.reduce_dtype)
-        measured = real[index][rank]
-        assert report.activation_bytes == measured["saved"], (name, rank)
-        assert measured["peak"] - report.peak_bytes == single_gap[name], (name, rank)
+        assert report.activation_bytes == measured[rank]["saved"], (name, rank)
+        assert measured[rank]["peak"] - report.peak_bytes == gap, (name, rank)
