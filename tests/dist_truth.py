@@ -27,7 +27,7 @@ from graphmem.training.batch import as_batch
 from graphmem.training.step import LossFn, run_step
 from graphmem.validation.measure import _allocation_events
 
-REPEAT = 3  # steps per case: a free the profiler misses (see _settled) only raises the running sum,
+REPEAT = 5  # steps per case: a free the profiler misses (see _settled) only raises the running sum,
 # so the least of the measured peaks is the allocator's peak
 
 
