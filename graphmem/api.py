@@ -14,7 +14,7 @@ from graphmem.capture.hf import batch as hf_inputs
 from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target, make_target
-from graphmem.distributed import Sharding, capture_rank, make_sharding
+from graphmem.distributed import Sharding, capture_rank, make_sharding, wants_wrappers
 from graphmem.distributed.pipeline import Pipeline, analyze_stage, make_pipeline
 from graphmem.distributed.view import rank_view
 from graphmem.errors import UsageError
@@ -159,8 +159,7 @@ def analyze(
                                              lora_targets, world_size, zero, fsdp, tp, sp)
         return _pipeline_stage(loaded, make, loss_fn, target, training, make_pipeline(
             pp, rank if rank is not None else 0, schedule, training.train.micro_batches))
-    if rank is not None or fsdp == "fully_shard" or fsdp_param_dtype or fsdp_reduce_dtype or fsdp_offload \
-            or not reshard_after_forward:
+    if wants_wrappers(rank, fsdp, reshard_after_forward, fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload):
         sharding = make_sharding(world_size, rank or 0, fsdp == "fully_shard", reshard_after_forward,
                                  fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload, tp, sp)
         return _per_rank(loaded.name, loaded.module, make, loss_fn, target, sharding, bool(zero) or fsdp in ("full", "grad-op"),
@@ -183,8 +182,8 @@ def analyze(
     source: Optional[Recapture] = None
     if example:
         probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
-        source = Recapture(module, resize, loss_fn, step.target, probe, example[0].shape, training.train,
-                           training=training, original=loaded.module, reuse=reuse, asked_target=target)
+        source = Recapture(module, resize, loss_fn, step.target, probe, example[0].shape, training,
+                           original=loaded.module, reuse=reuse, asked_target=target)
     alloc = allocator(g) if target.device == "cuda" else None  # the caching allocator's view of the step
     found = notes(g)
     if step.reuse_note and target.mode == "compiled":

@@ -92,18 +92,26 @@ class Recapture:
     capture the step again with other options."""
 
     def __init__(self, module: nn.Module, make: Any, loss: Optional[LossFn], target: Target,
-                 example: tuple, base_shape: tuple[int, ...], train: Optional[TrainStep] = None,
-                 training: Optional[Training] = None, original: Optional[nn.Module] = None,
-                 reuse: bool = True, asked_target: Optional[Target] = None) -> None:
+                 example: tuple, base_shape: tuple[int, ...], training: Optional[Training] = None,
+                 original: Optional[nn.Module] = None, reuse: bool = True,
+                 asked_target: Optional[Target] = None) -> None:
         self.module, self.make, self.loss, self.target, self.base_shape = module, make, loss, target, base_shape
-        self.train = train
-        self.parallel = training.parallel if training is not None else Parallel()  # formulas: one rank's under TP
         self.training, self.original, self.reuse = training, original if original is not None else module, reuse
         # the target as asked (``target`` is the one captured: dtype left to a QLoRA module's own)
         self.asked_target = target if asked_target is None else asked_target
         self.names, self.dims = variables_of(example)
         self._sampler: Optional[Sampler] = None
         self.kept: dict[str, Any] = {}  # answers computed once: planners, kept coefficients and plans
+
+    @property
+    def train(self) -> Optional[TrainStep]:
+        """The training step's loop (micro-batches, optimizer) as the first capture ran it."""
+        return self.training.train if self.training is not None else None
+
+    @property
+    def parallel(self) -> Parallel:
+        """The per-rank layout: formulas are one rank's under tensor parallelism."""
+        return self.training.parallel if self.training is not None else Parallel()
 
     def capture(self, shape: Optional[tuple[int, ...]] = None) -> StepGraph:
         """The step captured again at ``shape`` (default: the analyzed one), with the training step

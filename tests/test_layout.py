@@ -37,7 +37,7 @@ LAYERS: dict[str, set[str]] = {
     "progress": set(),
     "checkpointing": {"planning"}, "selective": {"planning"},  # compatibility names for printed plan code
     "cli": {"errors", "units", "api", "report", "compare", "render", "capture", "training", "formula", "planning",
-            "validation", "progress", "models", "advise"},
+            "validation", "progress", "models", "advise", "distributed"},
     "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation"},
 }
 

@@ -170,8 +170,10 @@ def training_of(args: argparse.Namespace) -> Any:
 def per_rank(args: argparse.Namespace) -> bool:
     """--rank, bare --fsdp or a fully_shard option: rank r's step through the real wrappers
     (graphmem/distributed/; make_sharding says what is missing)."""
-    return (args.rank is not None or args.fsdp == "fully_shard" or bool(
-        args.fsdp_param_dtype or args.fsdp_reduce_dtype or args.fsdp_offload or not args.reshard_after_forward))
+    from graphmem.distributed.spec import wants_wrappers
+
+    return wants_wrappers(args.rank, args.fsdp, args.reshard_after_forward, args.fsdp_param_dtype,
+                          args.fsdp_reduce_dtype, args.fsdp_offload)
 
 
 def sharding_of(args: argparse.Namespace) -> dict[str, Any]:

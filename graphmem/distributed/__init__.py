@@ -8,6 +8,6 @@ Pipeline stages: ``analyze_stage`` in graphmem/distributed/pipeline.py (docs/pip
 from graphmem.distributed import collectives  # noqa: F401  (registers the gloo scratch rules)
 from graphmem.distributed.capture import capture_rank
 from graphmem.distributed.process_group import fake_process_group
-from graphmem.distributed.spec import Sharding, make_sharding
+from graphmem.distributed.spec import Sharding, make_sharding, wants_wrappers
 
-__all__ = ["capture_rank", "fake_process_group", "Sharding", "make_sharding"]
+__all__ = ["capture_rank", "fake_process_group", "Sharding", "make_sharding", "wants_wrappers"]

@@ -42,6 +42,14 @@ class Sharding:
                 "reduce_dtype": self.reduce_dtype, "offload": self.offload, "tp": self.tp, "sp": self.sp}
 
 
+def wants_wrappers(rank: Optional[int], fsdp: Optional[str], reshard_after_forward: bool = True,
+                   param_dtype: Optional[str] = None, reduce_dtype: Optional[str] = None, offload: bool = False) -> bool:
+    """Whether the options ask for rank r's step through PyTorch's wrappers (a rank, bare --fsdp
+    or a fully_shard option); otherwise --zero/--fsdp full|grad-op/--tp are the per-rank formulas."""
+    return rank is not None or fsdp == "fully_shard" or bool(param_dtype or reduce_dtype or offload) \
+        or not reshard_after_forward
+
+
 def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_after_forward: bool = True,
                   param_dtype: Optional[str] = None, reduce_dtype: Optional[str] = None, offload: bool = False,
                   tp: int = 1, sp: bool = False) -> Sharding:
