@@ -13,10 +13,10 @@ and keep the projections: the knapsack arrives there when the core's outputs (b�
 cost more bytes per FLOP than the linear layers' (b·s·d).
 
 A selective level is one more way a checkpointed segment can run, with its own measured pieces
-(passes/checkpoint.py's ``Stage``): ``Modes`` holds the chain's costs under plain
+(passes/checkpoint_model.py's ``Stage``): ``Modes`` holds the chain's costs under plain
 checkpointing (level 0) and under each level. Stored blocks and the pieces around the chain
 run the same in every level, and a segment's forward+backward net effect is the same however
-it runs (``Modes.check``), so the program of passes/checkpoint.py stays exact with one
+it runs (``Modes.check``), so the program of passes/checkpoint_program.py stays exact with one
 transition per (segment, level): ``optimal`` equals ``brute_force`` over every segmentation
 and every level of every checkpointed segment (tests). A plan's segments are (first, last,
 mode): mode 0 stored, 1 plain checkpointing, 1 + k level k.
@@ -31,7 +31,7 @@ from graphmem.errors import PassError
 from graphmem.passes.checkpoint import (
     ChainCosts,
     Evaluated,
-    _Tables,
+    Tables,
     all_plans,
     evaluate,
     frontier,
@@ -124,7 +124,7 @@ class Modes:
                 self.levels[mode[i]].later.stages[i] for i in range(self.n)))  # type: ignore[union-attr]
         return replace(self.plain, stages=tuple(self.levels[mode[i]].stages[i] for i in range(self.n)), later=later)
 
-    def tables(self) -> list[_Tables]:
+    def tables(self) -> list[Tables]:
         return [tables(c) for c in self.levels]
 
 
@@ -144,7 +144,7 @@ def evaluate_modes(modes: Modes, segments: Sequence[ModalSegment]) -> Evaluated:
     return evaluate(modes.mixed(segments), tuple(segments))  # type: ignore[arg-type]  # mode ints
 
 
-def optimal(modes: Modes, budget: int, ts: Optional[Sequence[_Tables]] = None) -> Optional[Evaluated]:
+def optimal(modes: Modes, budget: int, ts: Optional[Sequence[Tables]] = None) -> Optional[Evaluated]:
     """The plan with the fewest recompute FLOPs under ``budget``, each checkpointed segment in
     its best mode (None if none fits)."""
     segs = program(ts or modes.tables(), modes.n, budget)
@@ -170,12 +170,12 @@ def brute_force(modes: Modes, budget: int) -> Optional[Evaluated]:
     return best
 
 
-def modal_minimum_peak(modes: Modes, ts: Optional[Sequence[_Tables]] = None) -> int:
+def modal_minimum_peak(modes: Modes, ts: Optional[Sequence[Tables]] = None) -> int:
     ts = ts or modes.tables()
     return minimum_peak(modes.plain, ts[0], lambda budget: optimal(modes, budget, ts))
 
 
-def modal_frontier(modes: Modes, points: int = 50, ts: Optional[Sequence[_Tables]] = None) -> tuple[Evaluated, ...]:
+def modal_frontier(modes: Modes, points: int = 50, ts: Optional[Sequence[Tables]] = None) -> tuple[Evaluated, ...]:
     ts = ts or modes.tables()
     return frontier(modes.plain, points, ts[0], lambda budget: optimal(modes, budget, ts))
 

@@ -1,5 +1,5 @@
 """Activation checkpoint plans: chain costs measured from captures (costs.py), the planner over
-passes/checkpoint.py's program (planner.py), selective op-level levels (selective.py), and
+passes/checkpoint_program.py's program (planner.py), selective op-level levels (selective.py), and
 applying a plan with real torch.utils.checkpoint (apply.py).
 
 >>> from graphmem.planning import apply_segments, OpPolicy   # what plan.code() prints

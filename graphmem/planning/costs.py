@@ -1,5 +1,5 @@
 """A chain's pieces, measured: captures of the step cut at block boundaries into the roles
-of passes/checkpoint.py's model.
+of passes/checkpoint_model.py's model.
 
 Captures of a few plans on fake tensors (nothing checkpointed, every block its own segment,
 the whole chain one segment, pairs) show every block in every role it can play; each capture

@@ -1,5 +1,5 @@
 """Checkpoint plans for a report's model: the plan object users apply, the planner (the
-program of passes/checkpoint.py over the chain costs graphmem/planning/costs.py
+program of passes/checkpoint_program.py over the chain costs graphmem/planning/costs.py
 measures), and the summary ``--plan`` prints."""
 from __future__ import annotations
 

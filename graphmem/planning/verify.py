@@ -1,4 +1,4 @@
-"""Plans checked by captures: the program of passes/checkpoint.py chooses, a capture of the
+"""Plans checked by captures: the program of passes/checkpoint_program.py chooses, a capture of the
 step with the plan applied (the fake-tensor capture ``analyze`` runs) says what it costs.
 
 Where the chain's pieces compose (``ChainCosts.exact``: every role measured alike in every
