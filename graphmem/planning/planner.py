@@ -23,7 +23,8 @@ from graphmem.passes.checkpoint import (
     tables,
 )
 from graphmem.planning.apply import Applied, apply_segments, chain_blocks, hf_checkpointed
-from graphmem.planning.costs import PlanError, chain_costs, measure, op_flops
+from graphmem.planning.costs import PlanError, chain_costs, measure
+from graphmem.planning.flops import op_flops
 from graphmem.planning.verify import UNRUNNABLE, Verification, Verifier, forward_end, search
 from graphmem.units import fmt_bytes, parse_bytes
 
