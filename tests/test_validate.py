@@ -20,6 +20,7 @@ from graphmem import cli
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.models import llama
 from graphmem.validation import measure
+from graphmem.validation.result import judge
 from graphmem.validation.validate import NO_GPU, Validation, ValidationError, validate
 
 validate_module = importlib.import_module("graphmem.validation.validate")
@@ -285,5 +286,5 @@ def test_cuda_path_arithmetic_with_stand_in_counters(monkeypatch: pytest.MonkeyP
     assert by["peak reserved"].predicted == model.max_reserved and by["peak reserved"].measured == counters["max_reserved"]
     assert by["saved for backward"].predicted == report.activation_bytes
     assert by["saved for backward"].measured == measure.measure_saved(loaded.module, inputs, loaded.loss)  # CPU here
-    judged, _ = validate_module._judge(rows, 1.0)
+    judged, _ = judge(rows, 1.0)
     assert [r.ok for r in judged][1:] == [None, True, None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from graphmem.validation.validate import Row, Validation
+from graphmem.validation.result import Row, Validation
 
 
 def _verdict(r: Row, tolerance: float) -> str:

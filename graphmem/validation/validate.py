@@ -1,6 +1,7 @@
 """``graphmem.validate``: the final REAL run. One training step is predicted on fake tensors
 (``graphmem.analyze``), then run for real on the CPU or a GPU, and the numbers are put side by
-side: saved-for-backward bytes must match exactly, the peak within a tolerance.
+side: saved-for-backward bytes must match exactly, the peak within a tolerance (the rows and
+their verdicts: graphmem/validation/result.py).
 
 What is compared (the same step, graphmem/training/step.py, in train mode with ``.grad`` unset):
 
@@ -29,7 +30,6 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -40,75 +40,18 @@ from graphmem.api import _shape_of, analyze
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import Loaded, load, make_inputs, parse_shape
 from graphmem.capture.target import GPUS
-from graphmem.errors import GraphmemError, UsageError
+from graphmem.errors import UsageError
 from graphmem.passes.allocator import allocator
 from graphmem.report import Report
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.step import LossFn, run_step
 from graphmem.units import fmt_bytes
+from graphmem.validation.result import Row, Validation, ValidationError, judge
 
 DEFAULT_TOLERANCE = 1.0  # percent of the measured peak
 RAM_SHARE = 0.5  # of MemAvailable: the page cache and other programs keep the rest
 GPU_SHARE = 0.9  # of the free device memory: an OOM there is an exception, not a frozen machine
 NO_GPU = "no GPU on this machine; validate --device cpu here, or run on a GPU host"
-
-
-class ValidationError(GraphmemError):
-    """The real run disagrees with the prediction (exit code 1)."""
-
-    exit_code = 1
-
-
-@dataclass(frozen=True)
-class Row:
-    """One compared quantity. ``rule``: "exact", "tolerance" or "info" (no verdict)."""
-
-    name: str
-    predicted: int
-    measured: int
-    rule: str
-    ok: Optional[bool]  # None for "info"
-
-    @property
-    def difference(self) -> int:
-        return self.predicted - self.measured  # negative: the prediction is below the real run
-
-    @property
-    def percent(self) -> Optional[float]:
-        return 100.0 * self.difference / self.measured if self.measured else None
-
-
-@dataclass(frozen=True)
-class Validation:
-    """Predicted vs measured for one real step. ``ok``: every row with a verdict passed;
-    ``reason``: one line naming the first failure ("" when ok); ``check()`` raises it."""
-
-    model: str
-    device: str
-    input_shapes: tuple[tuple[int, ...], ...]
-    tolerance: float  # percent
-    rows: tuple[Row, ...]
-    reason: str
-    report: Optional[Report] = field(default=None, repr=False, compare=False)
-
-    @property
-    def ok(self) -> bool:
-        return not self.reason
-
-    def row(self, name: str) -> Row:
-        return next(r for r in self.rows if r.name == name)
-
-    def check(self) -> None:
-        """Raise ValidationError (exit code 1 in the CLI) when outside the tolerance."""
-        if self.reason:
-            raise ValidationError(self.reason)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "device": self.device, "input_shapes": [list(s) for s in self.input_shapes],
-                "tolerance_percent": self.tolerance, "ok": self.ok, "reason": self.reason,
-                "rows": [{"name": r.name, "predicted": r.predicted, "measured": r.measured,
-                          "difference": r.difference, "percent": r.percent, "rule": r.rule, "ok": r.ok}
-                         for r in self.rows]}
 
 
 def available_memory() -> int:
@@ -189,7 +132,7 @@ def validate(
                 _cuda(report, loaded.module, real, loss_fn, dev)
     convs = report.step is not None and any("convolution" in str(op.target) for op in report.step.ops)
     hint = " (CPU convnets need ~2.5 %, oneDNN scratch: --tolerance 2.5)" if dev.type == "cpu" and convs and tol < 2.5 else ""
-    rows, reason = _judge(measured, tol, hint)
+    rows, reason = judge(measured, tol, hint)
     return Validation(report.model, str(dev), shapes, tol, rows, reason, report)
 
 
@@ -386,30 +329,3 @@ def _cuda(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[Lo
             Row("allocated before the step", model_before, before, "info", None),
             Row("peak allocated", before + model.max_allocated - model_before, max_allocated, "tolerance", None),
             Row("peak reserved", model.max_reserved, max_reserved, "info", None))
-
-
-def _judge(rows: tuple[Row, ...], tol: float, hint: str = "") -> tuple[tuple[Row, ...], str]:
-    """Each row with its verdict, and one line naming the first failure ("" when all pass);
-    ``hint`` ends a peak failure's line."""
-    judged, reason = [], ""
-    for r in rows:
-        ok, why = _verdict(r, tol, hint)
-        judged.append(replace(r, ok=ok))
-        reason = reason or why
-    return tuple(judged), reason
-
-
-def _verdict(r: Row, tol: float, hint: str) -> tuple[Optional[bool], str]:
-    d = r.difference
-    if r.rule == "info":
-        return None, ""
-    if r.rule == "exact":
-        return d == 0, "" if d == 0 else (f"{r.name}: predicted {r.predicted:,} B, measured {r.measured:,} B ({d:+,} B); "
-                                          "these must match exactly (a graphmem bug: please report it with the --json output)")
-    if d > 0:
-        return False, (f"{r.name}: predicted {r.predicted:,} B is above the measured {r.measured:,} B by {d:,} B; "
-                       "graphmem counts memory the real step never allocates (a graphmem bug: please report it)")
-    if -d <= tol / 100.0 * r.measured:
-        return True, ""
-    return False, (f"{r.name}: predicted {r.predicted:,} B is {-(r.percent or 0.0):.3f} % below the measured "
-                   f"{r.measured:,} B, outside the {tol:g} % tolerance{hint}")

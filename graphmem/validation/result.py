@@ -1,0 +1,95 @@
+"""A validation's result (graphmem/validation/validate.py runs the step): each compared quantity
+as a ``Row`` with its rule, and the verdicts: saved and before-step bytes must match exactly; the
+peak may be below the measured one by at most the tolerance and is never above it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+from graphmem.errors import GraphmemError
+from graphmem.report import Report
+
+
+class ValidationError(GraphmemError):
+    """The real run disagrees with the prediction (exit code 1)."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class Row:
+    """One compared quantity. ``rule``: "exact", "tolerance" or "info" (no verdict)."""
+
+    name: str
+    predicted: int
+    measured: int
+    rule: str
+    ok: Optional[bool]  # None for "info"
+
+    @property
+    def difference(self) -> int:
+        return self.predicted - self.measured  # negative: the prediction is below the real run
+
+    @property
+    def percent(self) -> Optional[float]:
+        return 100.0 * self.difference / self.measured if self.measured else None
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Predicted vs measured for one real step. ``ok``: every row with a verdict passed;
+    ``reason``: one line naming the first failure ("" when ok); ``check()`` raises it."""
+
+    model: str
+    device: str
+    input_shapes: tuple[tuple[int, ...], ...]
+    tolerance: float  # percent
+    rows: tuple[Row, ...]
+    reason: str
+    report: Optional[Report] = field(default=None, repr=False, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return not self.reason
+
+    def row(self, name: str) -> Row:
+        return next(r for r in self.rows if r.name == name)
+
+    def check(self) -> None:
+        """Raise ValidationError (exit code 1 in the CLI) when outside the tolerance."""
+        if self.reason:
+            raise ValidationError(self.reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "device": self.device, "input_shapes": [list(s) for s in self.input_shapes],
+                "tolerance_percent": self.tolerance, "ok": self.ok, "reason": self.reason,
+                "rows": [{"name": r.name, "predicted": r.predicted, "measured": r.measured,
+                          "difference": r.difference, "percent": r.percent, "rule": r.rule, "ok": r.ok}
+                         for r in self.rows]}
+
+def judge(rows: tuple[Row, ...], tol: float, hint: str = "") -> tuple[tuple[Row, ...], str]:
+    """Each row with its verdict, and one line naming the first failure ("" when all pass);
+    ``hint`` ends a peak failure's line."""
+    judged, reason = [], ""
+    for r in rows:
+        ok, why = _verdict(r, tol, hint)
+        judged.append(replace(r, ok=ok))
+        reason = reason or why
+    return tuple(judged), reason
+
+
+def _verdict(r: Row, tol: float, hint: str) -> tuple[Optional[bool], str]:
+    d = r.difference
+    if r.rule == "info":
+        return None, ""
+    if r.rule == "exact":
+        return d == 0, "" if d == 0 else (f"{r.name}: predicted {r.predicted:,} B, measured {r.measured:,} B ({d:+,} B); "
+                                          "these must match exactly (a graphmem bug: please report it with the --json output)")
+    if d > 0:
+        return False, (f"{r.name}: predicted {r.predicted:,} B is above the measured {r.measured:,} B by {d:,} B; "
+                       "graphmem counts memory the real step never allocates (a graphmem bug: please report it)")
+    if -d <= tol / 100.0 * r.measured:
+        return True, ""
+    return False, (f"{r.name}: predicted {r.predicted:,} B is {-(r.percent or 0.0):.3f} % below the measured "
+                   f"{r.measured:,} B, outside the {tol:g} % tolerance{hint}")
