@@ -2,12 +2,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from graphmem.passes import Liveness, LiveTensor, ModuleSaved, SavedSet, SavedTensor
 from graphmem.planning import memory_budget as memory_budget_api
 from graphmem.planning import report_api as planning_api
 from graphmem.stepgraph import StepGraph
+
+
+class RankScope(Protocol):
+    """Which rank of a parallel step a report is (``Report.sharding``): graphmem/distributed/view.py's
+    RankView (its wrappers, the formula beside it) or graphmem/distributed/pipeline_stages.py's
+    Pipeline (its schedule). Defined here, not there: the report layer imports no
+    graphmem.distributed (tests/test_layout.py)."""
+
+    def describe(self) -> str:
+        """One line naming the rank and how the step is split (the first line of every view)."""
+        ...
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, under the report's ``sharding`` key."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -39,9 +54,7 @@ class Report:
     cuda_allocator: Any = None  # CUDA target: passes.allocator.AllocatorResult (caching allocator model)
     budget: Any = None  # graphmem.training.spec.StepBudget: optimizer, precision, LoRA, per-rank budget
     compiled: Any = None  # compiled mode: passes.modes.ModeComparison (eager beside compiled)
-    # the rank this report is: graphmem.distributed.RankView (its wrappers, the formula beside it) or
-    # graphmem.distributed.pipeline_stages.Pipeline (its schedule); both describe() and to_dict()
-    sharding: Any = None
+    sharding: Optional[RankScope] = None  # the rank this report is (a per-rank or pipeline-stage capture)
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # graphmem.recapture.Recapture: capture again
@@ -159,7 +172,7 @@ class Report:
     @staticmethod
     def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,
               notes: tuple[str, ...] = (), source: Any = None, cuda_allocator: Any = None,
-              budget: Any = None, sharding: Any = None) -> "Report":
+              budget: Any = None, sharding: Optional[RankScope] = None) -> "Report":
         kinds: dict[str, int] = {}
         for s in g.storages.values():
             if s.created < 0:
