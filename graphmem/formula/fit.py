@@ -10,24 +10,24 @@ The per-block polynomial and alpha/beta/gamma are the marginal cost of one more 
 whole step at 3 blocks minus at 2 (a short chain: at L minus at L - 1), as Korthikanti et al.
 count (a block's input belongs to the block; tests/test_korthikanti.py). The per-module table
 (passes/saved.py) stays module attribution: the bytes made inside each module.
+
+The result type is graphmem/formula/coefficients.py; the largest size that fits a memory, read
+off a fitted peak formula, is graphmem/formula/largest.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable, Optional, cast
 
 import sympy
 
-from graphmem.chains import Chain
-from graphmem.errors import GraphmemError, UsageError
+from graphmem.errors import UsageError
+from graphmem.formula.coefficients import MIN_SIZE, Coefficients, NotPolynomialError
 from graphmem.formula.sampler import Sample, Sampler
 from graphmem.passes.budget import rank_share
 from graphmem.passes.coefficients import (
-    BlockSplit,
     PeakModel,
     degree_of,
-    evaluate,
     interpolate,
     mismatches,
     split_block,
@@ -36,104 +36,7 @@ from graphmem.passes.coefficients import (
 
 PROBES = 5  # equally spaced samples per variable to find its degree (<= 3, one kept as a check)
 STEPS = (1, 32)  # try consecutive sizes, then multiples of 32 (strided convs and pooling round)
-MIN_SIZE = 3  # formulas are fitted and checked for sizes >= 3: PyTorch special-cases sizes 1 and 2
-# (a size-1 dim makes reshape a view instead of a copy, e.g. logits[:, :-1] at s = 2); smaller
-# sizes are captured instead of read off a formula
 ALPHA_B, ALPHA_S = 11, 13  # primes no bundled width divides: they tell b and s apart in shapes
-
-
-class NotPolynomialError(GraphmemError):
-    """The bytes are not a polynomial in some input dimension (padding, rounding, branches)."""
-
-
-@dataclass(frozen=True)
-class Coefficients:
-    """Exact formulas for one model, target and loss. Polynomials are sympy expressions in
-    ``variables`` (``b`` is the batch); ``*_terms`` map monomials to exact coefficients."""
-
-    variables: tuple[str, ...]
-    dims: tuple[int, ...]  # which input dimensions the variables are
-    base_shape: tuple[int, ...]
-    steps: tuple[int, ...]  # a variable with step 32 is polynomial on multiples of 32 only
-    activation: sympy.Expr
-    activation_terms: dict[str, Fraction]
-    peak: Optional[PeakModel]  # exact: the largest of the per-op live-bytes polynomials
-    peak_terms: Optional[dict[str, Fraction]]  # the piece that peaks at the base shape
-    peak_note: str
-    held_out: tuple[tuple[tuple[int, ...], int, int], ...]  # (point, activation, peak) captured
-    chain: Optional[Chain]
-    block_terms: dict[str, Fraction] = field(default_factory=dict)  # per block
-    nonblock_terms: dict[str, Fraction] = field(default_factory=dict)
-    d_model: Optional[int] = None
-    n_heads: Optional[int] = None
-    split: Optional[BlockSplit] = None
-    note: str = ""
-    per_rank: str = ""  # with tensor parallelism: the parallel layout whose one rank every number is
-
-    @property
-    def alpha(self) -> Optional[Fraction]:
-        return self.split.alpha if self.split else None
-
-    @property
-    def beta(self) -> Optional[Fraction]:
-        return self.split.beta if self.split else None
-
-    @property
-    def gamma(self) -> Optional[Fraction]:
-        return self.split.gamma if self.split else None
-
-    @property
-    def blocks(self) -> int:
-        return self.chain.length if self.chain else 0
-
-    def _symbols(self) -> list[sympy.Symbol]:
-        return [sympy.Symbol(v) for v in self.variables]
-
-    def point(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(shape[d] for d in self.dims)
-
-    def covers(self, shape: tuple[int, ...]) -> bool:
-        """Whether the formulas hold at ``shape`` (sizes >= MIN_SIZE, on each variable's lattice)."""
-        return all(v >= MIN_SIZE and v % st == 0 for v, st in zip(self.point(shape), self.steps))
-
-    def activation_at(self, shape: tuple[int, ...]) -> int:
-        return _exact_int(evaluate(self.activation, self._symbols(), self.point(shape)))
-
-    def peak_at(self, shape: tuple[int, ...]) -> int:
-        if self.peak is None:
-            raise NotPolynomialError(self.peak_note)
-        return self.peak.at(self.point(shape))[0]
-
-    def to_dict(self) -> dict[str, Any]:
-        q = _jsonable
-        return {
-            "variables": list(self.variables), "dims": list(self.dims), "steps": list(self.steps),
-            "activation": str(self.activation), "activation_terms": {k: q(v) for k, v in self.activation_terms.items()},
-            "peak": (str(self.peak.polynomial(self.peak.at(self.point(self.base_shape))[1]))
-                     if self.peak is not None else None),
-            "peak_pieces": len(self.peak.rows) if self.peak is not None else 0,
-            "peak_terms": {k: q(v) for k, v in self.peak_terms.items()} if self.peak_terms else None,
-            "peak_note": self.peak_note,
-            "alpha": q(self.alpha), "beta": q(self.beta), "gamma": q(self.gamma),
-            "d_model": self.d_model, "n_heads": self.n_heads, "blocks": self.blocks,
-            "block_path": self.chain.path if self.chain else None,
-            "block_terms": {k: q(v) for k, v in self.block_terms.items()},
-            "nonblock_terms": {k: q(v) for k, v in self.nonblock_terms.items()},
-            "held_out": [{"point": list(p), "activation_bytes": a, "peak_bytes": pk} for p, a, pk in self.held_out],
-            "note": self.note, "per_rank": self.per_rank or None,
-        }
-
-
-def _jsonable(x: Optional[Fraction]) -> Any:
-    if x is None:
-        return None
-    return int(x) if x.denominator == 1 else str(x)
-
-
-def _exact_int(x: Fraction) -> int:
-    if x.denominator != 1:
-        raise NotPolynomialError(f"the formula gives a non-integer byte count {x} here: outside where it holds")
-    return int(x)
 
 
 def _probe_values(base: int, step: int) -> list[int]:
@@ -331,74 +234,3 @@ def _held_out(base: tuple[int, ...], steps: list[int], grids: list[list[int]], n
         if len(out) == n:
             break
     return out
-
-
-@dataclass(frozen=True)
-class FitAnswer:
-    variable: str  # "b" or "s"
-    value: int  # the largest value whose predicted peak fits (0: even 1 does not fit)
-    memory: int
-    fixed: dict[str, int]
-    peak_at_value: Optional[int]  # predicted
-    peak_above: int  # predicted at value + 1
-    captured_at_value: Optional[int]  # confirmation captures at the full depth
-    captured_above: Optional[int]  # None when the model itself refuses value + 1
-    limit: str = ""  # set when the model, not the memory, bounds the answer
-
-
-def largest_fitting(coeffs: Coefficients, sampler: Sampler, memory: int, variable: str,
-                    fixed: dict[str, int]) -> FitAnswer:
-    """Largest value of ``variable`` (others fixed) whose predicted peak <= memory, exact from
-    the peak formula (doubling, then bisection: bytes do not shrink as b or s grow), confirmed
-    by captures at the answer and one above."""
-    if coeffs.peak is None:
-        raise NotPolynomialError(f"cannot answer from a formula: {coeffs.peak_note}")
-    names = list(coeffs.variables)
-    if variable not in names:
-        raise UsageError(f"{variable!r} is not one of the formula's variables {names}")
-    base = dict(zip(names, (sampler.base[d] for d in sampler.dims)))
-    base.update(fixed)
-
-    def point(v: int) -> tuple[int, ...]:
-        return tuple(v if n == variable else base[n] for n in names)
-
-    peak = coeffs.peak
-    assert peak is not None  # largest_fitting's callers have a peak formula
-
-    def predict(v: int) -> int:  # below MIN_SIZE the formula does not hold: capture
-        return peak.at(point(v))[0] if v >= MIN_SIZE else sampler(point(v)).peak
-
-    lo, hi = 0, 1
-    while predict(hi) <= memory:
-        lo, hi = hi, hi * 2
-        if hi > 2**40:
-            raise UsageError(f"the predicted peak does not grow with {variable}; nothing bounds it")
-    while hi - lo > 1:  # predict(lo) <= memory < predict(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if predict(mid) <= memory else (lo, mid)
-    def runs(v: int) -> bool:
-        try:
-            sampler(point(v))
-            return True
-        except GraphmemError:
-            return False
-
-    limit = ""
-    if lo >= 1 and not runs(lo):  # the memory allows more than the model accepts: bisect captures
-        good, bad = base[variable], lo
-        if not runs(good):
-            raise GraphmemError(f"the model does not run at {variable}={good}")
-        while bad - good > 1:
-            mid = (good + bad) // 2
-            good, bad = (mid, bad) if runs(mid) else (good, mid)
-        lo, limit = good, f"the model accepts {variable} <= {good}; the memory would allow more"
-    at = sampler(point(lo)).peak if lo >= 1 else None
-    above = sampler(point(lo + 1)).peak if runs(lo + 1) else None
-    if not limit and above is None:
-        limit = f"the model accepts {variable} <= {lo}"
-    if (at is not None and at != predict(lo)) or (above is not None and above != predict(lo + 1)):
-        raise NotPolynomialError(
-            f"the peak formula does not hold at {variable}={lo}..{lo + 1} (captured {at} and {above} B, "
-            f"predicted {predict(lo) if lo else None} and {predict(lo + 1)} B); use captures")
-    return FitAnswer(variable, lo, memory, {n: base[n] for n in names if n != variable},
-                     predict(lo) if lo >= 1 else None, predict(lo + 1), at, above, limit)

@@ -19,7 +19,8 @@ from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
-from graphmem.formula.fit import MIN_SIZE, PROBES, Coefficients, NotPolynomialError, fit
+from graphmem.formula.coefficients import MIN_SIZE, Coefficients, NotPolynomialError
+from graphmem.formula.fit import PROBES, fit
 
 
 def window_of(model: nn.Module) -> Optional[int]:

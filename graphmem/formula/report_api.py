@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from graphmem.errors import UsageError
-from graphmem.formula.fit import FitAnswer, NotPolynomialError, largest_fitting
+from graphmem.formula.coefficients import NotPolynomialError
 from graphmem.formula.fit import fit as fit_formula
+from graphmem.formula.largest import FitAnswer, largest_fitting
 from graphmem.formula.piecewise import fit_windowed, window_of
 from graphmem.formula.sweep import Sweep
 from graphmem.formula.sweep import sweep as sweep_formula

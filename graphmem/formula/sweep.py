@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from graphmem.errors import UsageError
-from graphmem.formula.fit import Coefficients, NotPolynomialError, fit
+from graphmem.formula.coefficients import Coefficients, NotPolynomialError
+from graphmem.formula.fit import fit
 from graphmem.formula.piecewise import fit_windowed, window_of
 
 
