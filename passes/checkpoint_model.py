@@ -99,6 +99,12 @@ class Stage:
     c_re_first: int = 0
     c_re_member: int = 0
 
+    @property
+    def net(self) -> int:
+        """The block's forward+backward net effect, stored (its cache copies freed at the
+        forward's exit): ``h_i``, the same however the block runs (``ChainCosts.check``)."""
+        return self.fwd.net - self.c_fwd + self.bwd.net
+
 
 @dataclass(frozen=True)
 class ChainCosts:
@@ -148,7 +154,7 @@ class ChainCosts:
                     if getattr(s, role) != getattr(s2, role):
                         raise PassError(f"checkpoint: block {i}'s forward ({role}) differs between micro-steps; "
                                         "the chain's pieces do not compose")
-        h = [s.fwd.net - s.c_fwd + s.bwd.net for s in self.stages]
+        h = [s.net for s in self.stages]
         for a in range(self.n):
             for b in range(a, self.n):
                 seg = (_forward((a, b, True), self.stages).net - _cached((a, b, True), self.stages)
@@ -162,7 +168,7 @@ class ChainCosts:
 def level_after(costs: ChainCosts) -> int:
     """Live bytes when the step (one micro-step) has run, whatever the plan: where the next
     micro-step starts."""
-    h = sum(s.fwd.net - s.c_fwd + s.bwd.net for s in costs.stages)
+    h = sum(s.net for s in costs.stages)
     return (costs.base + costs.before.net + costs.head.net + costs.head_post.net - costs.shared - costs.entry + h
             + costs.after.net)
 

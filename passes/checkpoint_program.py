@@ -97,7 +97,7 @@ def _tables(costs: ChainCosts) -> Tables:
     st, n = costs.stages, costs.n
     start = costs.base + costs.before.net
     head_net = costs.head.net + costs.head_post.net
-    h = [s.fwd.net - s.c_fwd + s.bwd.net for s in st]
+    h = [s.net for s in st]
     later = [sum(h[b + 1:]) for b in range(n)]  # H(>b)
     need_f, need_b, fnet, knet, flops = (np.zeros((n, n), dtype=np.int64) for _ in range(5))
     back_high = np.zeros((n, n), dtype=np.int64)  # the backward piece's high, per segment
