@@ -11,6 +11,7 @@ the same as the real model's local shards after the same wrappers, and its atten
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -31,11 +32,25 @@ def _rank_shapes(report: graphmem.Report) -> dict[str, tuple[int, ...]]:
     return {p.target: p.meta["shape"] for p in report.step.placeholders if p.meta["kind"] == "parameter"}
 
 
-def _real_local_shapes(model: nn.Module, world: int, rank: int, tp: int) -> dict[str, tuple[int, ...]]:
-    """The real model's local shards after the same wrappers (real tensors, fake process group)."""
+def _real_local_shapes(model: nn.Module, world: int, rank: int, tp: int,
+                       batch: tuple = ()) -> dict[str, tuple[int, ...]]:
+    """The real model's local shards after the same wrappers (real tensors, fake process group);
+    with a batch, its gradients' local sizes after a real step ("grad " + name: (numel,))."""
     with fake_process_group(rank, world, tp, fsdp=False) as meshes:
         parallelize(model, make_sharding(world, rank, tp=tp), meshes)
-        return {n: tuple(local(p).shape) for n, p in model.named_parameters()}
+        shapes = {n: tuple(local(p).shape) for n, p in model.named_parameters()}
+        if batch:
+            model(*batch, labels=batch[0]).loss.backward()
+            shapes.update({f"grad {n}": (local(p.grad).numel(),) for n, p in model.named_parameters()})
+        return shapes
+
+
+def _gradient_shapes(report: graphmem.Report) -> dict[str, tuple[int, ...]]:
+    g = report.step
+    assert g is not None
+    # a gradient's storage has the shape of the op that made it ((1, 1, d) for a norm's sum): compare sizes
+    return {f"grad {g.storages[g.storages[sid].owner].name}": (math.prod(g.storages[sid].shape),)  # type: ignore[index]
+            for sid in g.gradients}
 
 
 def _megatron(name: str, config: object, tp: int) -> tuple[int, ...]:
@@ -62,8 +77,14 @@ def test_hf_rank_holds_megatron_shards(name: str, world: int, tp: int) -> None:
         report = graphmem.analyze(model, batch, world_size=world, rank=rank, tp=tp)
         shapes = _rank_shapes(report)
         assert shapes == {n: _megatron(n, model.config, tp) for n, _ in model.named_parameters()}
-        assert shapes == _real_local_shapes(model, world, rank, tp)
+        assert {**shapes, **_gradient_shapes(report)} == _real_local_shapes(model, world, rank, tp, batch)
         assert report.parameter_bytes == sum(4 * torch.Size(s).numel() for s in shapes.values())
+        # DTensor's embedding backward hands the vocabulary-sharded embedding a Replicate gradient: the
+        # full (vocab, d) on every rank (torch 2.14), as the real step above does; tied to the head, the
+        # sum with the head's Shard(0) gradient is the shard
+        vocab, d = model.config.vocab_size, model.config.hidden_size
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        assert _gradient_shapes(report)["grad model.embed_tokens.weight"] == (vocab * d // (tp if tied else 1),)
 
 
 def test_gpt2_fused_c_attn_keeps_each_ranks_q_k_v_heads() -> None:
@@ -124,3 +145,10 @@ def test_tp_mistakes_are_one_line(model: str, args: list[str], phrase: str, tmp_
     assert main(["analyze", path, "--input-shape", shape, *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and phrase in err[0] and "Traceback" not in err[0], err
+
+
+def test_cli_hf_rank_names_transformers_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["analyze", _llama_config(tmp_path), "--input-shape", "2x16", "--world-size", "2", "--rank", "1",
+                 "--tp", "2"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith("· rank 1 of 2 (transformers' apply_tensor_parallelism tp=2): one training step"), first

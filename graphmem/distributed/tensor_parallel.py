@@ -56,6 +56,13 @@ def parallelize(model: nn.Module, sharding: Sharding, meshes: Meshes) -> None:
                          "drop --rank for the Korthikanti formula over any model")
 
 
+def tp_engine(model: nn.Module) -> str:
+    """What splits ``model``'s layers, as a report names it."""
+    from graphmem.distributed.tensor_parallel_hf import is_hf
+
+    return "transformers' apply_tensor_parallelism" if is_hf(model) else "parallelize_module"
+
+
 def _is_bundled(model: nn.Module, cls: type[nn.Module]) -> bool:
     """``model`` is the bundled class ``cls``, imported as graphmem.models or loaded by file path
     (``graphmem analyze models/gpt2.py``: the same source file, another module object)."""

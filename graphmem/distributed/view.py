@@ -23,6 +23,7 @@ class RankView:
     formula: Optional[Parallel]  # the formula's options (passes/budget.py), None if none applies
     formula_peak: Optional[int]  # its peak over the single-device step
     peak_bytes: int  # rank r's real peak (the report's)
+    tp_engine: str = "parallelize_module"  # what split the layers (graphmem/distributed/tensor_parallel.py, tp_engine)
 
     @property
     def gap(self) -> Optional[int]:
@@ -33,7 +34,7 @@ class RankView:
         s = self.sharding
         wrappers = []
         if s.tp > 1:
-            wrappers.append(f"parallelize_module tp={s.tp}" + (" + sequence parallel" if s.sp else ""))
+            wrappers.append(f"{self.tp_engine} tp={s.tp}" + (" + sequence parallel" if s.sp else ""))
         if s.fsdp:
             mp = ", ".join(f"{k}={v}" for k, v in (("param_dtype", s.param_dtype), ("reduce_dtype", s.reduce_dtype)) if v)
             wrappers.append(f"fully_shard over {s.dp}, reshard_after_forward={s.reshard_after_forward}"
@@ -76,7 +77,8 @@ def formula_of(sharding: Sharding) -> Parallel:
 
 
 def rank_view(g: StepGraph, lv: Liveness, sv: SavedSet, sharding: Sharding,
-              single: Optional[tuple[StepGraph, Liveness, SavedSet]], units: tuple[str, ...]) -> RankView:
+              single: Optional[tuple[StepGraph, Liveness, SavedSet]], units: tuple[str, ...],
+              tp_engine: str = "parallelize_module") -> RankView:
     """``g``/``lv``/``sv``: rank r's capture; ``single``: the single-device step (for the formula)."""
     tl = category_timeline(g, lv, sv.tensors)
     comm = tuple((t.module, t.name, t.nbytes) for t in lv.live_at_peak if tl.category_of.get(t.sid) == "communication")
@@ -87,4 +89,4 @@ def rank_view(g: StepGraph, lv: Liveness, sv: SavedSet, sharding: Sharding,
         b: Budget = budget(*single, formula, units)
         formula_peak = b.peak_bytes
     return RankView(sharding, comm, max(tl.by_category["communication"], default=0), formula, formula_peak,
-                    lv.peak_bytes)
+                    lv.peak_bytes, tp_engine)
