@@ -4,7 +4,7 @@ GIVEN a model wrapped by fully_shard (FSDP2) over 2 ranks (and over 4), reshardi
 with a bf16/fp32 MixedPrecisionPolicy), or
 the bundled Llama split by parallelize_module (tensor parallel, with and without sequence parallel), the
 bundled GPT-2 (fused c_attn) likewise, or a Hugging Face decoder split by transformers' own TP plan (Llama at
-2 ranks, Qwen2 at 4, and Llama under FSDP2 x TP on a 2 x 2 mesh)
+2 ranks, Qwen2 at 4, and Llama under FSDP2 x TP on a 2 x 2 mesh; the bundled Llama's TP + SP likewise)
 WHEN graphmem captures rank r on fake tensors under the fake process group
 THEN rank r's saved bytes equal a real 2-process (4-process) gloo step's (saved_tensors_hooks) to the byte,
 and its peak equals the real step's CPU allocator peak (torch.profiler) up to the same gap the
@@ -27,7 +27,8 @@ MODELS = ("chain", "llama_gqa", "gpt2_sdpa", "llama_bundled", "gpt2_bundled", "q
 CASES = [(name, make_sharding(WORLD, 0, fsdp=True, reshard_after_forward=raf)) for name in MODELS[:3] for raf in (True, False)] \
     + [("llama_gqa", make_sharding(WORLD, 0, fsdp=True, param_dtype="bf16", reduce_dtype="fp32"))] \
     + [("llama_bundled", make_sharding(WORLD, 0, tp=WORLD, sp=sp)) for sp in (False, True)] \
-    + [(name, make_sharding(WORLD, 0, tp=WORLD)) for name in ("llama_gqa", "gpt2_bundled")]  # transformers' TP plan; fused c_attn
+    + [("llama_gqa", make_sharding(WORLD, 0, tp=WORLD))] \
+    + [("gpt2_bundled", make_sharding(WORLD, 0, tp=WORLD, sp=sp)) for sp in (False, True)]  # transformers' TP plan; fused c_attn
 
 
 def _id(name: str, s: Sharding) -> str:
@@ -60,9 +61,11 @@ def test_rank_matches_real_gloo(real: list[list[dict[str, int]]], single_gap: di
 
 
 # the same at 4 ranks: FSDP2 over 4 (padding: 4 does not divide every dimension the way 2 does); transformers'
-# TP plan over 4 (Qwen2: biases, tied head) and FSDP2 x TP on the 2 x 2 mesh
+# TP plan over 4 (Qwen2: biases, tied head); FSDP2 x TP on the 2 x 2 mesh, with transformers' plan and with the
+# bundled Llama's TP + SP
 CASES4 = [("chain", make_sharding(4, 0, fsdp=True)), ("llama_gqa", make_sharding(4, 0, fsdp=True, reshard_after_forward=False)),
-          ("qwen2_gqa8", make_sharding(4, 0, tp=4)), ("llama_gqa", make_sharding(4, 0, fsdp=True, tp=2))]
+          ("qwen2_gqa8", make_sharding(4, 0, tp=4)), ("llama_gqa", make_sharding(4, 0, fsdp=True, tp=2)),
+          ("llama_bundled", make_sharding(4, 0, fsdp=True, tp=2, sp=True))]
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,12 @@ Plans:
   local output splits into the rank's q, k and v; ``c_fc`` is column-split, both ``c_proj`` are
   row-split, and the tied ``wte``/``lm_head`` weight is split along the vocabulary (one shard,
   tied again after both modules are parallelized). Each attention module runs ``n_head // tp`` heads.
+  With sequence parallel the token and position embeddings are summed over the whole sequence,
+  the residual stream is split along it from the first block on, and the LayerNorms run on
+  sequence shards (as the Llama plan).
 
-Known limitations: loss parallel is not used (the logits are gathered); GPT-2 has no sequence
-parallel plan (its position embedding is added to the full-sequence token embedding), so
-``--sp`` on it is refused in one line; other models are refused in one line.
+Known limitations: loss parallel is not used (the logits are gathered); models other than these
+and Hugging Face models with a TP plan are refused in one line.
 """
 from __future__ import annotations
 
@@ -93,28 +95,63 @@ def _parallelize_llama(model: nn.Module, sharding: Sharding, meshes: Meshes) -> 
 
 
 def _parallelize_gpt2(model: nn.Module, sharding: Sharding, meshes: Meshes) -> None:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     tp = sharding.tp
-    if sharding.sp:
-        raise UsageError("--sp: the bundled GPT-2 has no sequence-parallel plan (its position embedding is added to "
-                         "the full-sequence token embedding): drop --sp, or use the bundled Llama")
     blocks: list[Any] = list(model.transformer.h)  # type: ignore[union-attr, arg-type]
     for block in blocks:
         if block.attn.n_head % tp:
             raise UsageError(f"--tp {tp} does not divide the {block.attn.n_head} heads: pick a divisor")
     assert meshes.tp is not None
     tied = model.transformer.wte.weight is model.lm_head.weight  # type: ignore[union-attr]
-    parallelize_module(model, meshes.tp, {"transformer.wte": RowwiseParallel(input_layouts=Replicate()),
-                                          "lm_head": ColwiseParallel(output_layouts=Replicate())})
+    parallelize_module(model, meshes.tp, _gpt2_root_plan(sharding.sp))
     if tied:  # one vocabulary shard for both, as before
         model.transformer.wte.weight = model.lm_head.weight  # type: ignore[union-attr]
     for block in blocks:
-        parallelize_module(block, meshes.tp, {"attn.c_attn": FusedColwise(3), "attn.c_proj": RowwiseParallel(),
-                                              "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+        parallelize_module(block, meshes.tp, _gpt2_block_plan(sharding.sp))
         block.attn.n_head //= tp  # each rank runs its own heads
         block.attn.n_embd //= tp
+
+
+def _gpt2_root_plan(sp: bool) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan: dict[str, Any] = {"transformer.wte": RowwiseParallel(input_layouts=Replicate())}
+    if not sp:
+        return {**plan, "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    # the token and position embeddings are summed over the whole sequence; the residual stream is
+    # split along it from the first block on (Replicate -> Shard(1) is a local chunk, no collective)
+    return {**plan,
+            "transformer.h.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                  use_local_output=True),
+            "transformer.ln_f": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+
+
+def _gpt2_block_plan(sp: bool) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan: dict[str, Any] = {"attn.c_attn": FusedColwise(3), "mlp.c_fc": ColwiseParallel()}
+    if not sp:
+        return {**plan, "attn.c_proj": RowwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+    return {**plan,
+            "ln_1": SequenceParallel(), "ln_2": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))}
 
 
 class FusedColwise(ColwiseParallel):
