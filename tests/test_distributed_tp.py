@@ -160,6 +160,14 @@ def test_tp_mistakes_are_one_line(model: str, args: list[str], phrase: str, tmp_
     assert len(err) == 1 and phrase in err[0] and "Traceback" not in err[0], err
 
 
+def test_peft_wrapped_model_is_one_error() -> None:
+    from graphmem.errors import UsageError
+
+    model, batch = case("lora_llama")
+    with pytest.raises(UsageError, match="peft-wrapped"):
+        graphmem.analyze(model, batch, world_size=2, rank=0, tp=2)
+
+
 def test_cli_hf_rank_names_transformers_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["analyze", _llama_config(tmp_path), "--input-shape", "2x16", "--world-size", "2", "--rank", "1",
                  "--tp", "2"]) == 0

@@ -46,6 +46,10 @@ def parallelize(model: nn.Module, sharding: Sharding, meshes: Meshes) -> None:
     from graphmem.models.gpt2 import GPT
     from graphmem.models.llama import Transformer
 
+    if type(model).__module__.split(".")[0] == "peft":
+        raise UsageError(f"--tp with --rank on a peft-wrapped model ({type(model).__name__}) is not modelled: "
+                         "transformers' TP plan shards the base model's linears, not LoRA's wrappers; drop --rank "
+                         "for the Korthikanti formula")
     if is_hf(model):
         parallelize_hf(model, sharding, meshes)
     elif _is_bundled(model, Transformer):

@@ -23,8 +23,10 @@ them not evenly sharded.
 Known limitations: sequence parallel is not offered: transformers 5.x wires no sequence-parallel
 plan (``DistributedConfig.enable_sequence_parallel`` is "Reserved for sequence parallelism. Not
 wired up yet", and no model config has a ``sequence_parallel`` entry), so ``--sp`` on a Hugging Face
-model is refused in one line; models without a TP plan (GPT-2, BERT, T5 in transformers 5.24) are
-refused in one line too.
+model is refused in one line; models without a TP plan (GPT-2, BERT, T5 in transformers 5.24) and
+peft-wrapped models (the plan names the base linears, not LoRA's wrappers) are refused in one line
+too. With FSDP, FSDP2 wraps the chain's blocks (graphmem/distributed/fsdp.py), not transformers'
+``fsdp_plan``.
 """
 from __future__ import annotations
 
