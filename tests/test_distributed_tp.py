@@ -85,6 +85,8 @@ def test_hf_rank_holds_megatron_shards(name: str, world: int, tp: int) -> None:
         vocab, d = model.config.vocab_size, model.config.hidden_size
         tied = model.lm_head.weight is model.model.embed_tokens.weight
         assert _gradient_shapes(report)["grad model.embed_tokens.weight"] == (vocab * d // (tp if tied else 1),)
+        assert report.sharding.full_gradients == (() if tied else (("model.embed_tokens.weight", vocab * d * 4,
+                                                                     vocab * d * 4 // tp),))  # a note says so
 
 
 def test_gpt2_fused_c_attn_keeps_each_ranks_q_k_v_heads() -> None:
@@ -135,7 +137,9 @@ def test_fsdp_x_tp_ranks_one_after_another() -> None:
     bytes_ = []
     for rank in (0, 2):
         model, batch = case("llama_gqa")
-        bytes_.append(graphmem.analyze(model, batch, world_size=4, rank=rank, tp=2, fsdp="fully_shard").parameter_bytes)
+        report = graphmem.analyze(model, batch, world_size=4, rank=rank, tp=2, fsdp="fully_shard")
+        bytes_.append(report.parameter_bytes)
+        assert report.sharding.full_gradients == ()  # FSDP2's gradients are flat reduce-scatter outputs
     assert bytes_[0] == bytes_[1] > 0
 
 

@@ -24,6 +24,8 @@ class RankView:
     formula_peak: Optional[int]  # its peak over the single-device step
     peak_bytes: int  # rank r's real peak (the report's)
     tp_engine: str = "parallelize_module"  # what split the layers (graphmem/distributed/tensor_parallel.py, tp_engine)
+    # (parameter, its gradient's bytes, its local shard's bytes): gradients larger than their parameter's shard
+    full_gradients: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def gap(self) -> Optional[int]:
@@ -53,6 +55,10 @@ class RankView:
             out.append(f"communication at the peak: {fmt_bytes(held)} (" + ", ".join(
                 f"{k} of {', '.join(sorted(u)) if len(u) <= 2 else f'{len(u)} modules'}: {fmt_bytes(v)}"
                 for k, (v, u) in sorted(parts.items(), key=lambda kv: -kv[1][0])) + ")")
+        for name, grad, shard in self.full_gradients:
+            out.append(f"gradient of {name}: {fmt_bytes(grad)} on this rank for a {fmt_bytes(shard)} shard (DTensor's "
+                       "backward returns it unsharded, e.g. a vocabulary-parallel embedding's: +"
+                       f"{fmt_bytes(grad - shard)})")
         if self.formula is not None and self.formula_peak is not None and self.gap is not None:
             sign = "+" if self.gap >= 0 else "-"
             out.append(f"formula cross-check ({self.formula.describe()}, passes/budget.py over the single-device "
@@ -66,7 +72,8 @@ class RankView:
                 "communication_at_peak": [{"unit": u, "name": n, "bytes": b} for u, n, b in self.communication_at_peak],
                 "communication_max_bytes": self.communication_max,
                 "formula": self.formula.to_dict() if self.formula is not None else None,
-                "formula_peak_bytes": self.formula_peak, "gap_bytes": self.gap}
+                "formula_peak_bytes": self.formula_peak, "gap_bytes": self.gap,
+                "full_gradients": [{"parameter": n, "bytes": g, "shard_bytes": p} for n, g, p in self.full_gradients]}
 
 
 def formula_of(sharding: Sharding) -> Parallel:
@@ -88,5 +95,9 @@ def rank_view(g: StepGraph, lv: Liveness, sv: SavedSet, sharding: Sharding,
         formula = formula_of(sharding)
         b: Budget = budget(*single, formula, units)
         formula_peak = b.peak_bytes
+    # tensor parallel alone: each gradient is its own storage (FSDP2's are flat reduce-scatter outputs)
+    full = () if sharding.fsdp else tuple(
+        (g.storages[s.owner].name, s.nbytes, g.storages[s.owner].nbytes) for s in (g.storages[sid] for sid in g.gradients)
+        if s.owner is not None and s.nbytes > g.storages[s.owner].nbytes)
     return RankView(sharding, comm, max(tl.by_category["communication"], default=0), formula, formula_peak,
-                    lv.peak_bytes, tp_engine)
+                    lv.peak_bytes, tp_engine, full)
