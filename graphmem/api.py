@@ -16,6 +16,7 @@ from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target, make_target
 from graphmem.distributed import Sharding, capture_rank, make_sharding, wants_wrappers
 from graphmem.distributed.pipeline import Pipeline, analyze_stage, make_pipeline
+from graphmem.distributed.tensor_parallel import tp_engine
 from graphmem.distributed.view import rank_view
 from graphmem.errors import UsageError
 from graphmem.passes import allocator, compare_modes, liveness, notes, saved
@@ -228,7 +229,7 @@ def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn]
     single = capture_reusing(module, lambda: capture(module, make, loss_fn, target))[0] if reuse \
         else capture(module, make, loss_fn, target)
     lv, sv = liveness(g), saved(g)
-    view = rank_view(g, lv, sv, sharding, (single, liveness(single), saved(single)), units_of(module))
+    view = rank_view(g, lv, sv, sharding, (single, liveness(single), saved(single)), units_of(module), tp_engine(module))
     loss_name = "default" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     alloc = allocator(g) if target.device == "cuda" else None
     return Report.build(g, lv, sv, name, shapes, loss_name, notes(g) + view.lines(), None, alloc, sharding=view)

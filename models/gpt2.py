@@ -60,8 +60,8 @@ class CausalSelfAttention(nn.Module):
             self.register_buffer("mask", mask.view(1, 1, config.block_size, config.block_size), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape  # (b, s, d)
-        hd = d // self.n_head
+        b, s, _ = x.shape  # (b, s, d)
+        hd = self.n_embd // self.n_head  # n_head, n_embd: this rank's share under tensor parallel
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (b, s, d)
         q = q.view(b, s, self.n_head, hd).transpose(1, 2)  # (b, h, s, hd)
         k = k.view(b, s, self.n_head, hd).transpose(1, 2)  # (b, h, s, hd)
@@ -78,7 +78,7 @@ class CausalSelfAttention(nn.Module):
             att = self.attn_dropout(att)
             y = att @ v  # (b, h, s, hd)
 
-        y = y.transpose(1, 2).contiguous().view(b, s, d)  # (b, s, d)
+        y = y.transpose(1, 2).contiguous().view(b, s, self.n_embd)  # (b, s, d)
         return self.resid_dropout(self.c_proj(y))
 
 

@@ -93,11 +93,23 @@ def case(name: str) -> tuple[nn.Module, tuple]:
     torch.manual_seed(0)
     if name == "chain":
         return Chain().train(), (torch.randn(8, 64, generator=torch.Generator().manual_seed(1)),)
+    ids = (torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1)),)
     if name == "llama_bundled":  # models/llama.py, the decoder the tensor-parallel plan covers
         from graphmem.models.llama import LlamaConfig, Transformer
 
         config = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64)
-        return Transformer(config).train(), (torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1)),)
+        return Transformer(config).train(), ids
+    if name == "gpt2_bundled":  # models/gpt2.py: fused c_attn, tied embeddings
+        from graphmem.models.gpt2 import GPT, GPTConfig
+
+        return GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=4, n_embd=64)).train(), ids
+    if name == "qwen2_gqa8":  # transformers' Qwen2: q/k/v biases, tied head, 8 heads and 4 key/value heads (--tp 4 divides both)
+        import transformers
+
+        config = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                                          tie_word_embeddings=True)
+        return transformers.Qwen2ForCausalLM(config).train(), ids
     from tests.zoo import build
 
     return build(name)
@@ -140,13 +152,17 @@ def _worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Shardi
         results, kept = [], []  # type: ignore[var-annotated]
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
         for name, sharding in cases:
+            meshes = Meshes(mesh, mesh if sharding.fsdp else None, mesh if sharding.tp > 1 else None)
+            if sharding.fsdp and sharding.tp > 1:  # FSDP x TP: the 2-D mesh graphmem's fake process group builds
+                world = init_device_mesh("cpu", (sharding.dp, sharding.tp), mesh_dim_names=("dp", "tp"))
+                meshes = Meshes(world, world["dp"], world["tp"])
             runs = []
             for _ in range(REPEAT):  # a fresh model each time; everything kept alive (see _step)
                 model, batch = case(name)
                 if sharding.tp > 1:
-                    parallelize(model, sharding, Meshes(mesh, None, mesh))
+                    parallelize(model, sharding, meshes)
                 if sharding.fsdp:
-                    shard(model, sharding, Meshes(mesh, mesh, None))
+                    shard(model, sharding, meshes)
                 runs.append(_step(model, batch, None, kept))
             saved = {s for s, _ in runs}
             assert len(saved) == 1, saved  # autograd saves the same every time

@@ -2,12 +2,14 @@
 
 GIVEN a model wrapped by fully_shard (FSDP2) over 2 ranks (and over 4), resharding after forward or not (or
 with a bf16/fp32 MixedPrecisionPolicy), or
-the bundled Llama split by parallelize_module (tensor parallel, with and without sequence parallel)
+the bundled Llama split by parallelize_module (tensor parallel, with and without sequence parallel), the
+bundled GPT-2 (fused c_attn) likewise, or a Hugging Face decoder split by transformers' own TP plan (Llama at
+2 ranks, Qwen2 at 4, and Llama under FSDP2 x TP on a 2 x 2 mesh; the bundled Llama's TP + SP likewise)
 WHEN graphmem captures rank r on fake tensors under the fake process group
 THEN rank r's saved bytes equal a real 2-process (4-process) gloo step's (saved_tensors_hooks) to the byte,
 and its peak equals the real step's CPU allocator peak (torch.profiler) up to the same gap the
-single-device prediction has on that model (0 B for the torch.nn chain and Llama; GPT-2's 96 B
-are not from the distributed code), on every rank.
+single-device prediction has on that model (0 B for the torch.nn chain, Llama, Qwen2 and the bundled
+GPT-2; HF GPT-2's 96 B are not from the distributed code), on every rank.
 """
 from __future__ import annotations
 
@@ -20,10 +22,19 @@ from graphmem.validation.measure import measure_peak
 from tests.dist_truth import case, measure_ranks
 
 WORLD = 2
-MODELS = ("chain", "llama_gqa", "gpt2_sdpa", "llama_bundled")  # torch.nn; transformers' Llama (GQA); GPT-2 (tied); models/llama.py
+# torch.nn; transformers' Llama (GQA); GPT-2 (tied); models/llama.py; models/gpt2.py; transformers' Qwen2 (8 heads)
+MODELS = ("chain", "llama_gqa", "gpt2_sdpa", "llama_bundled", "gpt2_bundled", "qwen2_gqa8")
 CASES = [(name, make_sharding(WORLD, 0, fsdp=True, reshard_after_forward=raf)) for name in MODELS[:3] for raf in (True, False)] \
     + [("llama_gqa", make_sharding(WORLD, 0, fsdp=True, param_dtype="bf16", reduce_dtype="fp32"))] \
-    + [("llama_bundled", make_sharding(WORLD, 0, tp=WORLD, sp=sp)) for sp in (False, True)]
+    + [("llama_bundled", make_sharding(WORLD, 0, tp=WORLD, sp=sp)) for sp in (False, True)] \
+    + [("llama_gqa", make_sharding(WORLD, 0, tp=WORLD))] \
+    + [("gpt2_bundled", make_sharding(WORLD, 0, tp=WORLD, sp=sp)) for sp in (False, True)]  # transformers' TP plan; fused c_attn
+
+
+def _id(name: str, s: Sharding) -> str:
+    tp = f"tp{s.tp}-sp={s.sp}" if s.tp > 1 else ""
+    fsdp = f"fsdp-reshard={s.reshard_after_forward}-mp={s.param_dtype}" if s.fsdp else ""
+    return "-".join(p for p in (name, fsdp, tp) if p)
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +54,18 @@ def single_gap() -> dict[str, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{n}-tp-sp={s.sp}" if s.tp > 1 else f"{n}-reshard={s.reshard_after_forward}-mp={s.param_dtype}"
-                              for n, s in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_id(n, s) for n, s in CASES])
 def test_rank_matches_real_gloo(real: list[list[dict[str, int]]], single_gap: dict[str, int], index: int) -> None:
     name, sharding = CASES[index]
     _every_rank_is_real(name, sharding, real[index], single_gap[name])
 
 
-# the same at 4 ranks: FSDP2 over 4 (padding: 4 does not divide every dimension the way 2 does)
-CASES4 = [("chain", make_sharding(4, 0, fsdp=True)), ("llama_gqa", make_sharding(4, 0, fsdp=True, reshard_after_forward=False))]
+# the same at 4 ranks: FSDP2 over 4 (padding: 4 does not divide every dimension the way 2 does); transformers'
+# TP plan over 4 (Qwen2: biases, tied head); FSDP2 x TP on the 2 x 2 mesh, with transformers' plan and with the
+# bundled Llama's TP + SP
+CASES4 = [("chain", make_sharding(4, 0, fsdp=True)), ("llama_gqa", make_sharding(4, 0, fsdp=True, reshard_after_forward=False)),
+          ("qwen2_gqa8", make_sharding(4, 0, tp=4)), ("llama_gqa", make_sharding(4, 0, fsdp=True, tp=2)),
+          ("llama_bundled", make_sharding(4, 0, fsdp=True, tp=2, sp=True))]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +74,7 @@ def real4() -> list[list[dict[str, int]]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(CASES4)), ids=[f"{n}-reshard={s.reshard_after_forward}" for n, s in CASES4])
+@pytest.mark.parametrize("index", range(len(CASES4)), ids=[_id(n, s) for n, s in CASES4])
 def test_rank_matches_real_gloo_at_4_ranks(real4: list[list[dict[str, int]]], single_gap: dict[str, int],
                                            index: int) -> None:
     name, sharding = CASES4[index]

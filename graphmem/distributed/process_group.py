@@ -15,6 +15,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -62,3 +63,12 @@ def fake_process_group(rank: int, world_size: int, tp: int = 1, fsdp: bool = Tru
             yield Meshes(world, world, None)
     finally:
         dist.destroy_process_group()
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding propagation by op schema (the C++ dispatch fast path's cache,
+    torch/distributed/tensor/_dispatch.py), and a schema's meshes compare equal across ranks of one
+    world (the same rank map and layout): a later rank would get output specs that hold this rank's
+    sub-meshes, whose groups are destroyed here ("Could not resolve the process group")."""
+    torch._C._clear_DTensor_sharding_propagator_cache()

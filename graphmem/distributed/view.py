@@ -23,6 +23,9 @@ class RankView:
     formula: Optional[Parallel]  # the formula's options (passes/budget.py), None if none applies
     formula_peak: Optional[int]  # its peak over the single-device step
     peak_bytes: int  # rank r's real peak (the report's)
+    tp_engine: str = "parallelize_module"  # what split the layers (graphmem/distributed/tensor_parallel.py, tp_engine)
+    # (parameter, its gradient's bytes, its local shard's bytes): gradients larger than their parameter's shard
+    full_gradients: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def gap(self) -> Optional[int]:
@@ -33,7 +36,7 @@ class RankView:
         s = self.sharding
         wrappers = []
         if s.tp > 1:
-            wrappers.append(f"parallelize_module tp={s.tp}" + (" + sequence parallel" if s.sp else ""))
+            wrappers.append(f"{self.tp_engine} tp={s.tp}" + (" + sequence parallel" if s.sp else ""))
         if s.fsdp:
             mp = ", ".join(f"{k}={v}" for k, v in (("param_dtype", s.param_dtype), ("reduce_dtype", s.reduce_dtype)) if v)
             wrappers.append(f"fully_shard over {s.dp}, reshard_after_forward={s.reshard_after_forward}"
@@ -52,6 +55,10 @@ class RankView:
             out.append(f"communication at the peak: {fmt_bytes(held)} (" + ", ".join(
                 f"{k} of {', '.join(sorted(u)) if len(u) <= 2 else f'{len(u)} modules'}: {fmt_bytes(v)}"
                 for k, (v, u) in sorted(parts.items(), key=lambda kv: -kv[1][0])) + ")")
+        for name, grad, shard in self.full_gradients:
+            out.append(f"gradient of {name}: {fmt_bytes(grad)} on this rank for a {fmt_bytes(shard)} shard (DTensor's "
+                       "backward returns it unsharded, e.g. a vocabulary-parallel embedding's: +"
+                       f"{fmt_bytes(grad - shard)})")
         if self.formula is not None and self.formula_peak is not None and self.gap is not None:
             sign = "+" if self.gap >= 0 else "-"
             out.append(f"formula cross-check ({self.formula.describe()}, passes/budget.py over the single-device "
@@ -65,7 +72,8 @@ class RankView:
                 "communication_at_peak": [{"unit": u, "name": n, "bytes": b} for u, n, b in self.communication_at_peak],
                 "communication_max_bytes": self.communication_max,
                 "formula": self.formula.to_dict() if self.formula is not None else None,
-                "formula_peak_bytes": self.formula_peak, "gap_bytes": self.gap}
+                "formula_peak_bytes": self.formula_peak, "gap_bytes": self.gap,
+                "full_gradients": [{"parameter": n, "bytes": g, "shard_bytes": p} for n, g, p in self.full_gradients]}
 
 
 def formula_of(sharding: Sharding) -> Parallel:
@@ -76,7 +84,8 @@ def formula_of(sharding: Sharding) -> Parallel:
 
 
 def rank_view(g: StepGraph, lv: Liveness, sv: SavedSet, sharding: Sharding,
-              single: Optional[tuple[StepGraph, Liveness, SavedSet]], units: tuple[str, ...]) -> RankView:
+              single: Optional[tuple[StepGraph, Liveness, SavedSet]], units: tuple[str, ...],
+              tp_engine: str = "parallelize_module") -> RankView:
     """``g``/``lv``/``sv``: rank r's capture; ``single``: the single-device step (for the formula)."""
     tl = category_timeline(g, lv, sv.tensors)
     comm = tuple((t.module, t.name, t.nbytes) for t in lv.live_at_peak if tl.category_of.get(t.sid) == "communication")
@@ -86,5 +95,9 @@ def rank_view(g: StepGraph, lv: Liveness, sv: SavedSet, sharding: Sharding,
         formula = formula_of(sharding)
         b: Budget = budget(*single, formula, units)
         formula_peak = b.peak_bytes
+    # tensor parallel alone: each gradient is its own storage (FSDP2's are flat reduce-scatter outputs)
+    full = () if sharding.fsdp else tuple(
+        (g.storages[s.owner].name, s.nbytes, g.storages[s.owner].nbytes) for s in (g.storages[sid] for sid in g.gradients)
+        if s.owner is not None and s.nbytes > g.storages[s.owner].nbytes)
     return RankView(sharding, comm, max(tl.by_category["communication"], default=0), formula, formula_peak,
-                    lv.peak_bytes)
+                    lv.peak_bytes, tp_engine, full)
