@@ -24,7 +24,7 @@ from graphmem.recapture import Recapture, capture_step
 from graphmem.report import Report
 from graphmem.training.batch import as_batch, resizer
 from graphmem.training.peft_lora import is_hf_model
-from graphmem.training.spec import Training, make_training, step_budget, units_of
+from graphmem.training.spec import Training, make_training, prepare, step_budget, units_of
 from graphmem.training.step import LossFn
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
@@ -232,8 +232,11 @@ def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn]
     if training.quantization is not None:
         raise UsageError("--qlora is analyzed on one device (bitsandbytes' 4-bit weights are not sharded by fully_shard "
                          "here): drop --qlora, or drop --rank/--fsdp")
-    if training.lora is not None:
-        raise UsageError("the per-rank capture does not run LoRA yet: drop --lora-rank, or drop --rank/--fsdp for the formulas")
+    # LoRA as users run it with FSDP2: peft's get_peft_model (or graphmem's adapters on a plain module), then fully_shard
+    prepared, lora_layers = prepare(module, training, target.param_dtype)
+    if training.keeps_dtypes(module):  # peft's fp32 adapters on a 16-bit model (graphmem/training/spec.py)
+        target = dataclasses.replace(target, dtype=None)
+    module = prepared
     # every block is captured: depth reuse's widening (graphmem/capture/widen.py) refuses a step whose
     # blocks are referred to from outside the chain, as FSDP2's prefetch and root callbacks do
     train = training.train if training.train.active else None
@@ -247,7 +250,7 @@ def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn]
     alloc = allocator(g) if target.device == "cuda" else None
     # the whole step's table (optimizer states, later steps' peak) over rank r's own graph: nothing to divide
     traced = dataclasses.replace(training, train=g.train) if g.train is not None else training  # its micro-steps
-    plan = step_budget(g, lv, sv, traced, module, (), view.describe()) if training.requested else None
+    plan = step_budget(g, lv, sv, traced, module, lora_layers, view.describe()) if training.requested else None
     return Report.build(g, lv, sv, name, shapes, loss_name, notes(g) + view.lines(), None, alloc, budget=plan,
                         sharding=view)
 

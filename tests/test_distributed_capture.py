@@ -69,6 +69,9 @@ def test_cli_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
     (["--world-size", "4", "--fsdp", "--optimizer", "adafactor"], "use --optimizer adamw"),
     (["--world-size", "4", "--fsdp", "--optimizer", "adam", "--master-weights", "--dtype", "bf16"], "--fsdp-param-dtype bf16"),
     (["--world-size", "1", "--fsdp"], "raise --world-size"),
+    (["--world-size", "4", "--fsdp", "--fsdp-no-sync"], "add --micro-batches 2"),
+    (["--world-size", "4", "--micro-batches", "2", "--fsdp-no-sync"], "add --fsdp"),
+    (["--world-size", "4", "--fsdp", "--qlora", "--lora-rank", "4", "--lora-targets", "all-linear"], "drop --qlora"),
 ])
 def test_per_rank_mistakes_are_one_line(args: list[str], phrase: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["analyze", "models/mlp.py", "--input-shape", "4x784", *args]) == 2
@@ -139,3 +142,27 @@ def test_rank_optimizer_states_follow_fsdp2_chunks_at_3_ranks() -> None:
         per_rank.append(b.row("optimizer states").size - counters)
     assert sum(per_rank) == single.row("optimizer states").size - counters
     assert per_rank[-1] < per_rank[0]
+
+
+@pytest.mark.parametrize("name,targets", [("llama_gqa", "q_proj,v_proj"), ("chain", "up")])
+def test_rank_lora_holds_half_the_adapters_and_their_states(name: str, targets: str) -> None:
+    """LoRA then fully_shard (peft's get_peft_model on an HF model, graphmem's adapters on a torch.nn
+    one): only the adapters get gradients and AdamW states, rank r holding its half of each; the
+    frozen base weights are sharded too, and no gradient is reduce-scattered for them."""
+    from graphmem.passes import liveness, saved
+    from graphmem.passes.budget import Parallel, budget
+    from graphmem.training.spec import units_of
+
+    model, batch = case(name)
+    one = graphmem.analyze(model, batch, optimizer="adamw", lora_rank=4, lora_targets=targets)
+    single = one.budget.rank
+    assert one.step is not None and 0 < single.trainable < single.parameters
+    formula = budget(one.step, liveness(one.step), saved(one.step), Parallel(2, 0, "full"), units_of(model))
+    for rank in (0, 1):
+        r = graphmem.analyze(model, batch, world_size=2, rank=rank, fsdp="fully_shard", optimizer="adamw",
+                             lora_rank=4, lora_targets=targets)
+        b = r.budget.rank
+        assert b.trainable * 2 == single.trainable and b.parameters * 2 == single.parameters
+        assert b.row("optimizer states").size == formula.row("optimizer states").size
+        assert b.row("gradients").size == r.gradient_bytes == single.row("gradients").size // 2
+        assert len(r.budget.lora_layers) == len(one.budget.lora_layers) > 0
