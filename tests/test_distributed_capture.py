@@ -113,8 +113,11 @@ def test_rank_optimizer_states_are_the_zero3_formulas_row(name: str) -> None:
     assert single is not None
     formula = budget(single, liveness(single), saved(single), Parallel(2, 0, "full"), units_of(model))
     for rank in (0, 1):
-        b = graphmem.analyze(model, batch, world_size=2, rank=rank, fsdp="fully_shard", optimizer="adamw").budget.rank
+        r = graphmem.analyze(model, batch, world_size=2, rank=rank, fsdp="fully_shard", optimizer="adamw")
+        b = r.budget.rank
         assert b.row("optimizer states").size == formula.row("optimizer states").size > 0
+        assert (r.sharding.later_peak, r.sharding.formula_later) == (b.later_peak_bytes, formula.later_peak_bytes)
+        assert any("later steps (optimizer states from the start): formula" in n for n in r.notes)
         assert b.states_by_name == formula.states_by_name
         assert b.row("parameters").size * 2 + b.step_counter_bytes == b.row("optimizer states").size
         assert b.later_peak_bytes >= b.peak_bytes and b.trainable == b.parameters

@@ -1,6 +1,7 @@
 """The whole training step per rank (optimizer, micro-batches, LoRA) through FSDP2 against real gloo runs.
 
-GIVEN a model wrapped by fully_shard over 2 ranks (after peft's get_peft_model for LoRA) and a
+GIVEN a model wrapped by fully_shard over 2 ranks (after peft's get_peft_model for LoRA), or the
+bundled Llama split by parallelize_module (TP + SP), and a
 torch.optim optimizer over its DTensor parameters (graphmem/training/loop.py's Session, the step
 graphmem traces), with micro-batches reduce-scattered each (FSDP2's default) or only the last
 (set_requires_gradient_sync(False) before the others)
@@ -34,6 +35,7 @@ CASES: list[tuple[str, Sharding, TrainStep]] = [
     # transformers' Llama, foreach AdamW, gradient sync on the last of 3 micro-batches only
     ("llama_gqa", make_sharding(WORLD, 0, fsdp=True, no_sync=True, micro_batches=3), TrainStep("adamw", "foreach", micro_batches=3)),
     ("lora_llama", make_sharding(WORLD, 0, fsdp=True), TrainStep("adamw")),  # peft's get_peft_model, then fully_shard
+    ("llama_bundled", make_sharding(WORLD, 0, tp=WORLD, sp=True), TrainStep("adamw")),  # parallelize_module, TP + SP
 ]
 # the real side's model -> what graphmem is given: the base model and its LoRA options (tests/zoo.py's lora_llama)
 AS_GIVEN = {"lora_llama": ("llama_gqa", {"lora_rank": 4, "lora_targets": "q_proj,v_proj"})}
@@ -41,7 +43,7 @@ AS_GIVEN = {"lora_llama": ("llama_gqa", {"lora_rank": 4, "lora_targets": "q_proj
 
 def _ids(c: tuple[str, Sharding, TrainStep]) -> str:
     name, s, t = c
-    return f"{name}-{t.describe()}" + ("-no-sync" if s.no_sync else "")
+    return f"{name}-{t.describe()}" + ("-no-sync" if s.no_sync else "") + ("-tp-sp" if s.tp > 1 else "")
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +79,9 @@ def test_rank_step_matches_real_gloo(real: list[list[dict[str, int]]], index: in
     name, sharding, train = CASES[index]
     gaps = _single_gaps(name, train)
     for rank in range(WORLD):
-        r = _analyze(name, train, world_size=WORLD, rank=rank, fsdp="fully_shard",
-                     reshard_after_forward=sharding.reshard_after_forward, fsdp_no_sync=sharding.no_sync)
+        r = _analyze(name, train, world_size=WORLD, rank=rank, fsdp="fully_shard" if sharding.fsdp else None,
+                     reshard_after_forward=sharding.reshard_after_forward, fsdp_no_sync=sharding.no_sync,
+                     tp=sharding.tp, sp=sharding.sp)
         b, m = r.budget.rank, real[index][rank]
         assert r.activation_bytes == m["saved"], (name, rank)
         assert b.row("optimizer states").size == m["states"] > 0, (name, rank)

@@ -9,8 +9,14 @@ copy-in/copy-out ops, and the c10d collectives of the fake backend (which leave 
 allocated, as a real collective does). The graph's storages are rank r's: local shards, not
 global DTensor sizes.
 
-Known limitations: eager mode only (no --mode compiled), no optimizer step or micro-batches yet,
-and no depth reuse (every block is captured).
+``train`` runs the whole step as graphmem/training/loop.py's Session runs it on one device:
+micro-batches (with FSDP2's gradient sync after each, or after the last only: ``Sharding.no_sync``),
+then torch.optim over the wrapped model's DTensor parameters, so the optimizer's states are rank
+r's local shards (``zeros_like`` of each local chunk), recorded by the single-device marker.
+
+Known limitations: eager mode only (no --mode compiled); no depth reuse (every block is captured);
+fp32 master weights are the single-device recipe (FSDP2's is its MixedPrecisionPolicy), fused SGD
+and Adafactor do not run on DTensors (refused by graphmem/distributed/spec.py check_rank_step).
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from graphmem.capture.fakes import Inputs, fake_batch, forward_context, translat
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _unique_counts
 from graphmem.capture.target import Target
-from graphmem.distributed.fsdp import fake_copy, local, shard, watching
+from graphmem.distributed.fsdp import fake_copy, local, shard, unsharded_grads, watching
 from graphmem.distributed.process_group import fake_process_group
 from graphmem.distributed.spec import Sharding
 from graphmem.distributed.tensor_parallel import parallelize
@@ -113,7 +119,7 @@ def _run(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, fake_inputs: Any,
                     mark("gradient", [(n, p.grad) for n, p in wrapped.named_parameters() if p.grad is not None])
                 else:
                     out, loss = session.run(wrapped, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True,
-                                            micro_step=_gradient_sync(wrapped, sharding))
+                                            micro_step=_gradient_sync(cap, wrapped, sharding))
                     relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
                 gradients = marked.get("gradient", [])
         except GraphmemError:
@@ -141,11 +147,14 @@ def traced(train: TrainStep, sharding: Sharding) -> TrainStep:
     return train
 
 
-def _gradient_sync(wrapped: nn.Module, sharding: Sharding) -> Callable[[int, int], None]:
+def _gradient_sync(cap: _Recorder, wrapped: nn.Module, sharding: Sharding) -> Callable[[int, int], None]:
     """Before micro-step i of n: FSDP2 reduce-scatters after every micro-batch (its default), or,
-    under ``no_sync``, after the last only (``FSDPModule.set_requires_gradient_sync``)."""
+    under ``no_sync``, after the last only (``FSDPModule.set_requires_gradient_sync``); the
+    unsharded gradients the earlier micro-steps left are named."""
 
     def before(i: int, runs: int) -> None:
         if sharding.no_sync and sharding.fsdp:
+            for grad in unsharded_grads(wrapped):
+                cap.relabel(grad, "gradient", "unsharded gradient, accumulated without sync (set_requires_gradient_sync)")
             wrapped.set_requires_gradient_sync(i == runs - 1)  # type: ignore[operator]
     return before
