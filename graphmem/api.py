@@ -16,7 +16,6 @@ from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target, make_target
 from graphmem.distributed import Sharding, capture_rank, make_sharding, wants_wrappers
 from graphmem.distributed.pipeline import Pipeline, analyze_stage, make_pipeline
-from graphmem.distributed.spec import check_rank_step
 from graphmem.distributed.view import rank_view
 from graphmem.errors import UsageError
 from graphmem.passes import allocator, compare_modes, liveness, notes, saved
@@ -167,7 +166,7 @@ def analyze(
         training = training or make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
                                              lora_targets, quantization="nf4" if qlora else None)
         sharding = make_sharding(world_size, rank or 0, fsdp == "fully_shard", reshard_after_forward, fsdp_param_dtype,
-                                 fsdp_reduce_dtype, fsdp_offload, tp, sp, fsdp_no_sync, training.train.micro_batches)
+                                 fsdp_reduce_dtype, fsdp_offload, tp, sp, fsdp_no_sync, training)
         return _per_rank(loaded.name, loaded.module, make, loss_fn, target, sharding, bool(zero) or fsdp in ("full", "grad-op"),
                          training, reuse)
     if training is None:
@@ -225,13 +224,6 @@ def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn]
     if target.mode == "compiled":
         raise UsageError("the per-rank capture runs the wrappers eagerly: drop --mode compiled, or drop --rank/--fsdp "
                          "for the formulas")
-    if training.train.master_weights:
-        raise UsageError("--master-weights is the single-device mixed-precision recipe; FSDP2's is fp32 sharded "
-                         "parameters with --fsdp-param-dtype bf16 (MixedPrecisionPolicy): use that instead")
-    check_rank_step(training.train.optimizer, training.train.impl, target.device)
-    if training.quantization is not None:
-        raise UsageError("--qlora is analyzed on one device (bitsandbytes' 4-bit weights are not sharded by fully_shard "
-                         "here): drop --qlora, or drop --rank/--fsdp")
     # LoRA as users run it with FSDP2: peft's get_peft_model (or graphmem's adapters on a plain module), then fully_shard
     prepared, lora_layers = prepare(module, training, target.param_dtype)
     if training.keeps_dtypes(module):  # peft's fp32 adapters on a 16-bit model (graphmem/training/spec.py)

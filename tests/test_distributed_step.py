@@ -25,6 +25,7 @@ import torch
 import graphmem
 from graphmem.distributed import Sharding, make_sharding
 from graphmem.training.loop import TrainStep
+from graphmem.training.spec import make_training
 from graphmem.validation.measure import measure_peak
 from tests.dist_truth import case, measure_train_ranks
 
@@ -33,7 +34,7 @@ CASES: list[tuple[str, Sharding, TrainStep]] = [
     ("chain", make_sharding(WORLD, 0, fsdp=True), TrainStep("adamw")),  # for-loop AdamW (the CPU's default)
     ("chain", make_sharding(WORLD, 0, fsdp=True), TrainStep("adamw", micro_batches=3)),  # reduce-scatter each micro-batch
     # transformers' Llama, foreach AdamW, gradient sync on the last of 3 micro-batches only
-    ("llama_gqa", make_sharding(WORLD, 0, fsdp=True, no_sync=True, micro_batches=3), TrainStep("adamw", "foreach", micro_batches=3)),
+    ("llama_gqa", make_sharding(WORLD, 0, fsdp=True, no_sync=True, training=make_training(micro_batches=3)), TrainStep("adamw", "foreach", micro_batches=3)),
     ("lora_llama", make_sharding(WORLD, 0, fsdp=True), TrainStep("adamw")),  # peft's get_peft_model, then fully_shard
     ("llama_bundled", make_sharding(WORLD, 0, tp=WORLD, sp=True), TrainStep("adamw")),  # parallelize_module, TP + SP
 ]

@@ -16,7 +16,7 @@ r's local shards (``zeros_like`` of each local chunk), recorded by the single-de
 
 Known limitations: eager mode only (no --mode compiled); no depth reuse (every block is captured);
 fp32 master weights are the single-device recipe (FSDP2's is its MixedPrecisionPolicy), fused SGD
-and Adafactor do not run on DTensors (refused by graphmem/distributed/spec.py check_rank_step).
+and Adafactor do not run on DTensors (refused by graphmem/distributed/spec.py make_sharding).
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@
 before all but the last (unsharded gradients accumulate on the rank; one reduce-scatter per step,
 the common memory-for-communication trade), instead of FSDP2's default reduce-scatter after
 every micro-batch. ``tp``/``sp``: DTensor ``parallelize_module`` over ``tp`` ranks
-(graphmem/distributed/tensor_parallel.py). Checked once, here.
+(graphmem/distributed/tensor_parallel.py). Checked once, here, with the training step that runs
+through them (optimizer, micro-batches, LoRA: graphmem/training/spec.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from graphmem.errors import UsageError
+from graphmem.training.spec import Training
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -58,9 +60,9 @@ def wants_wrappers(rank: Optional[int], fsdp: Optional[str], reshard_after_forwa
 
 def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_after_forward: bool = True,
                   param_dtype: Optional[str] = None, reduce_dtype: Optional[str] = None, offload: bool = False,
-                  tp: int = 1, sp: bool = False, no_sync: bool = False, micro_batches: int = 1) -> Sharding:
-    """Check the options together (``micro_batches``: the training step's, for ``no_sync``); the
-    error names the fix."""
+                  tp: int = 1, sp: bool = False, no_sync: bool = False, training: Optional[Training] = None) -> Sharding:
+    """Check the options together, and with the training step that runs through the wrappers
+    (graphmem/training/spec.py); the error names the fix."""
     for name, v in (("--world-size", world_size), ("--tp", tp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise UsageError(f"{name} must be a positive integer, got {v!r}")
@@ -73,9 +75,8 @@ def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_af
             raise UsageError(f"unknown {name} {d!r}: use one of {', '.join(_DTYPES)}")
     if not fsdp and (param_dtype or reduce_dtype or offload or not reshard_after_forward or no_sync):
         raise UsageError("the mixed-precision, offload, reshard and no-sync options configure fully_shard: add --fsdp")
-    if no_sync and micro_batches < 2:
-        raise UsageError("--fsdp-no-sync skips the gradient reduce-scatter of all micro-batches but the last: "
-                         "add --micro-batches 2 (or more)")
+    if training is not None:
+        _check_training(training, no_sync)
     if sp and tp == 1:
         raise UsageError("--sp splits the sequence over the tensor-parallel ranks: add --tp 2 (or more)")
     if fsdp and world_size // tp == 1:
@@ -84,15 +85,25 @@ def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_af
     return Sharding(world_size, rank, fsdp, reshard_after_forward, param_dtype, reduce_dtype, offload, tp, sp, no_sync)
 
 
-def check_rank_step(optimizer: Optional[str], impl: str, device: str) -> None:
-    """Refuse the torch.optim steps that do not run on DTensor parameters (torch 2.14; DTensor's
-    sharding propagation refuses them, on fake tensors as in a real job): fused SGD has no DTensor sharding strategy (``aten._fused_sgd_``), and Adafactor's
-    row/column norms are partial DTensors its in-place update cannot keep."""
-    from graphmem.training.optim import resolved_impl
 
-    if optimizer in ("sgd", "momentum") and resolved_impl(impl, device) == "fused":
+def _check_training(training: Training, no_sync: bool) -> None:
+    """What of the training step runs per rank. torch.optim on DTensor parameters (torch 2.14;
+    DTensor's sharding propagation refuses these, on fake tensors as in a real job): fused SGD has
+    no sharding strategy (``aten._fused_sgd_``), and Adafactor's in-place update of a partial
+    (row/column norm) DTensor is refused."""
+    train = training.train
+    if no_sync and train.micro_batches < 2:
+        raise UsageError("--fsdp-no-sync skips the gradient reduce-scatter of all micro-batches but the last: "
+                         "add --micro-batches 2 (or more)")
+    if train.master_weights:
+        raise UsageError("--master-weights is the single-device mixed-precision recipe; FSDP2's is fp32 sharded "
+                         "parameters with --fsdp-param-dtype bf16 (MixedPrecisionPolicy): use that instead")
+    if train.optimizer in ("sgd", "momentum") and train.impl == "fused":
         raise UsageError("torch.optim's fused SGD has no DTensor sharding strategy (aten._fused_sgd_), so it does not "
                          "run on FSDP2/TP parameters: use --optimizer-impl foreach or forloop")
-    if optimizer == "adafactor":
+    if train.optimizer == "adafactor":
         raise UsageError("torch.optim.Adafactor does not run on DTensor parameters (its in-place update of a partial "
                          "norm is refused by DTensor): use --optimizer adamw, adam, momentum or sgd per rank")
+    if training.quantization is not None:
+        raise UsageError("--qlora is analyzed on one device (bitsandbytes' 4-bit weights are not sharded by fully_shard "
+                         "here): drop --qlora, or drop --rank/--fsdp")
