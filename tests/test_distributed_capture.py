@@ -169,3 +169,20 @@ def test_rank_lora_holds_half_the_adapters_and_their_states(name: str, targets: 
         assert b.row("optimizer states").size == formula.row("optimizer states").size
         assert b.row("gradients").size == r.gradient_bytes == single.row("gradients").size // 2
         assert len(r.budget.lora_layers) == len(one.budget.lora_layers) > 0
+
+
+def test_no_sync_holds_the_unsharded_gradients_between_micro_batches() -> None:
+    """--fsdp-no-sync (set_requires_gradient_sync(False) before all micro-batches but the last): every
+    rank keeps the whole fp32 gradient from the first micro-batch to the last one's reduce-scatter,
+    named in the gradients row beside the sharded ones; three micro-steps are traced (the first makes
+    them, a middle one adds, the last reduce-scatters)."""
+    model, batch = case("chain")
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    each = graphmem.analyze(model, batch, world_size=2, rank=0, fsdp="fully_shard", optimizer="adamw", micro_batches=4)
+    last = graphmem.analyze(model, batch, world_size=2, rank=0, fsdp="fully_shard", optimizer="adamw", micro_batches=4,
+                            fsdp_no_sync=True)
+    assert each.budget.rank.row("gradients").size == whole // 2  # the reduce-scattered shards
+    assert last.budget.rank.row("gradients").size == whole // 2 + whole
+    assert (len(each.step.micro_steps), len(last.step.micro_steps)) == (2, 3)
+    assert last.peak_bytes > each.peak_bytes and last.budget.rank.later_peak_bytes > each.budget.rank.later_peak_bytes
+    assert each.activation_bytes == last.activation_bytes
