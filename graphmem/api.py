@@ -24,7 +24,7 @@ from graphmem.recapture import Recapture, capture_step
 from graphmem.report import Report
 from graphmem.training.batch import as_batch, resizer
 from graphmem.training.peft_lora import is_hf_model
-from graphmem.training.spec import Training, make_training, units_of
+from graphmem.training.spec import Training, make_training, prepare, step_budget, units_of
 from graphmem.training.step import LossFn
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
@@ -72,6 +72,7 @@ def analyze(
     fsdp_param_dtype: Optional[str] = None,
     fsdp_reduce_dtype: Optional[str] = None,
     fsdp_offload: bool = False,
+    fsdp_no_sync: bool = False,
     target: Optional[Target] = None,
     training: Optional[Training] = None,
     hf: Optional[HFOptions] = None,
@@ -111,7 +112,9 @@ def analyze(
     give ``rank`` or ``fsdp="fully_shard"``. ``fully_shard`` (FSDP2) wraps each block of the
     model's chain and the root over ``world_size // tp`` ranks, with ``reshard_after_forward``,
     ``fsdp_param_dtype``/``fsdp_reduce_dtype`` (MixedPrecisionPolicy) and ``fsdp_offload``
-    (CPUOffloadPolicy); ``tp``/``sp`` run DTensor's ``parallelize_module``. The report is that
+    (CPUOffloadPolicy), and ``fsdp_no_sync`` (with ``micro_batches``: ``set_requires_gradient_sync(False)``
+    for all micro-batches but the last); ``tp``/``sp`` run DTensor's ``parallelize_module``. ``optimizer``
+    runs torch.optim over the wrapped DTensor parameters and ``micro_batches`` accumulate, as on one device. The report is that
     rank's (local shards; collective buffers in the "communication" category) and
     ``report.sharding`` puts the formula beside it.
 
@@ -160,12 +163,13 @@ def analyze(
                                              lora_targets, world_size, zero, fsdp, tp, sp)
         return _pipeline_stage(loaded, make, loss_fn, target, training, make_pipeline(
             pp, rank if rank is not None else 0, schedule, training.train.micro_batches))
-    if wants_wrappers(rank, fsdp, reshard_after_forward, fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload):
-        sharding = make_sharding(world_size, rank or 0, fsdp == "fully_shard", reshard_after_forward,
-                                 fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload, tp, sp)
+    if wants_wrappers(rank, fsdp, reshard_after_forward, fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload, fsdp_no_sync):
+        training = training or make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
+                                             lora_targets, quantization="nf4" if qlora else None)
+        sharding = make_sharding(world_size, rank or 0, fsdp == "fully_shard", reshard_after_forward, fsdp_param_dtype,
+                                 fsdp_reduce_dtype, fsdp_offload, tp, sp, fsdp_no_sync, training)
         return _per_rank(loaded.name, loaded.module, make, loss_fn, target, sharding, bool(zero) or fsdp in ("full", "grad-op"),
-                         training or make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches,
-                                                   lora_rank, lora_targets), reuse)
+                         training, reuse)
     if training is None:
         training = make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
                                  lora_targets, world_size, zero, fsdp, tp, sp, quantization="nf4" if qlora else None)
@@ -218,21 +222,30 @@ def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn]
     if sharding.offload and target.device == "cuda":
         raise UsageError("--fsdp-offload on --device cuda is not modelled yet: the CUDA target runs on CPU fake "
                          "tensors, where CPUOffloadPolicy's host-to-device copies do not appear")
-    if training.requested or target.mode == "compiled":
-        raise UsageError("the per-rank capture runs forward and backward through the wrappers (no optimizer, "
-                         "micro-batches, LoRA or compiled mode yet): drop those options, or drop --rank/--fsdp "
+    if target.mode == "compiled":
+        raise UsageError("the per-rank capture runs the wrappers eagerly: drop --mode compiled, or drop --rank/--fsdp "
                          "for the formulas")
+    # LoRA as users run it with FSDP2: peft's get_peft_model (or graphmem's adapters on a plain module), then fully_shard
+    prepared, lora_layers = prepare(module, training, target.param_dtype)
+    if training.keeps_dtypes(module):  # peft's fp32 adapters on a 16-bit model (graphmem/training/spec.py)
+        target = dataclasses.replace(target, dtype=None)
+    module = prepared
     # every block is captured: depth reuse's widening (graphmem/capture/widen.py) refuses a step whose
     # blocks are referred to from outside the chain, as FSDP2's prefetch and root callbacks do
-    g = capture_rank(module, make, loss_fn, target, sharding)
+    train = training.train if training.train.active else None
+    g = capture_rank(module, make, loss_fn, target, sharding, train)
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
-    single = capture_reusing(module, lambda: capture(module, make, loss_fn, target))[0] if reuse \
-        else capture(module, make, loss_fn, target)
+    single_at: Any = lambda: capture(module, make, loss_fn, target, train=train)  # noqa: E731
+    single = capture_reusing(module, single_at)[0] if reuse and train is None else single_at()
     lv, sv = liveness(g), saved(g)
     view = rank_view(g, lv, sv, sharding, (single, liveness(single), saved(single)), units_of(module), tp_engine(module))
     loss_name = "default" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     alloc = allocator(g) if target.device == "cuda" else None
-    return Report.build(g, lv, sv, name, shapes, loss_name, notes(g) + view.lines(), None, alloc, sharding=view)
+    # the whole step's table (optimizer states, later steps' peak) over rank r's own graph: nothing to divide
+    traced = dataclasses.replace(training, train=g.train) if g.train is not None else training  # its micro-steps
+    plan = step_budget(g, lv, sv, traced, module, lora_layers, view.describe()) if training.requested else None
+    return Report.build(g, lv, sv, name, shapes, loss_name, notes(g) + view.lines(), None, alloc, budget=plan,
+                        sharding=view)
 
 
 def _beside_eager(report: Report, model: nn.Module, inputs: Any, loss_fn: Optional[LossFn]) -> Report:

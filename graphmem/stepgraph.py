@@ -54,6 +54,9 @@ class Storage:
     shape: tuple[int, ...]
     source: Optional[int] = None  # for a copy (aten._to_copy) made in forward: the source storage
     owner: Optional[int] = None  # gradient / optimizer state / master copy: the parameter's storage id
+    # a gradient storage several parameters' gradients are views of (FSDP2's flat reduce-scatter
+    # output, graphmem/distributed/capture.py): all their storage ids (``owner`` is the first)
+    owners: tuple[int, ...] = ()
     cache_freed: bool = False  # its last reference was autocast's cast cache, dropped when a context exited
 
 

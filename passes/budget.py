@@ -223,7 +223,7 @@ def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parall
         key = s.name.split(" (")[0].rsplit(":", 1)[-1]
         by_name[key] = by_name.get(key, 0) + _ceil(s.nbytes * parts.get(s.sid, sh.part(s))[1], den)
     params = [s for s in g.storages.values() if s.kind == "parameter"]
-    with_grad = {s.owner for s in g.storages.values() if s.kind == "gradient"}
+    with_grad = {o for s in g.storages.values() if s.kind == "gradient" for o in (s.owners or (s.owner,))}
     notes = _row_notes(parallel, sh.shard_states, sh.shard_grads, sh.shard_params, parallel.tp)
     out_rows = [BudgetRow(r, held[r], _ceil(at_peak[r], den), notes.get(r, "")) for r in ROWS]
     if sh.shard_params:

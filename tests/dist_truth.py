@@ -6,6 +6,7 @@ at each save; a saved DTensor counts its local shard), and the peak from the CPU
 live before the step (rank r's shards, buffers, the batch)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -24,6 +25,8 @@ from graphmem.distributed.process_group import Meshes
 from graphmem.distributed.spec import Sharding
 from graphmem.distributed.tensor_parallel import parallelize
 from graphmem.training.batch import as_batch
+from graphmem.training.loop import Session, TrainStep
+from graphmem.training.optim import state_tensors
 from graphmem.training.step import LossFn, run_step
 from graphmem.validation.measure import _allocation_events
 
@@ -179,5 +182,100 @@ def measure_ranks(cases: list[tuple[str, Sharding]], world_size: int) -> list[li
         init = f"file://{os.path.join(tmp, 'store')}"
         out = os.path.join(tmp, "result")
         mp.spawn(_worker, args=(world_size, init, cases, out), nprocs=world_size, join=True)
+        per_rank = [torch.load(f"{out}.{r}") for r in range(world_size)]
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
+
+
+# -- whole training steps per rank: micro-batches and torch.optim over FSDP2's DTensor parameters --------
+
+# Whole steps under tensor parallel: a free of a functional collective's buffer the profiler misses
+# (see _settled_wait) stays in the running sum through the optimizer step, where these steps peak,
+# so every miss in backward counts (measured here: about 3 in 5 first steps); the least of 12 is the peak
+REPEAT_TP = 12
+
+
+def _train_steps(model: nn.Module, batch: Any, train: TrainStep, sharding: Sharding, kept: list) -> dict[str, int]:
+    """Two real whole steps (graphmem/training/loop.py's Session: micro-batches, optimizer.step(),
+    zero_grad) of the wrapped ``model`` on this rank: the last micro-step's saved bytes (as
+    ``_step`` counts them), the first step's peak, the second's (the optimizer states exist
+    before it: they are in its baseline) and the states' bytes (local shards). With
+    ``sharding.no_sync`` every micro-batch but the last runs ``set_requires_gradient_sync(False)``."""
+    session = Session(train, dict(model.named_parameters()), "cpu")
+    saved: dict[int, int] = {}
+    phase = ["forward"]
+
+    def on_phase(p: str) -> None:
+        if p == "forward":
+            saved.clear()  # each micro-step saves the same: the last one's set is the step's
+        phase[0] = p
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        params = _keys([local(p) for p in model.parameters()] + [local(b) for b in model.buffers()])
+        st = local(t).untyped_storage()
+        if phase[0] != "backward" and st._cdata not in params:
+            saved[st._cdata] = st.nbytes()
+        return t
+
+    def micro_step(i: int, runs: int) -> None:
+        if sharding.no_sync:
+            model.set_requires_gradient_sync(i == runs - 1)  # type: ignore[operator]
+
+    def states() -> list[torch.Tensor]:
+        return [local(t) for _, _, t in state_tensors(session.optimizer)] if session.optimizer is not None else []
+
+    peaks, kept_saved = [], {}  # type: ignore[var-annotated]
+    for _ in range(2):
+        baseline = sum(_keys([local(p) for p in model.parameters()] + [local(b) for b in model.buffers()]
+                             + list(as_batch(batch).tensors()) + states()).values())
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, loss = session.run(model, batch, None, on_phase, contextlib.nullcontext, micro_step=micro_step)
+        kept.append((out, loss))  # freed after profiling would confuse the next profile (see _step)
+        kept_saved = kept_saved or dict(saved)  # the first step's
+        running = high = 0
+        for _, size in _allocation_events(prof):
+            running += size
+            high = max(high, running)
+        peaks.append(baseline + high)
+    kept.append((model, batch, session))
+    return {"saved": sum(kept_saved.values()), "peak": peaks[0], "later": peaks[1],
+            "states": sum(_keys(states()).values())}
+
+
+def _train_worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Sharding, TrainStep]], out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    dist.all_gather_single = _settled(dist.all_gather_single)  # type: ignore[attr-defined]
+    dist.reduce_scatter_single = _settled(dist.reduce_scatter_single)  # type: ignore[attr-defined]
+    funcol.wait_tensor = _settled_wait(funcol.wait_tensor)
+    try:
+        results, kept = [], []  # type: ignore[var-annotated]
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+        for name, sharding, train in cases:
+            runs = []
+            for _ in range(REPEAT if sharding.tp == 1 else REPEAT_TP):  # a fresh model each time; all kept (see _step)
+                model, batch = case(name)
+                if sharding.tp > 1:  # one dimension: tensor parallel over every rank
+                    parallelize(model, sharding, Meshes(mesh, None, mesh))
+                if sharding.fsdp:
+                    shard(model, sharding, Meshes(mesh, mesh, None))
+                runs.append(_train_steps(model, batch, train, sharding, kept))
+            for key in ("saved", "states"):
+                assert len({r[key] for r in runs}) == 1, runs  # the same every time
+            results.append({"saved": runs[0]["saved"], "states": runs[0]["states"],
+                            "peak": min(r["peak"] for r in runs), "later": min(r["later"] for r in runs)})
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_train_ranks(cases: list[tuple[str, Sharding, TrainStep]], world_size: int) -> list[list[dict[str, int]]]:
+    """For each case (a name for ``case``, its sharding over one mesh dimension: FSDP2 or tensor
+    parallel, the training step), each rank's
+    {"saved", "peak", "later", "states"} (see _train_steps) from one real gloo job."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'store')}"
+        out = os.path.join(tmp, "result")
+        mp.spawn(_train_worker, args=(world_size, init, cases, out), nprocs=world_size, join=True)
         per_rank = [torch.load(f"{out}.{r}") for r in range(world_size)]
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]

@@ -189,17 +189,26 @@ def _marker(cap: _Recorder, seen: dict[int, torch.Tensor], model: nn.Module,
     gradient copies) and the parameter each belongs to (``Storage.owner``: its storage id).
     ``host_steps``: scalar ``step`` states live in host memory, so they take no device bytes."""
     param_sid = {name: cap.live[seen[id(p)].untyped_storage()._cdata].sid for name, p in model.named_parameters()}
+    return marker(cap, param_sid, marked, host_steps)
+
+
+def marker(cap: _Recorder, param_sid: dict[str, int], marked: dict[str, list[int]], host_steps: bool = False,
+           view: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Callable[[str, list[tuple[str, torch.Tensor]]], None]:
+    """``_marker`` given each parameter's storage id by name; ``view`` maps a named tensor to the
+    one whose storage is held (a DTensor's local shard: graphmem/distributed/capture.py)."""
 
     def mark(kind: str, named: list[tuple[str, torch.Tensor]]) -> None:
         for name, t in named:
-            s = cap.storage(t, kind, kind, len(cap.ops) - 1, "")
+            s = cap.storage(view(t), kind, kind, len(cap.ops) - 1, "")
             s.kind = kind
             if kind != "gradient":
                 s.name = f"{name} ({kind})"
             if host_steps and kind == "optimizer state" and name.endswith(":step") and t.numel() <= 1:
                 s.nbytes, s.name = 0, f"{name} (optimizer state, host memory)"
-            s.owner = param_sid.get(name.split(":")[0])
+            owner = param_sid.get(name.split(":")[0])
+            if kind == "gradient" and s.owner is not None and owner is not None and s.owner != owner:
+                s.owners = (*(s.owners or (s.owner,)), owner)  # one flat buffer, several parameters' gradients
+            else:
+                s.owner = owner
             marked.setdefault(kind, []).append(s.sid)
     return mark
-
-

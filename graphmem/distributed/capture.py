@@ -9,34 +9,46 @@ copy-in/copy-out ops, and the c10d collectives of the fake backend (which leave 
 allocated, as a real collective does). The graph's storages are rank r's: local shards, not
 global DTensor sizes.
 
-Known limitations: eager mode only (no --mode compiled), no optimizer step or micro-batches yet,
-and no depth reuse (every block is captured).
+``train`` runs the whole step as graphmem/training/loop.py's Session runs it on one device:
+micro-batches (with FSDP2's gradient sync after each, or after the last only: ``Sharding.no_sync``),
+then torch.optim over the wrapped model's DTensor parameters, so the optimizer's states are rank
+r's local shards (``zeros_like`` of each local chunk), recorded by the single-device marker.
+
+Known limitations: eager mode only (no --mode compiled); no depth reuse (every block is captured);
+fp32 master weights are the single-device recipe (FSDP2's is its MixedPrecisionPolicy), fused SGD
+and Adafactor do not run on DTensors (refused by graphmem/distributed/spec.py make_sharding).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import dataclasses
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 
-from graphmem.capture.capture import _cache_clears
+from graphmem.capture.capture import _cache_clears, marker
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import Inputs, fake_batch, forward_context, translate_error
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _unique_counts
 from graphmem.capture.target import Target
-from graphmem.distributed.fsdp import fake_copy, local, shard, watching
+from graphmem.distributed.fsdp import fake_copy, local, shard, unsharded_grads, watching
 from graphmem.distributed.process_group import fake_process_group
 from graphmem.distributed.spec import Sharding
 from graphmem.distributed.tensor_parallel import parallelize
 from graphmem.errors import GraphmemError
 from graphmem.stepgraph import StepGraph
+from graphmem.training.loop import Session, TrainStep, relabel_accumulation
+from graphmem.training.optim import resolved_impl
 from graphmem.training.step import LossFn, default_loss, run_step
 
 
 def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], target: Target,
-                 sharding: Sharding) -> StepGraph:
-    """Record rank ``sharding.rank``'s step of ``model`` wrapped as ``sharding`` says.
+                 sharding: Sharding, train: Optional[TrainStep] = None) -> StepGraph:
+    """Record rank ``sharding.rank``'s step of ``model`` wrapped as ``sharding`` says; ``train``
+    (graphmem/training/loop.py) adds micro-batches and the torch.optim step over the wrapped
+    model's parameters (DTensors: the optimizer's states are rank r's local shards), as the
+    single-device capture runs them (graphmem/capture/capture.py).
 
     >>> import torch, graphmem
     >>> from graphmem.distributed import capture_rank, make_sharding
@@ -72,11 +84,15 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
             for name, x in fake_inputs.named():
                 if isinstance(x, torch.Tensor):
                     cap.preexisting(x, "input", name)
-        return _run(cap, fake_mode, wrapped, fake_inputs, loss_fn, target, backends, param_sid)
+            # torch.optim over the DTensor parameters (its states are made by the step, lazily)
+            session = Session(traced(train, sharding), dict(wrapped.named_parameters()), target.device) \
+                if train is not None and train.active else None
+        return _run(cap, fake_mode, wrapped, fake_inputs, loss_fn, target, backends, param_sid, session, sharding)
 
 
 def _run(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, fake_inputs: Any, loss_fn: Optional[LossFn],
-         target: Target, backends: dict[str, int], param_sid: dict[int, int]) -> StepGraph:
+         target: Target, backends: dict[str, int], param_sid: dict[int, int], session: Optional[Session],
+         sharding: Sharding) -> StepGraph:
     handles = [nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
                nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True)]
 
@@ -92,13 +108,20 @@ def _run(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, fake_inputs: Any,
                     _rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(), watching(cap):
                 cap.recording = True
                 context = forward_context(target, backends, cap.clearing_cache)
-                out, loss = run_step(wrapped, fake_inputs, tagged_loss, cap.set_phase, context)
-                gradients = []
-                for p in wrapped.parameters():
-                    if p.grad is not None:  # rank r's shard of the gradient (a DTensor's local tensor)
-                        s = cap.storage(local(p.grad), "gradient", "grad", len(cap.ops) - 1, "")
-                        s.kind, s.owner = "gradient", param_sid[id(p)]
-                        gradients.append(s.sid)
+                marked: dict[str, list[int]] = {}
+                # the CUDA target keeps torch.optim's for-loop/foreach step counters on the host
+                host_steps = session is not None and target.device == "cuda" and \
+                    resolved_impl(session.step.impl, target.device) != "fused"
+                names = {name: param_sid[id(p)] for name, p in wrapped.named_parameters()}
+                mark = marker(cap, names, marked, host_steps, local)  # rank r's shards (DTensors' local tensors)
+                if session is None:
+                    out, loss = run_step(wrapped, fake_inputs, tagged_loss, cap.set_phase, context)
+                    mark("gradient", [(n, p.grad) for n, p in wrapped.named_parameters() if p.grad is not None])
+                else:
+                    out, loss = session.run(wrapped, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True,
+                                            micro_step=_gradient_sync(cap, wrapped, sharding))
+                    relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
+                gradients = marked.get("gradient", [])
         except GraphmemError:
             raise
         except Exception as e:  # a one-line error that names the fix
@@ -107,8 +130,31 @@ def _run(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, fake_inputs: Any,
         phase_start["end"] = len(cap.ops)
         return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
                          list(dict.fromkeys(gradients)), type(wrapped).__name__,
-                         [name for name, _ in wrapped.named_modules()], cap.module_inputs, target, backends)
+                         [name for name, _ in wrapped.named_modules()], cap.module_inputs, target, backends,
+                         train=session.step if session is not None else None, micro_steps=tuple(cap.micro_steps))
     finally:
         cap.closed = True  # before the fake tensors die with this frame: those frees are after the step
         for h in handles:
             h.remove()
+
+
+def traced(train: TrainStep, sharding: Sharding) -> TrainStep:
+    """The micro-steps the capture runs: two, as on one device (3..k repeat the second), except
+    under ``no_sync``, where the first makes the unsharded gradients, the middle ones add to them
+    and only the last reduce-scatters: three (4..k repeat the second)."""
+    if sharding.no_sync and train.micro_batches > 2:
+        return dataclasses.replace(train, trace_micro_steps=3)
+    return train
+
+
+def _gradient_sync(cap: _Recorder, wrapped: nn.Module, sharding: Sharding) -> Callable[[int, int], None]:
+    """Before micro-step i of n: FSDP2 reduce-scatters after every micro-batch (its default), or,
+    under ``no_sync``, after the last only (``FSDPModule.set_requires_gradient_sync``); the
+    unsharded gradients the earlier micro-steps left are named."""
+
+    def before(i: int, runs: int) -> None:
+        if sharding.no_sync and sharding.fsdp:
+            for grad in unsharded_grads(wrapped):
+                cap.relabel(grad, "gradient", "unsharded gradient, accumulated without sync (set_requires_gradient_sync)")
+            wrapped.set_requires_gradient_sync(i == runs - 1)  # type: ignore[operator]
+    return before

@@ -15,6 +15,10 @@ allocates it again with ``resize_(nbytes)`` (torch/distributed/fsdp/_fully_shard
   gradients (capture marks it "gradient" then);
 - the outputs of the functional collectives DTensor's redistributions run (tensor parallel):
   "communication".
+
+With ``set_requires_gradient_sync(False)`` the unsharded gradients stay on the rank between
+micro-batches (``unsharded_grads`` names them "gradient": the rank holds them whole until the
+micro-batch that reduce-scatters them).
 """
 from __future__ import annotations
 
@@ -62,6 +66,24 @@ def shard(model: nn.Module, sharding: Sharding, meshes: Meshes) -> None:
     for unit in units(model):
         fully_shard(unit, mesh=meshes.dp, reshard_after_forward=sharding.reshard_after_forward,
                     mp_policy=policy, offload_policy=offload)
+
+
+def unsharded_grads(model: nn.Module) -> list[torch.Tensor]:
+    """The unsharded gradients FSDP2 keeps between micro-batches without gradient sync: each
+    FSDPParam's ``unsharded_accumulated_grad`` (in the reduce dtype) or its unsharded parameter's
+    ``.grad`` (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, post_backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for p in group.fsdp_params if group is not None else ():
+            grad = p.unsharded_accumulated_grad
+            if grad is None and hasattr(p, "_unsharded_param"):
+                grad = p.unsharded_param.grad
+            if grad is not None:
+                out.append(grad)
+    return out
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,12 @@
 
 ``fsdp``: ``fully_shard`` (FSDP2) per block of the model's chain and on the root, with
 ``reshard_after_forward``, a ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``) and
-``CPUOffloadPolicy`` (``offload``). ``tp``/``sp``: DTensor ``parallelize_module`` over ``tp`` ranks
-(graphmem/distributed/tensor_parallel.py). Checked once, here.
+``CPUOffloadPolicy`` (``offload``); ``no_sync``: with micro-batches, ``set_requires_gradient_sync(False)``
+before all but the last (unsharded gradients accumulate on the rank; one reduce-scatter per step,
+the common memory-for-communication trade), instead of FSDP2's default reduce-scatter after
+every micro-batch. ``tp``/``sp``: DTensor ``parallelize_module`` over ``tp`` ranks
+(graphmem/distributed/tensor_parallel.py). Checked once, here, with the training step that runs
+through them (optimizer, micro-batches, LoRA: graphmem/training/spec.py).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from graphmem.errors import UsageError
+from graphmem.training.spec import Training
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -28,6 +33,7 @@ class Sharding:
     offload: bool = False  # CPUOffloadPolicy
     tp: int = 1
     sp: bool = False
+    no_sync: bool = False  # set_requires_gradient_sync(False) for all micro-batches but the last
 
     @property
     def dp(self) -> int:
@@ -39,21 +45,24 @@ class Sharding:
     def to_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "rank": self.rank, "fsdp": self.fsdp,
                 "reshard_after_forward": self.reshard_after_forward, "param_dtype": self.param_dtype,
-                "reduce_dtype": self.reduce_dtype, "offload": self.offload, "tp": self.tp, "sp": self.sp}
+                "reduce_dtype": self.reduce_dtype, "offload": self.offload, "tp": self.tp, "sp": self.sp,
+                "no_sync": self.no_sync}
 
 
 def wants_wrappers(rank: Optional[int], fsdp: Optional[str], reshard_after_forward: bool = True,
-                   param_dtype: Optional[str] = None, reduce_dtype: Optional[str] = None, offload: bool = False) -> bool:
+                   param_dtype: Optional[str] = None, reduce_dtype: Optional[str] = None, offload: bool = False,
+                   no_sync: bool = False) -> bool:
     """Whether the options ask for rank r's step through PyTorch's wrappers (a rank, bare --fsdp
     or a fully_shard option); otherwise --zero/--fsdp full|grad-op/--tp are the per-rank formulas."""
-    return rank is not None or fsdp == "fully_shard" or bool(param_dtype or reduce_dtype or offload) \
+    return rank is not None or fsdp == "fully_shard" or bool(param_dtype or reduce_dtype or offload or no_sync) \
         or not reshard_after_forward
 
 
 def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_after_forward: bool = True,
                   param_dtype: Optional[str] = None, reduce_dtype: Optional[str] = None, offload: bool = False,
-                  tp: int = 1, sp: bool = False) -> Sharding:
-    """Check the options together; the error names the fix."""
+                  tp: int = 1, sp: bool = False, no_sync: bool = False, training: Optional[Training] = None) -> Sharding:
+    """Check the options together, and with the training step that runs through the wrappers
+    (graphmem/training/spec.py); the error names the fix."""
     for name, v in (("--world-size", world_size), ("--tp", tp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise UsageError(f"{name} must be a positive integer, got {v!r}")
@@ -64,11 +73,37 @@ def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_af
     for name, d in (("--fsdp-param-dtype", param_dtype), ("--fsdp-reduce-dtype", reduce_dtype)):
         if d is not None and d not in _DTYPES:
             raise UsageError(f"unknown {name} {d!r}: use one of {', '.join(_DTYPES)}")
-    if not fsdp and (param_dtype or reduce_dtype or offload or not reshard_after_forward):
-        raise UsageError("the mixed-precision, offload and reshard options configure fully_shard: add --fsdp")
+    if not fsdp and (param_dtype or reduce_dtype or offload or not reshard_after_forward or no_sync):
+        raise UsageError("the mixed-precision, offload, reshard and no-sync options configure fully_shard: add --fsdp")
+    if training is not None:
+        _check_training(training, no_sync)
     if sp and tp == 1:
         raise UsageError("--sp splits the sequence over the tensor-parallel ranks: add --tp 2 (or more)")
     if fsdp and world_size // tp == 1:
         raise UsageError(f"--fsdp shards over the data-parallel ranks, and --world-size {world_size} / --tp {tp} "
                          "leaves one: raise --world-size")
-    return Sharding(world_size, rank, fsdp, reshard_after_forward, param_dtype, reduce_dtype, offload, tp, sp)
+    return Sharding(world_size, rank, fsdp, reshard_after_forward, param_dtype, reduce_dtype, offload, tp, sp, no_sync)
+
+
+
+def _check_training(training: Training, no_sync: bool) -> None:
+    """What of the training step runs per rank. torch.optim on DTensor parameters (torch 2.14;
+    DTensor's sharding propagation refuses these, on fake tensors as in a real job): fused SGD has
+    no sharding strategy (``aten._fused_sgd_``), and Adafactor's in-place update of a partial
+    (row/column norm) DTensor is refused."""
+    train = training.train
+    if no_sync and train.micro_batches < 2:
+        raise UsageError("--fsdp-no-sync skips the gradient reduce-scatter of all micro-batches but the last: "
+                         "add --micro-batches 2 (or more)")
+    if train.master_weights:
+        raise UsageError("--master-weights is the single-device mixed-precision recipe; FSDP2's is fp32 sharded "
+                         "parameters with --fsdp-param-dtype bf16 (MixedPrecisionPolicy): use that instead")
+    if train.optimizer in ("sgd", "momentum") and train.impl == "fused":
+        raise UsageError("torch.optim's fused SGD has no DTensor sharding strategy (aten._fused_sgd_), so it does not "
+                         "run on FSDP2/TP parameters: use --optimizer-impl foreach or forloop")
+    if train.optimizer == "adafactor":
+        raise UsageError("torch.optim.Adafactor does not run on DTensor parameters (its in-place update of a partial "
+                         "norm is refused by DTensor): use --optimizer adamw, adam, momentum or sgd per rank")
+    if training.quantization is not None:
+        raise UsageError("--qlora is analyzed on one device (bitsandbytes' 4-bit weights are not sharded by fully_shard "
+                         "here): drop --qlora, or drop --rank/--fsdp")

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from graphmem.distributed.spec import Sharding
 from graphmem.passes import Liveness
-from graphmem.passes.budget import Budget, Parallel, budget
+from graphmem.passes.budget import Budget, Parallel, budget, later_steps_peak
 from graphmem.passes.saved import SavedSet
 from graphmem.passes.timeline import category_timeline
 from graphmem.stepgraph import StepGraph
@@ -26,6 +26,8 @@ class RankView:
     tp_engine: str = "parallelize_module"  # what split the layers (graphmem/distributed/tensor_parallel.py, tp_engine)
     # (parameter, its gradient's bytes, its local shard's bytes): gradients larger than their parameter's shard
     full_gradients: tuple[tuple[str, int, int], ...] = ()
+    later_peak: Optional[int] = None  # with an optimizer step: rank r's peak of every later step (states from the start)
+    formula_later: Optional[int] = None  # and the formula's
 
     @property
     def gap(self) -> Optional[int]:
@@ -64,7 +66,10 @@ class RankView:
             out.append(f"formula cross-check ({self.formula.describe()}, passes/budget.py over the single-device "
                        f"step): peak {fmt_bytes(self.formula_peak)}; the wrappers' step: {sign}{fmt_bytes(abs(self.gap))}"
                        + (" (the buffers above: the formula counts no collective buffers and at most one gathered unit)"
-                          if self.gap > 0 and held else ""))
+                          if self.gap > 0 and held else "")
+                       + (f"; later steps (optimizer states from the start): formula {fmt_bytes(self.formula_later)}, "
+                          f"the wrappers' {_signed(self.later_peak - self.formula_later)}"
+                          if self.later_peak is not None and self.formula_later is not None else ""))
         return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,7 +78,8 @@ class RankView:
                 "communication_max_bytes": self.communication_max,
                 "formula": self.formula.to_dict() if self.formula is not None else None,
                 "formula_peak_bytes": self.formula_peak, "gap_bytes": self.gap,
-                "full_gradients": [{"parameter": n, "bytes": g, "shard_bytes": p} for n, g, p in self.full_gradients]}
+                "full_gradients": [{"parameter": n, "bytes": g, "shard_bytes": p} for n, g, p in self.full_gradients],
+                "later_peak_bytes": self.later_peak, "formula_later_peak_bytes": self.formula_later}
 
 
 def formula_of(sharding: Sharding) -> Parallel:
@@ -90,14 +96,20 @@ def rank_view(g: StepGraph, lv: Liveness, sv: SavedSet, sharding: Sharding,
     tl = category_timeline(g, lv, sv.tensors)
     comm = tuple((t.module, t.name, t.nbytes) for t in lv.live_at_peak if tl.category_of.get(t.sid) == "communication")
     formula: Optional[Parallel] = None
-    formula_peak: Optional[int] = None
+    formula_peak = formula_later = None
+    stepped = g.train is not None and g.train.optimizer is not None
     if single is not None:
         formula = formula_of(sharding)
         b: Budget = budget(*single, formula, units)
         formula_peak = b.peak_bytes
+        formula_later = b.later_peak_bytes if stepped else None
     # tensor parallel alone: each gradient is its own storage (FSDP2's are flat reduce-scatter outputs)
     full = () if sharding.fsdp else tuple(
         (g.storages[s.owner].name, s.nbytes, g.storages[s.owner].nbytes) for s in (g.storages[sid] for sid in g.gradients)
         if s.owner is not None and s.nbytes > g.storages[s.owner].nbytes)
     return RankView(sharding, comm, max(tl.by_category["communication"], default=0), formula, formula_peak,
-                    lv.peak_bytes, tp_engine, full)
+                    lv.peak_bytes, tp_engine, full, later_steps_peak(g, lv) if stepped else None, formula_later)
+
+
+def _signed(n: int) -> str:
+    return ("+" if n >= 0 else "-") + fmt_bytes(abs(n))

@@ -37,7 +37,7 @@ def _title(b: Any) -> str:
         parts.append(t.quantization.describe())
     if t.lora is not None:
         parts.append(f"{t.lora.describe()} ({len(b.lora_layers)} layers)")
-    parts.append(t.parallel.describe())
+    parts.append(b.whose or t.parallel.describe())
     return "Training step · " + " · ".join(parts)
 
 
@@ -103,7 +103,9 @@ def render_budget(b: Any) -> str:
     if p.tp > 1:
         lines.append(f"tensor parallel: {r.tp_split[0]} column-parallel and {r.tp_split[1]} row-parallel linear ops "
                      "found in the graph; their outputs up to the row-parallel linear are split over the ranks")
-    if b.training.train.micro_batches > 2:
-        lines.append(f"micro-steps 3..{b.training.train.micro_batches} repeat micro-step 2 (same live tensors), "
-                     "so 2 are traced")
+    k, traced = b.training.train.micro_batches, b.training.train.trace_micro_steps
+    if k > traced:
+        lines.append(f"micro-steps 3..{k} repeat micro-step 2 (same live tensors), so 2 are traced" if traced == 2 else
+                     f"micro-steps 3..{k - 1} repeat micro-step 2 (same live tensors), so {traced} are traced: the last "
+                     "one reduce-scatters the accumulated gradients (set_requires_gradient_sync)")
     return "\n".join(lines) + "\n"

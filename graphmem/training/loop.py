@@ -102,17 +102,21 @@ class Session:
 
     def run(self, forward: Callable[..., Any], inputs: Any, loss_fn: Optional[LossFn],
             on_phase: Callable[[str], None], forward_context: Callable[[], ContextManager[Any]],
-            mark: Mark = lambda kind, named: None, fake: bool = False) -> tuple[Any, torch.Tensor]:
+            mark: Mark = lambda kind, named: None, fake: bool = False,
+            micro_step: Callable[[int, int], None] = lambda i, runs: None) -> tuple[Any, torch.Tensor]:
         """Micro-steps, then the optimizer step. ``mark`` is told which tensors are gradients,
         optimizer states and fp32 gradient copies while they exist; ``fake`` runs only
-        ``trace_micro_steps`` micro-steps (see _micro_steps) and answers ``.item()``."""
+        ``trace_micro_steps`` micro-steps (see _micro_steps) and answers ``.item()``;
+        ``micro_step(i, runs)`` is called before micro-step i of the ``runs`` run (FSDP2's
+        gradient sync for the last one only: graphmem/distributed/capture.py)."""
         k = self.step.micro_batches
         base = loss_fn or default_loss
         scaled: LossFn = base if k == 1 else (lambda out, inp: base(out, inp) / k)
         runs = min(k, self.step.trace_micro_steps) if fake else k
         out: Any = None
         loss: Any = None
-        for _ in range(runs):
+        for i in range(runs):
+            micro_step(i, runs)
             out, loss = run_step(forward, inputs, scaled, on_phase, forward_context)
         mark("gradient", [(n, p.grad) for n, p in self.params.items() if p.grad is not None])
         if self.optimizer is None:

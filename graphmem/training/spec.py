@@ -103,6 +103,7 @@ class StepBudget:
     single: Optional[Budget]
     spike: tuple[Temporaries, ...] = ()  # the temporaries live at rank's peak, made -> freed (passes/spike.py)
     quantized: Optional[Quantized] = None  # the 4-bit weights, if any (graphmem/training/qlora.py)
+    whose: str = ""  # a per-rank capture's rank and wrappers (graphmem/distributed/view.py): the step is that rank's
 
     @property
     def rows(self) -> Any:
@@ -125,7 +126,8 @@ class StepBudget:
                                "lora": {**t.lora.to_dict(), "layers": list(self.lora_layers)} if t.lora else None,
                                "quantization": {**(t.quantization.to_dict() if t.quantization else {}),
                                                 **self.quantized.to_dict()} if self.quantized else None,
-                               "parallel": t.parallel.to_dict(), "per_rank": _budget_dict(self.rank)}
+                               "parallel": t.parallel.to_dict(), "per_rank": _budget_dict(self.rank),
+                               **({"rank": self.whose} if self.whose else {})}
         if self.single is not None:
             out["single_device"] = _budget_dict(self.single)
         out["temporaries_at_peak"] = [{"made_by": t.made_by, "bytes": t.nbytes, "tensors": t.count,
@@ -147,14 +149,15 @@ def _budget_dict(b: Budget) -> dict[str, Any]:
     }
 
 
-def step_budget(g: Any, lv: Any, sv: Any, training: Training, module: nn.Module, lora_layers: tuple[str, ...]) -> StepBudget:
+def step_budget(g: Any, lv: Any, sv: Any, training: Training, module: nn.Module, lora_layers: tuple[str, ...],
+                whose: str = "") -> StepBudget:
     units = units_of(module)
     rank = budget(g, lv, sv, training.parallel, units)
     single = budget(g, lv, sv, Parallel(), units) if training.parallel != Parallel() else None
     device = g.target.device if g.target is not None else g.device
     spike = temporaries_at(g, lv, rank.peak_index, frozenset(t.sid for t in sv.tensors)) if rank.peak_index >= 0 else ()
     quantized = quantized_summary(module)  # --qlora's, or a model quantized by the user's own script
-    return StepBudget(training, device, lora_layers, rank, single, spike, quantized)
+    return StepBudget(training, device, lora_layers, rank, single, spike, quantized, whose)
 
 
 __all__ = ["Training", "make_training", "prepare", "StepBudget", "step_budget", "resolved_impl"]
