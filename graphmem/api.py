@@ -221,9 +221,8 @@ def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn]
         raise UsageError("the per-rank capture runs forward and backward through the wrappers (no optimizer, "
                          "micro-batches, LoRA or compiled mode yet): drop those options, or drop --rank/--fsdp "
                          "for the formulas")
-    # every block is captured: depth reuse's widening (graphmem/capture/widen.py) refuses a step whose
-    # blocks are referred to from outside the chain, as FSDP2's prefetch and root callbacks do
-    g = capture_rank(module, make, loss_fn, target, sharding)
+    at = lambda: capture_rank(module, make, loss_fn, target, sharding)  # noqa: E731
+    g = capture_reusing(module, at).graph if reuse else at()  # a deep chain: 5 blocks captured, checked at 6
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     single = capture_reusing(module, lambda: capture(module, make, loss_fn, target))[0] if reuse \
         else capture(module, make, loss_fn, target)

@@ -34,7 +34,7 @@ class _Regions:
         bwd = [i for i in range(back, g.num_ops) if labels[i] is not None]
         if not fwd or not bwd:
             raise NotReusable("no block ops")
-        self.regions: list[tuple[str, Optional[int], int, int]] = [("prefix", None, 0, fwd[0] - 1)]
+        self.regions: list[tuple[str, Optional[int], int, int]] = []
         starts: list[tuple[int, int]] = []
         for i in fwd:
             if not starts or starts[-1][0] != labels[i]:
@@ -56,17 +56,17 @@ class _Regions:
             raise NotReusable("backward not block by block")
         self.regions += [("B", b, s, e) for b, s, e in runs]
         tail = ("tail", None, bwd[-1] + 1, g.num_ops - 1)
-        self.head: list[Region] = [head]
-        self.tail: list[Region] = [tail]
-        self.directions: dict[str, int] = {}  # compiled mode: the glue's sections (graphmem/capture/glue.py)
-        if g.compiled is not None:
-            block_at: list[Optional[int]] = [None] * g.num_ops
-            for _, blk, s, e in self.regions:
-                block_at[s:e + 1] = [blk] * (e - s + 1)
-            self.head, d1 = cut(g, "head", head[2], head[3], block_at, labels, self.block_of)
-            self.tail, d2 = cut(g, "tail", tail[2], tail[3], block_at, labels, self.block_of)
-            self.directions = {**d1, **d2}
-        self.regions += self.head + self.tail
+        # the glue around the blocks, cut block by block (graphmem/capture/glue.py): compiled mode's
+        # outputs for backward and hand-back; FSDP2's lazy init viewing every block's shards (prefix),
+        # its final callback viewing every block's gradients (tail)
+        block_at: list[Optional[int]] = [None] * g.num_ops
+        for _, blk, s, e in self.regions:
+            block_at[s:e + 1] = [blk] * (e - s + 1)
+        self.prefix_regions, d0 = cut(g, "prefix", 0, fwd[0] - 1, block_at, labels, self.block_of)
+        self.head, d1 = cut(g, "head", head[2], head[3], block_at, labels, self.block_of)
+        self.tail, d2 = cut(g, "tail", tail[2], tail[3], block_at, labels, self.block_of)
+        self.directions: dict[str, int] = {**d0, **d1, **d2}
+        self.regions += self.prefix_regions + self.head + self.tail
         self.blocks = {(kind, blk): (s, e) for kind, blk, s, e in self.regions}
         self.where: list[tuple[str, Optional[int], int]] = [("", None, 0)] * g.num_ops  # op -> (kind, block, pos)
         for kind, blk, s, e in self.regions:
@@ -100,7 +100,7 @@ class _Widen:
     def __init__(self, g: StepGraph, r: _Regions, n: int) -> None:
         self.g, self.r, self.n, self.k = g, r, n, r.k
         # synthesized regions in order: (kind, block, template block)
-        order: list[tuple[str, Optional[int], Optional[int]]] = [("prefix", None, None)]
+        order = self.glue(r.prefix_regions)
         order += [("F", b, self.template(b)) for b in range(n)]
         order += self.glue(r.head)
         order += [("B", b, self.template(b)) for b in reversed(range(n))]
@@ -273,7 +273,8 @@ class _Copier(_Widen):
             out[new] = Storage(
                 new, st.nbytes, st.kind, self.index(st.created, b, j), self.index(st.freed, b, j),  # type: ignore[arg-type]
                 rename(st.module, prefix, j, b), rename(st.name, prefix, j, b) if st.created < 0 else st.name,
-                st.dtype, st.shape, self.sid(st.source, b, j) if st.source is not None else None)
+                st.dtype, st.shape, self.sid(st.source, b, j) if st.source is not None else None,
+                self.sid(st.owner, b, j) if st.owner is not None else None, st.cache_freed)
         return out
 
     def placeholders(self) -> list[OpNode]:
