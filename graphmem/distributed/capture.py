@@ -9,8 +9,10 @@ copy-in/copy-out ops, and the c10d collectives of the fake backend (which leave 
 allocated, as a real collective does). The graph's storages are rank r's: local shards, not
 global DTensor sizes.
 
-Known limitations: eager mode only (no --mode compiled), no optimizer step or micro-batches yet,
-and no depth reuse (every block is captured).
+A deep chain is captured at depth 5 and widened (graphmem/capture/reuse.py, checked at depth 6
+each time; graphmem/api.py passes this capture to it).
+
+Known limitations: eager mode only (no --mode compiled), no optimizer step or micro-batches yet.
 """
 from __future__ import annotations
 

@@ -62,3 +62,19 @@ def fake_process_group(rank: int, world_size: int, tp: int = 1, fsdp: bool = Tru
             yield Meshes(world, world, None)
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's caches keyed by device mesh (torch/distributed/tensor/debug/__init__.py names
+    ``_clear_sharding_prop_cache`` the way to clear the sharding propagation caches): a DeviceMesh compares equal to any mesh of the
+    same layout (torch/distributed/device_mesh.py ``__eq__``), so a later group's step would be
+    handed specs holding this group's meshes, whose process groups no longer resolve (analyze at
+    rank 5, then at rank 6, of a tensor-parallel step failed with "Could not resolve the process group")."""
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python and the C++ fast path's caches
+    _gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
