@@ -1,6 +1,6 @@
 """What a per-rank report adds: which rank, which wrappers, the communication buffers live at its
 peak, and the per-rank formula over the single-device step beside it (the cross-check), with the
-difference explained by what the wrappers hold that the formula does not see."""
+difference split by cause (passes/rank_gap.py): what the wrappers hold that the formula does not see."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +9,7 @@ from typing import Any, Optional
 from graphmem.distributed.spec import Sharding
 from graphmem.passes import Liveness
 from graphmem.passes.budget import Budget, Parallel, budget
+from graphmem.passes.rank_gap import RankGap, rank_gap
 from graphmem.passes.saved import SavedSet
 from graphmem.passes.timeline import category_timeline
 from graphmem.stepgraph import StepGraph
@@ -23,6 +24,7 @@ class RankView:
     formula: Optional[Parallel]  # the formula's options (passes/budget.py), None if none applies
     formula_peak: Optional[int]  # its peak over the single-device step
     peak_bytes: int  # rank r's real peak (the report's)
+    breakdown: Optional[RankGap] = None  # the gap cause by cause (passes/rank_gap.py)
 
     @property
     def gap(self) -> Optional[int]:
@@ -58,6 +60,8 @@ class RankView:
                        f"step): peak {fmt_bytes(self.formula_peak)}; the wrappers' step: {sign}{fmt_bytes(abs(self.gap))}"
                        + (" (the buffers above: the formula counts no collective buffers and at most one gathered unit)"
                           if self.gap > 0 and held else ""))
+        if self.breakdown is not None and self.gap:
+            out += _cause_lines(self.breakdown)
         return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,7 +69,31 @@ class RankView:
                 "communication_at_peak": [{"unit": u, "name": n, "bytes": b} for u, n, b in self.communication_at_peak],
                 "communication_max_bytes": self.communication_max,
                 "formula": self.formula.to_dict() if self.formula is not None else None,
-                "formula_peak_bytes": self.formula_peak, "gap_bytes": self.gap}
+                "formula_peak_bytes": self.formula_peak, "gap_bytes": self.gap,
+                "gap_by_cause": self.breakdown.to_dict() if self.breakdown is not None else None}
+
+
+def _signed(n: int) -> str:
+    return ("+" if n >= 0 else "-") + fmt_bytes(abs(n))
+
+
+def _cause_lines(gap: RankGap) -> tuple[str, ...]:
+    """One line per cause that differs, largest difference first."""
+    out = []
+    for c in sorted((c for c in gap.causes if c.delta), key=lambda c: -abs(c.delta)):
+        detail = c.why
+        if c.key == "activations" and gap.sp_gathered:
+            detail = f"{fmt_bytes(gap.sp_gathered)} of them all-gathered block inputs; {detail}"
+        if c.key in ("other", "redistribute outputs", "unsharded gradients") and c.largest:
+            detail = "largest: " + ", ".join(f"{name.removeprefix('aten.')} in {module or 'the root'} ({fmt_bytes(b)})"
+                                             for name, module, b in c.largest) + (f"; {detail}" if detail else "")
+        if c.units:
+            detail = ", ".join(f"{u} ({role}): {fmt_bytes(b)}" for u, role, b in c.units[:4]) \
+                + (f" and {len(c.units) - 4} more" if len(c.units) > 4 else "") + (f"; {detail}" if detail else "")
+        out.append(f"  {c.key}: {_signed(c.delta)} (rank {fmt_bytes(c.real)}, formula {fmt_bytes(c.formula)})"
+                   + (f": {detail}" if detail else ""))
+    return (f"the gap by cause, tensors live at each peak (passes/rank_gap.py; peak in "
+            f"{gap.peak_unit or 'the root'}):", *out)
 
 
 def formula_of(sharding: Sharding) -> Parallel:
@@ -82,9 +110,11 @@ def rank_view(g: StepGraph, lv: Liveness, sv: SavedSet, sharding: Sharding,
     comm = tuple((t.module, t.name, t.nbytes) for t in lv.live_at_peak if tl.category_of.get(t.sid) == "communication")
     formula: Optional[Parallel] = None
     formula_peak: Optional[int] = None
+    breakdown: Optional[RankGap] = None
     if single is not None:
         formula = formula_of(sharding)
         b: Budget = budget(*single, formula, units)
         formula_peak = b.peak_bytes
+        breakdown = rank_gap(g, lv, sv, b, units)
     return RankView(sharding, comm, max(tl.by_category["communication"], default=0), formula, formula_peak,
-                    lv.peak_bytes)
+                    lv.peak_bytes, breakdown)
