@@ -21,11 +21,13 @@ Causes (``GapCause.key``):
 - ``unsharded gradients``: gradients FSDP2 holds whole until their unit's reduce-scatter (its
   post-backward packs them all with ``fsdp.chunk_cat``; the root's wait for the end of backward);
   the formula counts a gradient whole only during the op that makes it.
-- ``redistribute outputs``: DTensor's collective outputs that nothing saved (tensor parallel).
+- ``redistribute outputs``: what DTensor's all-gathers brought in (and the rest of its collectives'
+  outputs) that nothing saved, e.g. the logits gathered whole when no loss parallel is used.
 - ``activations``: what autograd holds. ``sp_gathered`` says how much of it is sequence
   parallel's all-gathered block inputs, which DTensor's linears save whole, where the formula
   (Megatron-LM's sequence parallel) keeps them split over t and gathers them again in backward.
-- ``other``: temporaries, inputs, kernel workspace, the loss.
+- ``workspace``: kernel scratch live at the peak (gloo's collective temporaries on the CPU target).
+- ``other``: temporaries, inputs, the loss.
 
 Each communication storage is assigned the unit whose parameters feed the op that fills it (an
 all-gather buffer is made by the unit that issues the all-gather, which for a prefetch is the
@@ -159,17 +161,18 @@ def rank_gap(g: StepGraph, lv: Liveness, sv: SavedSet, formula: Budget, units: t
     backward = g.phase_of(lv.peak_index) == "backward"
     owners = buffer_units(g, units)
     pending = {x for op in g.ops if str(op.target) == _CHUNK_CAT for x in _arg_sids(op)}
+    gathered = _gathered_by_dtensor(g)
     real: dict[str, int] = {}
     by_unit: dict[tuple[str, str], int] = {}
     largest: dict[str, list[tuple[str, str, int]]] = {}
     sp = 0
     for t in lv.live_at_peak:  # (largest first)
         s = g.storages[t.sid]
-        key = _cause(s, t.sid in saved_sids, pending)
+        key = _cause(s, t.sid in saved_sids, pending, gathered)
         real[key] = real.get(key, 0) + s.nbytes
         if len(largest.setdefault(key, [])) < 3:
             largest[key].append((s.name, s.module, s.nbytes))
-        if key == "activations" and s.name.startswith(_FUNCTIONAL_GATHER):
+        if key == "activations" and t.sid in gathered:
             sp += s.nbytes
         if key in ("gathered", "all-gather buffers", "reduce-scatter buffers"):
             u = owners.get(t.sid, "")
@@ -180,7 +183,7 @@ def rank_gap(g: StepGraph, lv: Liveness, sv: SavedSet, formula: Budget, units: t
     counted["other"] = formula.peak_bytes - sum(counted.values())  # temporaries, and every row's rounding up
     causes = []
     for key in ("parameters", "gradients", "gathered", "all-gather buffers", "reduce-scatter buffers",
-                "unsharded gradients", "redistribute outputs", "activations", "other"):
+                "unsharded gradients", "redistribute outputs", "activations", "workspace", "other"):
         r, f = real.get(key, 0), counted.get(key, 0)
         if not r and not f:
             continue
@@ -190,7 +193,19 @@ def rank_gap(g: StepGraph, lv: Liveness, sv: SavedSet, formula: Budget, units: t
     return RankGap(lv.peak_bytes, formula.peak_bytes, running, tuple(causes), sp)
 
 
-def _cause(s: Storage, saved: bool, pending: set[int]) -> str:
+def _gathered_by_dtensor(g: StepGraph) -> set[int]:
+    """Storages holding what DTensor's all-gathers brought in: the functional all-gather's output,
+    and the cat of its chunks (gathering along a dim other than 0 cats the chunks of the gathered
+    buffer: torch/distributed/_functional_collectives.py, ``all_gather_tensor``)."""
+    out = {s.sid for s in g.storages.values() if s.name.startswith(_FUNCTIONAL_GATHER)}
+    for op in g.ops:
+        args = _arg_sids(op)
+        if str(op.target) == "aten.cat.default" and args and all(x in out for x in args):
+            out.update(x for _, _, x in op.meta.get("outputs", ()))
+    return out
+
+
+def _cause(s: Storage, saved: bool, pending: set[int], gathered: set[int]) -> str:
     if s.kind in ("parameter", "buffer"):
         return "parameters"
     if s.kind == "gradient":
@@ -201,6 +216,10 @@ def _cause(s: Storage, saved: bool, pending: set[int]) -> str:
         return "unsharded gradients"
     if s.kind == "gathered parameter":
         return "gathered"
+    if s.sid in gathered:
+        return "redistribute outputs"
+    if s.kind == "workspace":
+        return "workspace"
     if s.kind == "communication":
         if s.name.startswith(_ALL_GATHER):
             return "all-gather buffers"
@@ -212,7 +231,13 @@ def _cause(s: Storage, saved: bool, pending: set[int]) -> str:
 
 def _why(key: str, delta: int, sp: int) -> str:
     if key == "parameters":
-        return "FSDP2 pads dim 0 of each parameter to a multiple of the data-parallel size" if delta > 0 else ""
+        if delta > 0:
+            return "FSDP2 pads dim 0 of each parameter to a multiple of the data-parallel size"
+        return "the wrappers shard weights the formula keeps whole (e.g. a vocabulary-parallel embedding)" if delta else ""
+    if key == "gradients" and delta < 0:
+        return "FSDP2 makes a unit's sharded gradients at its reduce-scatter, the formula as each is computed"
+    if key == "workspace":
+        return "kernel scratch live at the peak: on the CPU target, gloo's collective temporaries (the formula counts none)"
     if key == "gathered":
         return "unsharded parameters copied out of the all-gathers (the formula: root, running and prefetched unit)"
     if key == "all-gather buffers":
