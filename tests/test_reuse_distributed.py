@@ -110,3 +110,32 @@ def test_ranks_one_after_another_in_one_process() -> None:
     six = graphmem.analyze(model, x, loss=llama.loss, rank=6, **options)
     assert five.sharding.sharding.rank == 5 and six.sharding.sharding.rank == 6
     assert six.activation_bytes == five.activation_bytes > 0  # the same activation shapes on every rank
+
+
+@pytest.mark.parametrize("size,n,dim", [(64, 1024, 0), (100, 8, 0), (7, 3, 0), (5, 8, 1), (1, 4, 0), (16, 4, 0)])
+def test_lazy_chunks_are_torch_chunks(size: int, n: int, dim: int) -> None:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from graphmem.distributed.chunks import _Chunks
+
+    t = torch.randn((size, 3) if dim == 0 else (3, size))
+    theirs, mine = _chunk_with_empty(t, n, dim), _Chunks(t, n, dim)
+    assert len(mine) == len(theirs) == n
+    for i in (0, 1, n // 2, n - 1, -1):
+        a, b = theirs[i], mine[i]
+        assert (a.shape, a.stride(), a.storage_offset(), a.numel() and a.data_ptr()) == \
+            (b.shape, b.stride(), b.storage_offset(), b.numel() and b.data_ptr())
+
+
+def test_lazy_chunks_capture_what_torch_chunks_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN FSDP2 at a world size far above the parameters' first dims (64 vs 16-64 rows)
+    import contextlib
+
+    import graphmem.distributed.capture as dcap
+
+    model, x = _hf_llama()
+    sharding = make_sharding(64, 63, fsdp=True)
+    fast = capture_rank(model, x, None, Target("cpu"), sharding)
+    monkeypatch.setattr(dcap, "lazy_chunks", contextlib.nullcontext)  # torch's own _chunk_with_empty
+    slow = capture_rank(model, x, None, Target("cpu"), sharding)
+    assert _signature(fast) == _signature(slow) and liveness(fast).peak_bytes == liveness(slow).peak_bytes

@@ -27,6 +27,7 @@ from graphmem.capture.fakes import Inputs, fake_batch, forward_context, translat
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _unique_counts
 from graphmem.capture.target import Target
+from graphmem.distributed.chunks import lazy_chunks
 from graphmem.distributed.fsdp import fake_copy, local, shard, watching
 from graphmem.distributed.process_group import fake_process_group
 from graphmem.distributed.spec import Sharding
@@ -62,7 +63,8 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
             if sharding.tp > 1:
                 parallelize(wrapped, sharding, meshes)
             if sharding.fsdp:
-                shard(wrapped, sharding, meshes)
+                with lazy_chunks():  # (only the chunks FSDP2 reads: graphmem/distributed/chunks.py)
+                    shard(wrapped, sharding, meshes)
             cap.real_bookkeeping = False
             cap.paths = {id(m): name for name, m in wrapped.named_modules()}
             param_sid = {}
