@@ -14,7 +14,8 @@ captures the whole depth as usual. Compiled mode (torch.compile's step) also com
 compiled graphs (their count, graph breaks, the forward ops recomputed in backward, per
 module) and checks that the partitioner's depth-dependent choices at a memory budget between 0
 and 1 come out the same at full depth (graphmem/capture/partition_record.py); ``Reused.why``
-says why reuse was not taken. What no check short of a full capture can see: a parent
+says why reuse was not taken. Rank r's step through FSDP2 / DTensor (graphmem/distributed/capture.py)
+is reused the same way: its collectives' process groups compare by size and rank. What no check short of a full capture can see: a parent
 whose loop treats some later block differently (``if i == 40: ...``); ``analyze(reuse=False)``
 or ``--no-reuse`` captures every block.
 """

@@ -4,7 +4,10 @@ re-linked to their neighbours (the check that this is exact lives in graphmem/ca
 
 The capture is cut into regions (prefix, forward of each block, head, backward of each block,
 tail); the first two and last two blocks are their own templates (they touch what is around
-the chain), every other block copies block 2.
+the chain), every other block copies block 2. The prefix, head and tail are cut block by block
+where their ops belong to one block each (graphmem/capture/glue.py): compiled mode's outputs for
+backward and hand-back, FSDP2's lazy init viewing every block's shards and its final callback
+viewing every block's gradient (per-rank captures, graphmem/distributed/capture.py).
 """
 from __future__ import annotations
 
