@@ -222,7 +222,9 @@ def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn]
                          "micro-batches, LoRA or compiled mode yet): drop those options, or drop --rank/--fsdp "
                          "for the formulas")
     at = lambda: capture_rank(module, make, loss_fn, target, sharding)  # noqa: E731
-    g = capture_reusing(module, at).graph if reuse else at()  # a deep chain: 5 blocks captured, checked at 6
+    reused = capture_reusing(module, at) if reuse else None  # a deep chain: 5 blocks captured, checked at 6
+    g = reused.graph if reused is not None else at()
+    slow = (f"depth reuse not taken ({reused.why}): every block was captured",) if reused is not None and reused.why else ()
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     single = capture_reusing(module, lambda: capture(module, make, loss_fn, target))[0] if reuse \
         else capture(module, make, loss_fn, target)
@@ -230,7 +232,7 @@ def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn]
     view = rank_view(g, lv, sv, sharding, (single, liveness(single), saved(single)), units_of(module))
     loss_name = "default" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
     alloc = allocator(g) if target.device == "cuda" else None
-    return Report.build(g, lv, sv, name, shapes, loss_name, notes(g) + view.lines(), None, alloc, sharding=view)
+    return Report.build(g, lv, sv, name, shapes, loss_name, notes(g) + slow + view.lines(), None, alloc, sharding=view)
 
 
 def _beside_eager(report: Report, model: nn.Module, inputs: Any, loss_fn: Optional[LossFn]) -> Report:

@@ -139,3 +139,26 @@ def test_lazy_chunks_capture_what_torch_chunks_capture(monkeypatch: pytest.Monke
     monkeypatch.setattr(dcap, "lazy_chunks", contextlib.nullcontext)  # torch's own _chunk_with_empty
     slow = capture_rank(model, x, None, Target("cpu"), sharding)
     assert _signature(fast) == _signature(slow) and liveness(fast).peak_bytes == liveness(slow).peak_bytes
+
+
+class _Odd(nn.Module):
+    """16 identical blocks, but the loop treats block 5 differently (what widening must not copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(16)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, b in enumerate(self.blocks):
+            x = torch.tanh(b(x))
+            if i == 5:
+                x = x * torch.sigmoid(x)
+        return x
+
+
+def test_a_rank_whose_blocks_differ_is_captured_whole_and_says_so() -> None:
+    model, x = _Odd(), (torch.randn(4, 16),)
+    r = graphmem.analyze(model, x, world_size=2, rank=1, fsdp="fully_shard")
+    full = graphmem.analyze(model, x, world_size=2, rank=1, fsdp="fully_shard", reuse=False)
+    assert any(n.startswith("depth reuse not taken (the widened graph differs") for n in r.notes)
+    assert _signature(r.step) == _signature(full.step) and r.peak_bytes == full.peak_bytes
