@@ -102,6 +102,7 @@ def block_copies(j: int, k: int, n: int) -> list[int]:
 class _Widen:
     def __init__(self, g: StepGraph, r: _Regions, n: int) -> None:
         self.g, self.r, self.n, self.k = g, r, n, r.k
+        self.nops = g.num_ops
         # synthesized regions in order: (kind, block, template block)
         order = self.glue(r.prefix_regions)
         order += [("F", b, self.template(b)) for b in range(n)]
@@ -144,6 +145,8 @@ class _Widen:
         written as block ctx_b (None: outside the chain)."""
         if j is None:
             return None
+        if j == ctx_j:  # (the common case: a block's own op or storage)
+            return ctx_b
         if ctx_j is None or (min(j, ctx_j) <= 1 and max(j, ctx_j) >= self.k - 2 and abs(j - ctx_j) >= 3):
             # (a first block seen from a last one or back: a value made once and used by every
             # block, as a compiled graph's shared causal mask, lives from the first user to the
@@ -171,8 +174,8 @@ class _Widen:
     def index(self, u: Optional[int], ctx_b: Optional[int], ctx_j: Optional[int]) -> Optional[int]:
         if u is None or u < 0:
             return u
-        if u >= self.g.num_ops:  # made after the last op (nothing follows)
-            return self.total + (u - self.g.num_ops)
+        if u >= self.nops:  # made after the last op (nothing follows)
+            return self.total + (u - self.nops)
         kind, j, pos = self.r.where[u]
         b = self.block(j, ctx_b, ctx_j)
         if b is not None:
@@ -233,7 +236,7 @@ class _Copier(_Widen):
         self.new_ops: list[OpNode] = [None] * self.total  # type: ignore[list-item]
 
     def owner_of_index(self, u: int) -> Optional[int]:
-        return self.r.where[u][1] if 0 <= u < self.g.num_ops else None
+        return self.r.where[u][1] if 0 <= u < self.nops else None
 
     def owner(self, st: Storage) -> Optional[int]:
         """The captured block a storage belongs to: a block's parameter, or made by its op."""
