@@ -3,8 +3,9 @@
 
 ``graphmem.analyze(preset, input_shape=shape, device=..., world_size=N, rank=r, fsdp="fully_shard",
 tp=T, sp=...)`` end to end (the preset's meta construction, the fake process group, fully_shard
-and parallelize_module on the fake copy, the capture of rank r's step, the single-device capture
-for the formula beside it, the passes), timed once per case after a warm-up run of the same
+and parallelize_module on the fake copy, the capture of rank r's step (a deep chain: at depth 5,
+checked at 6, widened: graphmem/capture/reuse.py), the single-device capture for the formula
+beside it, the passes and the gap by cause), timed once per case after a warm-up run of the same
 case on one block (the first FakeTensorMode use in a process costs ~1-2 s). The peak RSS of the
 process is read from ``resource.getrusage`` after the run.
 

@@ -230,10 +230,12 @@ def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn]
     if training.keeps_dtypes(module):  # peft's fp32 adapters on a 16-bit model (graphmem/training/spec.py)
         target = dataclasses.replace(target, dtype=None)
     module = prepared
-    # every block is captured: depth reuse's widening (graphmem/capture/widen.py) refuses a step whose
-    # blocks are referred to from outside the chain, as FSDP2's prefetch and root callbacks do
     train = training.train if training.train.active else None
-    g = capture_rank(module, make, loss_fn, target, sharding, train)
+    at = lambda: capture_rank(module, make, loss_fn, target, sharding, train)  # noqa: E731
+    # a deep chain: 5 blocks captured, checked at 6; not the optimizer/micro-batch phases (as on one device)
+    reused = capture_reusing(module, at) if reuse and train is None else None
+    g = reused.graph if reused is not None else at()
+    slow = (f"depth reuse not taken ({reused.why}): every block was captured",) if reused is not None and reused.why else ()
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
     single_at: Any = lambda: capture(module, make, loss_fn, target, train=train)  # noqa: E731
     single = capture_reusing(module, single_at)[0] if reuse and train is None else single_at()
@@ -244,7 +246,7 @@ def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn]
     # the whole step's table (optimizer states, later steps' peak) over rank r's own graph: nothing to divide
     traced = dataclasses.replace(training, train=g.train) if g.train is not None else training  # its micro-steps
     plan = step_budget(g, lv, sv, traced, module, lora_layers, view.describe()) if training.requested else None
-    return Report.build(g, lv, sv, name, shapes, loss_name, notes(g) + view.lines(), None, alloc, budget=plan,
+    return Report.build(g, lv, sv, name, shapes, loss_name, notes(g) + slow + view.lines(), None, alloc, budget=plan,
                         sharding=view)
 
 

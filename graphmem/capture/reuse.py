@@ -14,7 +14,8 @@ captures the whole depth as usual. Compiled mode (torch.compile's step) also com
 compiled graphs (their count, graph breaks, the forward ops recomputed in backward, per
 module) and checks that the partitioner's depth-dependent choices at a memory budget between 0
 and 1 come out the same at full depth (graphmem/capture/partition_record.py); ``Reused.why``
-says why reuse was not taken. What no check short of a full capture can see: a parent
+says why reuse was not taken. Rank r's step through FSDP2 / DTensor (graphmem/distributed/capture.py)
+is reused the same way: its collectives' process groups compare by size and rank. What no check short of a full capture can see: a parent
 whose loop treats some later block differently (``if i == 40: ...``); ``analyze(reuse=False)``
 or ``--no-reuse`` captures every block.
 """
@@ -45,18 +46,33 @@ def _signature(g: StepGraph) -> tuple:
             return (ref(a[0]), a[1])
         if isinstance(a, list):
             return [ref(x) for x in a]
+        if isinstance(a, torch.ScriptObject):  # a collective's process group (or reduce op), by what it is
+            return _script_object(a)
         return a
 
     ops = tuple((str(op.target), op.meta["phase"], op.meta["module"], op.meta["bytes"], op.meta.get("recompute", False),
                  tuple((s, str(d), order[x]) for s, d, x in op.meta["outputs"]), repr(tuple(ref(a) for a in op.args)),
                  repr({k: ref(v) for k, v in op.kwargs.items()})) for op in g.ops)
     storages = tuple(sorted((order[s.sid], s.nbytes, s.kind, s.created, s.freed if s.freed is not None else -2, s.module,
-                             s.name, s.dtype, s.shape, order.get(s.source, -1) if s.source is not None else -1)
+                             s.name, s.dtype, s.shape, order.get(s.source, -1) if s.source is not None else -1,
+                             order.get(s.owner, -1) if s.owner is not None else -1, s.cache_freed)
                             for s in g.storages.values()))
     saves = tuple(sorted((order[e.sid], e.packed_at, e.released_at if e.released_at is not None else -2, e.module,
                           e.phase, e.shape, e.dtype, e.grad_fn) for e in g.saves))
     return (ops, storages, saves, tuple(sorted(g.phase_start.items())), tuple(sorted(order[x] for x in g.gradients)),
             tuple(sorted(g.module_inputs.items())), tuple(sorted(p.target for p in g.placeholders)))
+
+
+def _script_object(a: torch.ScriptObject) -> tuple:
+    """A c10d process group as its size and this rank's place in it (the widened graph keeps the
+    short capture's group objects, the check's capture has its own); other script objects by type."""
+    kind = a._type().qualified_name()
+    if kind.endswith("c10d.ProcessGroup"):
+        import torch.distributed as dist
+
+        pg = dist.ProcessGroup.unbox(a)
+        return kind, pg.size(), pg.rank()
+    return (kind,)
 
 
 _MODULE_STATE = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set"}

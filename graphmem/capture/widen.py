@@ -4,7 +4,10 @@ re-linked to their neighbours (the check that this is exact lives in graphmem/ca
 
 The capture is cut into regions (prefix, forward of each block, head, backward of each block,
 tail); the first two and last two blocks are their own templates (they touch what is around
-the chain), every other block copies block 2.
+the chain), every other block copies block 2. The prefix, head and tail are cut block by block
+where their ops belong to one block each (graphmem/capture/glue.py): compiled mode's outputs for
+backward and hand-back, FSDP2's lazy init viewing every block's shards and its final callback
+viewing every block's gradient (per-rank captures, graphmem/distributed/capture.py).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ class _Regions:
         bwd = [i for i in range(back, g.num_ops) if labels[i] is not None]
         if not fwd or not bwd:
             raise NotReusable("no block ops")
-        self.regions: list[tuple[str, Optional[int], int, int]] = [("prefix", None, 0, fwd[0] - 1)]
+        self.regions: list[tuple[str, Optional[int], int, int]] = []
         starts: list[tuple[int, int]] = []
         for i in fwd:
             if not starts or starts[-1][0] != labels[i]:
@@ -56,17 +59,17 @@ class _Regions:
             raise NotReusable("backward not block by block")
         self.regions += [("B", b, s, e) for b, s, e in runs]
         tail = ("tail", None, bwd[-1] + 1, g.num_ops - 1)
-        self.head: list[Region] = [head]
-        self.tail: list[Region] = [tail]
-        self.directions: dict[str, int] = {}  # compiled mode: the glue's sections (graphmem/capture/glue.py)
-        if g.compiled is not None:
-            block_at: list[Optional[int]] = [None] * g.num_ops
-            for _, blk, s, e in self.regions:
-                block_at[s:e + 1] = [blk] * (e - s + 1)
-            self.head, d1 = cut(g, "head", head[2], head[3], block_at, labels, self.block_of)
-            self.tail, d2 = cut(g, "tail", tail[2], tail[3], block_at, labels, self.block_of)
-            self.directions = {**d1, **d2}
-        self.regions += self.head + self.tail
+        # the glue around the blocks, cut block by block (graphmem/capture/glue.py): compiled mode's
+        # outputs for backward and hand-back; FSDP2's lazy init viewing every block's shards (prefix),
+        # its final callback viewing every block's gradients (tail)
+        block_at: list[Optional[int]] = [None] * g.num_ops
+        for _, blk, s, e in self.regions:
+            block_at[s:e + 1] = [blk] * (e - s + 1)
+        self.prefix_regions, d0 = cut(g, "prefix", 0, fwd[0] - 1, block_at, labels, self.block_of)
+        self.head, d1 = cut(g, "head", head[2], head[3], block_at, labels, self.block_of)
+        self.tail, d2 = cut(g, "tail", tail[2], tail[3], block_at, labels, self.block_of)
+        self.directions: dict[str, int] = {**d0, **d1, **d2}
+        self.regions += self.prefix_regions + self.head + self.tail
         self.blocks = {(kind, blk): (s, e) for kind, blk, s, e in self.regions}
         self.where: list[tuple[str, Optional[int], int]] = [("", None, 0)] * g.num_ops  # op -> (kind, block, pos)
         for kind, blk, s, e in self.regions:
@@ -99,8 +102,9 @@ def block_copies(j: int, k: int, n: int) -> list[int]:
 class _Widen:
     def __init__(self, g: StepGraph, r: _Regions, n: int) -> None:
         self.g, self.r, self.n, self.k = g, r, n, r.k
+        self.nops = g.num_ops
         # synthesized regions in order: (kind, block, template block)
-        order: list[tuple[str, Optional[int], Optional[int]]] = [("prefix", None, None)]
+        order = self.glue(r.prefix_regions)
         order += [("F", b, self.template(b)) for b in range(n)]
         order += self.glue(r.head)
         order += [("B", b, self.template(b)) for b in reversed(range(n))]
@@ -141,6 +145,8 @@ class _Widen:
         written as block ctx_b (None: outside the chain)."""
         if j is None:
             return None
+        if j == ctx_j:  # (the common case: a block's own op or storage)
+            return ctx_b
         if ctx_j is None or (min(j, ctx_j) <= 1 and max(j, ctx_j) >= self.k - 2 and abs(j - ctx_j) >= 3):
             # (a first block seen from a last one or back: a value made once and used by every
             # block, as a compiled graph's shared causal mask, lives from the first user to the
@@ -168,8 +174,8 @@ class _Widen:
     def index(self, u: Optional[int], ctx_b: Optional[int], ctx_j: Optional[int]) -> Optional[int]:
         if u is None or u < 0:
             return u
-        if u >= self.g.num_ops:  # made after the last op (nothing follows)
-            return self.total + (u - self.g.num_ops)
+        if u >= self.nops:  # made after the last op (nothing follows)
+            return self.total + (u - self.nops)
         kind, j, pos = self.r.where[u]
         b = self.block(j, ctx_b, ctx_j)
         if b is not None:
@@ -230,7 +236,7 @@ class _Copier(_Widen):
         self.new_ops: list[OpNode] = [None] * self.total  # type: ignore[list-item]
 
     def owner_of_index(self, u: int) -> Optional[int]:
-        return self.r.where[u][1] if 0 <= u < self.g.num_ops else None
+        return self.r.where[u][1] if 0 <= u < self.nops else None
 
     def owner(self, st: Storage) -> Optional[int]:
         """The captured block a storage belongs to: a block's parameter, or made by its op."""
@@ -273,7 +279,9 @@ class _Copier(_Widen):
             out[new] = Storage(
                 new, st.nbytes, st.kind, self.index(st.created, b, j), self.index(st.freed, b, j),  # type: ignore[arg-type]
                 rename(st.module, prefix, j, b), rename(st.name, prefix, j, b) if st.created < 0 else st.name,
-                st.dtype, st.shape, self.sid(st.source, b, j) if st.source is not None else None)
+                st.dtype, st.shape, self.sid(st.source, b, j) if st.source is not None else None,
+                self.sid(st.owner, b, j) if st.owner is not None else None,
+                tuple(self.sid(o, b, j) for o in st.owners), st.cache_freed)
         return out
 
     def placeholders(self) -> list[OpNode]:

@@ -14,7 +14,11 @@ micro-batches (with FSDP2's gradient sync after each, or after the last only: ``
 then torch.optim over the wrapped model's DTensor parameters, so the optimizer's states are rank
 r's local shards (``zeros_like`` of each local chunk), recorded by the single-device marker.
 
-Known limitations: eager mode only (no --mode compiled); no depth reuse (every block is captured);
+A deep chain is captured at depth 5 and widened (graphmem/capture/reuse.py, checked at depth 6
+each time; graphmem/api.py passes this capture to it), when the step has no optimizer or
+micro-batches (as on one device: those phases are not block-shaped).
+
+Known limitations: eager mode only (no --mode compiled);
 fp32 master weights are the single-device recipe (FSDP2's is its MixedPrecisionPolicy), fused SGD
 and Adafactor do not run on DTensors (refused by graphmem/distributed/spec.py make_sharding).
 """
@@ -32,6 +36,7 @@ from graphmem.capture.fakes import Inputs, fake_batch, forward_context, translat
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _unique_counts
 from graphmem.capture.target import Target
+from graphmem.distributed.chunks import lazy_chunks
 from graphmem.distributed.fsdp import fake_copy, local, shard, unsharded_grads, watching
 from graphmem.distributed.process_group import fake_process_group
 from graphmem.distributed.spec import Sharding
@@ -72,7 +77,8 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
             if sharding.tp > 1:
                 parallelize(wrapped, sharding, meshes)
             if sharding.fsdp:
-                shard(wrapped, sharding, meshes)
+                with lazy_chunks():  # (only the chunks FSDP2 reads: graphmem/distributed/chunks.py)
+                    shard(wrapped, sharding, meshes)
             cap.real_bookkeeping = False
             cap.paths = {id(m): name for name, m in wrapped.named_modules()}
             param_sid = {}

@@ -87,10 +87,13 @@ def unsharded_grads(model: nn.Module) -> list[torch.Tensor]:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what rank r holds); a plain tensor itself."""
+    """A DTensor's local shard (what rank r holds); a plain tensor itself. The DTensor's own
+    ``_local_tensor`` object, not ``to_local()``'s view of it: FSDP2 takes that object (its
+    lazy init views it, ``FSDPParam.reset_sharded_param``), and the recorder knows a tensor by
+    the object it marked (else each use would be a nameless "external" tensor)."""
     from torch.distributed.tensor import DTensor
 
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 @contextlib.contextmanager

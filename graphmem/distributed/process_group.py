@@ -15,7 +15,6 @@ import contextlib
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -63,12 +62,19 @@ def fake_process_group(rank: int, world_size: int, tp: int = 1, fsdp: bool = Tru
             yield Meshes(world, world, None)
     finally:
         dist.destroy_process_group()
-        _clear_dtensor_caches()
+        _forget_meshes()
 
 
-def _clear_dtensor_caches() -> None:
-    """DTensor caches sharding propagation by op schema (the C++ dispatch fast path's cache,
-    torch/distributed/tensor/_dispatch.py), and a schema's meshes compare equal across ranks of one
-    world (the same rank map and layout): a later rank would get output specs that hold this rank's
-    sub-meshes, whose groups are destroyed here ("Could not resolve the process group")."""
-    torch._C._clear_DTensor_sharding_propagator_cache()
+def _forget_meshes() -> None:
+    """Clear DTensor's caches keyed by device mesh (torch/distributed/tensor/debug/__init__.py names
+    ``_clear_sharding_prop_cache`` the way to clear the sharding propagation caches): a DeviceMesh compares equal to any mesh of the
+    same layout (torch/distributed/device_mesh.py ``__eq__``), so a later group's step would be
+    handed specs holding this group's meshes, whose process groups no longer resolve (analyze at
+    rank 5, then at rank 6, of a tensor-parallel step failed with "Could not resolve the process group")."""
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python and the C++ fast path's caches
+    _gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()

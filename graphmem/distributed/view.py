@@ -1,6 +1,6 @@
 """What a per-rank report adds: which rank, which wrappers, the communication buffers live at its
 peak, and the per-rank formula over the single-device step beside it (the cross-check), with the
-difference explained by what the wrappers hold that the formula does not see."""
+difference split by cause (passes/rank_gap.py): what the wrappers hold that the formula does not see."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +9,7 @@ from typing import Any, Optional
 from graphmem.distributed.spec import Sharding
 from graphmem.passes import Liveness
 from graphmem.passes.budget import Budget, Parallel, budget, later_steps_peak
+from graphmem.passes.rank_gap import RankGap, rank_gap
 from graphmem.passes.saved import SavedSet
 from graphmem.passes.timeline import category_timeline
 from graphmem.stepgraph import StepGraph
@@ -28,6 +29,7 @@ class RankView:
     full_gradients: tuple[tuple[str, int, int], ...] = ()
     later_peak: Optional[int] = None  # with an optimizer step: rank r's peak of every later step (states from the start)
     formula_later: Optional[int] = None  # and the formula's
+    breakdown: Optional[RankGap] = None  # the gap cause by cause (passes/rank_gap.py)
 
     @property
     def gap(self) -> Optional[int]:
@@ -70,6 +72,8 @@ class RankView:
                        + (f"; later steps (optimizer states from the start): formula {fmt_bytes(self.formula_later)}, "
                           f"the wrappers' {_signed(self.later_peak - self.formula_later)}"
                           if self.later_peak is not None and self.formula_later is not None else ""))
+        if self.breakdown is not None and self.gap:
+            out += _cause_lines(self.breakdown)
         return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,7 +83,31 @@ class RankView:
                 "formula": self.formula.to_dict() if self.formula is not None else None,
                 "formula_peak_bytes": self.formula_peak, "gap_bytes": self.gap,
                 "full_gradients": [{"parameter": n, "bytes": g, "shard_bytes": p} for n, g, p in self.full_gradients],
-                "later_peak_bytes": self.later_peak, "formula_later_peak_bytes": self.formula_later}
+                "later_peak_bytes": self.later_peak, "formula_later_peak_bytes": self.formula_later,
+                "gap_by_cause": self.breakdown.to_dict() if self.breakdown is not None else None}
+
+
+def _signed(n: int) -> str:
+    return ("+" if n >= 0 else "-") + fmt_bytes(abs(n))
+
+
+def _cause_lines(gap: RankGap) -> tuple[str, ...]:
+    """One line per cause that differs, largest difference first."""
+    out = []
+    for c in sorted((c for c in gap.causes if c.delta), key=lambda c: -abs(c.delta)):
+        detail = c.why
+        if c.key == "activations" and gap.sp_gathered:
+            detail = f"{fmt_bytes(gap.sp_gathered)} of them all-gathered block inputs; {detail}"
+        if c.key in ("other", "redistribute outputs", "unsharded gradients") and c.largest:
+            detail = "largest: " + ", ".join(f"{name.removeprefix('aten.')} in {module or 'the root'} ({fmt_bytes(b)})"
+                                             for name, module, b in c.largest) + (f"; {detail}" if detail else "")
+        if c.units:
+            detail = ", ".join(f"{u} ({role}): {fmt_bytes(b)}" for u, role, b in c.units[:4]) \
+                + (f" and {len(c.units) - 4} more" if len(c.units) > 4 else "") + (f"; {detail}" if detail else "")
+        out.append(f"  {c.key}: {_signed(c.delta)} (rank {fmt_bytes(c.real)}, formula {fmt_bytes(c.formula)})"
+                   + (f": {detail}" if detail else ""))
+    return (f"the gap by cause, tensors live at each peak (passes/rank_gap.py; peak in "
+            f"{gap.peak_unit or 'the root'}):", *out)
 
 
 def formula_of(sharding: Sharding) -> Parallel:
@@ -96,20 +124,20 @@ def rank_view(g: StepGraph, lv: Liveness, sv: SavedSet, sharding: Sharding,
     tl = category_timeline(g, lv, sv.tensors)
     comm = tuple((t.module, t.name, t.nbytes) for t in lv.live_at_peak if tl.category_of.get(t.sid) == "communication")
     formula: Optional[Parallel] = None
-    formula_peak = formula_later = None
+    formula_peak: Optional[int] = None
+    formula_later: Optional[int] = None
+    breakdown: Optional[RankGap] = None
     stepped = g.train is not None and g.train.optimizer is not None
     if single is not None:
         formula = formula_of(sharding)
         b: Budget = budget(*single, formula, units)
         formula_peak = b.peak_bytes
         formula_later = b.later_peak_bytes if stepped else None
+        breakdown = rank_gap(g, lv, sv, b, units)
     # tensor parallel alone: each gradient is its own storage (FSDP2's are flat reduce-scatter outputs)
     full = () if sharding.fsdp else tuple(
         (g.storages[s.owner].name, s.nbytes, g.storages[s.owner].nbytes) for s in (g.storages[sid] for sid in g.gradients)
         if s.owner is not None and s.nbytes > g.storages[s.owner].nbytes)
     return RankView(sharding, comm, max(tl.by_category["communication"], default=0), formula, formula_peak,
-                    lv.peak_bytes, tp_engine, full, later_steps_peak(g, lv) if stepped else None, formula_later)
-
-
-def _signed(n: int) -> str:
-    return ("+" if n >= 0 else "-") + fmt_bytes(abs(n))
+                    lv.peak_bytes, tp_engine, full, later_steps_peak(g, lv) if stepped else None, formula_later,
+                    breakdown)
