@@ -18,6 +18,17 @@ class UsageError(GraphmemError):
     exit_code = 2
 
 
+def no_source(scope: object = None) -> UsageError:
+    """Why a report cannot be captured again (plans, formulas, budget sweeps, advice): it was built
+    by hand, or it is one rank's step (``scope``: its ``Report.sharding``, whose ``describe()`` names it)."""
+    describe = getattr(scope, "describe", None)
+    if describe is None:
+        return UsageError("this report has no model to capture again (built by hand)")
+    return UsageError(f"this report is {describe()}: plans, formulas, budget sweeps and advice capture the "
+                      "single-device step again, so analyze without --rank/--fsdp/--tp/--pp for them "
+                      "(--zero, --fsdp full and --tp without --rank give the per-rank formulas)")
+
+
 class ModelLoadError(UsageError):
     """The model file or preset could not be turned into an nn.Module."""
 

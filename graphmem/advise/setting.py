@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch.nn as nn
 
 from graphmem.capture.target import Target
-from graphmem.errors import UsageError
+from graphmem.errors import no_source
 from graphmem.passes import saved
 from graphmem.planning.planner import step_flops
 from graphmem.recapture import Captured, capture_step
@@ -53,7 +53,7 @@ def base_setting(report: Any) -> Setting:
     """The setting ``report`` was captured with."""
     source = report.source
     if source is None:
-        raise UsageError("this report has no model to capture again (built by hand)")
+        raise no_source(report.sharding)
     training = source.training or make_training(source.target.dtype)
     return Setting(source.asked_target, training, tuple(source.base_shape), source.loss, source.original)
 

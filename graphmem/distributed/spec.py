@@ -79,6 +79,10 @@ def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_af
         _check_training(training, no_sync)
     if sp and tp == 1:
         raise UsageError("--sp splits the sequence over the tensor-parallel ranks: add --tp 2 (or more)")
+    if tp > 1 and not fsdp and world_size != tp:
+        raise UsageError(f"--world-size {world_size} with --tp {tp} and no --fsdp leaves {world_size // tp} data-parallel "
+                         "replicas, and graphmem runs no replicating wrapper (DDP): add --fsdp to shard over them, "
+                         f"or use --world-size {tp} (each replica's tensor-parallel step is the same)")
     if fsdp and world_size // tp == 1:
         raise UsageError(f"--fsdp shards over the data-parallel ranks, and --world-size {world_size} / --tp {tp} "
                          "leaves one: raise --world-size")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from graphmem.errors import UsageError
+from graphmem.errors import UsageError, no_source
 from graphmem.formula.coefficients import NotPolynomialError
 from graphmem.formula.fit import fit as fit_formula
 from graphmem.formula.largest import FitAnswer, largest_fitting
@@ -16,7 +16,7 @@ from graphmem.units import parse_bytes
 
 def _source(report: Any) -> Any:
     if report.source is None:
-        raise UsageError("this report has no model to capture again (built by hand)")
+        raise no_source(report.sharding)
     return report.source
 
 

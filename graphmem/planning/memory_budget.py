@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import check_memory_budget
-from graphmem.errors import UsageError
+from graphmem.errors import UsageError, no_source
 from graphmem.passes.liveness import liveness
 from graphmem.passes.memory_budget import BudgetPoint, BudgetSweep, budget_point, budget_sweep
 from graphmem.passes.saved import saved
@@ -45,7 +45,7 @@ def memory_budgets(report: Any, values: Any, keep: bool = False,
     them, a compiled capture at each other value."""
     source = report.source
     if source is None:
-        raise UsageError("this report has no model to capture again (built by hand)")
+        raise no_source(report.sharding)
     if source.target.mode != "compiled":
         raise UsageError("the memory budget is torch.compile's partitioner knob: analyze with mode=\"compiled\" "
                          "(--mode compiled)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphmem.errors import UsageError
+from graphmem.errors import UsageError, no_source
 from graphmem.planning.planner import CheckpointPlan, Planner, PlanSummary, parse_limits, summarize
 from graphmem.planning.selective import LEVELS, SelectivePlanner
 
@@ -12,7 +12,7 @@ from graphmem.planning.selective import LEVELS, SelectivePlanner
 def planner(report: Any, selective: Any = False) -> Planner:
     """The report's planner for ``selective`` (False: plain; True: LEVELS levels; an int: that many)."""
     if report.source is None:
-        raise UsageError("this report has no model to capture again (built by hand)")
+        raise no_source(report.sharding)
     kept = report.source.kept
     if selective is False or selective is None:
         if "planner" not in kept:
