@@ -83,8 +83,16 @@ def _runner(blocks: list[nn.Module], session: Any) -> Any:
 
 # arguments through which a block writes into a key/value cache (Hugging Face's ``Cache``): a
 # checkpointed block gets None / False, as transformers' own gradient checkpointing gives it,
-# because its recompute would write into the cache a second time (longer keys than the mask)
-_CACHE_ARGS = {"past_key_values": None, "past_key_value": None, "layer_past": None, "use_cache": False}
+# because its recompute would write into the cache a second time (longer keys than the mask).
+# transformers 5.24 renamed the blocks' ``past_key_values`` to ``cache`` (deprecate_kwarg in
+# models/gpt2/modeling_gpt2.py); a plain ``cache`` argument is taken only when it holds a Cache.
+_CACHE_ARGS = {"past_key_values": None, "past_key_value": None, "layer_past": None, "cache": None, "use_cache": False}
+
+
+def _writes_cache(name: str, value: Any) -> bool:
+    if value is None or value is False:
+        return False
+    return name != "cache" or hasattr(value, "get_seq_length")  # transformers' Cache classes
 
 
 def _without_cache(forward: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -102,7 +110,7 @@ def _without_cache(forward: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[t
         return args, kwargs
     changed = False
     for name, value in _CACHE_ARGS.items():
-        if bound.arguments.get(name) not in (None, False):
+        if _writes_cache(name, bound.arguments.get(name)):
             bound.arguments[name] = value
             changed = True
     if not changed:
