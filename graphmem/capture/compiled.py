@@ -33,7 +33,8 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from functools import partial
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -175,10 +176,10 @@ class _Backend:
             interpreter = _Run(cg, self)
 
             def run(args: list) -> Any:
-                if self.replaying:
-                    cg.replays += 1
-                else:
+                if not self.replaying:  # the trace: its own code, no recorder to tell (faster than the interpreter)
                     cg.calls += 1
+                    return gm(*args)
+                cg.replays += 1
                 try:
                     return interpreter.boxed_run(args)  # boxed: frees the inputs as it goes, like aot_eager
                 finally:
@@ -220,6 +221,16 @@ def _arg(n: fx.Node, i: int, name: str) -> Any:
     return a.meta.get("example_value") if isinstance(a, fx.Node) else None
 
 
+class _Compiled(Exception):
+    """The trace reached backward: every graph is compiled by then, so it stops there."""
+
+
+def _stop_at_backward(phase: list[str], name: str) -> None:
+    phase[0] = name
+    if name == "backward":  # the backward graphs were compiled with their forward graphs (partition_config)
+        raise _Compiled
+
+
 class CompiledStep:
     """One model compiled by torch.compile on fake tensors, ready to replay under capture."""
 
@@ -251,12 +262,14 @@ class CompiledStep:
         phase = ["forward"]
         try:  # a model compiled before in this process may have used up dynamo's recompile limit
             with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20), \
-                    partition_config(target.memory_budget), recording(step.partitions):
+                    partition_config(target.memory_budget), recording(step.partitions), _unlogged():
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False):
-                    run_step(lambda *a, **k: optimized(model, *a, **k), batch, loss_fn, lambda p: phase.__setitem__(0, p),
+                    run_step(lambda *a, **k: optimized(model, *a, **k), batch, loss_fn, partial(_stop_at_backward, phase),
                              compiled_context(target))
+        except _Compiled:
+            pass  # every graph is compiled: the backward graphs with their forward (partition_config)
         except GraphmemError:
             step.close()
             raise
@@ -279,8 +292,11 @@ class CompiledStep:
         return torch._dynamo.run(self.call)(self.model, *args, **kwargs)
 
     def check_replayed(self) -> None:
-        """The replay ran the same compiled graphs as the trace, as often."""
+        """The replay ran the same compiled forward graphs as the trace, as often (the trace stops
+        before backward; a backward graph runs only through its forward graph's autograd node)."""
         for g in self.backend.graphs:
+            if g.kind != "forward":
+                continue
             if g.calls != g.replays:
                 raise CaptureError(
                     f"the replay of the compiled step ran a {g.kind} graph {g.replays} times, the trace "
@@ -321,6 +337,32 @@ def partition_config(budget: Optional[float]) -> Any:
     if budget is not None:
         changes["activation_memory_budget"] = budget
     return config.patch(changes)
+
+
+@contextlib.contextmanager
+def _unlogged() -> Iterator[None]:
+    """AOTAutograd writes the joint, forward and backward graphs out as text
+    (``GraphModule.print_readable``) whether or not anyone logs them
+    (torch/_functorch/_aot_autograd/graph_compile.py ``_log_joint_graph``, ``_log_fw_bw_graphs``:
+    ``AOTConfig.enable_log`` defaults to True and dynamo's backends cannot set it): ~5 % of a
+    GPT-2 XL compilation. Skipped, as with ``enable_log=False``, unless torch's logs for them or
+    its structured trace are on (``TORCH_LOGS=aot_graphs``, ``TORCH_TRACE``); the text only
+    feeds those logs and AOTAutograd's cache, which ``aot_eager`` does not use."""
+    import logging
+
+    from torch._functorch._aot_autograd import graph_compile as gc
+
+    if gc.aot_joint_log.isEnabledFor(logging.INFO) or gc.aot_graphs_log.isEnabledFor(logging.INFO) or \
+            logging.getLogger("torch.__trace").handlers:
+        yield
+        return
+    joint, fw_bw = gc._log_joint_graph, gc._log_fw_bw_graphs
+    gc._log_joint_graph = lambda *a, **k: None  # type: ignore[assignment]
+    gc._log_fw_bw_graphs = lambda *a, **k: (None, None)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        gc._log_joint_graph, gc._log_fw_bw_graphs = joint, fw_bw  # type: ignore[assignment]
 
 
 def _codes() -> list[Any]:
