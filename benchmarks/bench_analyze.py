@@ -20,9 +20,10 @@ shape, this times:
               creating the tracker, ``track_external`` and the tracked step are).
   compiled    (with ``--compiled``) ``graphmem.analyze(module, mode="compiled")``: torch.compile's
               step on fake tensors (dynamo, AOTAutograd, the min-cut partitioner; a deep chain
-              compiled at depth 5 and 6 and widened, graphmem/capture/reuse.py), with the eager
-              capture beside it; printed next to the eager ``graphmem`` time (their ratio) and
-              the process's peak RSS after each.
+              compiled once at depth 6 and widened, graphmem/capture/reuse_compiled.py), with the
+              eager capture beside it; printed next to the eager ``graphmem`` time (their ratio,
+              wall and the process's CPU time: the machine may be shared) and the process's peak
+              RSS after each.
 
 Each method first runs once on a shallow copy of each family (one block) at a tiny shape, so the
 one-time cost of the first ``FakeTensorMode`` use in a process (~1-2 s: decompositions, meta
@@ -145,19 +146,24 @@ def run_bare(family: Any, config: Any, shape: tuple[int, ...]) -> tuple[float, d
 
 def run_graphmem_module(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Callable,
                         reuse: bool = True) -> tuple[float, dict]:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     report = graphmem.analyze(module, input_shape=shape, loss=loss_fn, reuse=reuse)
     seconds = time.perf_counter() - t0
+    _CPU.setdefault("graphmem" if reuse else "graphmem-all", []).append(time.process_time() - c0)
     return seconds, {"activation_bytes": report.activation_bytes, "peak_bytes": report.peak_bytes,
                      "baseline_bytes": report.baseline_bytes, "num_ops": report.num_ops}
 
 
 def run_graphmem_compiled(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Callable) -> tuple[float, dict]:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     report = graphmem.analyze(module, input_shape=shape, loss=loss_fn, mode="compiled")
     seconds = time.perf_counter() - t0
+    _CPU.setdefault("compiled", []).append(time.process_time() - c0)
     return seconds, {"activation_bytes": report.activation_bytes, "peak_bytes": report.peak_bytes,
                      "num_ops": report.num_ops, "notes": report.notes, "rss_mib": peak_rss_mib()}
+
+
+_CPU: dict[str, list[float]] = {}  # CPU seconds of this process per run, by method (the machine may be shared)
 
 
 def run_graphmem_preset(preset: str, shape: tuple[int, ...]) -> tuple[float, dict]:
@@ -263,8 +269,10 @@ def bench_case(case: Case, repeat: int, budget: float, methods: tuple[str, ...] 
     }
     result = {}
     for method in methods:
+        _CPU.pop(method, None)
         times, extra = measure(runs[method], repeat, budget)
-        result[method] = {"times": times, "best": min(times), "extra": extra, "rss_mib": peak_rss_mib()}
+        result[method] = {"times": times, "best": min(times), "extra": extra, "rss_mib": peak_rss_mib(),
+                          "cpu": min(_CPU.pop(method, [float("nan")]))}
         print(f"  {method:<10} best {min(times):8.3f} s of {len(times)} run(s); peak RSS so far "
               f"{peak_rss_mib():,.0f} MiB", flush=True)
     gc.collect()
@@ -320,11 +328,12 @@ def print_compiled(r: dict) -> None:
     ratio = c["best"] / e["best"]
     print()
     print(tabulate([
-        ["eager: graphmem.analyze(module)", f"{e['best']:.3f}", f"{e['rss_mib']:,.0f}"],
-        ["compiled: graphmem.analyze(module, mode=\"compiled\")", f"{c['best']:.3f}", f"{c['rss_mib']:,.0f}"],
+        ["eager: graphmem.analyze(module)", f"{e['best']:.3f}", f"{e['cpu']:.3f}", f"{e['rss_mib']:,.0f}"],
+        ["compiled: graphmem.analyze(module, mode=\"compiled\")", f"{c['best']:.3f}", f"{c['cpu']:.3f}",
+         f"{c['rss_mib']:,.0f}"],
         ["compiled / eager", f"{ratio:.2f}x (goal <= {GOAL_COMPILED_OVER_EAGER:g}x: "
-         f"{'yes' if ratio <= GOAL_COMPILED_OVER_EAGER else 'no'})", ""],
-    ], headers=["analysis", "best s", "peak RSS after (MiB)"], disable_numparse=True))
+         f"{'yes' if ratio <= GOAL_COMPILED_OVER_EAGER else 'no'})", f"{c['cpu'] / e['cpu']:.2f}x", ""],
+    ], headers=["analysis", "best wall s", "best CPU s", "peak RSS after (MiB)"], disable_numparse=True))
     x = c["extra"]
     print(f"compiled: {x['num_ops']:,} ops, saved {fmt_bytes(x['activation_bytes'])}, peak {fmt_bytes(x['peak_bytes'])}"
           + "".join(f"\n  note: {n}" for n in x["notes"] if "depth reuse" in n))

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
+from graphmem.capture.reuse_compiled import compiled_reusing
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
 from graphmem.passes import Liveness, SavedSet, liveness, saved
@@ -78,7 +79,10 @@ def capture_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: T
     # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6), in
     # eager and compiled mode; not the training step's accumulate/optimizer phases (not block-shaped)
     capture_at: Any = lambda: capture(prepared, make, loss, target, train=training.train)  # noqa: E731
-    reused = capture_reusing(prepared, capture_at) if reuse and not training.train.active else None
+    reused = None
+    if reuse and not training.train.active:  # compiled: one compilation where the partition is block by block
+        reused = compiled_reusing(prepared, lambda t: capture(prepared, make, loss, t), target) \
+            if target.mode == "compiled" else capture_reusing(prepared, capture_at)
     g = reused.graph if reused is not None else capture_at()
     lv, sv = liveness(g), saved(g)
     plan = step_budget(g, lv, sv, training, prepared, lora_layers) if training.requested else None
