@@ -108,6 +108,15 @@ def test_widened_compiled_step_is_the_full_compiled_capture(build: Callable, com
     assert compiled_depths == [_modules_at(build, 6), _modules_at(build, 16)]
 
 
+def test_budget_zero_is_compiled_once_and_widened(compiled_depths: list[int]) -> None:
+    # GIVEN budget 0: the partitioner saves only the graph's inputs and recomputes the rest (no comparison
+    # of cuts over the whole step), so one compilation at depth 6 is checked and widened
+    reused, full = _widened_and_full(_bundled_gpt2, 0.0)
+    assert reused.used, reused.why
+    _assert_same(reused.graph, full)
+    assert compiled_depths == [_modules_at(_bundled_gpt2, 6), _modules_at(_bundled_gpt2, 16)]
+
+
 def test_a_fractional_budget_whose_cut_repeats_is_widened(compiled_depths: list[int]) -> None:
     # GIVEN budget 0.8: the partitioner takes a more aggressive min cut, chosen by comparing its
     # saved bytes with the whole step's (a ratio that depends on the depth)
