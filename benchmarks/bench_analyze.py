@@ -42,6 +42,7 @@ Run from the repository root with the venv active:
     python benchmarks/bench_analyze.py --cases gpt2:2x128    # quick
     python benchmarks/bench_analyze.py --cases gpt2-xl:32x1024 llama-2-7b:1x4096 --repeat 5 --budget 60
     python benchmarks/bench_analyze.py --cases gpt2-xl:32x1024 --compiled   # + compiled mode vs eager, RSS
+    python benchmarks/bench_analyze.py --cases gpt2-xl:32x1024 --compiled --phases   # + where it goes
 
 Nothing is asserted: it is a benchmark. The goals are printed next to the ratios.
 """
@@ -339,6 +340,55 @@ def print_compiled(r: dict) -> None:
           + "".join(f"\n  note: {n}" for n in x["notes"] if "depth reuse" in n))
 
 
+def compiled_phases(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Callable) -> list[tuple[str, float, int]]:
+    """One more compiled analysis with timers (the process's CPU seconds) around the functions
+    where it goes: (label, seconds, calls). Nested: the trace holds dynamo's compile, which holds
+    AOTAutograd's joint graph and its partition (rows starting with dots are inside the row
+    above them with fewer dots)."""
+    import torch._dynamo.convert_frame as convert_frame
+    import torch._functorch.aot_autograd as aot_autograd  # (it calls the stages by the names it imported)
+    import torch._functorch.partitioners as partitioners
+
+    import graphmem.api as api
+    import graphmem.capture.compiled as compiled
+    import graphmem.capture.reuse_compiled as reuse_compiled
+    import graphmem.recapture as recapture
+
+    spots = [(recapture, "capture", "captures: compiled at depth 6 (or every block), the eager check's at 5 and 6"),
+             (compiled.CompiledStep, "trace", ". the compiled trace (dynamo, AOTAutograd, the forward on fake tensors)"),
+             (convert_frame, "_compile", ". . dynamo's compile (AOTAutograd included)"),
+             (aot_autograd, "aot_stage1_graph_capture", ". . . AOTAutograd's joint graph"),
+             (aot_autograd, "aot_stage2_compile", ". . . AOTAutograd's partition and graph compilers"),
+             (partitioners, "min_cut_rematerialization_partition", ". . . . the min-cut partitioner"),
+             (compiled.CompiledStep, "replay", ". the replay: the compiled forward under graphmem's recorder"),
+             (reuse_compiled, "widen", "widen (the block-3 check, then to full depth)"),
+             (api, "capture", "the eager analysis beside the compiled one: its captures")]
+    spent: dict[str, list[float]] = {}
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in spots]
+
+    def timed(fn: Callable, label: str) -> Callable:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            c0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent.setdefault(label, []).append(time.process_time() - c0)
+        return run
+    for (owner, name, label), (_, _, fn) in zip(spots, saved):
+        setattr(owner, name, staticmethod(timed(fn, label)) if isinstance(owner, type) and name == "trace"
+                else timed(fn, label))
+    try:
+        gc.collect()
+        c0 = time.process_time()
+        graphmem.analyze(module, input_shape=shape, loss=loss_fn, mode="compiled")
+        total = time.process_time() - c0
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, staticmethod(fn) if isinstance(owner, type) and name == "trace" else fn)
+    return [("the compiled analysis", total, 1)] + [(label, sum(spent.get(label, [])), len(spent.get(label, [])))
+                                                     for _, _, label in spots]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -347,6 +397,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per method; the best (min) is reported (default 3)")
     ap.add_argument("--compiled", action="store_true",
                     help="also time graphmem.analyze(module, mode=\"compiled\") and print compiled / eager and RSS")
+    ap.add_argument("--phases", action="store_true",
+                    help="with --compiled: one more compiled analysis per case, timed by phase (CPU seconds)")
     ap.add_argument("--budget", type=float, default=20.0,
                     help="seconds per method per case: stop repeating once another run would exceed it (default 20)")
     args = ap.parse_args(argv)
@@ -372,6 +424,12 @@ def main(argv: list[str] | None = None) -> None:
         r = bench_case(case, args.repeat, args.budget, METHODS + (("compiled",) if args.compiled else ()))
         print_case(case, r)
         results.append((case, r))
+        if args.compiled and args.phases:
+            with torch.device("meta"):
+                module = models.build(case.preset)
+            phases = compiled_phases(module, case.shape, models.family_of(case.preset).loss)
+            print(tabulate([[label, f"{sec:.3f}", n] for label, sec, n in phases],
+                           headers=["where the compiled analysis goes", "CPU s", "calls"], disable_numparse=True))
 
     if len(results) > 1:
         print("\n=== summary (best seconds) ===")
