@@ -345,9 +345,9 @@ def compiled_phases(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Ca
     where it goes: (label, seconds, calls). Nested: the trace holds dynamo's compile, which holds
     AOTAutograd's joint graph and its partition (rows starting with dots are inside the row
     above them with fewer dots)."""
+    import torch._dynamo.backends.debugging as debugging  # (aot_eager passes the partitioner it imported)
     import torch._dynamo.convert_frame as convert_frame
     import torch._functorch.aot_autograd as aot_autograd  # (it calls the stages by the names it imported)
-    import torch._functorch.partitioners as partitioners
 
     import graphmem.api as api
     import graphmem.capture.compiled as compiled
@@ -359,8 +359,8 @@ def compiled_phases(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Ca
              (convert_frame, "_compile", ". . dynamo's compile (AOTAutograd included)"),
              (aot_autograd, "aot_stage1_graph_capture", ". . . AOTAutograd's joint graph"),
              (aot_autograd, "aot_stage2_compile", ". . . AOTAutograd's partition and graph compilers"),
-             (partitioners, "min_cut_rematerialization_partition", ". . . . the min-cut partitioner"),
-             (compiled.CompiledStep, "replay", ". the replay: the compiled forward under graphmem's recorder"),
+             (debugging, "min_cut_rematerialization_partition", ". . . . the min-cut partitioner"),
+             (compiled.CompiledStep, "replay", ". the replay's forward (its backward is in the capture's row only)"),
              (reuse_compiled, "widen", "widen (the block-3 check, then to full depth)"),
              (api, "capture", "the eager analysis beside the compiled one: its captures")]
     spent: dict[str, list[float]] = {}
