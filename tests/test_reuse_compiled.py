@@ -75,7 +75,7 @@ def _widened_and_full(build: Callable[[], tuple[nn.Module, tuple, Callable]], bu
     model, x, loss = build()
     target = make_target("cpu", None, None, "auto", "h100", "compiled", budget)
     at = lambda t: capture(model, x, loss, t)  # noqa: E731
-    return compiled_reusing(model, at, target), at(target)
+    return compiled_reusing(model, at, target), at(target), at
 
 
 def _modules_at(build: Callable[[], tuple[nn.Module, tuple, Callable]], k: int) -> int:
@@ -100,18 +100,36 @@ def _assert_same(widened: Any, full: Any) -> None:
 def test_widened_compiled_step_is_the_full_compiled_capture(build: Callable, compiled_depths: list[int]) -> None:
     # GIVEN a 16-block model compiled at the default budget (1: one min cut, block by block)
     # WHEN it is captured with depth reuse and without
-    reused, full = _widened_and_full(build, None)
+    reused, full, at = _widened_and_full(build, None)
     # THEN reuse was taken and the widened step is the full one, exactly
     assert reused.used, reused.why
     _assert_same(reused.graph, full)
     # AND reuse compiled the model once, cut to 6 blocks (then the full capture compiled all 16)
     assert compiled_depths == [_modules_at(build, 6), _modules_at(build, 16)]
+    # AND its eager check's step, widened, is the full eager capture (the eager analysis beside the compiled one)
+    assert reused.eager is not None
+    assert _signature(reused.eager) == _signature(at(make_target("cpu", None, None, "auto", "h100", "eager", None)))
+
+
+def test_the_compiled_report_is_the_full_one_and_its_eager_side_is_captured_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphmem.api as api
+
+    # GIVEN a 16-block model analyzed in compiled mode, with eager beside it (report.compiled)
+    model, x, loss = _bundled_gpt2()
+    beside: list[int] = []
+    real = api.capture_reusing
+    monkeypatch.setattr(api, "capture_reusing", lambda *a, **k: beside.append(1) or real(*a, **k))
+    # WHEN analyzed with depth reuse
+    reused = graphmem.analyze(model, x, loss=loss, mode="compiled")
+    # THEN the eager side is the eager check's step (not captured again), and the report is the full one
+    assert beside == [] and reused.step is not None and reused.step.compiled.widened is not None
+    assert reused.to_dict() == graphmem.analyze(model, x, loss=loss, mode="compiled", reuse=False).to_dict()
 
 
 def test_budget_zero_is_compiled_once_and_widened(compiled_depths: list[int]) -> None:
     # GIVEN budget 0: the partitioner saves only the graph's inputs and recomputes the rest (no comparison
     # of cuts over the whole step), so one compilation at depth 6 is checked and widened
-    reused, full = _widened_and_full(_bundled_gpt2, 0.0)
+    reused, full, _ = _widened_and_full(_bundled_gpt2, 0.0)
     assert reused.used, reused.why
     _assert_same(reused.graph, full)
     assert compiled_depths == [_modules_at(_bundled_gpt2, 6), _modules_at(_bundled_gpt2, 16)]
@@ -120,7 +138,7 @@ def test_budget_zero_is_compiled_once_and_widened(compiled_depths: list[int]) ->
 def test_a_fractional_budget_whose_cut_repeats_is_widened(compiled_depths: list[int]) -> None:
     # GIVEN budget 0.8: the partitioner takes a more aggressive min cut, chosen by comparing its
     # saved bytes with the whole step's (a ratio that depends on the depth)
-    reused, full = _widened_and_full(_bundled_gpt2, 0.8)
+    reused, full, _ = _widened_and_full(_bundled_gpt2, 0.8)
     # THEN the comparison comes out the same at full depth, and the widened step is the full one
     assert reused.used, reused.why
     # (checked on two compilations, at depth 5 and 6: the partitions' bytes at two depths)

@@ -5,11 +5,14 @@ backward.
 
 How: two runs of the step, both on fake tensors, nothing real allocated.
 
-1. ``CompiledStep.trace``: ``torch.compile(model, backend=..., dynamic=False)`` runs forward,
-   loss and backward on a plain FakeTensorMode. Dynamo captures the graphs exactly as it would
-   for real tensors (graph breaks, lifted buffers, decompositions: dynamo makes its own fake
-   copies either way), and the backend (``aot_eager`` itself, given recording compilers) keeps
-   every forward and backward fx graph the partitioner produced.
+1. ``CompiledStep.trace``: ``torch.compile(model, backend=..., dynamic=False)`` runs forward
+   and loss on a plain FakeTensorMode, and stops where backward would start: every backward
+   graph is compiled with its forward graph (``partition_config``), and running them told
+   nothing the replay does not. Dynamo captures the graphs exactly as it would for real tensors
+   (graph breaks, lifted buffers, decompositions: dynamo makes its own fake copies either way),
+   and the backend (``aot_eager`` itself, given recording compilers) keeps every forward and
+   backward fx graph the partitioner produced. The trace runs the forward graphs' own code; the
+   text dumps AOTAutograd makes of its graphs for logs nobody reads are skipped (graphmem/capture/aot_settings.py ``unlogged``).
 2. ``CompiledStep.replay`` (inside graphmem's capture): the same call under
    ``torch._dynamo.run`` (run-only: the code cached in step 1, no new compilation) on
    graphmem's recorded fake tensors. AOTAutograd's runtime calls ``ctx.save_for_backward`` with
@@ -24,7 +27,7 @@ On the CUDA target, dynamo's graphs get the CUDA rules before AOTAutograd traces
 (``cuda_graph``: SDPA's backend op; dropout is already CUDA's native_dropout after
 AOTAutograd's decomposition; LayerNorm's fp32 statistics come from the recorder in the replay).
 
-Every compiled graph must run as often in the replay as in the trace (``check_replayed``); the
+Every compiled forward graph must run as often in the replay as in the trace (``check_replayed``); the
 cache entries the trace added are removed afterwards (``close``), so analyses do not pile up in
 dynamo's cache or hit its recompile limit.
 """
@@ -34,13 +37,14 @@ import contextlib
 import re
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from graphmem.capture.aot_settings import partition_config, unlogged
 from graphmem.capture.cuda_rules import sdpa, select_backend
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.partition_record import Partition, recording
@@ -262,7 +266,7 @@ class CompiledStep:
         phase = ["forward"]
         try:  # a model compiled before in this process may have used up dynamo's recompile limit
             with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20), \
-                    partition_config(target.memory_budget), recording(step.partitions), _unlogged():
+                    partition_config(target.memory_budget), recording(step.partitions), unlogged():
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False):
@@ -322,47 +326,6 @@ def compiled_context(target: Target) -> Callable[[], Any]:
     choice; dynamo guards on them), and nothing on the CUDA target, whose rules are in the
     graphs (``cuda_graph``) and in the recorder."""
     return forward_context(target, {}) if target.device == "cpu" else contextlib.nullcontext
-
-
-def partition_config(budget: Optional[float]) -> Any:
-    """AOTAutograd's settings while the step is compiled, restored after:
-    ``activation_memory_budget`` set to ``budget`` (the partitioner reads it when it splits each
-    joint graph; None keeps torch's), and the backward compiled with the forward."""
-    from torch._functorch import config
-
-    # the backward is compiled with the forward: lazily, AOTAutograd deep-copies the backward graph
-    # inside loss.backward(), under graphmem's fake mode, where copying a lifted constant (a real
-    # tensor) fails; compiled eagerly, it copies it outside any fake mode (graph_compile.py)
-    changes: dict[str, Any] = {"force_non_lazy_backward_lowering": True}
-    if budget is not None:
-        changes["activation_memory_budget"] = budget
-    return config.patch(changes)
-
-
-@contextlib.contextmanager
-def _unlogged() -> Iterator[None]:
-    """AOTAutograd writes the joint, forward and backward graphs out as text
-    (``GraphModule.print_readable``) whether or not anyone logs them
-    (torch/_functorch/_aot_autograd/graph_compile.py ``_log_joint_graph``, ``_log_fw_bw_graphs``:
-    ``AOTConfig.enable_log`` defaults to True and dynamo's backends cannot set it): ~5 % of a
-    GPT-2 XL compilation. Skipped, as with ``enable_log=False``, unless torch's logs for them or
-    its structured trace are on (``TORCH_LOGS=aot_graphs``, ``TORCH_TRACE``); the text only
-    feeds those logs and AOTAutograd's cache, which ``aot_eager`` does not use."""
-    import logging
-
-    from torch._functorch._aot_autograd import graph_compile as gc
-
-    if gc.aot_joint_log.isEnabledFor(logging.INFO) or gc.aot_graphs_log.isEnabledFor(logging.INFO) or \
-            logging.getLogger("torch.__trace").handlers:
-        yield
-        return
-    joint, fw_bw = gc._log_joint_graph, gc._log_fw_bw_graphs
-    gc._log_joint_graph = lambda *a, **k: None  # type: ignore[assignment]
-    gc._log_fw_bw_graphs = lambda *a, **k: (None, None)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        gc._log_joint_graph, gc._log_fw_bw_graphs = joint, fw_bw  # type: ignore[assignment]
 
 
 def _codes() -> list[Any]:
