@@ -20,9 +20,10 @@ shape, this times:
               creating the tracker, ``track_external`` and the tracked step are).
   compiled    (with ``--compiled``) ``graphmem.analyze(module, mode="compiled")``: torch.compile's
               step on fake tensors (dynamo, AOTAutograd, the min-cut partitioner; a deep chain
-              compiled at depth 5 and 6 and widened, graphmem/capture/reuse.py), with the eager
-              capture beside it; printed next to the eager ``graphmem`` time (their ratio) and
-              the process's peak RSS after each.
+              compiled once at depth 6 and widened, graphmem/capture/reuse_compiled.py), with the
+              eager capture beside it; printed next to the eager ``graphmem`` time (their ratio,
+              wall and the process's CPU time: the machine may be shared) and the process's peak
+              RSS after each.
 
 Each method first runs once on a shallow copy of each family (one block) at a tiny shape, so the
 one-time cost of the first ``FakeTensorMode`` use in a process (~1-2 s: decompositions, meta
@@ -41,6 +42,7 @@ Run from the repository root with the venv active:
     python benchmarks/bench_analyze.py --cases gpt2:2x128    # quick
     python benchmarks/bench_analyze.py --cases gpt2-xl:32x1024 llama-2-7b:1x4096 --repeat 5 --budget 60
     python benchmarks/bench_analyze.py --cases gpt2-xl:32x1024 --compiled   # + compiled mode vs eager, RSS
+    python benchmarks/bench_analyze.py --cases gpt2-xl:32x1024 --compiled --phases   # + where it goes
 
 Nothing is asserted: it is a benchmark. The goals are printed next to the ratios.
 """
@@ -145,19 +147,24 @@ def run_bare(family: Any, config: Any, shape: tuple[int, ...]) -> tuple[float, d
 
 def run_graphmem_module(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Callable,
                         reuse: bool = True) -> tuple[float, dict]:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     report = graphmem.analyze(module, input_shape=shape, loss=loss_fn, reuse=reuse)
     seconds = time.perf_counter() - t0
+    _CPU.setdefault("graphmem" if reuse else "graphmem-all", []).append(time.process_time() - c0)
     return seconds, {"activation_bytes": report.activation_bytes, "peak_bytes": report.peak_bytes,
                      "baseline_bytes": report.baseline_bytes, "num_ops": report.num_ops}
 
 
 def run_graphmem_compiled(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Callable) -> tuple[float, dict]:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     report = graphmem.analyze(module, input_shape=shape, loss=loss_fn, mode="compiled")
     seconds = time.perf_counter() - t0
+    _CPU.setdefault("compiled", []).append(time.process_time() - c0)
     return seconds, {"activation_bytes": report.activation_bytes, "peak_bytes": report.peak_bytes,
                      "num_ops": report.num_ops, "notes": report.notes, "rss_mib": peak_rss_mib()}
+
+
+_CPU: dict[str, list[float]] = {}  # CPU seconds of this process per run, by method (the machine may be shared)
 
 
 def run_graphmem_preset(preset: str, shape: tuple[int, ...]) -> tuple[float, dict]:
@@ -263,8 +270,10 @@ def bench_case(case: Case, repeat: int, budget: float, methods: tuple[str, ...] 
     }
     result = {}
     for method in methods:
+        _CPU.pop(method, None)
         times, extra = measure(runs[method], repeat, budget)
-        result[method] = {"times": times, "best": min(times), "extra": extra, "rss_mib": peak_rss_mib()}
+        result[method] = {"times": times, "best": min(times), "extra": extra, "rss_mib": peak_rss_mib(),
+                          "cpu": min(_CPU.pop(method, [float("nan")]))}
         print(f"  {method:<10} best {min(times):8.3f} s of {len(times)} run(s); peak RSS so far "
               f"{peak_rss_mib():,.0f} MiB", flush=True)
     gc.collect()
@@ -320,14 +329,64 @@ def print_compiled(r: dict) -> None:
     ratio = c["best"] / e["best"]
     print()
     print(tabulate([
-        ["eager: graphmem.analyze(module)", f"{e['best']:.3f}", f"{e['rss_mib']:,.0f}"],
-        ["compiled: graphmem.analyze(module, mode=\"compiled\")", f"{c['best']:.3f}", f"{c['rss_mib']:,.0f}"],
+        ["eager: graphmem.analyze(module)", f"{e['best']:.3f}", f"{e['cpu']:.3f}", f"{e['rss_mib']:,.0f}"],
+        ["compiled: graphmem.analyze(module, mode=\"compiled\")", f"{c['best']:.3f}", f"{c['cpu']:.3f}",
+         f"{c['rss_mib']:,.0f}"],
         ["compiled / eager", f"{ratio:.2f}x (goal <= {GOAL_COMPILED_OVER_EAGER:g}x: "
-         f"{'yes' if ratio <= GOAL_COMPILED_OVER_EAGER else 'no'})", ""],
-    ], headers=["analysis", "best s", "peak RSS after (MiB)"], disable_numparse=True))
+         f"{'yes' if ratio <= GOAL_COMPILED_OVER_EAGER else 'no'})", f"{c['cpu'] / e['cpu']:.2f}x", ""],
+    ], headers=["analysis", "best wall s", "best CPU s", "peak RSS after (MiB)"], disable_numparse=True))
     x = c["extra"]
     print(f"compiled: {x['num_ops']:,} ops, saved {fmt_bytes(x['activation_bytes'])}, peak {fmt_bytes(x['peak_bytes'])}"
           + "".join(f"\n  note: {n}" for n in x["notes"] if "depth reuse" in n))
+
+
+def compiled_phases(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Callable) -> list[tuple[str, float, int]]:
+    """One more compiled analysis with timers (the process's CPU seconds) around the functions
+    where it goes: (label, seconds, calls). Nested: the trace holds dynamo's compile, which holds
+    AOTAutograd's joint graph and its partition (rows starting with dots are inside the row
+    above them with fewer dots)."""
+    import torch._dynamo.backends.debugging as debugging  # (aot_eager passes the partitioner it imported)
+    import torch._dynamo.convert_frame as convert_frame
+    import torch._functorch.aot_autograd as aot_autograd  # (it calls the stages by the names it imported)
+
+    import graphmem.api as api
+    import graphmem.capture.compiled as compiled
+    import graphmem.capture.reuse_compiled as reuse_compiled
+    import graphmem.recapture as recapture
+
+    spots = [(recapture, "capture", "captures: compiled at depth 6 (or every block), the eager check's at 5 and 6"),
+             (compiled.CompiledStep, "trace", ". the compiled trace (dynamo, AOTAutograd, the forward on fake tensors)"),
+             (convert_frame, "_compile", ". . dynamo's compile (AOTAutograd included)"),
+             (aot_autograd, "aot_stage1_graph_capture", ". . . AOTAutograd's joint graph"),
+             (aot_autograd, "aot_stage2_compile", ". . . AOTAutograd's partition and graph compilers"),
+             (debugging, "min_cut_rematerialization_partition", ". . . . the min-cut partitioner"),
+             (compiled.CompiledStep, "replay", ". the replay's forward (its backward is in the capture's row only)"),
+             (reuse_compiled, "widen", "widen (the block-3 check, then to full depth)"),
+             (api, "capture", "the eager analysis beside the compiled one: its captures")]
+    spent: dict[str, list[float]] = {}
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in spots]
+
+    def timed(fn: Callable, label: str) -> Callable:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            c0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent.setdefault(label, []).append(time.process_time() - c0)
+        return run
+    for (owner, name, label), (_, _, fn) in zip(spots, saved):
+        setattr(owner, name, staticmethod(timed(fn, label)) if isinstance(owner, type) and name == "trace"
+                else timed(fn, label))
+    try:
+        gc.collect()
+        c0 = time.process_time()
+        graphmem.analyze(module, input_shape=shape, loss=loss_fn, mode="compiled")
+        total = time.process_time() - c0
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, staticmethod(fn) if isinstance(owner, type) and name == "trace" else fn)
+    return [("the compiled analysis", total, 1)] + [(label, sum(spent.get(label, [])), len(spent.get(label, [])))
+                                                     for _, _, label in spots]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -338,6 +397,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per method; the best (min) is reported (default 3)")
     ap.add_argument("--compiled", action="store_true",
                     help="also time graphmem.analyze(module, mode=\"compiled\") and print compiled / eager and RSS")
+    ap.add_argument("--phases", action="store_true",
+                    help="with --compiled: one more compiled analysis per case, timed by phase (CPU seconds)")
     ap.add_argument("--budget", type=float, default=20.0,
                     help="seconds per method per case: stop repeating once another run would exceed it (default 20)")
     args = ap.parse_args(argv)
@@ -363,6 +424,12 @@ def main(argv: list[str] | None = None) -> None:
         r = bench_case(case, args.repeat, args.budget, METHODS + (("compiled",) if args.compiled else ()))
         print_case(case, r)
         results.append((case, r))
+        if args.compiled and args.phases:
+            with torch.device("meta"):
+                module = models.build(case.preset)
+            phases = compiled_phases(module, case.shape, models.family_of(case.preset).loss)
+            print(tabulate([[label, f"{sec:.3f}", n] for label, sec, n in phases],
+                           headers=["where the compiled analysis goes", "CPU s", "calls"], disable_numparse=True))
 
     if len(results) > 1:
         print("\n=== summary (best seconds) ===")

@@ -22,6 +22,7 @@ from graphmem.errors import UsageError
 from graphmem.passes import allocator, compare_modes, liveness, notes, saved
 from graphmem.recapture import Recapture, capture_step
 from graphmem.report import Report
+from graphmem.stepgraph import StepGraph
 from graphmem.training.batch import as_batch, resizer
 from graphmem.training.peft_lora import is_hf_model
 from graphmem.training.spec import Training, make_training, prepare, step_budget, units_of
@@ -196,7 +197,7 @@ def analyze(
     report = Report.build(g, step.liveness, step.saved, loaded.name, shapes, loss_name, found, source, alloc,
                           budget=step.budget)
     if target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
-        report = _beside_eager(report, loaded.module, make, loss_fn)
+        report = _beside_eager(report, loaded.module, make, loss_fn, step.eager if step.module is loaded.module else None)
     return report
 
 
@@ -250,10 +251,13 @@ def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn]
                         sharding=view)
 
 
-def _beside_eager(report: Report, model: nn.Module, inputs: Any, loss_fn: Optional[LossFn]) -> Report:
-    """``report`` (compiled mode) with ``compiled``: the same step captured eagerly, side by side."""
+def _beside_eager(report: Report, model: nn.Module, inputs: Any, loss_fn: Optional[LossFn],
+                  eager: Optional[StepGraph] = None) -> Report:
+    """``report`` (compiled mode) with ``compiled``: the same step captured eagerly, side by side
+    (``eager``: already captured by compiled depth reuse's check, graphmem/capture/reuse_compiled.py)."""
     g = report.step
     assert g is not None  # analyze keeps the step graph
-    eager_target = dataclasses.replace(g.target, mode="eager")
-    eager = capture_reusing(model, lambda: capture(model, inputs, loss_fn, eager_target))
-    return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager.graph)))
+    if eager is None:
+        eager_target = dataclasses.replace(g.target, mode="eager")
+        eager = capture_reusing(model, lambda: capture(model, inputs, loss_fn, eager_target)).graph
+    return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager)))

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
+from graphmem.capture.reuse_compiled import CompiledReused, compiled_reusing
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
 from graphmem.passes import Liveness, SavedSet, liveness, saved
@@ -61,6 +62,7 @@ class Captured:
     lora_layers: tuple[str, ...]
     target: Target  # the target captured (dtype left to the module when it holds its own: QLoRA)
     reuse_note: str = ""  # why depth reuse was not taken, when it was tried and not taken
+    eager: Optional[StepGraph] = None  # compiled mode: the eager step, where depth reuse's check captured it
 
     @property
     def peak_bytes(self) -> int:
@@ -78,11 +80,15 @@ def capture_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: T
     # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6), in
     # eager and compiled mode; not the training step's accumulate/optimizer phases (not block-shaped)
     capture_at: Any = lambda: capture(prepared, make, loss, target, train=training.train)  # noqa: E731
-    reused = capture_reusing(prepared, capture_at) if reuse and not training.train.active else None
+    reused: Any = None
+    if reuse and not training.train.active:  # compiled: one compilation where the partition is block by block
+        reused = compiled_reusing(prepared, lambda t: capture(prepared, make, loss, t), target) \
+            if target.mode == "compiled" else capture_reusing(prepared, capture_at)
     g = reused.graph if reused is not None else capture_at()
     lv, sv = liveness(g), saved(g)
     plan = step_budget(g, lv, sv, training, prepared, lora_layers) if training.requested else None
-    return Captured(g, lv, sv, plan, prepared, lora_layers, target, reused.why if reused is not None else "")
+    return Captured(g, lv, sv, plan, prepared, lora_layers, target, reused.why if reused is not None else "",
+                    reused.eager if isinstance(reused, CompiledReused) else None)
 
 
 class Recapture:

@@ -1,7 +1,9 @@
-"""Depth reuse in compiled mode: a chain of >= 16 identical blocks compiled at depth 5 and 6
-(torch.compile's step: dynamo, AOTAutograd, the min-cut partitioner), widened to full depth,
-is the full compiled capture exactly; where the partition may not repeat block by block (a
-memory budget whose knapsack weighs the whole step), every block is compiled, with a note."""
+"""Depth reuse in compiled mode: a chain of >= 16 identical blocks compiled once at depth 6 (budget
+1: the partition is made block by block; graphmem/capture/reuse_compiled.py) or at depth 5 and 6
+(budget 0.8; graphmem/capture/reuse.py) (torch.compile's step: dynamo, AOTAutograd, the min-cut
+partitioner), widened to full depth, is the full compiled capture exactly; where the partition
+may not repeat block by block (a memory budget whose knapsack weighs the whole step, a block
+compiled differently), every block is compiled, with a note."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +16,9 @@ import torch.nn.functional as F
 
 import graphmem
 from graphmem.capture.capture import capture
-from graphmem.capture.reuse import _compiled_signature, _signature, capture_reusing
+from graphmem.capture.compiled import CompiledStep
+from graphmem.capture.reuse import _compiled_signature, _signature
+from graphmem.capture.reuse_compiled import compiled_reusing
 from graphmem.capture.target import make_target
 from graphmem.capture.widen import widen
 from graphmem.chains import find_chain, truncated
@@ -54,11 +58,30 @@ def _hf(name: str) -> Callable[[], tuple[nn.Module, tuple, Callable]]:
     return build
 
 
+@pytest.fixture
+def compiled_depths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of modules of each model torch.compile compiles (a model cut to k blocks has fewer)."""
+    depths: list[int] = []
+    trace = CompiledStep.trace
+
+    def counted(model: nn.Module, *args: Any, **kwargs: Any) -> CompiledStep:
+        depths.append(len(list(model.modules())))
+        return trace(model, *args, **kwargs)
+    monkeypatch.setattr(CompiledStep, "trace", staticmethod(counted))
+    return depths
+
+
 def _widened_and_full(build: Callable[[], tuple[nn.Module, tuple, Callable]], budget: Any) -> tuple:
     model, x, loss = build()
     target = make_target("cpu", None, None, "auto", "h100", "compiled", budget)
-    at = lambda: capture(model, x, loss, target)  # noqa: E731
-    return capture_reusing(model, at), at()
+    at = lambda t: capture(model, x, loss, t)  # noqa: E731
+    return compiled_reusing(model, at, target), at(target), at
+
+
+def _modules_at(build: Callable[[], tuple[nn.Module, tuple, Callable]], k: int) -> int:
+    model, _, _ = build()
+    with truncated(model, find_chain(model), k):
+        return len(list(model.modules()))
 
 
 def _assert_same(widened: Any, full: Any) -> None:
@@ -74,21 +97,52 @@ def _assert_same(widened: Any, full: Any) -> None:
 
 @pytest.mark.parametrize("build", [_bundled_gpt2, _bundled_llama, _hf("gpt2"), _hf("llama")],
                          ids=["gpt2", "llama", "hf_gpt2", "hf_llama"])
-def test_widened_compiled_step_is_the_full_compiled_capture(build: Callable) -> None:
+def test_widened_compiled_step_is_the_full_compiled_capture(build: Callable, compiled_depths: list[int]) -> None:
     # GIVEN a 16-block model compiled at the default budget (1: one min cut, block by block)
     # WHEN it is captured with depth reuse and without
-    reused, full = _widened_and_full(build, None)
+    reused, full, at = _widened_and_full(build, None)
     # THEN reuse was taken and the widened step is the full one, exactly
     assert reused.used, reused.why
     _assert_same(reused.graph, full)
+    # AND reuse compiled the model once, cut to 6 blocks (then the full capture compiled all 16)
+    assert compiled_depths == [_modules_at(build, 6), _modules_at(build, 16)]
+    # AND its eager check's step, widened, is the full eager capture (the eager analysis beside the compiled one)
+    assert reused.eager is not None
+    assert _signature(reused.eager) == _signature(at(make_target("cpu", None, None, "auto", "h100", "eager", None)))
 
 
-def test_a_fractional_budget_whose_cut_repeats_is_widened() -> None:
+def test_the_compiled_report_is_the_full_one_and_its_eager_side_is_captured_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphmem.api as api
+
+    # GIVEN a 16-block model analyzed in compiled mode, with eager beside it (report.compiled)
+    model, x, loss = _bundled_gpt2()
+    beside: list[int] = []
+    real = api.capture_reusing
+    monkeypatch.setattr(api, "capture_reusing", lambda *a, **k: beside.append(1) or real(*a, **k))
+    # WHEN analyzed with depth reuse
+    reused = graphmem.analyze(model, x, loss=loss, mode="compiled")
+    # THEN the eager side is the eager check's step (not captured again), and the report is the full one
+    assert beside == [] and reused.step is not None and reused.step.compiled.widened is not None
+    assert reused.to_dict() == graphmem.analyze(model, x, loss=loss, mode="compiled", reuse=False).to_dict()
+
+
+def test_budget_zero_is_compiled_once_and_widened(compiled_depths: list[int]) -> None:
+    # GIVEN budget 0: the partitioner saves only the graph's inputs and recomputes the rest (no comparison
+    # of cuts over the whole step), so one compilation at depth 6 is checked and widened
+    reused, full, _ = _widened_and_full(_bundled_gpt2, 0.0)
+    assert reused.used, reused.why
+    _assert_same(reused.graph, full)
+    assert compiled_depths == [_modules_at(_bundled_gpt2, 6), _modules_at(_bundled_gpt2, 16)]
+
+
+def test_a_fractional_budget_whose_cut_repeats_is_widened(compiled_depths: list[int]) -> None:
     # GIVEN budget 0.8: the partitioner takes a more aggressive min cut, chosen by comparing its
     # saved bytes with the whole step's (a ratio that depends on the depth)
-    reused, full = _widened_and_full(_bundled_gpt2, 0.8)
+    reused, full, _ = _widened_and_full(_bundled_gpt2, 0.8)
     # THEN the comparison comes out the same at full depth, and the widened step is the full one
     assert reused.used, reused.why
+    # (checked on two compilations, at depth 5 and 6: the partitions' bytes at two depths)
+    assert compiled_depths == [_modules_at(_bundled_gpt2, k) for k in (5, 6, 16)]
     assert not full.compiled.partitions[0].knapsack and len(full.compiled.partitions[0].sizes) > 2
     _assert_same(reused.graph, full)
 
@@ -113,6 +167,27 @@ def test_a_knapsack_partition_is_compiled_at_full_depth_with_a_note() -> None:
     sweep = report.memory_budgets([0.5, 0.8])
     assert [p.budget for p in sweep.points] == [0.8, 0.5] and sweep.notes == ()
     assert sweep.points[1].saved_bytes == report.activation_bytes
+
+
+def test_a_block_compiled_otherwise_than_its_neighbour_is_not_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN 16 alike blocks whose eager steps repeat, but torch.compile traces block 3 otherwise
+    model, x, loss = _bundled_gpt2()
+    third, forward = model.transformer.h[3], gpt2.Block.forward
+
+    def patched(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        out = forward(self, h)
+        if torch.compiler.is_compiling() and self is third:
+            out = out * 2  # block 3 only, and only under torch.compile
+        return out
+    monkeypatch.setattr(gpt2.Block, "forward", patched)
+    target = make_target("cpu", None, None, "auto", "h100", "compiled", None)
+    at = lambda t: capture(model, x, loss, t)  # noqa: E731
+    # WHEN captured with depth reuse
+    reused = compiled_reusing(model, at, target)
+    # THEN the copy of block 2 written as block 3 does not match the compiled capture: every block is compiled
+    assert not reused.used and reused.why.startswith("a compiled block differs from its neighbour's copy"), reused.why
+    _assert_same(reused.graph, at(target))
+    assert any(str(op.target) == "aten.mul.Tensor" and op.meta["module"] == "transformer.h.3" for op in reused.graph.ops)
 
 
 def test_sweep_notes_are_rendered() -> None:

@@ -5,11 +5,14 @@ backward.
 
 How: two runs of the step, both on fake tensors, nothing real allocated.
 
-1. ``CompiledStep.trace``: ``torch.compile(model, backend=..., dynamic=False)`` runs forward,
-   loss and backward on a plain FakeTensorMode. Dynamo captures the graphs exactly as it would
-   for real tensors (graph breaks, lifted buffers, decompositions: dynamo makes its own fake
-   copies either way), and the backend (``aot_eager`` itself, given recording compilers) keeps
-   every forward and backward fx graph the partitioner produced.
+1. ``CompiledStep.trace``: ``torch.compile(model, backend=..., dynamic=False)`` runs forward
+   and loss on a plain FakeTensorMode, and stops where backward would start: every backward
+   graph is compiled with its forward graph (``partition_config``), and running them told
+   nothing the replay does not. Dynamo captures the graphs exactly as it would for real tensors
+   (graph breaks, lifted buffers, decompositions: dynamo makes its own fake copies either way),
+   and the backend (``aot_eager`` itself, given recording compilers) keeps every forward and
+   backward fx graph the partitioner produced. The trace runs the forward graphs' own code; the
+   text dumps AOTAutograd makes of its graphs for logs nobody reads are skipped (graphmem/capture/aot_settings.py ``unlogged``).
 2. ``CompiledStep.replay`` (inside graphmem's capture): the same call under
    ``torch._dynamo.run`` (run-only: the code cached in step 1, no new compilation) on
    graphmem's recorded fake tensors. AOTAutograd's runtime calls ``ctx.save_for_backward`` with
@@ -24,7 +27,7 @@ On the CUDA target, dynamo's graphs get the CUDA rules before AOTAutograd traces
 (``cuda_graph``: SDPA's backend op; dropout is already CUDA's native_dropout after
 AOTAutograd's decomposition; LayerNorm's fp32 statistics come from the recorder in the replay).
 
-Every compiled graph must run as often in the replay as in the trace (``check_replayed``); the
+Every compiled forward graph must run as often in the replay as in the trace (``check_replayed``); the
 cache entries the trace added are removed afterwards (``close``), so analyses do not pile up in
 dynamo's cache or hit its recompile limit.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -40,6 +44,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from graphmem.capture.aot_settings import partition_config, unlogged
 from graphmem.capture.cuda_rules import sdpa, select_backend
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.partition_record import Partition, recording
@@ -175,10 +180,10 @@ class _Backend:
             interpreter = _Run(cg, self)
 
             def run(args: list) -> Any:
-                if self.replaying:
-                    cg.replays += 1
-                else:
+                if not self.replaying:  # the trace: its own code, no recorder to tell (faster than the interpreter)
                     cg.calls += 1
+                    return gm(*args)
+                cg.replays += 1
                 try:
                     return interpreter.boxed_run(args)  # boxed: frees the inputs as it goes, like aot_eager
                 finally:
@@ -220,6 +225,16 @@ def _arg(n: fx.Node, i: int, name: str) -> Any:
     return a.meta.get("example_value") if isinstance(a, fx.Node) else None
 
 
+class _Compiled(Exception):
+    """The trace reached backward: every graph is compiled by then, so it stops there."""
+
+
+def _stop_at_backward(phase: list[str], name: str) -> None:
+    phase[0] = name
+    if name == "backward":  # the backward graphs were compiled with their forward graphs (partition_config)
+        raise _Compiled
+
+
 class CompiledStep:
     """One model compiled by torch.compile on fake tensors, ready to replay under capture."""
 
@@ -251,12 +266,14 @@ class CompiledStep:
         phase = ["forward"]
         try:  # a model compiled before in this process may have used up dynamo's recompile limit
             with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20), \
-                    partition_config(target.memory_budget), recording(step.partitions):
+                    partition_config(target.memory_budget), recording(step.partitions), unlogged():
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False):
-                    run_step(lambda *a, **k: optimized(model, *a, **k), batch, loss_fn, lambda p: phase.__setitem__(0, p),
+                    run_step(lambda *a, **k: optimized(model, *a, **k), batch, loss_fn, partial(_stop_at_backward, phase),
                              compiled_context(target))
+        except _Compiled:
+            pass  # every graph is compiled: the backward graphs with their forward (partition_config)
         except GraphmemError:
             step.close()
             raise
@@ -279,8 +296,11 @@ class CompiledStep:
         return torch._dynamo.run(self.call)(self.model, *args, **kwargs)
 
     def check_replayed(self) -> None:
-        """The replay ran the same compiled graphs as the trace, as often."""
+        """The replay ran the same compiled forward graphs as the trace, as often (the trace stops
+        before backward; a backward graph runs only through its forward graph's autograd node)."""
         for g in self.backend.graphs:
+            if g.kind != "forward":
+                continue
             if g.calls != g.replays:
                 raise CaptureError(
                     f"the replay of the compiled step ran a {g.kind} graph {g.replays} times, the trace "
@@ -306,21 +326,6 @@ def compiled_context(target: Target) -> Callable[[], Any]:
     choice; dynamo guards on them), and nothing on the CUDA target, whose rules are in the
     graphs (``cuda_graph``) and in the recorder."""
     return forward_context(target, {}) if target.device == "cpu" else contextlib.nullcontext
-
-
-def partition_config(budget: Optional[float]) -> Any:
-    """AOTAutograd's settings while the step is compiled, restored after:
-    ``activation_memory_budget`` set to ``budget`` (the partitioner reads it when it splits each
-    joint graph; None keeps torch's), and the backward compiled with the forward."""
-    from torch._functorch import config
-
-    # the backward is compiled with the forward: lazily, AOTAutograd deep-copies the backward graph
-    # inside loss.backward(), under graphmem's fake mode, where copying a lifted constant (a real
-    # tensor) fails; compiled eagerly, it copies it outside any fake mode (graph_compile.py)
-    changes: dict[str, Any] = {"force_non_lazy_backward_lowering": True}
-    if budget is not None:
-        changes["activation_memory_budget"] = budget
-    return config.patch(changes)
 
 
 def _codes() -> list[Any]:
