@@ -145,12 +145,27 @@ def _settled_wait(wait: Any) -> Any:
     return call
 
 
-def _worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Sharding]], out: str) -> None:
+def _join(rank: int, world_size: int, init: str) -> None:
+    """Join the real gloo job as ``rank``, one thread as each rank runs, every collective settled."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     torch.set_num_threads(1)
     dist.all_gather_single = _settled(dist.all_gather_single)  # type: ignore[attr-defined]
     dist.reduce_scatter_single = _settled(dist.reduce_scatter_single)  # type: ignore[attr-defined]
     funcol.wait_tensor = _settled_wait(funcol.wait_tensor)
+
+
+def _spawn(worker: Any, cases: list, world_size: int) -> list[list[dict[str, int]]]:
+    """Run ``worker`` in ``world_size`` real processes; each case's per-rank results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'store')}"
+        out = os.path.join(tmp, "result")
+        mp.spawn(worker, args=(world_size, init, cases, out), nprocs=world_size, join=True)
+        per_rank = [torch.load(f"{out}.{r}") for r in range(world_size)]
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
+
+
+def _worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Sharding]], out: str) -> None:
+    _join(rank, world_size, init)
     try:
         results, kept = [], []  # type: ignore[var-annotated]
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
@@ -178,12 +193,7 @@ def _worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Shardi
 def measure_ranks(cases: list[tuple[str, Sharding]], world_size: int) -> list[list[dict[str, int]]]:
     """For each case (a name for ``case``, its sharding), each rank's {"saved", "peak"} from one
     real gloo job of ``world_size`` processes running all the cases in turn."""
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{os.path.join(tmp, 'store')}"
-        out = os.path.join(tmp, "result")
-        mp.spawn(_worker, args=(world_size, init, cases, out), nprocs=world_size, join=True)
-        per_rank = [torch.load(f"{out}.{r}") for r in range(world_size)]
-    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
+    return _spawn(_worker, cases, world_size)
 
 
 # -- whole training steps per rank: micro-batches and torch.optim over FSDP2's DTensor parameters --------
@@ -243,11 +253,7 @@ def _train_steps(model: nn.Module, batch: Any, train: TrainStep, sharding: Shard
 
 
 def _train_worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Sharding, TrainStep]], out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
-    torch.set_num_threads(1)
-    dist.all_gather_single = _settled(dist.all_gather_single)  # type: ignore[attr-defined]
-    dist.reduce_scatter_single = _settled(dist.reduce_scatter_single)  # type: ignore[attr-defined]
-    funcol.wait_tensor = _settled_wait(funcol.wait_tensor)
+    _join(rank, world_size, init)
     try:
         results, kept = [], []  # type: ignore[var-annotated]
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
@@ -273,9 +279,4 @@ def measure_train_ranks(cases: list[tuple[str, Sharding, TrainStep]], world_size
     """For each case (a name for ``case``, its sharding over one mesh dimension: FSDP2 or tensor
     parallel, the training step), each rank's
     {"saved", "peak", "later", "states"} (see _train_steps) from one real gloo job."""
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{os.path.join(tmp, 'store')}"
-        out = os.path.join(tmp, "result")
-        mp.spawn(_train_worker, args=(world_size, init, cases, out), nprocs=world_size, join=True)
-        per_rank = [torch.load(f"{out}.{r}") for r in range(world_size)]
-    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
+    return _spawn(_train_worker, cases, world_size)

@@ -85,7 +85,7 @@ def _runner(blocks: list[nn.Module], session: Any) -> Any:
 # checkpointed block gets None / False, as transformers' own gradient checkpointing gives it,
 # because its recompute would write into the cache a second time (longer keys than the mask).
 # transformers 5.24 renamed the blocks' ``past_key_values`` to ``cache`` (deprecate_kwarg in
-# models/gpt2/modeling_gpt2.py); a plain ``cache`` argument is taken only when it holds a Cache.
+# transformers/models/gpt2/modeling_gpt2.py); a plain ``cache`` argument is taken only when it holds a Cache.
 _CACHE_ARGS = {"past_key_values": None, "past_key_value": None, "layer_past": None, "cache": None, "use_cache": False}
 
 
