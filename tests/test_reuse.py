@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import graphmem
 from graphmem.capture.capture import capture
-from graphmem.capture.reuse import _signature, blocks_alike, capture_reusing
+from graphmem.capture.reuse import blocks_alike, capture_reusing, signature
 from graphmem.capture.target import make_target
 from graphmem.chains import find_chain
 from graphmem.models import gpt2, llama
@@ -29,7 +29,7 @@ def test_widened_gpt2_is_the_full_capture() -> None:
     # THEN reuse was taken and the graphs agree op for op, storage for storage, save for save
     assert used
     widened.check()
-    assert _signature(widened) == _signature(full)
+    assert signature(widened) == signature(full)
     a, b = liveness(widened), liveness(full)
     assert a.timeline == b.timeline and a.peak_bytes == b.peak_bytes
     assert saved(widened).activation_bytes == saved(full).activation_bytes
@@ -44,7 +44,7 @@ def test_widened_llama_on_the_cuda_target_counts_attention_kernels() -> None:
     x = (torch.randint(0, 101, (2, 16)),)
     target = make_target("cuda", "bf16", None, "auto", "h100")
     widened, used, full = _both(model, x, llama.loss, target)
-    assert used and _signature(widened) == _signature(full)
+    assert used and signature(widened) == signature(full)
     assert widened.attention_backends == full.attention_backends and sum(full.attention_backends.values()) == 17
 
 
@@ -73,7 +73,7 @@ def test_blocks_that_differ_are_captured_whole() -> None:
     model = nn.Sequential(*[_Indexed(i) for i in range(18)])
     assert not blocks_alike(model, find_chain(model))
     widened, used, full = _both(model, (torch.randn(4, 16),), None)
-    assert not used and _signature(widened) == _signature(full)
+    assert not used and signature(widened) == signature(full)
 
 
 def test_short_chains_are_captured_whole() -> None:

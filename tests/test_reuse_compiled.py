@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import graphmem
 from graphmem.capture.capture import capture
 from graphmem.capture.compiled import CompiledStep
-from graphmem.capture.reuse import _compiled_signature, _signature
+from graphmem.capture.reuse import compiled_signature, signature
 from graphmem.capture.reuse_compiled import compiled_reusing
 from graphmem.capture.target import make_target
 from graphmem.capture.widen import widen
@@ -86,8 +86,8 @@ def _modules_at(build: Callable[[], tuple[nn.Module, tuple, Callable]], k: int) 
 
 def _assert_same(widened: Any, full: Any) -> None:
     widened.check()
-    assert _signature(widened) == _signature(full)  # op for op, storage for storage, save for save
-    assert _compiled_signature(widened) == _compiled_signature(full)
+    assert signature(widened) == signature(full)  # op for op, storage for storage, save for save
+    assert compiled_signature(widened) == compiled_signature(full)
     a, b = liveness(widened), liveness(full)
     assert (a.peak_bytes, a.peak_index, a.timeline) == (b.peak_bytes, b.peak_index, b.timeline)
     assert saved(widened).activation_bytes == saved(full).activation_bytes
@@ -108,7 +108,7 @@ def test_widened_compiled_step_is_the_full_compiled_capture(build: Callable, com
     assert compiled_depths == [_modules_at(build, 6), _modules_at(build, 16)]
     # AND its eager check's step, widened, is the full eager capture (the eager analysis beside the compiled one)
     assert reused.eager is not None
-    assert _signature(reused.eager) == _signature(at(make_target("cpu", None, None, "auto", "h100", "eager", None)))
+    assert signature(reused.eager) == signature(at(make_target("cpu", None, None, "auto", "h100", "eager", None)))
 
 
 def test_the_compiled_report_is_the_full_one_and_its_eager_side_is_captured_once(monkeypatch: pytest.MonkeyPatch) -> None:

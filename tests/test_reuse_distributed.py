@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import graphmem
 import graphmem.api as api
-from graphmem.capture.reuse import _signature
+from graphmem.capture.reuse import signature
 from graphmem.capture.target import Target, make_target
 from graphmem.capture.widen import widen
 from graphmem.chains import find_chain, truncated
@@ -66,7 +66,7 @@ def test_widened_rank_is_the_full_capture(name: str) -> None:
     widened = widen(small, chain, 5, N, [m for m, _ in model.named_modules()])
     # THEN they are the same step: every op, storage (kind, lifetime, module), save and gradient
     widened.check()
-    assert _signature(widened) == _signature(full)
+    assert signature(widened) == signature(full)
     a, b = liveness(widened), liveness(full)
     assert widened.num_ops == full.num_ops and a.timeline == b.timeline and a.peak_bytes == b.peak_bytes
     assert saved(widened).activation_bytes == saved(full).activation_bytes
@@ -138,7 +138,7 @@ def test_lazy_chunks_capture_what_torch_chunks_capture(monkeypatch: pytest.Monke
     fast = capture_rank(model, x, None, Target("cpu"), sharding)
     monkeypatch.setattr(dcap, "lazy_chunks", contextlib.nullcontext)  # torch's own _chunk_with_empty
     slow = capture_rank(model, x, None, Target("cpu"), sharding)
-    assert _signature(fast) == _signature(slow) and liveness(fast).peak_bytes == liveness(slow).peak_bytes
+    assert signature(fast) == signature(slow) and liveness(fast).peak_bytes == liveness(slow).peak_bytes
 
 
 class _Odd(nn.Module):
@@ -161,4 +161,4 @@ def test_a_rank_whose_blocks_differ_is_captured_whole_and_says_so() -> None:
     r = graphmem.analyze(model, x, world_size=2, rank=1, fsdp="fully_shard")
     full = graphmem.analyze(model, x, world_size=2, rank=1, fsdp="fully_shard", reuse=False)
     assert any(n.startswith("depth reuse not taken (the widened graph differs") for n in r.notes)
-    assert _signature(r.step) == _signature(full.step) and r.peak_bytes == full.peak_bytes
+    assert signature(r.step) == signature(full.step) and r.peak_bytes == full.peak_bytes

@@ -35,7 +35,7 @@ DEPTH = 5  # blocks captured: the first, the second, a middle one (the template)
 MIN_LENGTH = 16  # shorter chains are captured whole (9 blocks captured would not pay)
 
 
-def _signature(g: StepGraph) -> tuple:
+def signature(g: StepGraph) -> tuple:
     """Everything the passes read, with storages named by creation order (not by id)."""
     order = {s.sid: n for n, s in enumerate(sorted(g.storages.values(), key=lambda s: (s.created, s.freed if s.freed is not None else 1 << 60, s.kind, s.name, s.module, s.nbytes)))}
 
@@ -128,11 +128,11 @@ def capture_reusing(model: nn.Module, capture_at: Callable[[], StepGraph]) -> Re
             small = capture_at()
         with truncated(model, chain, DEPTH + 1):
             check = capture_at()
-        names_check = [name for name, _ in _named_at(model, chain, DEPTH + 1)]
+        names_check = [name for name, _ in named_at(model, chain, DEPTH + 1)]
         widened = widen(small, chain, DEPTH, DEPTH + 1, names_check)
-        if _signature(widened) != _signature(check):
+        if signature(widened) != signature(check):
             raise NotReusable("the widened graph differs from the capture")
-        if _compiled_signature(widened) != _compiled_signature(check):
+        if compiled_signature(widened) != compiled_signature(check):
             raise NotReusable("the compiled graphs differ (the partition is not the same in every block)")
         if small.compiled is not None and check.compiled is not None:
             why = not_periodic(small.compiled.partitions, check.compiled.partitions, DEPTH, chain.length)
@@ -148,7 +148,7 @@ def capture_reusing(model: nn.Module, capture_at: Callable[[], StepGraph]) -> Re
         return Reused(capture_at(), False, str(e))
 
 
-def _compiled_signature(g: StepGraph) -> tuple:
+def compiled_signature(g: StepGraph) -> tuple:
     """Compiled mode: the graphs' counts, dynamo's graph breaks and the forward ops each backward
     graph recomputes, by module path (a widened step's stand for every block's)."""
     c = g.compiled
@@ -160,6 +160,6 @@ def _compiled_signature(g: StepGraph) -> tuple:
     return len(c.forward), len(c.backward), c.graph_breaks, tuple(redo)
 
 
-def _named_at(model: nn.Module, chain: Chain, k: int) -> list[tuple[str, nn.Module]]:
+def named_at(model: nn.Module, chain: Chain, k: int) -> list[tuple[str, nn.Module]]:
     with truncated(model, chain, k):
         return list(model.named_modules())

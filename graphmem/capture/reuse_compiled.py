@@ -2,7 +2,7 @@
 block, the chain is compiled at depth 6 only, not at 5 and 6 (graphmem/capture/reuse.py).
 
 Why: compiling is most of a compiled analysis (dynamo's trace, AOTAutograd's joint graph, the
-min-cut partitioner: ~0.4 s of CPU per GPT-2 XL block here, docs/compiled.md), and it grows with
+min-cut partitioner: ~0.3 s of CPU per GPT-2 XL block here, docs/compiled.md), and it grows with
 the blocks compiled. The scheme of reuse.py compiles 5 + 6 = 11 blocks; this one compiles 6, and
 checks what the second compilation checked with two cheaper captures:
 
@@ -39,11 +39,11 @@ import torch.nn as nn
 from graphmem.capture.reuse import (
     DEPTH,
     MIN_LENGTH,
-    _compiled_signature,
-    _named_at,
-    _signature,
     blocks_alike,
     capture_reusing,
+    compiled_signature,
+    named_at,
+    signature,
 )
 from graphmem.capture.target import Target
 from graphmem.capture.widen import NotReusable, widen
@@ -82,7 +82,7 @@ def compiled_reusing(model: nn.Module, capture_at: Callable[[Target], StepGraph]
     if not eager.used:  # (2 compilations then, as before this scheme)
         return CompiledReused(*capture_reusing(model, lambda: capture_at(target)), eager=eager.graph)
     k = DEPTH + 1
-    names = [name for name, _ in _named_at(model, chain, k)]
+    names = [name for name, _ in named_at(model, chain, k)]
     try:
         with truncated(model, chain, k):
             g = capture_at(target)
@@ -91,9 +91,9 @@ def compiled_reusing(model: nn.Module, capture_at: Callable[[Target], StepGraph]
             copied = widen(g, chain, k, k, names)  # block 3 written as a copy of block 2
         except NotReusable as e:
             raise NotReusable(f"{differs} ({e})") from None
-        if _signature(copied) != _signature(g):
+        if signature(copied) != signature(g):
             raise NotReusable(differs)
-        if _compiled_signature(copied) != _compiled_signature(g):
+        if compiled_signature(copied) != compiled_signature(g):
             raise NotReusable("the compiled graphs differ (the partition is not the same in every block)")
         return CompiledReused(widen(g, chain, k, chain.length, [name for name, _ in model.named_modules()]), True,
                               eager=eager.graph)

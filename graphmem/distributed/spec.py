@@ -89,7 +89,6 @@ def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_af
     return Sharding(world_size, rank, fsdp, reshard_after_forward, param_dtype, reduce_dtype, offload, tp, sp, no_sync)
 
 
-
 def _check_training(training: Training, no_sync: bool) -> None:
     """What of the training step runs per rank. torch.optim on DTensor parameters (torch 2.14;
     DTensor's sharding propagation refuses these, on fake tensors as in a real job): fused SGD has
