@@ -14,6 +14,7 @@ These functions allocate real memory: use small shapes.
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional
 
@@ -87,6 +88,25 @@ def _allocation_events(prof: Any) -> list[tuple[int, int]]:
     return events
 
 
+@contextlib.contextmanager
+def _quiet_gc() -> Any:
+    """No garbage from before the step is freed inside the profiled window: the CPU allocator's
+    profiler reporter (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter) remembers the size of
+    every block allocated while any profile ran and reports its free as a negative event, so an
+    earlier step's cyclic garbage (a Hugging Face model's) collected during this step lowered the
+    measured peak (tests/test_zoo_plans.py on T5: 427,776 B under, after other tests in the same
+    process). Collected before the window, the collector paused inside it (reference counting
+    still frees the step's own tensors as they die)."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def measure_peak(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None,
                  train: Optional[TrainStep] = None, warm_steps: int = 0,
                  amp: Optional[torch.dtype] = None) -> Measured:
@@ -107,7 +127,7 @@ def measure_peak(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None
     tensors = [*model.parameters(), *model.buffers(), *quant_state_tensors(model), *as_batch(inputs).tensors(),
                *masters, *states]
     _, baseline = _storage_bytes(tensors)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         if session is None:
             out, loss = run_step(model, inputs, loss_fn, forward_context=context)
         else:
