@@ -43,6 +43,7 @@ Run from the repository root with the venv active:
     python benchmarks/bench_analyze.py --cases gpt2-xl:32x1024 llama-2-7b:1x4096 --repeat 5 --budget 60
     python benchmarks/bench_analyze.py --cases gpt2-xl:32x1024 --compiled   # + compiled mode vs eager, RSS
     python benchmarks/bench_analyze.py --cases gpt2-xl:32x1024 --compiled --phases   # + where it goes
+    python benchmarks/bench_analyze.py --cases gpt2-xl:32x1024 --compiled --floor    # + torch.compile alone
 
 Nothing is asserted: it is a benchmark. The goals are printed next to the ratios.
 """
@@ -109,6 +110,15 @@ def parse_cases(specs: list[str]) -> list[Case]:
     return cases
 
 
+def shallow_field(config: Any) -> str:
+    """The config field that sets the number of blocks of a transformer preset."""
+    fields = {f.name for f in dataclasses.fields(config)}
+    for name in ("n_layer", "n_layers"):
+        if name in fields:
+            return name
+    raise SystemExit(f"{type(config).__name__} has no n_layer or n_layers field: --floor is for transformer presets")
+
+
 def shallow_config(config: Any) -> Any:
     """The same family and widths with one block, so a warm-up sees the same kinds of ops fast."""
     fields = {f.name for f in dataclasses.fields(config)}
@@ -162,6 +172,29 @@ def run_graphmem_compiled(module: torch.nn.Module, shape: tuple[int, ...], loss_
     _CPU.setdefault("compiled", []).append(time.process_time() - c0)
     return seconds, {"activation_bytes": report.activation_bytes, "peak_bytes": report.peak_bytes,
                      "num_ops": report.num_ops, "notes": report.notes, "rss_mib": peak_rss_mib()}
+
+
+def run_bare_compiled(family: Any, config: Any, shape: tuple[int, ...], blocks: int) -> tuple[float, dict]:
+    """torch.compile's own step, no graphmem: the model cut to ``blocks`` blocks, built inside a
+    FakeTensorMode as in run_bare, ``torch.compile(model, backend="aot_eager", dynamic=False)``,
+    then forward, loss and backward (dynamo, AOTAutograd's joint graph, the min-cut partitioner,
+    the backward compiled lazily as torch does by default). Timed: the compiled call and the
+    backward. The floor of any compiled analysis that runs the engine on that many blocks."""
+    config = dataclasses.replace(config, **{shallow_field(config): blocks})
+    torch._dynamo.reset()  # nothing cached from an earlier run
+    with FakeTensorMode(), torch.device("cpu"):
+        model = family.build(config)
+        model.train()
+        inputs = family.example_inputs(shape, config)
+        step = torch.compile(model, backend="aot_eager", dynamic=False)
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = step(*inputs)
+        family.loss(out, inputs).backward()
+        seconds = time.perf_counter() - t0
+        _CPU.setdefault(f"compiled-bare-{blocks}", []).append(time.process_time() - c0)
+    del model, inputs, out, step
+    torch._dynamo.reset()
+    return seconds, {}
 
 
 _CPU: dict[str, list[float]] = {}  # CPU seconds of this process per run, by method (the machine may be shared)
@@ -267,6 +300,8 @@ def bench_case(case: Case, repeat: int, budget: float, methods: tuple[str, ...] 
         "graphmem+": lambda: run_graphmem_preset(case.preset, case.shape),
         "memtracker": lambda: run_memtracker(family, config, case.shape),
         "compiled": lambda: run_graphmem_compiled(meta_module, case.shape, family.loss),
+        "compiled-bare-1": lambda: run_bare_compiled(family, config, case.shape, 1),
+        "compiled-bare-6": lambda: run_bare_compiled(family, config, case.shape, 6),
     }
     result = {}
     for method in methods:
@@ -335,9 +370,30 @@ def print_compiled(r: dict) -> None:
         ["compiled / eager", f"{ratio:.2f}x (goal <= {GOAL_COMPILED_OVER_EAGER:g}x: "
          f"{'yes' if ratio <= GOAL_COMPILED_OVER_EAGER else 'no'})", f"{c['cpu'] / e['cpu']:.2f}x", ""],
     ], headers=["analysis", "best wall s", "best CPU s", "peak RSS after (MiB)"], disable_numparse=True))
+    if "compiled-bare-1" in r:
+        print_floor(r)
     x = c["extra"]
     print(f"compiled: {x['num_ops']:,} ops, saved {fmt_bytes(x['activation_bytes'])}, peak {fmt_bytes(x['peak_bytes'])}"
           + "".join(f"\n  note: {n}" for n in x["notes"] if "depth reuse" in n))
+
+
+def print_floor(r: dict) -> None:
+    """What torch.compile itself costs on the model cut to 1 and to 6 blocks, next to the eager
+    analysis: a compiled analysis runs the engine on at least one block, and compiled mode also
+    reports the eager step, so (one block's compile + the eager analysis) / the eager analysis is
+    a floor of the compiled / eager ratio for any scheme that compiles fewer blocks than now."""
+    e = r["graphmem"]
+    one, six = r["compiled-bare-1"], r["compiled-bare-6"]
+    floor = (one["best"] + e["best"]) / e["best"]
+    print(tabulate([
+        ["torch.compile(aot_eager) step, model cut to 1 block (no graphmem)", f"{one['best']:.3f}",
+         f"{one['cpu']:.3f}", f"{one['best'] / e['best']:.2f}x"],
+        ["torch.compile(aot_eager) step, model cut to 6 blocks (no graphmem)", f"{six['best']:.3f}",
+         f"{six['cpu']:.3f}", f"{six['best'] / e['best']:.2f}x"],
+        ["floor of compiled / eager: (1-block compile + eager analysis) / eager analysis", f"{floor:.2f}x",
+         "", ""],
+    ], headers=["the engine alone (floor)", "best wall s", "best CPU s", "/ eager analysis"],
+        disable_numparse=True))
 
 
 def compiled_phases(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Callable) -> list[tuple[str, float, int]]:
@@ -399,11 +455,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="also time graphmem.analyze(module, mode=\"compiled\") and print compiled / eager and RSS")
     ap.add_argument("--phases", action="store_true",
                     help="with --compiled: one more compiled analysis per case, timed by phase (CPU seconds)")
+    ap.add_argument("--floor", action="store_true",
+                    help="with --compiled: also time torch.compile's own step (aot_eager, fake tensors, no graphmem) "
+                         "on the model cut to 1 and to 6 blocks: the floor of the compiled / eager ratio")
     ap.add_argument("--budget", type=float, default=20.0,
                     help="seconds per method per case: stop repeating once another run would exceed it (default 20)")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         raise SystemExit("--repeat must be at least 1")
+    if args.floor and not args.compiled:
+        raise SystemExit("--floor goes with --compiled")
     cases = parse_cases(args.cases)
     warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -421,7 +482,8 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for case in cases:
         print(f"\n{case.label}:", flush=True)
-        r = bench_case(case, args.repeat, args.budget, METHODS + (("compiled",) if args.compiled else ()))
+        extra = (("compiled",) if args.compiled else ()) + (("compiled-bare-1", "compiled-bare-6") if args.floor else ())
+        r = bench_case(case, args.repeat, args.budget, METHODS + extra)
         print_case(case, r)
         results.append((case, r))
         if args.compiled and args.phases:
