@@ -14,18 +14,18 @@ from graphmem.capture.hf import batch as hf_inputs
 from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target, make_target
-from graphmem.distributed import Sharding, capture_rank, make_sharding, wants_wrappers
+from graphmem.distributed import Sharding, make_sharding, wants_wrappers
 from graphmem.distributed.pipeline import Pipeline, analyze_stage, make_pipeline
 from graphmem.distributed.tensor_parallel import tp_engine
 from graphmem.distributed.view import rank_view
 from graphmem.errors import UsageError
 from graphmem.passes import allocator, compare_modes, liveness, notes, saved
-from graphmem.recapture import Recapture, capture_step
+from graphmem.recapture import Recapture, capture_rank_step, capture_step
 from graphmem.report import Report
 from graphmem.stepgraph import StepGraph
 from graphmem.training.batch import as_batch, resizer
 from graphmem.training.peft_lora import is_hf_model
-from graphmem.training.spec import Training, make_training, prepare, step_budget, units_of
+from graphmem.training.spec import Training, make_training, units_of
 from graphmem.training.step import LossFn
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
@@ -215,38 +215,22 @@ def _pipeline_stage(loaded: Loaded, inputs: Any, loss_fn: Optional[LossFn], targ
 
 def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn], target: Target,
               sharding: Sharding, formula: Any, training: Training, reuse: bool) -> Report:
-    """Rank r's step through the real wrappers (graphmem/distributed/capture.py), with the
+    """Rank r's step through the real wrappers (graphmem/recapture.py ``capture_rank_step``), with the
     per-rank formula over the single-device step beside it (graphmem/distributed/view.py)."""
     if formula:
         raise UsageError("--zero and --fsdp full|grad-op are the per-rank formulas; --rank and bare --fsdp run "
                          "PyTorch's wrappers: give one or the other")
-    if sharding.offload and target.device == "cuda":
-        raise UsageError("--fsdp-offload on --device cuda is not modelled yet: the CUDA target runs on CPU fake "
-                         "tensors, where CPUOffloadPolicy's host-to-device copies do not appear")
-    if target.mode == "compiled":
-        raise UsageError("the per-rank capture runs the wrappers eagerly: drop --mode compiled, or drop --rank/--fsdp "
-                         "for the formulas")
-    # LoRA as users run it with FSDP2: peft's get_peft_model (or graphmem's adapters on a plain module), then fully_shard
-    prepared, lora_layers = prepare(module, training, target.param_dtype)
-    if training.keeps_dtypes(module):  # peft's fp32 adapters on a 16-bit model (graphmem/training/spec.py)
-        target = dataclasses.replace(target, dtype=None)
-    module = prepared
-    train = training.train if training.train.active else None
-    at = lambda: capture_rank(module, make, loss_fn, target, sharding, train)  # noqa: E731
-    # a deep chain: 5 blocks captured, checked at 6; not the optimizer/micro-batch phases (as on one device)
-    reused = capture_reusing(module, at) if reuse and train is None else None
-    g = reused.graph if reused is not None else at()
-    slow = (f"depth reuse not taken ({reused.why}): every block was captured",) if reused is not None and reused.why else ()
+    step = capture_rank_step(module, make, loss_fn, target, sharding, training, reuse)
+    g, module, lv, sv = step.graph, step.module, step.liveness, step.saved
+    slow = (f"depth reuse not taken ({step.reuse_note}): every block was captured",) if step.reuse_note else ()
     shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
-    single_at: Any = lambda: capture(module, make, loss_fn, target, train=train)  # noqa: E731
+    train = training.train if training.train.active else None
+    single_at: Any = lambda: capture(module, make, loss_fn, step.target, train=train)  # noqa: E731
     single = capture_reusing(module, single_at)[0] if reuse and train is None else single_at()
-    lv, sv = liveness(g), saved(g)
     view = rank_view(g, lv, sv, sharding, (single, liveness(single), saved(single)), units_of(module), tp_engine(module))
     loss_name = "default" if loss_fn is None else getattr(loss_fn, "__qualname__", "custom")
-    alloc = allocator(g) if target.device == "cuda" else None
-    # the whole step's table (optimizer states, later steps' peak) over rank r's own graph: nothing to divide
-    traced = dataclasses.replace(training, train=g.train) if g.train is not None else training  # its micro-steps
-    plan = step_budget(g, lv, sv, traced, module, lora_layers, view.describe()) if training.requested else None
+    alloc = allocator(g) if step.target.device == "cuda" else None
+    plan = dataclasses.replace(step.budget, whose=view.describe()) if step.budget is not None else None
     return Report.build(g, lv, sv, name, shapes, loss_name, notes(g) + slow + view.lines(), None, alloc, budget=plan,
                         sharding=view)
 

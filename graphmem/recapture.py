@@ -17,6 +17,7 @@ from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.reuse_compiled import CompiledReused, compiled_reusing
 from graphmem.capture.target import Target
+from graphmem.distributed.spec import Sharding
 from graphmem.errors import UsageError
 from graphmem.passes import Liveness, SavedSet, liveness, saved
 from graphmem.passes.budget import Parallel
@@ -90,6 +91,37 @@ def capture_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: T
     return Captured(g, lv, sv, plan, prepared, lora_layers, target, reused.why if reused is not None else "",
                     reused.eager if isinstance(reused, CompiledReused) else None)
 
+
+
+def capture_rank_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: Target, sharding: Sharding,
+                      training: Training, reuse: bool = True, whose: str = "") -> Captured:
+    """Rank ``sharding.rank``'s step through PyTorch's own wrappers (fully_shard, DTensor's
+    parallelize_module under the fake process group: graphmem/distributed/capture.py), LoRA
+    applied first as users do with FSDP2, and the passes; the budget table is over the rank's
+    own graph (its shards, its optimizer states: nothing divided). ``whose`` names the rank in
+    the budget table. What ``graphmem.analyze`` runs for ``--rank``/``--fsdp`` and what
+    ``Report.advise``'s FSDP2 levers capture."""
+    from graphmem.distributed import capture_rank  # torch.distributed's wrappers, imported when a rank is asked for
+
+    if sharding.offload and target.device == "cuda":
+        raise UsageError("--fsdp-offload on --device cuda is not modelled yet: the CUDA target runs on CPU fake "
+                         "tensors, where CPUOffloadPolicy's host-to-device copies do not appear")
+    if target.mode == "compiled":
+        raise UsageError("the per-rank capture runs the wrappers eagerly: drop --mode compiled, or drop --rank/--fsdp "
+                         "for the formulas")
+    prepared, lora_layers = prepare(module, training, target.param_dtype)
+    if training.keeps_dtypes(module):  # peft's fp32 adapters on a 16-bit model (graphmem/training/spec.py)
+        target = dataclasses.replace(target, dtype=None)
+    train = training.train if training.train.active else None
+    at: Any = lambda: capture_rank(prepared, make, loss, target, sharding, train)  # noqa: E731
+    # a deep chain: 5 blocks captured, checked at 6; not the optimizer/micro-batch phases (as on one device)
+    reused = capture_reusing(prepared, at) if reuse and train is None else None
+    g = reused.graph if reused is not None else at()
+    lv, sv = liveness(g), saved(g)
+    # the whole step's table (optimizer states, later steps' peak) over rank r's own graph
+    traced = dataclasses.replace(training, train=g.train) if g.train is not None else training  # its micro-steps
+    plan = step_budget(g, lv, sv, traced, prepared, lora_layers, whose) if training.requested else None
+    return Captured(g, lv, sv, plan, prepared, lora_layers, target, reused.why if reused is not None else "")
 
 class Recapture:
     """The analyzed module, how to make inputs of another shape, the loss, the target and the

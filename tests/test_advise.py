@@ -42,8 +42,8 @@ def _options(row: Any, base: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         opts.update(micro_batches=int(m.group(1)), batch=int(m.group(2)))
     elif m := re.fullmatch(r"ZeRO-(\d) over (\d+) ranks", name):
         opts.update(zero=int(m.group(1)), world_size=int(m.group(2)))
-    elif m := re.fullmatch(r"FSDP full over (\d+) ranks", name):
-        opts.update(fsdp="full", world_size=int(m.group(1)))
+    elif m := re.fullmatch(r"FSDP2 over (\d+) ranks(, no reshard after forward)?", name):
+        opts.update(fsdp="fully_shard", world_size=int(m.group(1)), rank=0, reshard_after_forward=not m.group(2))
     elif m := re.fullmatch(r"LoRA r=(\d+) all-linear \(fine-tuning\)", name):
         opts.update(lora_rank=int(m.group(1)), lora_targets="all-linear")
     elif name == "chunked LM head + cross-entropy":
@@ -83,6 +83,10 @@ def test_every_lever_is_analyze_with_the_change(name: str, head: str, opts: dict
     assert {"optimizer", "micro-batches", "sharding", "loss", "checkpoint"} <= kinds, kinds
     assert {"precision", "lora"} <= kinds | {x.kind for x in advice.left_out}  # here, maybe without a saving
     assert [r.peak_bytes for r in advice.levers] == sorted(r.peak_bytes for r in advice.levers)
+    # FSDP2's rows are rank 0's step through fully_shard (checked below against analyze --rank 0 --fsdp)
+    fsdp = [r.name for r in advice.levers if r.name.startswith("FSDP2")] + \
+        [x.why for x in advice.left_out if x.why.startswith("FSDP2")]
+    assert len(fsdp) == 2, fsdp
     for row in advice.levers:
         assert row.saving_bytes == _peak(report) - row.peak_bytes
         if row.kind == "checkpoint":

@@ -15,8 +15,9 @@ from graphmem.units import fmt_bytes, parse_bytes
 
 COSTS_NOTE = ("costs are graphmem's measures (recompute FLOPs from the recorded ops, bytes moved by collectives) "
               "or a stated trade-off, not times")
-SHARDING_NOTE = ("sharding rows: the per-rank budget of passes/budget.py's ZeRO/FSDP formulas on the captured step "
-                 "(not a capture of torch.distributed); communication: ring collectives, (N-1)/N of each buffer")
+SHARDING_NOTE = ("sharding rows: FSDP2 is rank 0's step captured through torch.distributed's fully_shard under a fake "
+                 "process group; ZeRO-1/2 are passes/budget.py's per-rank formulas on the captured step (DeepSpeed is "
+                 "not run); communication: ring collectives, (N-1)/N of each buffer")
 STOP_AT_FIT = ("micro-batches",)  # tried in increasing order: once one fits, the larger ones are not captured
 
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, cast
 
 from graphmem import losses
 from graphmem.advise.setting import Setting
+from graphmem.distributed.spec import Sharding
 from graphmem.models import gpt2, llama
 from graphmem.passes.budget import make_parallel
 from graphmem.training.lora import make_lora, meta_copy
@@ -50,6 +51,10 @@ def _train(**changes: Any) -> Callable[[Setting], Setting]:
 
 def _both(target: dict[str, Any], train: dict[str, Any]) -> Callable[[Setting], Setting]:
     return lambda s: s.with_target(**target).with_train(**train)
+
+
+def _sharded(sharding: Sharding) -> Callable[[Setting], Setting]:
+    return lambda s: s.replace(sharding=sharding)
 
 
 def _micro(shape: tuple[int, ...], total: int) -> Callable[[Setting], Setting]:
@@ -192,11 +197,15 @@ def micro_batches(report: Any, base: Setting) -> tuple[list[Change], list[LeftOu
 
 
 def sharding(report: Any, base: Setting, ranks: int) -> tuple[list[Change], list[LeftOut]]:
-    """ZeRO / FSDP over ``ranks`` data-parallel ranks, per rank, from passes/budget.py's formulas on
-    the captured step (not a capture of torch.distributed). Communication per rank and step, ring
-    collectives moving (N-1)/N of a buffer each: ZeRO-1/2 and SHARD_GRAD_OP reduce-scatter the
-    gradients and all-gather the parameters once (what DDP's all-reduce moves); ZeRO-3 and
-    FULL_SHARD all-gather the parameters in forward and again in backward (1.5x)."""
+    """Data parallel over ``ranks`` ranks, per rank. FSDP2 (``fully_shard`` on each block of the
+    chain, then the root, with and without ``reshard_after_forward``): rank 0's step captured
+    through torch.distributed's own code under a fake process group (every rank holds shards
+    padded to the same size, so rank 0 stands for all). DeepSpeed's ZeRO-1/2, which graphmem does
+    not run: passes/budget.py's per-rank formulas on the captured step. Communication per rank and
+    step, ring collectives moving (N-1)/N of a buffer each: ZeRO-1/2 and FSDP2 without
+    resharding reduce-scatter the gradients and all-gather the parameters once (what DDP's
+    all-reduce moves); FSDP2 resharding after forward all-gathers the parameters again in
+    backward."""
     if base.training.parallel.world_size > 1:
         return [], [LeftOut("sharding", f"the step is already split: {base.training.parallel.describe()}")]
     if ranks < 2:
@@ -204,14 +213,22 @@ def sharding(report: Any, base: Setting, ranks: int) -> tuple[list[Change], list
     share = (ranks - 1) / ranks
     grads, params = report.gradient_bytes, report.parameter_bytes
     once, twice = int(share * (grads + params)), int(share * (grads + 2 * params))
-    stages = [(f"ZeRO-{z}", f"--world-size {ranks} --zero {z}: DeepSpeed zero_optimization.stage={z}", make_parallel(ranks, z),
-               twice if z == 3 else once) for z in ((1, 2, 3) if base.training.train.optimizer else (2, 3))]
-    stages.append(("FSDP full", f"--world-size {ranks} --fsdp full: fully_shard(block) for each block, then the root "
-                   "(FSDP2; FULL_SHARD)", make_parallel(ranks, fsdp="full"), twice))
-    out = [Change("sharding", f"{name} over {ranks} ranks", how,
-                  f"communication {fmt_bytes(volume)} per rank per step on {ranks} GPUs",
-                  "communication", _training(parallel=parallel), volume)
-           for name, how, parallel, volume in stages]
+
+    def cost(volume: int) -> str:
+        return f"communication {fmt_bytes(volume)} per rank per step on {ranks} GPUs"
+
+    out = [Change("sharding", f"FSDP2 over {ranks} ranks" + ("" if reshard else ", no reshard after forward"),
+                  f"--world-size {ranks} --rank 0 --fsdp{'' if reshard else ' --no-reshard-after-forward'}: "
+                  f"fully_shard(block, reshard_after_forward={reshard}) for each block, then the root "
+                  "(rank 0's step, captured through torch.distributed's fully_shard)",
+                  cost(twice if reshard else once), "communication",
+                  _sharded(Sharding(ranks, 0, fsdp=True, reshard_after_forward=reshard)), twice if reshard else once)
+           for reshard in (True, False)]
+    out += [Change("sharding", f"ZeRO-{z} over {ranks} ranks",
+                   f"--world-size {ranks} --zero {z}: DeepSpeed zero_optimization.stage={z} (the row: passes/budget.py's "
+                   "per-rank formula; DeepSpeed is not run)", cost(once), "communication",
+                   _training(parallel=make_parallel(ranks, z)), once)
+            for z in ((1, 2) if base.training.train.optimizer else (2,))]
     return out, []
 
 

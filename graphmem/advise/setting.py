@@ -2,9 +2,12 @@
 changes: every lever's peak is a capture of the changed step (graphmem/recapture.py's
 ``capture_step``, what ``graphmem.analyze`` runs), never an estimate.
 
-Captures are cached by what the capture depends on; the parallel layout (ZeRO/FSDP/TP over
-ranks) is not part of it: passes/budget.py turns one captured step into a per-rank budget,
-so a sharding lever costs no capture."""
+Captures are cached by what the capture depends on. A setting with ``sharding`` (FSDP2's
+``fully_shard`` over ranks) is rank r's step captured through torch.distributed's own wrappers
+under a fake process group (graphmem/recapture.py ``capture_rank_step``, what ``graphmem.analyze
+--rank``/``--fsdp`` runs). The formulas' parallel layout (``training.parallel``: ZeRO over ranks)
+is not part of the key: passes/budget.py turns one captured step into a per-rank budget, so a
+ZeRO lever costs no capture."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,10 +17,11 @@ from typing import Any, Callable, Optional
 import torch.nn as nn
 
 from graphmem.capture.target import Target
-from graphmem.errors import no_source
+from graphmem.distributed.spec import Sharding, make_sharding
+from graphmem.errors import UsageError, no_source
 from graphmem.passes import saved
 from graphmem.planning.planner import step_flops
-from graphmem.recapture import Captured, capture_step
+from graphmem.recapture import Captured, capture_rank_step, capture_step
 from graphmem.training.spec import Training, make_training, step_budget
 from graphmem.training.step import LossFn
 
@@ -31,6 +35,7 @@ class Setting:
     shape: tuple[int, ...]  # the first input's shape (the batch the inputs are made at)
     loss: Optional[LossFn]
     module: nn.Module  # before LoRA (the training spec adds adapters)
+    sharding: Optional[Sharding] = None  # rank r's step through fully_shard (None: one device, or the formulas)
 
     def replace(self, **changes: Any) -> "Setting":
         return dataclasses.replace(self, **changes)
@@ -46,7 +51,7 @@ class Setting:
     def key(self) -> tuple:
         """What the capture depends on (not the parallel layout: see the module docstring)."""
         return (self.target, self.training.train, self.training.lora, self.training.quantization, self.shape,
-                self.loss, self.module)
+                self.loss, self.module, self.sharding)
 
 
 def base_setting(report: Any) -> Setting:
@@ -74,6 +79,8 @@ class Measurer:
 
     def captured(self, setting: Setting) -> Captured:
         """The step of ``setting``, captured (or taken from the cache), its budget per rank."""
+        if setting.sharding is not None:
+            return self._rank(setting, setting.sharding)
         cached = self._cache.get(setting.key)
         if cached is None:
             make = self.source.make
@@ -89,6 +96,27 @@ class Measurer:
         g = cached.graph  # same step, another parallel layout: passes/budget.py's per-rank formulas
         plan = step_budget(g, cached.liveness, cached.saved, setting.training, cached.module, cached.lora_layers)
         return dataclasses.replace(cached, budget=plan)
+
+    def _rank(self, setting: Setting, sharding: Sharding) -> Captured:
+        """Rank r's step through fully_shard (captured once per setting); the options are checked
+        together with the training step first (graphmem/distributed/spec.py: what it refuses is a
+        GraphmemError the lever's row reports)."""
+        cached = self._cache.get(setting.key)
+        if cached is None:
+            s = sharding
+            if setting.training.parallel.world_size > 1:
+                raise UsageError(f"the step is already split by the formulas ({setting.training.parallel.describe()})")
+            make_sharding(s.world_size, s.rank, s.fsdp, s.reshard_after_forward, s.param_dtype, s.reduce_dtype,
+                          s.offload, s.tp, s.sp, s.no_sync, setting.training)
+            make = self.source.make
+            whose = (f"rank {s.rank} of {s.world_size} (fully_shard over {s.dp}, "
+                     f"reshard_after_forward={s.reshard_after_forward})")
+            cached = capture_rank_step(setting.module, lambda: make(setting.shape), setting.loss, setting.target,
+                                       sharding, setting.training, reuse=self.source.reuse, whose=whose)
+            self._cache[setting.key] = cached
+            self.captures += 1
+            self.tick()
+        return cached
 
     def peak(self, setting: Setting) -> int:
         return step_peak(self.captured(setting))
