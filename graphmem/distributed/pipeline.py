@@ -23,6 +23,7 @@ precomputes them per stage; the batch's first tensor is the stage-0 input and th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -31,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from graphmem.capture.capture import _cache_clears
+from graphmem.capture.capture import _cache_clears, marker
 from graphmem.capture.fakes import _fake_like, fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _tensors, _unique_counts
@@ -50,6 +51,8 @@ from graphmem.distributed.pipeline_stages import (
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.stepgraph import StepGraph
 from graphmem.training.batch import as_batch
+from graphmem.training.loop import Session, TrainStep
+from graphmem.training.optim import resolved_impl
 from graphmem.training.step import LossFn
 
 
@@ -166,8 +169,10 @@ def in_flight(g: StepGraph, segments: tuple[Segment, ...], peak: int) -> InFligh
 
 
 def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target: Target,
-                  plan: Pipeline) -> tuple[StageGraph, tuple[Segment, ...], Layout]:
-    """Record rank ``plan.rank``'s step of the pipeline on fake tensors (see the module docstring)."""
+                  plan: Pipeline, train: Optional[TrainStep] = None) -> tuple[StageGraph, tuple[Segment, ...], Layout]:
+    """Record rank ``plan.rank``'s step of the pipeline on fake tensors (see the module docstring);
+    with ``train``'s optimizer, torch.optim's step over the stage's own parameters after the
+    schedule (each rank steps its own stage's optimizer, as torchtitan does)."""
     device = torch.device("cpu")  # the CUDA target runs on fake CPU tensors (graphmem/capture/target.py)
     context = forward_context(target, {}, contextlib.nullcontext)
     layout = probe(model, inputs, plan.micro_batches, target.param_dtype, context)
@@ -195,8 +200,17 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
                 names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False),
                                                *model.named_buffers(remove_duplicate=False)]}
                 mine = dict([*own.named_parameters(remove_duplicate=False), *own.named_buffers(remove_duplicate=False)])
-                state, seen = fake_state(own, device, target.param_dtype,  # named as in the model
-                                         lambda t, kind, n: cap.preexisting(t, kind, names.get(id(mine[n]), n)))
+                param_sid: dict[str, int] = {}
+
+                def held(t: torch.Tensor, kind: str, n: str) -> None:  # named as in the model
+                    cap.preexisting(t, kind, names.get(id(mine[n]), n))
+                    if kind == "parameter":
+                        param_sid[names.get(id(mine[n]), n)] = cap.placeholders[-1].meta["storage"]
+                state, seen = fake_state(own, device, target.param_dtype, held)
+                # the stage's optimizer, made before the step (its states are made by the step, lazily)
+                fakes = {names.get(id(p), n): seen[id(p)] for n, p in own.named_parameters()}
+                session = Session(dataclasses.replace(train, micro_batches=1), fakes, target.device) \
+                    if train is not None and train.optimizer is not None else None
                 root_state = {name: state[f"{k}.{attr}"] for k, s in enumerate(stages)  # the model's code reads them
                               for attr, name in s.submod.parent_tensors.items()}
                 if any(s.is_first or s.is_last for s in stages):
@@ -211,11 +225,16 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
                         _rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths():
                     cap.recording = True
                     out = run_schedule(schedule, stages, batch)
-                    grads = [cap.storage(p.grad, "gradient", "grad", len(cap.ops) - 1, "").sid
-                             for p in seen.values() if p.grad is not None]
-                    for sid in grads:
-                        cap.storages[sid].kind = "gradient"
+                    marked: dict[str, list[int]] = {}
+                    host_steps = session is not None and target.device == "cuda" and \
+                        resolved_impl(session.step.impl, target.device) != "fused"
+                    mark = marker(cap, param_sid, marked, host_steps)
+                    mark("gradient", [(n, p.grad) for n, p in fakes.items() if p.grad is not None])
+                    grads = list(dict.fromkeys(marked.get("gradient", [])))
                     del out
+                    if session is not None:
+                        opt_start = len(cap.ops)
+                        session.optimizer_step(cap.set_phase, mark, fake=True)
             except GraphmemError:
                 raise
             except Exception as e:
@@ -224,8 +243,11 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
         # phase_start says where the first backward begins
         first_bwd = next((seg.first_op for seg in segments if seg.kind == "backward"), len(cap.ops))
         starts = {"forward": 0, "loss": first_bwd, "backward": first_bwd, "end": len(cap.ops)}
+        if session is not None:
+            starts = {**starts, "optimizer": opt_start}
         g = StageGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, starts, target.device, grads,
-                       type(model).__name__, [n for n, _ in model.named_modules()], cap.module_inputs, target)
+                       type(model).__name__, [n for n, _ in model.named_modules()], cap.module_inputs, target,
+                       train=session.step if session is not None else None)
         return g, tuple(segments), layout
     finally:
         cap.closed = True
@@ -300,11 +322,12 @@ class StageStep:
 
 
 def analyze_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target: Target,
-                  plan: Pipeline) -> StageStep:
-    """Rank ``plan.rank``'s step graph, saved set, peak and micro-batches in flight."""
+                  plan: Pipeline, train: Optional[TrainStep] = None) -> StageStep:
+    """Rank ``plan.rank``'s step graph, saved set, peak and micro-batches in flight (``train``:
+    with its optimizer's step over the stage's parameters)."""
     from graphmem.passes import liveness, notes, saved
 
-    g, segments, layout = capture_stage(model, inputs, loss, target, plan)
+    g, segments, layout = capture_stage(model, inputs, loss, target, plan, train)
     lv, sv = liveness(g), saved(g)
     flight = in_flight(g, segments, lv.peak_index)
     bounds = layout.bounds(plan.pp * plan.virtual)

@@ -119,12 +119,19 @@ class Session:
             micro_step(i, runs)
             out, loss = run_step(forward, inputs, scaled, on_phase, forward_context)
         mark("gradient", [(n, p.grad) for n, p in self.params.items() if p.grad is not None])
+        self.optimizer_step(on_phase, mark, fake)
+        return out, loss
+
+    def optimizer_step(self, on_phase: Callable[[str], None], mark: Mark = lambda kind, named: None,
+                       fake: bool = False) -> None:
+        """The optimizer's step over the gradients the step left (then ``zero_grad``), in phase
+        "optimizer"; nothing without an optimizer. A pipeline rank calls it after its schedule
+        (graphmem/distributed/pipeline.py)."""
         if self.optimizer is None:
-            return out, loss
+            return
         on_phase("optimizer")
         with ScalarReads() if fake else contextlib.nullcontext():
             self._optimizer_step(mark)
-        return out, loss
 
     def _optimizer_step(self, mark: Mark) -> None:
         assert self.optimizer is not None
