@@ -204,3 +204,17 @@ def test_cli_json_is_the_report_dict(capsys: pytest.CaptureFixture[str], tmp_pat
 ])
 def test_fmt_bytes(n: int, text: str) -> None:
     assert fmt_bytes(n) == text
+
+
+def test_ops_recorded_counts_the_optimizer_and_the_accumulating_micro_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a step of 2 micro-batches and an SGD step (momentum: one state per parameter)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    report = graphmem.analyze(net, (torch.randn(4, 8),), optimizer="momentum", micro_batches=2)
+    starts = report.phase_start
+    # WHEN the text report is rendered
+    line = next(x for x in render_text(report).splitlines() if x.startswith("ops recorded"))
+    # THEN each phase's ops are counted from its start to the next one's, the optimizer's apart
+    assert line == (f"ops recorded: {report.num_ops} (accumulate {starts['forward']}, "
+                    f"forward {starts['loss'] - starts['forward']}, loss {starts['backward'] - starts['loss']}, "
+                    f"backward {starts['optimizer'] - starts['backward']}, optimizer {report.num_ops - starts['optimizer']})")
+    assert starts["optimizer"] < report.num_ops and starts["forward"] > 0

@@ -9,7 +9,7 @@ from tabulate import tabulate
 
 from graphmem.render.collapse import each, label
 from graphmem.render.formula import render_coefficients
-from graphmem.render.text import _lifetime, _module, _shapes, _shown_modules
+from graphmem.render.text import _lifetime, _module, _shapes, _shown_modules, op_counts
 from graphmem.report import Report
 from graphmem.units import fmt_bytes, fmt_share
 
@@ -31,8 +31,6 @@ def _exact(n: int) -> str:
 
 def render_markdown(report: Report, depth: int = 3, top: int = 10, expand: bool = False) -> str:
     shapes = _shapes(report)
-    fwd = report.phase_start.get("loss", report.num_ops)
-    bwd = report.phase_start.get("backward", report.num_ops)
     cats = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in report.by_category.items() if v)
     peak = (f"op {report.peak_index} ({report.peak_phase}, {_code(report.peak_op)}, {_module(report.peak_module)})"
             if report.peak_index >= 0 else "before the step")
@@ -47,7 +45,7 @@ def render_markdown(report: Report, depth: int = 3, top: int = 10, expand: bool 
     ]
     out = [f"## graphmem · {report.model} · input {shapes} · target {report.target.describe() if report.target is not None else report.device}", "",
            _table(summary, ["", "bytes", "exact", ""], "lrrl"), "",
-           f"ops recorded: {report.num_ops} (forward {fwd}, loss {bwd - fwd}, backward {report.num_ops - bwd})"]
+           f"ops recorded: {report.num_ops} ({op_counts(report.phase_start, report.num_ops)})"]
 
     total = report.activation_bytes
     rows = [[label(m, _module(m.path)), each(m, fmt_bytes(m.activation_bytes)),

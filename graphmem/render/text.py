@@ -14,6 +14,18 @@ from graphmem.units import fmt_bytes, fmt_share
 ROOT = "(model)"
 
 
+PHASES = ("accumulate", "forward", "loss", "backward", "optimizer")  # in the order a step runs them
+
+
+def op_counts(phase_start: dict[str, int], num_ops: int) -> str:
+    """"forward 5, loss 1, backward 24": ops per phase, each from its start to the next phase's
+    (accumulate: the micro-steps before the last; optimizer: the optimizer step), phases the step
+    has, in the order it runs them."""
+    starts = sorted((phase_start[p], i, p) for i, p in enumerate(PHASES) if p in phase_start)
+    bounds = [s for s, _, _ in starts[1:]] + [num_ops]
+    return ", ".join(f"{p} {end - start}" for (start, _, p), end in zip(starts, bounds))
+
+
 def _where(report: Report, index: int) -> str:
     if index < 0:
         return "before"
@@ -55,8 +67,6 @@ def render_text(report: Report, depth: int = 3, top: int = 10, expand: bool = Fa
     if report.attention_backends:
         lines.append("SDPA kernels: " + ", ".join(f"{k} × {v}" for k, v in report.attention_backends.items()))
     cats = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in report.by_category.items() if v)
-    fwd = report.phase_start.get("loss", report.num_ops)
-    bwd = report.phase_start.get("backward", report.num_ops)
     summary = [
         ["parameters", fmt_bytes(report.parameter_bytes), ""],
         ["buffers", fmt_bytes(report.buffer_bytes), ""],
@@ -73,7 +83,7 @@ def render_text(report: Report, depth: int = 3, top: int = 10, expand: bool = Fa
                         f"max_memory_allocated; reserved {fmt_bytes(a.max_reserved)}, fragmentation at the peak "
                         f"{fmt_bytes(a.fragmentation)} (caching allocator model)"])
     lines += ["", tabulate(summary, tablefmt="plain"),
-              f"ops recorded: {report.num_ops} (forward {fwd}, loss {bwd - fwd}, backward {report.num_ops - bwd})"]
+              f"ops recorded: {report.num_ops} ({op_counts(report.phase_start, report.num_ops)})"]
 
     total = report.activation_bytes
     rows = [["  " * (m.path.count(".") + 1 if m.path else 0) + label(m, _module(m.path)),
