@@ -17,7 +17,7 @@ from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.reuse_compiled import CompiledReused, compiled_reusing
 from graphmem.capture.target import Target
-from graphmem.distributed.spec import Sharding
+from graphmem.distributed import Sharding, capture_rank
 from graphmem.errors import UsageError
 from graphmem.passes import Liveness, SavedSet, liveness, saved
 from graphmem.passes.budget import Parallel
@@ -101,8 +101,6 @@ def capture_rank_step(module: nn.Module, make: Any, loss: Optional[LossFn], targ
     own graph (its shards, its optimizer states: nothing divided). ``whose`` names the rank in
     the budget table. What ``graphmem.analyze`` runs for ``--rank``/``--fsdp`` and what
     ``Report.advise``'s FSDP2 levers capture."""
-    from graphmem.distributed import capture_rank  # torch.distributed's wrappers, imported when a rank is asked for
-
     if sharding.offload and target.device == "cuda":
         raise UsageError("--fsdp-offload on --device cuda is not modelled yet: the CUDA target runs on CPU fake "
                          "tensors, where CPUOffloadPolicy's host-to-device copies do not appear")

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
-from graphmem.capture.recorder import _tensors
+from graphmem.capture.autograd_tags import _tensors
 from graphmem.distributed.pipeline_stages import (
     Pipeline,
     block_inputs,

@@ -19,13 +19,14 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
 from graphmem.capture.compiled import CompiledStep, compiled_context
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import Inputs, fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.hand_back import hand_back_in_order
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recompute import segment_scope
-from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _unique_counts
+from graphmem.capture.recorder import _Mode, _Recorder, _rng_states
 from graphmem.capture.target import Target
 from graphmem.errors import GraphmemError
 from graphmem.stepgraph import StepGraph

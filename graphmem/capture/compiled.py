@@ -45,12 +45,13 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphmem.capture.aot_settings import partition_config, unlogged
+from graphmem.capture.autograd_tags import _DONE, _tensors, node_metadata
 from graphmem.capture.cuda_rules import sdpa, select_backend
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.partition_record import Partition, recording
-from graphmem.capture.recorder import _DONE, _Recorder, _tensors, node_metadata
+from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
-from graphmem.capture.widen import block_copies, rename
+from graphmem.capture.widen_map import block_copies, rename
 from graphmem.errors import CaptureError, GraphmemError
 from graphmem.training.step import LossFn, run_step
 

@@ -15,18 +15,24 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphmem.capture.workspace_conv  # noqa: F401  (registers the convolution rules)
 import graphmem.capture.workspace_dropout  # noqa: F401  (registers the fused dropout rules)
+from graphmem.capture.autograd_tags import (
+    _ADD,
+    _DONE,
+    _TAG,
+    _dense,
+    _tag_grad_fns,
+    _tensors,
+    _unique_counts,
+    node_metadata,
+)
 from graphmem.capture.subclasses import all_real, inner_tensors, wrapped
 from graphmem.capture.workspace import WORKSPACE_OUTPUTS, kernel_rule, scratch
 from graphmem.stepgraph import OpNode, SaveEvent, Storage
 
 _NODE = "_graphmem_node"  # attribute set on each fake tensor: the OpNode (or (OpNode, i)) that produced it
-_TAG = "graphmem_module"  # key in grad_fn.metadata: module path of the forward op
-_DONE = "graphmem_done"  # set in grad_fn.metadata by a post hook once the node has run
-_ADD = torch.ops.aten.add.Tensor
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
@@ -35,11 +41,6 @@ _METADATA_OPS = frozenset(
     for name in ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "is_nonzero")
     if hasattr(torch.ops.aten, name) and hasattr(getattr(torch.ops.aten, name), "default")
 )
-
-
-def node_metadata(fn: Any) -> dict:
-    """An autograd node's metadata dict (a property; torch's stubs call it a method)."""
-    return fn.metadata
 
 
 class _Packed:
@@ -375,73 +376,3 @@ def _rng_states(cap: "_Recorder", counted: bool) -> Iterator[None]:
         yield
     finally:
         torch.get_rng_state = original
-
-
-def _dense(t: torch.Tensor) -> bool:
-    return bool(torch._prims_common.is_non_overlapping_and_dense_or_false(t))
-
-
-_COUNTS: list[tuple[int, int]] = []
-
-
-class _Probe(TorchDispatchMode):
-    """Reads the reference counts a uniquely held gradient shows inside a dispatch mode."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        fn = torch._C._current_autograd_node()
-        if func is _ADD and fn is not None and node_metadata(fn).get(_DONE) and not _COUNTS:
-            _COUNTS.append((args[0]._use_count(), torch._C._storage_Use_Count(args[0].untyped_storage()._cdata)))
-        return func(*args, **(kwargs or {}))
-
-
-def _unique_counts() -> tuple[int, int]:
-    """Calibrated once per process on a tiny real step: ``y * y`` sends two fresh gradients to
-    ``y``'s producer, and the first is held only by the engine's input buffer."""
-    if not _COUNTS:
-        x = torch.ones(2, requires_grad=True)
-        with _Probe():
-            y = x.exp()
-            loss = (y * y).sum()
-            _tag_grad_fns(loss, "")
-            loss.backward()
-        if not _COUNTS:
-            _COUNTS.append((-1, -1))  # never matches: the out-of-place sum is kept
-    return _COUNTS[0]
-
-
-def _tag_grad_fns(output: Any, path: str, start: int = 0) -> None:
-    """Label the autograd nodes a module created with its path (innermost module wins:
-    inner modules finish, and tag, first; the walk stops at nodes already tagged and at
-    nodes created before the module started, whose sequence number is below ``start``),
-    and add a post hook that marks each node as run (see _accumulates_inplace)."""
-    todo = []
-    for t in _tensors(output):
-        if t.grad_fn is not None:
-            todo.append(t.grad_fn)
-    while todo:
-        fn = todo.pop()
-        md = node_metadata(fn)
-        if _TAG in md or fn._sequence_nr() < start:
-            continue
-        md[_TAG] = path
-        if getattr(getattr(fn, "_forward_cls", None), "boxed_grads_call", False):
-            # a hook would make the engine hand this node its grads in a tuple it holds until
-            # the node returns, where it otherwise passes a list the node frees as it goes
-            # (AOTAutograd's compiled backward); the node marks itself done (graphmem/capture/compiled.py)
-            pass
-        else:
-            fn.register_hook(lambda grad_inputs, grad_outputs, md=md: md.__setitem__(_DONE, True))
-        for nxt, _ in fn.next_functions:
-            if nxt is not None:
-                todo.append(nxt)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    return []
-

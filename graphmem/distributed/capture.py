@@ -30,11 +30,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
 from graphmem.capture.capture import _cache_clears, marker
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import Inputs, fake_batch, forward_context, translate_error
 from graphmem.capture.hf_paths import real_paths
-from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _unique_counts
+from graphmem.capture.recorder import _Mode, _Recorder, _rng_states
 from graphmem.capture.target import Target
 from graphmem.distributed.chunks import lazy_chunks
 from graphmem.distributed.fsdp import fake_copy, local, shard, unsharded_grads, watching

@@ -32,10 +32,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from graphmem.capture.autograd_tags import _tag_grad_fns, _tensors, _unique_counts
 from graphmem.capture.capture import _cache_clears, marker
 from graphmem.capture.fakes import _fake_like, fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.hf_paths import real_paths
-from graphmem.capture.recorder import _Mode, _Recorder, _rng_states, _tag_grad_fns, _tensors, _unique_counts
+from graphmem.capture.recorder import _Mode, _Recorder, _rng_states
 from graphmem.capture.target import Target
 from graphmem.distributed.pipeline_stages import (
     Layout,

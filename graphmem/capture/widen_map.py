@@ -1,0 +1,187 @@
+"""Where each op of a widened step comes from: a capture of a chain cut to k identical blocks is
+cut into regions (prefix, forward of each block, head, backward of each block, tail), and each
+block of the n-block step takes a captured block as its template (blocks 0 and 1 and the last
+two are their own, every other block copies block 2); ``Widen.index`` maps a template's op to
+its position in the widened step. graphmem/capture/widen.py writes the widened graph.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from graphmem.capture.glue import NotBlockByBlock, Region, absorb, cut, expand
+from graphmem.chains import Chain
+from graphmem.stepgraph import StepGraph
+
+
+class NotReusable(Exception):
+    """The widened graph would not be the model's own: capture at full depth instead."""
+
+
+class Regions:
+    """A capture cut into: prefix, F0..F(k-1), head, B(k-1)..B0, tail (each a range of ops)."""
+
+    def __init__(self, g: StepGraph, chain: Chain, k: int) -> None:
+        prefix = f"{chain.path}." if chain.path else ""
+        self.prefix, self.k = prefix, k
+        back = g.phase_start.get("backward", g.num_ops)
+        labels = [self.block_of(op.meta.get("module", "")) for op in g.ops]
+        if any(op.meta.get("recompute") for op in g.ops):
+            raise NotReusable("checkpointed")
+        fwd = [i for i in range(back) if labels[i] is not None]
+        bwd = [i for i in range(back, g.num_ops) if labels[i] is not None]
+        if not fwd or not bwd:
+            raise NotReusable("no block ops")
+        self.regions: list[tuple[str, Optional[int], int, int]] = []
+        starts: list[tuple[int, int]] = []
+        for i in fwd:
+            if not starts or starts[-1][0] != labels[i]:
+                starts.append((labels[i], i))  # type: ignore[arg-type]
+        if [b for b, _ in starts] != list(range(k)):
+            raise NotReusable("forward not block by block")
+        for n, (b, s) in enumerate(starts):
+            self.regions.append(("F", b, s, starts[n + 1][1] - 1 if n + 1 < len(starts) else fwd[-1]))
+        runs: list[list[int]] = []
+        for i in range(bwd[0], bwd[-1] + 1):
+            if labels[i] is None or (runs and runs[-1][0] == labels[i]):
+                runs[-1][2] = i
+            else:
+                runs.append([labels[i], i, i])  # type: ignore[list-item]
+        if g.compiled is not None:  # a backward graph may first recompute forward values of every block: glue
+            runs = absorb(runs)[-k:]
+        head = ("head", None, fwd[-1] + 1, runs[0][1] - 1)
+        if [r[0] for r in runs] != list(reversed(range(k))):
+            raise NotReusable("backward not block by block")
+        self.regions += [("B", b, s, e) for b, s, e in runs]
+        tail = ("tail", None, bwd[-1] + 1, g.num_ops - 1)
+        # the glue around the blocks, cut block by block (graphmem/capture/glue.py): compiled mode's
+        # outputs for backward and hand-back; FSDP2's lazy init viewing every block's shards (prefix),
+        # its final callback viewing every block's gradients (tail)
+        block_at: list[Optional[int]] = [None] * g.num_ops
+        for _, blk, s, e in self.regions:
+            block_at[s:e + 1] = [blk] * (e - s + 1)
+        self.prefix_regions, d0 = cut(g, "prefix", 0, fwd[0] - 1, block_at, labels, self.block_of)
+        self.head, d1 = cut(g, "head", head[2], head[3], block_at, labels, self.block_of)
+        self.tail, d2 = cut(g, "tail", tail[2], tail[3], block_at, labels, self.block_of)
+        self.directions: dict[str, int] = {**d0, **d1, **d2}
+        self.regions += self.prefix_regions + self.head + self.tail
+        self.blocks = {(kind, blk): (s, e) for kind, blk, s, e in self.regions}
+        self.where: list[tuple[str, Optional[int], int]] = [("", None, 0)] * g.num_ops  # op -> (kind, block, pos)
+        for kind, blk, s, e in self.regions:
+            for i in range(s, e + 1):
+                self.where[i] = (kind, blk, i - s)
+
+    def block_of(self, path: str) -> Optional[int]:
+        if not path.startswith(self.prefix):
+            return None
+        head = path[len(self.prefix):].split(".", 1)[0]
+        return int(head) if head.isdigit() else None
+
+    def region(self, kind: str, block: Optional[int]) -> tuple[int, int]:
+        try:
+            return self.blocks[(kind, block)]
+        except KeyError:
+            raise NotReusable(f"no region {kind}{block}") from None
+
+
+def block_copies(j: int, k: int, n: int) -> list[int]:
+    """The blocks of an n-block step that block j of a k-block capture becomes: the first two
+    and last two are their own, block 2 is every other one."""
+    if j in (0, 1):
+        return [j]
+    if j >= k - 2:
+        return [n - (k - j)]
+    return list(range(2, n - 2)) if j == 2 else []
+
+
+class Widen:
+    def __init__(self, g: StepGraph, r: Regions, n: int) -> None:
+        self.g, self.r, self.n, self.k = g, r, n, r.k
+        self.nops = g.num_ops
+        # synthesized regions in order: (kind, block, template block)
+        order = self.glue(r.prefix_regions)
+        order += [("F", b, self.template(b)) for b in range(n)]
+        order += self.glue(r.head)
+        order += [("B", b, self.template(b)) for b in reversed(range(n))]
+        order += self.glue(r.tail)
+        self.order = order
+        self.start: dict[tuple[str, Optional[int]], int] = {}
+        pos = 0
+        for kind, b, t in order:
+            s, e = r.region(kind, t)
+            self.start[(kind, b)] = pos
+            pos += e - s + 1
+        self.total = pos
+
+    def glue(self, regions: list[Region]) -> list[tuple[str, Optional[int], Optional[int]]]:
+        try:
+            stretch = expand(regions, self.r.directions, lambda j: block_copies(j, self.k, self.n))
+        except NotBlockByBlock as e:
+            raise NotReusable(str(e)) from None
+        return [(kind, b, None if b is None else self.template(b)) for kind, b in stretch]
+
+    def template(self, b: int) -> int:
+        """The captured block that block b copies: the ends and their neighbours are their own
+        (they touch what is around the chain), every other block copies block 2, whose
+        neighbours are blocks like it."""
+        n, k = self.n, self.k
+        if b in (0, 1):
+            return b
+        if b >= n - 2:
+            return k - (n - b)
+        return 2
+
+    def copies(self, j: Optional[int]) -> list[Optional[int]]:
+        """The blocks that captured block j becomes."""
+        return [None] if j is None else list(block_copies(j, self.k, self.n))
+
+    def block(self, j: Optional[int], ctx_b: Optional[int], ctx_j: Optional[int]) -> Optional[int]:
+        """The synthesized block that template block j is, seen from template block ctx_j
+        written as block ctx_b (None: outside the chain)."""
+        if j is None:
+            return None
+        if j == ctx_j:  # (the common case: a block's own op or storage)
+            return ctx_b
+        if ctx_j is None or (min(j, ctx_j) <= 1 and max(j, ctx_j) >= self.k - 2 and abs(j - ctx_j) >= 3):
+            # (a first block seen from a last one or back: a value made once and used by every
+            # block, as a compiled graph's shared causal mask, lives from the first user to the
+            # last; the check at depth k + 1 sees whether that is what happened)
+            mine = self.copies(j)
+            if len(mine) != 1:
+                raise NotReusable("an interior block is referred to from outside the chain")
+            return mine[0]
+        b = ctx_b + (j - ctx_j)  # type: ignore[operator]
+        if not 0 <= b < self.n:
+            raise NotReusable("a block refers to a block that has no counterpart")
+        return b
+
+    def same_op(self, u: int, b: int) -> int:
+        """Template op u (of some block) as the op at the same place of block b's template."""
+        kind, j, pos = self.r.where[u]
+        t = self.template(b)
+        if j == t:
+            return u
+        s, e = self.r.region(kind, t)
+        if s + pos > e or self.g.ops[s + pos].target != self.g.ops[u].target:
+            raise NotReusable("blocks differ")
+        return s + pos
+
+    def index(self, u: Optional[int], ctx_b: Optional[int], ctx_j: Optional[int]) -> Optional[int]:
+        if u is None or u < 0:
+            return u
+        if u >= self.nops:  # made after the last op (nothing follows)
+            return self.total + (u - self.nops)
+        kind, j, pos = self.r.where[u]
+        b = self.block(j, ctx_b, ctx_j)
+        if b is not None:
+            u = self.same_op(u, b)
+            pos = self.r.where[u][2]
+        return self.start[(kind, b)] + pos
+
+
+def rename(path: str, prefix: str, j: Optional[int], b: Optional[int]) -> str:
+    if j is None or b is None or j == b:
+        return path
+    old = f"{prefix}{j}"
+    if path == old or path.startswith(old + "."):
+        return f"{prefix}{b}" + path[len(old):]
+    return path
