@@ -174,9 +174,6 @@ def analyze(
     if training is None:
         training = make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
                                  lora_targets, world_size, zero, fsdp, tp, sp, quantization="nf4" if qlora else None)
-    if training.train.active and target.mode == "compiled":
-        raise UsageError("the optimizer step and micro-batches are traced in eager mode; drop --mode compiled "
-                         "(or the --optimizer/--micro-batches options)")
     if training.quantization is not None and target.mode == "compiled":
         raise UsageError("--qlora is analyzed in eager mode (bitsandbytes' ops under torch.compile are not traced "
                          "here): drop --mode compiled")

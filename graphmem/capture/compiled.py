@@ -242,6 +242,7 @@ class CompiledStep:
     def __init__(self, model: nn.Module, backend: _Backend, call: Callable[..., Any], codes: dict[int, int],
                  breaks: tuple[str, ...], module_inputs: dict[str, tuple[int, ...]]) -> None:
         self.model, self.backend, self.call = model, backend, call
+        self.forwards = 0  # replays of the model's call: one per micro-step of the traced training step
         self._codes_before = codes
         self.graph_breaks = breaks
         self.module_inputs = module_inputs
@@ -294,19 +295,21 @@ class CompiledStep:
         """The forward, run from the compiled code on graphmem's fake tensors (step 2 above);
         the capture has put its fake parameters into the module."""
         self.backend.recorder, self.backend.replaying = rec, True
+        self.forwards += 1
         return torch._dynamo.run(self.call)(self.model, *args, **kwargs)
 
     def check_replayed(self) -> None:
-        """The replay ran the same compiled forward graphs as the trace, as often (the trace stops
-        before backward; a backward graph runs only through its forward graph's autograd node)."""
+        """The replay ran the same compiled forward graphs as the trace, as often per forward (the
+        trace runs one forward and stops before backward; the replay runs one per micro-step; a
+        backward graph runs only through its forward graph's autograd node)."""
         for g in self.backend.graphs:
             if g.kind != "forward":
                 continue
-            if g.calls != g.replays:
+            if g.calls * self.forwards != g.replays:
                 raise CaptureError(
-                    f"the replay of the compiled step ran a {g.kind} graph {g.replays} times, the trace "
-                    f"{g.calls} times (dynamo's cached code did not match graphmem's fake tensors); "
-                    "rerun with --debug and report it")
+                    f"the replay of the compiled step ran a {g.kind} graph {g.replays} times in {self.forwards} "
+                    f"forward(s), the trace {g.calls} times in one (dynamo's cached code did not match graphmem's "
+                    "fake tensors); rerun with --debug and report it")
 
     def summary(self) -> CompiledGraphs:
         return CompiledGraphs(tuple(self.backend.graphs), self.graph_breaks, partitions=tuple(self.partitions))
