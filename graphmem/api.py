@@ -74,6 +74,7 @@ def analyze(
     fsdp_reduce_dtype: Optional[str] = None,
     fsdp_offload: bool = False,
     fsdp_no_sync: bool = False,
+    loss_parallel: bool = False,
     target: Optional[Target] = None,
     training: Optional[Training] = None,
     hf: Optional[HFOptions] = None,
@@ -114,7 +115,8 @@ def analyze(
     model's chain and the root over ``world_size // tp`` ranks, with ``reshard_after_forward``,
     ``fsdp_param_dtype``/``fsdp_reduce_dtype`` (MixedPrecisionPolicy) and ``fsdp_offload``
     (CPUOffloadPolicy), and ``fsdp_no_sync`` (with ``micro_batches``: ``set_requires_gradient_sync(False)``
-    for all micro-batches but the last); ``tp``/``sp`` run DTensor's ``parallelize_module``. ``optimizer``
+    for all micro-batches but the last); ``tp``/``sp`` run DTensor's ``parallelize_module``; ``loss_parallel``
+    leaves the LM head's logits split over the vocabulary into ``loss_parallel()``'s cross-entropy. ``optimizer``
     runs torch.optim over the wrapped DTensor parameters and ``micro_batches`` accumulate, as on one device. The report is that
     rank's (local shards; collective buffers in the "communication" category) and
     ``report.sharding`` puts the formula beside it.
@@ -164,11 +166,12 @@ def analyze(
                                              lora_targets, world_size, zero, fsdp, tp, sp)
         return _pipeline_stage(loaded, make, loss_fn, target, training, make_pipeline(
             pp, rank if rank is not None else 0, schedule, training.train.micro_batches))
-    if wants_wrappers(rank, fsdp, reshard_after_forward, fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload, fsdp_no_sync):
+    if wants_wrappers(rank, fsdp, reshard_after_forward, fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload, fsdp_no_sync,
+                      loss_parallel):
         training = training or make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
                                              lora_targets, quantization="nf4" if qlora else None)
         sharding = make_sharding(world_size, rank or 0, fsdp == "fully_shard", reshard_after_forward, fsdp_param_dtype,
-                                 fsdp_reduce_dtype, fsdp_offload, tp, sp, fsdp_no_sync, training)
+                                 fsdp_reduce_dtype, fsdp_offload, tp, sp, fsdp_no_sync, training, loss_parallel)
         return _per_rank(loaded.name, loaded.module, make, loss_fn, target, sharding, bool(zero) or fsdp in ("full", "grad-op"),
                          training, reuse)
     if training is None:

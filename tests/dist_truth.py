@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from graphmem.distributed.fsdp import local, shard
 from graphmem.distributed.process_group import Meshes
 from graphmem.distributed.spec import Sharding
-from graphmem.distributed.tensor_parallel import parallelize
+from graphmem.distributed.tensor_parallel import parallelize, step_context
 from graphmem.training.batch import as_batch
 from graphmem.training.loop import Session, TrainStep
 from graphmem.training.optim import state_tensors
@@ -90,10 +90,23 @@ class Chain(nn.Module):
         return self.head(x)
 
 
+CE = "+ce"  # a case name ending so trains on the bundled model's next-token cross-entropy (models/*.py ``loss``)
+
+
+def loss_of(name: str) -> LossFn | None:
+    """The loss a case trains on: the bundled model's cross-entropy for "<name>+ce", else the default."""
+    if not name.endswith(CE):
+        return None
+    from graphmem.models import gpt2, llama
+
+    return llama.loss if name.startswith("llama") else gpt2.loss
+
+
 def case(name: str) -> tuple[nn.Module, tuple]:
     """(model in train mode, inputs) of a named case, the same on every call: the Chain above,
     or a tests/zoo.py model (transformers' Llama, GPT-2 with tied embeddings, ...)."""
     torch.manual_seed(0)
+    name = name.removesuffix(CE)
     if name == "chain":
         return Chain().train(), (torch.randn(8, 64, generator=torch.Generator().manual_seed(1)),)
     ids = (torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1)),)
@@ -181,7 +194,8 @@ def _worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Shardi
                     parallelize(model, sharding, meshes)
                 if sharding.fsdp:
                     shard(model, sharding, meshes)
-                runs.append(_step(model, batch, None, kept))
+                with step_context(sharding):  # loss_parallel() around the step when the logits stay split
+                    runs.append(_step(model, batch, loss_of(name), kept))
             saved = {s for s, _ in runs}
             assert len(saved) == 1, saved  # autograd saves the same every time
             results.append({"saved": saved.pop(), "peak": min(p for _, p in runs)})

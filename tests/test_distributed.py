@@ -19,20 +19,25 @@ import torch
 import graphmem
 from graphmem.distributed import Sharding, make_sharding
 from graphmem.validation.measure import measure_peak
-from tests.dist_truth import case, measure_ranks
+from tests.dist_truth import case, loss_of, measure_ranks
 
 WORLD = 2
 # torch.nn; transformers' Llama (GQA); GPT-2 (tied); models/llama.py; models/gpt2.py; transformers' Qwen2 (8 heads)
-MODELS = ("chain", "llama_gqa", "gpt2_sdpa", "llama_bundled", "gpt2_bundled", "qwen2_gqa8")
+MODELS = ("chain", "llama_gqa", "gpt2_sdpa", "llama_bundled", "gpt2_bundled", "qwen2_gqa8", "llama_bundled+ce",
+          "gpt2_bundled+ce")
 CASES = [(name, make_sharding(WORLD, 0, fsdp=True, reshard_after_forward=raf)) for name in MODELS[:3] for raf in (True, False)] \
     + [("llama_gqa", make_sharding(WORLD, 0, fsdp=True, param_dtype="bf16", reduce_dtype="fp32"))] \
     + [("llama_bundled", make_sharding(WORLD, 0, tp=WORLD, sp=sp)) for sp in (False, True)] \
     + [("llama_gqa", make_sharding(WORLD, 0, tp=WORLD))] \
-    + [("gpt2_bundled", make_sharding(WORLD, 0, tp=WORLD, sp=sp)) for sp in (False, True)]  # transformers' TP plan; fused c_attn
+    + [("gpt2_bundled", make_sharding(WORLD, 0, tp=WORLD, sp=sp)) for sp in (False, True)] \
+    + [("llama_bundled+ce", make_sharding(WORLD, 0, tp=WORLD, sp=sp, loss_parallel=lp)) for sp in (False, True)
+       for lp in (False, True)] \
+    + [("gpt2_bundled+ce", make_sharding(WORLD, 0, tp=WORLD, sp=True, loss_parallel=True))]
+# (transformers' TP plan; fused c_attn; the bundled models' cross-entropy with the logits gathered or split: loss parallel)
 
 
 def _id(name: str, s: Sharding) -> str:
-    tp = f"tp{s.tp}-sp={s.sp}" if s.tp > 1 else ""
+    tp = f"tp{s.tp}-sp={s.sp}" + ("-loss-parallel" if s.loss_parallel else "") if s.tp > 1 else ""
     fsdp = f"fsdp-reshard={s.reshard_after_forward}-mp={s.param_dtype}" if s.fsdp else ""
     return "-".join(p for p in (name, fsdp, tp) if p)
 
@@ -49,7 +54,8 @@ def single_gap() -> dict[str, int]:
     gaps = {}
     for name in MODELS:
         model, batch = case(name)
-        gaps[name] = measure_peak(model, batch).peak_bytes - graphmem.analyze(model, batch).peak_bytes
+        loss = loss_of(name)
+        gaps[name] = measure_peak(model, batch, loss).peak_bytes - graphmem.analyze(model, batch, loss=loss).peak_bytes
     return gaps
 
 
@@ -84,9 +90,10 @@ def test_rank_matches_real_gloo_at_4_ranks(real4: list[list[dict[str, int]]], si
 def _every_rank_is_real(name: str, sharding: Sharding, measured: list[dict[str, int]], gap: int) -> None:
     for rank in range(sharding.world_size):
         model, batch = case(name)
-        report = graphmem.analyze(model, batch, world_size=sharding.world_size, rank=rank,
+        report = graphmem.analyze(model, batch, loss=loss_of(name), world_size=sharding.world_size, rank=rank,
                                   fsdp="fully_shard" if sharding.fsdp else None,
                                   reshard_after_forward=sharding.reshard_after_forward, tp=sharding.tp, sp=sharding.sp,
-                                  fsdp_param_dtype=sharding.param_dtype, fsdp_reduce_dtype=sharding.reduce_dtype)
+                                  fsdp_param_dtype=sharding.param_dtype, fsdp_reduce_dtype=sharding.reduce_dtype,
+                                  loss_parallel=sharding.loss_parallel)
         assert report.activation_bytes == measured[rank]["saved"], (name, rank)
         assert measured[rank]["peak"] - report.peak_bytes == gap, (name, rank)

@@ -97,6 +97,8 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--fsdp-offload", action="store_true", help="CPUOffloadPolicy: sharded parameters and gradients in host memory")
     d.add_argument("--fsdp-no-sync", action="store_true", help="with --micro-batches: set_requires_gradient_sync(False) for "
                    "all but the last micro-batch (unsharded gradients accumulate; one reduce-scatter per step)")
+    d.add_argument("--loss-parallel", action="store_true", help="with --tp: the LM head's logits stay split over the "
+                   "vocabulary into torch's loss_parallel() cross-entropy (torchtitan's default), not gathered whole")
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
@@ -175,7 +177,7 @@ def per_rank(args: argparse.Namespace) -> bool:
     from graphmem.distributed.spec import wants_wrappers
 
     return wants_wrappers(args.rank, args.fsdp, args.reshard_after_forward, args.fsdp_param_dtype,
-                          args.fsdp_reduce_dtype, args.fsdp_offload, args.fsdp_no_sync)
+                          args.fsdp_reduce_dtype, args.fsdp_offload, args.fsdp_no_sync, args.loss_parallel)
 
 
 def sharding_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -184,7 +186,8 @@ def sharding_of(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     return dict(world_size=args.world_size, rank=args.rank, zero=args.zero, fsdp=args.fsdp, tp=args.tp, sp=args.sp,
                 reshard_after_forward=args.reshard_after_forward, fsdp_param_dtype=args.fsdp_param_dtype,
-                fsdp_reduce_dtype=args.fsdp_reduce_dtype, fsdp_offload=args.fsdp_offload, fsdp_no_sync=args.fsdp_no_sync)
+                fsdp_reduce_dtype=args.fsdp_reduce_dtype, fsdp_offload=args.fsdp_offload, fsdp_no_sync=args.fsdp_no_sync,
+                loss_parallel=args.loss_parallel)
 
 
 def hf_of(args: argparse.Namespace) -> Any:

@@ -41,7 +41,7 @@ from graphmem.distributed.chunks import lazy_chunks
 from graphmem.distributed.fsdp import fake_copy, local, shard, unsharded_grads, watching
 from graphmem.distributed.process_group import fake_process_group
 from graphmem.distributed.spec import Sharding
-from graphmem.distributed.tensor_parallel import parallelize
+from graphmem.distributed.tensor_parallel import parallelize, step_context
 from graphmem.errors import GraphmemError
 from graphmem.stepgraph import StepGraph
 from graphmem.training.loop import Session, TrainStep, relabel_accumulation
@@ -112,7 +112,8 @@ def _run(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, fake_inputs: Any,
     try:
         try:
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
-                    _rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(), watching(cap):
+                    _rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(), watching(cap), \
+                    step_context(sharding):  # loss_parallel() around loss and backward when the logits stay split
                 cap.recording = True
                 context = forward_context(target, backends, cap.clearing_cache)
                 marked: dict[str, list[int]] = {}

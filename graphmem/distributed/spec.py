@@ -34,6 +34,7 @@ class Sharding:
     tp: int = 1
     sp: bool = False
     no_sync: bool = False  # set_requires_gradient_sync(False) for all micro-batches but the last
+    loss_parallel: bool = False  # the head's logits stay split over the vocabulary into loss_parallel()'s cross-entropy
 
     @property
     def dp(self) -> int:
@@ -46,21 +47,23 @@ class Sharding:
         return {"world_size": self.world_size, "rank": self.rank, "fsdp": self.fsdp,
                 "reshard_after_forward": self.reshard_after_forward, "param_dtype": self.param_dtype,
                 "reduce_dtype": self.reduce_dtype, "offload": self.offload, "tp": self.tp, "sp": self.sp,
-                "no_sync": self.no_sync}
+                "no_sync": self.no_sync, "loss_parallel": self.loss_parallel}
 
 
 def wants_wrappers(rank: Optional[int], fsdp: Optional[str], reshard_after_forward: bool = True,
                    param_dtype: Optional[str] = None, reduce_dtype: Optional[str] = None, offload: bool = False,
-                   no_sync: bool = False) -> bool:
+                   no_sync: bool = False, loss_parallel: bool = False) -> bool:
     """Whether the options ask for rank r's step through PyTorch's wrappers (a rank, bare --fsdp
     or a fully_shard option); otherwise --zero/--fsdp full|grad-op/--tp are the per-rank formulas."""
-    return rank is not None or fsdp == "fully_shard" or bool(param_dtype or reduce_dtype or offload or no_sync) \
+    return rank is not None or fsdp == "fully_shard" or bool(param_dtype or reduce_dtype or offload or no_sync
+                                                             or loss_parallel) \
         or not reshard_after_forward
 
 
 def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_after_forward: bool = True,
                   param_dtype: Optional[str] = None, reduce_dtype: Optional[str] = None, offload: bool = False,
-                  tp: int = 1, sp: bool = False, no_sync: bool = False, training: Optional[Training] = None) -> Sharding:
+                  tp: int = 1, sp: bool = False, no_sync: bool = False, training: Optional[Training] = None,
+                  loss_parallel: bool = False) -> Sharding:
     """Check the options together, and with the training step that runs through the wrappers
     (graphmem/training/spec.py); the error names the fix."""
     for name, v in (("--world-size", world_size), ("--tp", tp)):
@@ -86,7 +89,10 @@ def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_af
     if fsdp and world_size // tp == 1:
         raise UsageError(f"--fsdp shards over the data-parallel ranks, and --world-size {world_size} / --tp {tp} "
                          "leaves one: raise --world-size")
-    return Sharding(world_size, rank, fsdp, reshard_after_forward, param_dtype, reduce_dtype, offload, tp, sp, no_sync)
+    if loss_parallel and tp == 1:
+        raise UsageError("--loss-parallel keeps the logits split over the tensor-parallel ranks: add --tp 2 (or more)")
+    return Sharding(world_size, rank, fsdp, reshard_after_forward, param_dtype, reduce_dtype, offload, tp, sp, no_sync,
+                    loss_parallel)
 
 
 def _check_training(training: Training, no_sync: bool) -> None:

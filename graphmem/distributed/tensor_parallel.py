@@ -51,6 +51,9 @@ def parallelize(model: nn.Module, sharding: Sharding, meshes: Meshes) -> None:
                          "transformers' TP plan shards the base model's linears, not LoRA's wrappers; drop --rank "
                          "for the Korthikanti formula")
     if is_hf(model):
+        if sharding.loss_parallel:
+            raise UsageError("--loss-parallel on a Hugging Face model is not modelled: transformers' TP plan gathers the "
+                             "head's logits (colwise_gather_output) into the model's own loss; drop --loss-parallel")
         parallelize_hf(model, sharding, meshes)
     elif _is_bundled(model, Transformer):
         _parallelize_llama(model, sharding, meshes)
@@ -91,7 +94,7 @@ def _parallelize_llama(model: nn.Module, sharding: Sharding, meshes: Meshes) -> 
             raise UsageError(f"--tp {tp} does not divide the {attention.n_heads} heads ({attention.n_kv_heads} "
                              "key/value heads): pick a divisor")
     assert meshes.tp is not None
-    parallelize_module(model, meshes.tp, _root_plan(sharding.sp))
+    parallelize_module(model, meshes.tp, _root_plan(sharding.sp, sharding.loss_parallel))
     for layer in model.layers:  # type: ignore[union-attr]
         parallelize_module(layer, meshes.tp, _block_plan(sharding.sp))
         layer.attention.n_heads //= tp  # each rank runs its share of the heads
@@ -108,7 +111,7 @@ def _parallelize_gpt2(model: nn.Module, sharding: Sharding, meshes: Meshes) -> N
             raise UsageError(f"--tp {tp} does not divide the {block.attn.n_head} heads: pick a divisor")
     assert meshes.tp is not None
     tied = model.transformer.wte.weight is model.lm_head.weight  # type: ignore[union-attr]
-    parallelize_module(model, meshes.tp, _gpt2_root_plan(sharding.sp))
+    parallelize_module(model, meshes.tp, _gpt2_root_plan(sharding.sp, sharding.loss_parallel))
     if tied:  # one vocabulary shard for both, as before
         model.transformer.wte.weight = model.lm_head.weight  # type: ignore[union-attr]
     for block in blocks:
@@ -117,10 +120,34 @@ def _parallelize_gpt2(model: nn.Module, sharding: Sharding, meshes: Meshes) -> N
         block.attn.n_embd //= tp
 
 
-def _gpt2_root_plan(sp: bool) -> dict[str, Any]:
+def _head(sp: bool, loss_parallel: bool) -> Any:
+    """The LM head's plan: its logits gathered whole on every rank, or (loss parallel, torchtitan's
+    default with TP: torchtitan/models/llama3/infra/parallelize.py apply_tp) left split over the
+    vocabulary as a DTensor for ``loss_parallel()``'s cross-entropy."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    inputs = Shard(1) if sp else None  # None: ColwiseParallel's default, a replicated input
+    if loss_parallel:
+        return ColwiseParallel(input_layouts=inputs, output_layouts=Shard(-1), use_local_output=False)
+    return ColwiseParallel(input_layouts=inputs, output_layouts=Replicate())
+
+
+def step_context(sharding: Sharding) -> Any:
+    """What wraps the loss and backward of rank r's step: ``loss_parallel()`` when the head's
+    logits stay split (torch/distributed/tensor/parallel/loss.py: cross-entropy over a vocabulary-
+    sharded DTensor, forward and backward), else nothing."""
+    import contextlib
+
+    if not sharding.loss_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def _gpt2_root_plan(sp: bool, loss_parallel: bool = False) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
         PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
@@ -128,14 +155,14 @@ def _gpt2_root_plan(sp: bool) -> dict[str, Any]:
 
     plan: dict[str, Any] = {"transformer.wte": RowwiseParallel(input_layouts=Replicate())}
     if not sp:
-        return {**plan, "lm_head": ColwiseParallel(output_layouts=Replicate())}
+        return {**plan, "lm_head": _head(sp, loss_parallel)}
     # the token and position embeddings are summed over the whole sequence; the residual stream is
     # split along it from the first block on (Replicate -> Shard(1) is a local chunk, no collective)
     return {**plan,
             "transformer.h.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                                   use_local_output=True),
             "transformer.ln_f": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+            "lm_head": _head(sp, loss_parallel)}
 
 
 def _gpt2_block_plan(sp: bool) -> dict[str, Any]:
@@ -180,16 +207,16 @@ class FusedColwise(ColwiseParallel):
         return outputs.to_local()  # (b, s, 3d/T): [q_r, k_r, v_r]
 
 
-def _root_plan(sp: bool) -> dict[str, Any]:
+def _root_plan(sp: bool, loss_parallel: bool = False) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
     if not sp:
         return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-                "output": ColwiseParallel(output_layouts=Replicate())}
+                "output": _head(sp, loss_parallel)}
     return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+            "output": _head(sp, loss_parallel)}
 
 
 def _block_plan(sp: bool) -> dict[str, Any]:
