@@ -154,6 +154,8 @@ def _llama_config(tmp_path: Path) -> str:
     ("hf", ["--world-size", "2", "--rank", "1", "--tp", "2", "--sp"], "drop --sp"),
     ("models/gpt2.py", ["--world-size", "5", "--rank", "0", "--tp", "5"], "does not divide the 12 heads"),
     ("models/mlp.py", ["--world-size", "2", "--rank", "0", "--tp", "2"], "no tensor-parallel plan for"),
+    ("hf", ["--world-size", "2", "--rank", "0", "--tp", "2", "--loss-parallel"], "drop --loss-parallel"),
+    ("models/gpt2.py", ["--world-size", "2", "--loss-parallel"], "add --tp 2"),
 ])
 def test_tp_mistakes_are_one_line(model: str, args: list[str], phrase: str, tmp_path: Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:
@@ -177,3 +179,15 @@ def test_cli_hf_rank_names_transformers_engine(tmp_path: Path, capsys: pytest.Ca
                  "--tp", "2"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.endswith("· rank 1 of 2 (transformers' apply_tensor_parallelism tp=2): one training step"), first
+
+
+def test_cli_loss_parallel_keeps_the_logits_split(capsys: pytest.CaptureFixture[str]) -> None:
+    """--loss-parallel: what the loss saves is the rank's vocabulary shard, (b(s-1), V/T), where
+    without it the log-softmax runs over the logits gathered whole, (b(s-1), V)."""
+    def loss_saved(extra: list[str]) -> set[tuple[int, ...]]:
+        assert main(["analyze", "models/llama.py", "--input-shape", "2x16", "--world-size", "2", "--rank", "0",
+                     "--tp", "2", "--json", *extra]) == 0
+        saved = json.loads(capsys.readouterr().out)["saved"]
+        return {tuple(t["shape"]) for t in saved if t["module"] == "" and len(t["shape"]) == 2 and t["shape"][0] == 30}
+    assert loss_saved([]) == {(30, 32000)}
+    assert loss_saved(["--loss-parallel"]) == {(30, 16000)}
