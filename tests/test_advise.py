@@ -247,3 +247,16 @@ def test_lora_and_qlora_levers_are_analyze_with_those_options() -> None:
     assert qlora.peak_bytes == _peak(graphmem.analyze(model, batch, qlora=True, lora_rank=16, lora_targets="all-linear",
                                                       **opts))
     assert qlora.peak_bytes != lora.peak_bytes  # the 4-bit base is its own capture, not the LoRA row's
+
+
+def test_the_loss_lever_knows_a_bundled_model_loaded_by_path() -> None:
+    """`graphmem advise models/gpt2.py` loads the file as its own module: its loss is another
+    function object with the same source, and the chunked-loss lever still applies."""
+    from graphmem.advise.levers import _bundled_loss
+    from graphmem.capture.load import load_file
+    from graphmem.models import gpt2, llama
+
+    for path, known in (("models/gpt2.py", gpt2.loss), ("models/llama.py", llama.loss)):
+        loaded = load_file(path)
+        assert loaded.loss is not known and _bundled_loss(loaded.loss) is known
+    assert _bundled_loss(lambda out, inputs: out.sum()) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, cast
 
@@ -69,13 +70,29 @@ def _module(module: Any) -> Callable[[Setting], Setting]:
     return lambda s: s.replace(module=module, loss=None)
 
 
+def _bundled_loss(fn: Any) -> Any:
+    """``gpt2.loss`` or ``llama.loss`` when ``fn`` is one of them, imported as graphmem.models or
+    loaded by file path (``graphmem advise models/gpt2.py``: the same source, another module object)."""
+    for known in (gpt2.loss, llama.loss):
+        if fn is known:
+            return known
+        try:
+            if fn.__qualname__ == known.__qualname__ and \
+                    os.path.samefile(fn.__code__.co_filename, known.__code__.co_filename):
+                return known
+        except (AttributeError, OSError):
+            continue
+    return None
+
+
 def loss(report: Any, base: Setting, make: Callable[[tuple[int, ...]], Any]) -> tuple[list[Change], list[LeftOut]]:
     """The LM head and cross-entropy in chunks (graphmem/losses.py): the (tokens, vocab) logits and
     their fp32 log-softmax are never whole. Weighed for graphmem's bundled language models and
     Hugging Face causal LMs trained on their own loss; other losses are the user's code."""
     module = base.module
-    if base.loss in (gpt2.loss, llama.loss):
-        head = "lm_head" if base.loss is gpt2.loss else "output"
+    bundled = _bundled_loss(base.loss)
+    if bundled is not None:
+        head = "lm_head" if bundled is gpt2.loss else "output"
         wrapped: Any = losses.ChunkedNextToken(meta_copy(module), head)
         how = (f"model = graphmem.losses.ChunkedNextToken(model, {head!r}); loss = model(ids)  # head + cross-entropy, "
                f"{losses.CHUNK} tokens at a time")
