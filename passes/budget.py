@@ -115,6 +115,8 @@ class Budget:
     gather_bytes: int = 0  # its gathered parameters on one rank
     tp_split: tuple[int, int] = (0, 0)  # (column-parallel, row-parallel) linear ops in the (last micro-step's) forward
     timeline: tuple[int, ...] = field(default=(), repr=False)  # one rank's live bytes per op
+    # bytes per row (and "gathered parameters") live at the later steps' peak, the states made later included
+    later_at_peak: tuple[tuple[str, int], ...] = ()
 
     def row(self, name: str) -> BudgetRow:
         return next(r for r in self.rows if r.name == name)
@@ -217,6 +219,7 @@ def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parall
     base = sum(g.storages[sid].nbytes * parts[sid][1] for sid in lv.intervals if g.storages[sid].created < 0)
     peak = timeline[peak_index] if n else base
     held, at_peak, contributors = _rows(g, lv, sh, parts, peak_index)
+    later_at = _later_rows(g, lv, sh, parts, later_index, gather) if n else {}
     states = [s for s in g.storages.values() if s.kind == "optimizer state"]
     by_name: dict[str, int] = {}
     for s in states:
@@ -242,7 +245,22 @@ def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parall
         peak_op=str(node.target) if node is not None else "",
         peak_module=node.meta.get("module", "") if node is not None else "", top_temporaries=top,
         largest_unit=largest, gather_bytes=_ceil(gather_max, den), tp_split=_forward_linears(g, marks),
-        timeline=tuple(_ceil(v, den) for v in timeline))
+        timeline=tuple(_ceil(v, den) for v in timeline),
+        later_at_peak=tuple((r, _ceil(v, den)) for r, v in later_at.items()))
+
+
+def _later_rows(g: StepGraph, lv: Liveness, sh: _Shares, parts: dict[int, tuple[int, int]], index: int,
+                gather: list[int]) -> dict[str, int]:
+    """Per row, what one rank holds at op ``index`` of a later step (numerators over den): the
+    traced step's live tensors there, the optimizer states the traced step makes after it (a later
+    step holds them from its start), and the gathered parameters."""
+    _, at, _ = _rows(g, lv, sh, parts, index)
+    for s in g.storages.values():
+        if s.kind == "optimizer state" and index < s.created:
+            at[sh.row_of(s)] += s.nbytes * parts.get(s.sid, sh.part(s))[1]
+    if sh.shard_params:
+        at["gathered parameters"] = gather[index]
+    return at
 
 
 def made_states(g: StepGraph) -> int:

@@ -12,6 +12,7 @@ Causes (``GapCause.key``):
   of the data-parallel size (torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
   ``_init_sharded_param``); the formula divides exactly.
 - ``gradients``: the sharded gradients made so far.
+- ``optimizer states``: the optimizer's states (and fp32 masters), the rank's shards.
 - ``gathered``: the unsharded parameters FSDP2 copied out of its all-gathers; the formula counts
   the root unit, the running unit and, in backward, the prefetched one.
 - ``all-gather buffers``: FSDP2's flat all-gather buffers (``fsdp.all_gather_copy_in``) still
@@ -152,13 +153,17 @@ def _role(unit: str, running: str, backward: bool, units: tuple[str, ...]) -> st
     return "kept"
 
 
-def rank_gap(g: StepGraph, lv: Liveness, sv: SavedSet, formula: Budget, units: tuple[str, ...]) -> RankGap:
+def rank_gap(g: StepGraph, lv: Liveness, sv: SavedSet, formula: Budget, units: tuple[str, ...],
+             later: bool = False) -> RankGap:
     """Rank r's peak (``g``, ``lv``, ``sv``) against ``formula`` (passes/budget.py over the
-    single-device step), cause by cause; ``units``: the FSDP units' module paths."""
+    single-device step), cause by cause; ``units``: the FSDP units' module paths. ``later``: the
+    peak of every step after the first on both sides, where the optimizer states the traced step
+    makes live from the start (passes/budget.py ``later_steps_peak``)."""
     saved_sids = {t.sid for t in sv.tensors}
-    at = max(lv.peak_index, 0)
-    running = unit_of(g.ops[at].meta.get("module", ""), units) if lv.peak_index >= 0 else ""
-    backward = g.phase_of(lv.peak_index) == "backward"
+    at, live = _later_live(g, lv) if later else (max(lv.peak_index, 0), [t.sid for t in lv.live_at_peak])
+    index = at if later else lv.peak_index
+    running = unit_of(g.ops[at].meta.get("module", ""), units) if index >= 0 and g.num_ops else ""
+    backward = g.phase_of(index) == "backward"
     owners = buffer_units(g, units)
     pending = {x for op in g.ops if str(op.target) == _CHUNK_CAT for x in _arg_sids(op)}
     gathered = _gathered_by_dtensor(g)
@@ -166,31 +171,53 @@ def rank_gap(g: StepGraph, lv: Liveness, sv: SavedSet, formula: Budget, units: t
     by_unit: dict[tuple[str, str], int] = {}
     largest: dict[str, list[tuple[str, str, int]]] = {}
     sp = 0
-    for t in lv.live_at_peak:  # (largest first)
-        s = g.storages[t.sid]
-        key = _cause(s, t.sid in saved_sids, pending, gathered)
+    for sid in live:  # (largest first)
+        s = g.storages[sid]
+        key = _cause(s, sid in saved_sids, pending, gathered)
         real[key] = real.get(key, 0) + s.nbytes
         if len(largest.setdefault(key, [])) < 3:
             largest[key].append((s.name, s.module, s.nbytes))
-        if key == "activations" and t.sid in gathered:
+        if key == "activations" and sid in gathered:
             sp += s.nbytes
         if key in ("gathered", "all-gather buffers", "reduce-scatter buffers"):
-            u = owners.get(t.sid, "")
+            u = owners.get(sid, "")
             by_unit[(key, u)] = by_unit.get((key, u), 0) + s.nbytes
-    rows = {r.name: r.at_peak for r in formula.rows}
+    rows = dict(formula.later_at_peak) if later else {r.name: r.at_peak for r in formula.rows}
+    peak = formula.later_peak_bytes if later else formula.peak_bytes
     counted = {"parameters": rows.get("parameters", 0) + rows.get("buffers", 0), "gradients": rows.get("gradients", 0),
-               "gathered": rows.get("gathered parameters", 0), "activations": rows.get("activations", 0)}
-    counted["other"] = formula.peak_bytes - sum(counted.values())  # temporaries, and every row's rounding up
+               "gathered": rows.get("gathered parameters", 0), "activations": rows.get("activations", 0),
+               "optimizer states": rows.get("optimizer states", 0) + rows.get("master copies", 0)}
+    counted["other"] = peak - sum(counted.values())  # temporaries, and every row's rounding up
     causes = []
-    for key in ("parameters", "gradients", "gathered", "all-gather buffers", "reduce-scatter buffers",
-                "unsharded gradients", "redistribute outputs", "activations", "workspace", "other"):
+    for key in ("parameters", "gradients", "optimizer states", "gathered", "all-gather buffers",
+                "reduce-scatter buffers", "unsharded gradients", "redistribute outputs", "activations", "workspace",
+                "other"):
         r, f = real.get(key, 0), counted.get(key, 0)
         if not r and not f:
             continue
         roles = tuple(sorted(((u or "the root", _role(u, running, backward, units), b)
                               for (k, u), b in by_unit.items() if k == key), key=lambda x: -x[2]))
         causes.append(GapCause(key, r, f, _why(key, r - f, sp), roles, tuple(largest.get(key, ()))))
-    return RankGap(lv.peak_bytes, formula.peak_bytes, running, tuple(causes), sp)
+    real_peak = sum(real.values()) if later else lv.peak_bytes
+    return RankGap(real_peak, peak, running, tuple(causes), sp)
+
+
+def _later_live(g: StepGraph, lv: Liveness) -> tuple[int, list[int]]:
+    """The op where a later step of rank r peaks (its live bytes plus the optimizer states made
+    after that op, live from a later step's start) and the storages live there, largest first."""
+    pending = [0] * (g.num_ops + 1)
+    for s in g.storages.values():
+        if s.kind == "optimizer state" and s.created >= 0:
+            pending[0] += s.nbytes
+            pending[s.created] -= s.nbytes
+    best, at, extra = -1, 0, 0
+    for i, v in enumerate(lv.timeline[:g.num_ops]):
+        extra += pending[i]
+        if v + extra > best:
+            best, at = v + extra, i
+    live = [sid for sid, (a, b) in lv.intervals.items() if a <= at <= b]
+    live += [s.sid for s in g.storages.values() if s.kind == "optimizer state" and at < s.created]
+    return at, sorted(live, key=lambda sid: (-g.storages[sid].nbytes, sid))
 
 
 def _gathered_by_dtensor(g: StepGraph) -> set[int]:
@@ -210,6 +237,8 @@ def _cause(s: Storage, saved: bool, pending: set[int], gathered: set[int]) -> st
         return "parameters"
     if s.kind == "gradient":
         return "gradients"
+    if s.kind in ("optimizer state", "master"):
+        return "optimizer states"
     if saved:
         return "activations"
     if s.sid in pending and s.kind not in ("communication", "gathered parameter"):

@@ -83,3 +83,24 @@ def test_sequence_parallel_gap_by_cause() -> None:
     assert causes["redistribute outputs"].largest[0][2] == B * S * 1000 * 4
     # the embedding is vocabulary-parallel on the rank, whole in the formula: half of it less
     assert causes["parameters"].delta == -model.tok_embeddings.weight.numel() * 4 // 2
+
+
+def test_later_steps_gap_by_cause() -> None:
+    # GIVEN FSDP2 over 4 ranks with AdamW: a later step holds the optimizer states from its start
+    world = 4
+    model, x = _llama(101)
+    r = graphmem.analyze(model, x, loss=llama.loss, world_size=world, rank=1, fsdp="fully_shard", optimizer="adamw")
+    gap = r.sharding.later_breakdown
+    causes = {c.key: c for c in gap.causes}
+    # THEN the later steps' causes add up to the later steps' gap, each side at its own later peak
+    assert gap.real_peak == r.sharding.later_peak == r.budget.rank.later_peak_bytes
+    assert gap.formula_peak == r.sharding.formula_later
+    assert sum(c.delta for c in gap.causes) == gap.gap == r.sharding.later_peak - r.sharding.formula_later > 0
+    # the optimizer states: AdamW's two moments of FSDP2's padded shards and a 4-byte step per parameter, against
+    # the formula's exact 1/world of the moments (computed here from the parameter shapes)
+    params = list(model.parameters())
+    assert causes["optimizer states"].real == 2 * sum(_padded_shard(p, world) for p in params) + 4 * len(params)
+    assert causes["optimizer states"].formula == math.ceil(2 * sum(p.numel() * 4 for p in params) / world) + 4 * len(params)
+    # rendered after the first step's, and in JSON
+    assert any(n.startswith("the later steps' gap by cause") for n in r.notes)
+    assert r.to_dict()["sharding"]["later_gap_by_cause"]["gap_bytes"] == gap.gap

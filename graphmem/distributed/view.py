@@ -30,6 +30,7 @@ class RankView:
     later_peak: Optional[int] = None  # with an optimizer step: rank r's peak of every later step (states from the start)
     formula_later: Optional[int] = None  # and the formula's
     breakdown: Optional[RankGap] = None  # the gap cause by cause (passes/rank_gap.py)
+    later_breakdown: Optional[RankGap] = None  # the later steps' gap cause by cause (optimizer states from the start)
 
     @property
     def gap(self) -> Optional[int]:
@@ -74,6 +75,8 @@ class RankView:
                           if self.later_peak is not None and self.formula_later is not None else ""))
         if self.breakdown is not None and self.gap:
             out += _cause_lines(self.breakdown)
+        if self.later_breakdown is not None and self.later_breakdown.gap:
+            out += _cause_lines(self.later_breakdown, "the later steps' gap")
         return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,14 +87,15 @@ class RankView:
                 "formula_peak_bytes": self.formula_peak, "gap_bytes": self.gap,
                 "full_gradients": [{"parameter": n, "bytes": g, "shard_bytes": p} for n, g, p in self.full_gradients],
                 "later_peak_bytes": self.later_peak, "formula_later_peak_bytes": self.formula_later,
-                "gap_by_cause": self.breakdown.to_dict() if self.breakdown is not None else None}
+                "gap_by_cause": self.breakdown.to_dict() if self.breakdown is not None else None,
+                "later_gap_by_cause": self.later_breakdown.to_dict() if self.later_breakdown is not None else None}
 
 
 def _signed(n: int) -> str:
     return ("+" if n >= 0 else "-") + fmt_bytes(abs(n))
 
 
-def _cause_lines(gap: RankGap) -> tuple[str, ...]:
+def _cause_lines(gap: RankGap, what: str = "the gap") -> tuple[str, ...]:
     """One line per cause that differs, largest difference first."""
     out = []
     for c in sorted((c for c in gap.causes if c.delta), key=lambda c: -abs(c.delta)):
@@ -106,7 +110,7 @@ def _cause_lines(gap: RankGap) -> tuple[str, ...]:
                 + (f" and {len(c.units) - 4} more" if len(c.units) > 4 else "") + (f"; {detail}" if detail else "")
         out.append(f"  {c.key}: {_signed(c.delta)} (rank {fmt_bytes(c.real)}, formula {fmt_bytes(c.formula)})"
                    + (f": {detail}" if detail else ""))
-    return (f"the gap by cause, tensors live at each peak (passes/rank_gap.py; peak in "
+    return (f"{what} by cause, tensors live at each peak (passes/rank_gap.py; peak in "
             f"{gap.peak_unit or 'the root'}):", *out)
 
 
@@ -127,6 +131,7 @@ def rank_view(g: StepGraph, lv: Liveness, sv: SavedSet, sharding: Sharding,
     formula_peak: Optional[int] = None
     formula_later: Optional[int] = None
     breakdown: Optional[RankGap] = None
+    later_breakdown: Optional[RankGap] = None
     stepped = g.train is not None and g.train.optimizer is not None
     if single is not None:
         formula = formula_of(sharding)
@@ -134,10 +139,11 @@ def rank_view(g: StepGraph, lv: Liveness, sv: SavedSet, sharding: Sharding,
         formula_peak = b.peak_bytes
         formula_later = b.later_peak_bytes if stepped else None
         breakdown = rank_gap(g, lv, sv, b, units)
+        later_breakdown = rank_gap(g, lv, sv, b, units, later=True) if stepped else None
     # tensor parallel alone: each gradient is its own storage (FSDP2's are flat reduce-scatter outputs)
     full = () if sharding.fsdp else tuple(
         (g.storages[s.owner].name, s.nbytes, g.storages[s.owner].nbytes) for s in (g.storages[sid] for sid in g.gradients)
         if s.owner is not None and s.nbytes > g.storages[s.owner].nbytes)
     return RankView(sharding, comm, max(tl.by_category["communication"], default=0), formula, formula_peak,
                     lv.peak_bytes, tp_engine, full, later_steps_peak(g, lv) if stepped else None, formula_later,
-                    breakdown)
+                    breakdown, later_breakdown)
