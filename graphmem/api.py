@@ -15,17 +15,17 @@ from graphmem.capture.load import Loaded, from_exported, load, make_inputs, pars
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target, make_target
 from graphmem.distributed import Sharding, make_sharding, wants_wrappers
-from graphmem.distributed.pipeline import Pipeline, analyze_stage, make_pipeline
+from graphmem.distributed.pipeline import Pipeline, make_pipeline
 from graphmem.distributed.tensor_parallel import tp_engine
 from graphmem.distributed.view import rank_view
 from graphmem.errors import UsageError
 from graphmem.passes import allocator, compare_modes, liveness, notes, saved
-from graphmem.recapture import Recapture, capture_rank_step, capture_step
+from graphmem.recapture import Recapture, capture_rank_step, capture_stage_step, capture_step
 from graphmem.report import Report
 from graphmem.stepgraph import StepGraph
 from graphmem.training.batch import as_batch, resizer
 from graphmem.training.peft_lora import is_hf_model
-from graphmem.training.spec import Training, make_training, step_budget, units_of
+from graphmem.training.spec import Training, make_training, units_of
 from graphmem.training.step import LossFn
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
@@ -203,20 +203,10 @@ def analyze(
 
 def _pipeline_stage(loaded: Loaded, inputs: Any, loss_fn: Optional[LossFn], target: Target, training: Training,
                     plan: Pipeline) -> Report:
-    if training.lora is not None or training.parallel.world_size > 1 or target.mode == "compiled" \
-            or training.train.master_weights or training.quantization is not None:
-        raise UsageError("--pp runs one pipeline rank's schedule and its optimizer; it does not combine with "
-                         "--lora-rank, --qlora, --master-weights, --world-size/--zero/--fsdp/--tp or --mode compiled yet")
-    train = training.train if training.train.optimizer is not None else None
-    st = analyze_stage(loaded.module, inputs, loss_fn, target, plan, train)
-    shapes = tuple(s.shape for s in st.graph.storages.values() if s.kind == "input")
-    # the whole step's table (the stage's optimizer states, later steps' peak) over rank r's own graph;
-    # the schedule's micro-batches are not gradient-accumulation micro-steps
-    traced = dataclasses.replace(training, train=st.graph.train) if st.graph.train is not None else None
-    budget = step_budget(st.graph, st.liveness, st.saved, traced, loaded.module, (), plan.describe()) \
-        if traced is not None else None
-    return Report.build(st.graph, st.liveness, st.saved, loaded.name, shapes, "pipeline stage loss", st.notes,
-                        budget=budget, sharding=plan)
+    step, found, _ = capture_stage_step(loaded.module, inputs, loss_fn, target, training, plan)
+    shapes = tuple(s.shape for s in step.graph.storages.values() if s.kind == "input")
+    return Report.build(step.graph, step.liveness, step.saved, loaded.name, shapes, "pipeline stage loss", found,
+                        budget=step.budget, sharding=plan)
 
 
 def _per_rank(name: str, module: nn.Module, make: Any, loss_fn: Optional[LossFn], target: Target,

@@ -18,6 +18,8 @@ from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.reuse_compiled import CompiledReused, compiled_reusing
 from graphmem.capture.target import Target
 from graphmem.distributed import Sharding, capture_rank
+from graphmem.distributed.pipeline import Pipeline, analyze_stage
+from graphmem.distributed.pipeline_stages import Layout
 from graphmem.errors import UsageError
 from graphmem.passes import Liveness, SavedSet, liveness, saved
 from graphmem.passes.budget import Parallel
@@ -120,6 +122,27 @@ def capture_rank_step(module: nn.Module, make: Any, loss: Optional[LossFn], targ
     traced = dataclasses.replace(training, train=g.train) if g.train is not None else training  # its micro-steps
     plan = step_budget(g, lv, sv, traced, prepared, lora_layers, whose) if training.requested else None
     return Captured(g, lv, sv, plan, prepared, lora_layers, target, reused.why if reused is not None else "")
+
+
+def capture_stage_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: Target, training: Training,
+                       plan: Pipeline, layout: Optional[Layout] = None) -> tuple[Captured, tuple[str, ...], Layout]:
+    """Pipeline rank ``plan.rank``'s step under torch.distributed.pipelining's schedule
+    (graphmem/distributed/pipeline.py), with the optimizer step over its stage's parameters when
+    ``training`` has one, and the passes; its notes (stage, micro-batches in flight). What
+    ``graphmem.analyze --pp`` and ``Report.advise``'s pipeline lever run (``layout``: the split
+    another rank's capture probed, passed on so every rank does not probe it again)."""
+    if training.lora is not None or training.parallel.world_size > 1 or target.mode == "compiled" \
+            or training.train.master_weights or training.quantization is not None:
+        raise UsageError("--pp runs one pipeline rank's schedule and its optimizer; it does not combine with "
+                         "--lora-rank, --qlora, --master-weights, --world-size/--zero/--fsdp/--tp or --mode compiled yet")
+    train = training.train if training.train.optimizer is not None else None
+    st = analyze_stage(module, make, loss, target, plan, train, layout)
+    # the whole step's table (the stage's optimizer states, later steps' peak) over rank r's own graph;
+    # the schedule's micro-batches are not gradient-accumulation micro-steps
+    traced = dataclasses.replace(training, train=st.graph.train) if st.graph.train is not None else None
+    budget = step_budget(st.graph, st.liveness, st.saved, traced, module, (), plan.describe()) \
+        if traced is not None else None
+    return Captured(st.graph, st.liveness, st.saved, budget, module, (), target), st.notes, st.layout
 
 class Recapture:
     """The analyzed module, how to make inputs of another shape, the loss, the target and the

@@ -13,6 +13,7 @@ import torch
 from cases import MODELS, build
 
 import graphmem
+from graphmem.advise import Lever
 from graphmem.cli.main import main
 from graphmem.losses import ChunkedCausalLM, ChunkedNextToken
 from graphmem.training.loop import TrainStep
@@ -260,3 +261,21 @@ def test_the_loss_lever_knows_a_bundled_model_loaded_by_path() -> None:
         loaded = load_file(path)
         assert loaded.loss is not known and _bundled_loss(loaded.loss) is known
     assert _bundled_loss(lambda out, inputs: out.sum()) is None
+
+
+def test_the_pipeline_lever_is_every_ranks_stage_with_its_optimizer() -> None:
+    """The pipeline row: 1F1B over --ranks stages, each rank's step with its stage's optimizer
+    (analyze --pp P --rank r --micro-batches M, each captured); the row is the highest rank's peak."""
+    module, inputs, loss = build(MODELS, "gpt2_sdpa")  # 2 blocks
+    inputs = (torch.cat([inputs[0], inputs[0]]),)  # batch 4: 1F1B over 2 ranks takes 2 micro-batches
+    report = graphmem.analyze(module, inputs, loss=loss, optimizer="adamw")
+    advice = report.advise(memory=report.peak_bytes // 2, ranks=2)
+    rows = [r for r in advice.levers if r.kind == "pipeline"] + \
+        [x for x in advice.left_out if x.kind == "pipeline"]
+    assert len(rows) == 1 and isinstance(rows[0], Lever), rows
+    row = rows[0]
+    assert row.name == "pipeline over 2 ranks (1F1B, 2 micro-batches)"
+    stages = [graphmem.analyze(module, inputs, loss=loss, optimizer="adamw", pp=2, rank=r, micro_batches=2)
+              for r in range(2)]
+    assert row.peak_bytes == max(_peak(s) for s in stages) < _peak(report)
+    assert "1F1B's bubble idles 33% of the step" in row.cost

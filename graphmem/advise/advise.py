@@ -106,7 +106,7 @@ def advise(report: Any, memory: Any, ranks: int = 8, lora_rank: int = 16,
     left_out: list[LeftOut] = []
     for found, why in (L.loss(report, base, measurer.source.make), L.attention(report, base),
                        L.precision(report, base), L.optimizer(report, base), L.micro_batches(report, base),
-                       L.sharding(report, base, ranks), L.lora(report, base, lora_rank)):
+                       L.sharding(report, base, ranks), L.pipeline(report, base, ranks), L.lora(report, base, lora_rank)):
         changes += found
         left_out += why
     rows, measured = _singles(measurer, changes, base_peak, limit, left_out)

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, cast
 
+import torch
+
 from graphmem import losses
 from graphmem.advise.setting import Setting
+from graphmem.chains import find_chain
+from graphmem.distributed.pipeline import Pipeline
 from graphmem.distributed.spec import Sharding
 from graphmem.models import gpt2, llama
 from graphmem.passes.budget import make_parallel
@@ -26,7 +31,7 @@ COST_RANK = {"none": 0, "trade-off": 1, "recompute": 2, "communication": 3, "cha
 
 @dataclass(frozen=True)
 class Change:
-    kind: str  # loss | attention | precision | optimizer | micro-batches | sharding | lora
+    kind: str  # loss | attention | precision | optimizer | micro-batches | sharding | pipeline | lora
     name: str  # the row's label
     how: str  # the exact change: options, or a few lines of code
     cost: str  # what it costs, in words
@@ -56,6 +61,10 @@ def _both(target: dict[str, Any], train: dict[str, Any]) -> Callable[[Setting], 
 
 def _sharded(sharding: Sharding) -> Callable[[Setting], Setting]:
     return lambda s: s.replace(sharding=sharding)
+
+
+def _piped(plan: Pipeline) -> Callable[[Setting], Setting]:
+    return lambda s: s.replace(pipeline=plan)
 
 
 def _micro(shape: tuple[int, ...], total: int) -> Callable[[Setting], Setting]:
@@ -247,6 +256,40 @@ def sharding(report: Any, base: Setting, ranks: int) -> tuple[list[Change], list
                    _training(parallel=make_parallel(ranks, z)), once)
             for z in ((1, 2) if base.training.train.optimizer else (2,))]
     return out, []
+
+
+def pipeline(report: Any, base: Setting, ranks: int) -> tuple[list[Change], list[LeftOut]]:
+    """Pipeline stages over ``ranks`` ranks: torch.distributed.pipelining's 1F1B schedule over the
+    model's chain split evenly, each rank's step captured with its own stage's optimizer
+    (graphmem/distributed/pipeline.py); the row is the highest rank's peak. Micro-batches: the
+    smallest divisor of the batch that is at least ``ranks`` (1F1B idles (P-1)/(M+P-1) of the
+    step: the bubble). Communication per rank and step: the block input of the whole batch
+    forward and its gradient backward."""
+    if base.training.parallel.world_size > 1:
+        return [], [LeftOut("pipeline", f"the step is already split: {base.training.parallel.describe()}")]
+    if ranks < 2:
+        return [], [LeftOut("pipeline", "one rank (--ranks 1): nothing to split into stages")]
+    if base.training.train.micro_batches > 1:
+        return [], [LeftOut("pipeline", "the step already accumulates micro-batches; pipeline stages split the batch "
+                            "into their own (--pp with --micro-batches)")]
+    chain = find_chain(base.module)
+    b = base.shape[0]
+    if chain is None:
+        return [], [LeftOut("pipeline", "no chain of identical blocks to split into stages")]
+    if b < ranks:
+        return [], [LeftOut("pipeline", f"batch {b} has fewer samples than the {ranks} stages: 1F1B needs a micro-batch "
+                            "per stage at least")]
+    m = next(d for d in range(ranks, b + 1) if b % d == 0)
+    hidden = report.step.module_inputs.get(f"{chain.path}.0") if report.step is not None else None
+    size = torch.empty((), dtype=base.target.param_dtype or torch.float32).element_size()
+    volume = 2 * math.prod(hidden) * size if hidden else 0
+    bubble = (ranks - 1) / (m + ranks - 1)
+    cost = (f"communication {fmt_bytes(volume)} per rank per step on {ranks} GPUs (block inputs and their gradients); "
+            f"1F1B's bubble idles {bubble:.0%} of the step")
+    how = (f"--pp {ranks} --micro-batches {m} --schedule 1f1b --rank R for R in 0..{ranks - 1}: torch.distributed."
+           f"pipelining's Schedule1F1B over PipelineStage({chain.path} split in {ranks}); the row is the highest rank's")
+    return [Change("pipeline", f"pipeline over {ranks} ranks (1F1B, {m} micro-batches)", how, cost, "communication",
+                   _piped(Pipeline(ranks, 0, "1f1b", m)), volume)], []
 
 
 def lora(report: Any, base: Setting, rank: int = 16) -> tuple[list[Change], list[LeftOut]]:

@@ -17,11 +17,12 @@ from typing import Any, Callable, Optional
 import torch.nn as nn
 
 from graphmem.capture.target import Target
+from graphmem.distributed.pipeline import Pipeline, make_pipeline
 from graphmem.distributed.spec import Sharding, make_sharding
 from graphmem.errors import UsageError, no_source
 from graphmem.passes import saved
 from graphmem.planning.planner import step_flops
-from graphmem.recapture import Captured, capture_rank_step, capture_step
+from graphmem.recapture import Captured, capture_rank_step, capture_stage_step, capture_step
 from graphmem.training.spec import Training, make_training, step_budget
 from graphmem.training.step import LossFn
 
@@ -36,6 +37,7 @@ class Setting:
     loss: Optional[LossFn]
     module: nn.Module  # before LoRA (the training spec adds adapters)
     sharding: Optional[Sharding] = None  # rank r's step through fully_shard (None: one device, or the formulas)
+    pipeline: Optional[Pipeline] = None  # pipeline stages over ranks (its rank is ignored: every rank is captured)
 
     def replace(self, **changes: Any) -> "Setting":
         return dataclasses.replace(self, **changes)
@@ -51,7 +53,7 @@ class Setting:
     def key(self) -> tuple:
         """What the capture depends on (not the parallel layout: see the module docstring)."""
         return (self.target, self.training.train, self.training.lora, self.training.quantization, self.shape,
-                self.loss, self.module, self.sharding)
+                self.loss, self.module, self.sharding, self.pipeline)
 
 
 def base_setting(report: Any) -> Setting:
@@ -73,6 +75,7 @@ class Measurer:
         self.captures = 0  # captures run (the report's own is not counted)
         step = report.step
         lora = report.budget.lora_layers if report.budget is not None else ()
+        self._stage_cache: dict[tuple, list[Captured]] = {}
         self._cache: dict[tuple, Captured] = {
             self.base.key: Captured(step, report.liveness, saved(step), report.budget, self.source.module, lora,
                                     self.source.target)}
@@ -81,6 +84,8 @@ class Measurer:
         """The step of ``setting``, captured (or taken from the cache), its budget per rank."""
         if setting.sharding is not None:
             return self._rank(setting, setting.sharding)
+        if setting.pipeline is not None:
+            return max(self._stages(setting, setting.pipeline), key=step_peak)
         cached = self._cache.get(setting.key)
         if cached is None:
             make = self.source.make
@@ -104,6 +109,8 @@ class Measurer:
         cached = self._cache.get(setting.key)
         if cached is None:
             s = sharding
+            if setting.pipeline is not None:
+                raise UsageError("fully_shard with pipeline stages is not modelled: one or the other")
             if setting.training.parallel.world_size > 1:
                 raise UsageError(f"the step is already split by the formulas ({setting.training.parallel.describe()})")
             make_sharding(s.world_size, s.rank, s.fsdp, s.reshard_after_forward, s.param_dtype, s.reduce_dtype,
@@ -114,6 +121,23 @@ class Measurer:
             cached = capture_rank_step(setting.module, lambda: make(setting.shape), setting.loss, setting.target,
                                        sharding, setting.training, reuse=self.source.reuse, whose=whose)
             self._cache[setting.key] = cached
+            self.captures += 1
+            self.tick()
+        return cached
+
+    def _stages(self, setting: Setting, plan: Pipeline) -> list[Captured]:
+        """Every pipeline rank's step (its stages, its optimizer), captured once per setting."""
+        key = setting.key
+        cached = self._stage_cache.get(key)
+        if cached is None:
+            make = self.source.make
+            cached, layout = [], None
+            for r in range(plan.pp):  # the split is probed once, for rank 0, and passed on
+                step, _, layout = capture_stage_step(setting.module, lambda: make(setting.shape), setting.loss,
+                                                     setting.target, setting.training,
+                                                     make_pipeline(plan.pp, r, plan.schedule, plan.micro_batches), layout)
+                cached.append(step)
+            self._stage_cache[key] = cached
             self.captures += 1
             self.tick()
         return cached

@@ -170,13 +170,15 @@ def in_flight(g: StepGraph, segments: tuple[Segment, ...], peak: int) -> InFligh
 
 
 def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target: Target,
-                  plan: Pipeline, train: Optional[TrainStep] = None) -> tuple[StageGraph, tuple[Segment, ...], Layout]:
+                  plan: Pipeline, train: Optional[TrainStep] = None,
+                  layout: Optional[Layout] = None) -> tuple[StageGraph, tuple[Segment, ...], Layout]:
     """Record rank ``plan.rank``'s step of the pipeline on fake tensors (see the module docstring);
     with ``train``'s optimizer, torch.optim's step over the stage's own parameters after the
     schedule (each rank steps its own stage's optimizer, as torchtitan does)."""
     device = torch.device("cpu")  # the CUDA target runs on fake CPU tensors (graphmem/capture/target.py)
     context = forward_context(target, {}, contextlib.nullcontext)
-    layout = probe(model, inputs, plan.micro_batches, target.param_dtype, context)
+    if layout is None:  # (the same for every rank of the pipeline: a caller capturing several passes it on)
+        layout = probe(model, inputs, plan.micro_batches, target.param_dtype, context)
     _unique_counts()
     cap = _Recorder({id(m): n for n, m in model.named_modules()})
     cap.device = target.device
@@ -320,15 +322,16 @@ class StageStep:
     notes: tuple[str, ...]
     in_flight: InFlight
     blocks: tuple[tuple[int, int], ...]  # blocks [a, b) of each of this rank's stages
+    layout: Layout  # the model's split (probed once; the same for every rank)
 
 
 def analyze_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target: Target,
-                  plan: Pipeline, train: Optional[TrainStep] = None) -> StageStep:
+                  plan: Pipeline, train: Optional[TrainStep] = None, layout: Optional[Layout] = None) -> StageStep:
     """Rank ``plan.rank``'s step graph, saved set, peak and micro-batches in flight (``train``:
     with its optimizer's step over the stage's parameters)."""
     from graphmem.passes import liveness, notes, saved
 
-    g, segments, layout = capture_stage(model, inputs, loss, target, plan, train)
+    g, segments, layout = capture_stage(model, inputs, loss, target, plan, train, layout)
     lv, sv = liveness(g), saved(g)
     flight = in_flight(g, segments, lv.peak_index)
     bounds = layout.bounds(plan.pp * plan.virtual)
@@ -337,7 +340,7 @@ def analyze_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
     line = (f"{plan.describe()}, {where}: at the peak {flight.at_peak} micro-batches' activations held "
             f"({flight.bytes_at_peak:,} B), at most {flight.most}; forwards and backwards interleave from op "
             f"{g.phase_start['backward']} (each op's phase is its own)")
-    return StageStep(g, lv, sv, (line, *notes(g)), flight, blocks)
+    return StageStep(g, lv, sv, (line, *notes(g)), flight, blocks, layout)
 
 
 __all__ = ["Pipeline", "make_pipeline", "analyze_stage", "capture_stage", "StageStep", "InFlight", "fake_group"]

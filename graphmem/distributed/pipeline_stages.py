@@ -58,6 +58,9 @@ def make_pipeline(pp: int, rank: int, schedule: str, micro_batches: int) -> Pipe
         raise UsageError(f"unknown --schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise UsageError(f"--micro-batches must be a positive integer, got {micro_batches!r}")
+    if schedule == "1f1b" and micro_batches < pp:  # torch/distributed/pipelining/schedules.py, Schedule1F1B.__init__
+        raise UsageError(f"the 1f1b schedule needs at least as many micro-batches as stages: --micro-batches {pp} "
+                         f"or more for --pp {pp} (or --schedule gpipe)")
     return Pipeline(pp, rank, schedule, micro_batches)
 
 
