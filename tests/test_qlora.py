@@ -187,3 +187,13 @@ def test_a_quantized_peft_model_is_analyzed_as_it_is() -> None:
     assert r.activation_bytes == real.saved_bytes
     assert b.row("parameters").size + b.row("buffers").size == _state_bytes(real_model)
     assert 0 <= real.peak_bytes - r.peak_bytes <= LM_TOLERANCE * real.peak_bytes
+
+
+def test_a_model_of_linear_subclasses_says_why_nothing_was_quantized() -> None:
+    """transformers' Falcon builds its projections as FalconLinear(nn.Linear); replace_with_bnb_linear
+    tests ``type(module) is nn.Linear`` and quantizes none of them (transformers warns "no linear
+    modules were found"): the error names the subclass."""
+    cfg = T.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    with pytest.raises(UsageError, match="FalconLinear, subclasses of nn.Linear"):
+        graphmem.analyze(T.FalconForCausalLM(cfg), input_shape=(1, 8), qlora=True, lora_rank=4,
+                         lora_targets="all-linear", optimizer="adamw")

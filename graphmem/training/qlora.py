@@ -125,8 +125,13 @@ def quantize(model: nn.Module, q: Quantization, dtype: Optional[torch.dtype] = N
         replace_with_bnb_linear(model, get_keys_to_not_convert(model), config)
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
     if not layers:
+        subclassed = sorted({type(m).__name__ for m in model.modules()
+                             if isinstance(m, nn.Linear) and type(m) is not nn.Linear and not isinstance(m, Conv1D)})
+        why = (f"; this model's linears are {', '.join(subclassed)}, subclasses of nn.Linear, which transformers' "
+               "replace_with_bnb_linear leaves in full precision (it tests type(module) is nn.Linear, "
+               "transformers/integrations/bitsandbytes.py)") if subclassed else ""
         raise UsageError("--qlora found no linear layer to quantize in this model (transformers' bitsandbytes "
-                         "integration replaces nn.Linear and Conv1D, never the output head)")
+                         "integration replaces nn.Linear and Conv1D, never the output head)" + why)
     for name, m in layers:
         weight = old[name].weight.detach()
         value = weight.t() if isinstance(old[name], Conv1D) else weight  # as Bnb4bitQuantize.convert
