@@ -25,7 +25,7 @@ LAYERS: dict[str, set[str]] = {
     "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula"},
     "losses": {"capture"},
     "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "recapture",
-               "losses", "models", "distributed"},
+               "losses", "models", "distributed", "chains"},
     "report": {"stepgraph", "passes", "formula", "planning", "advise"},
     "compare": {"errors", "report"},
     "render": {"errors", "units", "stepgraph", "passes", "report", "compare", "planning", "formula", "training",
