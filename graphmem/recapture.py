@@ -94,14 +94,12 @@ def capture_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: T
                     reused.eager if isinstance(reused, CompiledReused) else None)
 
 
-
 def capture_rank_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: Target, sharding: Sharding,
-                      training: Training, reuse: bool = True, whose: str = "") -> Captured:
+                      training: Training, reuse: bool = True) -> Captured:
     """Rank ``sharding.rank``'s step through PyTorch's own wrappers (fully_shard, DTensor's
     parallelize_module under the fake process group: graphmem/distributed/capture.py), LoRA
     applied first as users do with FSDP2, and the passes; the budget table is over the rank's
-    own graph (its shards, its optimizer states: nothing divided). ``whose`` names the rank in
-    the budget table. What ``graphmem.analyze`` runs for ``--rank``/``--fsdp`` and what
+    own graph (its shards, its optimizer states: nothing divided). What ``graphmem.analyze`` runs for ``--rank``/``--fsdp`` and what
     ``Report.advise``'s FSDP2 levers capture."""
     if sharding.offload and target.device == "cuda":
         raise UsageError("--fsdp-offload on --device cuda is not modelled yet: the CUDA target runs on CPU fake "
@@ -120,7 +118,7 @@ def capture_rank_step(module: nn.Module, make: Any, loss: Optional[LossFn], targ
     lv, sv = liveness(g), saved(g)
     # the whole step's table (optimizer states, later steps' peak) over rank r's own graph
     traced = dataclasses.replace(training, train=g.train) if g.train is not None else training  # its micro-steps
-    plan = step_budget(g, lv, sv, traced, prepared, lora_layers, whose) if training.requested else None
+    plan = step_budget(g, lv, sv, traced, prepared, lora_layers) if training.requested else None
     return Captured(g, lv, sv, plan, prepared, lora_layers, target, reused.why if reused is not None else "")
 
 
@@ -143,6 +141,7 @@ def capture_stage_step(module: nn.Module, make: Any, loss: Optional[LossFn], tar
     budget = step_budget(st.graph, st.liveness, st.saved, traced, module, (), plan.describe()) \
         if traced is not None else None
     return Captured(st.graph, st.liveness, st.saved, budget, module, (), target), st.notes, st.layout
+
 
 class Recapture:
     """The analyzed module, how to make inputs of another shape, the loss, the target and the

@@ -273,16 +273,23 @@ def later_steps_peak(g: StepGraph, lv: Liveness) -> int:
     """The peak of every step after the first (on one device): each op's live bytes plus the
     optimizer states the first step has not made yet at that op. Never below ``lv.peak_bytes``;
     equal to it when the step has no optimizer."""
+    return later_steps_peak_at(g, lv)[0]
+
+
+def later_steps_peak_at(g: StepGraph, lv: Liveness) -> tuple[int, int]:
+    """``later_steps_peak`` and the op where it happens (``lv.peak_index`` when no op of a later
+    step goes above the first step's peak)."""
     pending = [0] * (g.num_ops + 1)
     for s in g.storages.values():
         if s.kind == "optimizer state" and s.created >= 0:
             pending[0] += s.nbytes
             pending[s.created] -= s.nbytes
-    extra, peak = 0, lv.peak_bytes
+    extra, peak, at = 0, lv.peak_bytes, lv.peak_index
     for i, live in enumerate(lv.timeline[:g.num_ops]):
         extra += pending[i]
-        peak = max(peak, live + extra)
-    return peak
+        if live + extra > peak:
+            peak, at = live + extra, i
+    return peak, at
 
 
 def _timelines(g: StepGraph, lv: Liveness, parts: dict[int, tuple[int, int]],

@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from graphmem.passes.budget import Budget
+from graphmem.passes.budget import Budget, later_steps_peak_at
 from graphmem.passes.liveness import Liveness
 from graphmem.passes.saved import SavedSet
 from graphmem.stepgraph import OpNode, StepGraph, Storage
@@ -160,9 +160,9 @@ def rank_gap(g: StepGraph, lv: Liveness, sv: SavedSet, formula: Budget, units: t
     peak of every step after the first on both sides, where the optimizer states the traced step
     makes live from the start (passes/budget.py ``later_steps_peak``)."""
     saved_sids = {t.sid for t in sv.tensors}
-    at, live = _later_live(g, lv) if later else (max(lv.peak_index, 0), [t.sid for t in lv.live_at_peak])
-    index = at if later else lv.peak_index
-    running = unit_of(g.ops[at].meta.get("module", ""), units) if index >= 0 and g.num_ops else ""
+    real_peak, index = later_steps_peak_at(g, lv) if later else (lv.peak_bytes, lv.peak_index)
+    live = _later_live(g, lv, index) if later else [t.sid for t in lv.live_at_peak]
+    running = unit_of(g.ops[index].meta.get("module", ""), units) if index >= 0 else ""
     backward = g.phase_of(index) == "backward"
     owners = buffer_units(g, units)
     pending = {x for op in g.ops if str(op.target) == _CHUNK_CAT for x in _arg_sids(op)}
@@ -198,26 +198,17 @@ def rank_gap(g: StepGraph, lv: Liveness, sv: SavedSet, formula: Budget, units: t
         roles = tuple(sorted(((u or "the root", _role(u, running, backward, units), b)
                               for (k, u), b in by_unit.items() if k == key), key=lambda x: -x[2]))
         causes.append(GapCause(key, r, f, _why(key, r - f, sp), roles, tuple(largest.get(key, ()))))
-    real_peak = sum(real.values()) if later else lv.peak_bytes
     return RankGap(real_peak, peak, running, tuple(causes), sp)
 
 
-def _later_live(g: StepGraph, lv: Liveness) -> tuple[int, list[int]]:
-    """The op where a later step of rank r peaks (its live bytes plus the optimizer states made
-    after that op, live from a later step's start) and the storages live there, largest first."""
-    pending = [0] * (g.num_ops + 1)
-    for s in g.storages.values():
-        if s.kind == "optimizer state" and s.created >= 0:
-            pending[0] += s.nbytes
-            pending[s.created] -= s.nbytes
-    best, at, extra = -1, 0, 0
-    for i, v in enumerate(lv.timeline[:g.num_ops]):
-        extra += pending[i]
-        if v + extra > best:
-            best, at = v + extra, i
-    live = [sid for sid, (a, b) in lv.intervals.items() if a <= at <= b]
-    live += [s.sid for s in g.storages.values() if s.kind == "optimizer state" and at < s.created]
-    return at, sorted(live, key=lambda sid: (-g.storages[sid].nbytes, sid))
+def _later_live(g: StepGraph, lv: Liveness, index: int) -> list[int]:
+    """The storages a later step holds at op ``index`` (passes/budget.py ``later_steps_peak_at``):
+    the traced step's live ones, and the optimizer states it makes after that op, which a later
+    step holds from its start; largest first."""
+    live = [t.sid for t in lv.live_at_peak] if index < 0 else \
+        [sid for sid, (a, b) in lv.intervals.items() if a <= index <= b]
+    live += [s.sid for s in g.storages.values() if s.kind == "optimizer state" and index < s.created]
+    return sorted(live, key=lambda sid: (-g.storages[sid].nbytes, sid))
 
 
 def _gathered_by_dtensor(g: StepGraph) -> set[int]:

@@ -281,8 +281,7 @@ def pipeline(report: Any, base: Setting, ranks: int) -> tuple[list[Change], list
                             "per stage at least")]
     m = next(d for d in range(ranks, b + 1) if b % d == 0)
     hidden = report.step.module_inputs.get(f"{chain.path}.0") if report.step is not None else None
-    size = torch.empty((), dtype=base.target.param_dtype or torch.float32).element_size()
-    volume = 2 * math.prod(hidden) * size if hidden else 0
+    volume = 2 * math.prod(hidden) * (base.target.param_dtype or torch.float32).itemsize if hidden else 0
     bubble = (ranks - 1) / (m + ranks - 1)
     cost = (f"communication {fmt_bytes(volume)} per rank per step on {ranks} GPUs (block inputs and their gradients); "
             f"1F1B's bubble idles {bubble:.0%} of the step")

@@ -116,10 +116,8 @@ class Measurer:
             make_sharding(s.world_size, s.rank, s.fsdp, s.reshard_after_forward, s.param_dtype, s.reduce_dtype,
                           s.offload, s.tp, s.sp, s.no_sync, setting.training)
             make = self.source.make
-            whose = (f"rank {s.rank} of {s.world_size} (fully_shard over {s.dp}, "
-                     f"reshard_after_forward={s.reshard_after_forward})")
             cached = capture_rank_step(setting.module, lambda: make(setting.shape), setting.loss, setting.target,
-                                       sharding, setting.training, reuse=self.source.reuse, whose=whose)
+                                       sharding, setting.training, reuse=self.source.reuse)
             self._cache[setting.key] = cached
             self.captures += 1
             self.tick()

@@ -205,10 +205,11 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
                 mine = dict([*own.named_parameters(remove_duplicate=False), *own.named_buffers(remove_duplicate=False)])
                 param_sid: dict[str, int] = {}
 
-                def held(t: torch.Tensor, kind: str, n: str) -> None:  # named as in the model
-                    cap.preexisting(t, kind, names.get(id(mine[n]), n))
+                def held(t: torch.Tensor, kind: str, n: str) -> None:
+                    name = names.get(id(mine[n]), n)  # named as in the model
+                    cap.preexisting(t, kind, name)
                     if kind == "parameter":
-                        param_sid[names.get(id(mine[n]), n)] = cap.placeholders[-1].meta["storage"]
+                        param_sid[name] = cap.placeholders[-1].meta["storage"]
                 state, seen = fake_state(own, device, target.param_dtype, held)
                 # the stage's optimizer, made before the step (its states are made by the step, lazily)
                 fakes = {names.get(id(p), n): seen[id(p)] for n, p in own.named_parameters()}

@@ -147,11 +147,7 @@ def step_context(sharding: Sharding) -> Any:
 
 def _gpt2_root_plan(sp: bool, loss_parallel: bool = False) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     plan: dict[str, Any] = {"transformer.wte": RowwiseParallel(input_layouts=Replicate())}
     if not sp:
@@ -167,12 +163,7 @@ def _gpt2_root_plan(sp: bool, loss_parallel: bool = False) -> dict[str, Any]:
 
 def _gpt2_block_plan(sp: bool) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     plan: dict[str, Any] = {"attn.c_attn": FusedColwise(3), "mlp.c_fc": ColwiseParallel()}
     if not sp:
@@ -221,12 +212,7 @@ def _root_plan(sp: bool, loss_parallel: bool = False) -> dict[str, Any]:
 
 def _block_plan(sp: bool) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     plan: dict[str, Any] = {
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
