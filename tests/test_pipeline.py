@@ -75,15 +75,16 @@ SCALAR_GAP = {"adamw": 12, "momentum": 0}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adamw", "momentum"])
-def test_each_rank_steps_its_own_stage_optimizer_as_a_real_gloo_rank(optimizer: str, tmp_path) -> None:
+@pytest.mark.parametrize("build,optimizer", [(bundled_gpt2, "adamw"), (bundled_gpt2, "momentum"), (hf_llama, "adamw")],
+                         ids=["gpt2-adamw", "gpt2-momentum", "hf-llama-adamw"])
+def test_each_rank_steps_its_own_stage_optimizer_as_a_real_gloo_rank(build, optimizer: str, tmp_path) -> None:
     """The stage's optimizer after the schedule (torch.optim over the stage's own parameters,
     then zero_grad): saved bytes, the first step's peak, and a later step's with the states made
     before it starts (the budget table's "peak (later steps)"), on every rank, to the byte but
     for SCALAR_GAP where the peak is in the optimizer step."""
     # GIVEN the same pipeline run for real, each rank stepping its stage's optimizer, two steps
-    real = measure_pipeline(bundled_gpt2, 2, ("1f1b",), 4, str(tmp_path), optimizer=optimizer)
-    model, batch, loss = bundled_gpt2()
+    real = measure_pipeline(build, 2, ("1f1b",), 4, str(tmp_path), optimizer=optimizer)
+    model, batch, loss = build()
     for rank in range(2):
         # WHEN graphmem runs that rank's schedule and optimizer on the fake process group
         report = graphmem.analyze(model, (batch,), loss=loss, pp=2, rank=rank, micro_batches=4, optimizer=optimizer)
