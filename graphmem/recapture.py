@@ -30,6 +30,7 @@ from graphmem.training.step import LossFn
 
 if TYPE_CHECKING:
     from graphmem.formula.sampler import Sampler
+    from graphmem.spec import StepSpec
 
 
 def variables_of(example: tuple) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -74,9 +75,10 @@ class Captured:
 
 
 def capture_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: Target, training: Training,
-                 reuse: bool = True) -> Captured:
+                 reuse: bool = True, formula: Parallel = Parallel()) -> Captured:
     """Capture one training step of ``module`` (LoRA applied from ``training``) and run the
-    passes: what ``graphmem.analyze`` and ``Report.advise`` both run."""
+    passes, with the per-rank budget of ``formula`` (passes/budget.py) over it: a StepSpec's
+    ``Single`` or ``Formula`` step (graphmem/measure.py)."""
     prepared, lora_layers = prepare(module, training, target.param_dtype)
     if training.keeps_dtypes(module):  # 4-bit weights, peft's fp32 adapters (graphmem/training/spec.py)
         target = dataclasses.replace(target, dtype=None)
@@ -89,7 +91,8 @@ def capture_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: T
             if target.mode == "compiled" else capture_reusing(prepared, capture_at)
     g = reused.graph if reused is not None else capture_at()
     lv, sv = liveness(g), saved(g)
-    plan = step_budget(g, lv, sv, training, prepared, lora_layers) if training.requested else None
+    plan = step_budget(g, lv, sv, training, prepared, lora_layers, layout=formula) \
+        if training.requested or formula != Parallel() else None
     return Captured(g, lv, sv, plan, prepared, lora_layers, target, reused.why if reused is not None else "",
                     reused.eager if isinstance(reused, CompiledReused) else None)
 
@@ -101,12 +104,6 @@ def capture_rank_step(module: nn.Module, make: Any, loss: Optional[LossFn], targ
     applied first as users do with FSDP2, and the passes; the budget table is over the rank's
     own graph (its shards, its optimizer states: nothing divided). What ``graphmem.analyze`` runs for ``--rank``/``--fsdp`` and what
     ``Report.advise``'s FSDP2 levers capture."""
-    if sharding.offload and target.device == "cuda":
-        raise UsageError("--fsdp-offload on --device cuda is not modelled yet: the CUDA target runs on CPU fake "
-                         "tensors, where CPUOffloadPolicy's host-to-device copies do not appear")
-    if target.mode == "compiled":
-        raise UsageError("the per-rank capture runs the wrappers eagerly: drop --mode compiled, or drop --rank/--fsdp "
-                         "for the formulas")
     prepared, lora_layers = prepare(module, training, target.param_dtype)
     if training.keeps_dtypes(module):  # peft's fp32 adapters on a 16-bit model (graphmem/training/spec.py)
         target = dataclasses.replace(target, dtype=None)
@@ -129,10 +126,6 @@ def capture_stage_step(module: nn.Module, make: Any, loss: Optional[LossFn], tar
     ``training`` has one, and the passes; its notes (stage, micro-batches in flight). What
     ``graphmem.analyze --pp`` and ``Report.advise``'s pipeline lever run (``layout``: the split
     another rank's capture probed, passed on so every rank does not probe it again)."""
-    if training.lora is not None or training.parallel.world_size > 1 or target.mode == "compiled" \
-            or training.train.master_weights or training.quantization is not None:
-        raise UsageError("--pp runs one pipeline rank's schedule and its optimizer; it does not combine with "
-                         "--lora-rank, --qlora, --master-weights, --world-size/--zero/--fsdp/--tp or --mode compiled yet")
     train = training.train if training.train.optimizer is not None else None
     st = analyze_stage(module, make, loss, target, plan, train, layout)
     # the whole step's table (the stage's optimizer states, later steps' peak) over rank r's own graph;
@@ -144,19 +137,16 @@ def capture_stage_step(module: nn.Module, make: Any, loss: Optional[LossFn], tar
 
 
 class Recapture:
-    """The analyzed module, how to make inputs of another shape, the loss, the target and the
-    training step (``train``: micro-batches, optimizer), as the first capture ran them;
-    ``original`` (the module before LoRA) and ``training`` (the whole spec) let ``Report.advise``
-    capture the step again with other options."""
+    """What a report's later questions (formulas, fits, plans, advise) capture again: the StepSpec
+    it was analyzed from (``spec``), the module and target the capture ran (with LoRA adapters; the
+    dtype left to a QLoRA module's own) and the first input's dimensions that vary."""
 
-    def __init__(self, module: nn.Module, make: Any, loss: Optional[LossFn], target: Target,
-                 example: tuple, base_shape: tuple[int, ...], training: Optional[Training] = None,
-                 original: Optional[nn.Module] = None, reuse: bool = True,
-                 asked_target: Optional[Target] = None) -> None:
-        self.module, self.make, self.loss, self.target, self.base_shape = module, make, loss, target, base_shape
-        self.training, self.original, self.reuse = training, original if original is not None else module, reuse
-        # the target as asked (``target`` is the one captured: dtype left to a QLoRA module's own)
-        self.asked_target = target if asked_target is None else asked_target
+    def __init__(self, spec: "StepSpec", captured: Captured, example: tuple) -> None:
+        self.spec = spec
+        self.module, self.target = captured.module, captured.target
+        self.make, self.loss, self.base_shape = spec.inputs.make, spec.loss, tuple(example[0].shape)
+        self.training, self.original, self.reuse, self.asked_target = spec.training, spec.module, spec.reuse, spec.target
+        self.parallel: Parallel = spec.parallel.formula  # formulas are one rank's under tensor parallelism
         self.names, self.dims = variables_of(example)
         self._sampler: Optional[Sampler] = None
         self.kept: dict[str, Any] = {}  # answers computed once: planners, kept coefficients and plans
@@ -165,11 +155,6 @@ class Recapture:
     def train(self) -> Optional[TrainStep]:
         """The training step's loop (micro-batches, optimizer) as the first capture ran it."""
         return self.training.train if self.training is not None else None
-
-    @property
-    def parallel(self) -> Parallel:
-        """The per-rank layout: formulas are one rank's under tensor parallelism."""
-        return self.training.parallel if self.training is not None else Parallel()
 
     def capture(self, shape: Optional[tuple[int, ...]] = None) -> StepGraph:
         """The step captured again at ``shape`` (default: the analyzed one), with the training step

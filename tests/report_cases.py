@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-
 import zoo
 from cases import tiny_gpt, tokens
 

@@ -21,23 +21,25 @@ LAYERS: dict[str, set[str]] = {
     "capture": {"errors", "units", "stepgraph", "chains", "training", "models"},
     "distributed": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "models"},
     "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training"},
-    "recapture": {"errors", "stepgraph", "capture", "formula", "training", "passes", "distributed"},
+    "recapture": {"errors", "stepgraph", "capture", "formula", "training", "passes", "distributed", "spec"},
+    "spec": {"errors", "capture", "distributed", "passes", "training"},
+    "measure": {"capture", "distributed", "passes", "recapture", "spec", "training"},
     "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula"},
     "losses": {"capture"},
     "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "recapture",
-               "losses", "models", "distributed", "chains"},
+               "losses", "models", "distributed", "chains", "spec", "measure"},
     "report": {"stepgraph", "passes", "formula", "planning", "advise"},
     "compare": {"errors", "report"},
     "render": {"errors", "units", "stepgraph", "passes", "report", "compare", "planning", "formula", "training",
                "validation", "advise"},
     "api": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "recapture", "report",
-            "distributed"},
-    "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api"},
+            "distributed", "spec", "measure"},
+    "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api", "spec"},
     "ci": {"errors", "units", "api", "report", "compare", "render", "training", "capture"},
     "progress": set(),
     "checkpointing": {"planning"}, "selective": {"planning"},  # compatibility names for printed plan code
     "cli": {"errors", "units", "api", "report", "compare", "render", "capture", "training", "formula", "planning",
-            "validation", "progress", "models", "advise", "distributed"},
+            "validation", "progress", "models", "advise", "distributed", "spec"},
     "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation"},
 }
 
@@ -124,3 +126,23 @@ def test_every_package_is_installed() -> None:
     folders = {"graphmem." + ".".join(p.parent.relative_to(ROOT / "graphmem").parts)
                for p in (ROOT / "graphmem").rglob("__init__.py") if p.parent != ROOT / "graphmem"}
     assert folders | {"graphmem", "graphmem.passes", "graphmem.models"} == listed
+
+
+PARALLEL = {"Single", "Formula", "Ranks", "Stages"}  # graphmem/spec.py's parallel settings
+
+
+def _dispatches(tree: ast.AST) -> bool:
+    """An ``isinstance(x, ...)`` whose classes name a parallel setting, or a ``match`` on one."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" \
+                and len(node.args) == 2 and {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} & PARALLEL:
+            return True
+        if isinstance(node, ast.MatchClass) and isinstance(node.cls, ast.Name) and node.cls.id in PARALLEL:
+            return True
+    return False
+
+
+def test_one_module_dispatches_on_the_parallel_setting() -> None:
+    """graphmem/measure.py is the only module that asks which parallel setting a step has."""
+    found = sorted(name for name, path in _modules().items() if _dispatches(ast.parse(path.read_text())))
+    assert found == ["graphmem.measure"], f"modules that dispatch on the parallel setting: {found}"

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import UPDATE_GOLDEN
 from report_cases import CASES
 

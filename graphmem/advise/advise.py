@@ -8,9 +8,10 @@ from typing import Any, Callable, Optional
 
 import graphmem.advise.levers as L
 from graphmem.advise.levers import COST_RANK, Change, LeftOut
-from graphmem.advise.setting import Measurer, Setting
+from graphmem.advise.setting import Measurer
 from graphmem.errors import GraphmemError
 from graphmem.passes.budget import later_steps_peak
+from graphmem.spec import StepSpec
 from graphmem.units import fmt_bytes, parse_bytes
 
 COSTS_NOTE = ("costs are graphmem's measures (recompute FLOPs from the recorded ops, bytes moved by collectives) "
@@ -173,7 +174,7 @@ def _batch_lever(report: Any, measurer: Measurer, limit: int, base_peak: int,
     for _ in range(tries):
         if value < 1:
             break
-        peak = measurer.peak(base.replace(shape=(value, *base.shape[1:])))
+        peak = measurer.peak(base.at((value, *base.shape[1:])))
         if peak <= limit:
             break
         value = min(value - 1, value * limit // peak)
@@ -215,7 +216,7 @@ def _plan_lever(report: Any, limit: int, budget: str, base_peak: int) -> tuple[O
                 limit, cost, "recompute", extent=plan.overhead), None
 
 
-def _combinations(measurer: Measurer, base: Setting, measured: dict[str, tuple[Change, int]], base_peak: int,
+def _combinations(measurer: Measurer, base: StepSpec, measured: dict[str, tuple[Change, int]], base_peak: int,
                   limit: int, most: int = 4) -> list[Lever]:
     """Greedy, each step captured: start from the best lever of the kind that saves most, add the
     best lever of each other kind (capture-only kinds first, sharding last: it needs more GPUs)

@@ -13,12 +13,12 @@ from typing import Any, Callable, cast
 import torch
 
 from graphmem import losses
-from graphmem.advise.setting import Setting
 from graphmem.chains import find_chain
 from graphmem.distributed.pipeline import Pipeline
 from graphmem.distributed.spec import Sharding
 from graphmem.models import gpt2, llama
 from graphmem.passes.budget import make_parallel
+from graphmem.spec import Formula, Ranks, Single, Stages, StepSpec
 from graphmem.training.lora import make_lora, meta_copy
 from graphmem.training.optim import resolved_impl
 from graphmem.training.peft_lora import is_hf_model
@@ -36,7 +36,7 @@ class Change:
     how: str  # the exact change: options, or a few lines of code
     cost: str  # what it costs, in words
     cost_class: str  # a key of COST_RANK
-    apply: Callable[[Setting], Setting]
+    apply: Callable[[StepSpec], StepSpec]
     extent: float = 0.0  # within a cost class, how much: micro-steps, bytes communicated
 
 
@@ -47,35 +47,39 @@ class LeftOut:
 
 
 # each lever's change of the setting
-def _target(**changes: Any) -> Callable[[Setting], Setting]:
+def _target(**changes: Any) -> Callable[[StepSpec], StepSpec]:
     return lambda s: s.with_target(**changes)
 
 
-def _train(**changes: Any) -> Callable[[Setting], Setting]:
+def _train(**changes: Any) -> Callable[[StepSpec], StepSpec]:
     return lambda s: s.with_train(**changes)
 
 
-def _both(target: dict[str, Any], train: dict[str, Any]) -> Callable[[Setting], Setting]:
+def _both(target: dict[str, Any], train: dict[str, Any]) -> Callable[[StepSpec], StepSpec]:
     return lambda s: s.with_target(**target).with_train(**train)
 
 
-def _sharded(sharding: Sharding) -> Callable[[Setting], Setting]:
-    return lambda s: s.replace(sharding=sharding)
+def _sharded(sharding: Sharding) -> Callable[[StepSpec], StepSpec]:
+    return lambda s: s.replace(parallel=Ranks(sharding))
 
 
-def _piped(plan: Pipeline) -> Callable[[Setting], Setting]:
-    return lambda s: s.replace(pipeline=plan)
+def _piped(plan: Pipeline) -> Callable[[StepSpec], StepSpec]:
+    return lambda s: s.replace(parallel=Stages(plan))
 
 
-def _micro(shape: tuple[int, ...], total: int) -> Callable[[Setting], Setting]:
-    return lambda s: s.replace(shape=shape).with_train(micro_batches=total)
+def _micro(shape: tuple[int, ...], total: int) -> Callable[[StepSpec], StepSpec]:
+    return lambda s: s.at(shape).with_train(micro_batches=total)
 
 
-def _training(**changes: Any) -> Callable[[Setting], Setting]:
+def _split(layout: Any) -> Callable[[StepSpec], StepSpec]:
+    return lambda s: s.replace(parallel=Formula(layout))
+
+
+def _training(**changes: Any) -> Callable[[StepSpec], StepSpec]:
     return lambda s: s.replace(training=dataclasses.replace(s.training, **changes))
 
 
-def _module(module: Any) -> Callable[[Setting], Setting]:
+def _module(module: Any) -> Callable[[StepSpec], StepSpec]:
     return lambda s: s.replace(module=module, loss=None)
 
 
@@ -94,7 +98,7 @@ def _bundled_loss(fn: Any) -> Any:
     return None
 
 
-def loss(report: Any, base: Setting, make: Callable[[tuple[int, ...]], Any]) -> tuple[list[Change], list[LeftOut]]:
+def loss(report: Any, base: StepSpec, make: Callable[[tuple[int, ...]], Any]) -> tuple[list[Change], list[LeftOut]]:
     """The LM head and cross-entropy in chunks (graphmem/losses.py): the (tokens, vocab) logits and
     their fp32 log-softmax are never whole. Weighed for graphmem's bundled language models and
     Hugging Face causal LMs trained on their own loss; other losses are the user's code."""
@@ -123,7 +127,7 @@ def loss(report: Any, base: Setting, make: Callable[[tuple[int, ...]], Any]) -> 
                    _module(wrapped))], []
 
 
-def attention(report: Any, base: Setting) -> tuple[list[Change], list[LeftOut]]:
+def attention(report: Any, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
     """SDPA's math kernel keeps the (b, h, s, s) attention matrix; flash and efficient do not."""
     kernels = dict(report.attention_backends)
     if base.target.device != "cuda":
@@ -146,7 +150,7 @@ def attention(report: Any, base: Setting) -> tuple[list[Change], list[LeftOut]]:
                    _target(attention="auto"))], []
 
 
-def precision(report: Any, base: Setting) -> tuple[list[Change], list[LeftOut]]:
+def precision(report: Any, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
     t, train = base.target, base.training.train
     if t.amp is not None or t.dtype in ("bf16", "fp16"):
         what = f"autocast {t.amp}" if t.amp is not None else f"{t.dtype} parameters"
@@ -171,7 +175,7 @@ ALTERNATIVES = {"adam": ("adafactor", "momentum"), "adamw": ("adafactor", "momen
 _FUSED = ("adam", "adamw", "sgd", "momentum")
 
 
-def optimizer(report: Any, base: Setting) -> tuple[list[Change], list[LeftOut]]:
+def optimizer(report: Any, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
     train = base.training.train
     if train.optimizer is None:
         return [], [LeftOut("optimizer", "no optimizer in the step: add --optimizer adamw (or another) to weigh "
@@ -203,7 +207,7 @@ def _code(name: str) -> str:
             "sgd": "torch.optim.SGD(params, lr)"}[name]
 
 
-def micro_batches(report: Any, base: Setting) -> tuple[list[Change], list[LeftOut]]:
+def micro_batches(report: Any, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
     """k micro-batches of b/k: the same samples per optimizer step (k divides b)."""
     b = base.shape[0]
     ks = [k for k in (2, 4, 8) if b % k == 0]
@@ -222,7 +226,7 @@ def micro_batches(report: Any, base: Setting) -> tuple[list[Change], list[LeftOu
     return out, []
 
 
-def sharding(report: Any, base: Setting, ranks: int) -> tuple[list[Change], list[LeftOut]]:
+def sharding(report: Any, base: StepSpec, ranks: int) -> tuple[list[Change], list[LeftOut]]:
     """Data parallel over ``ranks`` ranks, per rank. FSDP2 (``fully_shard`` on each block of the
     chain, then the root, with and without ``reshard_after_forward``): rank 0's step captured
     through torch.distributed's own code under a fake process group (every rank holds shards
@@ -232,8 +236,8 @@ def sharding(report: Any, base: Setting, ranks: int) -> tuple[list[Change], list
     resharding reduce-scatter the gradients and all-gather the parameters once (what DDP's
     all-reduce moves); FSDP2 resharding after forward all-gathers the parameters again in
     backward."""
-    if base.training.parallel.world_size > 1:
-        return [], [LeftOut("sharding", f"the step is already split: {base.training.parallel.describe()}")]
+    if base.parallel != Single():
+        return [], [LeftOut("sharding", f"the step is already split: {base.parallel.describe()}")]
     if ranks < 2:
         return [], [LeftOut("sharding", "one rank (--ranks 1): nothing to shard over")]
     share = (ranks - 1) / ranks
@@ -253,20 +257,20 @@ def sharding(report: Any, base: Setting, ranks: int) -> tuple[list[Change], list
     out += [Change("sharding", f"ZeRO-{z} over {ranks} ranks",
                    f"--world-size {ranks} --zero {z}: DeepSpeed zero_optimization.stage={z} (the row: passes/budget.py's "
                    "per-rank formula; DeepSpeed is not run)", cost(once), "communication",
-                   _training(parallel=make_parallel(ranks, z)), once)
+                   _split(make_parallel(ranks, z)), once)
             for z in ((1, 2) if base.training.train.optimizer else (2,))]
     return out, []
 
 
-def pipeline(report: Any, base: Setting, ranks: int) -> tuple[list[Change], list[LeftOut]]:
+def pipeline(report: Any, base: StepSpec, ranks: int) -> tuple[list[Change], list[LeftOut]]:
     """Pipeline stages over ``ranks`` ranks: torch.distributed.pipelining's 1F1B schedule over the
     model's chain split evenly, each rank's step captured with its own stage's optimizer
     (graphmem/distributed/pipeline.py); the row is the highest rank's peak. Micro-batches: the
     smallest divisor of the batch that is at least ``ranks`` (1F1B idles (P-1)/(M+P-1) of the
     step: the bubble). Communication per rank and step: the block input of the whole batch
     forward and its gradient backward."""
-    if base.training.parallel.world_size > 1:
-        return [], [LeftOut("pipeline", f"the step is already split: {base.training.parallel.describe()}")]
+    if base.parallel != Single():
+        return [], [LeftOut("pipeline", f"the step is already split: {base.parallel.describe()}")]
     if ranks < 2:
         return [], [LeftOut("pipeline", "one rank (--ranks 1): nothing to split into stages")]
     if base.training.train.micro_batches > 1:
@@ -291,7 +295,7 @@ def pipeline(report: Any, base: Setting, ranks: int) -> tuple[list[Change], list
                    _piped(Pipeline(ranks, 0, "1f1b", m)), volume)], []
 
 
-def lora(report: Any, base: Setting, rank: int = 16) -> tuple[list[Change], list[LeftOut]]:
+def lora(report: Any, base: StepSpec, rank: int = 16) -> tuple[list[Change], list[LeftOut]]:
     """Fine-tuning with LoRA adapters: the frozen weights keep no gradient or optimizer state."""
     if base.training.lora is not None:
         return [], [LeftOut("lora", f"the step already trains {base.training.lora.describe()}")]

@@ -13,9 +13,9 @@ from graphmem.cli.options import (
     add_plan_arguments,
     add_step_arguments,
     analyze_args,
+    check_pipeline_arguments,
     check_plan_arguments,
     memory_budgets_of,
-    pipeline_of,
 )
 from graphmem.cli.plan import plan_status
 from graphmem.errors import UsageError
@@ -51,9 +51,9 @@ class Analyze:
         fmt = output_format(args)  # flag mistakes and a missing matplotlib fail before the analysis
         check_plan_arguments(args, args.plan)
         budgets = memory_budgets_of(args)
-        pipeline = pipeline_of(args)
+        check_pipeline_arguments(args)
         with quiet(fmt == "json"):
-            report = analyze_args(args, pipeline=pipeline)
+            report = analyze_args(args)
             if len(budgets) > 1:  # the report is at the first value; the table has them all
                 with Progress(total=len(budgets), desc="memory budgets") as bar:
                     report.memory_budgets(budgets, keep=True, tick=bar.update)

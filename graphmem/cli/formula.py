@@ -75,9 +75,10 @@ class Sweep:
 
 def _report(args: argparse.Namespace, shape: str) -> Any:
     """The analyzed step; with --tp, on tp ranks (no data parallelism), so the formulas are one rank's."""
+    from graphmem.spec import make_parallelism
     from graphmem.training.spec import make_training
 
-    return analyze_args(args, shape, make_training(args.dtype, world_size=args.tp, tp=args.tp, sp=args.sp))
+    return analyze_args(args, shape, make_training(args.dtype), make_parallelism(args.tp, tp=args.tp, sp=args.sp))
 
 
 def _formula(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ library takes: a Target (graphmem/capture/target.py) and a Training spec
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional
+from typing import Any
 
 from graphmem.errors import UsageError
 
@@ -109,12 +109,11 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
                    help="Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B (two stages per rank)")
 
 
-def pipeline_of(args: argparse.Namespace) -> tuple[int, Optional[int], str]:
-    """(pp, rank, schedule) of the pipeline options, checked when ``analyze`` builds the Pipeline."""
+def check_pipeline_arguments(args: argparse.Namespace) -> None:
+    """The pipeline options with analyze's others (the Pipeline itself is checked where the spec is built)."""
     if args.pp > 1 and (args.plan or args.formula or args.memory_budget is not None):
         raise UsageError("--pp reports one pipeline rank's step; --plan, --formula and --memory-budget do not "
                          "combine with it yet")
-    return args.pp, args.rank, args.schedule
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -159,35 +158,22 @@ def memory_budgets_of(args: argparse.Namespace) -> tuple[float, ...]:
 
 
 def training_of(args: argparse.Namespace) -> Any:
-    """The frozen Training spec the training options name (checked once, here)."""
+    """The frozen Training spec (the loop) the training options name (checked once, here)."""
     from graphmem.training.spec import make_training
 
-    if per_rank(args):  # the wrappers run (analyze_args passes their options): no per-rank formula
-        return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
-                             args.lora_rank, args.lora_targets, lora_alpha=args.lora_alpha,
-                             quantization=args.quantization)
     return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
-                         args.lora_rank, args.lora_targets, args.world_size, args.zero, args.fsdp, args.tp, args.sp,
-                         lora_alpha=args.lora_alpha, quantization=args.quantization)
+                         args.lora_rank, args.lora_targets, lora_alpha=args.lora_alpha, quantization=args.quantization)
 
 
-def per_rank(args: argparse.Namespace) -> bool:
-    """--rank, bare --fsdp or a fully_shard option: rank r's step through the real wrappers
-    (graphmem/distributed/; make_sharding says what is missing)."""
-    from graphmem.distributed.spec import wants_wrappers
+def parallel_of(args: argparse.Namespace, training: Any) -> Any:
+    """The parallel setting the options name (graphmem/spec.py ``make_parallelism`` decides which:
+    a pipeline stage, rank r through the wrappers, or the per-rank formulas)."""
+    from graphmem.spec import make_parallelism
 
-    return wants_wrappers(args.rank, args.fsdp, args.reshard_after_forward, args.fsdp_param_dtype,
-                          args.fsdp_reduce_dtype, args.fsdp_offload, args.fsdp_no_sync, args.loss_parallel)
-
-
-def sharding_of(args: argparse.Namespace) -> dict[str, Any]:
-    """analyze's keyword options for the per-rank capture (checked there, by make_sharding)."""
-    if not per_rank(args):
-        return {}
-    return dict(world_size=args.world_size, rank=args.rank, zero=args.zero, fsdp=args.fsdp, tp=args.tp, sp=args.sp,
-                reshard_after_forward=args.reshard_after_forward, fsdp_param_dtype=args.fsdp_param_dtype,
-                fsdp_reduce_dtype=args.fsdp_reduce_dtype, fsdp_offload=args.fsdp_offload, fsdp_no_sync=args.fsdp_no_sync,
-                loss_parallel=args.loss_parallel)
+    piped = vars(args)  # --pp and --schedule belong to analyze alone
+    return make_parallelism(args.world_size, args.zero, args.fsdp, args.tp, args.sp, piped.get("pp", 1),
+                            piped.get("schedule", "1f1b"), args.rank, args.reshard_after_forward, args.fsdp_param_dtype,
+                            args.fsdp_reduce_dtype, args.fsdp_offload, args.fsdp_no_sync, args.loss_parallel, training)
 
 
 def hf_of(args: argparse.Namespace) -> Any:
@@ -197,19 +183,21 @@ def hf_of(args: argparse.Namespace) -> Any:
     return HFOptions(args.config, args.trust_remote_code, args.decoder_length)
 
 
-def analyze_args(args: argparse.Namespace, input_shape: Any = None, training: Any = None,
-                 pipeline: tuple[int, Optional[int], str] = (1, None, "1f1b")) -> Any:
-    """``graphmem.analyze`` of the command's model with its target options and its training
-    options (or the given ``training`` spec, for commands without training options);
-    ``pipeline``: pipeline_of's (pp, rank, schedule)."""
+def spec_of(args: argparse.Namespace, input_shape: Any = None, training: Any = None, parallel: Any = None) -> Any:
+    """The command's StepSpec (graphmem/spec.py), built once from its arguments: its model, target,
+    loop and parallel setting (or the given ``training``/``parallel``, for commands without those
+    options)."""
+    from graphmem.spec import make_spec
+
+    training = training_of(args) if training is None else training
+    return make_spec(args.model, input_shape=args.input_shape if input_shape is None else input_shape,
+                     target=target_of(args), training=training,
+                     parallel=parallel_of(args, training) if parallel is None else parallel,
+                     reuse=not args.no_reuse, hf=hf_of(args))
+
+
+def analyze_args(args: argparse.Namespace, input_shape: Any = None, training: Any = None, parallel: Any = None) -> Any:
+    """``graphmem.analyze`` of the command's StepSpec (``spec_of``)."""
     from graphmem.api import analyze
 
-    pp, rank, schedule = pipeline
-    extra: dict[str, Any] = {}
-    if pp > 1 or schedule != "1f1b":  # one pipeline rank's step
-        extra = dict(pp=pp, rank=rank, schedule=schedule)
-    elif training is None:  # a command with the training options: per rank through the wrappers, if asked
-        extra = sharding_of(args)
-    return analyze(args.model, input_shape=args.input_shape if input_shape is None else input_shape,
-                   target=target_of(args), training=training_of(args) if training is None else training,
-                   reuse=not args.no_reuse, hf=hf_of(args), **extra)
+    return analyze(spec_of(args, input_shape, training, parallel))

@@ -79,7 +79,7 @@ def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_af
     if not fsdp and (param_dtype or reduce_dtype or offload or not reshard_after_forward or no_sync):
         raise UsageError("the mixed-precision, offload, reshard and no-sync options configure fully_shard: add --fsdp")
     if training is not None:
-        _check_training(training, no_sync)
+        check_training(training, no_sync)
     if sp and tp == 1:
         raise UsageError("--sp splits the sequence over the tensor-parallel ranks: add --tp 2 (or more)")
     if tp > 1 and not fsdp and world_size != tp:
@@ -95,7 +95,7 @@ def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_af
                     loss_parallel)
 
 
-def _check_training(training: Training, no_sync: bool) -> None:
+def check_training(training: Training, no_sync: bool) -> None:
     """What of the training step runs per rank. torch.optim on DTensor parameters (torch 2.14;
     DTensor's sharding propagation refuses these, on fake tensors as in a real job): fused SGD has
     no sharding strategy (``aten._fused_sgd_``), and Adafactor's in-place update of a partial

@@ -37,14 +37,14 @@ def _title(b: Any) -> str:
         parts.append(t.quantization.describe())
     if t.lora is not None:
         parts.append(f"{t.lora.describe()} ({len(b.lora_layers)} layers)")
-    parts.append(b.whose or t.parallel.describe())
+    parts.append(b.whose or b.layout.describe())
     return "Training step · " + " · ".join(parts)
 
 
 def render_budget(b: Any) -> str:
     """The budget table (one rank; all ranks hold the same) and the peak's explanation."""
     r, single = b.rank, b.single
-    p = b.training.parallel
+    p = b.layout
     headers = ["", "one device"] if single is not None else [""]
     headers += ["per rank" if single is not None else "size", "live at the peak", ""]
     rows = []

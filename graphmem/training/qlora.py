@@ -39,7 +39,6 @@ import torch.nn as nn
 from graphmem.errors import UsageError
 
 if TYPE_CHECKING:
-    from graphmem.passes.budget import Parallel
     from graphmem.training.loop import TrainStep
     from graphmem.training.lora import LoRA
 
@@ -76,15 +75,13 @@ def make_quantization(quantization: Optional[str]) -> Optional[Quantization]:
     return Quantization(quantization)
 
 
-def check_quantization(lora: Optional[LoRA], train: TrainStep, parallel: Parallel) -> None:
+def check_quantization(lora: Optional[LoRA], train: TrainStep) -> None:
     """What QLoRA trains and how: LoRA adapters on one device, the 4-bit base frozen."""
     if lora is None:
         raise UsageError("--qlora trains LoRA adapters on the frozen 4-bit base: add --lora-rank and --lora-targets "
                          "(e.g. --lora-rank 16 --lora-targets all-linear)")
     if train.master_weights:
         raise UsageError("--qlora keeps the base in 4 bits and the adapters in fp32 (peft): drop --master-weights")
-    if parallel.world_size > 1:
-        raise UsageError("--qlora is analyzed on one device: drop --world-size/--zero/--fsdp/--tp")
 
 
 def _bitsandbytes() -> Any:

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from graphmem.chains import find_chain
 from graphmem.errors import UsageError
-from graphmem.passes.budget import Budget, Parallel, budget, make_parallel
+from graphmem.passes.budget import Budget, Parallel, budget
 from graphmem.passes.spike import Temporaries, temporaries_at
 from graphmem.training.loop import TrainStep, make_train_step
 from graphmem.training.lora import LoRA, apply_lora, make_lora, meta_copy
@@ -29,15 +29,17 @@ from graphmem.training.qlora import (
 
 @dataclass(frozen=True)
 class Training:
-    train: TrainStep
-    lora: Optional[LoRA]
-    parallel: Parallel
+    """The loop around forward and backward (how the step is split over ranks is the StepSpec's
+    ``parallel``, graphmem/spec.py)."""
+
+    train: TrainStep  # micro-batches, optimizer and its implementation, fp32 master weights
+    lora: Optional[LoRA]  # adapters on the named linear layers, the rest frozen
     quantization: Optional[Quantization] = None  # 4-bit base weights through bitsandbytes (QLoRA)
 
     @property
     def requested(self) -> bool:
-        """Any option given: the report then carries a budget."""
-        return self.train.active or self.train.master_weights or self.lora is not None or self.parallel != Parallel()
+        """Any loop option given: the report then carries a budget."""
+        return self.train.active or self.train.master_weights or self.lora is not None
 
     def keeps_dtypes(self, module: nn.Module) -> bool:
         """``prepare(module, self, ...)`` holds its final dtypes (4-bit weights, block scales, peft's
@@ -47,16 +49,15 @@ class Training:
 
 def make_training(dtype: Optional[str] = None, optimizer: Optional[str] = None, optimizer_impl: str = "auto",
                   master_weights: bool = False, micro_batches: int = 1, lora_rank: Optional[int] = None,
-                  lora_targets: Union[str, Sequence[str], None] = None, world_size: int = 1, zero: int = 0,
-                  fsdp: Optional[str] = None, tp: int = 1, sp: bool = False,
-                  lora_alpha: Optional[float] = None, quantization: Optional[str] = None) -> Training:
+                  lora_targets: Union[str, Sequence[str], None] = None, lora_alpha: Optional[float] = None,
+                  quantization: Optional[str] = None) -> Training:
     train = make_train_step(optimizer, optimizer_impl, master_weights, micro_batches, dtype)
     lora = make_lora(lora_rank, lora_targets if lora_targets is None or isinstance(lora_targets, str) else tuple(lora_targets),
                      lora_alpha)
     quant = make_quantization(quantization)
     if quant is not None:
-        check_quantization(lora, train, make_parallel(world_size, zero, fsdp, tp, sp))
-    return Training(train, lora, make_parallel(world_size, zero, fsdp, tp, sp), quant)
+        check_quantization(lora, train)
+    return Training(train, lora, quant)
 
 
 def prepare(module: nn.Module, training: Training,
@@ -99,6 +100,7 @@ class StepBudget:
     training: Training
     device: str
     lora_layers: tuple[str, ...]
+    layout: Parallel  # the per-rank formulas' layout (Parallel(): none; graphmem/spec.py Formula)
     rank: Budget
     single: Optional[Budget]
     spike: tuple[Temporaries, ...] = ()  # the temporaries live at rank's peak, made -> freed (passes/spike.py)
@@ -126,7 +128,7 @@ class StepBudget:
                                "lora": {**t.lora.to_dict(), "layers": list(self.lora_layers)} if t.lora else None,
                                "quantization": {**(t.quantization.to_dict() if t.quantization else {}),
                                                 **self.quantized.to_dict()} if self.quantized else None,
-                               "parallel": t.parallel.to_dict(), "per_rank": _budget_dict(self.rank),
+                               "parallel": self.layout.to_dict(), "per_rank": _budget_dict(self.rank),
                                **({"rank": self.whose} if self.whose else {})}
         if self.single is not None:
             out["single_device"] = _budget_dict(self.single)
@@ -150,14 +152,16 @@ def _budget_dict(b: Budget) -> dict[str, Any]:
 
 
 def step_budget(g: Any, lv: Any, sv: Any, training: Training, module: nn.Module, lora_layers: tuple[str, ...],
-                whose: str = "") -> StepBudget:
+                whose: str = "", layout: Parallel = Parallel()) -> StepBudget:
+    """The whole step's table over ``g``: per rank under the formulas' ``layout``, with the
+    single-device table beside it when the layout splits the step."""
     units = units_of(module)
-    rank = budget(g, lv, sv, training.parallel, units)
-    single = budget(g, lv, sv, Parallel(), units) if training.parallel != Parallel() else None
+    rank = budget(g, lv, sv, layout, units)
+    single = budget(g, lv, sv, Parallel(), units) if layout != Parallel() else None
     device = g.target.device if g.target is not None else g.device
     spike = temporaries_at(g, lv, rank.peak_index, frozenset(t.sid for t in sv.tensors)) if rank.peak_index >= 0 else ()
     quantized = quantized_summary(module)  # --qlora's, or a model quantized by the user's own script
-    return StepBudget(training, device, lora_layers, rank, single, spike, quantized, whose)
+    return StepBudget(training, device, lora_layers, layout, rank, single, spike, quantized, whose)
 
 
 __all__ = ["Training", "make_training", "prepare", "StepBudget", "step_budget", "resolved_impl"]

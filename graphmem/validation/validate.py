@@ -36,13 +36,14 @@ import torch
 import torch.nn as nn
 
 import graphmem.validation.measure as measure  # called through the module: tests patch it
-from graphmem.api import _shape_of, analyze
+from graphmem.api import analyze
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import Loaded, load, make_inputs, parse_shape
 from graphmem.capture.target import GPUS
 from graphmem.errors import UsageError
 from graphmem.passes.allocator import allocator
 from graphmem.report import Report
+from graphmem.spec import shape_of
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.step import LossFn, run_step
 from graphmem.units import fmt_bytes
@@ -173,7 +174,7 @@ def _cuda_model(report: Report) -> Any:
 
 
 def _shape(input_shape: Union[str, tuple, list, None]) -> tuple[int, ...]:
-    return parse_shape(input_shape) if isinstance(input_shape, str) else _shape_of(input_shape)  # type: ignore[arg-type]
+    return parse_shape(input_shape) if isinstance(input_shape, str) else shape_of(input_shape)  # type: ignore[arg-type]
 
 
 def _check_real(module: nn.Module, dev: torch.device) -> None:

@@ -1,0 +1,109 @@
+"""``measure(spec)``: the one function that captures a StepSpec's step (graphmem/spec.py), and the
+only place that dispatches on its parallel setting. ``graphmem.analyze``, advise's levers and the
+re-captures behind plans, formulas and fits all come through here.
+
+- ``Single`` / ``Formula``: the single-device step (graphmem/recapture.py ``capture_step``); the
+  formulas' per-rank budget over it (passes/budget.py);
+- ``Ranks``: rank r through PyTorch's wrappers (``capture_rank_step``), with the per-rank formula
+  over the single-device step beside it (graphmem/distributed/view.py);
+- ``Stages``: pipeline rank r under torch's schedule (``capture_stage_step``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from graphmem.capture.capture import capture
+from graphmem.capture.reuse import capture_reusing
+from graphmem.distributed.pipeline_stages import Layout
+from graphmem.distributed.tensor_parallel import tp_engine
+from graphmem.distributed.view import rank_view
+from graphmem.passes import liveness, notes, saved
+from graphmem.recapture import Captured, capture_rank_step, capture_stage_step, capture_step
+from graphmem.spec import Formula, Ranks, Single, Stages, StepSpec
+from graphmem.training.spec import units_of
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A spec's captured step and what its parallel setting adds to the report."""
+
+    spec: StepSpec
+    step: Captured
+    notes: tuple[str, ...] = ()  # the setting's own lines (depth reuse not taken, the rank's view)
+    scope: Any = None  # the rank a per-rank or pipeline-stage step is (graphmem/report.py's RankScope)
+    split: Optional[Layout] = None  # a pipeline's split, probed once and passed on to the other ranks
+
+    @property
+    def make(self) -> Any:
+        """The batch as the capture took it: the user's own, or a maker at the spec's shape."""
+        inputs = self.spec.inputs
+        return inputs.given if inputs.given is not None else inputs.first
+
+    @property
+    def loss_name(self) -> str:
+        """How the loss was made, for the report's header."""
+        if isinstance(self.spec.parallel, Stages):
+            return "pipeline stage loss"
+        if self.spec.loss is not None:
+            return getattr(self.spec.loss, "__qualname__", "custom")
+        if self.scope is not None:
+            return "default"
+        return ("default (the model's own loss if its output has one, else the output if scalar, else the sum of "
+                "floating outputs)")
+
+    @property
+    def recapturable(self) -> bool:
+        """Plans, formulas and fits capture this step again at other sizes: one device's step only."""
+        return self.scope is None
+
+
+def measure(spec: StepSpec) -> Measured:
+    """Capture ``spec``'s step (no real allocation) and run the passes on it."""
+    p = spec.parallel
+    make: Any = spec.inputs.first if spec.inputs.given is None else spec.inputs.given
+    if isinstance(p, (Single, Formula)):
+        step = capture_step(spec.module, make, spec.loss, spec.target, spec.training, spec.reuse, p.formula)
+        slow = (f"depth reuse not taken ({step.reuse_note}): every block was compiled and captured",) \
+            if step.reuse_note and spec.target.mode == "compiled" else ()
+        return Measured(spec, step, notes(step.graph) + slow)
+    if isinstance(p, Ranks):
+        return _rank(spec, p, make)
+    if isinstance(p, Stages):
+        step, found, split = capture_stage_step(spec.module, make, spec.loss, spec.target, spec.training,
+                                                p.pipeline, p.split)
+        return Measured(spec, step, found, p.pipeline, split)
+    raise AssertionError(f"unknown parallel setting {p!r}")  # StepSpec refuses any other where it is built
+
+
+def measure_ranks(spec: StepSpec) -> list[Measured]:
+    """Every pipeline rank's step for a pipeline (the split probed once, for rank 0, and passed
+    on); the spec's own step otherwise."""
+    p = spec.parallel
+    if not isinstance(p, Stages):
+        return [measure(spec)]
+    out: list[Measured] = []
+    for r in range(p.pipeline.pp):
+        plan = dataclasses.replace(p.pipeline, rank=r)
+        out.append(measure(spec.replace(parallel=Stages(plan, out[0].split if out else None))))
+    return out
+
+
+def _rank(spec: StepSpec, p: Ranks, make: Any) -> Measured:
+    """Rank r's step through the real wrappers, with the per-rank formula over the single-device
+    step beside it (graphmem/distributed/view.py)."""
+    step = capture_rank_step(spec.module, make, spec.loss, spec.target, p.sharding, spec.training, spec.reuse)
+    g, module = step.graph, step.module
+    slow = (f"depth reuse not taken ({step.reuse_note}): every block was captured",) if step.reuse_note else ()
+    train = spec.training.train if spec.training.train.active else None
+    single_at: Any = lambda: capture(module, make, spec.loss, step.target, train=train)  # noqa: E731
+    single = capture_reusing(module, single_at)[0] if spec.reuse and train is None else single_at()
+    view = rank_view(g, step.liveness, step.saved, p.sharding, (single, liveness(single), saved(single)),
+                     units_of(module), tp_engine(module))
+    if step.budget is not None:
+        step = dataclasses.replace(step, budget=dataclasses.replace(step.budget, whose=view.describe()))
+    return Measured(spec, step, notes(g) + slow + view.lines(), view)
+
+
+__all__ = ["Measured", "measure", "measure_ranks"]

@@ -1,0 +1,285 @@
+"""The step as one value: ``StepSpec``, everything one training step is made from, frozen and
+checked where it is built. ``graphmem.analyze(model, inputs, **options)``, the CLI (once, from its
+arguments) and advise's levers (``dataclasses.replace`` on a spec) all build one;
+graphmem/measure.py's ``measure`` is the one function that captures it.
+
+The parallel setting is one sum type, ``Parallelism``:
+
+- ``Single()``: one device;
+- ``Formula(layout)``: the single-device step, with per-rank budgets from the formulas
+  (passes/budget.py: ZeRO 1-3, FSDP full/grad-op, Megatron TP/SP over ``layout.world_size`` ranks);
+- ``Ranks(sharding)``: rank r's step through PyTorch's own wrappers under a fake process group
+  (``fully_shard``, ``parallelize_module`` TP/SP, ``loss_parallel``: graphmem/distributed/);
+- ``Stages(pipeline)``: pipeline rank r's step under torch.distributed.pipelining's schedule.
+
+>>> import torch, graphmem
+>>> from graphmem.spec import make_spec
+>>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+>>> spec = make_spec(net, (torch.randn(8, 16),), optimizer="adamw")
+>>> graphmem.analyze(spec).activation_bytes
+1536
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from graphmem.capture.hf import HFOptions
+from graphmem.capture.hf import batch as hf_inputs
+from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
+from graphmem.capture.target import Target, make_target
+from graphmem.distributed.pipeline import Pipeline, make_pipeline
+from graphmem.distributed.pipeline_stages import Layout
+from graphmem.distributed.spec import Sharding, check_training, make_sharding, wants_wrappers
+from graphmem.errors import UsageError
+from graphmem.passes.budget import Parallel, make_parallel
+from graphmem.training.batch import as_batch, resizer
+from graphmem.training.peft_lora import is_hf_model
+from graphmem.training.spec import Training, make_training
+from graphmem.training.step import LossFn
+
+ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class Single:
+    """One device: no parallelism."""
+
+    formula = Parallel()  # no per-rank formula
+
+    def describe(self) -> str:
+        return "one device"
+
+    def check(self, spec: "StepSpec") -> None:
+        """Nothing beyond the target's and the loop's own checks."""
+
+
+@dataclass(frozen=True)
+class Formula:
+    """The single-device step captured once; each rank's budget from the formulas over it."""
+
+    formula: Parallel  # world size, ZeRO stage or FSDP strategy, tensor/sequence parallel (passes/budget.py)
+
+    def describe(self) -> str:
+        return self.formula.describe()
+
+    def check(self, spec: "StepSpec") -> None:
+        if spec.training.quantization is not None:
+            raise UsageError("qlora is analyzed on one device: drop world_size/zero/fsdp/tp")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Rank ``sharding.rank``'s step through PyTorch's wrappers under a fake process group."""
+
+    sharding: Sharding  # fully_shard and its policies, TP/SP, loss parallel (graphmem/distributed/spec.py)
+    formula = Parallel()  # the wrappers split the step itself: no formula over it
+
+    def describe(self) -> str:
+        return f"rank {self.sharding.rank} of {self.sharding.world_size}"
+
+    def check(self, spec: "StepSpec") -> None:
+        check_training(spec.training, self.sharding.no_sync)  # what of the loop runs over DTensor parameters
+        if spec.target.mode == "compiled":
+            raise UsageError("the per-rank step runs the wrappers eagerly: use mode='eager', or the formulas "
+                             "(zero=, fsdp='full'|'grad-op', tp= without rank)")
+        if self.sharding.offload and spec.target.device == "cuda":
+            raise UsageError("fsdp_offload on device='cuda' is not modelled yet: the CUDA target runs on CPU fake "
+                             "tensors, where CPUOffloadPolicy's host-to-device copies do not appear")
+
+
+@dataclass(frozen=True)
+class Stages:
+    """Pipeline rank ``pipeline.rank``'s step under torch.distributed.pipelining's schedule."""
+
+    pipeline: Pipeline  # stages, rank, schedule and its micro-batches (graphmem/distributed/pipeline_stages.py)
+    split: Optional[Layout] = field(default=None, compare=False)  # the split another rank probed, reused
+    formula = Parallel()  # the schedule splits the step itself: no formula over it
+
+    def describe(self) -> str:
+        return self.pipeline.describe()
+
+    def check(self, spec: "StepSpec") -> None:
+        tr = spec.training
+        if tr.lora is not None or tr.quantization is not None or tr.train.master_weights \
+                or spec.target.mode == "compiled":
+            raise UsageError("a pipeline stage (pp > 1) runs one pipeline rank's schedule and its optimizer; it does "
+                             "not combine with lora_rank, qlora, master_weights or mode='compiled' yet")
+
+
+Parallelism = Union[Single, Formula, Ranks, Stages]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """How the step's batch is made: ``make(shape)`` at any first-input shape (formulas, fits and
+    sweeps vary it); ``shape`` is the analyzed one."""
+
+    make: Callable[[tuple[int, ...]], Any] = field(compare=False)  # shape -> a tuple, dict or (args, kwargs)
+    shape: tuple[int, ...]  # the first input's shape in the analyzed step
+    given: Any = field(default=None, compare=False)  # the user's own batch, when one was given (made at ``shape``)
+
+    def first(self) -> Any:
+        """The analyzed batch: the user's own when given, else made at ``shape``."""
+        return self.given if self.given is not None else self.make(self.shape)
+
+    def at(self, shape: tuple[int, ...]) -> Any:
+        return self.first() if tuple(shape) == self.shape else self.make(tuple(shape))
+
+    def resized(self, shape: tuple[int, ...]) -> "Inputs":
+        return Inputs(self.make, tuple(shape))
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One training step, as the user's loop runs it."""
+
+    name: str  # the model's name in reports (a file, a preset, the module's class)
+    module: nn.Module  # the loaded module (meta, fake or the user's own), before LoRA
+    inputs: Inputs  # the batch, and how to make it at other shapes
+    loss: Optional[LossFn]  # loss(output, inputs); None: the model's own .loss, a scalar output, or the outputs' sum
+    target: Target  # device, dtypes, autocast, SDPA backend, eager or compiled (graphmem/capture/target.py)
+    training: Training  # the loop: optimizer, precision, micro-batches, LoRA/QLoRA (graphmem/training/spec.py)
+    parallel: Parallelism = Single()  # how the step is split over ranks, if it is
+    reuse: bool = True  # a deep chain of identical blocks: capture 5, copy the rest (checked at depth 6)
+
+    def __post_init__(self) -> None:
+        check_spec(self)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.inputs.shape
+
+    def replace(self, **changes: Any) -> "StepSpec":
+        return dataclasses.replace(self, **changes)
+
+    def with_train(self, **changes: Any) -> "StepSpec":
+        """The same step with the loop's options changed (graphmem/training/loop.py TrainStep)."""
+        return self.replace(training=dataclasses.replace(
+            self.training, train=dataclasses.replace(self.training.train, **changes)))
+
+    def with_target(self, **changes: Any) -> "StepSpec":
+        return self.replace(target=dataclasses.replace(self.target, **changes))
+
+    def at(self, shape: tuple[int, ...]) -> "StepSpec":
+        """The same step at another first-input shape."""
+        return self.replace(inputs=self.inputs.resized(shape))
+
+
+def check_spec(spec: StepSpec) -> None:
+    """What no single option object can check alone: the options against each other."""
+    t = spec.target
+    if not hasattr(spec.parallel, "check"):
+        raise UsageError(f"parallel must be Single(), Formula(...), Ranks(...) or Stages(...), "
+                         f"not {type(spec.parallel).__name__}")
+    if t.attention == "eager" and not is_hf_model(spec.module):
+        raise UsageError("attention='eager' picks a Hugging Face model's own attention; this model is not one: "
+                         "use attention='math' for SDPA's explicit kernel")
+    if spec.training.quantization is not None and t.mode == "compiled":
+        raise UsageError("qlora is analyzed in eager mode (bitsandbytes' ops under torch.compile are not traced "
+                         "here): use mode='eager'")
+    spec.parallel.check(spec)
+
+
+def make_parallelism(world_size: int = 1, zero: int = 0, fsdp: Optional[str] = None, tp: int = 1, sp: bool = False,
+                     pp: int = 1, schedule: str = "1f1b", rank: Optional[int] = None, reshard_after_forward: bool = True,
+                     fsdp_param_dtype: Optional[str] = None, fsdp_reduce_dtype: Optional[str] = None,
+                     fsdp_offload: bool = False, fsdp_no_sync: bool = False, loss_parallel: bool = False,
+                     training: Optional[Training] = None) -> Parallelism:
+    """The parallel setting the keyword options name, decided here once: ``pp`` > 1 (or another
+    schedule) is a pipeline stage; ``rank``, ``fsdp="fully_shard"`` or a fully_shard option is rank
+    r through the wrappers; ``zero``/``fsdp="full"|"grad-op"``/``tp`` alone are the formulas."""
+    if pp != 1 or schedule != "1f1b":
+        if world_size != 1 or zero or fsdp or tp != 1:
+            raise UsageError("a pipeline stage (pp > 1) does not combine with world_size, zero, fsdp or tp yet: "
+                             "give pp alone")
+        return Stages(make_pipeline(pp, rank if rank is not None else 0, schedule,
+                                    training.train.micro_batches if training is not None else 1))
+    if wants_wrappers(rank, fsdp, reshard_after_forward, fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload,
+                      fsdp_no_sync, loss_parallel):
+        if zero or fsdp in ("full", "grad-op"):
+            raise UsageError("zero= and fsdp='full'|'grad-op' are the per-rank formulas; rank= and fsdp='fully_shard' "
+                             "run PyTorch's wrappers: give one or the other")
+        return Ranks(make_sharding(world_size, rank or 0, fsdp == "fully_shard", reshard_after_forward,
+                                   fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload, tp, sp, fsdp_no_sync, training,
+                                   loss_parallel))
+    layout = make_parallel(world_size, zero, fsdp, tp, sp)
+    return Single() if layout == Parallel() else Formula(layout)
+
+
+def shape_of(shape: Union[str, tuple, list]) -> tuple[int, ...]:
+    if isinstance(shape, str):
+        return parse_shape(shape)
+    dims = tuple(shape)
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+        raise UsageError(f"invalid input shape {shape!r}: expected positive integers, e.g. (32, 1024)")
+    return dims
+
+
+def _loaded(model: Any, target: Target, hf: Optional[HFOptions]) -> tuple[Loaded, Any]:
+    """The model as graphmem loads it, and the exported program's example inputs (if any)."""
+    if isinstance(model, (str, os.PathLike)):
+        return load(os.fspath(model), target=target, options=hf), None
+    if isinstance(model, torch.export.ExportedProgram):
+        example = tuple(model.example_inputs[0]) if model.example_inputs else None
+        return from_exported(model), example
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model must be an nn.Module, a model file or a preset name, not {type(model).__name__}")
+    hf_batch = None
+    if is_hf_model(model):  # input_shape makes the batch its forward takes (graphmem/capture/hf.py)
+        length = hf.decoder_length if hf is not None else None
+        hf_batch = lambda shape: hf_inputs(model, shape, length)  # noqa: E731
+    return Loaded(type(model).__name__, model, hf_batch, None), None
+
+
+def _inputs(loaded: Loaded, inputs: Any, input_shape: Any) -> Inputs:
+    if inputs is None:
+        if input_shape is None:
+            raise UsageError("no inputs: pass example inputs or input_shape=(batch, ...)")
+        return Inputs(lambda s: make_inputs(loaded, s), shape_of(input_shape))
+    batch = as_batch(inputs)
+    first = next(iter(batch.tensors()), None)
+    if first is None:
+        raise UsageError("the inputs hold no tensor: pass a tensor, a tuple or a dict of tensors")
+    return Inputs(resizer(batch), tuple(first.shape), batch)
+
+
+def make_spec(model: ModelLike, inputs: Any = None, *, input_shape: Union[str, tuple, list, None] = None,
+              loss: Optional[LossFn] = None, target: Optional[Target] = None, training: Optional[Training] = None,
+              parallel: Optional[Parallelism] = None, reuse: bool = True, hf: Optional[HFOptions] = None,
+              **options: Any) -> StepSpec:
+    """A StepSpec from ``graphmem.analyze``'s keyword options (see its docstring), checked once.
+    ``target``, ``training`` and ``parallel`` may be given as built objects instead of their options."""
+    t_opts = {k: options.pop(k) for k in ("device", "dtype", "amp", "attention", "gpu", "mode", "memory_budget")
+              if k in options}
+    p_opts = {k: options.pop(k) for k in ("world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank",
+                                          "reshard_after_forward", "fsdp_param_dtype", "fsdp_reduce_dtype",
+                                          "fsdp_offload", "fsdp_no_sync", "loss_parallel") if k in options}
+    qlora = options.pop("qlora", False)
+    if "quantization" not in options and qlora:
+        options["quantization"] = "nf4"
+    if target is None:
+        t_opts["device"] = torch.device(t_opts.get("device", "cpu")).type
+        target = make_target(**t_opts)
+    elif t_opts:
+        raise UsageError(f"give target= or its options ({', '.join(t_opts)}), not both")
+    if training is None:
+        training = make_training(dtype=target.dtype, **options)
+    elif options:
+        raise UsageError(f"give training= or its options ({', '.join(options)}), not both")
+    if parallel is None:
+        parallel = make_parallelism(**p_opts, training=training)
+    elif p_opts:
+        raise UsageError(f"give parallel= or its options ({', '.join(p_opts)}), not both")
+    loaded, example = _loaded(model, target, hf)
+    if inputs is None and input_shape is None and example is not None:
+        inputs = example
+    if loaded.dtype is not None and target.dtype is None and target.amp is None:
+        target = dataclasses.replace(target, dtype=loaded.dtype)  # an HF config's torch_dtype
+    return StepSpec(loaded.name, loaded.module, _inputs(loaded, inputs, input_shape), loss or loaded.loss, target,
+                    training, parallel, reuse)
