@@ -65,6 +65,13 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
+    """The loop's options and how the step is split over ranks."""
+    g = add_loop_arguments(p)
+    add_parallel_arguments(p, g)
+
+
+def add_loop_arguments(p: argparse.ArgumentParser) -> Any:
+    """The loop around forward and backward: optimizer, precision recipe, micro-batches, LoRA/QLoRA."""
     g = p.add_argument_group("training step (any of these adds the per-rank budget table)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, help="run this torch.optim optimizer after backward, then zero_grad")
     g.add_argument("--optimizer-impl", default="auto", choices=IMPLS,
@@ -79,6 +86,11 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--qlora", dest="quantization", action="store_const", const="nf4",
                    help="QLoRA: the linear layers in 4-bit NF4 with double quantization and bf16 compute through "
                    "bitsandbytes (Hugging Face models, with --lora-rank; pip install 'graphmem[qlora]')")
+    return g
+
+
+def add_parallel_arguments(p: argparse.ArgumentParser, g: Any) -> None:
+    """How the step is split: the per-rank formulas (in group ``g``) and rank r through the wrappers."""
     g.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (data parallel x tensor parallel)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage over the data-parallel ranks")
     g.add_argument("--fsdp", nargs="?", const="fully_shard", choices=["fully_shard", "full", "grad-op"],
@@ -157,12 +169,18 @@ def memory_budgets_of(args: argparse.Namespace) -> tuple[float, ...]:
     return parse_budgets(args.memory_budget)
 
 
+def loop_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The loop options as ``graphmem.analyze``/``graphmem.validate`` keywords (checked where the spec is built)."""
+    return dict(optimizer=args.optimizer, optimizer_impl=args.optimizer_impl, master_weights=args.master_weights,
+                micro_batches=args.micro_batches, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+                lora_alpha=args.lora_alpha, quantization=args.quantization)
+
+
 def training_of(args: argparse.Namespace) -> Any:
     """The frozen Training spec (the loop) the training options name (checked once, here)."""
     from graphmem.training.spec import make_training
 
-    return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
-                         args.lora_rank, args.lora_targets, lora_alpha=args.lora_alpha, quantization=args.quantization)
+    return make_training(args.dtype, **loop_options(args))
 
 
 def parallel_of(args: argparse.Namespace, training: Any) -> Any:

@@ -9,7 +9,15 @@ import argparse
 import json
 import sys
 
-from graphmem.cli.options import add_debug_argument, add_model_arguments, hf_of
+from graphmem.cli.options import (
+    AMP,
+    DTYPES,
+    add_debug_argument,
+    add_loop_arguments,
+    add_model_arguments,
+    hf_of,
+    loop_options,
+)
 
 
 class Validate:
@@ -19,6 +27,9 @@ class Validate:
     def prepare_parser(self, p: argparse.ArgumentParser) -> None:
         add_model_arguments(p, real=True)
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run the real step (default cpu)")
+        p.add_argument("--dtype", choices=DTYPES, help="parameter dtype of the real model (default: as built)")
+        p.add_argument("--amp", choices=AMP, help="autocast with fp32 parameters")
+        add_loop_arguments(p)
         p.add_argument("--tolerance", type=float, metavar="PCT",
                        help="allowed peak gap, percent of the measured peak (default 1; CPU convnets need ~2.5)")
         p.add_argument("--json", action="store_true", help="print the comparison as JSON (exact integers)")
@@ -35,7 +46,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     with quiet(args.json):
         result = validate(args.model, input_shape=args.input_shape, device=args.device, tolerance=args.tolerance,
-                          hf=hf_of(args))
+                          hf=hf_of(args), dtype=args.dtype, amp=args.amp, **loop_options(args))
     sys.stdout.write(json.dumps({"validation": result.to_dict()}, indent=2) + "\n" if args.json
                      else render_validation(result))
     sys.stdout.flush()  # the table comes before the stderr line of a failure

@@ -30,5 +30,8 @@ def render_validation(v: Validation) -> str:
                "start plus the predicted rise (caching-allocator model); reserved bytes depend on the cache the "
                "model build and warm-up left, shown for information.")
     verdict = "within tolerance" if v.ok else f"OUTSIDE tolerance: {v.reason}"
-    return (f"graphmem validate · {v.model} · input {shapes} · {v.device} · one real training step\n\n"
+    budget = v.report.budget if v.report is not None else None
+    loop = budget.training.train.describe(budget.device) if budget is not None else ""
+    return (f"graphmem validate · {v.model} · input {shapes} · {v.device} · one real training step"
+            f"{f' ({loop})' if loop else ''}\n\n"
             f"{table}\n\n{how}\n{verdict}\n")

@@ -25,6 +25,7 @@ out is an error, not a machine in swap).
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import re
@@ -39,12 +40,14 @@ import graphmem.validation.measure as measure  # called through the module: test
 from graphmem.api import analyze
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import Loaded, load, make_inputs, parse_shape
-from graphmem.capture.target import GPUS
+from graphmem.capture.target import DTYPES, GPUS, Target
 from graphmem.errors import UsageError
 from graphmem.passes.allocator import allocator
 from graphmem.report import Report
 from graphmem.spec import shape_of
 from graphmem.training.batch import Batch, as_batch
+from graphmem.training.lora import apply_lora
+from graphmem.training.spec import Training
 from graphmem.training.step import LossFn, run_step
 from graphmem.units import fmt_bytes
 from graphmem.validation.result import Row, Validation, ValidationError, judge
@@ -77,8 +80,15 @@ def validate(
     device: Union[str, torch.device] = "cpu",
     tolerance: Optional[float] = None,
     hf: Optional[HFOptions] = None,
+    **options: Any,
 ) -> Validation:
     """Predict one training step on fake tensors, run it for real, compare.
+
+    ``options``: the step's loop, as ``graphmem.analyze`` takes it (``optimizer``, ``optimizer_impl``,
+    ``master_weights``, ``micro_batches``, ``dtype``, ``amp``, ``lora_rank``/``lora_targets``/``lora_alpha``):
+    the real run is that loop (graphmem/training/loop.py, the one the capture runs), with the
+    optimizer's states, the later steps' peak (a second real step, the first unmeasured) and the
+    peak compared. Parallel settings are validated by real gloo jobs (tests/dist_truth.py), not here.
 
     ``inputs``: a tuple, a dict (``model(**inputs)``, as Hugging Face loops call it) or
     ``(args, kwargs)``. ``model``: a model file or preset (built for real on ``device`` after the prediction fits
@@ -104,19 +114,22 @@ def validate(
         raise UsageError("no inputs: pass example inputs or input_shape=(batch, ...) / --input-shape 32x1024")
     shape = _shape(input_shape) if inputs is None else None
     given = None if inputs is None else as_batch(inputs)
+    _check_loop(options)
 
     if isinstance(model, nn.Module):
         _check_real(model, dev)
-        report = analyze(model, given, input_shape=shape, loss=loss, **_target(dev))
+        report = analyze(model, given, input_shape=shape, loss=loss, **_target(dev), **options)
         _check_budget(report, dev, resident=report.parameter_bytes + report.buffer_bytes)
         loaded: Optional[Loaded] = Loaded(type(model).__name__, model, None, None)
     elif isinstance(model, (str, os.PathLike)):
         spec = os.fspath(model)
-        report = analyze(spec, given, input_shape=shape, loss=loss, hf=hf, **_target(dev))
+        report = analyze(spec, given, input_shape=shape, loss=loss, hf=hf, **_target(dev), **options)
         _check_budget(report, dev, resident=0)  # nothing real exists yet
         loaded = None
     else:
         raise UsageError(f"model must be an nn.Module, a model file or a preset name, not {type(model).__name__}")
+    assert report.source is not None  # one device's step
+    training, target = report.source.spec.training, report.source.spec.target
 
     with _rng(dev):
         torch.manual_seed(0)  # deterministic weights and inputs (values never change the bytes)
@@ -129,8 +142,9 @@ def validate(
                                   "example_inputs(shape) must return the same shapes every time")
         loss_fn = loss or loaded.loss
         with _restored(loaded.module):
-            measured = _cpu(report, loaded.module, real, loss_fn) if dev.type == "cpu" else \
-                _cuda(report, loaded.module, real, loss_fn, dev)
+            module = _prepared(loaded.module, training, target)
+            measured = _cpu(report, module, real, loss_fn, training, target) if dev.type == "cpu" else \
+                _cuda(report, module, real, loss_fn, dev, training, target)
     convs = report.step is not None and any("convolution" in str(op.target) for op in report.step.ops)
     hint = " (CPU convnets need ~2.5 %, oneDNN scratch: --tolerance 2.5)" if dev.type == "cpu" and convs and tol < 2.5 else ""
     rows, reason = judge(measured, tol, hint)
@@ -138,6 +152,33 @@ def validate(
 
 
 # -- the real model and inputs ----------------------------------------------------------------
+
+_PARALLEL = ("world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank", "reshard_after_forward",
+             "fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_offload", "fsdp_no_sync", "loss_parallel", "parallel")
+
+
+def _check_loop(options: dict[str, Any]) -> None:
+    split = [k for k in _PARALLEL if k in options]
+    if split:
+        raise UsageError(f"validate runs one device's real step; {', '.join(split)} split it over ranks, whose real "
+                         "runs are multi-process gloo jobs (tests/dist_truth.py): drop them here")
+    if options.get("qlora") or options.get("quantization"):
+        raise UsageError("validate does not run QLoRA's 4-bit step for real yet (its real CPU steps are "
+                         "tests/test_qlora.py's): drop qlora")
+
+
+def _prepared(module: nn.Module, training: Training, target: Target) -> nn.Module:
+    """The real module the step trains: ``module`` itself, or a copy in the spec's dtype and with
+    its LoRA adapters (graphmem/training/lora.py, peft for a Hugging Face model), as the analysis
+    prepared its fake one; the user's module is never changed (an optimizer steps a copy too)."""
+    if training.lora is None and target.param_dtype is None and training.train.optimizer is None:
+        return module
+    model = copy.deepcopy(module)
+    if target.param_dtype is not None and not training.keeps_dtypes(module):
+        model = model.to(target.param_dtype)
+    if training.lora is not None:
+        model, _ = apply_lora(model, training.lora, inplace=True)
+    return model
 
 def _device(device: Union[str, torch.device]) -> torch.device:
     try:
@@ -266,12 +307,22 @@ def _smaller(report: Report) -> str:
 
 # -- the measurements -------------------------------------------------------------------------
 
-def _cpu(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn]) -> tuple[Row, ...]:
-    with _without_profiler_log():
-        real = measure.measure_peak(module, inputs, loss_fn)  # the step under the profiler, then the saved set
-    return (Row("saved for backward", report.activation_bytes, real.saved_bytes, "exact", None),
+def _cpu(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn], training: Training,
+         target: Target) -> tuple[Row, ...]:
+    train = training.train if training.train.active else None
+    amp = DTYPES[target.amp] if target.amp else None
+    with _without_profiler_log():  # the step under the profiler, then the saved set
+        real = measure.measure_peak(module, inputs, loss_fn, train=train, amp=amp)
+    rows = (Row("saved for backward", report.activation_bytes, real.saved_bytes, "exact", None),
             Row("before the step", report.baseline_bytes, real.baseline_bytes, "exact", None),
             Row("peak", report.peak_bytes, real.peak_bytes, "tolerance", None))
+    if train is None or train.optimizer is None or report.budget is None:
+        return rows
+    with _without_profiler_log():  # a second step: the optimizer's states exist before it
+        later = measure.measure_peak(module, inputs, loss_fn, train=train, warm_steps=1, amp=amp)
+    b = report.budget.rank
+    return rows + (Row("optimizer states", b.row("optimizer states").size, later.state_bytes, "exact", None),
+                   Row("peak (later steps)", b.later_peak_bytes, later.peak_bytes, "tolerance", None))
 
 
 # kineto (torch.profiler's C++ side) logs "USDT:2026-01-01 12:00:00 123:123 File.cpp:39] profiler_start"
@@ -300,8 +351,13 @@ def _without_profiler_log() -> Iterator[None]:
 
 
 def _cuda(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn],
-          dev: torch.device) -> tuple[Row, ...]:
+          dev: torch.device, training: Training, target: Target) -> tuple[Row, ...]:
     assert report.step is not None
+    if training.train.active:
+        raise UsageError("validate on cuda runs forward and backward only yet (the warm-up step would leave the "
+                         "optimizer's states behind): drop optimizer/micro_batches, or validate on cpu")
+    amp = DTYPES[target.amp] if target.amp else None
+    context: Any = (lambda: torch.autocast("cuda", dtype=amp)) if amp is not None else contextlib.nullcontext
     model = _cuda_model(report)  # the caching allocator replayed over the predicted step
     first = sum(1 for s in report.step.storages.values() if s.created == -1 and s.nbytes)
     model_before = model.timeline[first - 1][0] if first else 0  # parameters, buffers, inputs
@@ -313,7 +369,7 @@ def _cuda(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[Lo
         for x in inputs.tensors():
             if x.grad is not None:
                 x.grad = None
-        out, loss = run_step(module, inputs, loss_fn)
+        out, loss = run_step(module, inputs, loss_fn, forward_context=context)
         del out, loss
         torch.cuda.synchronize(dev)
 
