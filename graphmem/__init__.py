@@ -38,7 +38,7 @@ _LAZY = {"analyze": "graphmem.api", "parse_shape": "graphmem.capture.load",
 __all__ = ["analyze", "capture", "parse_shape", "Report", "StepGraph", "GraphmemError", "UsageError",
            "ModelLoadError", "CaptureError", "DataDependentError", "UnsupportedOpError", "PassError",
            "assert_activation_bytes", "validate"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> Any:

@@ -49,7 +49,16 @@ def test_public_names_still_work() -> None:
     g = graphmem.capture(net, (torch.randn(2, 4),))  # the capture function, as before the package existed
     assert isinstance(g, graphmem.StepGraph)
     assert graphmem.analyze(net, (torch.randn(2, 4),)).activation_bytes == 2 * 4 * 4  # the input, saved by addmm
-    import graphmem.checkpointing as gc  # what plan.code() printed in graphmem 0.1
+    import importlib
+    import sys
+
+    import pytest
+
+    for name in ("graphmem.checkpointing", "graphmem.selective"):  # what plan.code() printed in graphmem 0.1
+        sys.modules.pop(name, None)
+        with pytest.warns(DeprecationWarning, match="deprecated since graphmem 0.2"):
+            importlib.import_module(name)
+    import graphmem.checkpointing as gc
     from graphmem.selective import OpPolicy
 
     assert gc.apply_segments is graphmem.planning.apply_segments and OpPolicy is graphmem.planning.OpPolicy
