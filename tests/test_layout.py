@@ -40,7 +40,7 @@ LAYERS: dict[str, set[str]] = {
     "checkpointing": {"planning"}, "selective": {"planning"},  # compatibility names for printed plan code
     "cli": {"errors", "units", "api", "report", "compare", "render", "capture", "training", "formula", "planning",
             "validation", "progress", "models", "advise", "distributed", "spec"},
-    "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation"},
+    "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation", "spec"},
 }
 
 

@@ -10,6 +10,7 @@ from typing import NoReturn, Optional, Sequence
 from graphmem.cli.advise import Advise
 from graphmem.cli.analyze import Analyze, Presets
 from graphmem.cli.command import Command
+from graphmem.cli.flags import to_flags
 from graphmem.cli.compare import Compare
 from graphmem.cli.formula import Fit, Formula, Sweep
 from graphmem.cli.plan import Plan
@@ -47,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except GraphmemError as e:
         if debug:
             raise
-        print(f"graphmem: error: {e}", file=sys.stderr)
+        print(f"graphmem: error: {to_flags(str(e))}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("graphmem: interrupted", file=sys.stderr)
