@@ -22,6 +22,8 @@ from graphmem.capture.call_paths import call_path, module_names
 class SharedRope(nn.Module):
     """Rotary embedding made per call from the positions: saves its cos and sin (b-independent)."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim), persistent=False)
@@ -154,7 +156,7 @@ def test_backward_ops_of_a_shared_module_carry_the_calling_block() -> None:
 
 def test_call_path_picks_the_name_under_the_innermost_caller() -> None:
     model = SharedNet(8, 3)
-    names = module_names(model)[id(model.blocks[0].mlp.act)]
+    names = module_names(model)[id(model.get_submodule("blocks.0.mlp.act"))]
     assert names == ("blocks.0.mlp.act", "blocks.1.mlp.act", "blocks.2.mlp.act")
     assert call_path(names, ["", "blocks", "blocks.2", "blocks.2.mlp"]) == "blocks.2.mlp.act"
     assert call_path(names, [""]) == "blocks.0.mlp.act"  # called from the root: its first shortest name

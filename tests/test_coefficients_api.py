@@ -61,7 +61,7 @@ def test_one_api_on_one_polynomial_and_on_pieces(case: tuple[str, Any]) -> None:
         assert c.current is c.above and c.current_piece.range == f"s >= {W}"  # the input has s = 16
     else:  # Gemma 2: one polynomial, listed as its one piece
         assert isinstance(c, Coefficients)
-        assert [p.range for p in c.pieces] == ["every size >= 3"] and c.current is c
+        assert [p.range for p in c.pieces] == ["every size >= 3"] and c.current is c and c.current_piece.coefficients is c
     cur = c.current
     assert (c.activation, c.alpha, c.beta, c.gamma, c.peak, c.blocks) == (
         cur.activation, cur.alpha, cur.beta, cur.gamma, cur.peak, cur.blocks)

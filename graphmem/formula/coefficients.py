@@ -93,6 +93,11 @@ class Coefficients:
         """The piece that holds at the report's input shape: this one."""
         return self
 
+    @property
+    def current_piece(self) -> Piece:
+        """``current`` with where it holds (everywhere)."""
+        return self.pieces[0]
+
     def piece_at(self, point: tuple[int, ...]) -> "Coefficients":
         """The formula that holds at ``point`` (values of ``variables``): this one."""
         return self
