@@ -1,10 +1,22 @@
-"""Shared test set-up: golden-file checks. The ``slow`` marker is declared in pyproject.toml
-(CI runs slow tests too; ``-m "not slow"`` skips them locally); the shared tiny models live in
-tests/cases.py."""
+"""Shared test set-up: golden-file checks, and torch's process-wide settings kept as the session
+found them. The ``slow`` marker is declared in pyproject.toml (CI runs slow tests too; ``-m "not
+slow"`` skips them locally); the shared tiny models live in tests/cases.py.
+
+Process-wide settings (the CPU thread count, which graphmem's CPU scratch rules read,
+graphmem/capture/workspace.py; the default dtype; deterministic algorithms; grad mode) outlive the
+test that changes them, and under ``-n 2`` which tests share a worker varies, so a leaked change
+makes results depend on test order. Change them only inside ``torch_settings(...)`` (or the
+``one_thread`` fixture); ``_settings_kept`` fails a test or fixture that leaves them changed.
+"""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pytest
+import torch
 
 UPDATE_GOLDEN = os.environ.get("GRAPHMEM_UPDATE_GOLDEN") == "1"
 
@@ -16,3 +28,66 @@ def check_golden(text: str, path: Path) -> None:
     assert path.exists(), f"{path} is missing; create it with GRAPHMEM_UPDATE_GOLDEN=1"
     assert text == path.read_text(encoding="utf-8"), f"output differs from {path}; GRAPHMEM_UPDATE_GOLDEN=1 if intended"
 
+
+def _settings() -> dict[str, Any]:
+    return {"num_threads": torch.get_num_threads(), "default_dtype": torch.get_default_dtype(),
+            "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled()),
+            "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark),
+            "grad_enabled": torch.is_grad_enabled()}
+
+
+def _restore(s: dict[str, Any]) -> None:
+    torch.set_num_threads(s["num_threads"])
+    torch.set_default_dtype(s["default_dtype"])
+    torch.use_deterministic_algorithms(s["deterministic"][0], warn_only=s["deterministic"][1])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = s["cudnn"]
+    torch.set_grad_enabled(s["grad_enabled"])
+
+
+SESSION_SETTINGS = _settings()  # as this process (xdist worker) started
+
+
+@contextlib.contextmanager
+def torch_settings(num_threads: Optional[int] = None, default_dtype: Optional[torch.dtype] = None,
+                   deterministic: Optional[bool] = None) -> Iterator[None]:
+    """Change torch's process-wide settings for a block; every one of them is restored on exit."""
+    before = _settings()
+    try:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        if default_dtype is not None:
+            torch.set_default_dtype(default_dtype)
+        if deterministic is not None:
+            torch.use_deterministic_algorithms(deterministic)
+        yield
+    finally:
+        _restore(before)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The test runs with one CPU thread, as each real gloo rank does (tests/dist_truth.py)."""
+    with torch_settings(num_threads=1):
+        yield
+
+
+def _changed(now: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {SESSION_SETTINGS[k]} -> {v}" for k, v in now.items() if v != SESSION_SETTINGS[k])
+
+
+@pytest.fixture(autouse=True)
+def _settings_kept(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails the test whose fixtures (set up before this one: wider scopes first) or body leave
+    torch's settings changed, restores them, so the tests after it run as the session started."""
+    now = _settings()
+    if now != SESSION_SETTINGS:
+        _restore(SESSION_SETTINGS)
+        pytest.fail(f"a fixture of {request.node.nodeid} left torch's settings changed ({_changed(now)}); "
+                    "change them inside tests/conftest.py's torch_settings(...) or the one_thread fixture")
+    yield
+    now = _settings()
+    if now != SESSION_SETTINGS:
+        _restore(SESSION_SETTINGS)
+        pytest.fail(f"{request.node.nodeid} left torch's settings changed ({_changed(now)}); change them "
+                    "inside tests/conftest.py's torch_settings(...) or the one_thread fixture")

@@ -161,7 +161,7 @@ def _settled_wait(wait: Any) -> Any:
 def _join(rank: int, world_size: int, init: str) -> None:
     """Join the real gloo job as ``rank``, one thread as each rank runs, every collective settled."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # (a spawned rank process: nothing to restore, it ends with the job)
     dist.all_gather_single = _settled(dist.all_gather_single)  # type: ignore[attr-defined]
     dist.reduce_scatter_single = _settled(dist.reduce_scatter_single)  # type: ignore[attr-defined]
     funcol.wait_tensor = _settled_wait(funcol.wait_tensor)

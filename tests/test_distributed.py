@@ -14,13 +14,14 @@ GPT-2; HF GPT-2's 96 B are not from the distributed code), on every rank.
 from __future__ import annotations
 
 import pytest
-import torch
+from conftest import torch_settings
 
 import graphmem
 from graphmem.distributed import Sharding, make_sharding
 from graphmem.validation.measure import measure_peak
 from tests.dist_truth import case, loss_of, measure_ranks
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # every rank is predicted with one thread, as each gloo rank runs
 WORLD = 2
 # torch.nn; transformers' Llama (GQA); GPT-2 (tied); models/llama.py; models/gpt2.py; transformers' Qwen2 (8 heads)
 MODELS = ("chain", "llama_gqa", "gpt2_sdpa", "llama_bundled", "gpt2_bundled", "qwen2_gqa8", "llama_bundled+ce",
@@ -50,12 +51,12 @@ def real() -> list[list[dict[str, int]]]:
 @pytest.fixture(scope="module")
 def single_gap() -> dict[str, int]:
     """Real minus predicted peak of each model's single-device step (the existing prediction)."""
-    torch.set_num_threads(1)  # as each gloo rank runs
     gaps = {}
-    for name in MODELS:
-        model, batch = case(name)
-        loss = loss_of(name)
-        gaps[name] = measure_peak(model, batch, loss).peak_bytes - graphmem.analyze(model, batch, loss=loss).peak_bytes
+    with torch_settings(num_threads=1):  # as each gloo rank runs
+        for name in MODELS:
+            model, batch = case(name)
+            loss = loss_of(name)
+            gaps[name] = measure_peak(model, batch, loss).peak_bytes - graphmem.analyze(model, batch, loss=loss).peak_bytes
     return gaps
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 import graphmem
 from graphmem.distributed import Sharding, make_sharding
@@ -29,6 +28,7 @@ from graphmem.training.spec import make_training
 from graphmem.validation.measure import measure_peak
 from tests.dist_truth import case, measure_train_ranks
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # the single-device gaps and every rank with one thread, as each gloo rank runs
 WORLD = 2
 CASES: list[tuple[str, Sharding, TrainStep]] = [
     ("chain", make_sharding(WORLD, 0, fsdp=True), TrainStep("adamw")),  # for-loop AdamW (the CPU's default)
@@ -62,7 +62,6 @@ def _analyze(name: str, train: TrainStep, **options: Any) -> graphmem.Report:
 def _single_gaps(name: str, train: TrainStep) -> dict[str, int]:
     """Real minus predicted peak of the single-device step: forward and backward alone ("step"),
     and the whole step's first and later steps, where the single device peaks in the optimizer."""
-    torch.set_num_threads(1)  # as each gloo rank runs
     model, batch = case(name)
     fb = measure_peak(model, batch).peak_bytes - _analyze(name, TrainStep()).peak_bytes
     b = _analyze(name, train).budget.rank

@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
+from graphmem.capture.call_paths import module_names, module_order
 from graphmem.capture.compiled import CompiledStep, compiled_context
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import Inputs, fake_batch, fake_state, forward_context, translate_error
@@ -75,8 +76,7 @@ def capture(
     dtype = target.param_dtype
     backends: dict[str, int] = {}
     _unique_counts()  # calibrate before entering the fake mode
-    paths = {id(m): name for name, m in model.named_modules()}
-    cap = _Recorder(paths)
+    cap = _Recorder(module_names(model))
     cap.device = target.device
     if target.device == "cuda":
         cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)
@@ -125,7 +125,7 @@ def capture(
             # the fake parameters stay in the module through backward: checkpointed
             # segments (torch.utils.checkpoint) run their forward again there
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
-                    _reparametrize_module(model, state, tie_weights=True, strict=False), \
+                    _reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True), \
                     _rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
                     segment_scope(cap.recompute_scope), real_paths():
                 cap.recording = True
@@ -150,7 +150,7 @@ def capture(
             compiled.check_replayed()
             hand_back_in_order(cap.ops, cap.storages, cap.saves, gradient_sids)
         return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
-                         gradient_sids, type(model).__name__, [name for name, _ in model.named_modules()],
+                         gradient_sids, type(model).__name__, module_order(model),
                          compiled.module_inputs if compiled is not None else cap.module_inputs, target, backends,
                          compiled=compiled.summary() if compiled is not None else None,
                          train=train if session is not None else None, micro_steps=tuple(cap.micro_steps))

@@ -271,7 +271,7 @@ class CompiledStep:
                     partition_config(target.memory_budget), recording(step.partitions), unlogged():
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
-                with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False):
+                with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True):
                     run_step(lambda *a, **k: optimized(model, *a, **k), batch, loss_fn, partial(_stop_at_backward, phase),
                              compiled_context(target))
         except _Compiled:
@@ -372,7 +372,11 @@ def _module_inputs(model: nn.Module, mode: FakeTensorMode, inputs: Any, target: 
         with mode, torch.no_grad():
             state, _ = fake_state(model, device, target.param_dtype)
             batch = fake_batch(inputs, mode, device, target.param_dtype)
-            torch.func.functional_call(model, state, batch.args, dict(batch.kwargs), strict=False, tie_weights=True)
+            # (not torch.func.functional_call: it restores a shared module's tensors in order, which
+            # leaves the fakes in the model; stack_weights restores them last-in first-out)
+            with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False,
+                                                                stack_weights=True):
+                batch.call(model)
     except Exception:
         pass  # the compiled trace reports what fails, with its own message
     finally:

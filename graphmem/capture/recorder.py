@@ -28,6 +28,7 @@ from graphmem.capture.autograd_tags import (
     _unique_counts,
     node_metadata,
 )
+from graphmem.capture.call_paths import call_path
 from graphmem.capture.subclasses import all_real, inner_tensors, wrapped
 from graphmem.capture.workspace import WORKSPACE_OUTPUTS, kernel_rule, scratch
 from graphmem.stepgraph import OpNode, SaveEvent, Storage
@@ -99,7 +100,7 @@ def _fp32_stats(out: Any) -> tuple:
 
 
 class _Recorder:
-    def __init__(self, paths: dict[int, str]) -> None:
+    def __init__(self, paths: dict[int, tuple[str, ...]]) -> None:
         self.recording = False
         self.depth = 0
         self.placeholders: list[OpNode] = []
@@ -108,7 +109,7 @@ class _Recorder:
         self.live: dict[int, Storage] = {}  # StorageImpl address -> live Storage
         self.refs: dict[int, weakref.ref] = {}
         self.saves: list[SaveEvent] = []
-        self.paths = paths
+        self.paths = paths  # id(module) -> its names (graphmem/capture/call_paths.py: which one is called)
         self.stack: list[str] = [""]
         self.module_inputs: dict[str, tuple[int, ...]] = {}  # first input shape of each module
         self.seq_start: list[int] = []  # autograd sequence number when each open module started
@@ -326,7 +327,8 @@ class _Recorder:
             # SDPA backend, autocast, which checkpoint re-enters) hold there as in forward
             self.recompute_ctx = self.recompute_rules()
             self.recompute_ctx.__enter__()
-        path = self.paths.get(id(module), type(module).__name__)
+        names = self.paths.get(id(module))
+        path = call_path(names, self.stack) if names else type(module).__name__
         self.stack.append(path)
         if path not in self.module_inputs:
             first = next((a for a in _tensors(args)), None)

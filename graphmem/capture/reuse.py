@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn as nn
 
+from graphmem.capture.call_paths import module_order
 from graphmem.capture.partition_record import not_periodic
 from graphmem.capture.widen import NotReusable, widen
 from graphmem.chains import Chain, find_chain, truncated
@@ -122,7 +123,7 @@ def capture_reusing(model: nn.Module, capture_at: Callable[[], StepGraph]) -> Re
     chain = find_chain(model)
     if chain is None or chain.length < MIN_LENGTH or not blocks_alike(model, chain):
         return Reused(capture_at(), False)
-    modules = [name for name, _ in model.named_modules()]
+    modules = module_order(model)
     try:
         with truncated(model, chain, DEPTH):
             small = capture_at()
@@ -161,5 +162,5 @@ def compiled_signature(g: StepGraph) -> tuple:
 
 
 def named_at(model: nn.Module, chain: Chain, k: int) -> list[tuple[str, nn.Module]]:
-    with truncated(model, chain, k):
-        return list(model.named_modules())
+    with truncated(model, chain, k):  # shared modules under each name, as module_order
+        return list(model.named_modules(remove_duplicate=False))

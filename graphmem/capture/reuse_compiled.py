@@ -36,6 +36,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch.nn as nn
 
+from graphmem.capture.call_paths import module_order
 from graphmem.capture.reuse import (
     DEPTH,
     MIN_LENGTH,
@@ -95,7 +96,7 @@ def compiled_reusing(model: nn.Module, capture_at: Callable[[Target], StepGraph]
             raise NotReusable(differs)
         if compiled_signature(copied) != compiled_signature(g):
             raise NotReusable("the compiled graphs differ (the partition is not the same in every block)")
-        return CompiledReused(widen(g, chain, k, chain.length, [name for name, _ in model.named_modules()]), True,
+        return CompiledReused(widen(g, chain, k, chain.length, module_order(model)), True,
                               eager=eager.graph)
     except NotReusable as e:
         return CompiledReused(capture_at(target), False, str(e), eager.graph)

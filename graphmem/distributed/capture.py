@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
+from graphmem.capture.call_paths import module_names, module_order
 from graphmem.capture.capture import _cache_clears, marker
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import Inputs, fake_batch, forward_context, translate_error
@@ -81,7 +82,7 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
                 with lazy_chunks():  # (only the chunks FSDP2 reads: graphmem/distributed/chunks.py)
                     shard(wrapped, sharding, meshes)
             cap.real_bookkeeping = False
-            cap.paths = {id(m): name for name, m in wrapped.named_modules()}
+            cap.paths = module_names(wrapped)
             param_sid = {}
             for kind, named in (("parameter", wrapped.named_parameters()), ("buffer", wrapped.named_buffers())):
                 for name, t in named:
@@ -138,7 +139,7 @@ def _run(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, fake_inputs: Any,
         phase_start["end"] = len(cap.ops)
         return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
                          list(dict.fromkeys(gradients)), type(wrapped).__name__,
-                         [name for name, _ in wrapped.named_modules()], cap.module_inputs, target, backends,
+                         module_order(wrapped), cap.module_inputs, target, backends,
                          train=session.step if session is not None else None, micro_steps=tuple(cap.micro_steps))
     finally:
         cap.closed = True  # before the fake tensors die with this frame: those frees are after the step

@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from graphmem.capture.autograd_tags import _tag_grad_fns, _tensors, _unique_counts
+from graphmem.capture.call_paths import module_names, module_order
 from graphmem.capture.capture import _cache_clears, marker
 from graphmem.capture.fakes import _fake_like, fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.hf_paths import real_paths
@@ -180,7 +181,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
     if layout is None:  # (the same for every rank of the pipeline: a caller capturing several passes it on)
         layout = probe(model, inputs, plan.micro_batches, target.param_dtype, context)
     _unique_counts()
-    cap = _Recorder({id(m): n for n, m in model.named_modules()})
+    cap = _Recorder(module_names(model))
     cap.device = target.device
     mode = _Mode(cap)
     segments: list[Segment] = []
@@ -199,7 +200,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
                                                   batch.tensor_split(plan.micro_batches)[0])
                 own = nn.ModuleList([s.submod for s in stages])
                 for s in stages:
-                    cap.paths[id(s.submod)] = ""
+                    cap.paths[id(s.submod)] = ("",)
                 names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False),
                                                *model.named_buffers(remove_duplicate=False)]}
                 mine = dict([*own.named_parameters(remove_duplicate=False), *own.named_buffers(remove_duplicate=False)])
@@ -224,8 +225,8 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
                        nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True)]
             try:
                 with mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
-                        _reparametrize_module(own, state, tie_weights=True, strict=False), \
-                        _reparametrize_module(model, root_state, strict=False), \
+                        _reparametrize_module(own, state, tie_weights=True, strict=False, stack_weights=True), \
+                        _reparametrize_module(model, root_state, strict=False, stack_weights=True), \
                         _rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths():
                     cap.recording = True
                     out = run_schedule(schedule, stages, batch)
@@ -250,7 +251,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
         if session is not None:
             starts = {**starts, "optimizer": opt_start}
         g = StageGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, starts, target.device, grads,
-                       type(model).__name__, [n for n, _ in model.named_modules()], cap.module_inputs, target,
+                       type(model).__name__, module_order(model), cap.module_inputs, target,
                        train=session.step if session is not None else None)
         return g, tuple(segments), layout
     finally:
@@ -274,7 +275,7 @@ def _consts(model: nn.Module, layout: Layout, batch: torch.Tensor, plan: Pipelin
         for name, t in [*holder.named_parameters(recurse=recurse), *holder.named_buffers(recurse=recurse)]:
             state[f"{path}.{name}".lstrip(".")] = _fake_like(t, torch.device("cpu"), dtype)
     mb = batch.tensor_split(plan.micro_batches)[0]
-    with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False), real_paths(), \
+    with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True), real_paths(), \
             context():
         args, kwargs = block_inputs(model, layout.chain, lambda: run_model(model, mb))
     return args[1:], kwargs

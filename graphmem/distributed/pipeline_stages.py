@@ -196,7 +196,7 @@ def probe(model: nn.Module, batch: Any, micro_batches: int, dtype: Optional[torc
         h1 = nn.modules.module.register_module_forward_pre_hook(pre)
         h2 = nn.modules.module.register_module_forward_hook(post)
         try:
-            with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False), real_paths(), \
+            with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True), real_paths(), \
                     context():
                 out = fb.call(model)
                 if "last" not in seen:

@@ -24,6 +24,25 @@ class NotPolynomialError(GraphmemError):
 
 
 @dataclass(frozen=True)
+class Piece:
+    """One exact formula and where it holds: ``low <= variable < high`` (``high`` None: no
+    upper end; ``variable`` None: one polynomial at every size >= MIN_SIZE)."""
+
+    variable: Optional[str]
+    low: int
+    high: Optional[int]
+    coefficients: "Coefficients"
+
+    @property
+    def range(self) -> str:
+        if self.variable is None:
+            return f"every size >= {MIN_SIZE}"
+        if self.high is None:
+            return f"{self.variable} >= {self.low}"
+        return f"{self.low} <= {self.variable} < {self.high}"
+
+
+@dataclass(frozen=True)
 class Coefficients:
     """Exact formulas for one model, target and loss. Polynomials are sympy expressions in
     ``variables`` (``b`` is the batch); ``*_terms`` map monomials to exact coefficients."""
@@ -62,6 +81,29 @@ class Coefficients:
     @property
     def blocks(self) -> int:
         return self.chain.length if self.chain else 0
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        """The formulas and where each holds: this one, everywhere (a piecewise formula,
+        graphmem/formula/piecewise.py, lists one per range)."""
+        return (Piece(None, MIN_SIZE, None, self),)
+
+    @property
+    def current(self) -> "Coefficients":
+        """The piece that holds at the report's input shape: this one."""
+        return self
+
+    @property
+    def current_piece(self) -> Piece:
+        """``current`` with where it holds (everywhere)."""
+        return self.pieces[0]
+
+    def piece_at(self, point: tuple[int, ...]) -> "Coefficients":
+        """The formula that holds at ``point`` (values of ``variables``): this one."""
+        return self
+
+    def piece(self, shape: tuple[int, ...]) -> "Coefficients":
+        return self
 
     def _symbols(self) -> list[sympy.Symbol]:
         return [sympy.Symbol(v) for v in self.variables]

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from graphmem.errors import GraphmemError, UsageError
-from graphmem.formula.coefficients import MIN_SIZE, Coefficients, NotPolynomialError
+from graphmem.formula.coefficients import MIN_SIZE, NotPolynomialError
+from graphmem.formula.piecewise import AnyCoefficients
 from graphmem.formula.sampler import Sampler
 
 
@@ -24,13 +25,14 @@ class FitAnswer:
     limit: str = ""  # set when the model, not the memory, bounds the answer
 
 
-def largest_fitting(coeffs: Coefficients, sampler: Sampler, memory: int, variable: str,
+def largest_fitting(coeffs: AnyCoefficients, sampler: Sampler, memory: int, variable: str,
                     fixed: dict[str, int]) -> FitAnswer:
     """Largest value of ``variable`` (others fixed) whose predicted peak <= memory, exact from
     the peak formula (doubling, then bisection: bytes do not shrink as b or s grow), confirmed
     by captures at the answer and one above."""
-    if coeffs.peak is None:
-        raise NotPolynomialError(f"cannot answer from a formula: {coeffs.peak_note}")
+    for piece in coeffs.pieces:
+        if piece.coefficients.peak is None:
+            raise NotPolynomialError(f"cannot answer from a formula: {piece.coefficients.peak_note}")
     names = list(coeffs.variables)
     if variable not in names:
         raise UsageError(f"{variable!r} is not one of the formula's variables {names}")
@@ -40,11 +42,12 @@ def largest_fitting(coeffs: Coefficients, sampler: Sampler, memory: int, variabl
     def point(v: int) -> tuple[int, ...]:
         return tuple(v if n == variable else base[n] for n in names)
 
-    peak = coeffs.peak
-    assert peak is not None  # largest_fitting's callers have a peak formula
-
     def predict(v: int) -> int:  # below MIN_SIZE the formula does not hold: capture
-        return peak.at(point(v))[0] if v >= MIN_SIZE else sampler(point(v)).peak
+        if v < MIN_SIZE:
+            return sampler(point(v)).peak
+        peak = coeffs.piece_at(point(v)).peak  # the piece that holds there (graphmem/formula/piecewise.py)
+        assert peak is not None  # every piece has a peak formula (checked above)
+        return peak.at(point(v))[0]
 
     lo, hi = 0, 1
     while predict(hi) <= memory:

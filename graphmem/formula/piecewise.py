@@ -15,12 +15,16 @@ the lower piece needs 5 sizes in [3, window - 1] (a window of at least 8); other
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from fractions import Fraction
+from typing import Any, Callable, Optional, Union
 
+import sympy
 import torch.nn as nn
 
-from graphmem.formula.coefficients import MIN_SIZE, Coefficients, NotPolynomialError
+from graphmem.chains import Chain
+from graphmem.formula.coefficients import MIN_SIZE, Coefficients, NotPolynomialError, Piece
 from graphmem.formula.fit import PROBES, fit
+from graphmem.passes.coefficients import BlockSplit, PeakModel
 
 
 def window_of(model: nn.Module) -> Optional[int]:
@@ -32,23 +36,15 @@ def window_of(model: nn.Module) -> Optional[int]:
     return None
 
 
-class _Peak:
-    """``PeakModel.at`` over the pieces, for graphmem.formula.largest_fitting."""
-
-    def __init__(self, owner: "PiecewiseCoefficients") -> None:
-        self.owner = owner
-
-    def at(self, point: tuple[int, ...]) -> tuple[int, int]:
-        piece = self.owner.piece_at(point)
-        if piece.peak is None:
-            raise NotPolynomialError(piece.peak_note)
-        return piece.peak.at(point)
-
-
 @dataclass(frozen=True)
 class PiecewiseCoefficients:
     """Two exact formulas split at ``breakpoint`` in ``variables[index]``: ``below`` holds for
-    MIN_SIZE <= s < breakpoint, ``above`` for s >= breakpoint."""
+    MIN_SIZE <= s < breakpoint, ``above`` for s >= breakpoint.
+
+    It answers as a graphmem.formula.Coefficients does: ``activation``, ``alpha``, ``beta``,
+    ``gamma``, ``peak`` and the other fields are those of ``current``, the piece the report's
+    input shape (``base_shape``) falls in; ``pieces`` lists every piece with its range;
+    ``activation_at`` and ``peak_at`` evaluate the piece that holds at the shape given."""
 
     variables: tuple[str, ...]
     dims: tuple[int, ...]
@@ -60,17 +56,97 @@ class PiecewiseCoefficients:
     above: Coefficients
 
     @property
-    def steps(self) -> tuple[int, ...]:
-        return self.above.steps
+    def pieces(self) -> tuple[Piece, ...]:
+        name = self.variables[self.index]
+        return (Piece(name, MIN_SIZE, self.breakpoint, self.below), Piece(name, self.breakpoint, None, self.above))
 
     @property
-    def peak(self) -> Optional[_Peak]:
-        return _Peak(self) if self.below.peak is not None and self.above.peak is not None else None
+    def current(self) -> Coefficients:
+        """The piece that holds at the report's input shape."""
+        return self.piece(self.base_shape)
+
+    @property
+    def current_piece(self) -> Piece:
+        return next(p for p in self.pieces if p.coefficients is self.current)
+
+    # -- the fields of Coefficients, read from the current piece
+    @property
+    def steps(self) -> tuple[int, ...]:
+        return self.current.steps
+
+    @property
+    def activation(self) -> sympy.Expr:
+        return self.current.activation
+
+    @property
+    def activation_terms(self) -> dict[str, Fraction]:
+        return self.current.activation_terms
+
+    @property
+    def peak(self) -> Optional[PeakModel]:
+        return self.current.peak
+
+    @property
+    def peak_terms(self) -> Optional[dict[str, Fraction]]:
+        return self.current.peak_terms
 
     @property
     def peak_note(self) -> str:
-        return self.below.peak_note or self.above.peak_note
+        return self.current.peak_note
 
+    @property
+    def held_out(self) -> tuple[tuple[tuple[int, ...], int, int], ...]:
+        return self.current.held_out
+
+    @property
+    def chain(self) -> Optional[Chain]:
+        return self.current.chain
+
+    @property
+    def blocks(self) -> int:
+        return self.current.blocks
+
+    @property
+    def block_terms(self) -> dict[str, Fraction]:
+        return self.current.block_terms
+
+    @property
+    def nonblock_terms(self) -> dict[str, Fraction]:
+        return self.current.nonblock_terms
+
+    @property
+    def d_model(self) -> Optional[int]:
+        return self.current.d_model
+
+    @property
+    def n_heads(self) -> Optional[int]:
+        return self.current.n_heads
+
+    @property
+    def split(self) -> Optional[BlockSplit]:
+        return self.current.split
+
+    @property
+    def alpha(self) -> Optional[Fraction]:
+        return self.current.alpha
+
+    @property
+    def beta(self) -> Optional[Fraction]:
+        return self.current.beta
+
+    @property
+    def gamma(self) -> Optional[Fraction]:
+        return self.current.gamma
+
+    @property
+    def note(self) -> str:
+        return self.current.note
+
+    @property
+    def per_rank(self) -> str:
+        return self.current.per_rank
+
+    # -- evaluation: the piece that holds at each size
     def point(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(shape[d] for d in self.dims)
 
@@ -90,10 +166,14 @@ class PiecewiseCoefficients:
         return self.piece(shape).peak_at(shape)
 
     def to_dict(self) -> dict[str, Any]:
+        """The current piece's fields (as Coefficients.to_dict), its range, and every piece."""
         name = self.variables[self.index]
-        return {"piecewise": {"variable": name, "breakpoint": self.breakpoint, "why": self.why,
-                              "pieces": [{"range": f"{MIN_SIZE} <= {name} < {self.breakpoint}", **self.below.to_dict()},
-                                         {"range": f"{name} >= {self.breakpoint}", **self.above.to_dict()}]}}
+        return {**self.current.to_dict(), "piece": self.current_piece.range,
+                "piecewise": {"variable": name, "breakpoint": self.breakpoint, "why": self.why,
+                              "pieces": [{"range": p.range, **p.coefficients.to_dict()} for p in self.pieces]}}
+
+
+AnyCoefficients = Union[Coefficients, PiecewiseCoefficients]
 
 
 def fit_windowed(sampler_for: Callable[[tuple[int, ...]], Any], names: tuple[str, ...], dims: tuple[int, ...],

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from graphmem.errors import UsageError
-from graphmem.formula.coefficients import Coefficients, NotPolynomialError
+from graphmem.formula.coefficients import NotPolynomialError
 from graphmem.formula.fit import fit
-from graphmem.formula.piecewise import fit_windowed, window_of
+from graphmem.formula.piecewise import AnyCoefficients, fit_windowed, window_of
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,7 @@ class Sweep:
     seqs: tuple[int, ...]
     rows: tuple[tuple[int, int, int, Optional[int], Optional[int], Optional[int]], ...]
     # (b, s, activation, peak, captured activation, captured peak): captured only where spot-checked
-    coefficients: Coefficients
+    coefficients: AnyCoefficients
 
 
 def sweep(source: Any, batches: list[int], seqs: list[int], tick: Optional[Callable[[], None]] = None) -> Sweep:
@@ -45,7 +45,7 @@ def sweep(source: Any, batches: list[int], seqs: list[int], tick: Optional[Calla
             c = sampler((b, s))
             rows.append((b, s, c.activation, c.peak, c.activation, c.peak))
             continue
-        peak = coeffs.peak_at(shape) if coeffs.peak is not None else None
+        peak = coeffs.peak_at(shape) if coeffs.piece(shape).peak is not None else None
         captured = sampler((b, s)) if i == 0 else None
         rows.append((b, s, coeffs.activation_at(shape), peak,
                      captured.activation if captured else None, captured.peak if captured else None))

@@ -29,6 +29,8 @@ def render_coefficients(c: Any) -> str:
     if hasattr(c, "breakpoint"):  # graphmem.formula.piecewise.PiecewiseCoefficients
         name = c.variables[c.index]
         return (f"Piecewise in {name}, breakpoint {name} = {c.breakpoint}: {c.why}\n"
+                f"The input ({name} = {c.point(c.base_shape)[c.index]}) falls in [{c.current_piece.range}]; "
+                f"alpha, beta and the formulas read from a report are that piece's\n"
                 f"[{name} < {c.breakpoint}] " + render_coefficients(c.below)
                 + f"[{name} >= {c.breakpoint}] " + render_coefficients(c.above))
     names = ", ".join(c.variables)
