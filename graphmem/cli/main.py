@@ -10,8 +10,8 @@ from typing import NoReturn, Optional, Sequence
 from graphmem.cli.advise import Advise
 from graphmem.cli.analyze import Analyze, Presets
 from graphmem.cli.command import Command
-from graphmem.cli.flags import to_flags
 from graphmem.cli.compare import Compare
+from graphmem.cli.flags import to_flags
 from graphmem.cli.formula import Fit, Formula, Sweep
 from graphmem.cli.plan import Plan
 from graphmem.cli.validate import Validate
