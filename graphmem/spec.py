@@ -70,7 +70,7 @@ class Formula:
 
     def check(self, spec: "StepSpec") -> None:
         if spec.training.quantization is not None:
-            raise UsageError("qlora is analyzed on one device: drop world_size/zero/fsdp/tp")
+            raise UsageError("`qlora` is analyzed on one device: drop `world_size`/`zero`/`fsdp`/`tp`")
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,10 @@ class Ranks:
     def check(self, spec: "StepSpec") -> None:
         check_training(spec.training, self.sharding.no_sync)  # what of the loop runs over DTensor parameters
         if spec.target.mode == "compiled":
-            raise UsageError("the per-rank step runs the wrappers eagerly: use mode='eager', or the formulas "
-                             "(zero=, fsdp='full'|'grad-op', tp= without rank)")
+            raise UsageError("the per-rank step runs the wrappers eagerly: use `mode='eager'`, or the formulas "
+                             "(`zero`, `fsdp='full'` or `tp` without `rank`)")
         if self.sharding.offload and spec.target.device == "cuda":
-            raise UsageError("fsdp_offload on device='cuda' is not modelled yet: the CUDA target runs on CPU fake "
+            raise UsageError("`fsdp_offload` on `device='cuda'` is not modelled yet: the CUDA target runs on CPU fake "
                              "tensors, where CPUOffloadPolicy's host-to-device copies do not appear")
 
 
@@ -108,8 +108,8 @@ class Stages:
         tr = spec.training
         if tr.lora is not None or tr.quantization is not None or tr.train.master_weights \
                 or spec.target.mode == "compiled":
-            raise UsageError("a pipeline stage (pp > 1) runs one pipeline rank's schedule and its optimizer; it does "
-                             "not combine with lora_rank, qlora, master_weights or mode='compiled' yet")
+            raise UsageError("a pipeline stage (`pp` > 1) runs one pipeline rank's schedule and its optimizer; it does "
+                             "not combine with `lora_rank`, `qlora`, `master_weights` or `mode='compiled'` yet")
 
 
 Parallelism = Union[Single, Formula, Ranks, Stages]
@@ -178,11 +178,11 @@ def check_spec(spec: StepSpec) -> None:
         raise UsageError(f"parallel must be Single(), Formula(...), Ranks(...) or Stages(...), "
                          f"not {type(spec.parallel).__name__}")
     if t.attention == "eager" and not is_hf_model(spec.module):
-        raise UsageError("attention='eager' picks a Hugging Face model's own attention; this model is not one: "
-                         "use attention='math' for SDPA's explicit kernel")
+        raise UsageError("`attention='eager'` picks a Hugging Face model's own attention; this model is not one: "
+                         "use `attention='math'` for SDPA's explicit kernel")
     if spec.training.quantization is not None and t.mode == "compiled":
-        raise UsageError("qlora is analyzed in eager mode (bitsandbytes' ops under torch.compile are not traced "
-                         "here): use mode='eager'")
+        raise UsageError("`qlora` is analyzed in eager mode (bitsandbytes' ops under torch.compile are not traced "
+                         "here): use `mode='eager'`")
     spec.parallel.check(spec)
 
 
@@ -196,15 +196,15 @@ def make_parallelism(world_size: int = 1, zero: int = 0, fsdp: Optional[str] = N
     r through the wrappers; ``zero``/``fsdp="full"|"grad-op"``/``tp`` alone are the formulas."""
     if pp != 1 or schedule != "1f1b":
         if world_size != 1 or zero or fsdp or tp != 1:
-            raise UsageError("a pipeline stage (pp > 1) does not combine with world_size, zero, fsdp or tp yet: "
-                             "give pp alone")
+            raise UsageError("a pipeline stage (`pp` > 1) does not combine with `world_size`, `zero`, `fsdp` or `tp` yet: "
+                             "give `pp` alone")
         return Stages(make_pipeline(pp, rank if rank is not None else 0, schedule,
                                     training.train.micro_batches if training is not None else 1))
     if wants_wrappers(rank, fsdp, reshard_after_forward, fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload,
                       fsdp_no_sync, loss_parallel):
         if zero or fsdp in ("full", "grad-op"):
-            raise UsageError("zero= and fsdp='full'|'grad-op' are the per-rank formulas; rank= and fsdp='fully_shard' "
-                             "run PyTorch's wrappers: give one or the other")
+            raise UsageError("`zero` and `fsdp='full'` or `fsdp='grad-op'` are the per-rank formulas; `rank` and bare "
+                             "`fsdp` run PyTorch's wrappers: give one or the other")
         return Ranks(make_sharding(world_size, rank or 0, fsdp == "fully_shard", reshard_after_forward,
                                    fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload, tp, sp, fsdp_no_sync, training,
                                    loss_parallel))
@@ -240,7 +240,7 @@ def _loaded(model: Any, target: Target, hf: Optional[HFOptions]) -> tuple[Loaded
 def _inputs(loaded: Loaded, inputs: Any, input_shape: Any) -> Inputs:
     if inputs is None:
         if input_shape is None:
-            raise UsageError("no inputs: pass example inputs or input_shape=(batch, ...)")
+            raise UsageError("no inputs: pass example inputs or `input_shape='32x1024'`")
         return Inputs(lambda s: make_inputs(loaded, s), shape_of(input_shape))
     batch = as_batch(inputs)
     first = next(iter(batch.tensors()), None)

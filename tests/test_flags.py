@@ -19,6 +19,7 @@ from graphmem.cli.flags import flag, to_flags
     ("`loss_parallel=True` needs `tp=2`", "--loss-parallel needs --tp 2"),
     ("`input_shape='32x1024'`", "--input-shape 32x1024"),
     ("no option here: `x + y`", "no option here: `x + y`"),
+    ("defines no `model`; add `model = MyModel(...)`", "defines no `model`; add `model = MyModel(...)`"),
 ])
 def test_options_become_flags(api: str, cli: str) -> None:
     assert to_flags(api) == cli

@@ -309,7 +309,7 @@ class CompiledStep:
                 raise CaptureError(
                     f"the replay of the compiled step ran a {g.kind} graph {g.replays} times in {self.forwards} "
                     f"forward(s), the trace {g.calls} times in one (dynamo's cached code did not match graphmem's "
-                    "fake tensors); rerun with --debug and report it")
+                    "fake tensors); rerun with `debug` and report it")
 
     def summary(self) -> CompiledGraphs:
         return CompiledGraphs(tuple(self.backend.graphs), self.graph_breaks, partitions=tuple(self.partitions))
@@ -397,7 +397,7 @@ def _translate(e: Exception, phase: str, root: str) -> GraphmemError:
     if isinstance(err, CaptureError) and type(err) is CaptureError:
         msg = str(inner).strip().splitlines()[0] if str(inner).strip() else type(inner).__name__
         return CaptureError(f"torch.compile of {root} failed on fake tensors in the {phase}: {type(inner).__name__}: "
-                            f"{msg}; check that torch.compile(model, backend=\"aot_eager\") runs it, or use --mode eager")
+                            f"{msg}; check that torch.compile(model, backend=\"aot_eager\") runs it, or use `mode='eager'`")
     return err
 
 

@@ -136,5 +136,5 @@ def translate_error(e: Exception, cap: _Recorder, root: str) -> GraphmemError:
         )
     return CaptureError(
         f"{where} raised {type(e).__name__}: {msg} (while running the {cap.phase} on fake "
-        "tensors); check that the input shape fits the model, or rerun with --debug for the traceback"
+        "tensors); check that the input shape fits the model, or rerun with `debug` for the traceback"
     )

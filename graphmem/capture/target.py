@@ -83,23 +83,23 @@ def make_target(device: str = "cpu", dtype: Optional[str] = None, amp: Optional[
     if amp is not None and amp not in ("bf16", "fp16"):
         raise UsageError(f"unknown amp dtype {amp!r}: use bf16 or fp16")
     if amp is not None and dtype not in (None, "fp32"):
-        raise UsageError(f"--amp {amp} casts fp32 parameters; with --dtype {dtype} there is nothing to cast: drop one")
+        raise UsageError(f"`amp={amp}` casts fp32 parameters; with `dtype={dtype}` there is nothing to cast: drop one")
     if attention not in ATTENTION:
         raise UsageError(f"unknown attention backend {attention!r}: use one of {', '.join(ATTENTION)}")
     if gpu not in GPUS:
         raise UsageError(f"unknown gpu {gpu!r}: use one of {', '.join(GPUS)}")
     if device == "cpu" and attention in ("efficient", "cudnn"):
-        raise UsageError(f"--attention {attention} is a CUDA kernel; on the CPU target use auto, flash or math")
+        raise UsageError(f"`attention={attention}` is a CUDA kernel; on the CPU target use auto, flash or math")
     if mode not in MODES:
         raise UsageError(f"unknown mode {mode!r}: use eager or compiled")
     if mode == "compiled" and device == "cuda" and amp is not None:
-        raise UsageError(f"--amp {amp} with --mode compiled on the CUDA target: autocast's CUDA cast lists are not "
-                         "applied inside dynamo's graphs yet; use --dtype bf16/fp16 (no autocast), or --mode eager")
+        raise UsageError(f"`amp={amp}` with `mode='compiled'` on the CUDA target: autocast's CUDA cast lists are not "
+                         "applied inside dynamo's graphs yet; use `dtype='bf16'`/fp16 (no autocast), or `mode='eager'`")
     if memory_budget is not None:
         memory_budget = check_memory_budget(memory_budget)
         if mode != "compiled":
-            raise UsageError("--memory-budget sets torch.compile's partitioner (activation_memory_budget): "
-                             "add --mode compiled")
+            raise UsageError("`memory_budget` sets torch.compile's partitioner (activation_memory_budget): "
+                             "add `mode='compiled'`")
     return Target(device, dtype, amp, attention, gpu, mode, memory_budget)
 
 
@@ -108,7 +108,7 @@ def check_memory_budget(value: object) -> float:
     saves: 0 (recompute all it can) to 1 (PyTorch's default)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
         raise UsageError(f"memory budget {value!r} is outside [0, 1]: give a fraction of the saved activations, "
-                         "e.g. --memory-budget 0.5 (1 is torch.compile's default)")
+                         "e.g. `memory_budget=0.5` (1 is torch.compile's default)")
     return float(value)
 
 
@@ -116,6 +116,6 @@ def check_device(device: str) -> None:
     """Fake CUDA tensors need a CUDA build of torch (no GPU needed); say so in one line."""
     if torch.device(device).type == "cuda" and torch.version.cuda is None:
         raise UsageError(
-            f"--device cuda needs a CUDA build of PyTorch (it runs without a GPU); this is torch "
+            f"`device='cuda'` needs a CUDA build of PyTorch (it runs without a GPU); this is torch "
             f"{torch.__version__} without CUDA: pip install torch==2.14.1 (the default PyPI wheel is a CUDA build)"
         )

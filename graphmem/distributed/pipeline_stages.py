@@ -51,16 +51,16 @@ class Pipeline:
 
 def make_pipeline(pp: int, rank: int, schedule: str, micro_batches: int) -> Pipeline:
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 2:
-        raise UsageError(f"--pp must be an integer >= 2 (pipeline ranks; --rank and --schedule need it), got {pp!r}")
+        raise UsageError(f"`pp` must be an integer >= 2 (pipeline ranks; `rank` and `schedule` need it), got {pp!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < pp:
-        raise UsageError(f"--rank must be in 0..{pp - 1} for --pp {pp}, got {rank!r}")
+        raise UsageError(f"`rank` must be in 0..{pp - 1} for `pp={pp}`, got {rank!r}")
     if schedule not in SCHEDULES:
-        raise UsageError(f"unknown --schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        raise UsageError(f"unknown `schedule={schedule!r}`; choose one of {', '.join(SCHEDULES)}")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise UsageError(f"--micro-batches must be a positive integer, got {micro_batches!r}")
+        raise UsageError(f"`micro_batches` must be a positive integer, got {micro_batches!r}")
     if schedule == "1f1b" and micro_batches < pp:  # torch/distributed/pipelining/schedules.py, Schedule1F1B.__init__
-        raise UsageError(f"the 1f1b schedule needs at least as many micro-batches as stages: --micro-batches {pp} "
-                         f"or more for --pp {pp} (or --schedule gpipe)")
+        raise UsageError(f"the 1f1b schedule needs at least as many micro-batches as stages: `micro_batches={pp}` "
+                         f"or more for `pp={pp}` (or `schedule='gpipe'`)")
     return Pipeline(pp, rank, schedule, micro_batches)
 
 
@@ -215,7 +215,7 @@ def probe(model: nn.Module, batch: Any, micro_batches: int, dtype: Optional[torc
                          "the model runs other code there, which a stage split cannot see")
     b = logits.shape[0]
     if b % micro_batches:
-        raise UsageError(f"the batch ({b}) must split evenly into --micro-batches {micro_batches}")
+        raise UsageError(f"the batch ({b}) must split evenly into `micro_batches={micro_batches}`")
 
     def per_mb(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
         return (t.shape[0] // micro_batches, *t.shape[1:]), t.dtype

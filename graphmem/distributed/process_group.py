@@ -42,9 +42,9 @@ def fake_process_group(rank: int, world_size: int, tp: int = 1, fsdp: bool = Tru
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if world_size < 1 or not 0 <= rank < world_size:
-        raise UsageError(f"--rank {rank} is not one of the {world_size} ranks: use 0 to {world_size - 1}")
+        raise UsageError(f"`rank={rank}` is not one of the {world_size} ranks: use 0 to {world_size - 1}")
     if world_size % tp:
-        raise UsageError(f"--world-size {world_size} is not a multiple of --tp {tp}: world = data parallel x tensor parallel")
+        raise UsageError(f"`world_size={world_size}` is not a multiple of `tp={tp}`: world = data parallel x tensor parallel")
     if dist.is_initialized():
         raise UsageError("torch.distributed is already initialized in this process; graphmem runs rank r "
                          "in a fake process group of its own: call analyze outside the distributed job")

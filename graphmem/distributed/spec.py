@@ -70,27 +70,27 @@ def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_af
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise UsageError(f"{name} must be a positive integer, got {v!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise UsageError(f"--rank {rank!r} is not one of the {world_size} ranks: use 0 to {world_size - 1}")
+        raise UsageError(f"`rank={rank!r}` is not one of the {world_size} ranks: use 0 to {world_size - 1}")
     if world_size % tp:
-        raise UsageError(f"--world-size {world_size} is not a multiple of --tp {tp}: world = data parallel x tensor parallel")
+        raise UsageError(f"`world_size={world_size}` is not a multiple of `tp={tp}`: world = data parallel x tensor parallel")
     for name, d in (("--fsdp-param-dtype", param_dtype), ("--fsdp-reduce-dtype", reduce_dtype)):
         if d is not None and d not in _DTYPES:
             raise UsageError(f"unknown {name} {d!r}: use one of {', '.join(_DTYPES)}")
     if not fsdp and (param_dtype or reduce_dtype or offload or not reshard_after_forward or no_sync):
-        raise UsageError("the mixed-precision, offload, reshard and no-sync options configure fully_shard: add --fsdp")
+        raise UsageError("the mixed-precision, offload, reshard and no-sync options configure fully_shard: add `fsdp`")
     if training is not None:
         check_training(training, no_sync)
     if sp and tp == 1:
-        raise UsageError("--sp splits the sequence over the tensor-parallel ranks: add --tp 2 (or more)")
+        raise UsageError("`sp` splits the sequence over the tensor-parallel ranks: add `tp=2` (or more)")
     if tp > 1 and not fsdp and world_size != tp:
-        raise UsageError(f"--world-size {world_size} with --tp {tp} and no --fsdp leaves {world_size // tp} data-parallel "
-                         "replicas, and graphmem runs no replicating wrapper (DDP): add --fsdp to shard over them, "
-                         f"or use --world-size {tp} (each replica's tensor-parallel step is the same)")
+        raise UsageError(f"`world_size={world_size}` with `tp={tp}` and no `fsdp` leaves {world_size // tp} data-parallel "
+                         "replicas, and graphmem runs no replicating wrapper (DDP): add `fsdp` to shard over them, "
+                         f"or use `world_size={tp}` (each replica's tensor-parallel step is the same)")
     if fsdp and world_size // tp == 1:
-        raise UsageError(f"--fsdp shards over the data-parallel ranks, and --world-size {world_size} / --tp {tp} "
-                         "leaves one: raise --world-size")
+        raise UsageError(f"`fsdp` shards over the data-parallel ranks, and `world_size={world_size}` / `tp={tp}` "
+                         "leaves one: raise `world_size`")
     if loss_parallel and tp == 1:
-        raise UsageError("--loss-parallel keeps the logits split over the tensor-parallel ranks: add --tp 2 (or more)")
+        raise UsageError("`loss_parallel` keeps the logits split over the tensor-parallel ranks: add `tp=2` (or more)")
     return Sharding(world_size, rank, fsdp, reshard_after_forward, param_dtype, reduce_dtype, offload, tp, sp, no_sync,
                     loss_parallel)
 
@@ -102,17 +102,17 @@ def check_training(training: Training, no_sync: bool) -> None:
     (row/column norm) DTensor is refused."""
     train = training.train
     if no_sync and train.micro_batches < 2:
-        raise UsageError("--fsdp-no-sync skips the gradient reduce-scatter of all micro-batches but the last: "
-                         "add --micro-batches 2 (or more)")
+        raise UsageError("`fsdp_no_sync` skips the gradient reduce-scatter of all micro-batches but the last: "
+                         "add `micro_batches=2` (or more)")
     if train.master_weights:
-        raise UsageError("--master-weights is the single-device mixed-precision recipe; FSDP2's is fp32 sharded "
-                         "parameters with --fsdp-param-dtype bf16 (MixedPrecisionPolicy): use that instead")
+        raise UsageError("`master_weights` is the single-device mixed-precision recipe; FSDP2's is fp32 sharded "
+                         "parameters with `fsdp_param_dtype='bf16'` (MixedPrecisionPolicy): use that instead")
     if train.optimizer in ("sgd", "momentum") and train.impl == "fused":
         raise UsageError("torch.optim's fused SGD has no DTensor sharding strategy (aten._fused_sgd_), so it does not "
-                         "run on FSDP2/TP parameters: use --optimizer-impl foreach or forloop")
+                         "run on FSDP2/TP parameters: use `optimizer_impl='foreach'` or forloop")
     if train.optimizer == "adafactor":
         raise UsageError("torch.optim.Adafactor does not run on DTensor parameters (its in-place update of a partial "
-                         "norm is refused by DTensor): use --optimizer adamw, adam, momentum or sgd per rank")
+                         "norm is refused by DTensor): use `optimizer='adamw'`, adam, momentum or sgd per rank")
     if training.quantization is not None:
-        raise UsageError("--qlora is analyzed on one device (bitsandbytes' 4-bit weights are not sharded by fully_shard "
-                         "here): drop --qlora, or drop --rank/--fsdp")
+        raise UsageError("`qlora` is analyzed on one device (bitsandbytes' 4-bit weights are not sharded by fully_shard "
+                         "here): drop `qlora`, or drop `rank`/`fsdp`")

@@ -47,22 +47,22 @@ def parallelize(model: nn.Module, sharding: Sharding, meshes: Meshes) -> None:
     from graphmem.models.llama import Transformer
 
     if type(model).__module__.split(".")[0] == "peft":
-        raise UsageError(f"--tp with --rank on a peft-wrapped model ({type(model).__name__}) is not modelled: "
-                         "transformers' TP plan shards the base model's linears, not LoRA's wrappers; drop --rank "
+        raise UsageError(f"`tp` with `rank` on a peft-wrapped model ({type(model).__name__}) is not modelled: "
+                         "transformers' TP plan shards the base model's linears, not LoRA's wrappers; drop `rank` "
                          "for the Korthikanti formula")
     if is_hf(model):
         if sharding.loss_parallel:
-            raise UsageError("--loss-parallel on a Hugging Face model is not modelled: transformers' TP plan gathers the "
-                             "head's logits (colwise_gather_output) into the model's own loss; drop --loss-parallel")
+            raise UsageError("`loss_parallel` on a Hugging Face model is not modelled: transformers' TP plan gathers the "
+                             "head's logits (colwise_gather_output) into the model's own loss; drop `loss_parallel`")
         parallelize_hf(model, sharding, meshes)
     elif _is_bundled(model, Transformer):
         _parallelize_llama(model, sharding, meshes)
     elif _is_bundled(model, GPT):
         _parallelize_gpt2(model, sharding, meshes)
     else:
-        raise UsageError(f"no tensor-parallel plan for {type(model).__name__}: --tp with --rank runs Hugging Face "
+        raise UsageError(f"no tensor-parallel plan for {type(model).__name__}: `tp` with `rank` runs Hugging Face "
                          "models with a TP plan and the bundled Llama and GPT-2 (models/llama.py, models/gpt2.py); "
-                         "drop --rank for the Korthikanti formula over any model")
+                         "drop `rank` for the Korthikanti formula over any model")
 
 
 def tp_engine(model: nn.Module) -> str:
@@ -91,7 +91,7 @@ def _parallelize_llama(model: nn.Module, sharding: Sharding, meshes: Meshes) -> 
     for layer in model.layers:  # type: ignore[union-attr]
         attention = layer.attention
         if attention.n_heads % tp or attention.n_kv_heads % tp:
-            raise UsageError(f"--tp {tp} does not divide the {attention.n_heads} heads ({attention.n_kv_heads} "
+            raise UsageError(f"`tp={tp}` does not divide the {attention.n_heads} heads ({attention.n_kv_heads} "
                              "key/value heads): pick a divisor")
     assert meshes.tp is not None
     parallelize_module(model, meshes.tp, _root_plan(sharding.sp, sharding.loss_parallel))
@@ -108,7 +108,7 @@ def _parallelize_gpt2(model: nn.Module, sharding: Sharding, meshes: Meshes) -> N
     blocks: list[Any] = list(model.transformer.h)  # type: ignore[union-attr, arg-type]
     for block in blocks:
         if block.attn.n_head % tp:
-            raise UsageError(f"--tp {tp} does not divide the {block.attn.n_head} heads: pick a divisor")
+            raise UsageError(f"`tp={tp}` does not divide the {block.attn.n_head} heads: pick a divisor")
     assert meshes.tp is not None
     tied = model.transformer.wte.weight is model.lm_head.weight  # type: ignore[union-attr]
     parallelize_module(model, meshes.tp, _gpt2_root_plan(sharding.sp, sharding.loss_parallel))

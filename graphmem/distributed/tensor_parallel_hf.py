@@ -51,7 +51,7 @@ def hf_plan(model: nn.Module, tp: int) -> dict[str, str]:
     name = type(model).__name__
     if not (getattr(model, "tp_plan", None) or {}):
         raise UsageError(f"{name} has no tensor-parallel plan in transformers (no base_model_tp_plan in its config): "
-                         "drop --rank for the Korthikanti formula over any model")
+                         "drop `rank` for the Korthikanti formula over any model")
     try:
         plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=tp))  # type: ignore[operator]
     except ValueError as e:
@@ -68,7 +68,7 @@ def _check_heads(model: nn.Module, plan: dict[str, str], tp: int) -> None:
         return
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % tp or get_kv_heads_per_rank(plan, kv, tp) is None:
-        raise UsageError(f"--tp {tp} does not divide the {heads} attention heads ({kv} key/value heads) of "
+        raise UsageError(f"`tp={tp}` does not divide the {heads} attention heads ({kv} key/value heads) of "
                          f"{type(model).__name__}: pick a divisor")
 
 
@@ -77,8 +77,8 @@ def parallelize_hf(model: nn.Module, sharding: Sharding, meshes: Meshes) -> None
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     if sharding.sp:
-        raise UsageError(f"--sp: transformers has no sequence-parallel plan for {type(model).__name__} "
-                         "(DistributedConfig.enable_sequence_parallel is not wired up yet): drop --sp")
+        raise UsageError(f"`sp`: transformers has no sequence-parallel plan for {type(model).__name__} "
+                         "(DistributedConfig.enable_sequence_parallel is not wired up yet): drop `sp`")
     plan = hf_plan(model, sharding.tp)
     _check_heads(model, plan, sharding.tp)
     assert meshes.tp is not None

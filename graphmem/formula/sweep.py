@@ -23,7 +23,7 @@ class Sweep:
 def sweep(source: Any, batches: list[int], seqs: list[int], tick: Optional[Callable[[], None]] = None) -> Sweep:
     """Activation and peak over the grid from the exact formulas; the first point is captured."""
     if not batches or not seqs or min(batches + seqs) < 1:
-        raise UsageError("sweep needs positive batch and sequence lists, e.g. --batch 1,8,32 --seq 512,1024")
+        raise UsageError("sweep needs positive batch and sequence lists, e.g. `batch=1,8,32` `seq=512,1024`")
     base = list(source.base_shape)
     if tuple(source.names[:2]) != ("b", "s"):
         raise UsageError(f"sweep varies batch and sequence length, but this model's input {tuple(base)} has "

@@ -29,13 +29,13 @@ def parse_budgets(values: Any) -> tuple[float, ...]:
         try:
             items: list[Any] = [float(v) for v in values.split(",") if v.strip()]
         except ValueError:
-            raise UsageError(f"--memory-budget {values!r}: give fractions in [0, 1], e.g. 0.5 or 1,0.8,0.5,0.2") from None
+            raise UsageError(f"`memory_budget={values!r}`: give fractions in [0, 1], e.g. 0.5 or 1,0.8,0.5,0.2") from None
     elif isinstance(values, (int, float)):
         items = [values]
     else:
         items = list(values)
     if not items:
-        raise UsageError("no memory budget given: e.g. --memory-budget 0.5 or --memory-budget 1,0.8,0.5,0.2")
+        raise UsageError("no memory budget given: e.g. `memory_budget=0.5` or `memory_budget=1,0.8,0.5,0.2`")
     return tuple(dict.fromkeys(check_memory_budget(v) for v in items))
 
 
@@ -48,7 +48,7 @@ def memory_budgets(report: Any, values: Any, keep: bool = False,
         raise no_source(report.sharding)
     if source.target.mode != "compiled":
         raise UsageError("the memory budget is torch.compile's partitioner knob: analyze with mode=\"compiled\" "
-                         "(--mode compiled)")
+                         "(`mode='compiled'`)")
     if source.train is not None and source.train.active:
         raise UsageError("the memory-budget sweep runs the plain step (forward, loss, backward): drop the optimizer "
                          "and micro-batch options")

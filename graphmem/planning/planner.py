@@ -328,8 +328,8 @@ def parse_limits(budget: Any, max_overhead: Any, required: bool = True) -> tuple
     if budget is not None and max_overhead is not None:
         raise UsageError("give a memory budget or a maximum recompute overhead, not both")
     if required and budget is None and max_overhead is None:
-        raise UsageError("give a memory budget (e.g. budget=\"40GiB\", --budget 40GiB) or a maximum "
-                         "recompute overhead (max_overhead=0.2, --max-overhead 20%)")
+        raise UsageError("give a memory budget (e.g. `budget='40GiB'`) or a maximum recompute overhead "
+                         "(e.g. `max_overhead='20%'`)")
     fraction = None
     if max_overhead is not None:
         text = str(max_overhead).strip()

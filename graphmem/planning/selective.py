@@ -230,7 +230,7 @@ class SelectivePlanner(Planner):
                 level, _ = measure(report, policy)
             except GraphmemError as e:
                 raise PlanError(f"selective level {policy.name} (keeping {len(policy.keep)} ops per block) cannot be "
-                                f"measured: {e}; plan without --selective") from e
+                                f"measured: {e}; plan without `selective`") from e
             costs.append(level)
         self.modes = sel.Modes(tuple(costs))
         self._problem = next((c.problem for c in costs if not c.exact), "")

@@ -54,13 +54,13 @@ def make_lora(rank: Optional[int], targets: Optional[str | tuple[str, ...] | lis
     if rank is None and not targets and alpha is None:
         return None
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise UsageError(f"--lora-rank must be a positive integer, got {rank!r}")
+        raise UsageError(f"`lora_rank` must be a positive integer, got {rank!r}")
     names = tuple(t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets or ()) if t.strip())
     if not names:
-        raise UsageError("--lora-rank needs --lora-targets: module-name substrings of the linear layers to adapt, "
+        raise UsageError("`lora_rank` needs `lora_targets`: module-name substrings of the linear layers to adapt, "
                          "e.g. qkv,proj, or all-linear")
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
-        raise UsageError(f"--lora-alpha must be a positive number, got {alpha!r}")
+        raise UsageError(f"`lora_alpha` must be a positive number, got {alpha!r}")
     return LoRA(rank, names, 8.0 if alpha is None else float(alpha))
 
 
@@ -77,7 +77,7 @@ def meta_copy(module: nn.Module) -> nn.Module:
     except Exception as e:
         raise UsageError(f"cannot copy {type(module).__name__} to add LoRA adapters ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); wrap the linear layers yourself "
-                         "and pass the module without --lora-rank") from e
+                         "and pass the module without `lora_rank`") from e
 
 
 def apply_lora(module: nn.Module, lora: LoRA, inplace: bool = False) -> tuple[nn.Module, tuple[str, ...]]:
@@ -94,7 +94,7 @@ def apply_lora(module: nn.Module, lora: LoRA, inplace: bool = False) -> tuple[nn
         linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
         shown = ", ".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in linears)) or "none"
         raise UsageError(f"no nn.Linear name contains {', '.join(lora.targets)}; this model's linear layers "
-                         f"are named {shown}: pick --lora-targets from those")
+                         f"are named {shown}: pick `lora_targets` from those")
     for p in model.parameters():
         p.requires_grad_(False)
     for name, lin in found:

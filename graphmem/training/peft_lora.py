@@ -31,7 +31,7 @@ def apply_peft(model: nn.Module, lora: Any) -> tuple[nn.Module, tuple[str, ...]]
     except ImportError:
         raise UsageError("LoRA on a Hugging Face model runs through peft: pip install 'graphmem[hf]'") from None
     if any(c.__name__ == "PeftModel" for c in type(model).__mro__):
-        raise UsageError("this model already has peft adapters; analyze it as it is, without --lora-rank")
+        raise UsageError("this model already has peft adapters; analyze it as it is, without `lora_rank`")
     targets: Any = "all-linear" if lora.targets == ("all-linear",) else list(lora.targets)
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
     try:
@@ -42,7 +42,7 @@ def apply_peft(model: nn.Module, lora: Any) -> tuple[nn.Module, tuple[str, ...]]
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                           if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"})
-        raise UsageError(f"peft found no layer to adapt for --lora-targets {','.join(lora.targets)} ({first}); this "
+        raise UsageError(f"peft found no layer to adapt for `lora_targets={','.join(lora.targets)}` ({first}); this "
                          f"model's projections are named {', '.join(linears) or 'none'}, or use all-linear") from e
     names = tuple(n for n, m in wrapped.named_modules() if isinstance(m, LoraLayer))
     return wrapped, names

@@ -78,10 +78,10 @@ def make_quantization(quantization: Optional[str]) -> Optional[Quantization]:
 def check_quantization(lora: Optional[LoRA], train: TrainStep) -> None:
     """What QLoRA trains and how: LoRA adapters on one device, the 4-bit base frozen."""
     if lora is None:
-        raise UsageError("--qlora trains LoRA adapters on the frozen 4-bit base: add --lora-rank and --lora-targets "
-                         "(e.g. --lora-rank 16 --lora-targets all-linear)")
+        raise UsageError("`qlora` trains LoRA adapters on the frozen 4-bit base: add `lora_rank` and `lora_targets` "
+                         "(e.g. `lora_rank=16` `lora_targets='all-linear'`)")
     if train.master_weights:
-        raise UsageError("--qlora keeps the base in 4 bits and the adapters in fp32 (peft): drop --master-weights")
+        raise UsageError("`qlora` keeps the base in 4 bits and the adapters in fp32 (peft): drop `master_weights`")
 
 
 def _bitsandbytes() -> Any:
@@ -92,7 +92,7 @@ def _bitsandbytes() -> Any:
         import bitsandbytes
         import transformers  # noqa: F401  (its bitsandbytes integration picks the layers)
     except ImportError:
-        raise UsageError("--qlora quantizes through bitsandbytes and transformers: pip install 'graphmem[qlora]'") from None
+        raise UsageError("`qlora` quantizes through bitsandbytes and transformers: pip install 'graphmem[qlora]'") from None
     finally:
         quiet.setLevel(level)
     return bitsandbytes
@@ -127,7 +127,7 @@ def quantize(model: nn.Module, q: Quantization, dtype: Optional[torch.dtype] = N
         why = (f"; this model's linears are {', '.join(subclassed)}, subclasses of nn.Linear, which transformers' "
                "replace_with_bnb_linear leaves in full precision (it tests type(module) is nn.Linear, "
                "transformers/integrations/bitsandbytes.py)") if subclassed else ""
-        raise UsageError("--qlora found no linear layer to quantize in this model (transformers' bitsandbytes "
+        raise UsageError("`qlora` found no linear layer to quantize in this model (transformers' bitsandbytes "
                          "integration replaces nn.Linear and Conv1D, never the output head)" + why)
     for name, m in layers:
         weight = old[name].weight.detach()

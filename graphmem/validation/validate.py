@@ -111,7 +111,7 @@ def validate(
     if not math.isfinite(tol) or tol < 0:
         raise UsageError(f"invalid tolerance {tolerance!r}: expected a percentage >= 0, e.g. 1 or 2.5")
     if inputs is None and input_shape is None:
-        raise UsageError("no inputs: pass example inputs or input_shape=(batch, ...) / --input-shape 32x1024")
+        raise UsageError("no inputs: pass example inputs or `input_shape='32x1024'`")
     shape = _shape(input_shape) if inputs is None else None
     given = None if inputs is None else as_batch(inputs)
     _check_loop(options)
@@ -160,11 +160,11 @@ _PARALLEL = ("world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank",
 def _check_loop(options: dict[str, Any]) -> None:
     split = [k for k in _PARALLEL if k in options]
     if split:
-        raise UsageError(f"validate runs one device's real step; {', '.join(split)} split it over ranks, whose real "
+        raise UsageError(f"validate runs one device's real step; {', '.join(f'`{k}`' for k in split)} split it over ranks, whose real "
                          "runs are multi-process gloo jobs (tests/dist_truth.py): drop them here")
     if options.get("qlora") or options.get("quantization"):
         raise UsageError("validate does not run QLoRA's 4-bit step for real yet (its real CPU steps are "
-                         "tests/test_qlora.py's): drop qlora")
+                         "tests/test_qlora.py's): drop `qlora`")
 
 
 def _prepared(module: nn.Module, training: Training, target: Target) -> nn.Module:
@@ -355,7 +355,7 @@ def _cuda(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[Lo
     assert report.step is not None
     if training.train.active:
         raise UsageError("validate on cuda runs forward and backward only yet (the warm-up step would leave the "
-                         "optimizer's states behind): drop optimizer/micro_batches, or validate on cpu")
+                         "optimizer's states behind): drop `optimizer`/`micro_batches`, or validate on `device='cpu'`")
     amp = DTYPES[target.amp] if target.amp else None
     context: Any = (lambda: torch.autocast("cuda", dtype=amp)) if amp is not None else contextlib.nullcontext
     model = _cuda_model(report)  # the caching allocator replayed over the predicted step
