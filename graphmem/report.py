@@ -196,8 +196,8 @@ class Report:
 
     @staticmethod
     def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,
-              notes: tuple[str, ...] = (), source: Any = None, cuda_allocator: Any = None,
-              budget: Any = None, sharding: Optional[RankScope] = None) -> "Report":
+              notes: tuple[str, ...] = (), source: Any = None, cuda_allocator: Optional[AllocatorResult] = None,
+              budget: Optional[StepBudget] = None, sharding: Optional[RankScope] = None) -> "Report":
         kinds: dict[str, int] = {}
         for s in g.storages.values():
             if s.created < 0:
