@@ -2,7 +2,8 @@
 appear in only one of them (``graphmem compare a.json b.json``).
 
 Works on the JSON form of a report (``Report.to_dict()``, what ``analyze --json`` prints), so
-reports saved by earlier runs or other machines compare as well as fresh ones. A saved tensor is
+reports saved by earlier runs or other machines compare as well as fresh ones; a saved file is
+read back through ``Report.from_dict`` (``load_json_report``). A saved tensor is
 identified by (op, module, shape, dtype, category); the same identity saved n times in one report
 and m times in the other counts as |n - m| added or removed tensors.
 """
@@ -63,8 +64,9 @@ class Comparison:
     removed: tuple[SavedGroup, ...]  # only in ``before``, largest first
 
 
-def load_json_report(path: Union[str, "os.PathLike[str]"]) -> dict[str, Any]:
-    """Read a report written by ``graphmem analyze ... --json``; UsageError if it is not one."""
+def load_json_report(path: Union[str, "os.PathLike[str]"]) -> Report:
+    """Read a report written by ``graphmem analyze ... --json`` (``Report.to_dict()``) back as a
+    Report (``Report.from_dict``); UsageError if it is not one."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -73,7 +75,11 @@ def load_json_report(path: Union[str, "os.PathLike[str]"]) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UsageError(f"{os.fspath(path)} is not a JSON report ({type(e).__name__}: {e}); write one with "
                          "`graphmem analyze MODEL --input-shape SHAPE --json > FILE`") from None
-    return _checked(data, os.fspath(path))
+    _checked(data, os.fspath(path))
+    try:
+        return Report.from_dict(data)
+    except UsageError as e:
+        raise UsageError(f"{os.fspath(path)} is {str(e)[0].lower()}{str(e)[1:]}") from None
 
 
 def _checked(data: Any, label: str) -> dict[str, Any]:

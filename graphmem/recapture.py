@@ -149,7 +149,7 @@ class Recapture:
         self.parallel: Parallel = spec.parallel.formula  # formulas are one rank's under tensor parallelism
         self.names, self.dims = variables_of(example)
         self._sampler: Optional[Sampler] = None
-        self.kept: dict[str, Any] = {}  # answers computed once: planners, kept coefficients and plans
+        self.cache: dict[str, Any] = {}  # answers computed once: planners, the default formulas
 
     @property
     def train(self) -> Optional[TrainStep]:

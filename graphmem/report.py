@@ -1,13 +1,27 @@
 """Report: the frozen result of one analysis (pass results + what was analyzed)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
+from graphmem.capture.target import Target
+from graphmem.errors import UsageError
+from graphmem.jsondata import field_types, from_json, to_json
 from graphmem.passes import Liveness, LiveTensor, ModuleSaved, SavedSet, SavedTensor
+from graphmem.passes.allocator import AllocatorResult
+from graphmem.passes.memory_budget import BudgetSweep
+from graphmem.passes.modes import ModeComparison
 from graphmem.planning import memory_budget as memory_budget_api
 from graphmem.planning import report_api as planning_api
+from graphmem.planning.planner import PlanSummary
 from graphmem.stepgraph import StepGraph
+from graphmem.training.spec import StepBudget
+
+# the fields whose JSON under their own key is a view (derived numbers, names): to_dict writes them
+# once more, exactly, under "exact" (graphmem/jsondata.py), so that from_dict gives them back
+EXACT = ("device", "target", "cuda_allocator", "budget", "compiled", "sharding", "known_coefficients",
+         "known_plans", "known_memory_budgets")
 
 
 class RankScope(Protocol):
@@ -49,40 +63,47 @@ class Report:
     num_ops: int
     phase_start: dict[str, int]
     notes: tuple[str, ...] = ()
-    target: Any = None  # graphmem.capture.Target
-    attention_backends: dict = field(default_factory=dict)  # CUDA target: SDPA kernel -> calls
-    cuda_allocator: Any = None  # CUDA target: passes.allocator.AllocatorResult (caching allocator model)
-    budget: Any = None  # graphmem.training.spec.StepBudget: optimizer, precision, LoRA, per-rank budget
-    compiled: Any = None  # compiled mode: passes.modes.ModeComparison (eager beside compiled)
+    target: Optional[Target] = None
+    attention_backends: dict[str, int] = field(default_factory=dict)  # CUDA target: SDPA kernel -> calls
+    cuda_allocator: Optional[AllocatorResult] = None  # CUDA target: the caching allocator model
+    budget: Optional[StepBudget] = None  # optimizer, precision, LoRA, per-rank budget
+    compiled: Optional[ModeComparison] = None  # compiled mode: eager beside compiled
     sharding: Optional[RankScope] = None  # the rank this report is (a per-rank or pipeline-stage capture)
+    # answers asked for and kept with the report (``keeping``): renderers and to_dict show them
+    known_coefficients: Any = None  # graphmem.formula Coefficients or PiecewiseCoefficients
+    known_plans: Optional[PlanSummary] = None
+    known_memory_budgets: Optional[BudgetSweep] = None
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # graphmem.recapture.Recapture: capture again
 
     # -- questions that capture again: a thin facade over graphmem/formula and graphmem/planning
+    def _live(self, question: str) -> "Report":
+        """This report, when it holds its captured step; a report read back from JSON
+        (``from_dict``) has none, and ``question`` (what was asked) needs one."""
+        if self.step is None:
+            raise UsageError(f"this report was loaded from JSON (Report.from_dict) and holds no captured step to "
+                             f"answer {question}: analyze the model again with graphmem.analyze")
+        return self
+
     @property
     def coefficients(self) -> Any:
         """Exact formulas (graphmem.formula.Coefficients): ``.activation`` / ``.peak`` polynomials
         in the input's dimensions and, for a block chain, ``.alpha``, ``.beta``, ``.gamma``."""
-
+        if self.known_coefficients is not None:
+            return self.known_coefficients
         from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
 
-        return formula_api.coefficients(self)
-
-    @property
-    def known_coefficients(self) -> Any:
-        """The formulas if they were computed (``coefficients``, ``formula(keep=True)``), else None:
-        renderers show them only when asked for."""
-        return self.source.kept.get("coefficients") if self.source is not None else None
+        return formula_api.coefficients(self._live("its formulas"))
 
     def formula(self, d_model: Optional[int] = None, n_heads: Optional[int] = None, checks: int = 5,
-                tick: Any = None, keep: bool = False) -> Any:
-        """Fit the exact formulas (see ``coefficients``), with overrides; ``keep`` stores them
-        as this report's ``coefficients``."""
+                tick: Any = None) -> Any:
+        """Fit the exact formulas (see ``coefficients``), with overrides; ``report.keeping(coefficients=...)``
+        keeps them with the report (renderers and JSON show them)."""
 
         from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
 
-        return formula_api.formula(self, d_model, n_heads, checks, tick, keep)
+        return formula_api.formula(self._live("formula()"), d_model, n_heads, checks, tick)
 
     def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None) -> Any:
         """The largest batch (at sequence length ``seq``, default: this report's) or, given
@@ -92,7 +113,7 @@ class Report:
 
         from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
 
-        return formula_api.fit(self, memory, seq, batch, tick)
+        return formula_api.fit(self._live("fit()"), memory, seq, batch, tick)
 
     def max_batch(self, memory: Any, seq: Optional[int] = None) -> int:
         """Largest batch size whose predicted peak fits in ``memory``, e.g. ``max_batch("80GiB", seq=1024)``."""
@@ -104,13 +125,13 @@ class Report:
 
         from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
 
-        return formula_api.sweep(self, batches, seqs, tick)
+        return formula_api.sweep(self._live("sweep()"), batches, seqs, tick)
 
     @property
     def planner(self) -> Any:
         """graphmem.planning.Planner for the model's chain of blocks (measured once, a few captures)."""
 
-        return planning_api.planner(self, False)
+        return planning_api.planner(self._live("its planner"), False)
 
     def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False) -> Any:
         """The checkpoint plan (graphmem.planning.CheckpointPlan) with the fewest recompute FLOPs
@@ -124,14 +145,14 @@ class Report:
         >>> handle = plan.apply(model)                     # torch.utils.checkpoint; handle.remove() undoes
         """
 
-        return planning_api.plan(self, budget, max_overhead, selective)
+        return planning_api.plan(self._live("plan()"), budget, max_overhead, selective)
 
-    def plans(self, budget: Any = None, max_overhead: Any = None, points: int = 50, keep: bool = False,
-              selective: Any = False) -> Any:
+    def plans(self, budget: Any = None, max_overhead: Any = None, points: int = 50, selective: Any = False) -> Any:
         """graphmem.planning.PlanSummary: the chosen plan (if a limit is given), the baselines beside
-        graphmem's plan at their own peak, and the Pareto frontier; ``keep`` adds it to JSON."""
+        graphmem's plan at their own peak, and the Pareto frontier; ``report.keeping(plans=...)``
+        keeps it with the report (renderers and JSON show it)."""
 
-        return planning_api.plans(self, budget, max_overhead, points, keep, selective)
+        return planning_api.plans(self._live("plans()"), budget, max_overhead, points, selective)
 
     def advise(self, memory: Any, ranks: int = 8, lora_rank: int = 16, tick: Any = None, combine: bool = False) -> Any:
         """What to change so the step's peak fits ``memory`` (bytes or "80GiB"): a
@@ -146,33 +167,37 @@ class Report:
 
         from graphmem.advise import advise  # captures again: loaded on use
 
-        return advise(self, memory, ranks, lora_rank, tick, combine)
+        return advise(self._live("advise()"), memory, ranks, lora_rank, tick, combine)
 
-    def memory_budgets(self, values: Any, keep: bool = False, tick: Any = None) -> Any:
+    def memory_budgets(self, values: Any, tick: Any = None) -> Any:
         """Compiled mode: the step at each value of torch.compile's activation memory budget
         (``torch._functorch.config.activation_memory_budget``, 0 to 1), each partitioned by the
         real min-cut partitioner: a graphmem.passes.memory_budget.BudgetSweep (saved bytes, peak,
-        recompute FLOPs per value, and where the peak is not monotonic). ``keep`` adds it to
-        the rendered report.
+        recompute FLOPs per value, and where the peak is not monotonic). ``report.keeping(memory_budgets=...)``
+        keeps it with the report (renderers and JSON show it).
 
         >>> sweep = report.memory_budgets([1, 0.8, 0.5, 0.2])  # doctest: +SKIP
         >>> [(p.budget, p.peak_bytes) for p in sweep.points], sweep.rises  # doctest: +SKIP
         """
 
-        return memory_budget_api.memory_budgets(self, values, keep, tick)
+        return memory_budget_api.memory_budgets(self._live("memory_budgets()"), values, tick)
 
-    @property
-    def known_memory_budgets(self) -> Any:
-        return self.source.kept.get("memory_budgets") if self.source is not None else None
+    def keeping(self, coefficients: Any = None, plans: Optional[PlanSummary] = None,
+                memory_budgets: Optional[BudgetSweep] = None) -> "Report":
+        """This report with answers kept beside it (formulas, a plan summary, a budget sweep), which
+        renderers and ``to_dict`` then show; the ones not given stay as they were.
 
-    @property
-    def known_plans(self) -> Any:
-        return self.source.kept.get("plan_summary") if self.source is not None else None
+        >>> report = report.keeping(plans=report.plans(budget="40GiB"))  # doctest: +SKIP
+        """
+        return dataclasses.replace(
+            self, known_coefficients=coefficients if coefficients is not None else self.known_coefficients,
+            known_plans=plans if plans is not None else self.known_plans,
+            known_memory_budgets=memory_budgets if memory_budgets is not None else self.known_memory_budgets)
 
     @staticmethod
     def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,
-              notes: tuple[str, ...] = (), source: Any = None, cuda_allocator: Any = None,
-              budget: Any = None, sharding: Optional[RankScope] = None) -> "Report":
+              notes: tuple[str, ...] = (), source: Any = None, cuda_allocator: Optional[AllocatorResult] = None,
+              budget: Optional[StepBudget] = None, sharding: Optional[RankScope] = None) -> "Report":
         kinds: dict[str, int] = {}
         for s in g.storages.values():
             if s.created < 0:
@@ -213,12 +238,12 @@ class Report:
                 "index": self.peak_index, "phase": self.peak_phase, "op": self.peak_op,
                 "module": self.peak_module, "baseline_bytes": self.baseline_bytes,
                 "live": [{"name": t.name, "kind": t.kind, "module": t.module, "shape": list(t.shape),
-                          "dtype": t.dtype, "bytes": t.nbytes, "created": t.created, "freed": t.freed}
+                          "dtype": t.dtype, "bytes": t.nbytes, "created": t.created, "freed": t.freed, "sid": t.sid}
                          for t in self.live_at_peak],
             },
             "saved": [{"op": t.op, "module": t.module, "shape": list(t.shape), "dtype": t.dtype,
                        "bytes": t.bytes, "category": t.category, "created": t.created,
-                       "released": t.released, "saved_by": list(t.saved_by)} for t in self.saved],
+                       "released": t.released, "saved_by": list(t.saved_by), "sid": t.sid} for t in self.saved],
             "modules": [{"path": m.path, "activation_bytes": m.activation_bytes, "self_bytes": m.self_bytes,
                          "count": m.count} for m in self.modules],
             "num_ops": self.num_ops,
@@ -234,4 +259,39 @@ class Report:
             **({"sharding": self.sharding.to_dict()} if self.sharding is not None else {}),
             **({"plan": self.known_plans.to_dict()} if self.known_plans is not None else {}),
             **({"memory_budgets": self.known_memory_budgets.to_dict()} if self.known_memory_budgets is not None else {}),
+            "exact": {name: to_json(getattr(self, name), _FIELD_TYPES[name]) for name in EXACT
+                      if getattr(self, name) is not None},
         }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Report":
+        """The report ``to_dict`` wrote (``graphmem analyze --json``), equal to it field by field; it
+        holds no captured step, so questions that capture again (plans, formulas, fits, advise)
+        ask to analyze the model again."""
+        if not isinstance(d, dict) or "exact" not in d:
+            raise UsageError("not a JSON report written by this graphmem (no \"exact\" key): write it again with "
+                             "Report.to_dict() (graphmem analyze ... --json)")
+        try:
+            return Report._from_dict(d)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise UsageError(f"not a complete graphmem JSON report ({type(e).__name__}: {e}): write it again with "
+                             "Report.to_dict() (graphmem analyze ... --json)") from None
+
+    @staticmethod
+    def _from_dict(d: dict[str, Any]) -> "Report":
+        p, exact = d["peak"], d["exact"]
+        live = tuple(from_json(LiveTensor, {**t, "nbytes": t["bytes"]}) for t in p["live"])
+        return Report(
+            model=d["model"], input_shapes=tuple(tuple(s) for s in d["input_shapes"]), loss=d["loss"],
+            parameter_bytes=d["parameter_bytes"], buffer_bytes=d["buffer_bytes"], input_bytes=d["input_bytes"],
+            gradient_bytes=d["gradient_bytes"], activation_bytes=d["activation_bytes"],
+            by_category=dict(d["by_category"]), peak_bytes=d["peak_bytes"], peak_index=p["index"],
+            peak_phase=p["phase"], peak_op=p["op"], peak_module=p["module"], live_at_peak=live,
+            baseline_bytes=p["baseline_bytes"], saved=tuple(from_json(SavedTensor, t) for t in d["saved"]),
+            modules=tuple(from_json(ModuleSaved, m) for m in d["modules"]), num_ops=d["num_ops"],
+            phase_start=dict(d["phases"]), notes=tuple(d["notes"]),
+            attention_backends=dict(d["target"]["attention_backends"]),
+            **{name: from_json(_FIELD_TYPES[name], exact.get(name)) for name in EXACT})
+
+
+_FIELD_TYPES = field_types(Report)

@@ -136,6 +136,13 @@ class PeakModel:
                         if coef:
                             r[k] += value * coef
 
+    def __eq__(self, other: object) -> bool:
+        """The same rows over the same basis (a PeakModel read back from JSON equals the fitted one)."""
+        return isinstance(other, PeakModel) and (self.symbols, self.exponents, self.denom, self.rows) \
+            == (other.symbols, other.exponents, other.denom, other.rows)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable lists inside
+
     def _monomials(self, point: Sequence[int]) -> list[int]:
         out = []
         for exps in self.exponents:

@@ -130,3 +130,31 @@ def test_bad_report_files(capsys: pytest.CaptureFixture[str], tmp_path: Path, co
     assert cli.main(["compare", str(good), str(bad)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("graphmem: error: ") and message in err and err.count("\n") == 1
+
+
+def test_compare_reads_saved_reports_through_from_dict(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``graphmem compare a.json b.json`` reads each file back as the Report it was
+    (``Report.from_dict``): the same comparison and text as the two live reports give."""
+    from graphmem.compare import load_json_report
+    from graphmem.report import Report
+
+    torch.manual_seed(0)
+    live = [graphmem.analyze(tiny_gpt(2, attention), input_shape=(2, 16)) for attention in ("explicit", "sdpa")]
+    paths = [tmp_path / "explicit.json", tmp_path / "sdpa.json"]
+    for report, path in zip(live, paths):
+        path.write_text(render_json(report))
+    loaded = [load_json_report(p) for p in paths]
+    assert all(isinstance(r, Report) and r == l and r.step is None for r, l in zip(loaded, live))
+    assert cli.main(["compare", str(paths[0]), str(paths[1])]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out == render_comparison(compare(live[0], live[1], (str(paths[0]), str(paths[1]))))
+
+
+def test_compare_refuses_a_report_without_its_exact_fields(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    old = json.loads(render_json(graphmem.analyze(torch.nn.Linear(4, 2), (torch.randn(3, 4),))))
+    del old["exact"]  # as an older graphmem wrote it
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    assert cli.main(["compare", str(path), str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "old.json is not a JSON report written by this graphmem" in err and err.count("\n") == 1

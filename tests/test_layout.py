@@ -15,20 +15,21 @@ PACKAGES = {"graphmem": ROOT / "graphmem", "graphmem.passes": ROOT / "passes", "
 # what each layer may import (besides itself); the top-level modules are named by file
 LAYERS: dict[str, set[str]] = {
     "errors": set(), "units": {"errors"}, "stepgraph": {"errors"}, "chains": set(),
+    "jsondata": {"errors"}, "analysis": {"errors", "stepgraph", "passes"},
     "training": {"errors", "units", "stepgraph", "chains", "passes"},
     "passes": {"errors", "stepgraph"},
     "models": set(),
     "capture": {"errors", "units", "stepgraph", "chains", "training", "models"},
     "distributed": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "models"},
-    "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training"},
+    "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "analysis"},
     "recapture": {"errors", "stepgraph", "capture", "formula", "training", "passes", "distributed", "spec"},
     "spec": {"errors", "capture", "distributed", "passes", "training"},
     "measure": {"capture", "distributed", "passes", "recapture", "spec", "training"},
-    "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula"},
+    "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula", "analysis"},
     "losses": {"capture"},
     "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "recapture",
-               "losses", "models", "distributed", "chains", "spec", "measure"},
-    "report": {"stepgraph", "passes", "formula", "planning", "advise"},
+               "losses", "models", "distributed", "chains", "spec", "measure", "analysis"},
+    "report": {"errors", "stepgraph", "passes", "formula", "planning", "advise", "capture", "training", "jsondata"},
     "compare": {"errors", "report"},
     "render": {"errors", "units", "stepgraph", "passes", "report", "compare", "planning", "formula", "training",
                "validation", "advise"},
@@ -146,3 +147,25 @@ def test_one_module_dispatches_on_the_parallel_setting() -> None:
     """graphmem/measure.py is the only module that asks which parallel setting a step has."""
     found = sorted(name for name, path in _modules().items() if _dispatches(ast.parse(path.read_text())))
     assert found == ["graphmem.measure"], f"modules that dispatch on the parallel setting: {found}"
+
+
+def _report_any(tree: ast.AST) -> list[str]:
+    """Function parameters named ``report`` and annotated ``Any``: what a layer takes of a Report
+    is typed (graphmem.report.Report, or graphmem/analysis.py's Analysis below the report layer)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs):
+                ann = arg.annotation
+                text = ann.value if isinstance(ann, ast.Constant) and isinstance(ann.value, str) \
+                    else ast.unparse(ann) if ann is not None else ""
+                if arg.arg == "report" and text.replace("typing.", "") == "Any":
+                    out.append(f"{node.name}:{node.lineno}")
+    return out
+
+
+def test_no_report_parameter_is_any() -> None:
+    found = sorted(f"{name}.{where}" for name, path in _modules().items() if not name.startswith("graphmem.models")
+                   for where in _report_any(ast.parse(path.read_text())))
+    assert not found, f"parameters `report: Any` (type them Report or graphmem.analysis.Analysis): {found}"

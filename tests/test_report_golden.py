@@ -9,6 +9,8 @@ import pytest
 from conftest import UPDATE_GOLDEN
 from report_cases import CASES
 
+from graphmem.report import Report
+
 GOLDEN = Path(__file__).parent / "golden" / "reports"
 
 
@@ -33,5 +35,7 @@ def test_report_equals_golden(name: str) -> None:
     if UPDATE_GOLDEN:
         path.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     assert path.exists(), f"{path} is missing; create it with GRAPHMEM_UPDATE_GOLDEN=1"
-    diffs = _diff(got, json.loads(path.read_text(encoding="utf-8")))
+    golden = json.loads(path.read_text(encoding="utf-8"))
+    diffs = _diff(got, golden)
     assert not diffs, f"{name} differs from its golden report: " + "; ".join(sorted(diffs)[:10])
+    assert Report.from_dict(golden) == report  # the saved file gives the report back

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 import graphmem.advise.levers as L
 from graphmem.advise.levers import COST_RANK, Change, LeftOut
 from graphmem.advise.setting import Measurer
+from graphmem.analysis import Analysis
 from graphmem.errors import GraphmemError
 from graphmem.passes.budget import later_steps_peak
 from graphmem.spec import StepSpec
@@ -95,7 +96,7 @@ class Advice:
                 "captures": self.captures, "notes": list(self.notes)}
 
 
-def advise(report: Any, memory: Any, ranks: int = 8, lora_rank: int = 16,
+def advise(report: Analysis, memory: Any, ranks: int = 8, lora_rank: int = 16,
            tick: Optional[Callable[[], None]] = None, combine: bool = False) -> Advice:
     """The levers of ``report``'s step, each captured, ranked, and the best few combined (when no
     single lever fits, or ``combine``)."""
@@ -159,7 +160,7 @@ def _row(kind: str, name: str, how: str, peak: int, base_peak: int, limit: int, 
     return Lever(kind, name, how, peak, base_peak - peak, cost, cost_class, peak <= limit, parts, extent)
 
 
-def _batch_lever(report: Any, measurer: Measurer, limit: int, base_peak: int,
+def _batch_lever(report: Analysis, measurer: Measurer, limit: int, base_peak: int,
                  tries: int = 3) -> tuple[Optional[Lever], Optional[LeftOut]]:
     """The largest batch that fits: the exact formula's answer (``report.fit``, graphmem/formula;
     forward and backward), then captured with the whole step (a later step's optimizer states
@@ -188,7 +189,7 @@ def _batch_lever(report: Any, measurer: Measurer, limit: int, base_peak: int,
                 "sample: micro-batches keep them)", "changes the run"), None
 
 
-def _plan_lever(report: Any, limit: int, budget: str, base_peak: int) -> tuple[Optional[Lever], Optional[LeftOut]]:
+def _plan_lever(report: Analysis, limit: int, budget: str, base_peak: int) -> tuple[Optional[Lever], Optional[LeftOut]]:
     """The planner's cheapest plan that fits (else its lowest-peak plan), verified by a capture."""
     one_device = later_steps_peak(report.step, report.liveness)  # what the planner plans: every step's peak
     if base_peak != one_device:

@@ -8,8 +8,9 @@ lever costs no capture. A pipeline setting is every rank's step; its peak is the
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
+from graphmem.analysis import Analysis, captured
 from graphmem.errors import no_source
 from graphmem.measure import measure_ranks
 from graphmem.passes import saved
@@ -28,17 +29,17 @@ def _key(spec: StepSpec) -> StepSpec:
 class Measurer:
     """Measures specs (once each), starting from the report's own capture."""
 
-    def __init__(self, report: Any, tick: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, report: Analysis, tick: Optional[Callable[[], None]] = None) -> None:
         self.source = report.source
         if self.source is None:
             raise no_source(report.sharding)
         self.base: StepSpec = self.source.spec
         self.tick = tick or (lambda: None)
         self.captures = 0  # captures run (the report's own is not counted)
-        step = report.step
+        step, lv = captured(report)
         lora = report.budget.lora_layers if report.budget is not None else ()
         self._cache: dict[StepSpec, list[Captured]] = {_key(self.base): [
-            Captured(step, report.liveness, saved(step), report.budget, self.source.module, lora, self.source.target)]}
+            Captured(step, lv, saved(step), report.budget, self.source.module, lora, self.source.target)]}
 
     def captured(self, spec: StepSpec) -> Captured:
         """The step of ``spec``, captured (or taken from the cache), its budget per rank: the

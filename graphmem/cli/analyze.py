@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from graphmem.cli.options import (
     add_debug_argument,
@@ -19,6 +19,9 @@ from graphmem.cli.options import (
 )
 from graphmem.cli.plan import plan_status
 from graphmem.errors import UsageError
+
+if TYPE_CHECKING:
+    from graphmem.report import Report
 
 
 class Analyze:
@@ -56,12 +59,13 @@ class Analyze:
             report = analyze_args(args)
             if len(budgets) > 1:  # the report is at the first value; the table has them all
                 with Progress(total=len(budgets), desc="memory budgets") as bar:
-                    report.memory_budgets(budgets, keep=True, tick=bar.update)
-            summary = report.plans(args.budget, args.max_overhead, points=args.points, keep=True,
+                    report = report.keeping(memory_budgets=report.memory_budgets(budgets, tick=bar.update))
+            summary = report.plans(args.budget, args.max_overhead, points=args.points,
                                    selective=args.selective) if args.plan else None
+            report = report.keeping(plans=summary)
             if args.formula:
                 with Progress(desc="captures") as bar:
-                    report.formula(tick=bar.update, keep=True)
+                    report = report.keeping(coefficients=report.formula(tick=bar.update))
         write_files(report, args)  # --plot, --snapshot
         sys.stdout.write(render_report(report, fmt, args))
         return plan_status(summary) if summary is not None else 0
@@ -102,7 +106,7 @@ def output_format(args: argparse.Namespace) -> str:
     return fmt
 
 
-def render_report(report: Any, fmt: str, args: argparse.Namespace) -> str:
+def render_report(report: Report, fmt: str, args: argparse.Namespace) -> str:
     from graphmem.render import render_json, render_markdown, render_text, render_tree
     from graphmem.render.plan import render_plan
 
@@ -117,7 +121,7 @@ def render_report(report: Any, fmt: str, args: argparse.Namespace) -> str:
     return out + (f"\n{plans}" if plans else "")
 
 
-def write_files(report: Any, args: argparse.Namespace) -> None:
+def write_files(report: Report, args: argparse.Namespace) -> None:
     """``--plot`` (PNG) and ``--snapshot`` (memory_viz pickle); a line on stderr for each."""
     from graphmem.render.plot import plot_timeline
     from graphmem.render.snapshot import snapshot_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from graphmem.analysis import Analysis
 from graphmem.errors import UsageError, no_source
 from graphmem.formula.coefficients import NotPolynomialError
 from graphmem.formula.fit import fit as fit_formula
@@ -14,21 +15,22 @@ from graphmem.formula.sweep import sweep as sweep_formula
 from graphmem.units import parse_bytes
 
 
-def _source(report: Any) -> Any:
+def _source(report: Analysis) -> Any:
     if report.source is None:
         raise no_source(report.sharding)
     return report.source
 
 
-def coefficients(report: Any) -> Any:
-    kept = _source(report).kept
-    if "coefficients" not in kept:
-        kept["coefficients"] = formula(report)
-    return kept["coefficients"]
+def coefficients(report: Analysis) -> Any:
+    """The formulas at the defaults, fitted once per report (its Recapture's cache)."""
+    cache = _source(report).cache
+    if "coefficients" not in cache:
+        cache["coefficients"] = formula(report)
+    return cache["coefficients"]
 
 
-def formula(report: Any, d_model: Optional[int] = None, n_heads: Optional[int] = None, checks: int = 5,
-            tick: Any = None, keep: bool = False) -> Any:
+def formula(report: Analysis, d_model: Optional[int] = None, n_heads: Optional[int] = None, checks: int = 5,
+            tick: Any = None) -> Any:
     source = _source(report)
     result: Any  # Coefficients, or PiecewiseCoefficients around a sliding window
     try:
@@ -39,12 +41,10 @@ def formula(report: Any, d_model: Optional[int] = None, n_heads: Optional[int] =
             raise
         result = fit_windowed(lambda base: source.sampler_for(base, source.dims, tick), source.names, source.dims,
                               source.base_shape, window, checks, d_model=d_model, n_heads=n_heads)
-    if keep:
-        source.kept["coefficients"] = result
     return result
 
 
-def fit(report: Any, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None,
+def fit(report: Analysis, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None,
         tick: Any = None) -> FitAnswer:
     source = _source(report)
     if seq is not None and batch is not None:
@@ -75,5 +75,5 @@ def fit(report: Any, memory: Any, seq: Optional[int] = None, batch: Optional[int
     return largest_fitting(coeffs, sampler, memory_bytes, name, {})
 
 
-def sweep(report: Any, batches: Any, seqs: Any, tick: Any = None) -> Sweep:
+def sweep(report: Analysis, batches: Any, seqs: Any, tick: Any = None) -> Sweep:
     return sweep_formula(_source(report), list(batches), list(seqs), tick)

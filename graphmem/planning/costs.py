@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch.nn as nn
 
+from graphmem.analysis import Analysis, captured
 from graphmem.chains import Chain, find_chain, truncated
 from graphmem.errors import GraphmemError, PassError
 from graphmem.passes.budget import later_steps_peak, made_states
@@ -167,7 +168,7 @@ def stage_chain(model: nn.Module) -> Optional[Chain]:
     return best
 
 
-def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
+def measure(report: Analysis, policy: Any = None) -> tuple[ChainCosts, int]:
     """The chain costs of a report's model (captures at depth 4 when the blocks are identical,
     else at full depth) and the depth captured; checkpointed segments run under ``policy``."""
     source = report.source
@@ -190,12 +191,13 @@ def measure(report: Any, policy: Any = None) -> tuple[ChainCosts, int]:
                         "modules): selective plans apply one policy to every block; plan without --selective")
     capture_at = source.capture
     # plans are for every step: after the first, the optimizer states live from the start
-    states, peak = made_states(report.step), later_steps_peak(report.step, report.liveness)
+    step, lv = captured(report)
+    states, peak = made_states(step), later_steps_peak(step, lv)
     if chain.length > DEPTH and "," not in chain.path:
         try:
             costs = _widen(chain_costs(model, chain, capture_at, DEPTH, policy, micro), chain.length,
                            report.baseline_bytes + states,
-                           tails(report.step, [p for p, _ in chain_blocks(model, chain.path)]))
+                           tails(step, [p for p, _ in chain_blocks(model, chain.path)]))
             # pieces that do not compose at depth 4 (a KV cache keeping stored blocks' keys) would
             # not at full depth either: the widened chain is the estimate, captures check its plans
             if evaluate(costs, segments_of(chain.length, [])).peak_bytes == peak:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+from graphmem.analysis import Analysis
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse_compiled import compiled_reusing
 from graphmem.capture.target import check_memory_budget
@@ -39,7 +40,7 @@ def parse_budgets(values: Any) -> tuple[float, ...]:
     return tuple(dict.fromkeys(check_memory_budget(v) for v in items))
 
 
-def memory_budgets(report: Any, values: Any, keep: bool = False,
+def memory_budgets(report: Analysis, values: Any,
                    tick: Optional[Callable[[], Any]] = None) -> BudgetSweep:
     """One point per budget in ``values``: the report's own capture where its budget is one of
     them, a compiled capture at each other value."""
@@ -66,10 +67,7 @@ def memory_budgets(report: Any, values: Any, keep: bool = False,
         points.append(budget_point(g, saved(g), lv if lv is not None else liveness(g), v))
         if tick is not None:
             tick()
-    sweep = dataclasses.replace(budget_sweep(points), notes=tuple(notes))
-    if keep:
-        source.kept["memory_budgets"] = sweep
-    return sweep
+    return dataclasses.replace(budget_sweep(points), notes=tuple(notes))
 
 
 def _capture_at(source: Any, budget: float) -> tuple[StepGraph, str]:

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
+from graphmem.analysis import Analysis, captured
 from graphmem.errors import UsageError
 from graphmem.passes.budget import later_steps_peak
 from graphmem.passes.checkpoint import (
@@ -140,7 +141,7 @@ def step_flops(g: Any) -> int:
 class Planner:
     """Plans for one report: the optimum under a budget or an overhead cap, baselines, frontier."""
 
-    def __init__(self, report: Any, measured: Optional[tuple[ChainCosts, int]] = None) -> None:
+    def __init__(self, report: Analysis, measured: Optional[tuple[ChainCosts, int]] = None) -> None:
         self.report = report
         self.costs, self.depth = measured or measure(report)
         self.tables = tables(self.costs)
@@ -151,7 +152,8 @@ class Planner:
         # that step; plans are measured and applied in its place
         self.hf_checkpointing = report.source is not None and any(
             hf_checkpointed(m) for _, m in chain_blocks(report.source.module, self.costs.chain))
-        self._kept_without = report.liveness.timeline[forward_end(report.step)]
+        step, lv = captured(report)
+        self._kept_without = lv.timeline[forward_end(step)]
 
     @property
     def exact(self) -> bool:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from graphmem.analysis import Analysis
 from graphmem.errors import UsageError, no_source
 from graphmem.planning.planner import CheckpointPlan, Planner, PlanSummary, parse_limits, summarize
 from graphmem.planning.selective import LEVELS, SelectivePlanner
 
 
-def planner(report: Any, selective: Any = False) -> Planner:
+def planner(report: Analysis, selective: Any = False) -> Planner:
     """The report's planner for ``selective`` (False: plain; True: LEVELS levels; an int: that many)."""
     if report.source is None:
         raise no_source(report.sharding)
-    kept = report.source.kept
+    kept = report.source.cache
     if selective is False or selective is None:
         if "planner" not in kept:
             kept["planner"] = Planner(report)
@@ -27,14 +28,11 @@ def planner(report: Any, selective: Any = False) -> Planner:
     return kept[key]
 
 
-def plan(report: Any, budget: Any = None, max_overhead: Any = None, selective: Any = False) -> CheckpointPlan:
+def plan(report: Analysis, budget: Any = None, max_overhead: Any = None, selective: Any = False) -> CheckpointPlan:
     return planner(report, selective).plan(*parse_limits(budget, max_overhead))
 
 
-def plans(report: Any, budget: Any = None, max_overhead: Any = None, points: int = 50, keep: bool = False,
+def plans(report: Analysis, budget: Any = None, max_overhead: Any = None, points: int = 50,
           selective: Any = False) -> PlanSummary:
     limits = parse_limits(budget, max_overhead, required=False)
-    summary = summarize(planner(report, selective), *limits, points=points)
-    if keep:
-        report.source.kept["plan_summary"] = summary
-    return summary
+    return summarize(planner(report, selective), *limits, points=points)

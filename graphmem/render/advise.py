@@ -7,6 +7,7 @@ from typing import Any
 from tabulate import tabulate
 
 from graphmem.advise import Advice, Lever
+from graphmem.report import Report
 from graphmem.units import fmt_bytes
 
 
@@ -34,5 +35,5 @@ def render_advice(advice: Advice, title: str = "") -> str:
     return "\n".join(out) + "\n"
 
 
-def advice_json(report: Any, advice: Advice) -> dict[str, Any]:
+def advice_json(report: Report, advice: Advice) -> dict[str, Any]:
     return {"model": report.model, "input_shapes": [list(s) for s in report.input_shapes], **advice.to_dict()}

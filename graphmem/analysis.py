@@ -1,0 +1,83 @@
+"""``Analysis``: what the layers below graphmem/report.py (formula, planning, advise) read of a
+Report, as a Protocol, so that they take a typed value without importing graphmem.report
+(tests/test_layout.py: the report layer sits above them). graphmem.report.Report satisfies it.
+
+``step``, ``liveness`` and ``source`` are the live capture: the step graph, its liveness and the
+graphmem/recapture.py Recapture that captures the same step again (at other sizes, with a plan
+applied); a report read back from JSON has none of them.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Protocol
+
+from graphmem.errors import UsageError
+
+if TYPE_CHECKING:
+    from graphmem.passes import Liveness
+    from graphmem.stepgraph import StepGraph
+
+
+class Analysis(Protocol):
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def activation_bytes(self) -> int: ...
+
+    @property
+    def baseline_bytes(self) -> int: ...
+
+    @property
+    def parameter_bytes(self) -> int: ...
+
+    @property
+    def gradient_bytes(self) -> int: ...
+
+    @property
+    def peak_bytes(self) -> int: ...
+
+    @property
+    def peak_op(self) -> str: ...
+
+    @property
+    def peak_phase(self) -> str: ...
+
+    @property
+    def attention_backends(self) -> dict[str, int]: ...
+
+    @property
+    def target(self) -> Any: ...  # graphmem.capture.target.Target
+
+    @property
+    def budget(self) -> Any: ...  # graphmem.training.spec.StepBudget, with a training spec
+
+    @property
+    def sharding(self) -> Any: ...  # the rank a per-rank or pipeline-stage report is (graphmem.report.RankScope)
+
+    @property
+    def step(self) -> Optional[StepGraph]: ...
+
+    @property
+    def liveness(self) -> Optional[Liveness]: ...
+
+    @property
+    def source(self) -> Any: ...  # graphmem.recapture.Recapture (recapture sits above formula and planning)
+
+    def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None) -> Any:
+        """graphmem.formula.FitAnswer (Report.fit)."""
+        ...
+
+    def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False) -> Any:
+        """graphmem.planning.CheckpointPlan (Report.plan)."""
+        ...
+
+
+def captured(report: Analysis) -> tuple[StepGraph, Liveness]:
+    """The report's step graph and its liveness; a report read back from JSON has neither."""
+    if report.step is None or report.liveness is None:
+        raise UsageError("this report was loaded from JSON (Report.from_dict) and holds no captured step: "
+                         "analyze the model again with graphmem.analyze")
+    return report.step, report.liveness
+
+
+__all__ = ["Analysis", "captured"]
