@@ -101,3 +101,48 @@ def test_dry_all_anchors_reproduce() -> None:
     run = gpu_truth.main(["--dry", "--variants", "fp32", "--models", "nn_gru", "--no-docs", "--timeout", "3000"])
     checked = [r for r in run.anchors if r.expected is not None]
     assert len(checked) == 8 + 77 and all(r.verdict() == "ok" for r in checked), markdown(run)
+
+
+@pytest.mark.parametrize("variant", ["sdpa-math", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_real_side_plumbing_on_cpu(monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    """The real side's code path (warm-up, the measured step, saved_tensors_hooks, torch.compile with
+    aot_eager) with the model left on the CPU and torch.cuda's counters stubbed: its saved bytes are
+    the CPU truth, which graphmem's CPU target predicts exactly, eager and compiled."""
+    import gpu_truth_steps as steps
+    import torch
+
+    import graphmem
+
+    monkeypatch.setattr(steps, "_to_cuda", lambda model, inputs, dtype: (model, inputs))
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: 0)
+    target = zoo.VARIANTS[variant]
+    real = steps.measure_cuda(*zoo.build("hf_bert"), target)
+    predicted = graphmem.analyze(*zoo.build("hf_bert"), mode=target.mode,
+                                 attention="math" if target.attention == "math" else "auto")
+    assert real.saved == predicted.activation_bytes > 0
+
+
+def test_gpu_run_plumbing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The GPU run's path through main (no --dry) with the real measurements stubbed: real columns
+    filled, the saved-bytes verdict counted, the real anchors filled in, the gpu section written."""
+    import importlib
+
+    import torch
+
+    validate = importlib.import_module("graphmem.validation.validate")  # the package exports the function
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3 (stub)")
+    monkeypatch.setattr(validate, "_target", lambda dev: {"device": "cuda", "gpu": "h100"})
+    monkeypatch.setattr(gpu_truth, "measure_cuda", lambda model, inputs, variant: Side(1_000, 2_048, 2_048, 2 << 20, 0.5))
+    monkeypatch.setattr(anchors, "real_act_mib", lambda case, budget: 1.0)
+    docs = tmp_path / "validation.md"
+    run = gpu_truth.main(["--models", "nn_gru", "--variants", "fp32", "--anchors", "quick", "--docs", str(docs),
+                          "--jobs", "1"])
+    row = _table_rows(docs.read_text(), ZOO_HEAD)[0]
+    assert row[4] == "1,000" and row[8] == "2,048" and row[11] == "2,097,152" and row[13] == "0.50"
+    assert "<!-- gpu_truth:gpu:begin -->" in docs.read_text() and "GPU: NVIDIA H100 80GB HBM3 (stub)" in run.title
+    assert "real side 1 ran, saved bytes exact on 0 of 1" in docs.read_text()
+    assert {r.real for r in run.anchors if r.source == anchors.TEST_AC} == {1.0}
