@@ -1,7 +1,7 @@
 """graphmem's CUDA figures against a real GPU, in one command (graphmem issue 27).
 
 ```sh
-python benchmarks/gpu_truth.py                  # on a GPU host: <= 8 min on one H100 (time guard 420 s)
+python benchmarks/gpu_truth.py                  # on a GPU host: <= 8 min on one H100 (time guard 390 s)
 python benchmarks/gpu_truth.py --dry            # anywhere: graphmem's side only (fake tensors), no GPU
 python benchmarks/gpu_truth.py --dry --models hf_llama,timm_resnet18 --variants fp32,compiled --anchors quick
 ```
@@ -18,9 +18,15 @@ python benchmarks/gpu_truth.py --dry --models hf_llama,timm_resnet18 --variants 
 3. The table is printed and written into docs/validation.md between markers of its kind (dry or
    gpu), with the date, the GPU and torch's version; the real anchor checks run last, if time is left.
 
-Every real step is small (the point is the rules, not scale). ``--timeout`` (default 420 s) is a
-guard over the whole run: no row starts after it, and an alarm at that time plus 60 s stops a row
-that hangs; rows not run are listed as skipped.
+On a lent device machine (its image has torch, transformers, timm, peft and torchvision but not
+graphmem, and no network), one command, ``timeout_s`` 540 (the run itself stays under 8 minutes)::
+
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . && PYTHONUNBUFFERED=1 python3 benchmarks/gpu_truth.py 2>&1 | tee $OUT/log; cp docs/validation.md $OUT/
+
+Every real step is small (the point is the rules, not scale). ``--timeout`` (default 390 s) is a
+guard over the whole run: no row starts after it, and an alarm 45 s later stops a row that hangs;
+rows not run are listed as skipped. graphmem's side runs in ``--jobs`` spawned processes (default
+half the CPUs, at most 8) while this one runs the real steps.
 """
 from __future__ import annotations
 
@@ -121,7 +127,8 @@ def _shut(pool: Optional[ProcessPoolExecutor]) -> None:
 def _run(args: argparse.Namespace, result: Run, real: bool, gpu: str, clock: Clock) -> None:
     cpus = os.cpu_count() or 1
     jobs = args.jobs or (1 if cpus <= 4 else min(8, cpus // 2))
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) if jobs > 1 else None
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads,
+                               initargs=(1,)) if jobs > 1 else None  # fake tensors compute nothing: 1 thread each
     try:
         later = None
         if args.anchors != "none":

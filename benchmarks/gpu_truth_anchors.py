@@ -174,14 +174,15 @@ def real_act_mib(case: AcCase, budget: Optional[float]) -> float:
 
     ts = [torch.randn(int(r * 512), int(c * 512), device="cuda", requires_grad=True) for r, c in case.shapes]
     f: Callable[[], torch.Tensor] = lambda: case.fn(*ts)
+    stats = getattr(torch.accelerator, "memory_stats", None) or torch.cuda.memory_stats  # torch < 2.9: no accelerator API
     torch._dynamo.reset()
     with config.patch(activation_memory_budget=budget):
         if budget is not None:
             f = torch.compile(f, backend="aot_eager_decomp_partition")
         f().backward()
-        start = torch.accelerator.memory_stats()["requested_bytes.all.current"]
+        start = stats()["requested_bytes.all.current"]
         out = f()
-        mem = (torch.accelerator.memory_stats()["requested_bytes.all.current"] - start) / MiB
+        mem = (stats()["requested_bytes.all.current"] - start) / MiB
         out.backward()
     return round(mem, 1)
 
