@@ -53,10 +53,12 @@ def _autocast(amp: Optional[torch.dtype]) -> Callable[[], ContextManager[Any]]:
 
 
 def measure_saved(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None,
-                  amp: Optional[torch.dtype] = None) -> int:
+                  amp: Optional[torch.dtype] = None,
+                  forward_context: Optional[Callable[[], ContextManager[Any]]] = None) -> int:
     """Bytes of the distinct storages autograd saves in a real forward + loss (under CPU
-    autocast to ``amp`` if given). ``inputs``: a tuple, a dict (``model(**inputs)``) or
-    ``(args, kwargs)``, as graphmem/training/batch.py reads them."""
+    autocast to ``amp`` if given, or under ``forward_context()``: e.g. CUDA autocast and an SDPA
+    backend, benchmarks/gpu_truth.py). ``inputs``: a tuple, a dict (``model(**inputs)``) or
+    ``(args, kwargs)``, as graphmem/training/batch.py reads them; any device."""
     state = [*model.parameters(), *model.buffers(), *quant_state_tensors(model)]
     excluded, _ = _storage_bytes(state)
     saved: dict[int, int] = {}
@@ -71,7 +73,7 @@ def measure_saved(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = Non
     model.train()
     model.zero_grad(set_to_none=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run_step(model, inputs, loss_fn, lambda p: phase.__setitem__(0, p), _autocast(amp))
+        run_step(model, inputs, loss_fn, lambda p: phase.__setitem__(0, p), forward_context or _autocast(amp))
     model.zero_grad(set_to_none=True)
     return sum(saved.values())
 
