@@ -75,6 +75,11 @@ def analyze(
     fsdp_offload: bool = False,
     fsdp_no_sync: bool = False,
     loss_parallel: bool = False,
+    release_output: bool = False,
+    clip_grad_norm: Optional[float] = None,
+    clip_foreach: bool = True,
+    optimizer_in_backward: bool = False,
+    offload_activations: bool = False,
     target: Optional[Target] = None,
     training: Optional[Training] = None,
     hf: Optional[HFOptions] = None,
@@ -121,6 +126,12 @@ def analyze(
     rank's (local shards; collective buffers in the "communication" category) and
     ``report.sharding`` puts the formula beside it.
 
+    The loop as real trainers run it (graphmem/training/loop_options.py, docs/loop.md): ``release_output``
+    (the output dropped before backward, only the loss kept), ``clip_grad_norm`` (``clip_grad_norm_`` before
+    the optimizer step, ``clip_foreach`` its implementation), ``optimizer_in_backward`` (per-parameter
+    optimizers stepped from post-accumulate-grad hooks) and ``offload_activations`` (the forward's saved
+    tensors in host memory: ``report.budget.host_bytes``).
+
     The keyword options are a convenience: they build a frozen ``Target``
     (graphmem/capture/target.py) and a frozen ``Training`` spec (graphmem/training/spec.py),
     checked once; pass ``target=`` / ``training=`` objects instead to reuse them.
@@ -161,22 +172,25 @@ def analyze(
     if target.attention == "eager" and not is_hf_model(loaded.module):
         raise UsageError("--attention eager picks a Hugging Face model's own attention; this model is not one: "
                          "use math for SDPA's explicit kernel")
+    loop: dict[str, Any] = dict(release_output=release_output, clip_grad_norm=clip_grad_norm, clip_foreach=clip_foreach,
+                                optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations)
     if pp != 1 or schedule != "1f1b":  # rank r's stage under torch's pipeline schedules (graphmem/distributed/pipeline.py)
         training = training or make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
-                                             lora_targets, world_size, zero, fsdp, tp, sp)
+                                             lora_targets, world_size, zero, fsdp, tp, sp, **loop)
         return _pipeline_stage(loaded, make, loss_fn, target, training, make_pipeline(
             pp, rank if rank is not None else 0, schedule, training.train.micro_batches))
     if wants_wrappers(rank, fsdp, reshard_after_forward, fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload, fsdp_no_sync,
                       loss_parallel):
         training = training or make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
-                                             lora_targets, quantization="nf4" if qlora else None)
+                                             lora_targets, quantization="nf4" if qlora else None, **loop)
         sharding = make_sharding(world_size, rank or 0, fsdp == "fully_shard", reshard_after_forward, fsdp_param_dtype,
                                  fsdp_reduce_dtype, fsdp_offload, tp, sp, fsdp_no_sync, training, loss_parallel)
         return _per_rank(loaded.name, loaded.module, make, loss_fn, target, sharding, bool(zero) or fsdp in ("full", "grad-op"),
                          training, reuse)
     if training is None:
         training = make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
-                                 lora_targets, world_size, zero, fsdp, tp, sp, quantization="nf4" if qlora else None)
+                                 lora_targets, world_size, zero, fsdp, tp, sp, quantization="nf4" if qlora else None,
+                                 **loop)
     if training.quantization is not None and target.mode == "compiled":
         raise UsageError("--qlora is analyzed in eager mode (bitsandbytes' ops under torch.compile are not traced "
                          "here): drop --mode compiled")

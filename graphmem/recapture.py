@@ -104,6 +104,8 @@ def capture_rank_step(module: nn.Module, make: Any, loss: Optional[LossFn], targ
     if sharding.offload and target.device == "cuda":
         raise UsageError("--fsdp-offload on --device cuda is not modelled yet: the CUDA target runs on CPU fake "
                          "tensors, where CPUOffloadPolicy's host-to-device copies do not appear")
+    if training.train.loop_options:
+        raise UsageError(f"{', '.join(training.train.loop_options)} are analyzed on one device: drop them or rank/fsdp")
     if target.mode == "compiled":
         raise UsageError("the per-rank capture runs the wrappers eagerly: drop --mode compiled, or drop --rank/--fsdp "
                          "for the formulas")
@@ -130,9 +132,10 @@ def capture_stage_step(module: nn.Module, make: Any, loss: Optional[LossFn], tar
     ``graphmem.analyze --pp`` and ``Report.advise``'s pipeline lever run (``layout``: the split
     another rank's capture probed, passed on so every rank does not probe it again)."""
     if training.lora is not None or training.parallel.world_size > 1 or target.mode == "compiled" \
-            or training.train.master_weights or training.quantization is not None:
+            or training.train.master_weights or training.quantization is not None or training.train.loop_options:
         raise UsageError("--pp runs one pipeline rank's schedule and its optimizer; it does not combine with "
-                         "--lora-rank, --qlora, --master-weights, --world-size/--zero/--fsdp/--tp or --mode compiled yet")
+                         "--lora-rank, --qlora, --master-weights, --world-size/--zero/--fsdp/--tp, --mode compiled or the "
+                         "loop options (release_output, clip_grad_norm, optimizer_in_backward, offload_activations) yet")
     train = training.train if training.train.optimizer is not None else None
     st = analyze_stage(module, make, loss, target, plan, train, layout)
     # the whole step's table (the stage's optimizer states, later steps' peak) over rank r's own graph;

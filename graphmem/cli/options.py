@@ -79,6 +79,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--qlora", dest="quantization", action="store_const", const="nf4",
                    help="QLoRA: the linear layers in 4-bit NF4 with double quantization and bf16 compute through "
                    "bitsandbytes (Hugging Face models, with --lora-rank; pip install 'graphmem[qlora]')")
+    add_loop_arguments(g)
     g.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (data parallel x tensor parallel)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage over the data-parallel ranks")
     g.add_argument("--fsdp", nargs="?", const="fully_shard", choices=["fully_shard", "full", "grad-op"],
@@ -99,6 +100,26 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    "all but the last micro-batch (unsharded gradients accumulate; one reduce-scatter per step)")
     d.add_argument("--loss-parallel", action="store_true", help="with --tp: the LM head's logits stay split over the "
                    "vocabulary into torch's loss_parallel() cross-entropy (torchtitan's default), not gathered whole")
+
+
+def add_loop_arguments(g: Any) -> None:
+    """The loop options real trainers use (graphmem/training/loop_options.py, docs/loop.md)."""
+    g.add_argument("--release-output", action="store_true", help="drop the model's output before backward, keep only "
+                   "the loss (HF Trainer's compute_loss, torchtune's del logits)")
+    g.add_argument("--clip-grad-norm", type=float, metavar="MAX", help="torch.nn.utils.clip_grad_norm_(params, MAX) "
+                   "before the optimizer step")
+    g.add_argument("--no-clip-foreach", dest="clip_foreach", action="store_false",
+                   help="clip_grad_norm_(foreach=False): one norm per gradient instead of one _foreach_norm")
+    g.add_argument("--optimizer-in-backward", action="store_true", help="per-parameter optimizers stepped from "
+                   "post-accumulate-grad hooks in backward, each gradient freed right after (torchtune)")
+    g.add_argument("--offload-activations", action="store_true", help="the forward's saved tensors to host memory "
+                   "and back in backward (torch.autograd.graph.save_on_cpu's hooks); host bytes reported apart")
+
+
+def loop_of(args: argparse.Namespace) -> dict[str, Any]:
+    """make_training's keywords for the loop options."""
+    return dict(release_output=args.release_output, clip_grad_norm=args.clip_grad_norm, clip_foreach=args.clip_foreach,
+                optimizer_in_backward=args.optimizer_in_backward, offload_activations=args.offload_activations)
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,10 +186,10 @@ def training_of(args: argparse.Namespace) -> Any:
     if per_rank(args):  # the wrappers run (analyze_args passes their options): no per-rank formula
         return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
                              args.lora_rank, args.lora_targets, lora_alpha=args.lora_alpha,
-                             quantization=args.quantization)
+                             quantization=args.quantization, **loop_of(args))
     return make_training(args.dtype, args.optimizer, args.optimizer_impl, args.master_weights, args.micro_batches,
                          args.lora_rank, args.lora_targets, args.world_size, args.zero, args.fsdp, args.tp, args.sp,
-                         lora_alpha=args.lora_alpha, quantization=args.quantization)
+                         lora_alpha=args.lora_alpha, quantization=args.quantization, **loop_of(args))
 
 
 def per_rank(args: argparse.Namespace) -> bool:
