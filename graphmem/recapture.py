@@ -105,7 +105,8 @@ def capture_rank_step(module: nn.Module, make: Any, loss: Optional[LossFn], targ
         raise UsageError("--fsdp-offload on --device cuda is not modelled yet: the CUDA target runs on CPU fake "
                          "tensors, where CPUOffloadPolicy's host-to-device copies do not appear")
     if training.train.loop_options:
-        raise UsageError(f"{', '.join(training.train.loop_options)} are analyzed on one device: drop them or rank/fsdp")
+        raise UsageError(f"{', '.join(training.train.loop_options)}: analyzed on one device only yet; drop them, or drop "
+                         "rank and fsdp='fully_shard'")
     if target.mode == "compiled":
         raise UsageError("the per-rank capture runs the wrappers eagerly: drop --mode compiled, or drop --rank/--fsdp "
                          "for the formulas")

@@ -205,7 +205,7 @@ def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
     (dict(optimizer="adamw", clip_grad_norm=-1.0), "positive number"),
     (dict(optimizer="adamw", clip_foreach=False), "add clip_grad_norm="),
     (dict(release_output=True, mode="compiled"), "eager mode"),
-    (dict(offload_activations=True, world_size=2, rank=0, fsdp="fully_shard"), "one device"),
+    (dict(offload_activations=True, world_size=2, rank=0, fsdp="fully_shard"), "one device only"),
     (dict(optimizer="adamw", release_output=True, pp=2, micro_batches=2), "loop options"),
 ])
 def test_bad_combinations_are_one_line(options: dict[str, Any], phrase: str) -> None:
