@@ -85,6 +85,9 @@ class Ranks:
 
     def check(self, spec: "StepSpec") -> None:
         check_training(spec.training, self.sharding.no_sync)  # what of the loop runs over DTensor parameters
+        if spec.training.train.loop_options:
+            raise UsageError(f"{', '.join(f'`{o}`' for o in spec.training.train.loop_options)}: analyzed on one device "
+                             "only yet; drop them, or drop `rank` and `fsdp`")
         if spec.target.mode == "compiled":
             raise UsageError("the per-rank step runs the wrappers eagerly: use `mode='eager'`, or the formulas "
                              "(`zero`, `fsdp='full'` or `tp` without `rank`)")
@@ -107,9 +110,11 @@ class Stages:
     def check(self, spec: "StepSpec") -> None:
         tr = spec.training
         if tr.lora is not None or tr.quantization is not None or tr.train.master_weights \
-                or spec.target.mode == "compiled":
+                or spec.target.mode == "compiled" or tr.train.loop_options:
             raise UsageError("a pipeline stage (`pp` > 1) runs one pipeline rank's schedule and its optimizer; it does "
-                             "not combine with `lora_rank`, `qlora`, `master_weights` or `mode='compiled'` yet")
+                             "not combine with `lora_rank`, `qlora`, `master_weights`, `mode='compiled'` or the loop "
+                             "options (`release_output`, `clip_grad_norm`, `optimizer_in_backward`, "
+                             "`offload_activations`) yet")
 
 
 Parallelism = Union[Single, Formula, Ranks, Stages]

@@ -29,9 +29,10 @@ from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recompute import segment_scope
 from graphmem.capture.recorder import _Mode, _Recorder, _rng_states
 from graphmem.capture.target import Target
-from graphmem.errors import GraphmemError
+from graphmem.errors import GraphmemError, UsageError
 from graphmem.stepgraph import StepGraph
 from graphmem.training.loop import Session, TrainStep, relabel_accumulation
+from graphmem.training.loop_options import OFFLOADED
 from graphmem.training.optim import resolved_impl
 from graphmem.training.step import LossFn, default_loss, run_step
 
@@ -72,6 +73,9 @@ def capture(
     with ``zero_grad`` after backward, in phase "optimizer".
     """
     target = device if isinstance(device, Target) else Target(str(torch.device(device).type))
+    if target.mode == "compiled" and train is not None and train.loop_options:
+        raise UsageError(f"{', '.join(train.loop_options)} are analyzed in eager mode (the compiled step's graphs are "
+                         "traced without them): drop mode='compiled'")
     device = torch.device("cpu")  # see graphmem/capture/target.py for why the CUDA target runs here
     dtype = target.param_dtype
     backends: dict[str, int] = {}
@@ -134,7 +138,8 @@ def capture(
                 if session is None:
                     out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, context)
                 else:
-                    out, loss = session.run(forward, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True)
+                    out, loss = session.run(forward, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True,
+                                            observe=(cap.pack_as, cap.unpack))
                     relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
                 gradient_sids = list(dict.fromkeys(marked.get("gradient", []) + [
                     _gradient(cap, p) for p in seen.values() if p.grad is not None]))
@@ -206,6 +211,8 @@ def marker(cap: _Recorder, param_sid: dict[str, int], marked: dict[str, list[int
                 s.name = f"{name} ({kind})"
             if host_steps and kind == "optimizer state" and name.endswith(":step") and t.numel() <= 1:
                 s.nbytes, s.name = 0, f"{name} (optimizer state, host memory)"
+            if kind == OFFLOADED:  # a saved tensor's host copy: no device bytes (graphmem/training/loop_options.py)
+                s.nbytes, s.name = 0, name
             owner = param_sid.get(name.split(":")[0])
             if kind == "gradient" and s.owner is not None and owner is not None and s.owner != owner:
                 s.owners = (*(s.owners or (s.owner,)), owner)  # one flat buffer, several parameters' gradients

@@ -286,13 +286,18 @@ class _Recorder:
 
     # -- autograd hooks -----------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Packed:
+        return self.pack_as(t, t)
+
+    def pack_as(self, t: torch.Tensor, kept: torch.Tensor) -> _Packed:
+        """``t`` saved for backward, ``kept`` held in its place (its host copy when the loop
+        offloads activations: graphmem/training/loop_options.py); the save is ``t``'s."""
         events = []
         for inner in inner_tensors(t):  # what holds memory: a DTensor's local shard, not its global wrapper
             s = self.storage(inner, "external", "saved", len(self.ops) - 1, self.stack[-1])
             events.append(SaveEvent(s.sid, len(self.ops) - 1, None, self.stack[-1], self.phase,
                                     tuple(inner.shape), str(inner.dtype).replace("torch.", "")))
         self.saves.extend(events)
-        return _Packed(t, events, self)
+        return _Packed(kept, events, self)
 
     @staticmethod
     def unpack(h: _Packed) -> torch.Tensor:

@@ -86,6 +86,7 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> Any:
     g.add_argument("--qlora", dest="quantization", action="store_const", const="nf4",
                    help="QLoRA: the linear layers in 4-bit NF4 with double quantization and bf16 compute through "
                    "bitsandbytes (Hugging Face models, with --lora-rank; pip install 'graphmem[qlora]')")
+    add_trainer_loop_arguments(g)
     return g
 
 
@@ -111,6 +112,20 @@ def add_parallel_arguments(p: argparse.ArgumentParser, g: Any) -> None:
                    "all but the last micro-batch (unsharded gradients accumulate; one reduce-scatter per step)")
     d.add_argument("--loss-parallel", action="store_true", help="with --tp: the LM head's logits stay split over the "
                    "vocabulary into torch's loss_parallel() cross-entropy (torchtitan's default), not gathered whole")
+
+
+def add_trainer_loop_arguments(g: Any) -> None:
+    """The loop options real trainers use (graphmem/training/loop_options.py, docs/loop.md)."""
+    g.add_argument("--release-output", action="store_true", help="drop the model's output before backward, keep only "
+                   "the loss (HF Trainer's compute_loss, torchtune's del logits)")
+    g.add_argument("--clip-grad-norm", type=float, metavar="MAX", help="torch.nn.utils.clip_grad_norm_(params, MAX) "
+                   "before the optimizer step")
+    g.add_argument("--no-clip-foreach", dest="clip_foreach", action="store_false",
+                   help="clip_grad_norm_(foreach=False): one norm per gradient instead of one _foreach_norm")
+    g.add_argument("--optimizer-in-backward", action="store_true", help="per-parameter optimizers stepped from "
+                   "post-accumulate-grad hooks in backward, each gradient freed right after (torchtune)")
+    g.add_argument("--offload-activations", action="store_true", help="the forward's saved tensors to host memory "
+                   "and back in backward (torch.autograd.graph.save_on_cpu's hooks); host bytes reported apart")
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
@@ -173,7 +188,9 @@ def loop_options(args: argparse.Namespace) -> dict[str, Any]:
     """The loop options as ``graphmem.analyze``/``graphmem.validate`` keywords (checked where the spec is built)."""
     return dict(optimizer=args.optimizer, optimizer_impl=args.optimizer_impl, master_weights=args.master_weights,
                 micro_batches=args.micro_batches, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-                lora_alpha=args.lora_alpha, quantization=args.quantization)
+                lora_alpha=args.lora_alpha, quantization=args.quantization, release_output=args.release_output,
+                clip_grad_norm=args.clip_grad_norm, clip_foreach=args.clip_foreach,
+                optimizer_in_backward=args.optimizer_in_backward, offload_activations=args.offload_activations)
 
 
 def training_of(args: argparse.Namespace) -> Any:

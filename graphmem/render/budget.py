@@ -33,6 +33,9 @@ def _title(b: Any) -> str:
         parts.append(t.train.describe(b.device))
     elif t.train.micro_batches > 1:
         parts.append(f"{t.train.micro_batches} micro-batches, no optimizer step")
+        parts += t.train.describe(b.device).split(", ")[1:]
+    elif t.train.loop_options:
+        parts.append(t.train.describe(b.device))
     if t.quantization is not None:
         parts.append(t.quantization.describe())
     if t.lora is not None:
@@ -73,6 +76,9 @@ def render_budget(b: Any) -> str:
     lines.append(f"model states (parameters + gradients + optimizer states + master copies): "
                  f"{fmt_bytes(r.model_state_bytes)} per rank; without the step counters ({fmt_bytes(r.step_counter_bytes)}) "
                  f"{fmt_bytes(states)} ({states / 1e9:.2f} GB) = {per} ({_count(r.trainable)} trainable of {_count(r.parameters)})")
+    if b.training.train.offload_activations:
+        lines.append(f"offloaded activations: {fmt_bytes(b.host_bytes)} of saved tensors copied to host memory in forward "
+                     "and back in backward (save_on_cpu's hooks; parameters stay): not in the rows above")
     if b.training.lora is not None:
         frozen = r.parameters - r.trainable
         lines.append(f"LoRA: {len(b.lora_layers)} layers adapted; {_count(frozen)} frozen parameters get no gradient "

@@ -16,6 +16,12 @@ gradients, an fp32 master copy of the parameters, fp32 optimizer states) the opt
 on the fp32 masters: each master's ``.grad`` is an fp32 copy of the 16-bit gradient, made
 during the step; after it the masters are copied back into the 16-bit parameters and both
 sets of gradients are released. (Loss scaling changes scalars only and is left out.)
+
+The loop options of real trainers (graphmem/training/loop_options.py) change this loop where those
+trainers change it: ``release_output`` drops ``out`` before backward, ``clip_grad_norm`` runs
+``clip_grad_norm_`` before ``optimizer.step()``, ``optimizer_in_backward`` steps per-parameter
+optimizers from post-accumulate-grad hooks instead, ``offload_activations`` moves the forward's
+saves to host memory through saved-tensor hooks.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 
 from graphmem.errors import UsageError
+from graphmem.training import loop_options
+from graphmem.training.loop_options import PLAIN, InBackward, Observe, Offload, check_loop_options, clip
 from graphmem.training.optim import (
     OPTIMIZERS,
     ScalarReads,
@@ -46,10 +54,23 @@ class TrainStep:
     master_weights: bool = False  # fp32 master copy of 16-bit parameters (the 16-psi recipe)
     micro_batches: int = 1  # gradient accumulation steps
     trace_micro_steps: int = 2  # micro-steps the fake capture runs: 3..k repeat step 2 exactly
+    release_output: bool = False  # drop the model's output before backward, keep only the loss (HF Trainer, torchtune)
+    clip_grad_norm: Optional[float] = None  # clip_grad_norm_(params, this) before the optimizer step; None: no clipping
+    clip_foreach: bool = True  # clip_grad_norm_(foreach=...): one _foreach_norm over all gradients, or one norm each
+    optimizer_in_backward: bool = False  # per-parameter optimizers stepped from post-accumulate-grad hooks
+    offload_activations: bool = False  # forward's saved tensors to host memory and back (save_on_cpu's hooks)
 
     @property
     def active(self) -> bool:
-        return self.optimizer is not None or self.micro_batches > 1
+        return self.optimizer is not None or self.micro_batches > 1 or self.release_output or self.offload_activations
+
+    @property
+    def loop_options(self) -> tuple[str, ...]:
+        """The loop options set, as analyze's keywords name them (graphmem/training/loop_options.py)."""
+        return tuple(name for name, on in (("release_output", self.release_output),
+                                           ("clip_grad_norm", self.clip_grad_norm is not None),
+                                           ("optimizer_in_backward", self.optimizer_in_backward),
+                                           ("offload_activations", self.offload_activations)) if on)
 
     def describe(self, device: str = "cpu") -> str:
         parts = []
@@ -59,15 +80,22 @@ class TrainStep:
             parts.append("fp32 master weights")
         if self.micro_batches > 1:
             parts.append(f"{self.micro_batches} micro-batches")
+        parts += loop_options.describe(self.release_output, self.clip_grad_norm, self.clip_foreach,
+                                       self.optimizer_in_backward, self.offload_activations)
         return ", ".join(parts)
 
     def to_dict(self, device: str = "cpu") -> dict[str, Any]:
         return {"optimizer": self.optimizer, "impl": resolved_impl(self.impl, device) if self.optimizer else None,
-                "master_weights": self.master_weights, "micro_batches": self.micro_batches}
+                "master_weights": self.master_weights, "micro_batches": self.micro_batches,
+                "release_output": self.release_output, "clip_grad_norm": self.clip_grad_norm,
+                "clip_foreach": self.clip_foreach if self.clip_grad_norm is not None else None,
+                "optimizer_in_backward": self.optimizer_in_backward, "offload_activations": self.offload_activations}
 
 
 def make_train_step(optimizer: Optional[str] = None, impl: str = "auto", master_weights: bool = False,
-                    micro_batches: int = 1, dtype: Optional[str] = None) -> TrainStep:
+                    micro_batches: int = 1, dtype: Optional[str] = None, release_output: bool = False,
+                    clip_grad_norm: Optional[float] = None, clip_foreach: bool = True,
+                    optimizer_in_backward: bool = False, offload_activations: bool = False) -> TrainStep:
     """Check the options against each other and name the fix when they do not fit."""
     check_optimizer(optimizer, impl)
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -77,7 +105,12 @@ def make_train_step(optimizer: Optional[str] = None, impl: str = "auto", master_
     if master_weights and dtype not in ("bf16", "fp16"):
         raise UsageError("--master-weights needs 16-bit parameters: add --dtype bf16 or --dtype fp16 "
                          "(with --amp the parameters are already fp32)")
-    return TrainStep(optimizer, impl, master_weights, micro_batches)
+    check_loop_options(optimizer, micro_batches, master_weights, release_output, clip_grad_norm, clip_foreach,
+                       optimizer_in_backward, offload_activations)
+    return TrainStep(optimizer, impl, master_weights, micro_batches, release_output=release_output,
+                     clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm),
+                     clip_foreach=clip_foreach, optimizer_in_backward=optimizer_in_backward,
+                     offload_activations=offload_activations)
 
 
 class Session:
@@ -86,9 +119,12 @@ class Session:
 
     def __init__(self, step: TrainStep, params: dict[str, torch.Tensor], device: str) -> None:
         self.step = step
+        self.device = device
         self.params = {n: p for n, p in params.items() if p.requires_grad}
         self.masters: dict[str, torch.Tensor] = {}
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.in_backward: Optional[InBackward] = None
+        self.offload = Offload(params) if step.offload_activations else None
         if step.optimizer is None:
             return
         if step.master_weights:
@@ -98,26 +134,53 @@ class Session:
         if not targets:
             raise UsageError("no parameter requires grad, so the optimizer has nothing to update; "
                              "unfreeze some parameters or drop --optimizer")
-        self.optimizer = make_optimizer(step.optimizer, step.impl, targets, device)
+        if step.optimizer_in_backward:
+            self.in_backward = InBackward(step.optimizer, step.impl, self.params, device)
+        else:
+            self.optimizer = make_optimizer(step.optimizer, step.impl, targets, device)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes the offloading hooks moved to host memory so far (0 without offloading)."""
+        return self.offload.host_bytes if self.offload is not None else 0
+
+    def state_tensors(self) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
+        """(parameter, state name, tensor) of every optimizer state, per-parameter optimizers included."""
+        if self.in_backward is not None:
+            return self.in_backward.states()
+        return state_tensors(self.optimizer) if self.optimizer is not None else []
 
     def run(self, forward: Callable[..., Any], inputs: Any, loss_fn: Optional[LossFn],
             on_phase: Callable[[str], None], forward_context: Callable[[], ContextManager[Any]],
             mark: Mark = lambda kind, named: None, fake: bool = False,
-            micro_step: Callable[[int, int], None] = lambda i, runs: None) -> tuple[Any, torch.Tensor]:
+            micro_step: Callable[[int, int], None] = lambda i, runs: None,
+            observe: Observe = PLAIN) -> tuple[Any, torch.Tensor]:
         """Micro-steps, then the optimizer step. ``mark`` is told which tensors are gradients,
         optimizer states and fp32 gradient copies while they exist; ``fake`` runs only
         ``trace_micro_steps`` micro-steps (see _micro_steps) and answers ``.item()``;
         ``micro_step(i, runs)`` is called before micro-step i of the ``runs`` run (FSDP2's
-        gradient sync for the last one only: graphmem/distributed/capture.py)."""
+        gradient sync for the last one only: graphmem/distributed/capture.py); ``observe``: the
+        caller's own saved-tensor hooks, told of each save when offloading replaces them."""
         k = self.step.micro_batches
         base = loss_fn or default_loss
         scaled: LossFn = base if k == 1 else (lambda out, inp: base(out, inp) / k)
         runs = min(k, self.step.trace_micro_steps) if fake else k
         out: Any = None
         loss: Any = None
-        for i in range(runs):
-            micro_step(i, runs)
-            out, loss = run_step(forward, inputs, scaled, on_phase, forward_context)
+        phase = ["forward"]
+
+        def told(p: str) -> None:
+            phase[0] = p
+            on_phase(p)
+
+        with contextlib.ExitStack() as stack:
+            if self.in_backward is not None:
+                stack.enter_context(self.in_backward.hooks(mark, fake))
+            if self.offload is not None:
+                stack.enter_context(self.offload.hooks(phase, self.device, mark, fake, observe))
+            for i in range(runs):
+                micro_step(i, runs)
+                out, loss = run_step(forward, inputs, scaled, told, forward_context, self.step.release_output)
         mark("gradient", [(n, p.grad) for n, p in self.params.items() if p.grad is not None])
         self.optimizer_step(on_phase, mark, fake)
         return out, loss
@@ -125,11 +188,14 @@ class Session:
     def optimizer_step(self, on_phase: Callable[[str], None], mark: Mark = lambda kind, named: None,
                        fake: bool = False) -> None:
         """The optimizer's step over the gradients the step left (then ``zero_grad``), in phase
-        "optimizer"; nothing without an optimizer. A pipeline rank calls it after its schedule
+        "optimizer", gradients clipped first with ``clip_grad_norm``; nothing without an optimizer
+        (or with the optimizer in backward). A pipeline rank calls it after its schedule
         (graphmem/distributed/pipeline.py)."""
         if self.optimizer is None:
             return
         on_phase("optimizer")
+        if self.step.clip_grad_norm is not None:  # after the last backward, before the step (HF Trainer, torchtitan)
+            clip(list(self.params.values()), self.step.clip_grad_norm, self.step.clip_foreach)
         with ScalarReads() if fake else contextlib.nullcontext():
             self._optimizer_step(mark)
 

@@ -14,6 +14,7 @@ from graphmem.errors import UsageError
 from graphmem.passes.budget import Budget, Parallel, budget
 from graphmem.passes.spike import Temporaries, temporaries_at
 from graphmem.training.loop import TrainStep, make_train_step
+from graphmem.training.loop_options import host_bytes_of
 from graphmem.training.lora import LoRA, apply_lora, make_lora, meta_copy
 from graphmem.training.optim import resolved_impl
 from graphmem.training.peft_lora import is_hf_model
@@ -50,8 +51,11 @@ class Training:
 def make_training(dtype: Optional[str] = None, optimizer: Optional[str] = None, optimizer_impl: str = "auto",
                   master_weights: bool = False, micro_batches: int = 1, lora_rank: Optional[int] = None,
                   lora_targets: Union[str, Sequence[str], None] = None, lora_alpha: Optional[float] = None,
-                  quantization: Optional[str] = None) -> Training:
-    train = make_train_step(optimizer, optimizer_impl, master_weights, micro_batches, dtype)
+                  quantization: Optional[str] = None, release_output: bool = False,
+                  clip_grad_norm: Optional[float] = None, clip_foreach: bool = True, optimizer_in_backward: bool = False,
+                  offload_activations: bool = False) -> Training:
+    train = make_train_step(optimizer, optimizer_impl, master_weights, micro_batches, dtype, release_output,
+                            clip_grad_norm, clip_foreach, optimizer_in_backward, offload_activations)
     lora = make_lora(lora_rank, lora_targets if lora_targets is None or isinstance(lora_targets, str) else tuple(lora_targets),
                      lora_alpha)
     quant = make_quantization(quantization)
@@ -106,6 +110,7 @@ class StepBudget:
     spike: tuple[Temporaries, ...] = ()  # the temporaries live at rank's peak, made -> freed (passes/spike.py)
     quantized: Optional[Quantized] = None  # the 4-bit weights, if any (graphmem/training/qlora.py)
     whose: str = ""  # a per-rank capture's rank and wrappers (graphmem/distributed/view.py): the step is that rank's
+    host_bytes: int = 0  # offload_activations: the saved tensors' copies in host memory (not in the device rows)
 
     @property
     def rows(self) -> Any:
@@ -129,7 +134,8 @@ class StepBudget:
                                "quantization": {**(t.quantization.to_dict() if t.quantization else {}),
                                                 **self.quantized.to_dict()} if self.quantized else None,
                                "parallel": self.layout.to_dict(), "per_rank": _budget_dict(self.rank),
-                               **({"rank": self.whose} if self.whose else {})}
+                               **({"rank": self.whose} if self.whose else {}),
+                               **({"host_bytes": self.host_bytes} if t.train.offload_activations else {})}
         if self.single is not None:
             out["single_device"] = _budget_dict(self.single)
         out["temporaries_at_peak"] = [{"made_by": t.made_by, "bytes": t.nbytes, "tensors": t.count,
@@ -161,7 +167,8 @@ def step_budget(g: Any, lv: Any, sv: Any, training: Training, module: nn.Module,
     device = g.target.device if g.target is not None else g.device
     spike = temporaries_at(g, lv, rank.peak_index, frozenset(t.sid for t in sv.tensors)) if rank.peak_index >= 0 else ()
     quantized = quantized_summary(module)  # --qlora's, or a model quantized by the user's own script
-    return StepBudget(training, device, lora_layers, layout, rank, single, spike, quantized, whose)
+    host = host_bytes_of(g.storages.values())
+    return StepBudget(training, device, lora_layers, layout, rank, single, spike, quantized, whose, host)
 
 
 __all__ = ["Training", "make_training", "prepare", "StepBudget", "step_budget", "resolved_impl"]

@@ -76,17 +76,24 @@ def run_step(
     loss_fn: Optional[LossFn],
     on_phase: Callable[[str], None] = lambda phase: None,
     forward_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    release_output: bool = False,
 ) -> tuple[Any, torch.Tensor]:
     """Forward, loss, backward. ``on_phase`` is told when each phase starts; forward and loss
     run inside ``forward_context()`` (autocast, target rules), backward outside it, as in
     ``with autocast(): loss = ...`` followed by ``loss.backward()``. ``inputs``: a tuple, a dict
-    or ``(args, kwargs)`` (graphmem/training/batch.py); the loss gets it in that form."""
+    or ``(args, kwargs)`` (graphmem/training/batch.py); the loss gets it in that form.
+    ``release_output``: the output is dropped once the loss is made, before backward, and None
+    returned for it: what is left of it is what autograd saved (a model's own ``loss`` field is
+    the loss, held on its own), as HF Trainer's ``compute_loss`` returns the loss alone and
+    torchtune/torchtitan ``del logits`` (graphmem/training/loop_options.py)."""
     batch = as_batch(inputs)
     with forward_context():
         on_phase("forward")
         out = batch.call(forward)
         on_phase("loss")
         loss = (loss_fn or default_loss)(out, batch.given)
+    if release_output:
+        out = None  # the output object and its other tensors (logits) go; the loss stays
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise CaptureError(
             f"the loss must be a scalar tensor, got {type(loss).__name__}"

@@ -25,7 +25,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from graphmem.training.batch import as_batch
 from graphmem.training.loop import Session, TrainStep
-from graphmem.training.optim import state_tensors
 from graphmem.training.qlora import quant_state_tensors
 from graphmem.training.step import LossFn, run_step
 
@@ -37,6 +36,7 @@ class Measured:
     baseline_bytes: int  # parameters, buffers and inputs, live before the step
     allocations: int  # allocator events seen
     state_bytes: int = 0  # optimizer state (distinct storages) after the step, with graphmem/training/loop.py
+    host_bytes: int = 0  # what the loop's offloading hooks moved to host memory in the measured step
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> tuple[set[int], int]:
@@ -124,20 +124,22 @@ def measure_peak(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None
         if session is not None:
             out, loss = session.run(model, inputs, loss_fn, lambda p: None, context)
             del out, loss
-    states = [t for _, _, t in state_tensors(session.optimizer)] if session and session.optimizer else []
+    states = [t for _, _, t in session.state_tensors()] if session is not None else []
     masters = list(session.masters.values()) if session is not None else []
     tensors = [*model.parameters(), *model.buffers(), *quant_state_tensors(model), *as_batch(inputs).tensors(),
                *masters, *states]
     _, baseline = _storage_bytes(tensors)
+    moved = session.host_bytes if session is not None else 0  # by the warm steps
     with _quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         if session is None:
             out, loss = run_step(model, inputs, loss_fn, forward_context=context)
         else:
             out, loss = session.run(model, inputs, loss_fn, lambda p: None, context)
     del out, loss
-    state_bytes = 0
-    if session is not None and session.optimizer is not None:
-        state_bytes = _storage_bytes([t for _, _, t in state_tensors(session.optimizer)])[1]
+    state_bytes = host_bytes = 0
+    if session is not None:
+        state_bytes = _storage_bytes([t for _, _, t in session.state_tensors()])[1]
+        host_bytes = session.host_bytes - moved
     events = _allocation_events(prof)
     running = high = 0
     for _, size in events:
@@ -145,4 +147,4 @@ def measure_peak(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None
         high = max(high, running)
     model.zero_grad(set_to_none=True)
     saved = measure_saved(model, inputs, loss_fn, amp)
-    return Measured(saved, baseline + high, baseline, len(events), state_bytes)
+    return Measured(saved, baseline + high, baseline, len(events), state_bytes, host_bytes)
