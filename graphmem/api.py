@@ -24,6 +24,7 @@ from graphmem.recapture import Recapture, capture_rank_step, capture_stage_step,
 from graphmem.report import Report
 from graphmem.stepgraph import StepGraph
 from graphmem.training.batch import as_batch, resizer
+from graphmem.training.hf_trainer import is_trainer
 from graphmem.training.peft_lora import is_hf_model
 from graphmem.training.spec import Training, make_training, units_of
 from graphmem.training.step import LossFn
@@ -81,7 +82,8 @@ def analyze(
 ) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
-    ``model`` is an nn.Module (real, or built under ``torch.device("meta")``; an fx.GraphModule
+    ``model`` is a transformers ``Trainer`` (its own step: graphmem/trainer_api.py; ``inputs`` or
+    ``input_shape`` only), an nn.Module (real, or built under ``torch.device("meta")``; an fx.GraphModule
     is one), a ``torch.export.ExportedProgram`` (its example inputs are used when none are
     given), a path to a model file or a ``.pt2`` exported program, or a preset name. Give ``inputs`` (a tensor or tuple of tensors; only shapes
     and dtypes are used) or ``input_shape``. Nothing real is allocated and the module is left
@@ -131,6 +133,10 @@ def analyze(
     >>> report.activation_bytes          # input (512 B) + ReLU output (1024 B), saved for backward
     1536
     """
+    if is_trainer(model):  # a transformers Trainer: its own step (graphmem/trainer_api.py)
+        from graphmem.trainer_api import analyze_trainer
+
+        return analyze_trainer(model, inputs, input_shape)
     if target is None:
         target = make_target(torch.device(device).type, dtype, amp, attention, gpu, mode, memory_budget)
     loaded = load(os.fspath(model), target=target, options=hf) if isinstance(model, (str, os.PathLike)) else None

@@ -34,6 +34,8 @@ from graphmem.training.loop import Session, TrainStep, relabel_accumulation
 from graphmem.training.optim import resolved_impl
 from graphmem.training.step import LossFn, default_loss, run_step
 
+StepRunner = Callable[..., Any]  # Session.run's signature: (forward, batch, loss_fn, on_phase, context, mark, fake=)
+
 
 @contextlib.contextmanager
 def _cache_clears(cap: _Recorder) -> Iterator[None]:
@@ -59,6 +61,7 @@ def capture(
     loss_fn: Optional[LossFn] = None,
     device: Union[str, torch.device, Target] = "cpu",
     train: Optional[TrainStep] = None,
+    runner: Optional[StepRunner] = None,
 ) -> StepGraph:
     """Record one training step of ``model`` on fake tensors.
 
@@ -68,7 +71,9 @@ def capture(
     device name or a Target (graphmem/capture/target.py); the CUDA target runs on fake CPU tensors
     with CUDA's rules applied.
     ``train`` (graphmem/training/loop.py) adds micro-batches and the optimizer step
-    with ``zero_grad`` after backward, in phase "optimizer".
+    with ``zero_grad`` after backward, in phase "optimizer". ``runner`` runs the whole step in its
+    place: a callable with Session.run's signature (graphmem/training/loop.py; a transformers
+    Trainer's step: graphmem/training/hf_trainer.py), given the fake batch, the phase and mark callbacks.
     """
     target = device if isinstance(device, Target) else Target(str(torch.device(device).type))
     device = torch.device("cpu")  # see graphmem/capture/target.py for why the CUDA target runs here
@@ -131,10 +136,11 @@ def capture(
                 cap.recording = True
                 context = forward_context(target, backends, cap.clearing_cache) if compiled is None \
                     else compiled_context(target)
-                if session is None:
+                step = runner if runner is not None else session.run if session is not None else None
+                if step is None:
                     out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, context)
                 else:
-                    out, loss = session.run(forward, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True)
+                    out, loss = step(forward, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True)
                     relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
                 gradient_sids = list(dict.fromkeys(marked.get("gradient", []) + [
                     _gradient(cap, p) for p in seen.values() if p.grad is not None]))
