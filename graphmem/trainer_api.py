@@ -98,4 +98,38 @@ def measure_trainer(trainer: Any, inputs: Any, warm_steps: int = 0) -> Any:
             return measure_peak(trainer.model, inputs, runner=runner, warm_steps=warm_steps)
 
 
-__all__ = ["analyze_trainer", "measure_trainer", "trainer_batch"]
+def trainer_from_file(model: Any, path: str) -> Any:
+    """A ``transformers.Trainer`` around ``model`` with the TrainingArguments of a JSON or YAML file
+    (``HfArgumentParser(TrainingArguments).parse_json_file`` / ``parse_yaml_file``). The model may be
+    on the meta device (graphmem/capture/load.py): the arguments leave it where it is
+    (``place_model_on_device``, the property TrainingArguments documents for overriding)."""
+    import os
+
+    from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+    @dataclasses.dataclass
+    class InPlace(TrainingArguments):
+        @property
+        def place_model_on_device(self) -> bool:
+            return False
+
+    from graphmem.training.peft_lora import is_hf_model
+
+    if not is_hf_model(model):
+        raise UsageError(f"training_args builds a transformers Trainer around a Hugging Face model; {type(model).__name__} "
+                         "is not one: give a Hugging Face config, hub id or preset (e.g. hf-gpt2, llama-3.1-8b)")
+    if not os.path.isfile(path):
+        raise UsageError(f"training_args {path!r}: no such file; give a JSON or YAML file of TrainingArguments")
+    parser = HfArgumentParser(InPlace)
+    try:
+        if path.endswith((".yaml", ".yml")):
+            (args,) = parser.parse_yaml_file(path)
+        else:
+            (args,) = parser.parse_json_file(path)
+    except Exception as e:  # a malformed file, an unknown field, a value TrainingArguments refuses
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"training_args {path!r} is not readable as TrainingArguments: {first}") from None
+    return Trainer(model=model, args=args)
+
+
+__all__ = ["analyze_trainer", "measure_trainer", "trainer_batch", "trainer_from_file"]

@@ -174,8 +174,9 @@ class TrainerRunner:
         ``trace_micro_steps`` micro-steps (3..k repeat 2) and answers ``.item()``."""
         t, model, k = self.trainer, self.model, self.trainer.args.gradient_accumulation_steps
         with _prepared(t, model), _phases(t, on_phase, loss_fn):
-            if not self.started:
-                self._start()
+            if not self.started:  # (bitsandbytes' optimizers read their quantization maps' values: any will do)
+                with ScalarReads() if fake else contextlib.nullcontext():
+                    self._start()
             batch = dict(as_batch(inputs).kwargs)
             # the k micro-batches are prefetched (1881): each one its own tensors, as the dataloader yields them
             batches = [batch] + [{n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in batch.items()}
@@ -242,16 +243,14 @@ def _prepared(trainer: Any, model: nn.Module) -> Iterator[None]:
     if not acc.native_amp or hasattr(model, "_original_forward"):
         yield
         return
-    had = "forward" in model.__dict__
+    before = dict(model.__dict__)
     acc.prepare_model(model, device_placement=False)
     try:
         yield
-    finally:
-        original = model.__dict__.pop("_original_forward")
-        if had:
-            model.forward = original
-        else:
-            del model.forward
+    finally:  # forward, _original_forward, _is_accelerate_prepared back as they were
+        for key in set(model.__dict__) - set(before):
+            del model.__dict__[key]
+        model.__dict__.update({k: v for k, v in before.items() if k in ("forward",)})
 
 
 @contextlib.contextmanager
