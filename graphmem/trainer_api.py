@@ -120,7 +120,7 @@ def trainer_from_file(model: Any, path: str) -> Any:
                          "is not one: give a Hugging Face config, hub id or preset (e.g. hf-gpt2, llama-3.1-8b)")
     if not os.path.isfile(path):
         raise UsageError(f"training_args {path!r}: no such file; give a JSON or YAML file of TrainingArguments")
-    parser = HfArgumentParser(InPlace)
+    parser = HfArgumentParser(InPlace)  # type: ignore[arg-type]
     try:
         if path.endswith((".yaml", ".yml")):
             (args,) = parser.parse_yaml_file(path)
