@@ -9,7 +9,7 @@ token samples of ``input_shape`` made for the model (graphmem/capture/hf.py) spl
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -98,6 +98,42 @@ def measure_trainer(trainer: Any, inputs: Any, warm_steps: int = 0) -> Any:
             return measure_peak(trainer.model, inputs, runner=runner, warm_steps=warm_steps)
 
 
+def validate_trainer(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None,
+                     tolerance: Optional[float] = None) -> Any:
+    """``graphmem.validate(trainer)``: the prediction beside the Trainer's step run for real on the CPU by
+    the same runner (first step, then a later one whose optimizer states exist before it). The model
+    must be real (not on the meta device); its weights change (the real steps are optimizer steps)."""
+    from graphmem.validation.result import Row, Validation, judge
+    from graphmem.validation.validate import DEFAULT_TOLERANCE, _without_profiler_log
+
+    check_trainer(trainer)
+    if any(p.is_meta for p in trainer.model.parameters()):
+        raise UsageError("the Trainer's model is on the meta device; validate runs its step for real: build it on the CPU")
+    if trainer.args.device.type != "cpu":
+        raise UsageError("validate runs the Trainer's step on the CPU: set use_cpu=True in its TrainingArguments")
+    if inputs is None:
+        if input_shape is None:
+            raise UsageError("no inputs: pass inputs= (a batch dict) or input_shape=(batch, seq) for the Trainer")
+        from graphmem.api import _shape_of
+
+        torch.manual_seed(0)
+        inputs = trainer_batch(trainer, _shape_of(input_shape))
+    report = analyze_trainer(trainer, inputs)
+    with _without_profiler_log():
+        first, later = measure_trainer(trainer, inputs), measure_trainer(trainer, inputs, warm_steps=1)
+    budget = report.budget
+    assert budget is not None
+    rows = (Row("saved for backward", report.activation_bytes, first.saved_bytes, "exact", None),
+            Row("before the step", report.baseline_bytes, first.baseline_bytes, "exact", None),
+            Row("optimizer states", budget.row("optimizer states").size, first.state_bytes, "exact", None),
+            Row("peak", budget.peak_bytes, first.peak_bytes, "tolerance", None),
+            Row("peak (later steps)", budget.rank.later_peak_bytes, later.peak_bytes, "tolerance", None))
+    tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
+    judged, reason = judge(rows, tol)
+    shapes = tuple(tuple(x.shape) for x in as_batch(inputs).tensors())
+    return Validation(report.model, "cpu", shapes, tol, judged, reason, report)
+
+
 def trainer_from_file(model: Any, path: str) -> Any:
     """A ``transformers.Trainer`` around ``model`` with the TrainingArguments of a JSON or YAML file
     (``HfArgumentParser(TrainingArguments).parse_json_file`` / ``parse_yaml_file``). The model may be
@@ -132,4 +168,4 @@ def trainer_from_file(model: Any, path: str) -> Any:
     return Trainer(model=model, args=args)
 
 
-__all__ = ["analyze_trainer", "measure_trainer", "trainer_batch", "trainer_from_file"]
+__all__ = ["analyze_trainer", "measure_trainer", "trainer_batch", "trainer_from_file", "validate_trainer"]

@@ -147,3 +147,24 @@ def test_bad_trainers_are_one_line() -> None:
         compiled = _trainer(_llama(), out, torch_compile=True)
         with pytest.raises(GraphmemError, match="torch_compile"):
             graphmem.analyze(compiled, input_shape=(2, 16))
+
+
+@pytest.mark.slow  # ~60 s: two models, each predicted and run for real three times
+def test_validate_a_trainer_from_the_api_and_the_cli(tmp_path: Any, capsys: Any) -> None:
+    """graphmem.validate(trainer) and graphmem validate CONFIG --training-args: the prediction beside the
+    same runner's real CPU steps, every row within its rule."""
+    from graphmem.cli.main import main
+
+    with tempfile.TemporaryDirectory() as out:
+        v = graphmem.validate(_trainer(_bert(), out, optim="adamw_torch"), input_shape=(2, 16))
+    assert v.ok and v.row("saved for backward").difference == 0 and v.row("optimizer states").difference == 0
+    assert v.row("peak (later steps)").difference == 0
+    _gpt2().config.to_json_file(str(tmp_path / "config.json"))
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True, "report_to": [],
+                                "gradient_accumulation_steps": 2, "max_grad_norm": 1.0}))
+    assert main(["validate", str(tmp_path / "config.json"), "--input-shape", "2x16", "--training-args", str(args),
+                 "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["validation"]["rows"]}
+    assert rows["saved for backward"]["difference"] == 0 and rows["optimizer states"]["difference"] == 0
+    assert -48 <= rows["peak"]["difference"] <= 0  # the module docstring's GPT-2 gap

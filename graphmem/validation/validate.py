@@ -44,6 +44,7 @@ from graphmem.errors import UsageError
 from graphmem.passes.allocator import allocator
 from graphmem.report import Report
 from graphmem.training.batch import Batch, as_batch
+from graphmem.training.hf_trainer import is_trainer
 from graphmem.training.step import LossFn, run_step
 from graphmem.units import fmt_bytes
 from graphmem.validation.result import Row, Validation, ValidationError, judge
@@ -92,6 +93,10 @@ def validate(
     (True, 0)
     """
 
+    if is_trainer(model):  # a transformers Trainer: its own step, real on the CPU (graphmem/trainer_api.py)
+        from graphmem.trainer_api import validate_trainer
+
+        return validate_trainer(model, inputs, input_shape, tolerance)  # type: ignore[no-any-return]
     dev = _device(device)
     try:
         tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
