@@ -100,22 +100,14 @@ def test_bf16_autocast_through_accelerate_matches_a_real_step() -> None:
     assert "_original_forward" not in trainer.model.__dict__ and trainer.model.forward == forward
 
 
-def test_bitsandbytes_8bit_adamw_runs_on_fake_tensors() -> None:
-    """adamw_bnb_8bit (bitsandbytes' CPU 8-bit optimizer): its states to the byte and the later steps'
-    peak to the byte. Known gap: the first step's real peak is above the prediction (54,784 B on this
-    Llama, in the first optimizer step, where bitsandbytes makes its states; its CPU kernels' scratch
-    is not modelled yet), so only the direction is checked there."""
+def test_bitsandbytes_8bit_adamw_matches_a_real_step() -> None:
+    """adamw_bnb_8bit (bitsandbytes' CPU 8-bit optimizer) on fake tensors: its states to the byte; its
+    CPU kernels' fp32 copies (graphmem/capture/bnb_rules.py) are the first step's peak, as in the real
+    step (54,784 B under before they were counted)."""
     pytest.importorskip("bitsandbytes")
-    torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as out:
-        trainer = _trainer(_llama(), out, optim="adamw_bnb_8bit")
-        batch = trainer_batch(trainer, (2, 16))
-        r = graphmem.analyze(trainer, batch)
-        first, later = measure_trainer(trainer, batch), measure_trainer(trainer, batch, warm_steps=1)
-    b = r.budget.rank
-    assert r.activation_bytes == first.saved_bytes and b.row("optimizer states").size == first.state_bytes
-    assert b.later_peak_bytes == later.peak_bytes
-    assert first.peak_bytes >= b.peak_bytes
+        r = _check(_trainer(_llama(), out, optim="adamw_bnb_8bit"))
+    assert r.budget.rank.peak_phase == "optimizer"
 
 
 def test_training_args_file_from_the_cli(tmp_path: Any, capsys: Any) -> None:

@@ -159,6 +159,8 @@ class TrainerRunner:
             t.optimizer = type(self.given)(groups, **self.given.defaults)
         else:
             t.create_optimizer()
+        if type(_inner(t.optimizer)).__module__.startswith("bitsandbytes"):
+            import graphmem.capture.bnb_rules  # noqa: F401  (its CPU kernels' scratch)
         t.optimizer = t.accelerator.prepare_optimizer(t.optimizer)
         t.create_scheduler(num_training_steps=max(t.args.max_steps, 1), optimizer=t.optimizer)
         self.tr_loss = torch.tensor(0.0, device=t.args.device)  # _inner_training_loop 1645
