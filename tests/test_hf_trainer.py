@@ -79,7 +79,8 @@ def _check(trainer: Any, shape: tuple[int, int] = (2, 16)) -> Any:
     (_llama, {"optim": "adamw_torch", "gradient_checkpointing": True}),
     (_bert, {"optim": "adamw_torch_fused"}),
     (_lora_llama, {"optim": "adamw_torch"}),
-], ids=["llama", "llama-checkpointing", "bert-classifier", "llama-lora"])
+    (_llama, {"optim": "adafactor"}),
+], ids=["llama", "llama-checkpointing", "bert-classifier", "llama-lora", "llama-adafactor"])
 def test_trainer_step_matches_a_real_trainer_step(make: Any, kwargs: dict) -> None:
     with tempfile.TemporaryDirectory() as out:
         r = _check(_trainer(make(), out, **kwargs))
@@ -100,13 +101,14 @@ def test_bf16_autocast_through_accelerate_matches_a_real_step() -> None:
     assert "_original_forward" not in trainer.model.__dict__ and trainer.model.forward == forward
 
 
-def test_bitsandbytes_8bit_adamw_matches_a_real_step() -> None:
+@pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "paged_adamw_8bit"])
+def test_bitsandbytes_8bit_adamw_matches_a_real_step(optim: str) -> None:
     """adamw_bnb_8bit (bitsandbytes' CPU 8-bit optimizer) on fake tensors: its states to the byte; its
     CPU kernels' fp32 copies (graphmem/capture/bnb_rules.py) are the first step's peak, as in the real
     step (54,784 B under before they were counted)."""
     pytest.importorskip("bitsandbytes")
     with tempfile.TemporaryDirectory() as out:
-        r = _check(_trainer(_llama(), out, optim="adamw_bnb_8bit"))
+        r = _check(_trainer(_llama(), out, optim=optim))
     assert r.budget.rank.peak_phase == "optimizer"
 
 
