@@ -4,7 +4,8 @@ states to the byte; the peaks never above the real ones and within ``PEAK_TOLERA
 
 The gaps measured (real minus predicted, first step / later steps, tiny configs at 2x16):
 Llama 12 / 0 B, Llama with gradient checkpointing 12 / 0 B, BERT classifier (adamw_torch_fused)
-12 / 0 B, Llama + peft LoRA 32 / 32 B, GPT-2 under bf16 autocast 48 / 48 B. The 12 B at the
+12 / 0 B, Llama + peft LoRA 32 / 32 B, GPT-2 under bf16 autocast 48 / 48 B, Llama with adafactor
+0 / 0 B, with adamw_bnb_8bit and paged_adamw_8bit 12 / 0 B. The 12 B at the
 first step's peak (AdamW's update, aten.div.Tensor ``exp_avg_sq.sqrt() / bias_correction2_sqrt``):
 the 8 B double the CPU's Python argument parser wraps the float into (a wrapped number, never a
 fake tensor, so the capture has no storage for it) and a 4 B float cast inside the true division
