@@ -22,7 +22,9 @@ Phases are marked by wrapping ``trainer.compute_loss`` (forward, then loss once 
 (undone after the step). Gradient checkpointing is enabled as ``Trainer.train`` does (1502-1528)
 and disabled afterwards if the step turned it on.
 
-Known limitations: one process (no DeepSpeed/FSDP/DDP); ``torch_compile`` is refused; the
+Known limitations: the CPU target only (a Trainer on a GPU is refused: its ``_prepare_inputs`` moves
+the batch to the GPU, which the CUDA target's fake CPU tensors do not follow); one process (no
+DeepSpeed/FSDP/DDP); ``torch_compile`` is refused; the
 ``include_num_input_tokens_seen`` bookkeeping and callbacks are not run (no tensors of the step);
 a scheduler passed in ``optimizers=`` is replaced by ``args.lr_scheduler_type``'s (its memory is
 Python numbers).
@@ -95,6 +97,9 @@ def check_trainer(trainer: Any) -> None:
     if trainer.args.torch_compile:
         raise UsageError("torch_compile=True: graphmem runs the Trainer's eager step; set torch_compile=False, or "
                          "analyze the model alone with mode='compiled'")
+    if trainer.args.device.type != "cpu":  # _prepare_inputs would move the fake batch off the CUDA target's fake CPU tensors
+        raise UsageError(f"the Trainer runs on {trainer.args.device.type}; graphmem runs a Trainer's step on the CPU target "
+                         "for now: set use_cpu=True in its TrainingArguments, or analyze the model with device='cuda'")
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or trainer.args.world_size > 1:
         raise UsageError("the Trainer is set up for several processes (DeepSpeed, FSDP or DDP); graphmem runs its "
                          "one-process step: analyze the model with fsdp=/zero=/rank= for per-rank memory")
