@@ -9,19 +9,22 @@ import torch.nn as nn
 
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
+from graphmem.errors import UsageError
 from graphmem.measure import Measured, measure
 from graphmem.passes import allocator, compare_modes, saved
 from graphmem.recapture import Recapture
 from graphmem.report import Report
 from graphmem.spec import ModelLike, StepSpec, make_spec
 from graphmem.stepgraph import StepGraph
+from graphmem.training.hf_trainer import is_trainer
 from graphmem.training.step import LossFn
 
 
 def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: Any) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
-    ``model`` is an nn.Module (real, or built under ``torch.device("meta")``; an fx.GraphModule
+    ``model`` is a transformers ``Trainer`` (its own step: graphmem/trainer_api.py; ``inputs`` or
+    ``input_shape`` only), an nn.Module (real, or built under ``torch.device("meta")``; an fx.GraphModule
     is one), a ``torch.export.ExportedProgram`` (its example inputs are used when none are
     given), a path to a model file or a ``.pt2`` exported program, or a preset name. Give ``inputs`` (a tensor or tuple of tensors; only shapes
     and dtypes are used) or ``input_shape``. Nothing real is allocated and the module is left
@@ -77,10 +80,15 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
     >>> report.activation_bytes          # input (512 B) + ReLU output (1024 B), saved for backward
     1536
     """
+    if is_trainer(model):  # a transformers Trainer: its own step (graphmem/trainer_api.py)
+        from graphmem.trainer_api import analyze_trainer
+
+        extra = sorted(set(options) - {"input_shape"})
+        if extra:
+            raise UsageError(f"a Trainer's step comes from its TrainingArguments; drop {', '.join(extra)}")
+        return analyze_trainer(model, inputs, options.get("input_shape"))
     spec = model if isinstance(model, StepSpec) else make_spec(model, inputs, **options)
     if isinstance(model, StepSpec) and (inputs is not None or options):
-        from graphmem.errors import UsageError
-
         raise UsageError("analyze(spec) takes the StepSpec alone: change it with dataclasses.replace")
     return report_of(measure(spec))
 

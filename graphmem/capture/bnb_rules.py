@@ -64,3 +64,34 @@ def _gemm_4bit_cuda(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
         return [Scratch(s.nbytes, s.what + ", if bitsandbytes picks dequantize + F.linear on this GPU (upper bound)")
                 for s in found]
     return found
+
+
+# -- bitsandbytes' optimizers on the CPU (bitsandbytes/backends/cpu/ops.py) --------------------
+# The kernels are torch code: fp32 copies live inside the op and die when it returns. Adam (what
+# Trainer's adamw_bnb_8bit / paged_adamw_8bit run), at its widest point, n elements of p:
+# - ``_optimizer_update_8bit_blockwise_cpu``: both states dequantized to fp32, ``grad = g.float() *
+#   gnorm_scale``, and ``(state2_fp32.sqrt() / correction2)``'s sqrt and quotient: 5 x 4n bytes,
+#   one more 4n for ``p.data.float()`` when p is not fp32 (else it is p itself).
+# - ``_optimizer_update_32bit_cpu`` (parameters under ``min_8bit_size``): ``g_float``, then
+#   ``state1 / (state2.sqrt() + eps * correction2)``'s sum and quotient: 3 x 4n, plus ``p_float``.
+# Other optimizer names (momentum, lion, rmsprop, adagrad, ademamix, lamb's norms) are not modelled.
+
+def _adam_scratch(args: tuple, kwargs: dict, fp32_copies: int, what: str) -> list[Scratch]:
+    a = dict(zip(("optimizer_name", "g", "p"), args), **kwargs)
+    if a["optimizer_name"] != "adam":
+        return []
+    p = a["p"]
+    copies = fp32_copies + (0 if p.dtype == torch.float32 else 1)
+    return [Scratch(copies * p.numel() * 4, what)]
+
+
+@register_scratch(getattr(torch.ops.bitsandbytes, "optimizer_update_8bit_blockwise", None) and
+                  torch.ops.bitsandbytes.optimizer_update_8bit_blockwise.default, devices=("cpu",))
+def _adam_8bit_cpu(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
+    return _adam_scratch(args, kwargs, 5, "fp32 states, gradient and update (8-bit Adam on the CPU)")
+
+
+@register_scratch(getattr(torch.ops.bitsandbytes, "optimizer_update_32bit", None) and
+                  torch.ops.bitsandbytes.optimizer_update_32bit.default, devices=("cpu",))
+def _adam_32bit_cpu(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
+    return _adam_scratch(args, kwargs, 3, "fp32 gradient and update (bitsandbytes' 32-bit Adam on the CPU)")

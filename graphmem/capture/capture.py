@@ -36,6 +36,8 @@ from graphmem.training.loop_options import OFFLOADED
 from graphmem.training.optim import resolved_impl
 from graphmem.training.step import LossFn, default_loss, run_step
 
+StepRunner = Callable[..., Any]  # Session.run's signature: (forward, batch, loss_fn, on_phase, context, mark, fake=)
+
 
 @contextlib.contextmanager
 def _cache_clears(cap: _Recorder) -> Iterator[None]:
@@ -61,6 +63,7 @@ def capture(
     loss_fn: Optional[LossFn] = None,
     device: Union[str, torch.device, Target] = "cpu",
     train: Optional[TrainStep] = None,
+    runner: Optional[StepRunner] = None,
 ) -> StepGraph:
     """Record one training step of ``model`` on fake tensors.
 
@@ -70,7 +73,9 @@ def capture(
     device name or a Target (graphmem/capture/target.py); the CUDA target runs on fake CPU tensors
     with CUDA's rules applied.
     ``train`` (graphmem/training/loop.py) adds micro-batches and the optimizer step
-    with ``zero_grad`` after backward, in phase "optimizer".
+    with ``zero_grad`` after backward, in phase "optimizer". ``runner`` runs the whole step in its
+    place: a callable with Session.run's signature (graphmem/training/loop.py; a transformers
+    Trainer's step: graphmem/training/hf_trainer.py), given the fake batch, the phase and mark callbacks.
     """
     target = device if isinstance(device, Target) else Target(str(torch.device(device).type))
     if target.mode == "compiled" and train is not None and train.loop_options:
@@ -135,11 +140,14 @@ def capture(
                 cap.recording = True
                 context = forward_context(target, backends, cap.clearing_cache) if compiled is None \
                     else compiled_context(target)
-                if session is None:
-                    out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, context)
-                else:
+                if runner is not None:  # a trainer's own step (graphmem/training/hf_trainer.py)
+                    out, loss = runner(forward, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True)
+                elif session is not None:  # graphmem's loop (graphmem/training/loop.py)
                     out, loss = session.run(forward, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True,
                                             observe=(cap.pack_as, cap.unpack))
+                else:
+                    out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, context)
+                if runner is not None or session is not None:
                     relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
                 gradient_sids = list(dict.fromkeys(marked.get("gradient", []) + [
                     _gradient(cap, p) for p in seen.values() if p.grad is not None]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from graphmem.cli.options import (
     add_debug_argument,
@@ -31,6 +31,10 @@ class Analyze:
     def prepare_parser(self, p: argparse.ArgumentParser) -> None:
         add_step_arguments(p)
         add_pipeline_arguments(p)
+        p.add_argument("--training-args", metavar="PATH",
+                       help="a JSON or YAML file of transformers TrainingArguments: analyze the step a Trainer "
+                            "around the (Hugging Face) model runs (its optim, clipping, accumulation, bf16/fp16, "
+                            "gradient checkpointing)")
         o = p.add_argument_group("output")
         o.add_argument("--json", action="store_true", help="print the report as JSON (exact integers); same as --format json")
         o.add_argument("--format", choices=["text", "json", "markdown"], help="output format (default text)")
@@ -56,7 +60,7 @@ class Analyze:
         budgets = memory_budgets_of(args)
         check_pipeline_arguments(args)
         with quiet(fmt == "json"):
-            report = analyze_args(args)
+            report = trainer_report(args) if args.training_args else analyze_args(args)
             if len(budgets) > 1:  # the report is at the first value; the table has them all
                 with Progress(total=len(budgets), desc="memory budgets") as bar:
                     report = report.keeping(memory_budgets=report.memory_budgets(budgets, tick=bar.update))
@@ -69,6 +73,18 @@ class Analyze:
         write_files(report, args)  # --plot, --snapshot
         sys.stdout.write(render_report(report, fmt, args))
         return plan_status(summary) if summary is not None else 0
+
+
+def trainer_report(args: argparse.Namespace) -> Any:
+    """``--training-args``: a transformers Trainer around the loaded model (graphmem/trainer_api.py)."""
+    from graphmem.capture.load import load
+    from graphmem.cli.options import hf_of, target_of
+    from graphmem.trainer_api import analyze_trainer, trainer_from_file
+
+    if args.plan or args.formula:
+        raise UsageError("--training-args analyzes the Trainer's step; --plan and --formula are not run on it yet")
+    loaded = load(args.model, target=target_of(args), options=hf_of(args))
+    return analyze_trainer(trainer_from_file(loaded.module, args.training_args), input_shape=args.input_shape)
 
 
 class Presets:

@@ -18,6 +18,7 @@ from graphmem.cli.options import (
     hf_of,
     loop_options,
 )
+from graphmem.errors import UsageError
 
 
 class Validate:
@@ -33,6 +34,9 @@ class Validate:
         p.add_argument("--tolerance", type=float, metavar="PCT",
                        help="allowed peak gap, percent of the measured peak (default 1; CPU convnets need ~2.5)")
         p.add_argument("--json", action="store_true", help="print the comparison as JSON (exact integers)")
+        p.add_argument("--training-args", metavar="PATH",
+                       help="a JSON or YAML file of transformers TrainingArguments: validate the step a Trainer "
+                            "around the (Hugging Face) model runs, on the CPU")
         add_debug_argument(p)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -45,8 +49,18 @@ def _validate(args: argparse.Namespace) -> int:
     from graphmem.validation.validate import validate
 
     with quiet(args.json):
-        result = validate(args.model, input_shape=args.input_shape, device=args.device, tolerance=args.tolerance,
-                          hf=hf_of(args), dtype=args.dtype, amp=args.amp, **loop_options(args))
+        if args.training_args:  # a transformers Trainer around the model, built for real on the CPU
+            from graphmem.capture.load import load
+            from graphmem.trainer_api import trainer_from_file, validate_trainer
+
+            if args.device != "cpu":
+                raise UsageError("--training-args validates the Trainer's step on the CPU: drop --device cuda")
+            module = load(args.model, device="cpu", options=hf_of(args)).module
+            result = validate_trainer(trainer_from_file(module, args.training_args), input_shape=args.input_shape,
+                                      tolerance=args.tolerance)
+        else:
+            result = validate(args.model, input_shape=args.input_shape, device=args.device, tolerance=args.tolerance,
+                              hf=hf_of(args), dtype=args.dtype, amp=args.amp, **loop_options(args))
     sys.stdout.write(json.dumps({"validation": result.to_dict()}, indent=2) + "\n" if args.json
                      else render_validation(result))
     sys.stdout.flush()  # the table comes before the stderr line of a failure

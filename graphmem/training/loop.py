@@ -228,7 +228,9 @@ def relabel_accumulation(ops: list, saves: list, phase_start: dict[str, int]) ->
     for node in ops[:start]:
         node.meta["phase"] = "accumulate"
     for e in saves:
-        if e.packed_at < start:
+        # autograd saves an op's inputs before the op runs, so the last micro-step's first op packs
+        # them at ``start - 1``; the earlier micro-steps' packs are all before their backward's ops
+        if e.packed_at < start - 1:
             e.phase = "accumulate"
     phase_start["accumulate"] = 0
 

@@ -28,6 +28,8 @@ from graphmem.training.loop import Session, TrainStep
 from graphmem.training.qlora import quant_state_tensors
 from graphmem.training.step import LossFn, run_step
 
+Runner = Callable[..., Any]  # Session.run's signature (graphmem/capture/capture.py StepRunner)
+
 
 @dataclass(frozen=True)
 class Measured:
@@ -54,11 +56,14 @@ def _autocast(amp: Optional[torch.dtype]) -> Callable[[], ContextManager[Any]]:
 
 def measure_saved(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None,
                   amp: Optional[torch.dtype] = None,
-                  forward_context: Optional[Callable[[], ContextManager[Any]]] = None) -> int:
+                  forward_context: Optional[Callable[[], ContextManager[Any]]] = None,
+                  runner: Optional[Runner] = None) -> int:
     """Bytes of the distinct storages autograd saves in a real forward + loss (under CPU
     autocast to ``amp`` if given, or under ``forward_context()``: e.g. CUDA autocast and an SDPA
     backend, benchmarks/gpu_truth.py). ``inputs``: a tuple, a dict (``model(**inputs)``) or
-    ``(args, kwargs)``, as graphmem/training/batch.py reads them; any device."""
+    ``(args, kwargs)``, as graphmem/training/batch.py reads them; any device. ``runner`` (a step
+    runner, as the capture takes: graphmem/training/hf_trainer.py) runs its whole step instead; the
+    last micro-step's forward and loss are counted, as the capture's phases name them."""
     state = [*model.parameters(), *model.buffers(), *quant_state_tensors(model)]
     excluded, _ = _storage_bytes(state)
     saved: dict[int, int] = {}
@@ -66,14 +71,23 @@ def measure_saved(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = Non
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        if phase[0] != "backward" and st._cdata not in excluded:
+        if phase[0] in ("forward", "loss") and st._cdata not in excluded:
             saved[st._cdata] = st.nbytes()
         return t
+
+    def set_phase(p: str) -> None:
+        if p == "forward":  # a later micro-step: the last one's saved set is the step's
+            saved.clear()
+        phase[0] = p
 
     model.train()
     model.zero_grad(set_to_none=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run_step(model, inputs, loss_fn, lambda p: phase.__setitem__(0, p), forward_context or _autocast(amp))
+        context = forward_context or _autocast(amp)
+        if runner is None:
+            run_step(model, inputs, loss_fn, set_phase, context)
+        else:
+            runner(model, inputs, loss_fn, set_phase, context)
     model.zero_grad(set_to_none=True)
     return sum(saved.values())
 
@@ -111,23 +125,27 @@ def _quiet_gc() -> Any:
 
 def measure_peak(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None,
                  train: Optional[TrainStep] = None, warm_steps: int = 0,
-                 amp: Optional[torch.dtype] = None) -> Measured:
+                 amp: Optional[torch.dtype] = None, runner: Any = None) -> Measured:
     """Real CPU step under the profiler; the peak from the allocator's events. ``train`` adds
     micro-batches and the optimizer step (graphmem/training/loop.py); ``warm_steps`` runs that many
     whole steps first, unprofiled (the optimizer states then exist before the measured one);
-    ``amp`` runs forward and loss under CPU autocast to that dtype."""
+    ``amp`` runs forward and loss under CPU autocast to that dtype. ``runner``: an object with
+    Session's ``run``, ``optimizer`` and ``masters``, and ``held_tensors()`` (a transformers Trainer's step: graphmem/training/hf_trainer.py)
+    runs the step in its place, the same runner the capture ran."""
     context = _autocast(amp)
     model.train()
     model.zero_grad(set_to_none=True)
-    session = Session(train, dict(model.named_parameters()), "cpu") if train is not None else None
+    session = runner if runner is not None else Session(train, dict(model.named_parameters()), "cpu") \
+        if train is not None else None
     for _ in range(warm_steps):
         if session is not None:
             out, loss = session.run(model, inputs, loss_fn, lambda p: None, context)
             del out, loss
     states = [t for _, _, t in session.state_tensors()] if session is not None else []
     masters = list(session.masters.values()) if session is not None else []
+    held = runner.held_tensors() if runner is not None else []  # what the runner keeps between steps
     tensors = [*model.parameters(), *model.buffers(), *quant_state_tensors(model), *as_batch(inputs).tensors(),
-               *masters, *states]
+               *masters, *states, *held]
     _, baseline = _storage_bytes(tensors)
     moved = session.host_bytes if session is not None else 0  # by the warm steps
     with _quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -146,5 +164,5 @@ def measure_peak(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None
         running += size
         high = max(high, running)
     model.zero_grad(set_to_none=True)
-    saved = measure_saved(model, inputs, loss_fn, amp)
+    saved = measure_saved(model, inputs, loss_fn, amp, runner=runner.run if runner is not None else None)
     return Measured(saved, baseline + high, baseline, len(events), state_bytes, host_bytes)

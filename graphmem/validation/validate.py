@@ -46,6 +46,7 @@ from graphmem.passes.allocator import allocator
 from graphmem.report import Report
 from graphmem.spec import shape_of
 from graphmem.training.batch import Batch, as_batch
+from graphmem.training.hf_trainer import is_trainer
 from graphmem.training.lora import apply_lora
 from graphmem.training.spec import Training
 from graphmem.training.step import LossFn, run_step
@@ -103,6 +104,10 @@ def validate(
     (True, 0)
     """
 
+    if is_trainer(model):  # a transformers Trainer: its own step, real on the CPU (graphmem/trainer_api.py)
+        from graphmem.trainer_api import validate_trainer
+
+        return validate_trainer(model, inputs, input_shape, tolerance)  # type: ignore[no-any-return]
     dev = _device(device)
     try:
         tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)

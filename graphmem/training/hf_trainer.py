@@ -1,0 +1,292 @@
+"""A transformers ``Trainer``'s own training step, run on fake tensors (the capture) and on real
+ones (graphmem/validation/measure.py) by the same runner.
+
+graphmem's own loop (graphmem/training/loop.py) keeps the output referenced through backward and
+steps a torch.optim optimizer it builds; a ``Trainer`` does neither: ``compute_loss`` returns only
+the loss (the logits die before backward), the optimizer comes from ``args.optim``, gradients are
+clipped through accelerate, and the scheduler steps. So the step is the Trainer's own code, called
+as ``Trainer._inner_training_loop`` / ``_run_epoch`` call it (transformers 5.x
+``transformers/trainer.py``; the line numbers below are 5.24's)::
+
+    optimizer (create_optimizer), accelerator.prepare (model, optimizer), create_scheduler   # _prepare_for_training, 1741-1778
+    batch_samples, num_items_in_batch = self.get_batch_samples(epoch_iterator, k, device)   # 1881
+    for i, inputs in enumerate(batch_samples):                                              # 1892-1935
+        with sync_context(): tr_loss_step = self.training_step(model, inputs, num_items_in_batch)
+        nan/inf filter; self._tr_loss += tr_loss_step
+    grad_norm = self._clip_grad_norm(model) if max_grad_norm > 0; self._get_grad_norm(model, grad_norm)  # 1937-1940
+    self.optimizer.step(); self.lr_scheduler.step(); model.zero_grad()                      # 1943-1954
+
+Phases are marked by wrapping ``trainer.compute_loss`` (forward, then loss once it returns) and
+``trainer.accelerator.backward`` (backward), not by copies of them. Precision is accelerate's:
+``accelerator.prepare_model`` wraps the model's forward in autocast when ``bf16``/``fp16`` ask for it
+(undone after the step). Gradient checkpointing is enabled as ``Trainer.train`` does (1502-1528)
+and disabled afterwards if the step turned it on.
+
+Known limitations: the CPU target only (a Trainer on a GPU is refused: its ``_prepare_inputs`` moves
+the batch to the GPU, which the CUDA target's fake CPU tensors do not follow); one process (no
+DeepSpeed/FSDP/DDP); ``torch_compile`` is refused; the
+``include_num_input_tokens_seen`` bookkeeping and callbacks are not run (no tensors of the step);
+a scheduler passed in ``optimizers=`` is replaced by ``args.lr_scheduler_type``'s (its memory is
+Python numbers).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from graphmem.errors import UsageError
+from graphmem.training.batch import as_batch
+from graphmem.training.loop import Mark, TrainStep
+from graphmem.training.optim import ScalarReads, state_tensors
+from graphmem.training.step import LossFn
+
+
+def is_trainer(obj: Any) -> bool:
+    """A ``transformers.Trainer`` (or a subclass: SFTTrainer, Seq2SeqTrainer), without importing transformers."""
+    return any(c.__module__.startswith("transformers.") and c.__name__ == "Trainer" for c in type(obj).__mro__)
+
+
+@dataclass(frozen=True)
+class TrainerStep(TrainStep):
+    """The Trainer's loop as the report's budget names it (``describe``, ``to_dict``)."""
+
+    max_grad_norm: float = 0.0
+    precision: str = "fp32"  # fp32 | bf16 autocast | fp16 autocast
+    checkpointing: bool = False
+    scheduler: str = ""
+
+    def describe(self, device: str = "cpu") -> str:
+        parts = [f"transformers Trainer's loop: optim {self.optimizer}",
+                 f"clip_grad_norm {self.max_grad_norm:g}" if self.max_grad_norm > 0 else "grad norm not clipped",
+                 f"{self.micro_batches} gradient accumulation steps" if self.micro_batches > 1 else "no accumulation",
+                 self.precision]
+        if self.checkpointing:
+            parts.append("gradient checkpointing")
+        if self.scheduler:
+            parts.append(f"{self.scheduler} lr scheduler")
+        return ", ".join(parts)
+
+    def to_dict(self, device: str = "cpu") -> dict[str, Any]:
+        return {"loop": "transformers.Trainer", "optimizer": self.optimizer, "impl": None,
+                "master_weights": False, "micro_batches": self.micro_batches, "max_grad_norm": self.max_grad_norm,
+                "precision": self.precision, "gradient_checkpointing": self.checkpointing,
+                "lr_scheduler": self.scheduler}
+
+
+def trainer_step(trainer: Any) -> TrainerStep:
+    """What ``trainer.args`` asks of the loop."""
+    args = trainer.args
+    precision = "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else "fp32"
+    optim = getattr(args.optim, "value", args.optim)
+    if trainer.optimizer is not None:
+        optim = f"{type(_inner(trainer.optimizer)).__name__} (given)"
+    scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    return TrainerStep(str(optim), micro_batches=args.gradient_accumulation_steps, max_grad_norm=float(args.max_grad_norm),
+                       precision=precision, checkpointing=bool(args.activation_checkpointing), scheduler=str(scheduler))
+
+
+def check_trainer(trainer: Any) -> None:
+    """Refuse, in one line naming the fix, what the runner does not run."""
+    if trainer.model is None:
+        raise UsageError("the Trainer has no model: pass model= (or model_init=) to transformers.Trainer before analyze")
+    if trainer.args.torch_compile:
+        raise UsageError("torch_compile=True: graphmem runs the Trainer's eager step; set torch_compile=False, or "
+                         "analyze the model alone with mode='compiled'")
+    if trainer.args.device.type != "cpu":  # _prepare_inputs would move the fake batch off the CUDA target's fake CPU tensors
+        raise UsageError(f"the Trainer runs on {trainer.args.device.type}; graphmem runs a Trainer's step on the CPU target "
+                         "for now: set use_cpu=True in its TrainingArguments, or analyze the model with device='cuda'")
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or trainer.args.world_size > 1:
+        raise UsageError("the Trainer is set up for several processes (DeepSpeed, FSDP or DDP); graphmem runs its "
+                         "one-process step: analyze the model with fsdp=/zero=/rank= for per-rank memory")
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    """accelerate's AcceleratedOptimizer wraps the torch optimizer as ``.optimizer``."""
+    while type(optimizer).__name__ == "AcceleratedOptimizer":
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class TrainerRunner:
+    """The Trainer's step with graphmem/training/loop.py Session's ``run`` signature (the capture's
+    and the measurement's step runner). The optimizer is made on the first run, over the parameters
+    the model holds then (the fake ones in the capture), and kept for later runs (warm steps)."""
+
+    masters: dict[str, torch.Tensor] = {}  # no fp32 master copies (accelerate's autocast keeps none)
+
+    def __init__(self, trainer: Any, trace_micro_steps: int = 2) -> None:
+        check_trainer(trainer)
+        self.trainer, self.model = trainer, trainer.model
+        self.given = _inner(trainer.optimizer) if trainer.optimizer is not None else None
+        self.names = {id(p): n for n, p in self.model.named_parameters()}  # the given optimizer's parameters by name
+        self.trace_micro_steps = trace_micro_steps
+        self.tr_loss: Optional[torch.Tensor] = None
+        self.started = False
+
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer the step runs (inside accelerate's wrapper), once made."""
+        return _inner(self.trainer.optimizer) if self.started else None
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What the loop keeps from one step to the next besides the optimizer: ``_tr_loss``."""
+        return [self.tr_loss] if self.tr_loss is not None else []
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator["TrainerRunner"]:
+        """The trainer as it was (optimizer, scheduler, accelerate's lists, gradient checkpointing) after the runs."""
+        t, acc = self.trainer, self.trainer.accelerator
+        kept = (t.optimizer, t.lr_scheduler, t._created_lr_scheduler, list(acc._optimizers), list(acc._schedulers),
+                list(acc._models))
+        enabled = _enable_checkpointing(t)
+        try:
+            yield self
+        finally:
+            t.optimizer, t.lr_scheduler, t._created_lr_scheduler = kept[0], kept[1], kept[2]
+            acc._optimizers[:], acc._schedulers[:], acc._models[:] = kept[3], kept[4], kept[5]
+            if enabled:
+                self.model.activation_checkpointing_disable()
+            self.started = False
+
+    def _start(self) -> None:
+        """Trainer._prepare_for_training (1741-1778): create_optimizer, accelerator.prepare, create_scheduler."""
+        t = self.trainer
+        t.optimizer, t.lr_scheduler, t._created_lr_scheduler = None, None, False
+        if self.given is not None:  # optimizers=(opt, ...): the same class and groups over the step's parameters
+            current = dict(self.model.named_parameters())
+            groups = [{**{k: v for k, v in g.items() if k != "params"},
+                       "params": [current[self.names[id(p)]] for p in g["params"]]} for g in self.given.param_groups]
+            t.optimizer = type(self.given)(groups, **self.given.defaults)
+        else:
+            t.create_optimizer()
+        if type(_inner(t.optimizer)).__module__.startswith("bitsandbytes"):
+            import graphmem.capture.bnb_rules  # noqa: F401  (its CPU kernels' scratch)
+        t.optimizer = t.accelerator.prepare_optimizer(t.optimizer)
+        t.create_scheduler(num_training_steps=max(t.args.max_steps, 1), optimizer=t.optimizer)
+        self.tr_loss = torch.tensor(0.0, device=t.args.device)  # _inner_training_loop 1645
+        self.started = True
+
+    def run(self, forward: Callable[..., Any], inputs: Any, loss_fn: Optional[LossFn],
+            on_phase: Callable[[str], None], forward_context: Callable[[], ContextManager[Any]],
+            mark: Mark = lambda kind, named: None, fake: bool = False,
+            micro_step: Callable[[int, int], None] = lambda i, runs: None) -> tuple[Any, torch.Tensor]:
+        """One optimizer step of the Trainer (the module docstring). ``forward`` and ``forward_context``
+        are not used: the Trainer calls its model itself, under accelerate's autocast; ``loss_fn``
+        (the capture's) is handed each micro-step's loss to label its autograd nodes; ``fake`` runs
+        ``trace_micro_steps`` micro-steps (3..k repeat 2) and answers ``.item()``."""
+        t, model, k = self.trainer, self.model, self.trainer.args.gradient_accumulation_steps
+        with _prepared(t, model), _phases(t, on_phase, loss_fn):
+            if not self.started:  # (bitsandbytes' optimizers read their quantization maps' values: any will do)
+                with ScalarReads() if fake else contextlib.nullcontext():
+                    self._start()
+            batch = dict(as_batch(inputs).kwargs)
+            # the k micro-batches are prefetched (1881): each one its own tensors, as the dataloader yields them
+            batches = [batch] + [{n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in batch.items()}
+                                 for _ in range(k - 1)]
+            samples, num_items = t.get_batch_samples(iter(batches), k, t.args.device)
+            t.current_gradient_accumulation_steps = len(samples)
+            loss = self._micro_steps(samples, num_items, min(k, self.trace_micro_steps) if fake else k, fake)
+            mark("gradient", [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None])
+            on_phase("optimizer")
+            with ScalarReads() if fake else contextlib.nullcontext():
+                self._optimizer_step(mark)
+        return None, loss
+
+    def _micro_steps(self, samples: list, num_items: Any, runs: int, fake: bool) -> torch.Tensor:
+        """_run_epoch's inner loop (1892-1935)."""
+        t, model = self.trainer, self.model
+        assert self.tr_loss is not None
+        tr_loss_step: Any = None
+        for i, inputs in enumerate(samples[:runs]):
+            last = i == len(samples) - 1 or i == runs - 1
+            t.accelerator.gradient_state._set_sync_gradients(last)
+            sync: Any = contextlib.nullcontext if last else functools.partial(t.accelerator.no_sync, model=model)
+            with sync():
+                tr_loss_step = t.training_step(model, inputs, num_items)
+            with ScalarReads() if fake else contextlib.nullcontext():
+                bad = t.args.logging_nan_inf_filter and bool(torch.isnan(tr_loss_step) or torch.isinf(tr_loss_step))
+            if not bad:
+                self.tr_loss += tr_loss_step
+        return tr_loss_step
+
+    def _optimizer_step(self, mark: Mark) -> None:
+        """Clipping, the optimizer and scheduler steps, ``model.zero_grad()`` (1937-1954)."""
+        t, model = self.trainer, self.model
+        grad_norm = t._clip_grad_norm(model) if t.args.max_grad_norm > 0 else None
+        grad_norm = t._get_grad_norm(model, grad_norm=grad_norm)  # a Python float: the norm's tensor dies here
+        del grad_norm
+        t.optimizer.step()
+        names = {id(p): n for n, p in model.named_parameters()}
+        mark("optimizer state", [(f"{names.get(id(p), '?')}:{key}", v) for p, key, v in state_tensors(_inner(t.optimizer))])
+        if not t.accelerator.optimizer_step_was_skipped and \
+                not isinstance(t.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            t.lr_scheduler.step()
+        model.zero_grad()
+
+
+def _enable_checkpointing(trainer: Any) -> bool:
+    """Trainer.train's activation checkpointing (1502-1528) when the model does not have it yet."""
+    args, model = trainer.args, trainer.model
+    if not args.activation_checkpointing or getattr(model, "is_activation_checkpointing", True):
+        return False
+    kwargs = dict(args.activation_checkpointing_kwargs or {})
+    every_n_layers = kwargs.pop("every_n_layers", 1)
+    offload = kwargs.pop("offload", False)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
+                                          every_n_layers=every_n_layers, offload=offload)
+    return True
+
+
+@contextlib.contextmanager
+def _prepared(trainer: Any, model: nn.Module) -> Iterator[None]:
+    """accelerate's ``prepare_model`` (autocast around forward, outputs back to fp32 under bf16/fp16),
+    undone afterwards so the user's model is left as it was."""
+    acc = trainer.accelerator
+    if not acc.native_amp or hasattr(model, "_original_forward"):
+        yield
+        return
+    before = dict(model.__dict__)
+    acc.prepare_model(model, device_placement=False)
+    try:
+        yield
+    finally:  # forward, _original_forward, _is_accelerate_prepared back as they were
+        for key in set(model.__dict__) - set(before):
+            del model.__dict__[key]
+        model.__dict__.update({k: v for k, v in before.items() if k in ("forward",)})
+
+
+@contextlib.contextmanager
+def _phases(trainer: Any, on_phase: Callable[[str], None], loss_fn: Optional[LossFn]) -> Iterator[None]:
+    """Phase marks around the Trainer's own ``compute_loss`` and accelerate's ``backward`` (wrappers)."""
+    compute_loss, backward = trainer.compute_loss, trainer.accelerator.backward
+
+    def marked_loss(*args: Any, **kwargs: Any) -> Any:
+        on_phase("forward")
+        out = compute_loss(*args, **kwargs)
+        on_phase("loss")
+        if loss_fn is not None:
+            loss_fn(out[0] if isinstance(out, tuple) else out, None)  # the capture labels the loss's nodes
+        return out
+
+    def marked_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+        on_phase("backward")
+        return backward(loss, **kwargs)
+
+    own = "compute_loss" in trainer.__dict__
+    trainer.compute_loss, trainer.accelerator.backward = marked_loss, marked_backward
+    try:
+        yield
+    finally:
+        if own:
+            trainer.compute_loss = compute_loss
+        else:
+            del trainer.compute_loss
+        del trainer.accelerator.backward
+
+
+__all__ = ["TrainerRunner", "TrainerStep", "check_trainer", "is_trainer", "trainer_step"]

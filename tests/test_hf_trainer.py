@@ -1,0 +1,208 @@
+"""A transformers ``Trainer``'s own step (graphmem/training/hf_trainer.py) against the same step run
+for real on the CPU (graphmem/validation/measure.py with the same runner): saved bytes and optimizer
+states to the byte; the peaks never above the real ones and within ``PEAK_TOLERANCE`` (0.1 %).
+
+The gaps measured (real minus predicted, first step / later steps, tiny configs at 2x16):
+Llama 12 / 0 B, Llama with gradient checkpointing 12 / 0 B, BERT classifier (adamw_torch_fused)
+12 / 0 B, Llama + peft LoRA 32 / 32 B, GPT-2 under bf16 autocast 48 / 48 B, Llama with adafactor
+0 / 0 B, with adamw_bnb_8bit and paged_adamw_8bit 12 / 0 B. The 12 B at the
+first step's peak (AdamW's update, aten.div.Tensor ``exp_avg_sq.sqrt() / bias_correction2_sqrt``):
+the 8 B double the CPU's Python argument parser wraps the float into (a wrapped number, never a
+fake tensor, so the capture has no storage for it) and a 4 B float cast inside the true division
+of ``Trainer._get_num_items_in_batch``'s int64 token count, live in the real step (found from the
+profiler's allocation events by their parent ops). The 32 B and 48 B: Python floats a model
+multiplies by, wrapped by the argument parser into 8 B double tensors (outside any aten op, so no
+fake tensor) that MulBackward0 keeps until backward: peft LoRA's ``* scaling`` in each of the 4
+adapted linears (4 x 8 B), GPT-2's NewGELUActivation ``0.5 * x``, ``sqrt(2 / pi) * (...)`` and
+``0.044715 * pow(x, 3)`` in each of its 2 blocks (6 x 8 B); found the same way.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+
+import graphmem
+from graphmem.errors import GraphmemError
+from graphmem.render import render_json, render_text
+from graphmem.trainer_api import measure_trainer, trainer_batch
+
+transformers = pytest.importorskip("transformers")
+PEAK_TOLERANCE = 0.001  # the project's LM tolerance (tests/test_training.py); the gaps measured: module docstring
+
+
+def _llama() -> Any:
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _gpt2() -> Any:
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2,
+                                                                n_head=4))
+
+
+def _bert() -> Any:
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=64, num_labels=3)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def _lora_llama() -> Any:
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def _trainer(model: Any, out: str, **kwargs: Any) -> Any:
+    args = transformers.TrainingArguments(output_dir=out, report_to=[], use_cpu=True, max_grad_norm=1.0,
+                                          gradient_accumulation_steps=2, **kwargs)
+    return transformers.Trainer(model=model, args=args)
+
+
+def _check(trainer: Any, shape: tuple[int, int] = (2, 16)) -> Any:
+    torch.manual_seed(0)
+    batch = trainer_batch(trainer, shape)
+    r = graphmem.analyze(trainer, batch)
+    assert r.step is not None
+    r.step.check()
+    first = measure_trainer(trainer, batch)
+    later = measure_trainer(trainer, batch, warm_steps=1)
+    b = r.budget.rank
+    assert r.activation_bytes == first.saved_bytes
+    assert b.row("optimizer states").size == first.state_bytes
+    assert 0 <= first.peak_bytes - b.peak_bytes <= PEAK_TOLERANCE * first.peak_bytes, (b.peak_bytes, first.peak_bytes)
+    assert 0 <= later.peak_bytes - b.later_peak_bytes <= PEAK_TOLERANCE * later.peak_bytes
+    return r
+
+
+@pytest.mark.parametrize("make,kwargs", [
+    (_llama, {"optim": "adamw_torch"}),
+    (_llama, {"optim": "adamw_torch", "gradient_checkpointing": True}),
+    (_bert, {"optim": "adamw_torch_fused"}),
+    (_lora_llama, {"optim": "adamw_torch"}),
+    (_llama, {"optim": "adafactor"}),
+], ids=["llama", "llama-checkpointing", "bert-classifier", "llama-lora", "llama-adafactor"])
+def test_trainer_step_matches_a_real_trainer_step(make: Any, kwargs: dict) -> None:
+    with tempfile.TemporaryDirectory() as out:
+        r = _check(_trainer(make(), out, **kwargs))
+    assert "Training step · transformers Trainer's loop: optim " in render_text(r)
+    d = json.loads(render_json(r))["budget"]
+    assert d["loop"] == "transformers.Trainer" and d["max_grad_norm"] == 1.0 and d["micro_batches"] == 2
+    json.dumps(d)
+
+
+def test_bf16_autocast_through_accelerate_matches_a_real_step() -> None:
+    """bf16=True: accelerate's prepare_model wraps forward in CPU autocast (and the outputs back to
+    fp32); the runner installs it for the step and takes it off again."""
+    with tempfile.TemporaryDirectory() as out:
+        trainer = _trainer(_gpt2(), out, optim="adamw_torch", bf16=True)
+        forward = trainer.model.forward
+        r = _check(trainer)
+    assert r.to_dict()["budget"]["precision"] == "bf16 autocast"
+    assert "_original_forward" not in trainer.model.__dict__ and trainer.model.forward == forward
+
+
+@pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "paged_adamw_8bit"])
+def test_bitsandbytes_8bit_adamw_matches_a_real_step(optim: str) -> None:
+    """adamw_bnb_8bit (bitsandbytes' CPU 8-bit optimizer) on fake tensors: its states to the byte; its
+    CPU kernels' fp32 copies (graphmem/capture/bnb_rules.py) are the first step's peak, as in the real
+    step (54,784 B under before they were counted)."""
+    pytest.importorskip("bitsandbytes")
+    with tempfile.TemporaryDirectory() as out:
+        r = _check(_trainer(_llama(), out, optim=optim))
+    assert r.budget.rank.peak_phase == "optimizer"
+
+
+def test_training_args_file_from_the_cli(tmp_path: Any, capsys: Any) -> None:
+    """graphmem analyze MODEL --training-args args.json|yaml builds a Trainer around the loaded model
+    (on the meta device) with HfArgumentParser(TrainingArguments); a file it cannot read is one line."""
+    from graphmem.cli.main import main
+
+    args = tmp_path / "args.yaml"
+    args.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nreport_to: []\noptim: adafactor\nmax_grad_norm: 0.5\n")
+    assert main(["analyze", "hf-gpt2", "--input-shape", "2x32", "--training-args", str(args), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["budget"]
+    assert (d["loop"], d["optimizer"], d["max_grad_norm"]) == ("transformers.Trainer", "adafactor", 0.5)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{bad")
+    for path in (bad, tmp_path / "missing.json"):
+        assert main(["analyze", "hf-gpt2", "--input-shape", "2x32", "--training-args", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "training_args" in err[0]
+
+
+def test_bad_trainers_are_one_line() -> None:
+    with tempfile.TemporaryDirectory() as out:
+        trainer = _trainer(_llama(), out)
+        trainer.model = None
+        with pytest.raises(GraphmemError, match="has no model"):
+            graphmem.analyze(trainer, input_shape=(2, 16))
+        with pytest.raises(GraphmemError, match="no inputs"):
+            graphmem.analyze(_trainer(_llama(), out))
+        compiled = _trainer(_llama(), out, torch_compile=True)
+        with pytest.raises(GraphmemError, match="torch_compile"):
+            graphmem.analyze(compiled, input_shape=(2, 16))
+
+
+@pytest.mark.slow  # ~60 s: two models, each predicted and run for real three times
+def test_validate_a_trainer_from_the_api_and_the_cli(tmp_path: Any, capsys: Any) -> None:
+    """graphmem.validate(trainer) and graphmem validate CONFIG --training-args: the prediction beside the
+    same runner's real CPU steps, every row within its rule."""
+    from graphmem.cli.main import main
+
+    with tempfile.TemporaryDirectory() as out:
+        v = graphmem.validate(_trainer(_bert(), out, optim="adamw_torch"), input_shape=(2, 16))
+    assert v.ok and v.row("saved for backward").difference == 0 and v.row("optimizer states").difference == 0
+    assert v.row("peak (later steps)").difference == 0
+    _gpt2().config.to_json_file(str(tmp_path / "config.json"))
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True, "report_to": [],
+                                "gradient_accumulation_steps": 2, "max_grad_norm": 1.0}))
+    assert main(["validate", str(tmp_path / "config.json"), "--input-shape", "2x16", "--training-args", str(args),
+                 "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["validation"]["rows"]}
+    assert rows["saved for backward"]["difference"] == 0 and rows["optimizer states"]["difference"] == 0
+    assert -48 <= rows["peak"]["difference"] <= 0  # the module docstring's GPT-2 gap
+
+
+def test_an_optimizer_given_to_the_trainer_is_the_one_stepped() -> None:
+    """Trainer(optimizers=(SGD with momentum, None)): rebuilt as its class, defaults and groups over the
+    step's parameters; its momentum buffers are the states (the real run steps the same)."""
+    model = _llama()
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(output_dir=out, report_to=[], use_cpu=True, max_grad_norm=1.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        trainer = transformers.Trainer(model=model, args=args, optimizers=(opt, None))
+        r = _check(trainer)
+        assert trainer.optimizer is opt and not opt.state  # the user's optimizer is left untouched
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert r.budget.row("optimizer states").size == params  # one momentum buffer per parameter
+    assert r.to_dict()["budget"]["optimizer"] == "SGD (given)"
+
+
+def test_input_shape_takes_samples_from_the_train_dataset_through_the_collator() -> None:
+    """The collator's padding decides the length: samples of 5 and 9 tokens padded to a multiple of 8."""
+
+    def collate(samples: list) -> dict:
+        n = -(-max(len(s["input_ids"]) for s in samples) // 8) * 8
+        ids = torch.tensor([s["input_ids"] + [0] * (n - len(s["input_ids"])) for s in samples])
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(output_dir=out, report_to=[], use_cpu=True, remove_unused_columns=False)
+        data = [{"input_ids": list(range(5))}, {"input_ids": list(range(9))}, {"input_ids": [1]}]
+        trainer = transformers.Trainer(model=_llama(), args=args, train_dataset=data, data_collator=collate)
+        r = graphmem.analyze(trainer, input_shape=(2, 999))
+    assert set(r.input_shapes) == {(2, 16)}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="GPT-2 with bf16 and gradient checkpointing: the later steps' real peak is "
+                                       "26,416 B (3.7 %) above the prediction; graphmem's own loop shows it too (20,120 B): the "
+                                       "capture of checkpointed GPT-2 blocks under CPU autocast (docs/trainer.md)")
+def test_gpt2_bf16_with_gradient_checkpointing_later_steps() -> None:
+    with tempfile.TemporaryDirectory() as out:
+        _check(_trainer(_gpt2(), out, optim="adamw_torch", bf16=True, gradient_checkpointing=True))
