@@ -81,12 +81,12 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
     1536
     """
     if is_trainer(model):  # a transformers Trainer: its own step (graphmem/trainer_api.py)
-        from graphmem.trainer_api import analyze_trainer
+        from graphmem.trainer_api import trainer_spec
 
         extra = sorted(set(options) - {"input_shape"})
         if extra:
             raise UsageError(f"a Trainer's step comes from its TrainingArguments; drop {', '.join(extra)}")
-        return analyze_trainer(model, inputs, options.get("input_shape"))
+        return report_of(measure(trainer_spec(model, inputs, options.get("input_shape"))))
     spec = model if isinstance(model, StepSpec) else make_spec(model, inputs, **options)
     if isinstance(model, StepSpec) and (inputs is not None or options):
         raise UsageError("analyze(spec) takes the StepSpec alone: change it with dataclasses.replace")

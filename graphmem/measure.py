@@ -46,6 +46,8 @@ class Measured:
         """How the loss was made, for the report's header."""
         if isinstance(self.spec.parallel, Stages):
             return "pipeline stage loss"
+        if self.spec.training.train.external is not None:  # a trainer's own step and loss
+            return self.spec.training.train.external
         if self.spec.loss is not None:
             return getattr(self.spec.loss, "__qualname__", "custom")
         if self.scope is not None:
@@ -55,8 +57,9 @@ class Measured:
 
     @property
     def recapturable(self) -> bool:
-        """Plans, formulas and fits capture this step again at other sizes: one device's step only."""
-        return self.scope is None
+        """Plans, formulas and fits capture this step again at other sizes: one device's step, in
+        graphmem's own loop, only."""
+        return self.scope is None and self.spec.training.train.external is None
 
 
 def measure(spec: StepSpec) -> Measured:

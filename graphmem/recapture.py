@@ -82,14 +82,17 @@ def capture_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: T
     prepared, lora_layers = prepare(module, training, target.param_dtype)
     if training.keeps_dtypes(module):  # 4-bit weights, peft's fp32 adapters (graphmem/training/spec.py)
         target = dataclasses.replace(target, dtype=None)
-    # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6), in
-    # eager and compiled mode; not the training step's accumulate/optimizer phases (not block-shaped)
-    capture_at: Any = lambda: capture(prepared, make, loss, target, train=training.train)  # noqa: E731
-    reused: Any = None
-    if reuse and not training.train.active:  # compiled: one compilation where the partition is block by block
-        reused = compiled_reusing(prepared, lambda t: capture(prepared, make, loss, t), target) \
-            if target.mode == "compiled" else capture_reusing(prepared, capture_at)
-    g = reused.graph if reused is not None else capture_at()
+    with training.train.runner() as runner:  # a trainer's own step, or None: graphmem's loop
+        own = runner.run if runner is not None else None
+        train = None if runner is not None else training.train
+        # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6), in
+        # eager and compiled mode; not the training step's accumulate/optimizer phases (not block-shaped)
+        capture_at: Any = lambda: capture(prepared, make, loss, target, train=train, runner=own)  # noqa: E731
+        reused: Any = None
+        if reuse and not training.train.active:  # compiled: one compilation where the partition is block by block
+            reused = compiled_reusing(prepared, lambda t: capture(prepared, make, loss, t), target) \
+                if target.mode == "compiled" else capture_reusing(prepared, capture_at)
+        g = reused.graph if reused is not None else capture_at()
     lv, sv = liveness(g), saved(g)
     plan = step_budget(g, lv, sv, training, prepared, lora_layers, layout=formula) \
         if training.requested or formula != Parallel() else None

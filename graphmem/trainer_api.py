@@ -9,19 +9,15 @@ token samples of ``input_shape`` made for the model (graphmem/capture/hf.py) spl
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, Union
 
-import torch
-
-from graphmem.capture.capture import capture
 from graphmem.capture.hf import batch as hf_batch
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
-from graphmem.passes import liveness, notes, saved
-from graphmem.report import Report
-from graphmem.training.batch import as_batch
-from graphmem.training.hf_trainer import TrainerRunner, check_trainer, trainer_step
-from graphmem.training.spec import Training, step_budget
+from graphmem.spec import Inputs, Single, StepSpec, shape_of
+from graphmem.training.batch import as_batch, resizer
+from graphmem.training.hf_trainer import check_trainer, trainer_step
+from graphmem.training.spec import Training
 
 
 def trainer_batch(trainer: Any, shape: tuple[int, ...]) -> dict[str, Any]:
@@ -55,82 +51,26 @@ def trainer_batch(trainer: Any, shape: tuple[int, ...]) -> dict[str, Any]:
     return dict(out)
 
 
-def analyze_trainer(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None) -> Report:
-    """The step ``trainer.train()`` runs, on fake tensors: its optimizer (``args.optim``), clipping
-    (``max_grad_norm``), ``gradient_accumulation_steps``, precision (``bf16``/``fp16`` through
-    accelerate), gradient checkpointing; ``report.budget`` holds the whole step.
+def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None) -> StepSpec:
+    """The StepSpec of the step ``trainer.train()`` runs: its model, the batch (``inputs``, or
+    ``input_shape`` through its collator), and its loop (graphmem/training/hf_trainer.py TrainerStep:
+    ``args.optim``, ``max_grad_norm``, ``gradient_accumulation_steps``, bf16/fp16 through accelerate,
+    gradient checkpointing), which the capture runs through the Trainer's own code.
 
     >>> report = graphmem.analyze(trainer, input_shape=(8, 512))  # doctest: +SKIP
     >>> report.budget.peak_bytes, report.budget.rank.later_peak_bytes  # doctest: +SKIP
     """
-    from graphmem.spec import shape_of as _shape_of
-
     check_trainer(trainer)
     if inputs is None:
         if input_shape is None:
-            raise UsageError("no inputs: pass inputs= (a batch dict) or input_shape=(batch, seq) for the Trainer")
-        inputs = trainer_batch(trainer, _shape_of(input_shape))
+            raise UsageError("no inputs: pass inputs= (a batch dict) or `input_shape` (batch, seq) for the Trainer")
+        inputs = trainer_batch(trainer, shape_of(input_shape))
     batch = as_batch(inputs)
     if batch.form != "dict":
         raise UsageError("a Trainer's batch is a dict of keyword inputs (as its dataloader yields): pass inputs={...}")
-    model = trainer.model
-    target = Target(trainer.args.device.type)
-    with TrainerRunner(trainer).session() as runner:
-        g = capture(model, batch, None, target, runner=runner.run)
-    lv, sv = liveness(g), saved(g)
-    training = Training(trainer_step(trainer), None)
-    plan = step_budget(g, lv, sv, training, model, ())
-    shapes = tuple(s.shape for s in g.storages.values() if s.kind == "input")
-    found = notes(g) + ("the loop is the transformers Trainer's own (training_step, accelerate's clipping, "
-                        f"its optimizer and scheduler): {training.train.describe(target.device)}",)
-    report = Report.build(g, lv, sv, type(model).__name__, shapes, "the Trainer's compute_loss", found, None, None,
-                          budget=plan)
-    return dataclasses.replace(report, source=None)
-
-
-def measure_trainer(trainer: Any, inputs: Any, warm_steps: int = 0) -> Any:
-    """The same step run for real on the CPU (graphmem/validation/measure.py with the Trainer's runner)."""
-    from graphmem.validation.measure import measure_peak
-
-    with TrainerRunner(trainer).session() as runner:
-        with torch.random.fork_rng():
-            return measure_peak(trainer.model, inputs, runner=runner, warm_steps=warm_steps)
-
-
-def validate_trainer(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None,
-                     tolerance: Optional[float] = None) -> Any:
-    """``graphmem.validate(trainer)``: the prediction beside the Trainer's step run for real on the CPU by
-    the same runner (first step, then a later one whose optimizer states exist before it). The model
-    must be real (not on the meta device); its weights change (the real steps are optimizer steps)."""
-    from graphmem.validation.result import Row, Validation, judge
-    from graphmem.validation.validate import DEFAULT_TOLERANCE, _without_profiler_log
-
-    check_trainer(trainer)
-    if any(p.is_meta for p in trainer.model.parameters()):
-        raise UsageError("the Trainer's model is on the meta device; validate runs its step for real: build it on the CPU")
-    if trainer.args.device.type != "cpu":
-        raise UsageError("validate runs the Trainer's step on the CPU: set use_cpu=True in its TrainingArguments")
-    if inputs is None:
-        if input_shape is None:
-            raise UsageError("no inputs: pass inputs= (a batch dict) or input_shape=(batch, seq) for the Trainer")
-        from graphmem.spec import shape_of as _shape_of
-
-        torch.manual_seed(0)
-        inputs = trainer_batch(trainer, _shape_of(input_shape))
-    report = analyze_trainer(trainer, inputs)
-    with _without_profiler_log():
-        first, later = measure_trainer(trainer, inputs), measure_trainer(trainer, inputs, warm_steps=1)
-    budget = report.budget
-    assert budget is not None
-    rows = (Row("saved for backward", report.activation_bytes, first.saved_bytes, "exact", None),
-            Row("before the step", report.baseline_bytes, first.baseline_bytes, "exact", None),
-            Row("optimizer states", budget.row("optimizer states").size, first.state_bytes, "exact", None),
-            Row("peak", budget.peak_bytes, first.peak_bytes, "tolerance", None),
-            Row("peak (later steps)", budget.rank.later_peak_bytes, later.peak_bytes, "tolerance", None))
-    tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
-    judged, reason = judge(rows, tol)
-    shapes = tuple(tuple(x.shape) for x in as_batch(inputs).tensors())
-    return Validation(report.model, "cpu", shapes, tol, judged, reason, report)
+    first = batch.tensors()[0]
+    return StepSpec(type(trainer.model).__name__, trainer.model, Inputs(resizer(batch), tuple(first.shape), batch), None,
+                    Target(trainer.args.device.type), Training(trainer_step(trainer), None), Single(), reuse=False)
 
 
 def trainer_from_file(model: Any, path: str) -> Any:
@@ -167,4 +107,4 @@ def trainer_from_file(model: Any, path: str) -> Any:
     return Trainer(model=model, args=args)
 
 
-__all__ = ["analyze_trainer", "measure_trainer", "trainer_batch", "trainer_from_file", "validate_trainer"]
+__all__ = ["trainer_batch", "trainer_from_file", "trainer_spec"]

@@ -28,7 +28,8 @@ import torch
 import graphmem
 from graphmem.errors import GraphmemError
 from graphmem.render import render_json, render_text
-from graphmem.trainer_api import measure_trainer, trainer_batch
+from graphmem.trainer_api import trainer_batch
+from graphmem.validation.trainer import measure_trainer
 
 transformers = pytest.importorskip("transformers")
 PEAK_TOLERANCE = 0.001  # the project's LM tolerance (tests/test_training.py); the gaps measured: module docstring

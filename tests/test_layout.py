@@ -33,14 +33,15 @@ LAYERS: dict[str, set[str]] = {
     "compare": {"errors", "report"},
     "render": {"errors", "units", "stepgraph", "passes", "report", "compare", "planning", "formula", "training",
                "validation", "advise"},
+    "trainer_api": {"errors", "capture", "spec", "training"},
     "api": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "recapture", "report",
-            "distributed", "spec", "measure"},
-    "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api", "spec"},
+            "distributed", "spec", "measure", "trainer_api"},
+    "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api", "spec", "trainer_api"},
     "ci": {"errors", "units", "api", "report", "compare", "render", "training", "capture"},
     "progress": set(),
     "checkpointing": {"planning"}, "selective": {"planning"},  # compatibility names for printed plan code
     "cli": {"errors", "units", "api", "report", "compare", "render", "capture", "training", "formula", "planning",
-            "validation", "progress", "models", "advise", "distributed", "spec"},
+            "validation", "progress", "models", "advise", "distributed", "spec", "trainer_api"},
     "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation", "spec"},
 }
 

@@ -255,6 +255,8 @@ class _Recorder:
                 ws = self.storages[self.live[outs[i].untyped_storage()._cdata].sid]
                 if ws.created == index:
                     ws.kind, ws.name = "workspace", f"{func} workspace"
+        if getattr(func, "namespace", "") == "bitsandbytes":  # its rules load with its first op (a QLoRA
+            import graphmem.capture.bnb_rules  # noqa: F401  weight, an 8-bit optimizer a trainer makes mid-step)
         found = scratch(func, self.device, args, kwargs, out)
         for sc in found:  # allocated and freed inside the kernel: live during this op only
             s = Storage(len(self.storages), sc.nbytes, "workspace", index, index, module, f"{func} scratch: {sc.what}",

@@ -77,14 +77,15 @@ class Analyze:
 
 def trainer_report(args: argparse.Namespace) -> Any:
     """``--training-args``: a transformers Trainer around the loaded model (graphmem/trainer_api.py)."""
+    from graphmem.api import analyze
     from graphmem.capture.load import load
     from graphmem.cli.options import hf_of, target_of
-    from graphmem.trainer_api import analyze_trainer, trainer_from_file
+    from graphmem.trainer_api import trainer_from_file
 
     if args.plan or args.formula:
         raise UsageError("--training-args analyzes the Trainer's step; --plan and --formula are not run on it yet")
     loaded = load(args.model, target=target_of(args), options=hf_of(args))
-    return analyze_trainer(trainer_from_file(loaded.module, args.training_args), input_shape=args.input_shape)
+    return analyze(trainer_from_file(loaded.module, args.training_args), input_shape=args.input_shape)
 
 
 class Presets:

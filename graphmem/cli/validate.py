@@ -51,7 +51,8 @@ def _validate(args: argparse.Namespace) -> int:
     with quiet(args.json):
         if args.training_args:  # a transformers Trainer around the model, built for real on the CPU
             from graphmem.capture.load import load
-            from graphmem.trainer_api import trainer_from_file, validate_trainer
+            from graphmem.trainer_api import trainer_from_file
+            from graphmem.validation.trainer import validate_trainer
 
             if args.device != "cpu":
                 raise UsageError("--training-args validates the Trainer's step on the CPU: drop --device cuda")

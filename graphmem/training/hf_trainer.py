@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
@@ -59,6 +59,15 @@ class TrainerStep(TrainStep):
     precision: str = "fp32"  # fp32 | bf16 autocast | fp16 autocast
     checkpointing: bool = False
     scheduler: str = ""
+    trainer: Any = field(default=None, compare=False, repr=False)  # the transformers.Trainer whose step this is
+
+    @property
+    def external(self) -> Optional[str]:
+        return "the Trainer's compute_loss"
+
+    def runner(self) -> ContextManager[Any]:
+        """The Trainer's own step (``TrainerRunner``) in place of graphmem's loop, the trainer restored after."""
+        return TrainerRunner(self.trainer).session()
 
     def describe(self, device: str = "cpu") -> str:
         parts = [f"transformers Trainer's loop: optim {self.optimizer}",
@@ -87,7 +96,8 @@ def trainer_step(trainer: Any) -> TrainerStep:
         optim = f"{type(_inner(trainer.optimizer)).__name__} (given)"
     scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
     return TrainerStep(str(optim), micro_batches=args.gradient_accumulation_steps, max_grad_norm=float(args.max_grad_norm),
-                       precision=precision, checkpointing=bool(args.activation_checkpointing), scheduler=str(scheduler))
+                       precision=precision, checkpointing=bool(args.activation_checkpointing), scheduler=str(scheduler),
+                       trainer=trainer)
 
 
 def check_trainer(trainer: Any) -> None:
@@ -164,8 +174,6 @@ class TrainerRunner:
             t.optimizer = type(self.given)(groups, **self.given.defaults)
         else:
             t.create_optimizer()
-        if type(_inner(t.optimizer)).__module__.startswith("bitsandbytes"):
-            import graphmem.capture.bnb_rules  # noqa: F401  (its CPU kernels' scratch)
         t.optimizer = t.accelerator.prepare_optimizer(t.optimizer)
         t.create_scheduler(num_training_steps=max(t.args.max_steps, 1), optimizer=t.optimizer)
         self.tr_loss = torch.tensor(0.0, device=t.args.device)  # _inner_training_loop 1645

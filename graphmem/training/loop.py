@@ -32,8 +32,8 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 
 from graphmem.errors import UsageError
-from graphmem.training import loop_options
 from graphmem.training.loop_options import PLAIN, InBackward, Observe, Offload, check_loop_options, clip
+from graphmem.training.loop_options import describe as describe_loop_options
 from graphmem.training.optim import (
     OPTIMIZERS,
     ScalarReads,
@@ -65,6 +65,17 @@ class TrainStep:
         return self.optimizer is not None or self.micro_batches > 1 or self.release_output or self.offload_activations
 
     @property
+    def external(self) -> Optional[str]:
+        """The loop's owner when it is not graphmem's own (a trainer's step: its plans and formulas are not
+        captured again by graphmem's loop), as the report's loss line names it; None for graphmem's loop."""
+        return None
+
+    def runner(self) -> ContextManager[Any]:
+        """The step runner that replaces graphmem's loop (a trainer's own step: graphmem/training/hf_trainer.py's
+        TrainerStep), entered around a capture; None: graphmem's loop (``Session``) runs."""
+        return contextlib.nullcontext(None)
+
+    @property
     def loop_options(self) -> tuple[str, ...]:
         """The loop options set, as analyze's keywords name them (graphmem/training/loop_options.py)."""
         return tuple(name for name, on in (("release_output", self.release_output),
@@ -80,7 +91,7 @@ class TrainStep:
             parts.append("fp32 master weights")
         if self.micro_batches > 1:
             parts.append(f"{self.micro_batches} micro-batches")
-        parts += loop_options.describe(self.release_output, self.clip_grad_norm, self.clip_foreach,
+        parts += describe_loop_options(self.release_output, self.clip_grad_norm, self.clip_foreach,
                                        self.optimizer_in_backward, self.offload_activations)
         return ", ".join(parts)
 

@@ -10,6 +10,8 @@ from typing import Any, Optional
 from graphmem.errors import GraphmemError
 from graphmem.report import Report
 
+DEFAULT_TOLERANCE = 1.0  # percent of the measured peak
+
 
 class ValidationError(GraphmemError):
     """The real run disagrees with the prediction (exit code 1)."""

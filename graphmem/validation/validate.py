@@ -28,9 +28,6 @@ import contextlib
 import copy
 import math
 import os
-import re
-import sys
-import tempfile
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -51,9 +48,9 @@ from graphmem.training.lora import apply_lora
 from graphmem.training.spec import Training
 from graphmem.training.step import LossFn, run_step
 from graphmem.units import fmt_bytes
-from graphmem.validation.result import Row, Validation, ValidationError, judge
+from graphmem.validation.profiler_log import without_profiler_log
+from graphmem.validation.result import DEFAULT_TOLERANCE, Row, Validation, ValidationError, judge
 
-DEFAULT_TOLERANCE = 1.0  # percent of the measured peak
 RAM_SHARE = 0.5  # of MemAvailable: the page cache and other programs keep the rest
 GPU_SHARE = 0.9  # of the free device memory: an OOM there is an exception, not a frozen machine
 NO_GPU = "no GPU on this machine; validate --device cpu here, or run on a GPU host"
@@ -105,7 +102,7 @@ def validate(
     """
 
     if is_trainer(model):  # a transformers Trainer: its own step, real on the CPU (graphmem/trainer_api.py)
-        from graphmem.trainer_api import validate_trainer
+        from graphmem.validation.trainer import validate_trainer
 
         return validate_trainer(model, inputs, input_shape, tolerance)  # type: ignore[no-any-return]
     dev = _device(device)
@@ -316,43 +313,18 @@ def _cpu(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[Los
          target: Target) -> tuple[Row, ...]:
     train = training.train if training.train.active else None
     amp = DTYPES[target.amp] if target.amp else None
-    with _without_profiler_log():  # the step under the profiler, then the saved set
+    with without_profiler_log():  # the step under the profiler, then the saved set
         real = measure.measure_peak(module, inputs, loss_fn, train=train, amp=amp)
     rows = (Row("saved for backward", report.activation_bytes, real.saved_bytes, "exact", None),
             Row("before the step", report.baseline_bytes, real.baseline_bytes, "exact", None),
             Row("peak", report.peak_bytes, real.peak_bytes, "tolerance", None))
     if train is None or train.optimizer is None or report.budget is None:
         return rows
-    with _without_profiler_log():  # a second step: the optimizer's states exist before it
+    with without_profiler_log():  # a second step: the optimizer's states exist before it
         later = measure.measure_peak(module, inputs, loss_fn, train=train, warm_steps=1, amp=amp)
     b = report.budget.rank
     return rows + (Row("optimizer states", b.row("optimizer states").size, later.state_bytes, "exact", None),
                    Row("peak (later steps)", b.later_peak_bytes, later.peak_bytes, "tolerance", None))
-
-
-# kineto (torch.profiler's C++ side) logs "USDT:2026-01-01 12:00:00 123:123 File.cpp:39] profiler_start"
-# lines to file descriptor 2 whatever KINETO_LOG_LEVEL says.
-_KINETO_LINE = re.compile(rb"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+:\d+\] ")
-
-
-@contextlib.contextmanager
-def _without_profiler_log() -> Iterator[None]:
-    """Drop kineto's log lines from stderr (the CLI promises one stderr line on failure); every
-    other line written to stderr meanwhile (warnings) is passed on afterwards."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            rest = b"".join(line for line in tmp.read().splitlines(keepends=True) if not _KINETO_LINE.match(line))
-            if rest:
-                sys.stderr.write(rest.decode(errors="replace"))
 
 
 def _cuda(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn],

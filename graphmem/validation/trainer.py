@@ -1,0 +1,58 @@
+"""``graphmem.validate(trainer)``: a transformers Trainer's step run for real on the CPU by the runner the
+capture runs (graphmem/training/hf_trainer.py), beside ``graphmem.analyze(trainer)``'s prediction."""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+
+from graphmem.api import analyze
+from graphmem.errors import UsageError
+from graphmem.spec import shape_of
+from graphmem.trainer_api import trainer_batch
+from graphmem.training.batch import as_batch
+from graphmem.training.hf_trainer import TrainerRunner, check_trainer
+from graphmem.validation.measure import measure_peak
+from graphmem.validation.profiler_log import without_profiler_log
+from graphmem.validation.result import DEFAULT_TOLERANCE, Row, Validation, judge
+
+
+def measure_trainer(trainer: Any, inputs: Any, warm_steps: int = 0) -> Any:
+    """The same step run for real on the CPU (graphmem/validation/measure.py with the Trainer's runner)."""
+    with TrainerRunner(trainer).session() as runner:
+        with torch.random.fork_rng():
+            return measure_peak(trainer.model, inputs, runner=runner, warm_steps=warm_steps)
+
+
+def validate_trainer(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None,
+                     tolerance: Optional[float] = None) -> Any:
+    """``graphmem.validate(trainer)``: the prediction beside the Trainer's step run for real on the CPU by
+    the same runner (first step, then a later one whose optimizer states exist before it). The model
+    must be real (not on the meta device); its weights change (the real steps are optimizer steps)."""
+    check_trainer(trainer)
+    if any(p.is_meta for p in trainer.model.parameters()):
+        raise UsageError("the Trainer's model is on the meta device; validate runs its step for real: build it on the CPU")
+    if trainer.args.device.type != "cpu":
+        raise UsageError("validate runs the Trainer's step on the CPU: set use_cpu=True in its TrainingArguments")
+    if inputs is None:
+        if input_shape is None:
+            raise UsageError("no inputs: pass inputs= (a batch dict) or input_shape=(batch, seq) for the Trainer")
+        torch.manual_seed(0)
+        inputs = trainer_batch(trainer, shape_of(input_shape))
+    report = analyze(trainer, inputs)
+    with without_profiler_log():
+        first, later = measure_trainer(trainer, inputs), measure_trainer(trainer, inputs, warm_steps=1)
+    budget = report.budget
+    assert budget is not None
+    rows = (Row("saved for backward", report.activation_bytes, first.saved_bytes, "exact", None),
+            Row("before the step", report.baseline_bytes, first.baseline_bytes, "exact", None),
+            Row("optimizer states", budget.row("optimizer states").size, first.state_bytes, "exact", None),
+            Row("peak", budget.peak_bytes, first.peak_bytes, "tolerance", None),
+            Row("peak (later steps)", budget.rank.later_peak_bytes, later.peak_bytes, "tolerance", None))
+    tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
+    judged, reason = judge(rows, tol)
+    shapes = tuple(tuple(x.shape) for x in as_batch(inputs).tensors())
+    return Validation(report.model, "cpu", shapes, tol, judged, reason, report)
+
+
+__all__ = ["measure_trainer", "validate_trainer"]
