@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch
 from torch._prims_common import suggest_memory_format
 
+from graphmem.capture import workspace_conv_gemm as gemm
 from graphmem.capture.workspace import Scratch, register_scratch
 
 aten = torch.ops.aten
@@ -128,11 +129,32 @@ def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
              "output_padding", "groups", "output_mask")
     b = dict(zip(names, args), **kwargs)
     grad = b["grad_output"]
+    if b["transposed"] or grad.dim() not in (3, 4):
+        return []
     c = _geometry(b, (grad.size(2), grad.size(3)) if grad.dim() == 4 else (0, 0))
     mask = b["output_mask"]
     if c is None:
-        return []
+        return _gemm_backward(b)
     # the input gradient runs first and frees its Goihw16g weight before the weight gradient starts
     data = _goihw16g(c) if mask[0] else 0
     weights = depthwise_weight_grad_scratch(c, mask[2]) if mask[1] else 0
     return [Scratch(max(data, weights), f"weight-gradient blocks and reorders: {WHAT}")]
+
+
+def _gemm_backward(b: dict) -> list[Scratch]:
+    """A weight gradient oneDNN computes with its gemm convolution (graphmem/capture/
+    workspace_conv_gemm.py); an input gradient beside it has no rule (the note stays)."""
+    grad, x, mask = b["grad_output"], b["input"], b["output_mask"]
+    c = gemm.as_conv(b, grad)
+    pads = (0, b["padding"][0]) if x.dim() == 3 else (b["padding"][0], b["padding"][1])
+    dilated = any(d != 1 for d in b["dilation"])
+    cl = x.dim() == 4 and _channels_last(x, b["weight"])
+    if mask[0] or not mask[1] or not gemm.uses_onednn(c, x, pads, dilated) \
+            or not gemm.gemm_applies(c, pads, dilated, cl) or x.dtype != torch.float32:
+        return []
+    fmt = torch.contiguous_format
+    nbytes = gemm.gemm_bwd_weights_scratch(c, mask[2], not grad.is_contiguous(memory_format=fmt), gemm.threads())
+    if not x.is_contiguous(memory_format=fmt):  # Convolution.cpp / Conv.cpp: input.contiguous()
+        nbytes += x.numel() * x.element_size()
+    return [Scratch(nbytes, "oneDNN gemm convolution weight gradient: scratchpad (gemm_convolution_utils.cpp) "
+                            "and gradient copies (mkldnn/Conv.cpp)")]
