@@ -77,10 +77,10 @@ def _geometry(b: dict, out_hw: tuple[int, int]) -> Optional[Geometry]:
     x, w = b["input"], b["weight"]
     if not (x.dim() == 4 and not b["transposed"] and x.dtype == torch.float32 and b["groups"] > 1
             and tuple(w.shape[:2]) == (b["groups"], 1) and x.size(1) == b["groups"] and _channels_last(x, w)
-            and list(b["dilation"]) == [1, 1] and b["groups"] >= 16 and w.size(2) == w.size(3)):
+            and gemm.expand(b["dilation"], 2) == [1, 1] and b["groups"] >= 16 and w.size(2) == w.size(3)):
         return None
-    return Geometry(b["groups"], x.size(2), x.size(3), out_hw[0], out_hw[1], w.size(2), w.size(3),
-                    b["stride"][0], b["stride"][1], b["padding"][0], b["padding"][1])
+    (sh, sw), (ph, pw) = gemm.expand(b["stride"], 2), gemm.expand(b["padding"], 2)
+    return Geometry(b["groups"], x.size(2), x.size(3), out_hw[0], out_hw[1], w.size(2), w.size(3), sh, sw, ph, pw)
 
 
 def _goihw16g(c: Geometry) -> int:
@@ -142,19 +142,18 @@ def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
 
 
 def _gemm_backward(b: dict) -> list[Scratch]:
-    """A weight gradient oneDNN computes with its gemm convolution (graphmem/capture/
-    workspace_conv_gemm.py); an input gradient beside it has no rule (the note stays)."""
-    grad, x, mask = b["grad_output"], b["input"], b["output_mask"]
+    """A gradient oneDNN computes with its gemm convolution (graphmem/capture/workspace_conv_gemm.py)."""
+    grad, x, mask = b["grad_output"], b["input"], tuple(b["output_mask"])
     c = gemm.as_conv(b, grad)
-    pads = (0, b["padding"][0]) if x.dim() == 3 else (b["padding"][0], b["padding"][1])
-    dilated = any(d != 1 for d in b["dilation"])
+    padding = gemm.expand(b["padding"], x.dim() - 2)
+    pads = (0, padding[0]) if x.dim() == 3 else (padding[0], padding[1])
+    dilated = any(d != 1 for d in gemm.expand(b["dilation"], x.dim() - 2))
     cl = x.dim() == 4 and _channels_last(x, b["weight"])
-    if mask[0] or not mask[1] or not gemm.uses_onednn(c, x, pads, dilated) \
-            or not gemm.gemm_applies(c, pads, dilated, cl) or x.dtype != torch.float32:
-        return []
-    fmt = torch.contiguous_format
-    nbytes = gemm.gemm_bwd_weights_scratch(c, mask[2], not grad.is_contiguous(memory_format=fmt), gemm.threads())
-    if not x.is_contiguous(memory_format=fmt):  # Convolution.cpp / Conv.cpp: input.contiguous()
-        nbytes += x.numel() * x.element_size()
-    return [Scratch(nbytes, "oneDNN gemm convolution weight gradient: scratchpad (gemm_convolution_utils.cpp) "
+    if not mask[1] or x.dtype != torch.float32 or not gemm.uses_onednn(c, x, pads, dilated) \
+            or not gemm.weights_by_gemm(c, pads, dilated, cl) or (mask[0] and not gemm.data_by_gemm(c, pads, dilated, cl)):
+        return []  # an input gradient by another kernel, or a bias gradient alone: the note stays
+    # Convolution.cpp / mkldnn/Conv.cpp: input.contiguous(), grad_output.contiguous()
+    copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
+    nbytes = gemm.gemm_backward_scratch(c, mask, copies, gemm.threads())
+    return [Scratch(nbytes, "oneDNN gemm convolution backward: scratchpad (gemm_convolution_utils.cpp) "
                             "and gradient copies (mkldnn/Conv.cpp)")]
