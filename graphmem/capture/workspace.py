@@ -19,8 +19,8 @@ real CPU runs (tests/test_workspace.py). Sizes that depend on the thread count u
 many threads.
 
 Known limitations: oneDNN convolution's scratch (weight/gradient reorders whose layouts oneDNN
-picks per shape and ISA) has rules only for channels-last depthwise convolutions
-(graphmem/capture/workspace_conv.py) and the gemm path of kernels wider than 14
+picks per shape and ISA) has rules only for depthwise convolutions (graphmem/capture/
+workspace_conv.py channels-last, workspace_conv_dw.py NCHW) and the gemm path of kernels wider than 14
 (graphmem/capture/workspace_conv_gemm.py); oneDNN RNN backward's scratchpad, cuDNN's workspaces
 and reserve space have no rule; passes/oprules.py names them in the report.
 """

@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch
 from torch._prims_common import suggest_memory_format
 
+from graphmem.capture import workspace_conv_dw as dw
 from graphmem.capture import workspace_conv_gemm as gemm
 from graphmem.capture.workspace import Scratch, register_scratch
 
@@ -134,11 +135,31 @@ def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     c = _geometry(b, (grad.size(2), grad.size(3)) if grad.dim() == 4 else (0, 0))
     mask = b["output_mask"]
     if c is None:
-        return _gemm_backward(b)
+        return _plain_depthwise_backward(b) or _gemm_backward(b)
     # the input gradient runs first and frees its Goihw16g weight before the weight gradient starts
     data = _goihw16g(c) if mask[0] else 0
     weights = depthwise_weight_grad_scratch(c, mask[2]) if mask[1] else 0
     return [Scratch(max(data, weights), f"weight-gradient blocks and reorders: {WHAT}")]
+
+
+def _plain_depthwise_backward(b: dict) -> list[Scratch]:
+    """A depthwise convolution in the plain layout (graphmem/capture/workspace_conv_dw.py): fp32,
+    2-d, one output channel per group, a square kernel, no dilation, both gradients or the
+    weight's (a bias gradient alone keeps the note)."""
+    grad, x, w, mask = b["grad_output"], b["input"], b["weight"], tuple(b["output_mask"])
+    if not (x.dim() == 4 and x.dtype == torch.float32 and b["groups"] > 1 and x.size(1) == b["groups"]
+            and tuple(w.shape[:2]) == (b["groups"], 1) and w.size(2) == w.size(3) and mask[1]
+            and gemm.expand(b["dilation"], 2) == [1, 1] and not _channels_last(x, w)):
+        return []
+    c = gemm.as_conv(b, grad)
+    (sh, sw), (ph, pw) = gemm.expand(b["stride"], 2), gemm.expand(b["padding"], 2)
+    if not gemm.uses_onednn(c, x, (ph, pw), False) or grad.dim() != 4:
+        return []
+    geo = Geometry(c.groups, c.ih, c.iw, c.oh, c.ow, c.kh, c.kw, sh, sw, ph, pw)
+    copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
+    nbytes = dw.depthwise_backward_scratch(c, mask, dw_backward_weights_applies(geo), gemm.threads()) + copies
+    return [Scratch(nbytes, "oneDNN depthwise convolution backward, plain layout: nChw16c/Goihw16g reorders "
+                            "and reductions (jit_uni_dw_conv_kernel_utils.cpp, mkldnn/Conv.cpp)")]
 
 
 def _gemm_backward(b: dict) -> list[Scratch]:
