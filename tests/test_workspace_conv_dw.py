@@ -43,6 +43,25 @@ def test_plain_depthwise_backward_equals_real_kernel(seed: int, threads: None) -
         assert real == [predicted], (torch.get_num_threads(), n, c, h, k, s, bwd[-1])
 
 
+def test_plain_depthwise_1d_backward_equals_real_kernel(threads: None) -> None:
+    """50 random 1-d depthwise convolutions (kernels 3 to 31, a Conformer's or Mamba's), half with a
+    transposed (strided) input, whose ``contiguous()`` copy lives through the op: to the byte."""
+    rng = random.Random(7)
+    for _ in range(50):
+        torch.set_num_threads(rng.choice([1, 2]))
+        c, k, s = rng.choice([8, 16, 24, 40, 64]), rng.choice([3, 4, 5, 7, 15, 31]), rng.choice([1, 1, 2])
+        n, length, bias = rng.choice([1, 2, 3]), rng.choice([16, 33, 64]), rng.random() < 0.4
+        x = torch.randn(n, c, length) if rng.random() < 0.5 else torch.randn(n, length, c).transpose(1, 2)
+        w = torch.randn(c, 1, k)
+        conv = (x, w, torch.randn(c) if bias else None, [s], [k // 2], [1], False, [0], c)
+        y = aten.convolution.default(*conv)
+        bwd = (torch.randn_like(y), x, w, [c] if bias else None, *conv[3:], [rng.random() < 0.6, True, bias])
+        real = _op_scratch(lambda: aten.convolution_backward.default(*bwd), ("aten::convolution_backward",))
+        predicted = sum(sc.nbytes for sc in scratch(aten.convolution_backward.default, "cpu", bwd, {}, None))
+        assert predicted > 0
+        assert real == [predicted], (torch.get_num_threads(), n, c, length, k, s, x.is_contiguous(), bwd[-1])
+
+
 def _mobilenet() -> tuple:
     models = pytest.importorskip("torchvision.models")
     torch.manual_seed(0)

@@ -144,16 +144,19 @@ def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
 
 def _plain_depthwise_backward(b: dict) -> list[Scratch]:
     """A depthwise convolution in the plain layout (graphmem/capture/workspace_conv_dw.py): fp32,
-    2-d, one output channel per group, a square kernel, no dilation, both gradients or the
-    weight's (a bias gradient alone keeps the note)."""
+    1-d (viewed as 2-d, Convolution.cpp ``view1d_as_2d``) or 2-d with a square kernel, one output
+    channel per group, no dilation, both gradients or the weight's (a bias gradient alone keeps
+    the note). A strided input's or gradient's ``contiguous()`` copy lives through the op."""
     grad, x, w, mask = b["grad_output"], b["input"], b["weight"], tuple(b["output_mask"])
-    if not (x.dim() == 4 and x.dtype == torch.float32 and b["groups"] > 1 and x.size(1) == b["groups"]
-            and tuple(w.shape[:2]) == (b["groups"], 1) and w.size(2) == w.size(3) and mask[1]
-            and gemm.expand(b["dilation"], 2) == [1, 1] and not _channels_last(x, w)):
+    one_d = x.dim() == 3
+    if not (x.dim() in (3, 4) and x.dtype == torch.float32 and b["groups"] > 1 and x.size(1) == b["groups"]
+            and tuple(w.shape[:2]) == (b["groups"], 1) and (one_d or w.size(2) == w.size(3)) and mask[1]
+            and all(d == 1 for d in gemm.expand(b["dilation"], x.dim() - 2)) and (one_d or not _channels_last(x, w))):
         return []
     c = gemm.as_conv(b, grad)
-    (sh, sw), (ph, pw) = gemm.expand(b["stride"], 2), gemm.expand(b["padding"], 2)
-    if not gemm.uses_onednn(c, x, (ph, pw), False) or grad.dim() != 4:
+    stride, padding = gemm.expand(b["stride"], x.dim() - 2), gemm.expand(b["padding"], x.dim() - 2)
+    (sh, sw), (ph, pw) = ((1, stride[0]), (0, padding[0])) if one_d else (stride, padding)
+    if not gemm.uses_onednn(c, x, (ph, pw), False):
         return []
     geo = Geometry(c.groups, c.ih, c.iw, c.oh, c.ow, c.kh, c.kw, sh, sw, ph, pw)
     copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())

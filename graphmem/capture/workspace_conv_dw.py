@@ -1,5 +1,7 @@
 """oneDNN's depthwise convolution backward in the plain (NCHW) layout on the CPU: EfficientNet's
-and MobileNet's depthwise convolutions when the model is not channels-last.
+and MobileNet's depthwise convolutions when the model is not channels-last, and 1-d depthwise
+convolutions (a Conformer's, Mamba's), which PyTorch views as 2-d (Convolution.cpp
+``view1d_as_2d``).
 graphmem/capture/workspace_conv.py registers the rule; this module computes it.
 
 PyTorch's side, aten/src/ATen/native/mkldnn/Conv.cpp ``mkldnn_convolution_backward`` (not
@@ -18,7 +20,7 @@ oneDNN's side (fp32, AVX-512, ``ch_block`` 16):
   mb)``) per-thread reduction buffers of the weight and bias gradients when ``nthr_mb > 1``;
 - else the gemm convolution (graphmem/capture/workspace_conv_gemm.py) in the plain layout.
 
-Checked against the allocator on random shapes (tests/test_workspace_conv_dw.py).
+Checked against the allocator on random 2-d and 1-d shapes (tests/test_workspace_conv_dw.py).
 """
 from __future__ import annotations
 
