@@ -36,6 +36,7 @@ from torch._prims_common import suggest_memory_format
 
 from graphmem.capture import workspace_conv_dw as dw
 from graphmem.capture import workspace_conv_gemm as gemm
+from graphmem.capture import workspace_conv_jit as jit
 from graphmem.capture.workspace import Scratch, register_scratch
 
 aten = torch.ops.aten
@@ -135,7 +136,7 @@ def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     c = _geometry(b, (grad.size(2), grad.size(3)) if grad.dim() == 4 else (0, 0))
     mask = b["output_mask"]
     if c is None:
-        return _plain_depthwise_backward(b) or _gemm_backward(b)
+        return _plain_depthwise_backward(b) or _gemm_backward(b) or _first_conv_backward(b)
     # the input gradient runs first and frees its Goihw16g weight before the weight gradient starts
     data = _goihw16g(c) if mask[0] else 0
     weights = depthwise_weight_grad_scratch(c, mask[2]) if mask[1] else 0
@@ -181,3 +182,24 @@ def _gemm_backward(b: dict) -> list[Scratch]:
     nbytes = gemm.gemm_backward_scratch(c, mask, copies, gemm.threads())
     return [Scratch(nbytes, "oneDNN gemm convolution backward: scratchpad (gemm_convolution_utils.cpp) "
                             "and gradient copies (mkldnn/Conv.cpp)")]
+
+
+def _first_conv_backward(b: dict) -> list[Scratch]:
+    """A patch embedding's weight gradient by oneDNN's jit first-convolution kernel (graphmem/
+    capture/workspace_conv_jit.py): fp32, 2-d, plain layout, one group, 1 to 3 input channels
+    (``src_ok`` of ``init_conf``), stride = kernel (2 to 14), no padding, no input gradient."""
+    grad, x, w, mask = b["grad_output"], b["input"], b["weight"], tuple(b["output_mask"])
+    if not (x.dim() == 4 and x.dtype == torch.float32 and b["groups"] == 1 and x.size(1) <= 3 and mask[1]
+            and not mask[0] and not _channels_last(x, w)):
+        return []
+    c = gemm.as_conv(b, grad)
+    stride, padding = gemm.expand(b["stride"], 2), gemm.expand(b["padding"], 2)
+    if not (stride == [c.kh, c.kw] and 2 <= c.kw <= 14 and padding == [0, 0]
+            and gemm.expand(b["dilation"], 2) == [1, 1] and gemm.uses_onednn(c, x, (0, 0), False)):
+        return []
+    if mask[2] and c.oc % 16 and gemm.threads() > 1:
+        return []  # measured 12,352 B more than the source's bookings explain (padded bias, several threads)
+    copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
+    nbytes = jit.first_conv_weight_grad_scratch(c, mask[2], gemm.threads()) + copies
+    return [Scratch(nbytes, "oneDNN first-convolution weight gradient: nChw16c/Ohwi16o reorders and reductions "
+                            "(jit_avx512_common_conv_kernel.cpp, mkldnn/Conv.cpp)")]
