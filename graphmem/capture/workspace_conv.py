@@ -197,8 +197,8 @@ def _first_conv_backward(b: dict) -> list[Scratch]:
     if not (stride == [c.kh, c.kw] and 2 <= c.kw <= 14 and padding == [0, 0]
             and gemm.expand(b["dilation"], 2) == [1, 1] and gemm.uses_onednn(c, x, (0, 0), False)):
         return []
-    if mask[2] and c.oc % 16 and gemm.threads() > 1:
-        return []  # measured 12,352 B more than the source's bookings explain (padded bias, several threads)
+    if mask[2] and jit.balance(c, gemm.threads()) > 1:
+        return []  # a bias gradient reduced over threads: measured 12,352 B more than the source read explains
     copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
     nbytes = jit.first_conv_weight_grad_scratch(c, mask[2], gemm.threads()) + copies
     return [Scratch(nbytes, "oneDNN first-convolution weight gradient: nChw16c/Ohwi16o reorders and reductions "
