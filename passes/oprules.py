@@ -35,16 +35,18 @@ def _op(name: str) -> Any:
 
 @register_note(_op("convolution"), _op("convolution_backward"), devices=("cpu",))
 def _onednn_conv(node: fx.Node) -> str:
-    if node.meta.get("scratch"):  # covered by a rule (graphmem/capture/workspace_conv.py: depthwise, channels-last)
-        return ""
+    if node.meta.get("scratch"):  # covered by a rule (graphmem/capture/workspace_conv.py: depthwise channels-last;
+        return ""                 # workspace_conv_dw.py: depthwise NCHW; _gemm.py: kernels > 14; _jit.py: patch embeddings)
     return ("aten.convolution (CPU): oneDNN's scratch inside the op (weight and activation reorders to its "
             "blocked layouts, its scratchpad; chosen per shape, ISA and thread count) is not modelled except for "
-            "channels-last fp32 depthwise convolutions: the real peak can be higher by up to a few weight- or "
-            "activation-sized buffers per convolution (measured: ViT patch embedding +0.2-2 %, MobileNetV3 +1.2 %)")
+            "fp32 depthwise convolutions, kernels wider than 14 (oneDNN's gemm path) and patch embeddings: the "
+            "real peak can be higher by up to a few weight- or activation-sized buffers per convolution "
+            "(measured: ResNet-18 +0.09 %, Whisper's Conv1d up to +10 % at toy sizes)")
 
 
 @register_note(_op("convolution"), _op("convolution_backward"), devices=("cuda",))
 def _cudnn_conv(node: fx.Node) -> str:
+    # cuDNN documents no size or bound for it: only a per-algorithm runtime query (cudnnGetConvolution*WorkspaceSize)
     return "aten.convolution (CUDA): cuDNN's workspace (chosen by its algorithm search) is not modelled"
 
 

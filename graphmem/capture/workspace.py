@@ -19,8 +19,10 @@ real CPU runs (tests/test_workspace.py). Sizes that depend on the thread count u
 many threads.
 
 Known limitations: oneDNN convolution's scratch (weight/gradient reorders whose layouts oneDNN
-picks per shape and ISA), oneDNN RNN backward's scratchpad, cuDNN's workspaces and reserve space
-have no rule; passes/oprules.py names them in the report.
+picks per shape and ISA) has rules only for depthwise convolutions (graphmem/capture/
+workspace_conv.py channels-last, workspace_conv_dw.py NCHW), the gemm path of kernels wider than 14
+(graphmem/capture/workspace_conv_gemm.py) and patch embeddings' weight gradients (workspace_conv_jit.py); oneDNN RNN backward's scratchpad, cuDNN's workspaces
+and reserve space have no rule; passes/oprules.py names them in the report.
 """
 from __future__ import annotations
 

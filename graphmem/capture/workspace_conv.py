@@ -34,6 +34,9 @@ from typing import Any, Optional
 import torch
 from torch._prims_common import suggest_memory_format
 
+from graphmem.capture import workspace_conv_dw as dw
+from graphmem.capture import workspace_conv_gemm as gemm
+from graphmem.capture import workspace_conv_jit as jit
 from graphmem.capture.workspace import Scratch, register_scratch
 
 aten = torch.ops.aten
@@ -76,10 +79,10 @@ def _geometry(b: dict, out_hw: tuple[int, int]) -> Optional[Geometry]:
     x, w = b["input"], b["weight"]
     if not (x.dim() == 4 and not b["transposed"] and x.dtype == torch.float32 and b["groups"] > 1
             and tuple(w.shape[:2]) == (b["groups"], 1) and x.size(1) == b["groups"] and _channels_last(x, w)
-            and list(b["dilation"]) == [1, 1] and b["groups"] >= 16 and w.size(2) == w.size(3)):
+            and gemm.expand(b["dilation"], 2) == [1, 1] and b["groups"] >= 16 and w.size(2) == w.size(3)):
         return None
-    return Geometry(b["groups"], x.size(2), x.size(3), out_hw[0], out_hw[1], w.size(2), w.size(3),
-                    b["stride"][0], b["stride"][1], b["padding"][0], b["padding"][1])
+    (sh, sw), (ph, pw) = gemm.expand(b["stride"], 2), gemm.expand(b["padding"], 2)
+    return Geometry(b["groups"], x.size(2), x.size(3), out_hw[0], out_hw[1], w.size(2), w.size(3), sh, sw, ph, pw)
 
 
 def _goihw16g(c: Geometry) -> int:
@@ -128,11 +131,75 @@ def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
              "output_padding", "groups", "output_mask")
     b = dict(zip(names, args), **kwargs)
     grad = b["grad_output"]
+    if b["transposed"] or grad.dim() not in (3, 4):
+        return []
     c = _geometry(b, (grad.size(2), grad.size(3)) if grad.dim() == 4 else (0, 0))
     mask = b["output_mask"]
     if c is None:
-        return []
+        return _plain_depthwise_backward(b) or _gemm_backward(b) or _first_conv_backward(b)
     # the input gradient runs first and frees its Goihw16g weight before the weight gradient starts
     data = _goihw16g(c) if mask[0] else 0
     weights = depthwise_weight_grad_scratch(c, mask[2]) if mask[1] else 0
     return [Scratch(max(data, weights), f"weight-gradient blocks and reorders: {WHAT}")]
+
+
+def _plain_depthwise_backward(b: dict) -> list[Scratch]:
+    """A depthwise convolution in the plain layout (graphmem/capture/workspace_conv_dw.py): fp32,
+    1-d (viewed as 2-d, Convolution.cpp ``view1d_as_2d``) or 2-d with a square kernel, one output
+    channel per group, no dilation, both gradients or the weight's (a bias gradient alone keeps
+    the note). A strided input's or gradient's ``contiguous()`` copy lives through the op."""
+    grad, x, w, mask = b["grad_output"], b["input"], b["weight"], tuple(b["output_mask"])
+    one_d = x.dim() == 3
+    if not (x.dim() in (3, 4) and x.dtype == torch.float32 and b["groups"] > 1 and x.size(1) == b["groups"]
+            and tuple(w.shape[:2]) == (b["groups"], 1) and (one_d or w.size(2) == w.size(3)) and mask[1]
+            and all(d == 1 for d in gemm.expand(b["dilation"], x.dim() - 2)) and (one_d or not _channels_last(x, w))):
+        return []
+    c = gemm.as_conv(b, grad)
+    stride, padding = gemm.expand(b["stride"], x.dim() - 2), gemm.expand(b["padding"], x.dim() - 2)
+    (sh, sw), (ph, pw) = ((1, stride[0]), (0, padding[0])) if one_d else (stride, padding)
+    if not gemm.uses_onednn(c, x, (ph, pw), False):
+        return []
+    geo = Geometry(c.groups, c.ih, c.iw, c.oh, c.ow, c.kh, c.kw, sh, sw, ph, pw)
+    copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
+    nbytes = dw.depthwise_backward_scratch(c, mask, dw_backward_weights_applies(geo), gemm.threads()) + copies
+    return [Scratch(nbytes, "oneDNN depthwise convolution backward, plain layout: nChw16c/Goihw16g reorders "
+                            "and reductions (jit_uni_dw_conv_kernel_utils.cpp, mkldnn/Conv.cpp)")]
+
+
+def _gemm_backward(b: dict) -> list[Scratch]:
+    """A gradient oneDNN computes with its gemm convolution (graphmem/capture/workspace_conv_gemm.py)."""
+    grad, x, mask = b["grad_output"], b["input"], tuple(b["output_mask"])
+    c = gemm.as_conv(b, grad)
+    padding = gemm.expand(b["padding"], x.dim() - 2)
+    pads = (0, padding[0]) if x.dim() == 3 else (padding[0], padding[1])
+    dilated = any(d != 1 for d in gemm.expand(b["dilation"], x.dim() - 2))
+    cl = x.dim() == 4 and _channels_last(x, b["weight"])
+    if not mask[1] or x.dtype != torch.float32 or not gemm.uses_onednn(c, x, pads, dilated) \
+            or not gemm.weights_by_gemm(c, pads, dilated, cl) or (mask[0] and not gemm.data_by_gemm(c, pads, dilated, cl)):
+        return []  # an input gradient by another kernel, or a bias gradient alone: the note stays
+    # Convolution.cpp / mkldnn/Conv.cpp: input.contiguous(), grad_output.contiguous()
+    copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
+    nbytes = gemm.gemm_backward_scratch(c, mask, copies, gemm.threads())
+    return [Scratch(nbytes, "oneDNN gemm convolution backward: scratchpad (gemm_convolution_utils.cpp) "
+                            "and gradient copies (mkldnn/Conv.cpp)")]
+
+
+def _first_conv_backward(b: dict) -> list[Scratch]:
+    """A patch embedding's weight gradient by oneDNN's jit first-convolution kernel (graphmem/
+    capture/workspace_conv_jit.py): fp32, 2-d, plain layout, one group, 1 to 3 input channels
+    (``src_ok`` of ``init_conf``), stride = kernel (2 to 14), no padding, no input gradient."""
+    grad, x, w, mask = b["grad_output"], b["input"], b["weight"], tuple(b["output_mask"])
+    if not (x.dim() == 4 and x.dtype == torch.float32 and b["groups"] == 1 and x.size(1) <= 3 and mask[1]
+            and not mask[0] and not _channels_last(x, w)):
+        return []
+    c = gemm.as_conv(b, grad)
+    stride, padding = gemm.expand(b["stride"], 2), gemm.expand(b["padding"], 2)
+    if not (stride == [c.kh, c.kw] and 2 <= c.kw <= 14 and padding == [0, 0]
+            and gemm.expand(b["dilation"], 2) == [1, 1] and gemm.uses_onednn(c, x, (0, 0), False)):
+        return []
+    if mask[2] and jit.balance(c, gemm.threads()) > 1:
+        return []  # a bias gradient reduced over threads: measured 12,352 B more than the source read explains
+    copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
+    nbytes = jit.first_conv_weight_grad_scratch(c, mask[2], gemm.threads()) + copies
+    return [Scratch(nbytes, "oneDNN first-convolution weight gradient: nChw16c/Ohwi16o reorders and reductions "
+                            "(jit_avx512_common_conv_kernel.cpp, mkldnn/Conv.cpp)")]
