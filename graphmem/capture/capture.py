@@ -77,7 +77,7 @@ def capture(
     _unique_counts()  # calibrate before entering the fake mode
     paths = {id(m): name for name, m in model.named_modules()}
     cap = _Recorder(paths)
-    cap.device = target.device
+    cap.device, cap.gpu = target.device, target.gpu
     if target.device == "cuda":
         cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)
         cap.fp32_norm_stats = True
