@@ -59,6 +59,6 @@ def _cudnn_rnn(node: fx.Node) -> str:
 def _efficient_backward(node: fx.Node) -> str:
     if node.meta.get("scratch"):  # covered by a rule (graphmem/capture/workspace_efficient.py)
         return ""
-    return ("memory-efficient attention backward (CUDA): the kernel's fp32 accumulators (attention_backward.cu "
-            "workspace) are modelled for the A100, H100, H200 and B200 only: on this GPU, which kernel fits its "
-            "shared memory is not derived (gpu='a100' or 'h100' gives the sm80 kernels' figure)")
+    return ("memory-efficient attention (CUDA): the kernels' fp32 accumulators (attention_backward.cu workspace, "
+            "the forward's output accumulator) are modelled for the A100, H100, H200 and B200 only: on this GPU, "
+            "which kernel fits its shared memory is not derived (gpu='a100' or 'h100' gives the sm80 kernels' figure)")

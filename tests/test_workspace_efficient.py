@@ -85,11 +85,20 @@ def test_the_cuda_target_counts_the_scratch_and_drops_the_note() -> None:
     b, h, s = 1, 2, 256
     r = graphmem.analyze(Attn(), _qkv(b, h, s, 192, 128, BF16), device="cuda", attention="efficient")
     found = _scratch(r)
-    # THEN the backward's scratch: the sum's expanded gradient made contiguous, delta, the workspace
+    # THEN the backward's scratch: the sum's expanded gradient made contiguous, delta, the workspace;
+    # and the forward's fp32 output accumulator (the 32x128 k65536 kernel: head dim above 128)
     assert found == {"grad_out.contiguous() (attention_backward.cu)": b * h * s * 128 * 2,
                      "memory-efficient backward delta (B, nH, M) fp32 (attention_backward.cu)": b * h * s * 4,
-                     "memory-efficient backward fp32 accumulators (kernel_backward.h workspace_size)": 1179840}
+                     "memory-efficient backward fp32 accumulators (kernel_backward.h workspace_size)": 1179840,
+                     "memory-efficient forward fp32 output accumulator (attention.cu)": b * s * h * 128 * 4}
     assert not [n for n in r.notes if "memory-efficient" in n]
+
+
+@pytest.mark.parametrize("k,kv,dtype", [(128, 128, BF16), (64, 192, F32), (64, 64, torch.float16)])
+def test_the_forward_keeps_its_output_in_registers_up_to_head_dim_128_or_in_fp32(k: int, kv: int,
+                                                                                    dtype: torch.dtype) -> None:
+    r = graphmem.analyze(Attn(), _qkv(1, 2, 64, k, kv, dtype), device="cuda", attention="efficient")
+    assert not [name for name in _scratch(r) if "forward" in name]
 
 
 def test_fp32_delta_temporaries_beyond_the_workspace() -> None:
@@ -108,4 +117,4 @@ def test_fp32_delta_temporaries_beyond_the_workspace() -> None:
 def test_gpus_whose_kernel_choice_is_not_derived_keep_the_note() -> None:
     r = graphmem.analyze(Attn(), _qkv(1, 2, 64, 64, 64, BF16), device="cuda", attention="efficient", gpu="a10")
     assert not _scratch(r)
-    assert [n for n in r.notes if "memory-efficient attention backward" in n and "A100, H100" in n]
+    assert [n for n in r.notes if "memory-efficient attention (CUDA)" in n and "A100, H100" in n]

@@ -1,5 +1,5 @@
-"""CUDA target: the scratch of memory-efficient attention's backward (the CUTLASS kernels of
-xformers that PyTorch ships), registered as scratch rules (graphmem/capture/workspace.py).
+"""CUDA target: the scratch of memory-efficient attention (the CUTLASS kernels of xformers that
+PyTorch ships), backward and forward, registered as scratch rules (graphmem/capture/workspace.py).
 
 Derived from PyTorch 2.14's source, **unchecked on hardware** (graphmem was built without a GPU):
 
@@ -23,6 +23,11 @@ Derived from PyTorch 2.14's source, **unchecked on hardware** (graphmem was buil
   ``kKernelComputesDelta = kIsHalf && (kOutputInRF || sm != 70)``.
 - mem_eff_attention/kernels/cutlassB.h ``dispatch_cutlassB_{bf16,f16,f32}_sm80`` (every GPU from
   compute capability 8.0 to 12.1): the kernel lists below.
+- forward: attention.cu ``_efficient_attention_forward`` takes the first kernel of cutlassF.h's
+  sm80 list (64x64 k64, 64x128 k128, 32x128 k65536) whose ``kMaxK`` covers max(K, Kv); the last
+  does not keep the output in registers (kernel_forward.h ``kSingleValueIteration = kMaxK <=
+  kKeysPerBlock``), so for 16-bit inputs it makes an fp32 ``output_accum`` (B, M, nH, Kv)
+  (``kNeedsOutputAccumulatorBuffer``), freed when the op returns.
 
 Known limitations: modelled for the GPUs whose shared memory (opt-in, per block: A100 163 KB,
 H100/H200/B200 227 KB) is taken to hold every kernel of the sm80 list, since those kernels were
@@ -165,3 +170,23 @@ def _efficient_backward(args: tuple, kwargs: dict, out: Any, gpu: str) -> list[S
     varlen = (cu, int(bound["max_seqlen_q"]), int(bound["max_seqlen_k"])) if cu is not None else None
     return backward_scratch(bound["grad_out"], bound["query"], bound["key"], bound["value"], float(bound["dropout_p"]),
                             varlen, bound.get("num_splits_key"))
+
+
+def forward_scratch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[Scratch]:
+    """``_efficient_attention_forward``'s fp32 output accumulator; tensors in (B, M, nH, K)."""
+    b, m, h, _ = query.shape
+    kv = value.size(3)
+    if query.dtype not in HALF or max(key.size(3), kv) <= 128:
+        return []
+    return [Scratch(b * m * h * kv * 4, "memory-efficient forward fp32 output accumulator (attention.cu)")]
+
+
+@register_scratch(_op("_scaled_dot_product_efficient_attention"), devices=("cuda",), per_gpu=True)
+def _sdpa_efficient_forward(args: tuple, kwargs: dict, out: Any, gpu: str) -> list[Scratch]:
+    q, k, v = (args[i].transpose(1, 2) for i in range(3))  # (B, nH, M, K) in
+    return forward_scratch(q, k, v) if gpu in MODELLED else []
+
+
+@register_scratch(_op("_efficient_attention_forward"), devices=("cuda",), per_gpu=True)
+def _efficient_forward(args: tuple, kwargs: dict, out: Any, gpu: str) -> list[Scratch]:
+    return forward_scratch(args[0], args[1], args[2]) if gpu in MODELLED else []
