@@ -118,3 +118,13 @@ def test_gpus_whose_kernel_choice_is_not_derived_keep_the_note() -> None:
     r = graphmem.analyze(Attn(), _qkv(1, 2, 64, 64, 64, BF16), device="cuda", attention="efficient", gpu="a10")
     assert not _scratch(r)
     assert [n for n in r.notes if "memory-efficient attention (CUDA)" in n and "A100, H100" in n]
+
+
+def test_auto_sends_unequal_head_dims_to_memory_efficient() -> None:
+    # flash needs q, k and v of one head dim (sdp_utils.cpp check_head_dim_size_flash): MLA's
+    # 192/128 runs memory-efficient attention, whose scratch the report then counts
+    r = graphmem.analyze(Attn(), _qkv(1, 2, 64, 192, 128, BF16), device="cuda")
+    assert r.attention_backends == {"efficient": 1}
+    assert _scratch(r)
+    r = graphmem.analyze(Attn(), _qkv(1, 2, 64, 128, 128, BF16), device="cuda")
+    assert r.attention_backends == {"flash": 1}
