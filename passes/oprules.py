@@ -56,7 +56,11 @@ def _cudnn_rnn(node: fx.Node) -> str:
             "not modelled; the step ran oneDNN's CPU path, whose workspace is left out here")
 
 
-@register_note(_op("_scaled_dot_product_efficient_attention_backward"), devices=("cuda",))
+@register_note(_op("_scaled_dot_product_efficient_attention_backward"), _op("_efficient_attention_backward"),
+               devices=("cuda",))
 def _efficient_backward(node: fx.Node) -> str:
-    return ("memory-efficient attention backward (CUDA): the kernel's fp32 accumulators (grad_q, delta; "
-            "attention_backward.cu) are not modelled")
+    if node.meta.get("scratch"):  # covered by a rule (graphmem/capture/workspace_efficient.py)
+        return ""
+    return ("memory-efficient attention (CUDA): the kernels' fp32 accumulators (attention_backward.cu workspace, "
+            "the forward's output accumulator) are modelled for the A100, H100, H200 and B200 only: on this GPU, "
+            "which kernel fits its shared memory is not derived (gpu='a100' or 'h100' gives the sm80 kernels' figure)")

@@ -58,17 +58,22 @@ def _unique_counts() -> tuple[int, int]:
 
 def _tag_grad_fns(output: Any, path: str, start: int = 0) -> None:
     """Label the autograd nodes a module created with its path (innermost module wins:
-    inner modules finish, and tag, first; the walk stops at nodes already tagged and at
-    nodes created before the module started, whose sequence number is below ``start``),
-    and add a post hook that marks each node as run (see _accumulates_inplace)."""
-    todo = []
-    for t in _tensors(output):
-        if t.grad_fn is not None:
-            todo.append(t.grad_fn)
+    inner modules finish, and tag, first; the walk passes through nodes already tagged,
+    since the module's own ops may lie behind an inner module's (``x = self.a(x); x = x.exp();
+    self.b(x)``), and stops at nodes created before the module started, whose sequence number
+    is below ``start``), and add a post hook that marks each node as run (see
+    _accumulates_inplace): a node left untagged would also have no hook, and the engine's
+    gradient sums after it would look like the model's adds."""
+    todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+    seen: set[Any] = set()
     while todo:
         fn = todo.pop()
+        if fn in seen or fn._sequence_nr() < start:
+            continue
+        seen.add(fn)
         md = node_metadata(fn)
-        if _TAG in md or fn._sequence_nr() < start:
+        if _TAG in md:  # an inner module's node: the module's own nodes may lie behind it
+            todo.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
             continue
         md[_TAG] = path
         if getattr(getattr(fn, "_forward_cls", None), "boxed_grads_call", False):

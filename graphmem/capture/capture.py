@@ -86,7 +86,7 @@ def capture(
     backends: dict[str, int] = {}
     _unique_counts()  # calibrate before entering the fake mode
     cap = _Recorder(module_names(model))
-    cap.device = target.device
+    cap.device, cap.gpu = target.device, target.gpu
     if target.device == "cuda":
         cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)
         cap.fp32_norm_stats = True

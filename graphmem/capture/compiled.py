@@ -213,9 +213,9 @@ def cuda_graph(gm: fx.GraphModule, target: Target, used: dict[str, int]) -> None
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in _SDPA:
             n.target = cuda_sdpa
-            q, k, mask = (_arg(n, i, name) for i, name in ((0, "query"), (1, "key"), (3, "attn_mask")))
+            q, k, v, mask = (_arg(n, i, name) for i, name in ((0, "query"), (1, "key"), (2, "value"), (3, "attn_mask")))
             if q is not None and k is not None:
-                backend = select_backend(target, q, k, mask, bool(n.kwargs.get("enable_gqa", False)))
+                backend = select_backend(target, q, k, mask, bool(n.kwargs.get("enable_gqa", False)), v)
                 used[backend] = used.get(backend, 0) + 1
     gm.recompile()
 

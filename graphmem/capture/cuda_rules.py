@@ -40,18 +40,21 @@ DROPOUT = {F.dropout, torch.dropout}
 
 
 def select_backend(target: Target, q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                   enable_gqa: bool) -> str:
+                   enable_gqa: bool, v: Optional[torch.Tensor] = None) -> str:
     """Which SDPA kernel CUDA runs, in PyTorch's priority order flash > efficient > math
-    (cuDNN only when asked for). See the table in README.md."""
+    (cuDNN only when asked for). See the table in README.md. Flash needs q, k and v of one head
+    dim (sdp_utils.cpp ``check_head_dim_size_flash``: MLA's 192/128 goes to memory-efficient),
+    memory-efficient aligned q/k and v head dims (``check_head_dim_size_mem_efficient``)."""
     if target.attention != "auto":
         return target.attention
     major, _ = target.capability
     hd = q.shape[-1]
+    hd_v = v.shape[-1] if v is not None else hd
     half = q.dtype in (torch.float16, torch.bfloat16)
     same_heads = q.shape[-3] == k.shape[-3]
-    if attn_mask is None and half and major >= 8 and hd <= 256 and hd % 8 == 0 and (same_heads or enable_gqa):
+    if attn_mask is None and half and major >= 8 and hd == hd_v <= 256 and hd % 8 == 0 and (same_heads or enable_gqa):
         return "flash"
-    aligned = hd % (4 if q.dtype == torch.float32 else 8) == 0
+    aligned = hd % (4 if q.dtype == torch.float32 else 8) == 0 and hd_v % (4 if q.dtype == torch.float32 else 8) == 0
     if aligned and same_heads and (q.dtype != torch.bfloat16 or major >= 8) and major >= 5:
         return "efficient"
     return "math"
@@ -86,7 +89,7 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torc
 def sdpa(target: Target, used: dict[str, int], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
          attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
          scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
-    backend = select_backend(target, query, key, attn_mask, enable_gqa)
+    backend = select_backend(target, query, key, attn_mask, enable_gqa, value)
     used[backend] = used.get(backend, 0) + 1
     aten = torch.ops.aten
     if backend == "flash":

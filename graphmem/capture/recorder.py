@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 import graphmem.capture.workspace_conv  # noqa: F401  (registers the convolution rules)
 import graphmem.capture.workspace_dropout  # noqa: F401  (registers the fused dropout rules)
+import graphmem.capture.workspace_efficient  # noqa: F401  (registers CUDA memory-efficient attention's backward rules)
 from graphmem.capture.autograd_tags import (
     _ADD,
     _DONE,
@@ -124,6 +125,7 @@ class _Recorder:
         self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
         self.clearing = False  # inside an autocast cache clear (see ``clearing_cache``)
         self.device = "cpu"  # the target device: which kernel and scratch rules hold (graphmem/capture/workspace.py)
+        self.gpu = "h100"  # the CUDA target's GPU (Target.gpu), for the scratch rules that depend on it
         self.real_bookkeeping = False  # (graphmem/distributed/capture.py, while fully_shard / parallelize_module set up)
         self.on_op: Optional[Callable[[Any, tuple, dict, Any], None]] = None  # told of each recorded op (func, args, kwargs, out)
 
@@ -257,7 +259,7 @@ class _Recorder:
                     ws.kind, ws.name = "workspace", f"{func} workspace"
         if getattr(func, "namespace", "") == "bitsandbytes":  # its rules load with its first op (a QLoRA
             import graphmem.capture.bnb_rules  # noqa: F401  weight, an 8-bit optimizer a trainer makes mid-step)
-        found = scratch(func, self.device, args, kwargs, out)
+        found = scratch(func, self.device, args, kwargs, out, self.gpu)
         for sc in found:  # allocated and freed inside the kernel: live during this op only
             s = Storage(len(self.storages), sc.nbytes, "workspace", index, index, module, f"{func} scratch: {sc.what}",
                         "uint8", (sc.nbytes,))

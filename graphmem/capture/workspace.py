@@ -11,7 +11,8 @@ the rule holds for:
 - **scratch rules** (``register_scratch``) give the bytes a kernel allocates and frees inside one
   op (CPU flash attention's per-thread buffers, LayerNorm backward's reduction buffer); the
   recorder adds each as a storage of kind "workspace" live during that op only, so it counts
-  in the peak (passes/timeline.py shows it as its own category).
+  in the peak (passes/timeline.py shows it as its own category); the CUDA target's
+  memory-efficient attention backward is in graphmem/capture/workspace_efficient.py.
 
 Every rule is derived from the kernel's source (file and function named) and tested against
 real CPU runs (tests/test_workspace.py). Sizes that depend on the thread count use
@@ -45,11 +46,12 @@ class Scratch:
 
 Run = Callable[..., Any]  # the fake kernel: run(*args, **kwargs)
 KernelRule = Callable[[Run, tuple, dict, Any], Any]  # (run, args, kwargs, fake mode to make new tensors under)
-ScratchRule = Callable[[tuple, dict, Any], list[Scratch]]
+ScratchRule = Callable[..., list[Scratch]]  # (args, kwargs, out), or (args, kwargs, out, gpu) when per_gpu
 
 KERNEL_RULES: dict[tuple[Any, str], KernelRule] = {}
 WORKSPACE_OUTPUTS: dict[Any, tuple[int, ...]] = {}  # op -> output positions that are kernel workspaces
 SCRATCH_RULES: dict[tuple[Any, str], ScratchRule] = {}
+PER_GPU: set[tuple[Any, str]] = set()  # rules told the target's GPU (register_scratch per_gpu)
 
 
 def _op(name: str, overload: str = "default") -> Optional[Any]:
@@ -75,8 +77,10 @@ def register_kernel(*ops: Any, devices: tuple[str, ...] = ("cpu", "cuda"),
     return wrap
 
 
-def register_scratch(*ops: Any, devices: tuple[str, ...] = ("cpu",)) -> Callable[[ScratchRule], ScratchRule]:
-    """Register ``fn(args, kwargs, out) -> [Scratch]``: what ``ops`` allocate inside the kernel."""
+def register_scratch(*ops: Any, devices: tuple[str, ...] = ("cpu",),
+                     per_gpu: bool = False) -> Callable[[ScratchRule], ScratchRule]:
+    """Register ``fn(args, kwargs, out) -> [Scratch]``: what ``ops`` allocate inside the kernel;
+    ``per_gpu``: ``fn(args, kwargs, out, gpu)``, told the target's GPU (``Target.gpu``)."""
     def wrap(fn: ScratchRule) -> ScratchRule:
         for op in ops:
             if op is None:
@@ -85,6 +89,8 @@ def register_scratch(*ops: Any, devices: tuple[str, ...] = ("cpu",)) -> Callable
                 if (op, d) in SCRATCH_RULES:
                     raise RuntimeError(f"a scratch rule for {op} on {d} is already registered")
                 SCRATCH_RULES[(op, d)] = fn
+                if per_gpu:
+                    PER_GPU.add((op, d))
         return fn
     return wrap
 
@@ -93,9 +99,12 @@ def kernel_rule(op: Any, device: str) -> Optional[KernelRule]:
     return KERNEL_RULES.get((op, device))
 
 
-def scratch(op: Any, device: str, args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def scratch(op: Any, device: str, args: tuple, kwargs: dict, out: Any, gpu: str = "h100") -> list[Scratch]:
     rule = SCRATCH_RULES.get((op, device))
-    return [s for s in rule(args, kwargs, out) if s.nbytes > 0] if rule is not None else []
+    if rule is None:
+        return []
+    found = rule(args, kwargs, out, gpu) if (op, device) in PER_GPU else rule(args, kwargs, out)
+    return [s for s in found if s.nbytes > 0]
 
 
 # -- aten._grouped_mm (MoE experts) ------------------------------------------------------------

@@ -67,7 +67,7 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
     _unique_counts()  # calibrate before entering the fake mode
     with fake_process_group(sharding.rank, sharding.world_size, sharding.tp, sharding.fsdp) as meshes:
         cap = _Recorder({})
-        cap.device = target.device
+        cap.device, cap.gpu = target.device, target.gpu
         backends: dict[str, int] = {}
         if target.device == "cuda":
             cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)

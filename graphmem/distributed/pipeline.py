@@ -182,7 +182,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
         layout = probe(model, inputs, plan.micro_batches, target.param_dtype, context)
     _unique_counts()
     cap = _Recorder(module_names(model))
-    cap.device = target.device
+    cap.device, cap.gpu = target.device, target.gpu
     mode = _Mode(cap)
     segments: list[Segment] = []
     training = [(m, m.training) for m in model.modules()]
