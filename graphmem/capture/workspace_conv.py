@@ -34,9 +34,9 @@ from typing import Any, Optional
 import torch
 from torch._prims_common import suggest_memory_format
 
-from graphmem.capture import workspace_conv_dw as dw
-from graphmem.capture import workspace_conv_gemm as gemm
-from graphmem.capture import workspace_conv_jit as jit
+import graphmem.capture.workspace_conv_dw as dw
+import graphmem.capture.workspace_conv_gemm as gemm
+import graphmem.capture.workspace_conv_jit as jit
 from graphmem.capture.workspace import Scratch, register_scratch
 
 aten = torch.ops.aten

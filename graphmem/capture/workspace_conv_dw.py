@@ -24,7 +24,7 @@ Checked against the allocator on random 2-d and 1-d shapes (tests/test_workspace
 """
 from __future__ import annotations
 
-from graphmem.capture import workspace_conv_gemm as gemm
+import graphmem.capture.workspace_conv_gemm as gemm
 
 ALIGN = gemm.ALIGN
 

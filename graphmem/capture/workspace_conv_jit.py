@@ -22,7 +22,7 @@ declines that case and the report's note stays.
 """
 from __future__ import annotations
 
-from graphmem.capture import workspace_conv_gemm as gemm
+import graphmem.capture.workspace_conv_gemm as gemm
 
 MIN_OH_REDUCE = 9  # jit_avx512_common_conv_bwd_weights_kernel_f32::min_oh_reduce
 BARRIER = 4096  # sizeof(simple_barrier::ctx_t), aligned to 4096 off Windows (src/cpu/x64/cpu_barrier.hpp)

@@ -143,6 +143,12 @@ class TrainerRunner:
         """The torch optimizer the step runs (inside accelerate's wrapper), once made."""
         return _inner(self.trainer.optimizer) if self.started else None
 
+    host_bytes = 0  # no activation offloading in the Trainer's loop
+
+    def state_tensors(self) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
+        """(parameter, state name, tensor) of every optimizer state, as graphmem's Session gives them."""
+        return state_tensors(self.optimizer) if self.optimizer is not None else []
+
     def held_tensors(self) -> list[torch.Tensor]:
         """What the loop keeps from one step to the next besides the optimizer: ``_tr_loss``."""
         return [self.tr_loss] if self.tr_loss is not None else []
