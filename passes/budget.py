@@ -20,7 +20,7 @@ The first step creates the optimizer states lazily, in the optimizer phase; from
 step on they exist from the start (the previous step's outputs released), so the pass also
 gives the later steps' peak: each op's live bytes plus the states not yet created at that op.
 (The ops of a later step are the first step's minus the state creation: torch.optim's
-``_init_group`` only adds states.)
+``_init_group`` only adds states.) The one-device later-steps peak is passes/later_steps.py.
 """
 from __future__ import annotations
 
@@ -29,10 +29,14 @@ from fractions import Fraction
 from typing import Callable, Optional
 
 from graphmem.errors import UsageError
+from graphmem.passes.later_steps import later_steps_peak, later_steps_peak_at, made_states
 from graphmem.passes.liveness import Liveness
 from graphmem.passes.saved import SavedSet
 from graphmem.passes.tensor_parallel import TPMarks, tp_marks
 from graphmem.stepgraph import StepGraph, Storage
+
+__all__ = ["ROWS", "Budget", "BudgetRow", "Parallel", "budget", "later_steps_peak", "later_steps_peak_at",
+           "made_states", "make_parallel", "rank_share"]
 
 ROWS = ("parameters", "buffers", "gradients", "optimizer states", "master copies", "activations", "temporaries")
 _KIND_ROW = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradients",
@@ -261,35 +265,6 @@ def _later_rows(g: StepGraph, lv: Liveness, sh: _Shares, parts: dict[int, tuple[
     if sh.shard_params:
         at["gathered parameters"] = gather[index]
     return at
-
-
-def made_states(g: StepGraph) -> int:
-    """Bytes of the optimizer states the traced (first) step makes: every later step holds them
-    from its start."""
-    return sum(s.nbytes for s in g.storages.values() if s.kind == "optimizer state" and s.created >= 0)
-
-
-def later_steps_peak(g: StepGraph, lv: Liveness) -> int:
-    """The peak of every step after the first (on one device): each op's live bytes plus the
-    optimizer states the first step has not made yet at that op. Never below ``lv.peak_bytes``;
-    equal to it when the step has no optimizer."""
-    return later_steps_peak_at(g, lv)[0]
-
-
-def later_steps_peak_at(g: StepGraph, lv: Liveness) -> tuple[int, int]:
-    """``later_steps_peak`` and the op where it happens (``lv.peak_index`` when no op of a later
-    step goes above the first step's peak)."""
-    pending = [0] * (g.num_ops + 1)
-    for s in g.storages.values():
-        if s.kind == "optimizer state" and s.created >= 0:
-            pending[0] += s.nbytes
-            pending[s.created] -= s.nbytes
-    extra, peak, at = 0, lv.peak_bytes, lv.peak_index
-    for i, live in enumerate(lv.timeline[:g.num_ops]):
-        extra += pending[i]
-        if live + extra > peak:
-            peak, at = live + extra, i
-    return peak, at
 
 
 def _timelines(g: StepGraph, lv: Liveness, parts: dict[int, tuple[int, int]],

@@ -213,12 +213,7 @@ def program(modes: Sequence[Tables], n: int, budget: int) -> Optional[list[tuple
                       np.full(len(sidx), b * ways, dtype=np.int64)))
         both, cm, ck, cf, cg, cc, ccode = (np.concatenate([p[i] for p in parts]) for i in range(7))
         if end == n:  # (untracked, ck, cf and cg hold placeholders: all are 0)
-            if track:
-                fits = np.where(cf == 0, (cm <= room - t.end_b_free) & (cm + ck <= room - t.end_f_free),
-                                np.where(cg == 0, (cm <= room - t.end_b_entry) & (cm + ck <= room - t.end_f_entry),
-                                         (cm <= room - t.end_b) & (cm + ck <= room - t.end_f)))
-            else:
-                fits = (cm <= room - t.end_b) & (cm <= room - t.end_f)
+            fits = _fits_end(t, room, track, cm, ck, cf, cg)
             both, cm, ck, cf, cg, cc, ccode = (a_[fits] for a_ in (both, cm, ck, cf, cg, cc, ccode))
         if track:  # group by what the constraints ahead depend on (f, g only when such tensors exist)
             key = ck * 4 + (cf * 2 if x or x0 else 0) + (cg if x0 else 0)
@@ -232,7 +227,25 @@ def program(modes: Sequence[Tables], n: int, budget: int) -> Optional[list[tuple
             K[size:size + k], F[size:size + k], G[size:size + k] = ck[keep], cf[keep], cg[keep]
         parent[size:size + k], code[size:size + k] = both[keep], ccode[keep]
         offsets.append(size + k)
-    lo, hi = offsets[n], offsets[n + 1]
+    return _backtrack(M, C, parent, code, offsets[n], offsets[n + 1], n, ways)
+
+
+def _fits_end(t: Tables, room: int, track: bool, cm: np.ndarray, ck: np.ndarray, cf: np.ndarray,
+              cg: np.ndarray) -> np.ndarray:
+    """Which states after the last block also fit the ops after the chain: with the shared
+    tensors live unless a segment before was checkpointed (f), the entry ones unless the first
+    segment was (g)."""
+    if track:
+        return np.where(cf == 0, (cm <= room - t.end_b_free) & (cm + ck <= room - t.end_f_free),
+                        np.where(cg == 0, (cm <= room - t.end_b_entry) & (cm + ck <= room - t.end_f_entry),
+                                 (cm <= room - t.end_b) & (cm + ck <= room - t.end_f)))
+    return (cm <= room - t.end_b) & (cm <= room - t.end_f)
+
+
+def _backtrack(M: np.ndarray, C: np.ndarray, parent: np.ndarray, code: np.ndarray, lo: int, hi: int, n: int,
+               ways: int) -> Optional[list[tuple[int, int, int]]]:
+    """The segments of the cheapest final state in [lo, hi) (the fewest FLOPs, then the fewest
+    kept bytes), followed back through the parents; None if there is none."""
     if lo == hi:
         return None
     s = lo + int(np.lexsort((M[lo:hi], C[lo:hi]))[0])

@@ -158,7 +158,7 @@ def rank_gap(g: StepGraph, lv: Liveness, sv: SavedSet, formula: Budget, units: t
     """Rank r's peak (``g``, ``lv``, ``sv``) against ``formula`` (passes/budget.py over the
     single-device step), cause by cause; ``units``: the FSDP units' module paths. ``later``: the
     peak of every step after the first on both sides, where the optimizer states the traced step
-    makes live from the start (passes/budget.py ``later_steps_peak``)."""
+    makes live from the start (passes/later_steps.py ``later_steps_peak``)."""
     saved_sids = {t.sid for t in sv.tensors}
     real_peak, index = later_steps_peak_at(g, lv) if later else (lv.peak_bytes, lv.peak_index)
     live = _later_live(g, lv, index) if later else [t.sid for t in lv.live_at_peak]
@@ -202,7 +202,7 @@ def rank_gap(g: StepGraph, lv: Liveness, sv: SavedSet, formula: Budget, units: t
 
 
 def _later_live(g: StepGraph, lv: Liveness, index: int) -> list[int]:
-    """The storages a later step holds at op ``index`` (passes/budget.py ``later_steps_peak_at``):
+    """The storages a later step holds at op ``index`` (passes/later_steps.py ``later_steps_peak_at``):
     the traced step's live ones, and the optimizer states it makes after that op, which a later
     step holds from its start; largest first."""
     live = [t.sid for t in lv.live_at_peak] if index < 0 else \

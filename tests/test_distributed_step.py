@@ -8,7 +8,7 @@ graphmem traces), with micro-batches reduce-scattered each (FSDP2's default) or 
 WHEN graphmem captures rank r's whole step on fake tensors under the fake process group
 THEN on every rank: the last micro-step's saved bytes and the optimizer states' bytes equal a real
 2-process gloo job's to the byte; the first step's peak and a later step's peak (the states then
-exist before the step: passes/budget.py later_steps_peak) equal the real ones up to the gap the
+exist before the step: passes/later_steps.py later_steps_peak) equal the real ones up to the gap the
 single-device prediction has on the same model in the same phase, as in tests/test_distributed.py:
 in the optimizer step 12 B on the CPU (the for-loop AdamW's ``exp_avg_sq.sqrt() /
 bias_correction2_sqrt`` wraps the Python float in an 8-byte double tensor and copies it to a 4-byte

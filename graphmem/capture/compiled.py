@@ -47,6 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from graphmem.capture.aot_settings import partition_config, unlogged
 from graphmem.capture.autograd_tags import _DONE, _tensors, node_metadata
 from graphmem.capture.cuda_rules import sdpa, select_backend
+from graphmem.capture.dynamo_cache import cache_entries, cache_sizes, compiled_codes
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.partition_record import Partition, recording
 from graphmem.capture.recorder import _Recorder
@@ -259,7 +260,7 @@ class CompiledStep:
         backend = _Backend(names, target, used)
         call = _fresh_call()
         optimized = torch.compile(call, backend=backend, dynamic=False)
-        codes = _cache_sizes()
+        codes = cache_sizes()
         breaks_before = dict(counters["graph_break"])
         mode = FakeTensorMode()
         device = torch.device("cpu")
@@ -320,8 +321,8 @@ class CompiledStep:
 
         self.backend.recorder, self.backend.replaying = None, False
         reset_code(self.call.__code__)
-        for code in _codes():
-            if self._codes_before.get(id(code), 0) == 0 and _entries(code):
+        for code in compiled_codes():
+            if self._codes_before.get(id(code), 0) == 0 and cache_entries(code):
                 reset_code(code)
 
 
@@ -330,28 +331,6 @@ def compiled_context(target: Target) -> Callable[[], Any]:
     choice; dynamo guards on them), and nothing on the CUDA target, whose rules are in the
     graphs (``cuda_graph``) and in the recorder."""
     return forward_context(target, {}) if target.device == "cpu" else contextlib.nullcontext
-
-
-def _codes() -> list[Any]:
-    from torch._dynamo import convert_frame
-
-    out = []
-    for tracker in (convert_frame.input_codes, convert_frame.output_codes):
-        for ref in list(tracker.seen):
-            code = ref()
-            if code is not None:
-                out.append(code)
-    return out
-
-
-def _entries(code: Any) -> int:
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    return len(_debug_get_cache_entry_list(code))
-
-
-def _cache_sizes() -> dict[int, int]:
-    return {id(code): _entries(code) for code in _codes()}
 
 
 def _module_inputs(model: nn.Module, mode: FakeTensorMode, inputs: Any, target: Target) -> dict[str, tuple[int, ...]]:

@@ -201,19 +201,8 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
                 own = nn.ModuleList([s.submod for s in stages])
                 for s in stages:
                     cap.paths[id(s.submod)] = ("",)
-                names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False),
-                                               *model.named_buffers(remove_duplicate=False)]}
-                mine = dict([*own.named_parameters(remove_duplicate=False), *own.named_buffers(remove_duplicate=False)])
-                param_sid: dict[str, int] = {}
-
-                def held(t: torch.Tensor, kind: str, n: str) -> None:
-                    name = names.get(id(mine[n]), n)  # named as in the model
-                    cap.preexisting(t, kind, name)
-                    if kind == "parameter":
-                        param_sid[name] = cap.placeholders[-1].meta["storage"]
-                state, seen = fake_state(own, device, target.param_dtype, held)
+                state, fakes, param_sid = _stage_state(model, own, cap, device, target.param_dtype)
                 # the stage's optimizer, made before the step (its states are made by the step, lazily)
-                fakes = {names.get(id(p), n): seen[id(p)] for n, p in own.named_parameters()}
                 session = Session(dataclasses.replace(train, micro_batches=1), fakes, target.device) \
                     if train is not None and train.optimizer is not None else None
                 root_state = {name: state[f"{k}.{attr}"] for k, s in enumerate(stages)  # the model's code reads them
@@ -230,12 +219,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
                         _rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths():
                     cap.recording = True
                     out = run_schedule(schedule, stages, batch)
-                    marked: dict[str, list[int]] = {}
-                    host_steps = session is not None and target.device == "cuda" and \
-                        resolved_impl(session.step.impl, target.device) != "fused"
-                    mark = marker(cap, param_sid, marked, host_steps)
-                    mark("gradient", [(n, p.grad) for n, p in fakes.items() if p.grad is not None])
-                    grads = list(dict.fromkeys(marked.get("gradient", [])))
+                    mark, grads = _mark_gradients(cap, param_sid, fakes, session, target)
                     del out
                     if session is not None:
                         opt_start = len(cap.ops)
@@ -244,15 +228,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
                 raise
             except Exception as e:
                 raise translate_error(e, cap, type(model).__name__) from e
-        # micro-batches' forwards and backwards interleave: each op keeps its own phase (StageGraph.phase_of);
-        # phase_start says where the first backward begins
-        first_bwd = next((seg.first_op for seg in segments if seg.kind == "backward"), len(cap.ops))
-        starts = {"forward": 0, "loss": first_bwd, "backward": first_bwd, "end": len(cap.ops)}
-        if session is not None:
-            starts = {**starts, "optimizer": opt_start}
-        g = StageGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, starts, target.device, grads,
-                       type(model).__name__, module_order(model), cap.module_inputs, target,
-                       train=session.step if session is not None else None)
+        g = _stage_graph(cap, segments, model, target, grads, session, opt_start if session is not None else None)
         return g, tuple(segments), layout
     finally:
         cap.closed = True
@@ -260,6 +236,53 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
             h.remove()
         for m, was in training:
             m.training = was
+
+
+def _stage_state(model: nn.Module, own: nn.ModuleList, cap: _Recorder, device: torch.device,
+                 dtype: Optional[torch.dtype]) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, int]]:
+    """The stages' own parameters and buffers as fakes, held by the recorder from before the step
+    and named as in the model: the state to run them with, the parameters by name, and each
+    parameter's storage id."""
+    names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False),
+                                   *model.named_buffers(remove_duplicate=False)]}
+    mine = dict([*own.named_parameters(remove_duplicate=False), *own.named_buffers(remove_duplicate=False)])
+    param_sid: dict[str, int] = {}
+
+    def held(t: torch.Tensor, kind: str, n: str) -> None:
+        name = names.get(id(mine[n]), n)  # named as in the model
+        cap.preexisting(t, kind, name)
+        if kind == "parameter":
+            param_sid[name] = cap.placeholders[-1].meta["storage"]
+    state, seen = fake_state(own, device, dtype, held)
+    fakes = {names.get(id(p), n): seen[id(p)] for n, p in own.named_parameters()}
+    return state, fakes, param_sid
+
+
+def _mark_gradients(cap: _Recorder, param_sid: dict[str, int], fakes: dict[str, torch.Tensor],
+                    session: Optional[Session], target: Target
+                    ) -> tuple[Callable[[str, list[tuple[str, torch.Tensor]]], None], list[int]]:
+    """Mark the stage's gradients after the schedule ran; the marker (for the optimizer step) and
+    the gradients' storage ids."""
+    marked: dict[str, list[int]] = {}
+    host_steps = session is not None and target.device == "cuda" and \
+        resolved_impl(session.step.impl, target.device) != "fused"
+    mark = marker(cap, param_sid, marked, host_steps)
+    mark("gradient", [(n, p.grad) for n, p in fakes.items() if p.grad is not None])
+    return mark, list(dict.fromkeys(marked.get("gradient", [])))
+
+
+def _stage_graph(cap: _Recorder, segments: list[Segment], model: nn.Module, target: Target, grads: list[int],
+                 session: Optional[Session], opt_start: Optional[int]) -> StageGraph:
+    """The recorded stage step as a graph; ``opt_start``: the first op of the optimizer step, if it ran."""
+    # micro-batches' forwards and backwards interleave: each op keeps its own phase (StageGraph.phase_of);
+    # phase_start says where the first backward begins
+    first_bwd = next((seg.first_op for seg in segments if seg.kind == "backward"), len(cap.ops))
+    starts = {"forward": 0, "loss": first_bwd, "backward": first_bwd, "end": len(cap.ops)}
+    if opt_start is not None:  # (the optimizer step ran)
+        starts = {**starts, "optimizer": opt_start}
+    return StageGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, starts, target.device, grads,
+                      type(model).__name__, module_order(model), cap.module_inputs, target,
+                      train=session.step if session is not None else None)
 
 
 def _consts(model: nn.Module, layout: Layout, batch: torch.Tensor, plan: Pipeline, dtype: Optional[torch.dtype],

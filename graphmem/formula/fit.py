@@ -59,24 +59,7 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
     symbols = [sympy.Symbol(n) for n in names]
 
     # 1. degree of each variable, at depth 2 when there is a chain
-    degrees, steps, grids, peak_degrees = [], [], [], []
-    for i, name in enumerate(names):
-        for step in STEPS:
-            values = _probe_values(base_point[i], step)
-            points = [base_point[:i] + (v,) + base_point[i + 1:] for v in values]
-            act = [sampler(p, k2).activation for p in points]
-            deg = degree_of(act)
-            if deg is not None:
-                break
-        else:
-            raise NotPolynomialError(
-                f"activation bytes are not a polynomial in {name} (input dimension {sampler.dims[i]}): "
-                f"samples at {name}={values} give {act}; the model pads, rounds or branches on it, so "
-                "graphmem prints no formula (analyze each size instead)")
-        degrees.append(deg)
-        steps.append(step)
-        grids.append(values)
-        peak_degrees.append(_timeline_degree([sampler(p, k2) for p in points]))
+    degrees, steps, grids, peak_degrees = _degrees(sampler, names, base_point, k2)
 
     # 2. interpolate on the grid (depth 2 and 3 for a chain)
     def poly_of(depth: Optional[int], attr: str, degs: list[int]) -> sympy.Expr:
@@ -95,12 +78,7 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
     # 3. held-out captures at full depth
     held = _held_out(base_point, steps, grids, checks, bounds or {})
     measured = {p: sampler(p) for p in held}
-    bad = mismatches(activation, symbols, {p: s.activation for p, s in measured.items()})
-    if bad:
-        p, m, pred = bad[0]
-        raise NotPolynomialError(
-            f"activation bytes are not one polynomial over the sampled range: at {dict(zip(names, p))} "
-            f"a capture gives {m} B, the fitted polynomial {pred} B; graphmem prints no formula")
+    _check_held_out(activation, symbols, names, measured)
     if None in peak_degrees:
         peak, peak_note = None, "the live bytes of some op are not a polynomial in the input size; use captures"
     else:
@@ -135,6 +113,43 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
     if h is None:
         h, note = 1, "n_heads not found in the attention shapes: beta is per b*s**2 (pass --heads)"
     return Coefficients(**coeffs, d_model=d, n_heads=h, split=split_block(block_terms, d, h, gamma), note=note)
+
+
+def _degrees(sampler: Sampler, names: tuple[str, ...], base_point: tuple[int, ...], depth: Optional[int]
+             ) -> tuple[list[int], list[int], list[list[int]], list[Optional[int]]]:
+    """Per variable, the activation's degree, the probe step that found it (consecutive sizes,
+    else multiples of 32), the probed values and the degree of the live-bytes timeline; captures
+    at ``depth`` blocks."""
+    degrees, steps, grids, peak_degrees = [], [], [], []
+    for i, name in enumerate(names):
+        for step in STEPS:
+            values = _probe_values(base_point[i], step)
+            points = [base_point[:i] + (v,) + base_point[i + 1:] for v in values]
+            act = [sampler(p, depth).activation for p in points]
+            deg = degree_of(act)
+            if deg is not None:
+                break
+        else:
+            raise NotPolynomialError(
+                f"activation bytes are not a polynomial in {name} (input dimension {sampler.dims[i]}): "
+                f"samples at {name}={values} give {act}; the model pads, rounds or branches on it, so "
+                "graphmem prints no formula (analyze each size instead)")
+        degrees.append(deg)
+        steps.append(step)
+        grids.append(values)
+        peak_degrees.append(_timeline_degree([sampler(p, depth) for p in points]))
+    return degrees, steps, grids, peak_degrees
+
+
+def _check_held_out(activation: sympy.Expr, symbols: list[sympy.Symbol], names: tuple[str, ...],
+                    measured: dict[tuple[int, ...], Sample]) -> None:
+    """The fitted activation polynomial must give every held-out capture's bytes exactly."""
+    bad = mismatches(activation, symbols, {p: s.activation for p, s in measured.items()})
+    if bad:
+        p, m, pred = bad[0]
+        raise NotPolynomialError(
+            f"activation bytes are not one polynomial over the sampled range: at {dict(zip(names, p))} "
+            f"a capture gives {m} B, the fitted polynomial {pred} B; graphmem prints no formula")
 
 
 def _timeline_degree(samples: list[Sample]) -> Optional[int]:

@@ -55,21 +55,8 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
     names = [path for path, _ in chain_blocks(model, chain.path)][:k]
     # one (found roles, fixed pieces, starting level) per micro-step traced: the first, and
     # the second standing for every later one (graphmem/training/loop.py traces two)
-    captured: list[tuple[str, Any, Cut]] = []
     disagree: list[str] = []
-    for n, (what, ck) in enumerate(_plans(k)):
-        try:
-            with truncated(model, chain, k if k < chain.length else None), \
-                    apply_segments(model, chain.path, ck, [policy] * len(ck) if policy is not None else None):
-                g = capture_at()
-        except GraphmemError as e:
-            if n < 2:  # no checkpoints, every block: the roles every plan needs
-                raise
-            # a plan that cannot run (longer segments of blocks the parent does not call as
-            # x = block(x, ...)): its roles stay unmeasured, and the program never uses them
-            disagree.append(f"the plan '{what}' could not be captured ({e})")
-            continue
-        captured.append((what, segments_of(k, ck), Cut(g, names)))
+    captured = _captures(model, chain, capture_at, k, names, policy, disagree)
     counts = {len(cut.windows()) for _, _, cut in captured}
     if len(counts) != 1:
         raise PlanError("the step ran a different number of micro-steps when its blocks were checkpointed")
@@ -113,6 +100,34 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
         if made[1].base != level_after(made[0]):
             disagree.append("the second micro-step does not start where the first ends")
         costs = replace(costs, later=made[1], micro_steps=micro_steps)
+    return _checked(costs, peaks, disagree)
+
+
+def _captures(model: nn.Module, chain: Chain, capture_at: Any, k: int, names: list[str], policy: Any,
+              disagree: list[str]) -> list[tuple[str, Any, Cut]]:
+    """Each of ``_plans(k)`` captured on the chain truncated to k blocks: (plan, its segments,
+    the capture cut at block boundaries). A plan that cannot run is left out, its reason added
+    to ``disagree``."""
+    captured: list[tuple[str, Any, Cut]] = []
+    for n, (what, ck) in enumerate(_plans(k)):
+        try:
+            with truncated(model, chain, k if k < chain.length else None), \
+                    apply_segments(model, chain.path, ck, [policy] * len(ck) if policy is not None else None):
+                g = capture_at()
+        except GraphmemError as e:
+            if n < 2:  # no checkpoints, every block: the roles every plan needs
+                raise
+            # a plan that cannot run (longer segments of blocks the parent does not call as
+            # x = block(x, ...)): its roles stay unmeasured, and the program never uses them
+            disagree.append(f"the plan '{what}' could not be captured ({e})")
+            continue
+        captured.append((what, segments_of(k, ck), Cut(g, names)))
+    return captured
+
+
+def _checked(costs: ChainCosts, peaks: list[tuple[str, Any, int]], disagree: list[str]) -> ChainCosts:
+    """The costs, marked inexact (with the first problem) unless they pass ``ChainCosts.check``
+    and the stitched peak of every captured plan equals its captured peak."""
     try:
         costs.check()
     except PassError as e:

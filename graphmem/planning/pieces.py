@@ -30,7 +30,7 @@ class Cut:
         self.base = 0
         for s in g.storages.values():  # as passes/liveness.py: live during op i if created <= i <= freed
             # every step after the first holds the optimizer states from its start: plans are
-            # for those steps (passes/budget.py, later_steps_peak), so the states count as made before
+            # for those steps (passes/later_steps.py, later_steps_peak), so the states count as made before
             if s.created < 0 or s.kind == "optimizer state":
                 if s.freed is not None and s.freed < 0:
                     continue

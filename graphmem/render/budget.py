@@ -91,21 +91,7 @@ def render_budget(b: Any) -> str:
                      f"packed (2 per byte; the parameter counts above count a packed byte as one) + "
                      f"{fmt_bytes(q.state_bytes)} of block scales and codes (in buffers); each matmul dequantizes its "
                      "weight to the compute dtype inside bitsandbytes' gemm_4bit (its scratch, in temporaries)")
-    if r.peak_index >= 0:
-        module = f", module {r.peak_module}" if r.peak_module else ""
-        lines.append(f"why the peak: op {r.peak_index} ({r.peak_phase}: {r.peak_op}{module}) is {_WHY.get(r.peak_phase, r.peak_phase)}")
-        live = [f"{row.name} {fmt_bytes(row.at_peak)}" for row in r.rows if row.at_peak]
-        lines.append("  live there: " + " + ".join(live) + f" = {fmt_bytes(r.peak_bytes)}")
-        if r.top_temporaries:
-            lines.append("  largest temporaries, by the op that made them: "
-                         + ", ".join(f"{name} {fmt_bytes(v)}" for name, v in r.top_temporaries))
-        for t in b.spike[:3]:
-            if t.nbytes * 100 < r.peak_bytes:  # under 1 % of the peak: not what makes it
-                break
-            freed = (f"the last freed after op {t.last_freed} ({t.freed_by}, {t.freed_phase})"
-                     if t.last_freed is not None else "alive when the step ends")
-            lines.append(f"  {t.made_by}: {fmt_bytes(t.nbytes)} in {t.count} tensor{'s' if t.count > 1 else ''}, "
-                         f"made from op {t.first_made} ({t.phase}), {freed}")
+    lines += _why_peak(b)
     if p.tp > 1:
         lines.append(f"tensor parallel: {r.tp_split[0]} column-parallel and {r.tp_split[1]} row-parallel linear ops "
                      "found in the graph; their outputs up to the row-parallel linear are split over the ranks")
@@ -115,3 +101,27 @@ def render_budget(b: Any) -> str:
                      f"micro-steps 3..{k - 1} repeat micro-step 2 (same live tensors), so {traced} are traced: the last "
                      "one reduce-scatters the accumulated gradients (set_requires_gradient_sync)")
     return "\n".join(lines) + "\n"
+
+
+def _why_peak(b: Any) -> list[str]:
+    """Why the peak is where it is: the op and its phase, the rows live there, the largest
+    temporaries, and the tensors that make the peak (none when the step has no ops)."""
+    r = b.rank
+    if r.peak_index < 0:
+        return []
+    lines: list[str] = []
+    module = f", module {r.peak_module}" if r.peak_module else ""
+    lines.append(f"why the peak: op {r.peak_index} ({r.peak_phase}: {r.peak_op}{module}) is {_WHY.get(r.peak_phase, r.peak_phase)}")
+    live = [f"{row.name} {fmt_bytes(row.at_peak)}" for row in r.rows if row.at_peak]
+    lines.append("  live there: " + " + ".join(live) + f" = {fmt_bytes(r.peak_bytes)}")
+    if r.top_temporaries:
+        lines.append("  largest temporaries, by the op that made them: "
+                     + ", ".join(f"{name} {fmt_bytes(v)}" for name, v in r.top_temporaries))
+    for t in b.spike[:3]:
+        if t.nbytes * 100 < r.peak_bytes:  # under 1 % of the peak: not what makes it
+            break
+        freed = (f"the last freed after op {t.last_freed} ({t.freed_by}, {t.freed_phase})"
+                 if t.last_freed is not None else "alive when the step ends")
+        lines.append(f"  {t.made_by}: {fmt_bytes(t.nbytes)} in {t.count} tensor{'s' if t.count > 1 else ''}, "
+                     f"made from op {t.first_made} ({t.phase}), {freed}")
+    return lines
