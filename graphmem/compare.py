@@ -74,7 +74,7 @@ def load_json_report(path: Union[str, "os.PathLike[str]"]) -> Report:
         raise UsageError(f"no such file: {os.fspath(path)}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UsageError(f"{os.fspath(path)} is not a JSON report ({type(e).__name__}: {e}); write one with "
-                         "`graphmem analyze MODEL --input-shape SHAPE --json > FILE`") from None
+                         "json.dump(report.to_dict(), file) (`json` on the command line)") from None
     _checked(data, os.fspath(path))
     try:
         return Report.from_dict(data)
@@ -86,7 +86,7 @@ def _checked(data: Any, label: str) -> dict[str, Any]:
     missing = [k for k in REQUIRED if not isinstance(data, dict) or k not in data]
     if missing:
         raise UsageError(f"{label} is not a graphmem JSON report (no {', '.join(missing)}); write one with "
-                         "`graphmem analyze MODEL --input-shape SHAPE --json > FILE`")
+                         "json.dump(report.to_dict(), file) (`json` on the command line)")
     return data
 
 

@@ -25,8 +25,8 @@ def no_source(scope: object = None) -> UsageError:
     if describe is None:
         return UsageError("this report has no model to capture again (built by hand)")
     return UsageError(f"this report is {describe()}: plans, formulas, budget sweeps and advice capture the "
-                      "single-device step again, so analyze without --rank/--fsdp/--tp/--pp for them "
-                      "(--zero, --fsdp full and --tp without --rank give the per-rank formulas)")
+                      "single-device step again, so analyze without `rank`/`fsdp`/`tp`/`pp` for them "
+                      "(`zero`, `fsdp='full'` and `tp` without `rank` give the per-rank formulas)")
 
 
 class ModelLoadError(UsageError):

@@ -270,12 +270,12 @@ class Report:
         ask to analyze the model again."""
         if not isinstance(d, dict) or "exact" not in d:
             raise UsageError("not a JSON report written by this graphmem (no \"exact\" key): write it again with "
-                             "Report.to_dict() (graphmem analyze ... --json)")
+                             "Report.to_dict() (`json` on the command line)")
         try:
             return Report._from_dict(d)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UsageError(f"not a complete graphmem JSON report ({type(e).__name__}: {e}): write it again with "
-                             "Report.to_dict() (graphmem analyze ... --json)") from None
+                             "Report.to_dict() (`json` on the command line)") from None
 
     @staticmethod
     def _from_dict(d: dict[str, Any]) -> "Report":

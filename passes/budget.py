@@ -81,11 +81,11 @@ def make_parallel(world_size: int = 1, zero: int = 0, fsdp: Optional[str] = None
     if fsdp not in (None, "full", "grad-op"):
         raise UsageError(f"unknown FSDP strategy {fsdp!r}: use full or grad-op")
     if zero and fsdp:
-        raise UsageError("--zero and --fsdp are two ways to shard the same states: give one")
+        raise UsageError("`zero` and `fsdp` are two ways to shard the same states: give one")
     if world_size % tp:
-        raise UsageError(f"--world-size {world_size} is not a multiple of --tp {tp}: world = data parallel x tensor parallel")
+        raise UsageError(f"`world_size={world_size}` is not a multiple of `tp={tp}`: world = data parallel x tensor parallel")
     if sp and tp == 1:
-        raise UsageError("--sp splits the sequence over the tensor-parallel ranks: add --tp 2 (or more)")
+        raise UsageError("`sp` splits the sequence over the tensor-parallel ranks: add `tp=2` (or more)")
     return Parallel(world_size, zero, fsdp, tp, sp)
 
 

@@ -204,3 +204,29 @@ def test_functions_and_files_are_short() -> None:
                         and _body_lines(node) > MAX_BODY:
                     over.append(f"{rel}:{node.name}: {_body_lines(node)} lines")
     assert not over, "over the size rule (split them):\n" + "\n".join(over)
+
+
+_FLAG = re.compile(r"(?<![\w`-])--[a-z][a-z-]+")
+_ERRORS = {"UsageError", "CaptureError", "ModelLoadError", "GraphmemError", "DataDependentError", "UnsupportedOpError",
+           "PassError", "ValidationError", "PlanError", "NotPolynomialError"}
+
+
+def _flags_in_errors(tree: ast.AST) -> list[str]:
+    """CLI flags (``--name``) in the strings of raise statements and error constructions."""
+    found = []
+    for node in ast.walk(tree):
+        is_error = isinstance(node, ast.Raise) or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                                                     and node.func.id in _ERRORS)
+        if is_error:
+            for c in ast.walk(node):
+                if isinstance(c, ast.Constant) and isinstance(c.value, str):
+                    found += [f"{c.lineno}: {m}" for m in _FLAG.findall(c.value)]
+    return found
+
+
+def test_library_errors_name_api_options_not_cli_flags() -> None:
+    """The library's errors speak of the API (``micro_batches=2``, in backticks); graphmem/cli/flags.py
+    turns them into flags for the command line, in one table."""
+    bad = {name: hits for name, path in _modules().items() if not name.startswith("graphmem.cli")
+           for hits in [_flags_in_errors(ast.parse(path.read_text()))] if hits}
+    assert not bad, "CLI flags in library errors: " + "; ".join(f"{n} {h}" for n, h in sorted(bad.items()))

@@ -192,7 +192,7 @@ def measure(report: Analysis, policy: Any = None) -> tuple[ChainCosts, int]:
     if getattr(report.target, "mode", "eager") == "compiled":
         raise PlanError("checkpoint plans are made for eager steps: under torch.compile the partitioner already "
                         "chooses what to recompute (the report lists it); to trade recompute for memory there, sweep "
-                        "its activation memory budget (--memory-budget 1,0.8,0.5,0.2), or plan with --mode eager")
+                        "its activation memory budget (`memory_budget=1,0.8,0.5,0.2`), or plan with `mode='eager'`")
     micro = source.train.micro_batches if source.train is not None else 1
     model = source.module
     chain = find_chain(model)  # identical blocks (captured at depth 4), unless unlike ones make a longer chain
@@ -203,7 +203,7 @@ def measure(report: Analysis, policy: Any = None) -> tuple[ChainCosts, int]:
         raise PlanError(f"{report.model} has no chain of blocks to checkpoint (an nn.ModuleList/Sequential of >= 2 "
                         "modules, or several run one after another)" if policy is None else
                         f"{report.model} has no chain of identical blocks (an nn.ModuleList/Sequential of >= 2 like "
-                        "modules): selective plans apply one policy to every block; plan without --selective")
+                        "modules): selective plans apply one policy to every block; plan without `selective`")
     capture_at = source.capture
     # plans are for every step: after the first, the optimizer states live from the start
     step, lv = captured(report)

@@ -112,10 +112,10 @@ def make_train_step(optimizer: Optional[str] = None, impl: str = "auto", master_
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise UsageError(f"micro-batches must be a positive integer, got {micro_batches!r}")
     if master_weights and optimizer is None:
-        raise UsageError("--master-weights keeps an fp32 copy for the optimizer: add --optimizer adam (or another)")
+        raise UsageError("`master_weights` keeps an fp32 copy for the optimizer: add `optimizer='adam'` (or another)")
     if master_weights and dtype not in ("bf16", "fp16"):
-        raise UsageError("--master-weights needs 16-bit parameters: add --dtype bf16 or --dtype fp16 "
-                         "(with --amp the parameters are already fp32)")
+        raise UsageError("`master_weights` needs 16-bit parameters: add `dtype='bf16'` or `dtype='fp16'` "
+                         "(with `amp` the parameters are already fp32)")
     check_loop_options(optimizer, micro_batches, master_weights, release_output, clip_grad_norm, clip_foreach,
                        optimizer_in_backward, offload_activations)
     return TrainStep(optimizer, impl, master_weights, micro_batches, release_output=release_output,
@@ -144,7 +144,7 @@ class Session:
         targets = list((self.masters or self.params).values())
         if not targets:
             raise UsageError("no parameter requires grad, so the optimizer has nothing to update; "
-                             "unfreeze some parameters or drop --optimizer")
+                             "unfreeze some parameters or drop `optimizer`")
         if step.optimizer_in_backward:
             self.in_backward = InBackward(step.optimizer, step.impl, self.params, device)
         else:

@@ -36,9 +36,9 @@ def check_optimizer(name: Optional[str], impl: str) -> None:
     if impl not in IMPLS:
         raise UsageError(f"unknown optimizer implementation {impl!r}: use one of {', '.join(IMPLS)}")
     if name is None and impl != "auto":
-        raise UsageError(f"--optimizer-impl {impl} needs an optimizer: add --optimizer adam (or sgd, momentum, adamw, adafactor)")
+        raise UsageError(f"`optimizer_impl={impl}` needs an optimizer: add `optimizer='adam'` (or sgd, momentum, adamw, adafactor)")
     if impl == "fused" and name not in _FUSED:
-        raise UsageError(f"torch.optim has no fused {name}; use --optimizer-impl foreach or forloop")
+        raise UsageError(f"torch.optim has no fused {name}; use `optimizer_impl='foreach'` or forloop")
 
 
 def resolved_impl(impl: str, device: str) -> str:

@@ -79,8 +79,8 @@ def prepare(module: nn.Module, training: Training,
         model = meta_copy(module).to(dtype)
         return apply_lora(model, training.lora, inplace=True)
     if not is_hf_model(module):
-        raise UsageError(f"--qlora runs the QLoRA recipe (transformers' bitsandbytes integration, peft's adapters) on a "
-                         f"Hugging Face model; {type(module).__name__} is a plain nn.Module: drop --qlora")
+        raise UsageError(f"`qlora` runs the QLoRA recipe (transformers' bitsandbytes integration, peft's adapters) on a "
+                         f"Hugging Face model; {type(module).__name__} is a plain nn.Module: drop `qlora`")
     model = meta_copy(module)
     quantize(model, training.quantization, dtype)
     return apply_lora(model, training.lora, inplace=True)
