@@ -93,7 +93,7 @@ def capture(
             compiled = CompiledStep.trace(model, inputs, loss_fn, target, backends)
         with fake_mode:
             state, seen = fake_state(model, device, dtype, cap.preexisting)
-            fake_inputs = fake_batch(inputs, fake_mode, device, dtype)
+            fake_inputs = fake_batch(inputs, fake_mode, device, dtype, fake_mode.values)
             for name, x in fake_inputs.named():
                 if isinstance(x, torch.Tensor):
                     cap.preexisting(x, "input", name)
@@ -127,7 +127,7 @@ def capture(
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                     _reparametrize_module(model, state, tie_weights=True, strict=False), \
                     _rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
-                    segment_scope(cap.recompute_scope), real_paths():
+                    segment_scope(cap.recompute_scope), real_paths(fake_mode.values):
                 cap.recording = True
                 context = forward_context(target, backends, cap.clearing_cache) if compiled is None \
                     else compiled_context(target)

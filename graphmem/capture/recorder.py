@@ -29,6 +29,7 @@ from graphmem.capture.autograd_tags import (
     node_metadata,
 )
 from graphmem.capture.subclasses import all_real, inner_tensors, wrapped
+from graphmem.capture.values import NO_ANSWER, Values
 from graphmem.capture.workspace import WORKSPACE_OUTPUTS, kernel_rule, scratch
 from graphmem.stepgraph import OpNode, SaveEvent, Storage
 
@@ -67,8 +68,19 @@ class _Mode(FakeTensorMode):
     def __init__(self, rec: "_Recorder") -> None:
         super().__init__(allow_non_fake_inputs=False)
         self.rec = rec
+        self.values = Values()  # the batch's values (graphmem/capture/values.py)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        answer = self.values.read(func, args, kwargs)
+        if answer is not NO_ANSWER:  # a data-dependent read of the batch: the real step's answer
+            return answer
+        if self.rec.depth or self.rec.real_bookkeeping:
+            return self._dispatch(func, types, args, kwargs)
+        out = self._dispatch(func, types, args, kwargs)
+        self.values.propagate(func, args, kwargs, out)
+        return out
+
+    def _dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         rec = self.rec
         if rec.real_bookkeeping and all_real(args, kwargs):  # while wrappers are set up: ops on real tensors (a
             with unset_fake_temporarily():  # DeviceMesh's rank layout when FSDP composes with TP) run for real
