@@ -11,6 +11,7 @@ import torch.nn as nn
 from graphmem.capture.capture import capture
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.hf import batch as hf_inputs
+from graphmem.capture.hf_batch import settings as hf_settings
 from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.target import Target, make_target
@@ -142,10 +143,12 @@ def analyze(
         if not isinstance(model, nn.Module):
             raise UsageError(f"model must be an nn.Module, a model file or a preset name, not {type(model).__name__}")
         hf_batch = None
-        if is_hf_model(model):  # --input-shape makes the batch its forward takes (graphmem/capture/hf.py)
-            length = hf.decoder_length if hf is not None else None
-            hf_batch = lambda shape: hf_inputs(model, shape, length)  # noqa: E731
-        loaded = Loaded(type(model).__name__, model, hf_batch, None)
+        settings: dict[str, str] = {}
+        if is_hf_model(model):  # --input-shape makes the batch its forward takes (graphmem/capture/hf_batch.py)
+            o = hf or HFOptions()
+            hf_batch = lambda shape: hf_inputs(model, shape, o.decoder_length, o.padding, o.use_cache)  # noqa: E731
+            settings = hf_settings(model, o.padding, o.use_cache)
+        loaded = Loaded(type(model).__name__, model, hf_batch, None, batch_settings=settings)
     if inputs is None:
         if input_shape is None:
             raise UsageError("no inputs: pass example inputs or input_shape=(batch, ...) / --input-shape 32x1024")
@@ -164,16 +167,16 @@ def analyze(
     if pp != 1 or schedule != "1f1b":  # rank r's stage under torch's pipeline schedules (graphmem/distributed/pipeline.py)
         training = training or make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
                                              lora_targets, world_size, zero, fsdp, tp, sp)
-        return _pipeline_stage(loaded, make, loss_fn, target, training, make_pipeline(
-            pp, rank if rank is not None else 0, schedule, training.train.micro_batches))
+        return _made(_pipeline_stage(loaded, make, loss_fn, target, training, make_pipeline(
+            pp, rank if rank is not None else 0, schedule, training.train.micro_batches)), loaded, inputs)
     if wants_wrappers(rank, fsdp, reshard_after_forward, fsdp_param_dtype, fsdp_reduce_dtype, fsdp_offload, fsdp_no_sync,
                       loss_parallel):
         training = training or make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
                                              lora_targets, quantization="nf4" if qlora else None)
         sharding = make_sharding(world_size, rank or 0, fsdp == "fully_shard", reshard_after_forward, fsdp_param_dtype,
                                  fsdp_reduce_dtype, fsdp_offload, tp, sp, fsdp_no_sync, training, loss_parallel)
-        return _per_rank(loaded.name, loaded.module, make, loss_fn, target, sharding, bool(zero) or fsdp in ("full", "grad-op"),
-                         training, reuse)
+        return _made(_per_rank(loaded.name, loaded.module, make, loss_fn, target, sharding,
+                               bool(zero) or fsdp in ("full", "grad-op"), training, reuse), loaded, inputs)
     if training is None:
         training = make_training(dtype, optimizer, optimizer_impl, master_weights, micro_batches, lora_rank,
                                  lora_targets, world_size, zero, fsdp, tp, sp, quantization="nf4" if qlora else None)
@@ -198,7 +201,15 @@ def analyze(
                           budget=step.budget)
     if target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
         report = _beside_eager(report, loaded.module, make, loss_fn, step.eager if step.module is loaded.module else None)
-    return report
+    return _made(report, loaded, inputs)
+
+
+def _made(report: Report, loaded: Loaded, inputs: Any) -> Report:
+    """``report`` naming the choices graphmem made in the batch it built for an input shape
+    (a Hugging Face model's padding and use_cache: graphmem/capture/hf_batch.py)."""
+    if inputs is not None or not loaded.batch_settings:
+        return report
+    return dataclasses.replace(report, batch=dict(loaded.batch_settings))
 
 
 def _pipeline_stage(loaded: Loaded, inputs: Any, loss_fn: Optional[LossFn], target: Target, training: Training,

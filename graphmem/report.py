@@ -55,6 +55,7 @@ class Report:
     budget: Any = None  # graphmem.training.spec.StepBudget: optimizer, precision, LoRA, per-rank budget
     compiled: Any = None  # compiled mode: passes.modes.ModeComparison (eager beside compiled)
     sharding: Optional[RankScope] = None  # the rank this report is (a per-rank or pipeline-stage capture)
+    batch: dict[str, str] = field(default_factory=dict)  # choices in the batch graphmem made (hf_batch.settings)
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # graphmem.recapture.Recapture: capture again
@@ -201,6 +202,7 @@ class Report:
             "target": {**(self.target.to_dict() if self.target is not None else {"device": self.device}),
                        "attention_backends": dict(self.attention_backends)},
             "input_shapes": [list(s) for s in self.input_shapes],
+            **({"batch": dict(self.batch)} if self.batch else {}),
             "loss": self.loss,
             "activation_bytes": self.activation_bytes,
             "peak_bytes": self.peak_bytes,

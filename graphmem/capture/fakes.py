@@ -75,11 +75,13 @@ def fake_batch(inputs: "Inputs", fake_mode: FakeTensorMode, device: torch.device
     """The step's inputs (a tuple, dict or ``(args, kwargs)``: graphmem/training/batch.py) as
     fake tensors of ``fake_mode`` (run under it); ``values`` keeps the real tensors' values
     beside their fakes (graphmem/capture/values.py)."""
-    with torch.device(device):
+    with torch.device(device), values.making_batch() if values is not None else contextlib.nullcontext():
         raw = inputs() if callable(inputs) and not isinstance(inputs, Batch) else inputs
 
     def fake(x: torch.Tensor) -> torch.Tensor:
         if fake_mode is getattr(x, "fake_mode", None) and (dtype is None or not x.is_floating_point()):
+            if values is not None:
+                values.admit(x)
             return x
         made = _fake_like(x, device, dtype)
         if values is not None:

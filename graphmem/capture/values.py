@@ -10,7 +10,8 @@ on a tiny Qwen2). graphmem is handed the user's real batch, so it keeps the valu
 - an op whose tensor inputs all have values (a factory op has none) and whose outputs are
   small (at most ``limit`` elements: the largest batch tensor, or 2**20) runs for real on
   those values (``propagate``), so ``mask.bool()``, ``mask[:, :s]``, ``mask.sum() == n`` carry
-  theirs; seeded random ops (``randint``, dropout) do not: their values are the run's own;
+  theirs; seeded random ops (``randint``, dropout) and uninitialized ones (``empty``: the fake
+  parameters are made so) do not;
 - a read of a value (``.item()``, ``bool(t)``: ``aten._local_scalar_dense``; ``torch.equal``)
   on a tensor with a value returns the real answer (``read``); without one the fake mode
   raises as before (graphmem/capture/fakes.py says which call to change);
@@ -60,6 +61,21 @@ class Values:
         self.limit = max(self.limit, value.numel())
         setattr(fake, VALUE, value)
 
+    @contextlib.contextmanager
+    def making_batch(self) -> Iterator[None]:
+        """Within: the batch is made under the fake mode (``torch.ones(b, s)`` for a mask), so
+        every deterministic op gets its value, whatever its size."""
+        limit, self.limit = self.limit, sys.maxsize
+        try:
+            yield
+        finally:
+            self.limit = limit
+
+    def admit(self, fake: torch.Tensor) -> None:
+        """``fake``, made under the fake mode, is a batch tensor: tensors of its size are small."""
+        if self.of(fake) is not None:
+            self.limit = max(self.limit, fake.numel())
+
     def of(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """The real value of ``t`` (a fake tensor's, or a real constant itself), or None."""
         if not isinstance(t, FakeTensor):
@@ -83,7 +99,7 @@ class Values:
         """Give ``out`` the values ``func`` makes from its inputs' values, when it can."""
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         real = None
-        if outs and torch.Tag.nondeterministic_seeded not in func.tags and \
+        if outs and torch.Tag.nondeterministic_seeded not in func.tags and "empty" not in func.__name__ and \
                 all(o.numel() <= self.limit for o in outs):
             real = self._reals(args, kwargs)
         if real is None:
