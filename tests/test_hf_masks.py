@@ -139,7 +139,8 @@ def test_header_and_json_name_padding_and_use_cache() -> None:
 def test_cli_padding_and_use_cache_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from graphmem import cli
 
-    _model("llama").config.save_pretrained(tmp_path)
+    config: Any = _model("llama").config
+    config.save_pretrained(tmp_path)
     code = cli.main(["analyze", str(tmp_path), "--input-shape", "2x16", "--padding", "first-token",
                      "--use-cache", "on", "--json"])
     out = capsys.readouterr().out
