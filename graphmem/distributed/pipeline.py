@@ -191,7 +191,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
             m.training = True
         with fake_group(plan.rank, plan.pp), _works_hold_tensors():
             with mode:
-                batch = as_batch(fake_batch(inputs, mode, device, target.param_dtype).given).tensors()[0]
+                batch = as_batch(fake_batch(inputs, mode, device, target.param_dtype, mode.values).given).tensors()[0]
                 consts = _consts(model, layout, batch, plan, target.param_dtype, context)
                 for i, t in enumerate(_tensors(consts)):  # held by the stage from before the step
                     cap.preexisting(t, "external", f"stage constant {i} (the first block's inputs)")
@@ -226,7 +226,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
                 with mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                         _reparametrize_module(own, state, tie_weights=True, strict=False), \
                         _reparametrize_module(model, root_state, strict=False), \
-                        _rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths():
+                        _rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(mode.values):
                     cap.recording = True
                     out = run_schedule(schedule, stages, batch)
                     marked: dict[str, list[int]] = {}
