@@ -171,3 +171,22 @@ def test_a_read_of_a_tensor_without_values_still_fails_as_before() -> None:
     assert graphmem.analyze(Reads(), (x, m)).activation_bytes == measure_peak(Reads(), (x, m)).saved_bytes
     with pytest.raises(graphmem.GraphmemError, match="reads tensor values"):
         graphmem.analyze(Reads(), (x.to("meta"), m.to("meta")))
+
+
+def test_a_value_written_from_the_model_is_not_read_stale() -> None:
+    """A batch tensor overwritten in place from a parameter's output loses its value: its read is
+    refused (one line), never answered from the batch's old values."""
+
+    class Writes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            m = m.clone()
+            m[0] = self.lin(x)[0] > 0  # values the fake run does not have
+            return self.lin(x) if bool(m.all()) else self.lin(x) * m
+
+    x, m = torch.randn(2, 4), torch.ones(2, 4)
+    with pytest.raises(graphmem.GraphmemError, match="reads tensor values"):
+        graphmem.analyze(Writes(), (x, m))

@@ -8,7 +8,7 @@ on a tiny Qwen2). graphmem is handed the user's real batch, so it keeps the valu
 
 - each real tensor of the batch keeps its value beside its fake (``attach``);
 - an op whose tensor inputs all have values (a factory op has none) and whose outputs are
-  small (at most ``limit`` elements: the largest batch tensor, or 2**20) runs for real on
+  small (at most ``limit`` elements: the largest integer batch tensor, or 2**20) runs for real on
   those values (``propagate``), so ``mask.bool()``, ``mask[:, :s]``, ``mask.sum() == n`` carry
   theirs; seeded random ops (``randint``, dropout) and uninitialized ones (``empty``: the fake
   parameters are made so) do not;
@@ -54,11 +54,11 @@ class Values:
         if not isinstance(real, torch.Tensor) or isinstance(real, FakeTensor) or real.device.type == "meta" \
                 or type(real) is not torch.Tensor and not isinstance(real, torch.nn.Parameter):
             return
+        if tuple(real.shape) != tuple(fake.shape) or real.dtype != fake.dtype and real.numel() > self.limit:
+            return  # a large floating batch cast to the target's dtype: no copy of it
         with unset_fake_temporarily():
             value = real.detach().to("cpu", fake.dtype)
-        if tuple(value.shape) != tuple(fake.shape):
-            return
-        self.limit = max(self.limit, value.numel())
+        self._admit(value)
         setattr(fake, VALUE, value)
 
     @contextlib.contextmanager
@@ -72,9 +72,15 @@ class Values:
             self.limit = limit
 
     def admit(self, fake: torch.Tensor) -> None:
-        """``fake``, made under the fake mode, is a batch tensor: tensors of its size are small."""
+        """``fake``, made under the fake mode, is a batch tensor."""
         if self.of(fake) is not None:
-            self.limit = max(self.limit, fake.numel())
+            self._admit(fake)
+
+    def _admit(self, t: torch.Tensor) -> None:
+        """Tensors the size of an integer batch tensor (ids, a mask) are small; floating ones
+        (pixels, features) do not raise the limit, so their compute never runs for real."""
+        if not t.is_floating_point():
+            self.limit = max(self.limit, t.numel())
 
     def of(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """The real value of ``t`` (a fake tensor's, or a real constant itself), or None."""
