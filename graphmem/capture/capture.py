@@ -127,7 +127,7 @@ def capture(
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                     _reparametrize_module(model, state, tie_weights=True, strict=False), \
                     _rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
-                    segment_scope(cap.recompute_scope), real_paths(fake_mode.values):
+                    segment_scope(cap.recompute_scope), real_paths(fake_mode.values if compiled is None else None):
                 cap.recording = True
                 context = forward_context(target, backends, cap.clearing_cache) if compiled is None \
                     else compiled_context(target)

@@ -32,20 +32,22 @@ from graphmem.capture.values import Values, knowing
 @contextlib.contextmanager
 def real_paths(values: Optional[Values] = None) -> Iterator[None]:
     """Within: transformers (if imported) takes its real-run branches on fake tensors, and reads
-    the values that ``values`` knows."""
-    values = values or Values()
+    the values that ``values`` knows. Compiled mode gives none: dynamo's cached code guards on
+    transformers' ``is_fake_tensor`` as traced, and the real compiled step never reads a mask
+    (``is_tracing`` is true under dynamo)."""
+    known = values or Values()
     masking: Any = sys.modules.get("transformers.masking_utils")
     original: Any = getattr(masking, "find_packed_sequence_indices", None) if masking is not None else None
 
     def find_packed_sequence_indices(position_ids: Any) -> Any:
-        if isinstance(position_ids, FakeTensor) and values.of(position_ids) is None:
+        if isinstance(position_ids, FakeTensor) and known.of(position_ids) is None:
             return None  # one sequence per row, as the real run finds for transformers' own position ids
         return original(position_ids)
 
     if original is not None:
         masking.find_packed_sequence_indices = find_packed_sequence_indices
     try:
-        with knowing(values):
+        with knowing(values) if values is not None else contextlib.nullcontext():
             yield
     finally:
         if original is not None:

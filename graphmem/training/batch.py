@@ -104,9 +104,13 @@ def resizer(example: Any) -> Callable[[tuple[int, ...]], Batch]:
 
 
 def _tiled(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
-    """``x`` repeated along each dimension and cut to ``dims``."""
+    """``x`` repeated along each dimension and cut to ``dims``: real, also when the batch is made
+    under a capture's fake mode (graphmem/capture/fakes.py ``fake_batch``), which then keeps its values."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     repeats = [-(-d // n) for d, n in zip(dims, x.shape)]
-    return x.detach().repeat(repeats)[tuple(slice(0, d) for d in dims)].contiguous()
+    with unset_fake_temporarily():
+        return x.detach().repeat(repeats)[tuple(slice(0, d) for d in dims)].contiguous()
 
 
 __all__ = ["Batch", "as_batch", "resizer", "FORMS"]
