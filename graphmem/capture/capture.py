@@ -8,9 +8,9 @@ it is freed. Nothing real is allocated: parameters, buffers and inputs become fr
 tensors of the same shape/stride/dtype on the target device, swapped into the user's module
 for the step (torch.nn.utils.stateless, as ``torch.func.functional_call`` does, but through
 backward too, where checkpointed segments run their forward again); its own tensors are not
-touched. The one exception: ops on the real batch's integer tensors (a mask, ids) run for real
-beside their fakes, at the batch's size, so a data-dependent read answers as in the real step
-(graphmem/capture/values.py).
+touched. The one exception: ops on the real batch whose outputs are no larger than its integer
+tensors (a mask, ids) also run for real beside their fakes, so a data-dependent read answers as
+in the real step (graphmem/capture/values.py).
 """
 from __future__ import annotations
 
