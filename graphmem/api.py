@@ -107,6 +107,8 @@ def report_of(m: Measured) -> Report:
     alloc = allocator(g) if step.target.device == "cuda" else None  # the caching allocator's view of the step
     report = Report.build(g, step.liveness, step.saved, spec.name, shapes, m.loss_name, m.notes, source, alloc,
                           budget=step.budget, sharding=m.scope)
+    if spec.inputs.settings:  # the choices in a batch graphmem made for an input shape (graphmem/capture/hf_batch.py)
+        report = dataclasses.replace(report, batch=dict(spec.inputs.settings))
     if spec.target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
         report = _beside_eager(report, spec.module, m.make, spec.loss, step.eager if step.module is spec.module else None)
     return report

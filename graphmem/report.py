@@ -73,6 +73,7 @@ class Report:
     known_coefficients: Any = None  # graphmem.formula Coefficients or PiecewiseCoefficients
     known_plans: Optional[PlanSummary] = None
     known_memory_budgets: Optional[BudgetSweep] = None
+    batch: dict[str, str] = field(default_factory=dict)  # choices in the batch graphmem made (hf_batch.settings)
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # graphmem.recapture.Recapture: capture again
@@ -226,6 +227,7 @@ class Report:
             "target": {**(self.target.to_dict() if self.target is not None else {"device": self.device}),
                        "attention_backends": dict(self.attention_backends)},
             "input_shapes": [list(s) for s in self.input_shapes],
+            **({"batch": dict(self.batch)} if self.batch else {}),
             "loss": self.loss,
             "activation_bytes": self.activation_bytes,
             "peak_bytes": self.peak_bytes,

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.hf import batch as hf_inputs
+from graphmem.capture.hf_batch import settings as hf_settings
 from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
 from graphmem.capture.target import Target, make_target
 from graphmem.distributed.pipeline import Pipeline, make_pipeline
@@ -128,6 +129,7 @@ class Inputs:
     make: Callable[[tuple[int, ...]], Any] = field(compare=False)  # shape -> a tuple, dict or (args, kwargs)
     shape: tuple[int, ...]  # the first input's shape in the analyzed step
     given: Any = field(default=None, compare=False)  # the user's own batch, when one was given (made at ``shape``)
+    settings: tuple[tuple[str, str], ...] = ()  # the choices in a batch graphmem made (an HF model's padding, use_cache)
 
     def first(self) -> Any:
         """The analyzed batch: the user's own when given, else made at ``shape``."""
@@ -137,7 +139,7 @@ class Inputs:
         return self.first() if tuple(shape) == self.shape else self.make(tuple(shape))
 
     def resized(self, shape: tuple[int, ...]) -> "Inputs":
-        return Inputs(self.make, tuple(shape))
+        return Inputs(self.make, tuple(shape), settings=self.settings)
 
 
 @dataclass(frozen=True)
@@ -236,17 +238,20 @@ def _loaded(model: Any, target: Target, hf: Optional[HFOptions]) -> tuple[Loaded
     if not isinstance(model, nn.Module):
         raise UsageError(f"model must be an nn.Module, a model file or a preset name, not {type(model).__name__}")
     hf_batch = None
-    if is_hf_model(model):  # input_shape makes the batch its forward takes (graphmem/capture/hf.py)
-        length = hf.decoder_length if hf is not None else None
-        hf_batch = lambda shape: hf_inputs(model, shape, length)  # noqa: E731
-    return Loaded(type(model).__name__, model, hf_batch, None), None
+    settings: dict[str, str] = {}
+    if is_hf_model(model):  # input_shape makes the batch its forward takes (graphmem/capture/hf_batch.py)
+        o = hf or HFOptions()
+        hf_batch = lambda shape: hf_inputs(model, shape, o.decoder_length, o.padding, o.use_cache)  # noqa: E731
+        settings = hf_settings(model, o.padding, o.use_cache)
+    return Loaded(type(model).__name__, model, hf_batch, None, batch_settings=settings), None
 
 
 def _inputs(loaded: Loaded, inputs: Any, input_shape: Any) -> Inputs:
     if inputs is None:
         if input_shape is None:
             raise UsageError("no inputs: pass example inputs or `input_shape='32x1024'`")
-        return Inputs(lambda s: make_inputs(loaded, s), shape_of(input_shape))
+        return Inputs(lambda s: make_inputs(loaded, s), shape_of(input_shape),
+                      settings=tuple(sorted(loaded.batch_settings.items())))
     batch = as_batch(inputs)
     first = next(iter(batch.tensors()), None)
     if first is None:

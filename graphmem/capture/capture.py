@@ -8,7 +8,9 @@ it is freed. Nothing real is allocated: parameters, buffers and inputs become fr
 tensors of the same shape/stride/dtype on the target device, swapped into the user's module
 for the step (torch.nn.utils.stateless, as ``torch.func.functional_call`` does, but through
 backward too, where checkpointed segments run their forward again); its own tensors are not
-touched.
+touched. The one exception: ops on the real batch whose outputs are no larger than its integer
+tensors (a mask, ids) also run for real beside their fakes, so a data-dependent read answers as
+in the real step (graphmem/capture/values.py).
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from graphmem.capture.fakes import Inputs, fake_batch, fake_state, forward_conte
 from graphmem.capture.hand_back import hand_back_in_order
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recompute import segment_scope
-from graphmem.capture.recorder import _Mode, _Recorder, _rng_states
+from graphmem.capture.recorder import _Mode, _Recorder
+from graphmem.capture.rng_states import rng_states
 from graphmem.capture.target import Target
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.stepgraph import StepGraph
@@ -102,7 +105,7 @@ def capture(
             compiled = CompiledStep.trace(model, inputs, loss_fn, target, backends)
         with fake_mode:
             state, seen = fake_state(model, device, dtype, cap.preexisting)
-            fake_inputs = fake_batch(inputs, fake_mode, device, dtype)
+            fake_inputs = fake_batch(inputs, fake_mode, device, dtype, fake_mode.values)
             for name, x in fake_inputs.named():
                 if isinstance(x, torch.Tensor):
                     cap.preexisting(x, "input", name)
@@ -135,8 +138,8 @@ def capture(
             # segments (torch.utils.checkpoint) run their forward again there
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                     _reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True), \
-                    _rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
-                    segment_scope(cap.recompute_scope), real_paths():
+                    rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
+                    segment_scope(cap.recompute_scope), real_paths(fake_mode.values if compiled is None else None):
                 cap.recording = True
                 context = forward_context(target, backends, cap.clearing_cache) if compiled is None \
                     else compiled_context(target)

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import (
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
+from graphmem.capture.values import Values
 from graphmem.errors import CaptureError, DataDependentError, GraphmemError, UnsupportedOpError
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.qlora import fake_quant_state, quant_state_of
@@ -70,14 +71,23 @@ def _attach_quant_state(fake: torch.Tensor, qs: Any, name: str, device: torch.de
 
 
 def fake_batch(inputs: "Inputs", fake_mode: FakeTensorMode, device: torch.device,
-               dtype: Optional[torch.dtype]) -> Batch:
+               dtype: Optional[torch.dtype], values: Optional[Values] = None) -> Batch:
     """The step's inputs (a tuple, dict or ``(args, kwargs)``: graphmem/training/batch.py) as
-    fake tensors of ``fake_mode`` (run under it)."""
-    with torch.device(device):
+    fake tensors of ``fake_mode`` (run under it); ``values`` keeps the real tensors' values
+    beside their fakes (graphmem/capture/values.py)."""
+    with torch.device(device), values.making_batch() if values is not None else contextlib.nullcontext():
         raw = inputs() if callable(inputs) and not isinstance(inputs, Batch) else inputs
-    return as_batch(raw).map(
-        lambda x: x if fake_mode is getattr(x, "fake_mode", None) and (dtype is None or not x.is_floating_point())
-        else _fake_like(x, device, dtype))
+
+    def fake(x: torch.Tensor) -> torch.Tensor:
+        if fake_mode is getattr(x, "fake_mode", None) and (dtype is None or not x.is_floating_point()):
+            if values is not None:
+                values.admit(x)
+            return x
+        made = _fake_like(x, device, dtype)
+        if values is not None:
+            values.attach(made, x)
+        return made
+    return as_batch(raw).map(fake)
 
 
 def forward_context(target: Target, used: dict[str, int],

@@ -15,29 +15,19 @@ attention; every other choice: ``sdpa``, with the target's SDPA backend rules pi
 so ``flash`` runs the flash kernel's own aten op as flash-attention 2 would); the parameter dtype
 from ``--dtype``, else fp32 under ``--amp``, else the config's ``torch_dtype``.
 
-The batch for ``--input-shape`` (graphmem/training/batch.py: passed as ``model(**batch)``), by the
-model's ``main_input_name`` and ``forward`` signature:
-
-- text ``b x s``: ``input_ids``, ``attention_mask`` (padded: the first token of the first
-  sequence is padding, so the mask is materialized as in any padded batch) and ``labels`` (a
-  copy of the ids, as DataCollatorForLanguageModeling makes them; ``(b,)`` class ids for
-  sequence classification) when ``forward`` takes them, so the model computes its own loss;
-- encoder-decoder: ``labels`` (or ``decoder_input_ids``) of length ``decoder_length`` (default s);
-- vision ``b`` or ``b x c x h x w``: ``pixel_values`` (c, h, w from the config) and class labels;
-- speech ``b`` or ``b x frames``: ``input_features`` (mel bins from the config; Whisper needs its
-  3000 frames) and ``labels`` of ``decoder_length`` tokens (required).
+The batch for ``--input-shape``: graphmem/capture/hf_batch.py (its padding and ``use_cache``
+are ``HFOptions`` fields and named in the report).
 
 Known limitations: transformers takes its tracing path when it sees fake tensors
 (``is_tracing``); during a capture graphmem/capture/hf_paths.py answers its packed-sequence
 check as the real run does (so Whisper's decoder, too, skips the causal mask a real step skips),
-and graphmem's text batch is padded so both runs build the same masks. Weights are never read, so a checkpoint whose shapes differ from its config
+and graphmem/capture/values.py lets it read the batch's mask as the real run reads it. Weights are never read, so a checkpoint whose shapes differ from its config
 (pruned, quantized) is analyzed as the config says; multimodal models (image + text) need a
 batch of your own (``graphmem.analyze(model, batch)``).
 """
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import os
 import socket
@@ -48,6 +38,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from graphmem.capture.hf_batch import PADDINGS, batch  # noqa: F401  (hf.batch: the batch for an input shape)
 from graphmem.capture.target import DTYPES, Target
 from graphmem.errors import ModelLoadError, UsageError
 
@@ -61,18 +52,27 @@ TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 class HFOptions:
     """How to load a Hugging Face model: ``config`` (a config.json or model directory used
     instead of resolving the name), ``trust_remote_code`` (run the repository's own code named
-    by ``auto_map``), ``decoder_length`` (the label length of encoder-decoder models)."""
+    by ``auto_map``), ``decoder_length`` (the label length of encoder-decoder models); for the
+    batch made for an input shape (graphmem/capture/hf_batch.py): ``padding`` ("none", or
+    "first-token": the first token of the first sequence is padding) and ``use_cache`` (None:
+    as the model's config says)."""
 
     config: Optional[str] = None
     trust_remote_code: bool = False
     decoder_length: Optional[int] = None
+    padding: str = "none"
+    use_cache: Optional[bool] = None
 
     def __post_init__(self) -> None:
         d = self.decoder_length
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
-            raise UsageError(f"--decoder-length must be a positive integer, got {d!r}")
+            raise UsageError(f"`decoder_length` must be a positive integer, got {d!r}")
         if self.config is not None and not _local_config_file(self.config):
-            raise UsageError(f"--config {self.config}: no such config.json or model directory; check the path")
+            raise UsageError(f"`config={self.config}`: no such config.json or model directory; check the path")
+        if self.padding not in PADDINGS:
+            raise UsageError(f"padding must be one of {', '.join(PADDINGS)}, got {self.padding!r}")
+        if self.use_cache is not None and not isinstance(self.use_cache, bool):
+            raise UsageError(f"use_cache must be True, False or None (the model's config), got {self.use_cache!r}")
 
 
 @contextlib.contextmanager
@@ -145,13 +145,13 @@ def config_dict(spec: str, trust_remote_code: bool, bundled: Optional[dict] = No
     if not _hub_reachable():
         raise ModelLoadError(
             f"{spec}: no config.json on disk or in the Hugging Face cache, and the hub is unreachable (offline); "
-            f"download the model's config.json and pass --config PATH (or give the path itself)")
+            f"download the model's config.json and pass `config=PATH` (or give the path itself)")
     try:
         return get(spec)[0], "hub"
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"{spec}: the hub has no config.json for it ({first}); check the id, "
-                             "or pass --config PATH") from e
+                             "or pass `config=PATH`") from e
 
 
 def make_config(raw: dict, trust_remote_code: bool, name: str) -> Any:
@@ -159,7 +159,7 @@ def make_config(raw: dict, trust_remote_code: bool, name: str) -> Any:
     transformers = transformers_module()
     if raw.get("auto_map") and not trust_remote_code:
         raise ModelLoadError(f"{name}: its config names custom code (auto_map: {', '.join(raw['auto_map'])}) that "
-                             "graphmem would have to download and run; read it, then add --trust-remote-code")
+                             "graphmem would have to download and run; read it, then add `trust_remote_code`")
     model_type = raw.get("model_type")
     if not model_type:
         raise ModelLoadError(f"{name}: the config has no model_type; it is not a transformers config.json")
@@ -171,7 +171,7 @@ def make_config(raw: dict, trust_remote_code: bool, name: str) -> Any:
             return transformers.AutoConfig.for_model(model_type, **kwargs)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"{name}: model_type {model_type!r} is unknown to transformers "
-                             f"{transformers.__version__}; upgrade transformers ({EXTRA} --upgrade)") from e
+                             f"{transformers.__version__}; upgrade transformers ({EXTRA} -U)") from e
 
 
 def model_class(config: Any, trust_remote_code: bool) -> Any:
@@ -219,12 +219,10 @@ def _concrete(cls: Any, config: Any) -> Any:
 
 
 def build(config: Any, target: Target, trust_remote_code: bool, device: str = "meta") -> nn.Module:
-    """The model on ``device``, set up for training as fine-tuning scripts do: ``use_cache``
-    off (a KV cache has no use in a training step, and a checkpointed block's recompute would
-    append to it again)."""
+    """The model on ``device`` as ``from_pretrained`` builds it (``use_cache`` as the config
+    says: HFOptions.use_cache overrides it in the batch; graphmem's checkpoint plans pass no
+    cache to a checkpointed block, graphmem/planning/apply.py)."""
     cls = model_class(config, trust_remote_code)
-    if hasattr(config, "use_cache"):
-        config.use_cache = False
     dtype = param_dtype(config, target)
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation(target, _concrete(cls, config))}
     if trust_remote_code:
@@ -237,65 +235,6 @@ def build(config: Any, target: Target, trust_remote_code: bool, device: str = "m
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ModelLoadError(f"building {cls.__name__} from the config failed: {type(e).__name__}: {first}") from e
-
-
-def batch(model: nn.Module, shape: tuple[int, ...], decoder_length: Optional[int] = None) -> dict[str, torch.Tensor]:
-    """The keyword batch ``model`` takes at ``shape`` (see the module docstring); a peft model's
-    is its base model's."""
-    get_base = getattr(model, "get_base_model", None)
-    model = get_base() if callable(get_base) else model
-    config: Any = model.config
-    params = inspect.signature(model.forward).parameters
-    main = getattr(model, "main_input_name", "input_ids")
-    kind = type(model).__name__
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    b = shape[0]
-    out: dict[str, torch.Tensor] = {}
-    if main == "input_ids":
-        if len(shape) != 2:
-            raise UsageError(f"{kind} takes token ids: give --input-shape BATCHxSEQ, e.g. 8x1024")
-        s = shape[1]
-        vocab = int(getattr(text, "vocab_size", 2) or 2)
-        out["input_ids"] = torch.randint(0, vocab, (b, s))
-        if "attention_mask" in params:
-            mask = torch.ones(b, s, dtype=torch.long)
-            mask[0, 0] = 0  # a padded batch: HF materializes the mask, as it must on fake tensors
-            out["attention_mask"] = mask
-        if getattr(config, "is_encoder_decoder", False):
-            t = decoder_length or s
-            key = "labels" if "labels" in params else "decoder_input_ids"
-            out[key] = torch.randint(0, vocab, (b, t))
-        elif "labels" in params:
-            out["labels"] = (torch.randint(0, max(int(getattr(config, "num_labels", 2)), 1), (b,))
-                             if "SequenceClassification" in kind else out["input_ids"].clone())
-    elif main == "pixel_values":
-        vision = getattr(config, "vision_config", None) or config
-        if len(shape) == 1:
-            size = getattr(vision, "image_size", 224)
-            h, w = (size, size) if isinstance(size, int) else tuple(size)
-            shape = (b, int(getattr(vision, "num_channels", 3)), h, w)
-        if len(shape) != 4:
-            raise UsageError(f"{kind} takes images: give --input-shape BATCH or BATCHxCxHxW, e.g. 32x3x224x224")
-        out["pixel_values"] = torch.randn(shape)
-        if "labels" in params:
-            out["labels"] = torch.randint(0, max(int(getattr(config, "num_labels", 2)), 1), (b,))
-    elif main in ("input_features", "input_values"):
-        if main == "input_features":
-            frames = shape[1] if len(shape) == 2 else 2 * int(getattr(config, "max_source_positions", 1500))
-            out[main] = torch.randn(b, int(getattr(config, "num_mel_bins", 80)), frames)
-        else:
-            if len(shape) != 2:
-                raise UsageError(f"{kind} takes raw audio: give --input-shape BATCHxSAMPLES, e.g. 4x16000")
-            out[main] = torch.randn(shape)
-        if getattr(config, "is_encoder_decoder", False):
-            if decoder_length is None:
-                raise UsageError(f"{kind} is an encoder-decoder: give the label length with --decoder-length T")
-            vocab = int(getattr(text, "vocab_size", 2) or 2)
-            out["labels" if "labels" in params else "decoder_input_ids"] = torch.randint(0, vocab, (b, decoder_length))
-    else:
-        raise UsageError(f"graphmem cannot make a batch for {kind} (main input {main!r}); "
-                         "call graphmem.analyze(model, batch) with a batch of your own")
-    return out
 
 
 def dtype_name(module: nn.Module) -> Optional[str]:

@@ -13,34 +13,42 @@ changes memory, graphmem's capture would record a step the real run never takes:
 
 While a capture runs, ``find_packed_sequence_indices`` answers for fake position ids as the
 real run does for the position ids transformers makes itself (``arange``: one sequence per
-row, None). Known limitation: packed batches (position ids restarting inside a row, passed by
-the caller) are analyzed as unpacked.
+row, None). Position ids whose values graphmem knows (the caller's own, or
+transformers' ``arange``: graphmem/capture/values.py) are read as the real run reads them.
+Known limitation: packed position ids without values (given as meta tensors) are analyzed as
+unpacked.
 """
 from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from torch._subclasses.fake_tensor import FakeTensor
 
+from graphmem.capture.values import Values, knowing
+
 
 @contextlib.contextmanager
-def real_paths() -> Iterator[None]:
-    """Within: transformers (if imported) takes its real-run branches on fake tensors."""
+def real_paths(values: Optional[Values] = None) -> Iterator[None]:
+    """Within: transformers (if imported) takes its real-run branches on fake tensors, and reads
+    the values that ``values`` knows. Compiled mode gives none: dynamo's cached code guards on
+    transformers' ``is_fake_tensor`` as traced, and the real compiled step never reads a mask
+    (``is_tracing`` is true under dynamo)."""
+    known = values or Values()
     masking: Any = sys.modules.get("transformers.masking_utils")
-    original = getattr(masking, "find_packed_sequence_indices", None) if masking is not None else None
-    if original is None:
-        yield
-        return
+    original: Any = getattr(masking, "find_packed_sequence_indices", None) if masking is not None else None
 
     def find_packed_sequence_indices(position_ids: Any) -> Any:
-        if isinstance(position_ids, FakeTensor):
+        if isinstance(position_ids, FakeTensor) and known.of(position_ids) is None:
             return None  # one sequence per row, as the real run finds for transformers' own position ids
         return original(position_ids)
 
-    masking.find_packed_sequence_indices = find_packed_sequence_indices
+    if original is not None:
+        masking.find_packed_sequence_indices = find_packed_sequence_indices
     try:
-        yield
+        with knowing(values) if values is not None else contextlib.nullcontext():
+            yield
     finally:
-        masking.find_packed_sequence_indices = original
+        if original is not None:
+            masking.find_packed_sequence_indices = original

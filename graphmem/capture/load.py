@@ -12,7 +12,7 @@ import inspect
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,6 +21,7 @@ import torch.nn as nn
 from graphmem.capture.hf import HFOptions, config_dict, dtype_name, looks_like_hub_id, make_config
 from graphmem.capture.hf import batch as hf_batch
 from graphmem.capture.hf import build as build_model
+from graphmem.capture.hf_batch import settings as hf_settings
 from graphmem.capture.presets_hf import HF_PRESETS, hub_ids
 from graphmem.capture.target import Target
 from graphmem.errors import ModelLoadError, UsageError
@@ -52,6 +53,7 @@ class Loaded:
     loss: Optional[LossFn]
     config: Any = None
     dtype: Optional[str] = None  # the parameter dtype it was built in, when chosen by its config (HF)
+    batch_settings: dict[str, str] = field(default_factory=dict)  # what example_inputs chose (hf_batch.settings)
 
 
 def default_inputs(module: nn.Module, shape: tuple[int, ...]) -> tuple[torch.Tensor]:
@@ -139,7 +141,8 @@ def load_hf(spec: str, device: str, target: Target, options: HFOptions) -> Loade
     if target.attention != "eager" and getattr(module.config, "_attn_implementation", "") == "eager":
         name += " (eager attention: transformers has no SDPA path for it)"
     return Loaded(name, module,
-                  lambda shape: hf_batch(module, shape, length), None, config, dtype_name(module))
+                  lambda shape: hf_batch(module, shape, length, options.padding, options.use_cache), None, config,
+                  dtype_name(module), hf_settings(module, options.padding, options.use_cache))
 
 
 def from_exported(ep: Any, name: str = "ExportedProgram") -> Loaded:

@@ -31,6 +31,7 @@ from graphmem.capture.autograd_tags import (
 )
 from graphmem.capture.call_paths import call_path
 from graphmem.capture.subclasses import all_real, inner_tensors, wrapped
+from graphmem.capture.values import NO_ANSWER, Values
 from graphmem.capture.workspace import WORKSPACE_OUTPUTS, kernel_rule, scratch
 from graphmem.stepgraph import OpNode, SaveEvent, Storage
 
@@ -69,8 +70,19 @@ class _Mode(FakeTensorMode):
     def __init__(self, rec: "_Recorder") -> None:
         super().__init__(allow_non_fake_inputs=False)
         self.rec = rec
+        self.values = Values()  # the batch's values (graphmem/capture/values.py)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        answer = self.values.read(func, args, kwargs)
+        if answer is not NO_ANSWER:  # a data-dependent read of the batch: the real step's answer
+            return answer
+        if self.rec.depth or self.rec.real_bookkeeping:
+            return self._dispatch(func, types, args, kwargs)
+        out = self._dispatch(func, types, args, kwargs)
+        self.values.propagate(func, args, kwargs, out)
+        return out
+
+    def _dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         rec = self.rec
         if rec.real_bookkeeping and all_real(args, kwargs):  # while wrappers are set up: ops on real tensors (a
             with unset_fake_temporarily():  # DeviceMesh's rank layout when FSDP composes with TP) run for real
@@ -363,27 +375,3 @@ class _Recorder:
             self.micro_steps[-1] = (self.micro_steps[-1][0], len(self.ops))
         self.stack = [""]
         self.seq_start = []
-
-
-@contextlib.contextmanager
-def _rng_states(cap: "_Recorder", counted: bool) -> Iterator[None]:
-    """torch.utils.checkpoint stashes the CPU generator's state (a real 5,056-byte uint8
-    tensor, made without dispatch, so fake tensors never see it) per checkpointed call and
-    copies it again around each recompute. On the CPU target that is step memory: record it.
-    (On the CUDA target the stashed states live in host memory.)"""
-    if not counted:
-        yield
-        return
-    original = torch.get_rng_state
-
-    def get_rng_state() -> torch.Tensor:
-        t = original()
-        if cap.recording and not cap.closed:  # allocated between the last op and the next
-            cap.storage(t, "external", "cpu rng state", len(cap.ops), cap.module_now())
-        return t
-
-    torch.get_rng_state = get_rng_state
-    try:
-        yield
-    finally:
-        torch.get_rng_state = original

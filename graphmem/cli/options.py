@@ -31,6 +31,12 @@ def add_model_arguments(p: argparse.ArgumentParser, shape_required: bool = True,
                    help="allow a config that names the repository's own code (auto_map), as transformers does")
     g.add_argument("--decoder-length", type=int, metavar="T",
                    help="encoder-decoder models: the labels' length (default: the input length; speech models need it)")
+    g.add_argument("--padding", choices=("none", "first-token"), default="none",
+                   help="the attention mask of the batch made for --input-shape: none (all ones, as a tokenizer "
+                   "gives equal-length sequences; default) or first-token (the first sequence's first token is padding)")
+    g.add_argument("--use-cache", choices=("config", "on", "off"), default="config",
+                   help="use_cache in the training step (default: as the model's config says, as from_pretrained "
+                   "leaves it)")
 
 
 def add_step_arguments(p: argparse.ArgumentParser) -> None:
@@ -215,7 +221,8 @@ def hf_of(args: argparse.Namespace) -> Any:
     """The frozen HFOptions (graphmem/capture/hf.py) the Hugging Face options name."""
     from graphmem.capture.hf import HFOptions
 
-    return HFOptions(args.config, args.trust_remote_code, args.decoder_length)
+    return HFOptions(args.config, args.trust_remote_code, args.decoder_length, args.padding,
+                     {"config": None, "on": True, "off": False}[args.use_cache])
 
 
 def spec_of(args: argparse.Namespace, input_shape: Any = None, training: Any = None, parallel: Any = None) -> Any:

@@ -36,7 +36,8 @@ from graphmem.capture.capture import _cache_clears, marker
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import Inputs, fake_batch, forward_context, translate_error
 from graphmem.capture.hf_paths import real_paths
-from graphmem.capture.recorder import _Mode, _Recorder, _rng_states
+from graphmem.capture.recorder import _Mode, _Recorder
+from graphmem.capture.rng_states import rng_states
 from graphmem.capture.target import Target
 from graphmem.distributed.chunks import lazy_chunks
 from graphmem.distributed.fsdp import fake_copy, local, shard, unsharded_grads, watching
@@ -88,7 +89,7 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
                 for name, t in named:
                     cap.preexisting(local(t), kind, name)
                     param_sid[id(t)] = cap.placeholders[-1].meta["storage"]
-            fake_inputs = fake_batch(inputs, fake_mode, torch.device("cpu"), target.param_dtype)
+            fake_inputs = fake_batch(inputs, fake_mode, torch.device("cpu"), target.param_dtype, fake_mode.values)
             for name, x in fake_inputs.named():
                 if isinstance(x, torch.Tensor):
                     cap.preexisting(x, "input", name)
@@ -113,7 +114,7 @@ def _run(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, fake_inputs: Any,
     try:
         try:
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
-                    _rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(), watching(cap), \
+                    rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(fake_mode.values), watching(cap), \
                     step_context(sharding):  # loss_parallel() around loss and backward when the logits stay split
                 cap.recording = True
                 context = forward_context(target, backends, cap.clearing_cache)

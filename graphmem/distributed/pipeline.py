@@ -37,7 +37,8 @@ from graphmem.capture.call_paths import module_names, module_order
 from graphmem.capture.capture import _cache_clears, marker
 from graphmem.capture.fakes import _fake_like, fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.hf_paths import real_paths
-from graphmem.capture.recorder import _Mode, _Recorder, _rng_states
+from graphmem.capture.recorder import _Mode, _Recorder
+from graphmem.capture.rng_states import rng_states
 from graphmem.capture.target import Target
 from graphmem.distributed.pipeline_stages import (
     Layout,
@@ -192,7 +193,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
             m.training = True
         with fake_group(plan.rank, plan.pp), _works_hold_tensors():
             with mode:
-                batch = as_batch(fake_batch(inputs, mode, device, target.param_dtype).given).tensors()[0]
+                batch = as_batch(fake_batch(inputs, mode, device, target.param_dtype, mode.values).given).tensors()[0]
                 consts = _consts(model, layout, batch, plan, target.param_dtype, context)
                 for i, t in enumerate(_tensors(consts)):  # held by the stage from before the step
                     cap.preexisting(t, "external", f"stage constant {i} (the first block's inputs)")
@@ -216,7 +217,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
                 with mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                         _reparametrize_module(own, state, tie_weights=True, strict=False, stack_weights=True), \
                         _reparametrize_module(model, root_state, strict=False, stack_weights=True), \
-                        _rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths():
+                        rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(mode.values):
                     cap.recording = True
                     out = run_schedule(schedule, stages, batch)
                     mark, grads = _mark_gradients(cap, param_sid, fakes, session, target)

@@ -194,7 +194,7 @@ def _block_shapes(sampler: Sampler, depth: Optional[int], d_model: Optional[int]
     block_input = g.module_inputs.get(prefix, ())
     d = d_model or (block_input[-1] if block_input else None)
     if not d:
-        raise UsageError("cannot infer d_model from the block's input; pass --d-model")
+        raise UsageError("cannot infer d_model from the block's input; pass `d_model`")
     mine = [t for t in sv.tensors if t.module == prefix or t.module.startswith(prefix + ".")]
     heads = [t.shape[1] for t in mine if len(t.shape) == 4 and t.shape[0] == ALPHA_B and t.shape[2] == ALPHA_S]
     h = n_heads or (max(heads) if heads else None)

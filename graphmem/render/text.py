@@ -50,7 +50,9 @@ def _module(path: str, report: Report | None = None, created: int = -1) -> str:
 
 
 def _shapes(report: Report) -> str:
-    return ", ".join("x".join(map(str, s)) for s in report.input_shapes) or "-"
+    shapes = ", ".join("x".join(map(str, s)) for s in report.input_shapes) or "-"
+    made = "".join(f" · {k} {v}" for k, v in report.batch.items())  # the batch graphmem made: its choices
+    return shapes + made
 
 
 def _shown_modules(report: Report, depth: int, expand: bool = False) -> list[ModuleRow]:

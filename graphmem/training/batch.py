@@ -84,7 +84,9 @@ def as_batch(inputs: Any) -> Batch:
 
 def resizer(example: Any) -> Callable[[tuple[int, ...]], Batch]:
     """Batches like ``example`` at another size of its first tensor (see the module docstring);
-    the values of resized tensors are left empty (the captures run on fake tensors)."""
+    a resized integer or bool tensor (ids, an attention mask) repeats the example's values, so a
+    data-dependent read (an all-ones mask: graphmem/capture/values.py) answers as the example's;
+    a resized floating one is left empty (the captures run on fake tensors)."""
     batch = as_batch(example)
     first = next(iter(batch.tensors()), None)
     base = tuple(first.shape) if first is not None else ()
@@ -94,9 +96,21 @@ def resizer(example: Any) -> Callable[[tuple[int, ...]], Batch]:
             dims = [shape[i] if i < len(base) and n == base[i] and i < len(shape) else n for i, n in enumerate(x.shape)]
             if tuple(dims) == tuple(x.shape):
                 return x
-            return torch.empty(dims, dtype=x.dtype).requires_grad_(x.requires_grad and x.is_floating_point())
+            if x.is_floating_point() or x.is_complex() or x.device.type == "meta" or 0 in x.shape or 0 in dims:
+                return torch.empty(dims, dtype=x.dtype).requires_grad_(x.requires_grad and x.is_floating_point())
+            return _tiled(x, dims)
         return batch.map(resized)
     return make
+
+
+def _tiled(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """``x`` repeated along each dimension and cut to ``dims``: real, also when the batch is made
+    under a capture's fake mode (graphmem/capture/fakes.py ``fake_batch``), which then keeps its values."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    repeats = [-(-d // n) for d, n in zip(dims, x.shape)]
+    with unset_fake_temporarily():
+        return x.detach().repeat(repeats)[tuple(slice(0, d) for d in dims)].contiguous()
 
 
 __all__ = ["Batch", "as_batch", "resizer", "FORMS"]
