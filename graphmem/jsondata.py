@@ -44,7 +44,7 @@ def to_json(value: Any, hint: Any = Any) -> Any:
         out: dict[str, Any] = {} if type(value) is _concrete(hint) else {TYPE: _name(type(value))}
         hints = _hints(type(value))
         for f in dataclasses.fields(value):
-            if f.init:
+            if f.init and f.metadata.get("json", True):  # json=False: a live handle (a Trainer), left out
                 out[f.name] = to_json(getattr(value, f.name), hints.get(f.name, Any))
         return out
     if isinstance(value, (frozenset, set)):

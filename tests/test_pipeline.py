@@ -183,11 +183,11 @@ def test_received_activations_take_the_target_dtype() -> None:
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(pp=2, rank=2), "--rank must be in 0..1"),
-    (dict(schedule="gpipe"), "--rank and --schedule need it"),
+    (dict(pp=2, rank=2), "`rank` must be in 0..1"),
+    (dict(schedule="gpipe"), "`rank` and `schedule` need it"),
     (dict(rank=1), "is not one of the 1 ranks"),  # without --pp, --rank is FSDP/TP's (graphmem/distributed/)
-    (dict(pp=2, schedule="zb"), "unknown --schedule"),
-    (dict(pp=2, micro_batches=3), "split evenly into --micro-batches 3"),
+    (dict(pp=2, schedule="zb"), "unknown `schedule="),
+    (dict(pp=2, micro_batches=3), "split evenly into `micro_batches=3`"),
     (dict(pp=8, micro_batches=4, schedule="gpipe"), "fewer than the 8 pipeline stages"),
     (dict(pp=4, micro_batches=2), "needs at least as many micro-batches as stages"),  # torch's Schedule1F1B refuses
     (dict(pp=2, micro_batches=2, optimizer="adam", master_weights=True, dtype="bf16"), "does not combine"),

@@ -134,10 +134,10 @@ def test_qlora_mistakes_are_one_line(capsys: pytest.CaptureFixture[str]) -> None
                  "--lora-targets", "all-linear"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Hugging Face model" in err[0], err
-    for options, phrase in [({}, "add --lora-rank"), (dict(master_weights=True, optimizer="adam", dtype="bf16"),
-                                                       "drop --master-weights"),
+    for options, phrase in [({}, "add `lora_rank`"), (dict(master_weights=True, optimizer="adam", dtype="bf16"),
+                                                       "drop `master_weights`"),
                             (dict(mode="compiled"), "mode=.eager.")]:
-        lora = {} if phrase == "add --lora-rank" else dict(lora_rank=4, lora_targets="all-linear")
+        lora = {} if phrase == "add `lora_rank`" else dict(lora_rank=4, lora_targets="all-linear")
         with pytest.raises(UsageError, match=phrase):
             graphmem.analyze("hf-gpt2", input_shape=(1, 8), qlora=True, **lora, **options)
 

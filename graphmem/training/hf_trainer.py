@@ -59,7 +59,8 @@ class TrainerStep(TrainStep):
     precision: str = "fp32"  # fp32 | bf16 autocast | fp16 autocast
     checkpointing: bool = False
     scheduler: str = ""
-    trainer: Any = field(default=None, compare=False, repr=False)  # the transformers.Trainer whose step this is
+    # the transformers.Trainer whose step this is (a live object: not in the report's JSON)
+    trainer: Any = field(default=None, compare=False, repr=False, metadata={"json": False})
 
     @property
     def external(self) -> Optional[str]:
