@@ -193,7 +193,7 @@ def test_offline_without_a_cached_config_is_one_line_naming_config(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    with pytest.raises(ModelLoadError, match="--config PATH"):
+    with pytest.raises(ModelLoadError, match="`config=PATH`"):
         graphmem.analyze("someorg/no-such-model", input_shape=(1, 8))
     code, out, err = run_cli(capsys, ["analyze", "meta-llama/Llama-3.1-8B", "--input-shape", "1x8"])
     lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -209,7 +209,7 @@ def test_custom_code_needs_trust_remote_code(tmp_path: Path) -> None:
     raw = tiny_configs()["causal-lm"].to_dict()
     raw["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ModelLoadError, match="--trust-remote-code"):
+    with pytest.raises(ModelLoadError, match="`trust_remote_code`"):
         graphmem.analyze(str(tmp_path), input_shape=(1, 8))
 
 
