@@ -194,7 +194,8 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
         with fake_group(plan.rank, plan.pp), _works_hold_tensors():
             with mode:
                 batch = as_batch(fake_batch(inputs, mode, device, target.param_dtype, mode.values).given).tensors()[0]
-                consts = _consts(model, layout, batch, plan, target.param_dtype, context)
+                with real_paths(mode.values):  # the model code before the chain reads what the stage step reads
+                    consts = _consts(model, layout, batch, plan, target.param_dtype, context)
                 for i, t in enumerate(_tensors(consts)):  # held by the stage from before the step
                     cap.preexisting(t, "external", f"stage constant {i} (the first block's inputs)")
                 schedule, stages = build_schedule(model, layout, plan, stage_loss(model, loss), device, consts,
