@@ -194,8 +194,7 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
         with fake_group(plan.rank, plan.pp), _works_hold_tensors():
             with mode:
                 batch = as_batch(fake_batch(inputs, mode, device, target.param_dtype, mode.values).given).tensors()[0]
-                with real_paths(mode.values):  # the model code before the chain reads what the stage step reads
-                    consts = _consts(model, layout, batch, plan, target.param_dtype, context)
+                consts = _consts(model, layout, batch, plan, target.param_dtype, context, mode.values)
                 for i, t in enumerate(_tensors(consts)):  # held by the stage from before the step
                     cap.preexisting(t, "external", f"stage constant {i} (the first block's inputs)")
                 schedule, stages = build_schedule(model, layout, plan, stage_loss(model, loss), device, consts,
@@ -288,9 +287,11 @@ def _stage_graph(cap: _Recorder, segments: list[Segment], model: nn.Module, targ
 
 
 def _consts(model: nn.Module, layout: Layout, batch: torch.Tensor, plan: Pipeline, dtype: Optional[torch.dtype],
-            context: Callable[[], Any]) -> tuple[tuple, dict]:
+            context: Callable[[], Any], values: Any = None) -> tuple[tuple, dict]:
     """The first block's inputs besides the hidden state, for stages after the first: the model's
-    code before the chain run once before the step (unrecorded) on fake copies of its tensors."""
+    code before the chain run once before the step (unrecorded) on fake copies of its tensors,
+    reading the batch's ``values`` as the stage's step does (graphmem/capture/values.py: no causal
+    mask where the real run skips it)."""
     if plan.stages == (0,):
         return (), {}
     state: dict[str, torch.Tensor] = {}
@@ -300,8 +301,8 @@ def _consts(model: nn.Module, layout: Layout, batch: torch.Tensor, plan: Pipelin
         for name, t in [*holder.named_parameters(recurse=recurse), *holder.named_buffers(recurse=recurse)]:
             state[f"{path}.{name}".lstrip(".")] = _fake_like(t, torch.device("cpu"), dtype)
     mb = batch.tensor_split(plan.micro_batches)[0]
-    with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True), real_paths(), \
-            context():
+    with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True), \
+            real_paths(values), context():
         args, kwargs = block_inputs(model, layout.chain, lambda: run_model(model, mb))
     return args[1:], kwargs
 
