@@ -66,6 +66,13 @@ def torch_settings(num_threads: Optional[int] = None, default_dtype: Optional[to
 
 
 @pytest.fixture
+def threads() -> Iterator[None]:
+    """The test sets the thread count itself (the scratch rules' per-thread buffers); restored after."""
+    with torch_settings():
+        yield
+
+
+@pytest.fixture
 def one_thread() -> Iterator[None]:
     """The test runs with one CPU thread, as each real gloo rank does (tests/dist_truth.py)."""
     with torch_settings(num_threads=1):

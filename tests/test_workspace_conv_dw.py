@@ -3,7 +3,7 @@ against the real CPU kernel, to the byte over random shapes, and real models who
 from __future__ import annotations
 
 import random
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 import torch
@@ -14,13 +14,6 @@ from graphmem.capture.workspace import scratch
 from graphmem.validation.measure import measure_peak
 
 aten = torch.ops.aten
-
-
-@pytest.fixture
-def threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("seed", range(2))

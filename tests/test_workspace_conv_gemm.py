@@ -7,7 +7,7 @@ buffers, is drawn per shape and restored afterwards."""
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -19,13 +19,6 @@ from graphmem.validation.measure import measure_peak
 
 aten = torch.ops.aten
 Case = tuple[torch.Tensor, torch.Tensor, bool, list[int], list[int], int, list[bool], bool]
-
-
-@pytest.fixture
-def threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def _patch(rng: random.Random) -> Case:

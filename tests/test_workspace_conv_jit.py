@@ -3,7 +3,7 @@ real CPU kernel, to the byte over random patch embeddings, and the ViTs whose pe
 from __future__ import annotations
 
 import random
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 import torch
@@ -16,13 +16,6 @@ from graphmem.capture.workspace_conv_jit import balance
 from graphmem.validation.measure import measure_peak
 
 aten = torch.ops.aten
-
-
-@pytest.fixture
-def threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def test_patch_embedding_weight_grad_equals_real_kernel(threads: None) -> None:
