@@ -110,7 +110,7 @@ def report_of(m: Measured) -> Report:
     if spec.inputs.settings:  # the choices in a batch graphmem made for an input shape (graphmem/capture/hf_batch.py)
         report = dataclasses.replace(report, batch=dict(spec.inputs.settings))
     if spec.target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
-        report = _beside_eager(report, spec.module, m.make, spec.loss, step.eager if step.module is spec.module else None)
+        report = _beside_eager(report, spec.module, spec.inputs.captured, spec.loss, step.eager if step.module is spec.module else None)
     return report
 
 

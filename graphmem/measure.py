@@ -36,12 +36,6 @@ class Measured:
     split: Optional[Layout] = None  # a pipeline's split, probed once and passed on to the other ranks
 
     @property
-    def make(self) -> Any:
-        """The batch as the capture took it: the user's own, or a maker at the spec's shape."""
-        inputs = self.spec.inputs
-        return inputs.given if inputs.given is not None else inputs.first
-
-    @property
     def loss_name(self) -> str:
         """How the loss was made, for the report's header."""
         if isinstance(self.spec.parallel, Stages):
@@ -65,7 +59,7 @@ class Measured:
 def measure(spec: StepSpec) -> Measured:
     """Capture ``spec``'s step (no real allocation) and run the passes on it."""
     p = spec.parallel
-    make: Any = spec.inputs.first if spec.inputs.given is None else spec.inputs.given
+    make = spec.inputs.captured
     if isinstance(p, (Single, Formula)):
         step = capture_step(spec.module, make, spec.loss, spec.target, spec.training, spec.reuse, p.formula)
         slow = (f"depth reuse not taken ({step.reuse_note}): every block was compiled and captured",) \

@@ -131,12 +131,11 @@ class Inputs:
     given: Any = field(default=None, compare=False)  # the user's own batch, when one was given (made at ``shape``)
     settings: tuple[tuple[str, str], ...] = ()  # the choices in a batch graphmem made (an HF model's padding, use_cache)
 
-    def first(self) -> Any:
-        """The analyzed batch: the user's own when given, else made at ``shape``."""
-        return self.given if self.given is not None else self.make(self.shape)
-
-    def at(self, shape: tuple[int, ...]) -> Any:
-        return self.first() if tuple(shape) == self.shape else self.make(tuple(shape))
+    @property
+    def captured(self) -> Any:
+        """What the capture takes: the user's own batch (its values read where the real step reads
+        them), or a zero-argument maker at ``shape`` (run under the fake mode)."""
+        return self.given if self.given is not None else lambda: self.make(self.shape)
 
     def resized(self, shape: tuple[int, ...]) -> "Inputs":
         return Inputs(self.make, tuple(shape), settings=self.settings)
