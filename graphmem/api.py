@@ -16,6 +16,7 @@ from graphmem.recapture import Recapture
 from graphmem.report import Report
 from graphmem.spec import ModelLike, StepSpec, make_spec
 from graphmem.stepgraph import StepGraph
+from graphmem.titan.job import is_job_config
 from graphmem.training.hf_trainer import is_trainer
 from graphmem.training.step import LossFn
 
@@ -87,6 +88,14 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
         if extra:
             raise UsageError(f"a Trainer's step comes from its TrainingArguments; drop {', '.join(extra)}")
         return report_of(measure(trainer_spec(model, inputs, options.get("input_shape"))))
+    if is_job_config(model):  # a torchtitan Trainer.Config: the job's own code per rank (graphmem/titan/)
+        from graphmem.titan.api import OPTIONS, job_spec
+
+        extra = sorted(set(options) - OPTIONS)
+        if extra or inputs is not None:
+            raise UsageError(f"a torchtitan job's step comes from its config; drop {', '.join(extra) or 'inputs'} "
+                             f"(options: {', '.join(sorted(OPTIONS))})")
+        return report_of(measure(job_spec(model, **options)))
     spec = model if isinstance(model, StepSpec) else make_spec(model, inputs, **options)
     if isinstance(model, StepSpec) and (inputs is not None or options):
         raise UsageError("analyze(spec) takes the StepSpec alone: change it with dataclasses.replace")

@@ -6,7 +6,8 @@ re-captures behind plans, formulas and fits all come through here.
   formulas' per-rank budget over it (passes/budget.py);
 - ``Ranks``: rank r through PyTorch's wrappers (``capture_rank_step``), with the per-rank formula
   over the single-device step beside it (graphmem/distributed/view.py);
-- ``Stages``: pipeline rank r under torch's schedule (``capture_stage_step``).
+- ``Stages``: pipeline rank r under torch's schedule (``capture_stage_step``);
+- ``Job``: rank r of a torchtitan job, built and stepped by the job's own code (graphmem/titan/).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from graphmem.distributed.tensor_parallel import tp_engine
 from graphmem.distributed.view import rank_view
 from graphmem.passes import liveness, notes, saved
 from graphmem.recapture import Captured, capture_rank_step, capture_stage_step, capture_step
-from graphmem.spec import Formula, Ranks, Single, Stages, StepSpec
+from graphmem.spec import Formula, Job, Ranks, Single, Stages, StepSpec
 from graphmem.training.spec import units_of
 
 
@@ -71,6 +72,8 @@ def measure(spec: StepSpec) -> Measured:
         step, found, split = capture_stage_step(spec.module, make, spec.loss, spec.target, spec.training,
                                                 p.pipeline, p.split)
         return Measured(spec, step, found, p.pipeline, split)
+    if isinstance(p, Job):
+        return _job(spec, p)
     raise AssertionError(f"unknown parallel setting {p!r}")  # StepSpec refuses any other where it is built
 
 
@@ -101,6 +104,20 @@ def _rank(spec: StepSpec, p: Ranks, make: Any) -> Measured:
     if step.budget is not None:
         step = dataclasses.replace(step, budget=dataclasses.replace(step.budget, whose=view.describe()))
     return Measured(spec, step, notes(g) + slow + view.lines(), view)
+
+
+def _job(spec: StepSpec, p: Job) -> Measured:
+    """Rank r of a torchtitan job, built and stepped by the job's own code (graphmem/titan/capture.py);
+    the whole step's table over rank r's graph (its shards, its optimizer states)."""
+    from graphmem.titan.capture import capture_job
+    from graphmem.training.spec import step_budget
+
+    g = capture_job(p.config, p.world_size, p.rank, spec.target)
+    g.train = spec.training.train
+    lv, sv = liveness(g), saved(g)
+    budget = step_budget(g, lv, sv, spec.training, spec.module, (), p.describe())
+    step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
+    return Measured(spec, step, notes(g) + (p.describe(),))
 
 
 __all__ = ["Measured", "measure", "measure_ranks"]

@@ -10,7 +10,9 @@ The parallel setting is one sum type, ``Parallelism``:
   (passes/budget.py: ZeRO 1-3, FSDP full/grad-op, Megatron TP/SP over ``layout.world_size`` ranks);
 - ``Ranks(sharding)``: rank r's step through PyTorch's own wrappers under a fake process group
   (``fully_shard``, ``parallelize_module`` TP/SP, ``loss_parallel``: graphmem/distributed/);
-- ``Stages(pipeline)``: pipeline rank r's step under torch.distributed.pipelining's schedule.
+- ``Stages(pipeline)``: pipeline rank r's step under torch.distributed.pipelining's schedule;
+- ``Job(config, world_size, rank)``: rank r of a torchtitan job, built and stepped by the job's
+  own code (graphmem/titan/).
 
 >>> import torch, graphmem
 >>> from graphmem.spec import make_spec
@@ -118,7 +120,34 @@ class Stages:
                              "`offload_activations`) yet")
 
 
-Parallelism = Union[Single, Formula, Ranks, Stages]
+@dataclass(frozen=True)
+class Job:
+    """Rank ``rank`` of a torchtitan job over ``world_size`` ranks, built and stepped by the job's
+    own code (graphmem/titan/): its parallelism is the job config's."""
+
+    config: Any = field(compare=False, repr=False)  # the torchtitan Trainer.Config (graphmem/titan/job.py)
+    world_size: int = 1
+    rank: int = 0
+    formula = Parallel()  # the job splits the step itself: no formula over it
+
+    def describe(self) -> str:
+        p = self.config.parallelism
+        degrees = [f"{n} {d}" for n, d in (("dp_replicate", p.data_parallel_replicate_degree),
+                                            ("dp_shard", p.data_parallel_shard_degree), ("tp", p.tensor_parallel_degree),
+                                            ("pp", p.pipeline_parallel_degree), ("cp", p.context_parallel_degree))
+                   if d not in (1, 0)]
+        return f"torchtitan job, rank {self.rank} of {self.world_size} ({', '.join(degrees) or 'one device'})"
+
+    def check(self, spec: "StepSpec") -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise UsageError(f"`rank={self.rank}` is not one of the job's {self.world_size} ranks: use 0 to "
+                             f"{self.world_size - 1}")
+        if spec.target.mode == "compiled":
+            raise UsageError("a torchtitan job's compile setting is its own (`compile.enable` in its config): drop "
+                             "`mode='compiled'`")
+
+
+Parallelism = Union[Single, Formula, Ranks, Stages, Job]
 
 
 @dataclass(frozen=True)
@@ -181,7 +210,7 @@ def check_spec(spec: StepSpec) -> None:
     """What no single option object can check alone: the options against each other."""
     t = spec.target
     if not hasattr(spec.parallel, "check"):
-        raise UsageError(f"parallel must be Single(), Formula(...), Ranks(...) or Stages(...), "
+        raise UsageError(f"parallel must be Single(), Formula(...), Ranks(...), Stages(...) or Job(...), "
                          f"not {type(spec.parallel).__name__}")
     if t.attention == "eager" and not is_hf_model(spec.module):
         raise UsageError("`attention='eager'` picks a Hugging Face model's own attention; this model is not one: "
