@@ -117,7 +117,23 @@ def _job(spec: StepSpec, p: Job) -> Measured:
     lv, sv = liveness(g), saved(g)
     budget = step_budget(g, lv, sv, spec.training, spec.module, (), p.describe())
     step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
-    return Measured(spec, step, notes(g) + (p.describe(),))
+    return Measured(spec, step, notes(g) + (p.describe(),) + job_memory_lines(g, p.rank))
+
+
+def job_memory_lines(g: Any, rank: int) -> tuple[str, ...]:
+    """On the CUDA target: what ``torch.cuda.memory_stats`` would read on rank r (the
+    caching-allocator model, passes/allocator.py), in the first step and over two steps in a
+    row (a later step: the optimizer states held, the cache kept), as torchtitan logs
+    ``max_reserved_gib``. Max active equals max allocated in the model (one stream)."""
+    from graphmem.passes.allocator import allocator, later_steps_events, simulate
+
+    if g.device != "cuda":
+        return ()
+    first, later = allocator(g), simulate(later_steps_events(g))
+    gib = 2 ** 30
+    return (f"rank {rank} first step: max allocated {first.max_allocated / gib:.2f} GiB, max reserved "
+            f"{first.max_reserved / gib:.2f} GiB; later steps: max allocated {later.max_allocated / gib:.2f} GiB, "
+            f"max reserved {later.max_reserved / gib:.2f} GiB (caching-allocator model)",)
 
 
 __all__ = ["Measured", "measure", "measure_ranks"]

@@ -287,6 +287,24 @@ def events_from_step(g: StepGraph) -> list[Event]:
     return events
 
 
+def later_steps_events(g: StepGraph, steps: int = 2) -> list[Event]:
+    """``steps`` steps in a row through one cache: the traced (first) step, then each later step
+    as its ops run again without making the optimizer states (torch.optim's ``_init_group`` only
+    adds them; they stay allocated), after the previous step's leftovers (its gradients and loss:
+    ``zero_grad(set_to_none=True)`` at the step's start) are freed. What a training loop's
+    ``torch.cuda.max_memory_reserved()`` reads after its first steps: the cache is kept from step
+    to step, and the states live through every later forward and backward."""
+    first = events_from_step(g)
+    kept = {s.sid for s in g.storages.values() if s.created < 0 or (s.kind == "optimizer state" and s.created >= 0)}
+    left = [s.sid for s in sorted(g.storages.values(), key=lambda s: s.sid)
+            if s.freed is None and s.nbytes and s.sid not in kept]
+    out = list(first)
+    for k in range(1, steps):
+        out += [("free", sid if k == 1 else (k - 1, sid), 0) for sid in left]
+        out += [(kind, (k, key), n) for kind, key, n in first if key not in kept]
+    return out
+
+
 def allocator(g: StepGraph, expandable_segments: bool = False, *,
               max_split_size: Optional[int] = None) -> AllocatorResult:
     """The pass: the step replayed through the CUDA caching-allocator model (whatever device the

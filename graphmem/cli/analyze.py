@@ -18,6 +18,7 @@ from graphmem.cli.options import (
     memory_budgets_of,
 )
 from graphmem.cli.plan import plan_status
+from graphmem.cli.titan import add_job_arguments, job_report, require_model
 from graphmem.errors import UsageError
 
 if TYPE_CHECKING:
@@ -29,7 +30,8 @@ class Analyze:
     help = "analyze one training step (forward, loss, backward)"
 
     def prepare_parser(self, p: argparse.ArgumentParser) -> None:
-        add_step_arguments(p)
+        add_step_arguments(p, job=True)
+        add_job_arguments(p)
         add_pipeline_arguments(p)
         p.add_argument("--training-args", metavar="PATH",
                        help="a JSON or YAML file of transformers TrainingArguments: analyze the step a Trainer "
@@ -59,8 +61,12 @@ class Analyze:
         check_plan_arguments(args, args.plan)
         budgets = memory_budgets_of(args)
         check_pipeline_arguments(args)
+        overrides = getattr(args, "job_overrides", [])
+        if args.torchtitan is None:
+            require_model(args, overrides)
         with quiet(fmt == "json"):
-            report = trainer_report(args) if args.training_args else analyze_args(args)
+            report = job_report(args, overrides) if args.torchtitan else \
+                trainer_report(args) if args.training_args else analyze_args(args)
             if len(budgets) > 1:  # the report is at the first value; the table has them all
                 with Progress(total=len(budgets), desc="memory budgets") as bar:
                     report = report.keeping(memory_budgets=report.memory_budgets(budgets, tick=bar.update))

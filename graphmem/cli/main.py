@@ -12,6 +12,7 @@ from graphmem.cli.analyze import Analyze, Presets
 from graphmem.cli.command import Command
 from graphmem.cli.compare import Compare
 from graphmem.cli.flags import to_flags
+from graphmem.cli.titan import split_overrides
 from graphmem.cli.formula import Fit, Formula, Sweep
 from graphmem.cli.plan import Plan
 from graphmem.cli.validate import Validate
@@ -42,8 +43,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             argv[i: i + 2] = [f"--input-shape={argv[i + 1]}"]
             break
     debug = "--debug" in argv
+    argv, overrides = split_overrides(argv)  # --torchtitan's own overrides after a bare --
     try:
         args = parser().parse_args(argv)
+        args.job_overrides = overrides
         return int(args.run(args))
     except GraphmemError as e:
         if debug:

@@ -19,8 +19,12 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adafactor")
 IMPLS = ("auto", "foreach", "forloop", "fused")
 
 
-def add_model_arguments(p: argparse.ArgumentParser, shape_required: bool = True, real: bool = False) -> None:
-    p.add_argument("model", help="a model file (defines `model`), a preset name (see `graphmem presets`), or a "
+def add_model_arguments(p: argparse.ArgumentParser, shape_required: bool = True, real: bool = False,
+                        job: bool = False) -> None:
+    """``job``: MODEL and --input-shape may be left out for ``--torchtitan`` (graphmem/cli/titan.py checks)."""
+    if job:
+        shape_required = False
+    p.add_argument("model", nargs="?" if job else None, help="a model file (defines `model`), a preset name (see `graphmem presets`), or a "
                    "Hugging Face hub id, config.json or model directory" + ("; built for real" if real else ""))
     p.add_argument("--input-shape", required=shape_required, metavar="SHAPE",
                    help="e.g. 32x1024 (tokens) or 8x3x224x224" + (" (keep it small: this allocates)" if real else ""))
@@ -39,9 +43,10 @@ def add_model_arguments(p: argparse.ArgumentParser, shape_required: bool = True,
                    "leaves it)")
 
 
-def add_step_arguments(p: argparse.ArgumentParser) -> None:
-    """The model, its target and its training step: what every command that analyzes a step takes."""
-    add_model_arguments(p)
+def add_step_arguments(p: argparse.ArgumentParser, job: bool = False) -> None:
+    """The model, its target and its training step: what every command that analyzes a step takes
+    (``job``: or a torchtitan job instead of the model: ``graphmem analyze --torchtitan``)."""
+    add_model_arguments(p, job=job)
     add_target_arguments(p)
     add_training_arguments(p)
 

@@ -74,6 +74,30 @@ def job_spec(config: Any, world_size: Optional[int] = None, rank: int = 0, devic
     return StepSpec(name, _meta_model(cfg), inputs, None, target, Training(step, None), Job(cfg, world, rank), reuse=False)
 
 
+def stage_ranks(config: Any, world_size: int) -> list[int]:
+    """The first rank of each pipeline stage: torchtitan's mesh puts "pp" outermost
+    (torchtitan/distributed/parallel_dims.py ``build_mesh``), so stage s's ranks start at
+    s * world_size / pp; the ranks of one stage hold equal shards (FSDP2 pads every shard to the
+    same size) and run the same step."""
+    pp = max(config.parallelism.pipeline_parallel_degree, 1)
+    return [s * (world_size // pp) for s in range(pp)]
+
+
+def highest(config: Any, world_size: Optional[int] = None, rank: Optional[int] = None, **options: Any
+            ) -> tuple[Any, list[tuple[int, int]]]:
+    """The report of rank ``rank``, or (``rank=None``) of the highest-peak rank among the pipeline
+    stages' first ranks, with every analyzed rank's peak."""
+    from graphmem.api import report_of
+    from graphmem.measure import measure
+
+    world = world_size or _degrees(config)
+    ranks = [rank] if rank is not None else stage_ranks(config, world)
+    reports = [(r, report_of(measure(job_spec(config, world, r, **options)))) for r in ranks]
+    peaks = [(r, rep.peak_bytes if rep.budget is None else rep.budget.peak_bytes) for r, rep in reports]
+    top = max(range(len(reports)), key=lambda i: peaks[i][1])
+    return reports[top][1], peaks
+
+
 def _degrees(cfg: Any) -> int:
     p = cfg.parallelism
     dp = p.data_parallel_shard_degree if p.data_parallel_shard_degree > 0 else 1
@@ -105,4 +129,4 @@ def _meta_model(cfg: Any) -> nn.Module:
         return dataclasses.replace(cfg.model_spec.model).build()
 
 
-__all__ = ["OPTIONS", "TitanStep", "job_spec"]
+__all__ = ["OPTIONS", "TitanStep", "highest", "job_spec", "stage_ranks"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import io
 import types
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
@@ -45,14 +46,25 @@ def load_job(name: str, overrides: Sequence[str] = (), module: Optional[str] = N
     from torchtitan.config.manager import ConfigManager
 
     module = module or _family(name)
+    said = io.StringIO()
     try:
-        with contextlib.redirect_stdout(None):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
             return ConfigManager().parse_args(["--module", module, "--config", name, *overrides])
-    except SystemExit:  # tyro's usage message for an unknown or malformed override
-        raise UsageError(f"torchtitan refused the overrides {' '.join(overrides)!r} for {name}: give them as "
-                         "torchtitan's own train.py takes them (e.g. --training.seq_len 4096)") from None
+    except SystemExit:  # tyro's usage message for an unknown or malformed override, or a refused config
+        why = _tyro_reason(said.getvalue())
+        raise UsageError(f"torchtitan refused the overrides {' '.join(overrides)!r} for {name}: {why}") from None
     except (ValueError, ImportError, AttributeError) as e:
         raise UsageError(f"torchtitan could not load the job {module}/{name}: {str(e).splitlines()[0]}") from None
+
+
+def _tyro_reason(text: str) -> str:
+    """The first line of tyro's boxed message that says what was wrong."""
+    lines = [line.strip(" │╭╮╰╯─\n") for line in text.splitlines()]
+    lines = [line for line in lines if line.strip("-─ ") and not line.startswith(("usage:", "For full helptext"))]
+    for i, line in enumerate(lines):
+        if "Error" in line or "Unrecognized" in line or "Invalid" in line:
+            return " ".join(lines[i:i + 2]).strip()
+    return "give them as torchtitan's own train.py takes them (e.g. --training.seq_len 4096)"
 
 
 def _family(name: str) -> str:

@@ -1,0 +1,95 @@
+"""torchtitan jobs (graphmem/titan/): the job's own Trainer per rank on fake tensors, through the
+API and the CLI; the per-rank figures against real gloo runs of the same jobs are in
+tests/test_titan_truth.py."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+import graphmem  # noqa: E402
+from graphmem.cli.main import main  # noqa: E402
+from graphmem.errors import UsageError  # noqa: E402
+from graphmem.titan import load_job, with_sdpa  # noqa: E402
+from graphmem.titan.api import job_spec, stage_ranks  # noqa: E402
+
+SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "64"]
+
+
+@pytest.fixture(scope="module")
+def fsdp4():
+    """Rank 1 of llama3_debugmodel over FSDP2 x4, SDPA, on the CPU target."""
+    job = load_job("llama3_debugmodel", SMALL + ["--parallelism.data_parallel_shard_degree", "4"])
+    return job, graphmem.analyze(job, world_size=4, rank=1, device="cpu", attention="sdpa")
+
+
+def _shard_bytes(job, world: int) -> int:
+    """FSDP2's local shards of the job's parameters, from torchtitan's own model on meta: dim 0
+    split into world_size chunks of ceil(n / world) rows (torch.chunk), rank 1's chunk."""
+    model = job_spec(job, world, 0, device="cpu").module
+    total = 0
+    for p in model.parameters():
+        rows = math.ceil(p.shape[0] / world)
+        mine = max(min(rows, p.shape[0] - rows * 1), 0)  # rank 1's rows
+        total += mine * (p.numel() // p.shape[0]) * p.element_size()
+    return total
+
+
+def test_rank_holds_its_fsdp_shards(fsdp4):
+    job, report = fsdp4
+    assert report.parameter_bytes == _shard_bytes(job, 4)
+    assert report.gradient_bytes == report.parameter_bytes  # fp32 sharded gradients, reduce-scattered
+    states = dict((row.name, row.size) for row in report.budget.rank.rows)["optimizer states"]
+    assert states - 2 * report.parameter_bytes == report.budget.rank.step_counter_bytes  # AdamW: exp_avg, exp_avg_sq
+
+
+def test_job_step_phases_and_loop(fsdp4):
+    _, report = fsdp4
+    assert list(report.phase_start)[:4] == ["forward", "loss", "backward", "optimizer"]
+    assert report.budget.training.train.describe().startswith("torchtitan Trainer.train_step: AdamW")
+    assert "rank 1 of 4 (dp_shard 4)" in report.notes[-1]
+    assert report.budget.rank.later_peak_bytes > report.budget.peak_bytes  # the states exist from the start
+
+
+def test_sdpa_swap_leaves_the_users_config():
+    job = load_job("llama3_debugmodel", SMALL)
+    swapped = with_sdpa(job)
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    assert list(job.model_spec.model.traverse(FlexAttention.Config))
+    assert not list(swapped.model_spec.model.traverse(FlexAttention.Config))
+    assert len(list(swapped.model_spec.model.traverse(ScaledDotProductAttention.Config))) == 6
+
+
+def test_stage_ranks_follow_the_mesh():
+    job = load_job("llama3_debugmodel", SMALL + ["--parallelism.pipeline_parallel_degree", "2",
+                                             "--training.disable_cuda_graphs"])
+    assert stage_ranks(job, 8) == [0, 4]
+
+
+def test_errors_are_one_line(capsys):
+    with pytest.raises(UsageError, match="no torchtitan model family defines"):
+        load_job("llama3_nonesuch")
+    job = load_job("llama3_debugmodel", SMALL)
+    with pytest.raises(UsageError, match="not one of the job's 4 ranks"):
+        graphmem.analyze(job, world_size=4, rank=4, device="cpu")
+    with pytest.raises(UsageError, match="drop input_shape"):
+        graphmem.analyze(job, world_size=4, input_shape=(2, 64))
+    assert main(["analyze", "models/gpt2.py", "--torchtitan", "llama3_debugmodel"]) == 2
+    assert main(["analyze", "--input-shape", "2x8", "--", "--training.seq_len", "8"]) == 2
+    assert main(["analyze", "--torchtitan", "llama3_debugmodel", "--", "--training.nonesuch", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("graphmem: error:") for line in err)
+
+
+@pytest.mark.slow
+def test_cli_json(capsys):
+    code = main(["analyze", "--torchtitan", "llama3_debugmodel", "--world-size", "2", "--device", "cpu",
+                 "--sdpa", "--json", "--", *SMALL, "--parallelism.data_parallel_shard_degree", "2"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "torchtitan llama3 debugmodel"
+    assert out["budget"]["training"]["train"]["loop"] == "torchtitan.Trainer"
