@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from graphmem.errors import PassError
 from graphmem.stepgraph import StepGraph
@@ -53,7 +53,7 @@ K_ROUND_LARGE = 2 * MiB  # kRoundLarge: bigger requests round up to this
 MAX_NON_SPLIT_ROUNDING = 20 * MiB  # max_non_split_rounding_mb default (kLargeBuffer before)
 _ADDRESS_SPACE = 1 << 50  # virtual size of an expandable segment: "bigger than any request"
 
-Event = tuple[str, int, int]  # ("alloc", id, nbytes) | ("free", id, 0)
+Event = tuple[str, Any, int]  # ("alloc", id, nbytes) | ("free", id, 0); an id is any hashable
 _FREE, _USED, _UNMAPPED = 0, 1, 2
 
 

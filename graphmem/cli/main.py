@@ -12,9 +12,9 @@ from graphmem.cli.analyze import Analyze, Presets
 from graphmem.cli.command import Command
 from graphmem.cli.compare import Compare
 from graphmem.cli.flags import to_flags
-from graphmem.cli.titan import split_overrides
 from graphmem.cli.formula import Fit, Formula, Sweep
 from graphmem.cli.plan import Plan
+from graphmem.cli.titan import split_overrides
 from graphmem.cli.validate import Validate
 from graphmem.errors import GraphmemError, UsageError
 
