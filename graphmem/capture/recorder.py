@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
+from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 import graphmem.capture.workspace_conv  # noqa: F401  (registers the convolution rules)
@@ -87,6 +88,8 @@ class _Mode(FakeTensorMode):
         if rec.real_bookkeeping and all_real(args, kwargs):  # while wrappers are set up: ops on real tensors (a
             with unset_fake_temporarily():  # DeviceMesh's rank layout when FSDP composes with TP) run for real
                 return func(*args, **(kwargs or {}))
+        if isinstance(func, HigherOrderOperator):  # (FlexAttention's): its fake rule's own ops are recorded
+            return super().__torch_dispatch__(func, types, args, kwargs)
         if rec.depth or not rec.recording or func.namespace in ("prim", "profiler") or func in _METADATA_OPS \
                 or wrapped(types):  # queries never allocate; a DTensor's op comes back as its local ops
             return super().__torch_dispatch__(func, types, args, kwargs)

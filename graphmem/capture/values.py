@@ -103,6 +103,8 @@ class Values:
 
     def propagate(self, func: Any, args: tuple, kwargs: Optional[dict], out: Any) -> None:
         """Give ``out`` the values ``func`` makes from its inputs' values, when it can."""
+        if not hasattr(func, "_schema"):  # a higher-order operator (FlexAttention's): its own ops carry values
+            return
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         real = None
         if outs and torch.Tag.nondeterministic_seeded not in func.tags and "empty" not in func.__name__ and \

@@ -151,7 +151,8 @@ _FUNCTIONAL = "_c10d_functional::"  # DTensor's redistributions: all_gather_into
 
 
 def _label(cap: _Recorder, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    name = func._schema.name
+    schema = getattr(func, "_schema", None)  # a higher-order operator (FlexAttention's) has none
+    name = schema.name if schema is not None else ""
     if name.startswith(_FUNCTIONAL) and name != "_c10d_functional::wait_tensor" and isinstance(out, torch.Tensor):
         cap.relabel(out, "communication", f"{name.split('::')[1]} output (DTensor redistribute)")
     elif name == _ALL_GATHER_COPY_IN:

@@ -57,7 +57,7 @@ def capture_job(config: Any, world_size: int, rank: int, target: Target) -> Step
     _unique_counts()
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
-        with on_cpu(), _compiled_eagerly():
+        with on_cpu(), _compiled_eagerly(target):
             return _capture(cfg, target)
     finally:
         dist.destroy_process_group()
@@ -146,7 +146,7 @@ def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batche
                     _observed(trainer, root, cap, mark), _target_rules(target, backends, cap):
                 cap.recording = True
                 cap.set_phase("forward")
-                with ScalarReads():  # the token count and loss it reads scale arithmetic and logs only
+                with _StepReads():  # the token count and loss it reads scale arithmetic and logs only
                     trainer.train_step(iter(batches))
         except GraphmemError:
             raise
@@ -161,6 +161,13 @@ def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batche
         cap.closed = True
         for h in handles:
             h.remove()
+
+
+class _StepReads(ScalarReads):
+    """``ScalarReads`` over the whole step, higher-order operators (FlexAttention's) passed on to
+    the fake mode below."""
+
+    supports_higher_order_operators = True
 
 
 class _InitReads(ScalarReads):
@@ -228,19 +235,45 @@ def _observed(trainer: Any, root: nn.Module, cap: _Recorder,
 
 
 @contextlib.contextmanager
-def _compiled_eagerly() -> Iterator[None]:
+def _compiled_eagerly(target: Target) -> Iterator[None]:
     """torchtitan's always-compiled FlexAttention and ``create_block_mask`` as their eager
-    functions (the module docstring)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    functions (the module docstring). FlexAttention refuses a backward on CPU tensors
+    (torch/nn/attention/flex_attention.py ``_validate_device``): on the CUDA target, whose fake
+    tensors are CPU tensors, that check is the real device's (CUDA has the backward); on the CPU
+    target the refusal stands, in one line."""
+    import torch.nn.attention.flex_attention as flex
     from torchtitan.models.common import attention
 
-    kept = attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask
-    attention.FlexAttention._compiled_flex_attn = staticmethod(flex_attention)  # type: ignore[assignment]
-    attention._compiled_create_block_mask = create_block_mask
+    kept = attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask, flex._validate_device, \
+        flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+
+    def on_target(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if target.device == "cpu" and (query.requires_grad or key.requires_grad or value.requires_grad):
+            raise UsageError("the job's FlexAttention has no backward on the CPU (torch/nn/attention/flex_attention.py): "
+                             "analyze it with `device='cuda'`, or swap it for SDPA with `attention='sdpa'`")
+
+    _fake_rules_for(_Mode)
+    attention.FlexAttention._compiled_flex_attn = staticmethod(flex.flex_attention)  # type: ignore[assignment]
+    attention._compiled_create_block_mask = flex.create_block_mask
+    flex._validate_device = on_target
+    flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True  # the higher-order op itself (eager flex_attention wraps it in dynamo)
     try:
         yield
     finally:
-        attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask = kept
+        attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask, flex._validate_device, \
+            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = kept
+
+
+def _fake_rules_for(mode: type) -> None:
+    """FlexAttention's higher-order ops find their fake-tensor rule by the mode's exact type
+    (torch/_ops.py ``HigherOrderOperator.dispatch``): give graphmem's recording fake mode
+    FakeTensorMode's rules (registered once)."""
+    from torch._higher_order_ops.flex_attention import flex_attention, flex_attention_backward
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for hop in (flex_attention, flex_attention_backward):
+        if mode not in hop.python_key_table:
+            hop.py_impl(mode)(hop.python_key_table[FakeTensorMode])
 
 
 @contextlib.contextmanager
