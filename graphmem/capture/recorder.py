@@ -89,7 +89,7 @@ class _Mode(FakeTensorMode):
             with unset_fake_temporarily():  # DeviceMesh's rank layout when FSDP composes with TP) run for real
                 return func(*args, **(kwargs or {}))
         if isinstance(func, HigherOrderOperator):  # (FlexAttention's): its fake rule's own ops are recorded
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[arg-type]
         if rec.depth or not rec.recording or func.namespace in ("prim", "profiler") or func in _METADATA_OPS \
                 or wrapped(types):  # queries never allocate; a DTensor's op comes back as its local ops
             return super().__torch_dispatch__(func, types, args, kwargs)
