@@ -142,7 +142,7 @@ def capture(
                     segment_scope(cap.recompute_scope), real_paths(fake_mode.values if compiled is None else None):
                 cap.recording = True
                 context = forward_context(target, backends, cap.clearing_cache) if compiled is None \
-                    else compiled_context(target)
+                    else compiled_context(target, cap.clearing_cache)
                 if runner is not None:  # a trainer's own step (graphmem/training/hf_trainer.py)
                     out, loss = runner(forward, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True)
                 elif session is not None:  # graphmem's loop (graphmem/training/loop.py)

@@ -23,9 +23,9 @@ How: two runs of the step, both on fake tensors, nothing real allocated.
    a compiled graph never fire.
 
 The partition runs at ``Target.memory_budget`` (``activation_memory_budget``, ``partition_config``).
-On the CUDA target, dynamo's graphs get the CUDA rules before AOTAutograd traces them
-(``cuda_graph``: SDPA's backend op; dropout is already CUDA's native_dropout after
-AOTAutograd's decomposition; LayerNorm's fp32 statistics come from the recorder in the replay).
+On the CUDA target, dynamo's graphs run under the eager CUDA rules while AOTAutograd traces them
+(graphmem/capture/compiled_cuda.py: autocast's CUDA casts, SDPA's backend op, fused dropout;
+LayerNorm's fp32 statistics come from the recorder in the replay).
 
 Every compiled forward graph must run as often in the replay as in the trace (``check_replayed``); the
 cache entries the trace added are removed afterwards (``close``), so analyses do not pile up in
@@ -46,7 +46,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphmem.capture.aot_settings import partition_config, unlogged
 from graphmem.capture.autograd_tags import _DONE, _tensors, node_metadata
-from graphmem.capture.cuda_rules import sdpa, select_backend
+from graphmem.capture.compiled_cuda import compiled_context as cuda_context
+from graphmem.capture.compiled_cuda import cuda_graph, example_values_ruled, graphs_unruled
 from graphmem.capture.dynamo_cache import cache_entries, cache_sizes, compiled_codes
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.partition_record import Partition, recording
@@ -198,33 +199,10 @@ class _Backend:
         return compile
 
 
-_SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
-
-
-def cuda_graph(gm: fx.GraphModule, target: Target, used: dict[str, int]) -> None:
-    """The CUDA target's rules in a graph dynamo captured, before AOTAutograd traces it: each
-    ``scaled_dot_product_attention`` becomes the backend op CUDA would run (graphmem/capture/cuda_rules.py
-    ``sdpa``), so the joint graph, the partition and the saved set hold that kernel's tensors.
-    Dropout needs no rewrite: AOTAutograd's decomposition already runs ``native_dropout`` (a bool
-    mask), CUDA's fused kernel; LayerNorm's fp32 statistics are the recorder's rule in the replay."""
-    def cuda_sdpa(*args: Any, **kwargs: Any) -> Any:
-        return sdpa(target, counted, *args, **kwargs)
-
-    counted: dict[str, int] = {}  # AOTAutograd traces the function more than once: count the nodes instead
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in _SDPA:
-            n.target = cuda_sdpa
-            q, k, v, mask = (_arg(n, i, name) for i, name in ((0, "query"), (1, "key"), (2, "value"), (3, "attn_mask")))
-            if q is not None and k is not None:
-                backend = select_backend(target, q, k, mask, bool(n.kwargs.get("enable_gqa", False)), v)
-                used[backend] = used.get(backend, 0) + 1
-    gm.recompile()
-
-
-def _arg(n: fx.Node, i: int, name: str) -> Any:
-    """The fake value dynamo recorded for argument ``i`` (or keyword ``name``) of ``n``."""
-    a = n.args[i] if len(n.args) > i else n.kwargs.get(name)
-    return a.meta.get("example_value") if isinstance(a, fx.Node) else None
+def _unruled(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The compiled call, with the CUDA target's rules for eager code lifted (their graphs carry them)."""
+    with graphs_unruled():
+        return compiled(*args, **kwargs)
 
 
 class _Compiled(Exception):
@@ -269,11 +247,12 @@ class CompiledStep:
         phase = ["forward"]
         try:  # a model compiled before in this process may have used up dynamo's recompile limit
             with mode, torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20), \
-                    partition_config(target.memory_budget), recording(step.partitions), unlogged():
+                    partition_config(target.memory_budget), recording(step.partitions), unlogged(), \
+                    example_values_ruled(target):
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True):
-                    run_step(lambda *a, **k: optimized(model, *a, **k), batch, loss_fn, partial(_stop_at_backward, phase),
+                    run_step(lambda *a, **k: _unruled(optimized, model, *a, **k), batch, loss_fn, partial(_stop_at_backward, phase),
                              compiled_context(target))
         except _Compiled:
             pass  # every graph is compiled: the backward graphs with their forward (partition_config)
@@ -297,7 +276,7 @@ class CompiledStep:
         the capture has put its fake parameters into the module."""
         self.backend.recorder, self.backend.replaying = rec, True
         self.forwards += 1
-        return torch._dynamo.run(self.call)(self.model, *args, **kwargs)
+        return _unruled(torch._dynamo.run(self.call), self.model, *args, **kwargs)
 
     def check_replayed(self) -> None:
         """The replay ran the same compiled forward graphs as the trace, as often per forward (the
@@ -326,11 +305,11 @@ class CompiledStep:
                 reset_code(code)
 
 
-def compiled_context(target: Target) -> Callable[[], Any]:
+def compiled_context(target: Target, clearing: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], Any]:
     """What wraps forward and loss in compiled mode: the CPU target's (autocast, SDPA backend
-    choice; dynamo guards on them), and nothing on the CUDA target, whose rules are in the
-    graphs (``cuda_graph``) and in the recorder."""
-    return forward_context(target, {}) if target.device == "cpu" else contextlib.nullcontext
+    choice; dynamo guards on them), or on the CUDA target the CUDA rules around the eager code,
+    lifted off around the compiled call, whose graphs carry them (graphmem/capture/compiled_cuda.py)."""
+    return forward_context(target, {}) if target.device == "cpu" else cuda_context(target, clearing)
 
 
 def _module_inputs(model: nn.Module, mode: FakeTensorMode, inputs: Any, target: Target) -> dict[str, tuple[int, ...]]:

@@ -143,13 +143,17 @@ class CudaRules(TorchFunctionMode):
             self.casts.clear()  # autocast empties its cast cache when its outermost context exits
         return super().__exit__(*exc)
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
+    def autocast(self, func: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``func``'s arguments as CUDA autocast hands them to the kernel (unchanged without ``amp``)."""
         if self.amp is not None:
             if func in LOWER_PRECISION:
-                args, kwargs = self._cast_all(args, kwargs, self.amp)
-            elif func in FP32:
-                args, kwargs = self._cast_all(args, kwargs, torch.float32, only_lower=True)
+                return self._cast_all(args, kwargs, self.amp)
+            if func in FP32:
+                return self._cast_all(args, kwargs, torch.float32, only_lower=True)
+        return args, kwargs
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        args, kwargs = self.autocast(func, args, kwargs or {})
         if func is F.scaled_dot_product_attention:
             return sdpa(self.target, self.backends, *args, **kwargs)
         if func in DROPOUT:

@@ -92,9 +92,6 @@ def make_target(device: str = "cpu", dtype: Optional[str] = None, amp: Optional[
         raise UsageError(f"`attention={attention}` is a CUDA kernel; on the CPU target use auto, flash or math")
     if mode not in MODES:
         raise UsageError(f"unknown mode {mode!r}: use eager or compiled")
-    if mode == "compiled" and device == "cuda" and amp is not None:
-        raise UsageError(f"`amp={amp}` with `mode='compiled'` on the CUDA target: autocast's CUDA cast lists are not "
-                         "applied inside dynamo's graphs yet; use `dtype='bf16'`/fp16 (no autocast), or `mode='eager'`")
     if memory_budget is not None:
         memory_budget = check_memory_budget(memory_budget)
         if mode != "compiled":
