@@ -53,7 +53,7 @@ def _category(s: Storage, storages: dict[int, Storage]) -> str:
     if s.kind in ("activation", "communication"):  # (a collective's output saved for backward is an activation)
         return "activation"
     if s.kind == "workspace":
-        return "workspace"  # a kernel's workspace it keeps for backward (oneDNN LSTM; graphmem/capture/workspace.py)
+        return "workspace"  # a kernel's workspace it keeps for backward (oneDNN LSTM; graphmem/oprules/rnn.py)
     return "other"
 
 

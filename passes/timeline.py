@@ -10,7 +10,7 @@ Categories (each storage belongs to exactly one, for its whole live interval):
 - ``communication``: collective buffers of the distributed wrappers (graphmem/distributed/): FSDP2's
   all-gather buffers and the unsharded parameters copied out of them, reduce-scatter inputs
   and outputs (until the output becomes the sharded gradients)
-- ``workspace``:   kernel scratch, live inside one op (graphmem/capture/workspace.py); a workspace the
+- ``workspace``:   kernel scratch, live inside one op (graphmem/oprules/registry.py); a workspace the
   kernel returns and autograd saves (oneDNN LSTM) counts under ``activations``
 - ``other``:       everything else: inputs that are not saved, temporaries, the output and the
   loss, intermediate gradients during backward

@@ -3,7 +3,7 @@ found them. The ``slow`` marker is declared in pyproject.toml (CI runs slow test
 slow"`` skips them locally); the shared tiny models live in tests/cases.py.
 
 Process-wide settings (the CPU thread count, which graphmem's CPU scratch rules read,
-graphmem/capture/workspace.py; the default dtype; deterministic algorithms; grad mode) outlive the
+graphmem/oprules/registry.py; the default dtype; deterministic algorithms; grad mode) outlive the
 test that changes them, and under ``-n 2`` which tests share a worker varies, so a leaked change
 makes results depend on test order. Change them only inside ``torch_settings(...)`` (or the
 ``one_thread`` fixture); ``_settings_kept`` fails a test or fixture that leaves them changed.

@@ -1,7 +1,7 @@
 """Kernel rules in compiled mode: the replay (graphmem/capture/compiled.py) runs every op of the
-compiled graphs through graphmem's recorder, so graphmem/capture/workspace*.py apply there as in
+compiled graphs through graphmem's recorder, so graphmem/oprules/*.py apply there as in
 eager mode. AOTAutograd decomposes dropout into the fused ``native_dropout`` ops, which eager CPU
-dropout never calls: their rules (graphmem/capture/workspace_dropout.py) are checked here against
+dropout never calls: their rules (graphmem/oprules/dropout.py) are checked here against
 the real kernels, and whole steps against REAL ``torch.compile(backend="aot_eager")`` CPU steps."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from test_workspace import _op_scratch
 from zoo import ACCURACY
 
 import graphmem
-from graphmem.capture.workspace import scratch
+from graphmem.oprules import scratch
 from graphmem.training.step import run_step
 from graphmem.validation.measure import measure_peak
 

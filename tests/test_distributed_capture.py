@@ -75,11 +75,21 @@ def test_cli_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
     (["--world-size", "4", "--fsdp", "--fsdp-no-sync"], "add --micro-batches 2"),
     (["--world-size", "4", "--micro-batches", "2", "--fsdp-no-sync"], "add --fsdp"),
     (["--world-size", "4", "--fsdp", "--qlora", "--lora-rank", "4", "--lora-targets", "all-linear"], "drop --qlora"),
+    (["--world-size", "0", "--rank", "0", "--fsdp"], "--world-size must be a positive integer, got 0"),
 ])
 def test_per_rank_mistakes_are_one_line(args: list[str], phrase: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["analyze", "models/mlp.py", "--input-shape", "4x784", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and phrase in err[0], err
+
+
+def test_sharding_mistakes_name_the_api_options() -> None:
+    """The library names its options (graphmem/cli/flags.py turns them into flags on the command line)."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(graphmem.UsageError, match="^`world_size` must be a positive integer, got 0$"):
+        graphmem.analyze(mlp, (torch.randn(2, 8),), world_size=0, rank=0, fsdp="fully_shard")
+    with pytest.raises(graphmem.UsageError, match="^unknown `fsdp_param_dtype` 'fp8': use one of"):
+        graphmem.analyze(mlp, (torch.randn(2, 8),), world_size=2, rank=0, fsdp="fully_shard", fsdp_param_dtype="fp8")
 
 
 @pytest.mark.parametrize("name", ["chain", "llama_gqa"])

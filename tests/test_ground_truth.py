@@ -48,7 +48,7 @@ def test_model_saved_bytes_exact(name: str) -> None:
 def test_lstm_saved_bytes_exact_with_the_onednn_workspace() -> None:
     """On the CPU nn.LSTM runs oneDNN (aten.mkldnn_rnn_layer), whose meta kernel returns an empty
     workspace while the real one saves a uint8 workspace whose size oneDNN decides: graphmem's
-    kernel rule (graphmem/capture/workspace.py) sizes it as oneDNN does, so the saved bytes are exact and
+    kernel rule (graphmem/oprules/registry.py) sizes it as oneDNN does, so the saved bytes are exact and
     the workspace is its own category."""
     report, module, inputs, loss = _analyze("lstm", BLOCKS)
     workspace = []

@@ -140,7 +140,7 @@ def test_each_input_kind_equals_a_real_model_call_with_labels(kind: str, tmp_pat
     # that, Whisper's decoder built a causal mask only on fake tensors)
     assert report.activation_bytes == measured.saved_bytes
     assert report.baseline_bytes == measured.baseline_bytes
-    if kind == "speech":  # Whisper's Conv1d encoder: oneDNN convolution scratch, no rule (passes/oprules.py)
+    if kind == "speech":  # Whisper's Conv1d encoder: oneDNN convolution scratch, no rule (graphmem/oprules/conv.py)
         assert report.peak_bytes <= measured.peak_bytes <= report.peak_bytes * 1.12
         assert any("convolution" in n for n in report.notes)
     else:

@@ -109,7 +109,7 @@ def test_bf16_autocast_through_accelerate_matches_a_real_step() -> None:
 @pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "paged_adamw_8bit"])
 def test_bitsandbytes_8bit_adamw_matches_a_real_step(optim: str) -> None:
     """adamw_bnb_8bit (bitsandbytes' CPU 8-bit optimizer) on fake tensors: its states to the byte; its
-    CPU kernels' fp32 copies (graphmem/capture/bnb_rules.py) are the first step's peak, as in the real
+    CPU kernels' fp32 copies (graphmem/oprules/bnb.py) are the first step's peak, as in the real
     step (54,784 B under before they were counted)."""
     pytest.importorskip("bitsandbytes")
     with tempfile.TemporaryDirectory() as out:

@@ -110,8 +110,7 @@ def test_gemm_4bit_scratch_is_the_kernels_own(m: int, k: int, n: int, double: bo
     rule (block scales, dequantized weight) plus what ``F.linear`` on the dequantized weight
     allocates by itself (its output and oneDNN's own bf16 gemm scratch, which graphmem does not
     model for any bf16 CPU matmul)."""
-    import graphmem.capture.bnb_rules  # noqa: F401
-    from graphmem.capture.workspace import scratch
+    from graphmem.oprules import scratch
 
     w = torch.randn(n, k, dtype=torch.bfloat16)
     packed, qs = bnb.functional.quantize_4bit(w, compress_statistics=double, quant_type="nf4")
@@ -144,7 +143,7 @@ def test_qlora_mistakes_are_one_line(capsys: pytest.CaptureFixture[str]) -> None
 
 @pytest.mark.parametrize("tokens,bound", [(1600, False), (64, True)])
 def test_cuda_target_counts_the_dequantize_fallback(tokens: int, bound: bool) -> None:
-    """The CUDA target (graphmem/capture/bnb_rules.py, from backends/cuda/ops.py ``gemm_4bit``):
+    """The CUDA target (graphmem/oprules/bnb.py, from backends/cuda/ops.py ``gemm_4bit``):
     past 1536 rows bitsandbytes always takes ``_dequant_linear_fallback``: per forward matmul
     the (N, K) weight in bf16 and the fp32 block scales twice; below, the fused kernel may run
     instead, and the scratch says it is an upper bound."""

@@ -1,4 +1,4 @@
-"""Kernel rules (graphmem/capture/workspace.py) against real CPU kernels.
+"""Kernel rules (graphmem/oprules/registry.py) against real CPU kernels.
 
 Each rule is checked where its kernel runs here: the sizes a real kernel returns (oneDNN's LSTM
 workspace, aten._grouped_mm's output) and the scratch it allocates inside the op, read from the
@@ -14,13 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphmem
-from graphmem.capture.workspace import (
-    KERNEL_RULES,
-    SCRATCH_RULES,
-    onednn_lstm_workspace,
-    register_kernel,
-    register_scratch,
-)
+from graphmem.oprules import kernel_rule
+from graphmem.oprules.registry import find, register_kernel, register_scratch
+from graphmem.oprules.rnn import onednn_lstm_workspace
 from graphmem.validation.measure import measure_peak
 
 aten = torch.ops.aten
@@ -63,12 +59,12 @@ def _op_scratch(fn: object, names: tuple[str, ...]) -> list[int]:
 
 def test_registries_refuse_duplicates() -> None:
     op = aten._grouped_mm.default
-    assert (op, "cpu") in KERNEL_RULES
+    assert kernel_rule(op, "cpu") is not None
     with pytest.raises(RuntimeError, match="already registered"):
-        register_kernel(op)(lambda run, a, k, mode: None)
+        register_kernel(op, source="a second rule")(lambda run, a, k, mode: None)
     with pytest.raises(RuntimeError, match="already registered"):
-        register_scratch(aten.native_layer_norm_backward.default)(lambda a, k, out: [])
-    assert (aten.native_layer_norm_backward.default, "cuda") not in SCRATCH_RULES  # CPU kernels only
+        register_scratch(aten.native_layer_norm_backward.default, source="a second rule")(lambda a, k, out: [])
+    assert find("scratch", aten.native_layer_norm_backward.default, "cuda") is None  # CPU kernels only
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -167,7 +163,7 @@ def test_grouped_mm_rule_matches_cpu_kernel(dtype: torch.dtype) -> None:
     """Output shape, strides and storage of the CPU kernel, where the meta kernel refuses fp32."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphmem.capture.workspace import _grouped_mm
+    from graphmem.oprules.matmul import _grouped_mm
 
     a, w = torch.randn(10, 8, dtype=dtype), torch.randn(3, 8, 16, dtype=dtype)  # rows: multiples of 16 bytes
     offs = torch.tensor([4, 4, 10], dtype=torch.int32)

@@ -1,4 +1,4 @@
-"""oneDNN's depthwise convolution scratch (graphmem/capture/workspace_conv.py) against real CPU kernels
+"""oneDNN's depthwise convolution scratch (graphmem/oprules/conv.py) against real CPU kernels
 and real steps: the per-op rule to the byte over random shapes, and whole models whose peak it decides."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from test_workspace import _op_scratch
 
 import graphmem
-from graphmem.capture.workspace import scratch
+from graphmem.oprules import scratch
 from graphmem.validation.measure import measure_peak
 
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""oneDNN's depthwise convolution backward in the plain layout (graphmem/capture/workspace_conv_dw.py)
+"""oneDNN's depthwise convolution backward in the plain layout (graphmem/oprules/conv_dw.py)
 against the real CPU kernel, to the byte over random shapes, and real models whose peak it decides."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from test_workspace import _op_scratch
 
 import graphmem
-from graphmem.capture.workspace import scratch
+from graphmem.oprules import scratch
 from graphmem.validation.measure import measure_peak
 
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""oneDNN's gemm convolution backward (graphmem/capture/workspace_conv_gemm.py) against the real CPU
+"""oneDNN's gemm convolution backward (graphmem/oprules/conv_gemm.py) against the real CPU
 kernel, to the byte over random shapes, and real models whose peak it decides.
 
 The per-op ground truth is the CPU allocator's events inside ``aten::convolution_backward``
@@ -14,7 +14,7 @@ import torch
 from test_workspace import _op_scratch
 
 import graphmem
-from graphmem.capture.workspace import scratch
+from graphmem.oprules import scratch
 from graphmem.validation.measure import measure_peak
 
 aten = torch.ops.aten

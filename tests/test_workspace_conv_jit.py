@@ -1,4 +1,4 @@
-"""oneDNN's jit first-convolution weight gradient (graphmem/capture/workspace_conv_jit.py) against the
+"""oneDNN's jit first-convolution weight gradient (graphmem/oprules/conv_jit.py) against the
 real CPU kernel, to the byte over random patch embeddings, and the ViTs whose peak it decides."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from test_workspace import _op_scratch
 
 import graphmem
-from graphmem.capture.workspace import scratch
-from graphmem.capture.workspace_conv_gemm import Conv
-from graphmem.capture.workspace_conv_jit import balance
+from graphmem.oprules import scratch
+from graphmem.oprules.conv_gemm import Conv
+from graphmem.oprules.conv_jit import balance
 from graphmem.validation.measure import measure_peak
 
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""CUDA memory-efficient attention backward's scratch (graphmem/capture/workspace_efficient.py),
+"""CUDA memory-efficient attention backward's scratch (graphmem/oprules/efficient_attention.py),
 checked against sizes computed here by hand from PyTorch's source (attention_backward.cu
 ``_efficient_attention_backward``, kernel_backward.h ``Params::workspace_size``, cutlassB.h's sm80
 kernel lists). No GPU was at hand: the formula is derived from source, unchecked on hardware.
@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphmem
-from graphmem.capture.workspace_efficient import Kernel, select, workspace_size
+from graphmem.oprules.efficient_attention import Kernel, select, workspace_size
 
 BF16, F32 = torch.bfloat16, torch.float32
 GQ_TILE_64 = 4 + 64 * 64  # GradQTempStorage: lock, counter, pad[2] + a 64x64 fp32 tile, in floats

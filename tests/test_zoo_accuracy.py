@@ -3,10 +3,10 @@ tiny configs, random weights. Ground truth: a real CPU step (graphmem/validation
 from saved_tensors_hooks, the peak from the CPU allocator's events).
 
 - saved bytes: equal, every model (MoE experts through aten._grouped_mm, oneDNN's LSTM
-  workspace: graphmem/capture/workspace.py);
+  workspace: graphmem/oprules/registry.py);
 - peak: never above the real one, and below it by at most the model's stated tolerance, which
   names the kernel whose scratch has no rule (oneDNN convolution reorders: ResNet-18); 1 % for every
-  other model (ConvNeXt, MobileNetV3 and the patch-8 ViTs: exact, graphmem/capture/workspace_conv*.py).
+  other model (ConvNeXt, MobileNetV3 and the patch-8 ViTs: exact, graphmem/oprules/conv*.py).
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from graphmem.validation.measure import measure_peak
 
 # real CPU peak minus predicted peak, in bytes, allowed per model (0 unless listed: Llama,
 # Qwen2, T5, ViT, ConvNeXt measure 0 B; ConvNeXt's depthwise scratch is modelled by
-# graphmem/capture/workspace_conv.py). The gap is scratch a CPU kernel allocates inside the op at the
+# graphmem/oprules/conv.py). The gap is scratch a CPU kernel allocates inside the op at the
 # peak, which fake tensors cannot see; it is there without checkpoints too (the report's own
 # peak), so it belongs to the analysis, not to the plan:
 TOLERANCE: dict[str, int] = {

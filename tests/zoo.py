@@ -126,7 +126,7 @@ _LM = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers
            num_key_value_heads=2, max_position_embeddings=64)
 _TINY_GPT2 = dict(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=4)
 
-CONV = "oneDNN convolution scratch (weight/activation reorders; no rule outside channels-last depthwise: passes/oprules.py)"
+CONV = "oneDNN convolution scratch (weight/activation reorders; no rule outside channels-last depthwise: graphmem/oprules/conv.py)"
 
 # name -> (build, peak tolerance (real - predicted) / real, the kernel whose scratch explains any gap).
 # Measured on this machine (2 threads): every model without a convolution within 0.13 % (the LSTM's
@@ -144,19 +144,19 @@ ACCURACY: dict[str, tuple[Callable[[], Case], float, str]] = {
                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=64), 0.01, ""),
     "hf_vit": (_hf("ViTConfig:ViTForImageClassification", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                    intermediate_size=64, image_size=32, patch_size=8, num_labels=10), 0.01, ""),  # 0 B (0.20 % before
-    # graphmem/capture/workspace_conv_jit.py)
+    # graphmem/oprules/conv_jit.py)
     "peft_lora_gpt2": (_hf("GPT2Config:GPT2LMHeadModel", 16, lora=dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
                                                                       lora_dropout=0.1), **_TINY_GPT2), 0.01, ""),
     "nn_lstm": (_nn(lambda: _Output0(nn.LSTM(32, 48, num_layers=2, batch_first=True))), 0.01, ""),
     "nn_gru": (_nn(lambda: _Output0(nn.GRU(32, 48, num_layers=2, batch_first=True))), 0.01, ""),
     "nn_transformer_encoder": (_nn(_encoder), 0.01, ""),
-    # the patch embedding's weight gradient: graphmem/capture/workspace_conv_jit.py; 0 B (2.25 % before)
+    # the patch embedding's weight gradient: graphmem/oprules/conv_jit.py; 0 B (2.25 % before)
     "timm_vit_tiny": (_timm("vit_tiny_patch16_224", num_classes=10, img_size=32, patch_size=8, depth=2), 0.01, ""),
     "timm_resnet18": (_timm("resnet18", num_classes=10), 0.01, CONV),  # 0.09 %
     "torchvision_resnet18": (_torchvision("resnet18"), 0.01, CONV),  # 0.09 %
-    # NCHW depthwise backward: graphmem/capture/workspace_conv_dw.py; measured 0 B apart (1.20 % before)
+    # NCHW depthwise backward: graphmem/oprules/conv_dw.py; measured 0 B apart (1.20 % before)
     "torchvision_mobilenet_v3_small": (_torchvision("mobilenet_v3_small"), 0.01, ""),
     # its peak is a depthwise 7x7 weight gradient (oneDNN's 16x16-blocked grouped kernel, 1,024x the
-    # weight): graphmem/capture/workspace_conv.py; measured 0 B apart (was 26.7 % before that rule)
+    # weight): graphmem/oprules/conv.py; measured 0 B apart (was 26.7 % before that rule)
     "timm_convnext_atto": (_timm("convnext_atto", num_classes=10), 0.01, ""),
 }

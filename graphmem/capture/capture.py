@@ -15,6 +15,7 @@ in the real step (graphmem/capture/values.py).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
@@ -34,6 +35,7 @@ from graphmem.capture.rng_states import rng_states
 from graphmem.capture.target import Target
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.stepgraph import StepGraph
+from graphmem.training.batch import Batch
 from graphmem.training.loop import Session, TrainStep, relabel_accumulation
 from graphmem.training.loop_options import OFFLOADED
 from graphmem.training.optim import resolved_impl
@@ -84,92 +86,26 @@ def capture(
     if target.mode == "compiled" and train is not None and train.loop_options:
         raise UsageError(f"{', '.join(train.loop_options)} are analyzed in eager mode (the compiled step's graphs are "
                          "traced without them): drop mode='compiled'")
-    device = torch.device("cpu")  # see graphmem/capture/target.py for why the CUDA target runs here
-    dtype = target.param_dtype
     backends: dict[str, int] = {}
     _unique_counts()  # calibrate before entering the fake mode
-    cap = _Recorder(module_names(model))
-    cap.device, cap.gpu = target.device, target.gpu
-    if target.device == "cuda":
-        cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)
-        cap.fp32_norm_stats = True
+    cap = _recorder(model, target, backends)
     fake_mode = _Mode(cap)
     training = [(m, m.training) for m in model.modules()]
     handles = []
-    compiled: Any = None
+    compiled: Optional[CompiledStep] = None
     try:
         for m in model.modules():  # train mode (set directly: an exported module refuses .train())
             m.training = True
         if target.mode == "compiled":  # torch.compile's step, traced once on its own fake tensors
-
             compiled = CompiledStep.trace(model, inputs, loss_fn, target, backends)
-        with fake_mode:
-            state, seen = fake_state(model, device, dtype, cap.preexisting)
-            fake_inputs = fake_batch(inputs, fake_mode, device, dtype, fake_mode.values)
-            for name, x in fake_inputs.named():
-                if isinstance(x, torch.Tensor):
-                    cap.preexisting(x, "input", name)
-            session = _session(train, model, seen, cap, target.device)
-        marked: dict[str, list[int]] = {}
-        # torch.optim keeps the step counters of its for-loop and foreach implementations on the host
-        # (torch/optim/adam.py _init_group: torch.tensor(0.0) unless fused or capturable); fused keeps
-        # them on the parameters' device. The CUDA target runs on fake CPU tensors, so say which.
-        host_steps = target.device == "cuda" and train is not None and \
-            resolved_impl(train.impl, target.device) != "fused"
-        mark = _marker(cap, seen, model, marked, host_steps)  # before the step swaps the fake parameters into the module
+        step = _prepare(model, inputs, target, train, cap, fake_mode)  # before the step swaps the fake parameters in
         handles = [] if compiled is not None else [  # compiled: modules come from the graphs' node metadata
             nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
             nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True),  # also when a recompute stops early
         ]
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if compiled is not None:
-                return compiled.replay(cap, args, kwargs)
-            return model(*args, **kwargs)
-
-        def tagged_loss(out: Any, inputs: Any) -> torch.Tensor:
-            loss = (loss_fn or default_loss)(out, inputs)
-            if isinstance(loss, torch.Tensor):
-                _tag_grad_fns(loss, "")  # the loss's nodes (and any left untagged) belong to the root
-            return loss
-
-        try:
-            # the fake parameters stay in the module through backward: checkpointed
-            # segments (torch.utils.checkpoint) run their forward again there
-            with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
-                    _reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True), \
-                    rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
-                    segment_scope(cap.recompute_scope), real_paths(fake_mode.values if compiled is None else None):
-                cap.recording = True
-                context = forward_context(target, backends, cap.clearing_cache) if compiled is None \
-                    else compiled_context(target, cap.clearing_cache)
-                if runner is not None:  # a trainer's own step (graphmem/training/hf_trainer.py)
-                    out, loss = runner(forward, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True)
-                elif session is not None:  # graphmem's loop (graphmem/training/loop.py)
-                    out, loss = session.run(forward, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True,
-                                            observe=(cap.pack_as, cap.unpack))
-                else:
-                    out, loss = run_step(forward, fake_inputs, tagged_loss, cap.set_phase, context)
-                if runner is not None or session is not None:
-                    relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
-                gradient_sids = list(dict.fromkeys(marked.get("gradient", []) + [
-                    _gradient(cap, p) for p in seen.values() if p.grad is not None]))
-                for sid in gradient_sids:  # the op that made it stays its name; it lives on as a .grad
-                    cap.storages[sid].kind = "gradient"
-        except GraphmemError:
-            raise
-        except Exception as e:  # translate into a one-line error that names the fix
-            raise translate_error(e, cap, type(model).__name__) from e
-        phase_start = dict(cap.phase_start)
-        phase_start["end"] = len(cap.ops)
-        if compiled is not None:
-            compiled.check_replayed()
-            hand_back_in_order(cap.ops, cap.storages, cap.saves, gradient_sids)
-        return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
-                         gradient_sids, type(model).__name__, module_order(model),
-                         compiled.module_inputs if compiled is not None else cap.module_inputs, target, backends,
-                         compiled=compiled.summary() if compiled is not None else None,
-                         train=train if session is not None else None, micro_steps=tuple(cap.micro_steps))
+        # ``kept``: the step's output, loss and context, alive (as the fake state) until the recorder closes
+        gradient_sids, kept = _run(model, loss_fn, target, runner, cap, fake_mode, compiled, step, backends)
+        return _step_graph(model, target, train, cap, compiled, step, gradient_sids, backends)
     finally:
         cap.closed = True  # before out/loss/state die with this frame: those frees are after the step
         if compiled is not None:
@@ -178,6 +114,113 @@ def capture(
             h.remove()
         for m, was in training:
             m.training = was
+
+
+def _recorder(model: nn.Module, target: Target, backends: dict[str, int]) -> _Recorder:
+    """The recorder for ``target``: its device and GPU pick the kernel rules; the CUDA target's
+    recomputes run under CUDA's rules, and its LayerNorm keeps fp32 statistics."""
+    cap = _Recorder(module_names(model))
+    cap.device, cap.gpu = target.device, target.gpu
+    if target.device == "cuda":
+        cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)
+        cap.fp32_norm_stats = True
+    return cap
+
+
+@dataclass
+class _Prepared:
+    """What the step runs on: the fake state and batch, the optimizer session, the marker."""
+
+    state: dict[str, torch.Tensor]  # the fake parameters and buffers, by name
+    seen: dict[int, torch.Tensor]  # id(real tensor) -> its fake
+    inputs: Batch
+    session: Optional[Session]
+    mark: Callable[[str, list[tuple[str, torch.Tensor]]], None]
+    marked: dict[str, list[int]]  # kind -> the storage ids mark() named
+
+
+def _prepare(model: nn.Module, inputs: Inputs, target: Target, train: Optional[TrainStep], cap: _Recorder,
+             fake_mode: _Mode) -> _Prepared:
+    device = torch.device("cpu")  # see graphmem/capture/target.py for why the CUDA target runs here
+    dtype = target.param_dtype
+    with fake_mode:
+        state, seen = fake_state(model, device, dtype, cap.preexisting)
+        fake_inputs = fake_batch(inputs, fake_mode, device, dtype, fake_mode.values)
+        for name, x in fake_inputs.named():
+            if isinstance(x, torch.Tensor):
+                cap.preexisting(x, "input", name)
+        session = _session(train, model, seen, cap, target.device)
+    marked: dict[str, list[int]] = {}
+    # torch.optim keeps the step counters of its for-loop and foreach implementations on the host
+    # (torch/optim/adam.py _init_group: torch.tensor(0.0) unless fused or capturable); fused keeps
+    # them on the parameters' device. The CUDA target runs on fake CPU tensors, so say which.
+    host_steps = target.device == "cuda" and train is not None and \
+        resolved_impl(train.impl, target.device) != "fused"
+    mark = _marker(cap, seen, model, marked, host_steps)
+    return _Prepared(state, seen, fake_inputs, session, mark, marked)
+
+
+def _run(model: nn.Module, loss_fn: Optional[LossFn], target: Target, runner: Optional[StepRunner], cap: _Recorder,
+         fake_mode: _Mode, compiled: Optional[CompiledStep], step: _Prepared,
+         backends: dict[str, int]) -> tuple[list[int], tuple[Any, ...]]:
+    """Run the step under the fake mode, recording it: the storage ids of the gradients it leaves,
+    and what the caller keeps until the recorder closes (the output, the loss and the context: their
+    frees come after the step)."""
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if compiled is not None:
+            return compiled.replay(cap, args, kwargs)
+        return model(*args, **kwargs)
+
+    def tagged_loss(out: Any, inputs: Any) -> torch.Tensor:
+        loss = (loss_fn or default_loss)(out, inputs)
+        if isinstance(loss, torch.Tensor):
+            _tag_grad_fns(loss, "")  # the loss's nodes (and any left untagged) belong to the root
+        return loss
+
+    session, mark = step.session, step.mark
+    try:
+        # the fake parameters stay in the module through backward: checkpointed
+        # segments (torch.utils.checkpoint) run their forward again there
+        with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
+                _reparametrize_module(model, step.state, tie_weights=True, strict=False, stack_weights=True), \
+                rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
+                segment_scope(cap.recompute_scope), real_paths(fake_mode.values if compiled is None else None):
+            cap.recording = True
+            context = forward_context(target, backends, cap.clearing_cache) if compiled is None \
+                else compiled_context(target, cap.clearing_cache)
+            if runner is not None:  # a trainer's own step (graphmem/training/hf_trainer.py)
+                out, loss = runner(forward, step.inputs, tagged_loss, cap.set_phase, context, mark, fake=True)
+            elif session is not None:  # graphmem's loop (graphmem/training/loop.py)
+                out, loss = session.run(forward, step.inputs, tagged_loss, cap.set_phase, context, mark, fake=True,
+                                        observe=(cap.pack_as, cap.unpack))
+            else:
+                out, loss = run_step(forward, step.inputs, tagged_loss, cap.set_phase, context)
+            if runner is not None or session is not None:
+                relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
+            gradient_sids = list(dict.fromkeys(step.marked.get("gradient", []) + [
+                _gradient(cap, p) for p in step.seen.values() if p.grad is not None]))
+            for sid in gradient_sids:  # the op that made it stays its name; it lives on as a .grad
+                cap.storages[sid].kind = "gradient"
+    except GraphmemError:
+        raise
+    except Exception as e:  # translate into a one-line error that names the fix
+        raise translate_error(e, cap, type(model).__name__) from e
+    return gradient_sids, (out, loss, context)
+
+
+def _step_graph(model: nn.Module, target: Target, train: Optional[TrainStep], cap: _Recorder,
+                compiled: Optional[CompiledStep], step: _Prepared, gradient_sids: list[int],
+                backends: dict[str, int]) -> StepGraph:
+    phase_start = dict(cap.phase_start)
+    phase_start["end"] = len(cap.ops)
+    if compiled is not None:
+        compiled.check_replayed()
+        hand_back_in_order(cap.ops, cap.storages, cap.saves, gradient_sids)
+    return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
+                     gradient_sids, type(model).__name__, module_order(model),
+                     compiled.module_inputs if compiled is not None else cap.module_inputs, target, backends,
+                     compiled=compiled.summary() if compiled is not None else None,
+                     train=train if step.session is not None else None, micro_steps=tuple(cap.micro_steps))
 
 
 def _gradient(cap: _Recorder, p: torch.Tensor) -> int:

@@ -59,8 +59,6 @@ def _attach_quant_state(fake: torch.Tensor, qs: Any, name: str, device: torch.de
     fake tensors in their own dtypes (fp32 and uint8 block scales), each reported as a buffer, so
     ``Linear4bit.forward`` finds ``weight.quant_state`` as on the real parameter
     (bitsandbytes/nn/modules.py ``fix_4bit_weight_quant_state_from_module``)."""
-    import graphmem.capture.bnb_rules  # noqa: F401  (the gemm_4bit kernel's scratch)
-
     def make(t: torch.Tensor, field: str) -> torch.Tensor:
         if id(t) not in seen:  # double quantization's code can be shared between layers
             seen[id(t)] = _fake_like(t, device)

@@ -17,9 +17,6 @@ import torch.nn as nn
 from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-import graphmem.capture.workspace_conv  # noqa: F401  (registers the convolution rules)
-import graphmem.capture.workspace_dropout  # noqa: F401  (registers the fused dropout rules)
-import graphmem.capture.workspace_efficient  # noqa: F401  (registers CUDA memory-efficient attention's backward rules)
 from graphmem.capture.autograd_tags import (
     _ADD,
     _DONE,
@@ -32,8 +29,9 @@ from graphmem.capture.autograd_tags import (
 )
 from graphmem.capture.call_paths import call_path
 from graphmem.capture.subclasses import all_real, inner_tensors, wrapped
+from graphmem.capture.target import GPUS
 from graphmem.capture.values import NO_ANSWER, Values
-from graphmem.capture.workspace import WORKSPACE_OUTPUTS, kernel_rule, scratch
+from graphmem.oprules import kernel_rule, scratch, workspace_outputs
 from graphmem.stepgraph import OpNode, SaveEvent, Storage
 
 _NODE = "_graphmem_node"  # attribute set on each fake tensor: the OpNode (or (OpNode, i)) that produced it
@@ -97,7 +95,7 @@ class _Mode(FakeTensorMode):
             return rec.record(lambda f, a, k: _fp32_stats(super(_Mode, self).__torch_dispatch__(f, types, a, k)),
                               func, args, kwargs)
         rule = kernel_rule(func, rec.device)
-        if rule is not None:  # the real kernel's behaviour where the fake kernel's differs (graphmem/capture/workspace.py)
+        if rule is not None:  # the real kernel's behaviour where the fake kernel's differs (graphmem/oprules/)
             # the rule makes its new tensors under ``self`` (the mode is off inside its own dispatch)
             return rec.record(lambda f, a, k: rule(lambda *a2, **k2: super(_Mode, self).__torch_dispatch__(f, types, a2, k2),
                                                    a, k, self), func, args, kwargs)
@@ -139,7 +137,7 @@ class _Recorder:
         self.fp32_norm_stats = False  # CUDA target: LayerNorm's mean/rstd in fp32 (see _fp32_stats)
         self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
         self.clearing = False  # inside an autocast cache clear (see ``clearing_cache``)
-        self.device = "cpu"  # the target device: which kernel and scratch rules hold (graphmem/capture/workspace.py)
+        self.device = "cpu"  # the target device: which kernel and scratch rules hold (graphmem/oprules/)
         self.gpu = "h100"  # the CUDA target's GPU (Target.gpu), for the scratch rules that depend on it
         self.real_bookkeeping = False  # (graphmem/distributed/capture.py, while fully_shard / parallelize_module set up)
         self.on_op: Optional[Callable[[Any, tuple, dict, Any], None]] = None  # told of each recorded op (func, args, kwargs, out)
@@ -267,14 +265,12 @@ class _Recorder:
             node.meta["recompute"] = True  # a checkpointed segment's forward, run again
         if metas:
             node.meta.update(shape=metas[0][0], dtype=metas[0][1], storage=metas[0][2])
-        for i in WORKSPACE_OUTPUTS.get(func, ()):  # a kernel's workspace, returned as an output
+        for i in workspace_outputs(func):  # a kernel's workspace, returned as an output
             if i < len(outs) and isinstance(outs[i], torch.Tensor) and outs[i].numel():
                 ws = self.storages[self.live[outs[i].untyped_storage()._cdata].sid]
                 if ws.created == index:
                     ws.kind, ws.name = "workspace", f"{func} workspace"
-        if getattr(func, "namespace", "") == "bitsandbytes":  # its rules load with its first op (a QLoRA
-            import graphmem.capture.bnb_rules  # noqa: F401  weight, an 8-bit optimizer a trainer makes mid-step)
-        found = scratch(func, self.device, args, kwargs, out, self.gpu)
+        found = scratch(func, self.device, args, kwargs, out, GPUS[self.gpu])
         for sc in found:  # allocated and freed inside the kernel: live during this op only
             s = Storage(len(self.storages), sc.nbytes, "workspace", index, index, module, f"{func} scratch: {sc.what}",
                         "uint8", (sc.nbytes,))

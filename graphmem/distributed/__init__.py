@@ -5,7 +5,6 @@
 (``fake_process_group``); ``Sharding`` / ``make_sharding`` hold the options. See docs/distributed.md.
 Pipeline stages: ``analyze_stage`` in graphmem/distributed/pipeline.py (docs/pipeline.md).
 """
-from graphmem.distributed import collectives  # noqa: F401  (registers the gloo scratch rules)
 from graphmem.distributed.capture import capture_rank
 from graphmem.distributed.process_group import fake_process_group
 from graphmem.distributed.spec import Sharding, make_sharding, wants_wrappers

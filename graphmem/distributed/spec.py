@@ -66,14 +66,14 @@ def make_sharding(world_size: int, rank: int = 0, fsdp: bool = False, reshard_af
                   loss_parallel: bool = False) -> Sharding:
     """Check the options together, and with the training step that runs through the wrappers
     (graphmem/training/spec.py); the error names the fix."""
-    for name, v in (("--world-size", world_size), ("--tp", tp)):
+    for name, v in (("`world_size`", world_size), ("`tp`", tp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise UsageError(f"{name} must be a positive integer, got {v!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise UsageError(f"`rank={rank!r}` is not one of the {world_size} ranks: use 0 to {world_size - 1}")
     if world_size % tp:
         raise UsageError(f"`world_size={world_size}` is not a multiple of `tp={tp}`: world = data parallel x tensor parallel")
-    for name, d in (("--fsdp-param-dtype", param_dtype), ("--fsdp-reduce-dtype", reduce_dtype)):
+    for name, d in (("`fsdp_param_dtype`", param_dtype), ("`fsdp_reduce_dtype`", reduce_dtype)):
         if d is not None and d not in _DTYPES:
             raise UsageError(f"unknown {name} {d!r}: use one of {', '.join(_DTYPES)}")
     if not fsdp and (param_dtype or reduce_dtype or offload or not reshard_after_forward or no_sync):

@@ -120,7 +120,7 @@ def render_text(report: Report, depth: int = 3, top: int = 10, expand: bool = Fa
 
 
 def _scratch(report: Report) -> str:
-    """The kernel workspace live inside the peak op (graphmem/capture/workspace.py), when there is some."""
+    """The kernel workspace live inside the peak op (graphmem/oprules/registry.py), when there is some."""
     nbytes = sum(t.nbytes for t in report.live_at_peak if t.kind == "workspace" and t.freed == t.created)
     return f"; kernel workspace {fmt_bytes(nbytes)} inside it" if nbytes else ""
 

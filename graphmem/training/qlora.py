@@ -18,7 +18,7 @@ bnb_4bit_compute_dtype=torch.bfloat16))`` does, with the same code:
 
 The forward and backward are then bitsandbytes' own (``Linear4bit.forward`` -> ``matmul_4bit`` ->
 ``MatMul4Bit``, whose ``gemm_4bit`` op dequantizes the weight inside the kernel: its scratch is
-graphmem/capture/bnb_rules.py) and peft's (peft/tuners/lora/bnb.py ``Linear4bit``).
+graphmem/oprules/bnb.py) and peft's (peft/tuners/lora/bnb.py ``Linear4bit``).
 
 Known limitations: QLoRA is for Hugging Face models (peft's adapters); ``prepare_model_for_kbit_training``
 (fp32 casts of the non-quantized weights, gradient checkpointing) is not applied: plan checkpoints

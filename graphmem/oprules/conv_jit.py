@@ -1,6 +1,6 @@
 """oneDNN's jit weight gradient of a first convolution (fewer than 16 input channels, the plain
 layout) on the CPU: patch embeddings whose kernel is 14 wide or less (ViT at patch 8 or 14).
-graphmem/capture/workspace_conv.py registers the rule; this module computes it.
+graphmem/oprules/conv.py registers the rule; this module computes it.
 
 Which kernel runs (fp32, AVX-512): ``jit_avx512_common_convolution_bwd_weights`` (src/cpu/x64/
 jit_avx512_common_conv_kernel.cpp ``init_conf``): ``is_1stconv`` (``ic < 16``, one group) keeps the
@@ -22,7 +22,7 @@ declines that case and the report's note stays.
 """
 from __future__ import annotations
 
-import graphmem.capture.workspace_conv_gemm as gemm
+import graphmem.oprules.conv_gemm as gemm
 
 MIN_OH_REDUCE = 9  # jit_avx512_common_conv_bwd_weights_kernel_f32::min_oh_reduce
 BARRIER = 4096  # sizeof(simple_barrier::ctx_t), aligned to 4096 off Windows (src/cpu/x64/cpu_barrier.hpp)

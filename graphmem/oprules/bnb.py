@@ -15,16 +15,17 @@ weight to the compute dtype inside the op and free it when it returns.
   from the live device, which a fake step has not: graphmem counts the fallback's scratch there
   (an upper bound) and names it.
 
-Registered when the first 4-bit weight is faked (graphmem/capture/fakes.py), so bitsandbytes is
-never imported for models without one.
+Registered with the first bitsandbytes op the recorder sees (graphmem/oprules/__init__.py
+``load_bitsandbytes``), so bitsandbytes is never imported for models without one.
 """
 from __future__ import annotations
 
 from math import prod
 
+import bitsandbytes  # noqa: F401  (defines torch.ops.bitsandbytes)
 import torch
 
-from graphmem.capture.workspace import Scratch, register_scratch
+from graphmem.oprules.registry import Scratch, register_scratch
 
 _NAMES = ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit", "absmax_code",
           "absmax_offset")
@@ -46,13 +47,15 @@ def _scales(a: dict, copies: int) -> list[Scratch]:
     return [] if q is None else [Scratch(copies * q.numel() * 4, "fp32 block scales (dequantize_blockwise)")]
 
 
-@register_scratch(torch.ops.bitsandbytes.gemm_4bit.default, devices=("cpu",))
+@register_scratch(torch.ops.bitsandbytes.gemm_4bit.default, devices=("cpu",),
+                  source="bitsandbytes/backends/default/ops.py _gemm_4bit_default_impl")
 def _gemm_4bit_cpu(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     a = _bound(args, kwargs)
     return [*_scales(a, 1), _weight(a)]
 
 
-@register_scratch(torch.ops.bitsandbytes.gemm_4bit.default, devices=("cuda",))
+@register_scratch(torch.ops.bitsandbytes.gemm_4bit.default, devices=("cuda",),
+                  source="bitsandbytes/backends/cuda/ops.py gemm_4bit, _dequant_linear_fallback")
 def _gemm_4bit_cuda(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     a = _bound(args, kwargs)
     k = a["A"].shape[-1]
@@ -86,12 +89,14 @@ def _adam_scratch(args: tuple, kwargs: dict, fp32_copies: int, what: str) -> lis
 
 
 @register_scratch(getattr(torch.ops.bitsandbytes, "optimizer_update_8bit_blockwise", None) and
-                  torch.ops.bitsandbytes.optimizer_update_8bit_blockwise.default, devices=("cpu",))
+                  torch.ops.bitsandbytes.optimizer_update_8bit_blockwise.default, devices=("cpu",),
+                  source="bitsandbytes/backends/cpu/ops.py _optimizer_update_8bit_blockwise_cpu")
 def _adam_8bit_cpu(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     return _adam_scratch(args, kwargs, 5, "fp32 states, gradient and update (8-bit Adam on the CPU)")
 
 
 @register_scratch(getattr(torch.ops.bitsandbytes, "optimizer_update_32bit", None) and
-                  torch.ops.bitsandbytes.optimizer_update_32bit.default, devices=("cpu",))
+                  torch.ops.bitsandbytes.optimizer_update_32bit.default, devices=("cpu",),
+                  source="bitsandbytes/backends/cpu/ops.py _optimizer_update_32bit_cpu")
 def _adam_32bit_cpu(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     return _adam_scratch(args, kwargs, 3, "fp32 gradient and update (bitsandbytes' 32-bit Adam on the CPU)")

@@ -1,7 +1,7 @@
 """oneDNN's gemm-based convolution backward on the CPU (``gemm:jit`` in oneDNN's verbose output):
 the path of kernels wider than 14 in the plain layout: patch embeddings (ViT, DeiT, CLIP, SigLIP
 at patch 16 or 32), wide 1-d convolutions, wav2vec2's grouped positional convolution (kernel
-128). graphmem/capture/workspace_conv.py registers the rule; this module computes it.
+128). graphmem/oprules/conv.py registers the rule; this module computes it.
 
 Which kernel runs (fp32, AVX-512; read in oneDNN's source at a March 2025 commit, checked on the
 v3.12 torch 2.14 links with ``torch.backends.mkldnn.verbose`` and against the allocator on 200
@@ -35,7 +35,7 @@ arrive strided (wav2vec2's ``transpose(1, 2)`` input, a patch embedding's
 
 Known limitations: the bf16/fp16 paths, channels-last, dilated convolutions, a bias gradient
 without the weight's, and input gradients of one group or of strided convolutions (brgemm
-kernels) have no rule here (passes/oprules.py's note stays).
+kernels) have no rule here (graphmem/oprules/conv.py's note stays).
 """
 from __future__ import annotations
 

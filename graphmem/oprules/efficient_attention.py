@@ -1,5 +1,6 @@
 """CUDA target: the scratch of memory-efficient attention (the CUTLASS kernels of xformers that
-PyTorch ships), backward and forward, registered as scratch rules (graphmem/capture/workspace.py).
+PyTorch ships), backward and forward, registered as scratch rules (graphmem/oprules/registry.py),
+and the report's note where the target GPU is not modelled.
 
 Derived from PyTorch 2.14's source, **unchecked on hardware** (graphmem was built without a GPU):
 
@@ -33,7 +34,7 @@ Known limitations: modelled for the GPUs whose shared memory (opt-in, per block:
 H100/H200/B200 227 KB) is taken to hold every kernel of the sm80 list, since those kernels were
 generated for sm80 (the 64-wide ones are the fallbacks for smaller shared memory); on the A10 and
 L4 (sm86/89: 99 KB and an extra k96 kernel), T4 and V100, which kernel fits is not derived and the
-report says so (passes/oprules.py). Batches above 65,535 (run in chunks) are not modelled.
+report says so (its note, below). Batches above 65,535 (run in chunks) are not modelled.
 """
 from __future__ import annotations
 
@@ -41,11 +42,13 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.fx as fx
 
-from graphmem.capture.target import GPUS
-from graphmem.capture.workspace import Scratch, _op, register_scratch
+from graphmem.oprules.registry import Scratch, aten_op, register_note, register_scratch
 
 HALF = (torch.float16, torch.bfloat16)
+SOURCE = ("aten/src/ATen/native/transformers/cuda/attention_backward.cu _efficient_attention_backward, "
+          "attention.cu _efficient_attention_forward; mem_eff_attention/kernel_backward.h workspace_size")
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,8 @@ SM80_HALF = (_K(False, 64, 64, 32, True), _K(False, 64, 64, 32), _K(False, 64, 6
 SM80_F32 = (_K(False, 64, 64, 32), _K(False, 64, 64, 64), _K(False, 128, 64, 128), _K(False, 64, 64, 128),
             _K(False, 128, 64, 65536), _K(False, 64, 64, 65536), _K(True, 64, 64, 32), _K(True, 64, 64, 64),
             _K(True, 128, 64, 128), _K(True, 64, 64, 128), _K(True, 128, 64, 65536), _K(True, 64, 64, 65536))
-MODELLED = tuple(g for g, (major, minor) in GPUS.items() if 10 * major + minor in (80, 90, 100))
+# the compute capabilities modelled (module docstring): A100 (8.0), H100 and H200 (9.0), B200 (10.0)
+MODELLED = ((8, 0), (9, 0), (10, 0))
 
 
 def _ceil(a: int, b: int) -> int:
@@ -147,24 +151,26 @@ def backward_scratch(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Ten
     return found
 
 
-@register_scratch(_op("_scaled_dot_product_efficient_attention_backward"), devices=("cuda",), per_gpu=True)
-def _sdpa_efficient_backward(args: tuple, kwargs: dict, out: Any, gpu: str) -> list[Scratch]:
+@register_scratch(aten_op("_scaled_dot_product_efficient_attention_backward"), devices=("cuda",), per_gpu=True,
+                  source=SOURCE)
+def _sdpa_efficient_backward(args: tuple, kwargs: dict, out: Any, capability: tuple[int, int]) -> list[Scratch]:
     """``_scaled_dot_product_efficient_attention_backward_cuda``: (B, nH, M, K) in, transposed."""
     names = ("grad_out", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed", "philox_offset",
              "dropout_p")
     bound = dict(zip(names, args), **kwargs)
-    if gpu not in MODELLED or bound["grad_out"] is None:
+    if capability not in MODELLED or bound["grad_out"] is None:
         return []
     g, q, k, v = (bound[n].transpose(1, 2) for n in ("grad_out", "query", "key", "value"))
     return backward_scratch(g, q, k, v, float(bound["dropout_p"]))
 
 
-@register_scratch(_op("_efficient_attention_backward"), devices=("cuda",), per_gpu=True)
-def _efficient_backward(args: tuple, kwargs: dict, out: Any, gpu: str) -> list[Scratch]:
+@register_scratch(aten_op("_efficient_attention_backward"), devices=("cuda",), per_gpu=True,
+                  source=SOURCE)
+def _efficient_backward(args: tuple, kwargs: dict, out: Any, capability: tuple[int, int]) -> list[Scratch]:
     names = ("grad_out", "query", "key", "value", "bias", "out", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
              "max_seqlen_k", "logsumexp", "dropout_p")
     bound = dict(zip(names, args), **kwargs)
-    if gpu not in MODELLED or bound["grad_out"] is None:
+    if capability not in MODELLED or bound["grad_out"] is None:
         return []
     cu = bound.get("cu_seqlens_q")
     varlen = (cu, int(bound["max_seqlen_q"]), int(bound["max_seqlen_k"])) if cu is not None else None
@@ -181,12 +187,24 @@ def forward_scratch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
     return [Scratch(b * m * h * kv * 4, "memory-efficient forward fp32 output accumulator (attention.cu)")]
 
 
-@register_scratch(_op("_scaled_dot_product_efficient_attention"), devices=("cuda",), per_gpu=True)
-def _sdpa_efficient_forward(args: tuple, kwargs: dict, out: Any, gpu: str) -> list[Scratch]:
+@register_scratch(aten_op("_scaled_dot_product_efficient_attention"), devices=("cuda",), per_gpu=True,
+                  source=SOURCE)
+def _sdpa_efficient_forward(args: tuple, kwargs: dict, out: Any, capability: tuple[int, int]) -> list[Scratch]:
     q, k, v = (args[i].transpose(1, 2) for i in range(3))  # (B, nH, M, K) in
-    return forward_scratch(q, k, v) if gpu in MODELLED else []
+    return forward_scratch(q, k, v) if capability in MODELLED else []
 
 
-@register_scratch(_op("_efficient_attention_forward"), devices=("cuda",), per_gpu=True)
-def _efficient_forward(args: tuple, kwargs: dict, out: Any, gpu: str) -> list[Scratch]:
-    return forward_scratch(args[0], args[1], args[2]) if gpu in MODELLED else []
+@register_scratch(aten_op("_efficient_attention_forward"), devices=("cuda",), per_gpu=True,
+                  source=SOURCE)
+def _efficient_forward(args: tuple, kwargs: dict, out: Any, capability: tuple[int, int]) -> list[Scratch]:
+    return forward_scratch(args[0], args[1], args[2]) if capability in MODELLED else []
+
+
+@register_note(aten_op("_scaled_dot_product_efficient_attention_backward"), aten_op("_efficient_attention_backward"),
+               devices=("cuda",), source=SOURCE)
+def _efficient_backward_note(node: fx.Node) -> str:
+    if node.meta.get("scratch"):  # covered by the rules above
+        return ""
+    return ("memory-efficient attention (CUDA): the kernels' fp32 accumulators (attention_backward.cu workspace, "
+            "the forward's output accumulator) are modelled for the A100, H100, H200 and B200 only: on this GPU, "
+            "which kernel fits its shared memory is not derived (gpu='a100' or 'h100' gives the sm80 kernels' figure)")

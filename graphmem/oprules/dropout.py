@@ -1,5 +1,4 @@
-"""Kernel rules for the fused dropout ops on the CPU (registered in graphmem/capture/workspace.py's
-scratch registry; graphmem/capture/recorder.py imports this module).
+"""Kernel rules for the fused dropout ops on the CPU (graphmem/oprules/registry.py's scratch rules).
 
 Eager CPU dropout never calls them (aten/src/ATen/native/Dropout.cpp ``dropout``: the fused
 kernel only for CUDA-like devices, ``is_fused_kernel_acceptable``); AOTAutograd's decomposition
@@ -14,7 +13,7 @@ from typing import Any
 
 import torch
 
-from graphmem.capture.workspace import Scratch, register_scratch
+from graphmem.oprules.registry import Scratch, register_scratch
 
 aten = torch.ops.aten
 _WRAPPED = 8  # a Python float operand becomes a 0-d double tensor ("wrapped number")
@@ -24,7 +23,7 @@ def _dense(t: torch.Tensor) -> int:
     return math.prod(t.shape) * t.element_size()
 
 
-@register_scratch(aten.native_dropout.default)
+@register_scratch(aten.native_dropout.default, source="aten/src/ATen/native/Dropout.cpp native_dropout_cpu")
 def _native_dropout(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     """Dropout.cpp ``native_dropout_cpu``: ``input.mul(mask)`` with the bool mask: TensorIterator
     casts the mask to the input's dtype first (an input-sized temporary); ``mul_(scale)`` is in place."""
@@ -34,7 +33,7 @@ def _native_dropout(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     return [Scratch(_dense(x), "the bool mask cast to the input's dtype (Dropout.cpp native_dropout_cpu)")]
 
 
-@register_scratch(aten.native_dropout_backward.default)
+@register_scratch(aten.native_dropout_backward.default, source="aten/src/ATen/native/Dropout.cpp native_dropout_backward")
 def _native_dropout_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     """Dropout.cpp ``native_dropout_backward``: ``grad * mask * scale``: the mask cast to the
     gradient's dtype, the product ``grad * mask`` (both gradient-sized), then ``scale`` as a

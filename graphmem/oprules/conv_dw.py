@@ -2,7 +2,7 @@
 and MobileNet's depthwise convolutions when the model is not channels-last, and 1-d depthwise
 convolutions (a Conformer's, Mamba's), which PyTorch views as 2-d (Convolution.cpp
 ``view1d_as_2d``).
-graphmem/capture/workspace_conv.py registers the rule; this module computes it.
+graphmem/oprules/conv.py registers the rule; this module computes it.
 
 PyTorch's side, aten/src/ATen/native/mkldnn/Conv.cpp ``mkldnn_convolution_backward`` (not
 channels-last): ideep reorders what the primitive wants in another layout, allocates the
@@ -14,17 +14,17 @@ oneDNN's side (fp32, AVX-512, ``ch_block`` 16):
   ``nChw16c``; no scratchpad): the output gradient and the input gradient in ``nChw16c``, the
   weight in ``Goihw16g``;
 - weight gradient, where the depthwise kernel takes the shape (``dw_backward_weights_applies``,
-  graphmem/capture/workspace_conv.py): the output gradient and the input in ``nChw16c``, the
+  graphmem/oprules/conv.py): the output gradient and the input in ``nChw16c``, the
   weight gradient in ``Goihw16g``, the bias gradient, and (``init_scratchpad``, harness
   ``mb_reduction``: ``nthr_g = min(nb_ch, nthreads)``, ``nthr_mb = min(max(1, nthreads / nthr_g),
   mb)``) per-thread reduction buffers of the weight and bias gradients when ``nthr_mb > 1``;
-- else the gemm convolution (graphmem/capture/workspace_conv_gemm.py) in the plain layout.
+- else the gemm convolution (graphmem/oprules/conv_gemm.py) in the plain layout.
 
 Checked against the allocator on random 2-d and 1-d shapes (tests/test_workspace_conv_dw.py).
 """
 from __future__ import annotations
 
-import graphmem.capture.workspace_conv_gemm as gemm
+import graphmem.oprules.conv_gemm as gemm
 
 ALIGN = gemm.ALIGN
 

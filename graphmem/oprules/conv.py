@@ -1,11 +1,11 @@
-"""Kernel rules for oneDNN's CPU convolution (registered in graphmem/capture/workspace.py's
-scratch registry; graphmem/capture/recorder.py imports this module).
+"""Kernel rules for oneDNN's CPU convolution (graphmem/oprules/registry.py's scratch rules), and the
+report's notes for the convolution scratch no rule covers (oneDNN's elsewhere, cuDNN's).
 
 Which oneDNN primitive runs, and so which layouts it reorders into, is chosen at run time from
 the shape, the ISA and the data type. The rules here cover the case whose scratch is large and
 follows one measured law: the depthwise convolution in channels-last layout (ConvNeXt's 7x7,
 MobileNet's and EfficientNet's in channels-last), fp32, square kernels, 16 channels or more.
-Other convolutions keep the report's note (passes/oprules.py): weight- and activation-sized
+Other convolutions keep the report's note (below): weight- and activation-sized
 reorders, a few percent of a step.
 
 PyTorch's side: aten/src/ATen/native/Convolution.cpp ``_select_conv_backend`` sends a CPU fp32
@@ -32,12 +32,13 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.fx as fx
 from torch._prims_common import suggest_memory_format
 
-import graphmem.capture.workspace_conv_dw as dw
-import graphmem.capture.workspace_conv_gemm as gemm
-import graphmem.capture.workspace_conv_jit as jit
-from graphmem.capture.workspace import Scratch, register_scratch
+import graphmem.oprules.conv_dw as dw
+import graphmem.oprules.conv_gemm as gemm
+import graphmem.oprules.conv_jit as jit
+from graphmem.oprules.registry import Scratch, register_note, register_scratch
 
 aten = torch.ops.aten
 WHAT = "oneDNN depthwise convolution, channels-last (mkldnn/Conv.cpp, measured law)"
@@ -103,7 +104,8 @@ def dw_backward_weights_applies(c: Geometry) -> bool:
             and (c.t_pad <= 1 or c.t_pad % c.sh == 0) and (b_pad <= 1 or b_pad % c.sh == 0))
 
 
-@register_scratch(aten.convolution.default)
+@register_scratch(aten.convolution.default, source="aten/src/ATen/native/mkldnn/Conv.cpp mkldnn_convolution "
+                  "(oneDNN's Goihw16g weight reorder, measured law)")
 def _convolution(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
     b = dict(zip(names, args), **kwargs)
@@ -125,7 +127,9 @@ def depthwise_weight_grad_scratch(c: Geometry, bias_grad: bool) -> int:
     return c.g * 16 * 16 * c.kh * c.kw * 4 + dense + bias
 
 
-@register_scratch(aten.convolution_backward.default)
+@register_scratch(aten.convolution_backward.default, source="aten/src/ATen/native/mkldnn/Conv.cpp "
+                  "mkldnn_convolution_backward; oneDNN jit_uni_dw_conv_kernel_utils.cpp, gemm_convolution_utils.cpp, "
+                  "jit_avx512_common_conv_kernel.cpp init_conf")
 def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     names = ("grad_output", "input", "weight", "bias_sizes", "stride", "padding", "dilation", "transposed",
              "output_padding", "groups", "output_mask")
@@ -144,7 +148,7 @@ def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
 
 
 def _plain_depthwise_backward(b: dict) -> list[Scratch]:
-    """A depthwise convolution in the plain layout (graphmem/capture/workspace_conv_dw.py): fp32,
+    """A depthwise convolution in the plain layout (graphmem/oprules/conv_dw.py): fp32,
     1-d (viewed as 2-d, Convolution.cpp ``view1d_as_2d``) or 2-d with a square kernel, one output
     channel per group, no dilation, both gradients or the weight's (a bias gradient alone keeps
     the note). A strided input's or gradient's ``contiguous()`` copy lives through the op."""
@@ -167,7 +171,7 @@ def _plain_depthwise_backward(b: dict) -> list[Scratch]:
 
 
 def _gemm_backward(b: dict) -> list[Scratch]:
-    """A gradient oneDNN computes with its gemm convolution (graphmem/capture/workspace_conv_gemm.py)."""
+    """A gradient oneDNN computes with its gemm convolution (graphmem/oprules/conv_gemm.py)."""
     grad, x, mask = b["grad_output"], b["input"], tuple(b["output_mask"])
     c = gemm.as_conv(b, grad)
     padding = gemm.expand(b["padding"], x.dim() - 2)
@@ -186,7 +190,7 @@ def _gemm_backward(b: dict) -> list[Scratch]:
 
 def _first_conv_backward(b: dict) -> list[Scratch]:
     """A patch embedding's weight gradient by oneDNN's jit first-convolution kernel (graphmem/
-    capture/workspace_conv_jit.py): fp32, 2-d, plain layout, one group, 1 to 3 input channels
+    oprules/conv_jit.py): fp32, 2-d, plain layout, one group, 1 to 3 input channels
     (``src_ok`` of ``init_conf``), stride = kernel (2 to 14), no padding, no input gradient."""
     grad, x, w, mask = b["grad_output"], b["input"], b["weight"], tuple(b["output_mask"])
     if not (x.dim() == 4 and x.dtype == torch.float32 and b["groups"] == 1 and x.size(1) <= 3 and mask[1]
@@ -203,3 +207,23 @@ def _first_conv_backward(b: dict) -> list[Scratch]:
     nbytes = jit.first_conv_weight_grad_scratch(c, mask[2], gemm.threads()) + copies
     return [Scratch(nbytes, "oneDNN first-convolution weight gradient: nChw16c/Ohwi16o reorders and reductions "
                             "(jit_avx512_common_conv_kernel.cpp, mkldnn/Conv.cpp)")]
+
+
+@register_note(aten.convolution.default, aten.convolution_backward.default, devices=("cpu",),
+               source="aten/src/ATen/native/mkldnn/Conv.cpp mkldnn_convolution, mkldnn_convolution_backward "
+                      "(oneDNN's reorders and scratchpad)")
+def _onednn_conv(node: fx.Node) -> str:
+    if node.meta.get("scratch"):  # covered by a rule above (depthwise channels-last; conv_dw.py: depthwise NCHW;
+        return ""                 # conv_gemm.py: kernels > 14; conv_jit.py: patch embeddings)
+    return ("aten.convolution (CPU): oneDNN's scratch inside the op (weight and activation reorders to its "
+            "blocked layouts, its scratchpad; chosen per shape, ISA and thread count) is not modelled except for "
+            "fp32 depthwise convolutions, kernels wider than 14 (oneDNN's gemm path) and patch embeddings: the "
+            "real peak can be higher by up to a few weight- or activation-sized buffers per convolution "
+            "(measured: ResNet-18 +0.09 %, Whisper's Conv1d up to +10 % at toy sizes)")
+
+
+@register_note(aten.convolution.default, aten.convolution_backward.default, devices=("cuda",),
+               source="aten/src/ATen/native/cudnn/Conv_v8.cpp (cuDNN's algorithm search and workspace)")
+def _cudnn_conv(node: fx.Node) -> str:
+    # cuDNN documents no size or bound for it: only a per-algorithm runtime query (cudnnGetConvolution*WorkspaceSize)
+    return "aten.convolution (CUDA): cuDNN's workspace (chosen by its algorithm search) is not modelled"
