@@ -1,4 +1,4 @@
-"""torchtitan's published H100 memory (benchmarks/llama3_h100_202412_torchtitan.md in the
+"""torchtitan's published H100 memory (torchtitan/benchmarks/llama3_h100_202412_torchtitan.md in the
 torchtitan repository, the figures of arXiv 2410.06511) beside graphmem's prediction, row by row,
 with the time and memory each prediction took.
 

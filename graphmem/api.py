@@ -89,7 +89,7 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
             raise UsageError(f"a Trainer's step comes from its TrainingArguments; drop {', '.join(extra)}")
         return report_of(measure(trainer_spec(model, inputs, options.get("input_shape"))))
     if is_job_config(model):  # a torchtitan Trainer.Config: the job's own code per rank (graphmem/titan/)
-        from graphmem.titan.api import OPTIONS, job_spec
+        from graphmem.titan_api import OPTIONS, job_spec
 
         extra = sorted(set(options) - OPTIONS)
         if extra or inputs is not None:

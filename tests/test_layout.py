@@ -25,7 +25,9 @@ LAYERS: dict[str, set[str]] = {
     "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "analysis"},
     "recapture": {"errors", "stepgraph", "capture", "formula", "training", "passes", "distributed", "spec"},
     "spec": {"errors", "capture", "distributed", "passes", "training"},
-    "measure": {"capture", "distributed", "passes", "recapture", "spec", "training"},
+    "titan": {"errors", "capture", "distributed", "stepgraph", "training"},  # a torchtitan job's rank, captured
+    "measure": {"capture", "distributed", "passes", "recapture", "spec", "training", "titan"},
+    "titan_api": {"errors", "capture", "spec", "training", "titan", "measure"},  # a torchtitan job as a StepSpec
     "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula", "analysis"},
     "losses": {"capture"},
     "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "recapture",
@@ -36,13 +38,13 @@ LAYERS: dict[str, set[str]] = {
                "validation", "advise"},
     "trainer_api": {"errors", "capture", "spec", "training"},
     "api": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "recapture", "report",
-            "distributed", "spec", "measure", "trainer_api"},
+            "distributed", "spec", "measure", "trainer_api", "titan", "titan_api"},
     "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api", "spec", "trainer_api"},
     "ci": {"errors", "units", "api", "report", "compare", "render", "training", "capture"},
     "progress": set(),
     "checkpointing": {"planning"}, "selective": {"planning"},  # compatibility names for printed plan code
     "cli": {"errors", "units", "api", "report", "compare", "render", "capture", "training", "formula", "planning",
-            "validation", "progress", "models", "advise", "distributed", "spec", "trainer_api"},
+            "validation", "progress", "models", "advise", "distributed", "spec", "trainer_api", "titan", "titan_api"},
     "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation", "spec"},
 }
 
@@ -131,7 +133,7 @@ def test_every_package_is_installed() -> None:
     assert folders | {"graphmem", "graphmem.passes", "graphmem.models"} == listed
 
 
-PARALLEL = {"Single", "Formula", "Ranks", "Stages"}  # graphmem/spec.py's parallel settings
+PARALLEL = {"Single", "Formula", "Ranks", "Stages", "Job"}  # graphmem/spec.py's parallel settings
 
 
 def _dispatches(tree: ast.AST) -> bool:

@@ -32,11 +32,12 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def job_report(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     """The report of the job's rank ``--rank``; without it, the highest of the pipeline stages' first
-    ranks (graphmem/titan/api.py ``highest``)."""
+    ranks (graphmem/titan_api.py ``highest``)."""
     import sys
 
+    from graphmem.api import report_of
     from graphmem.titan import load_job
-    from graphmem.titan.api import highest
+    from graphmem.titan_api import highest
 
     _check(args)
     job = load_job(args.torchtitan, list(overrides))
@@ -44,11 +45,12 @@ def job_report(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
         raise UsageError("--torchtitan takes its attention from the job; --sdpa swaps FlexAttention for SDPA: "
                          "drop --attention")
     attention = "sdpa" if args.sdpa else None
-    report, peaks = highest(job, world_size=args.world_size if args.world_size > 1 else None, rank=args.rank,
+    measured, peaks = highest(job, world_size=args.world_size if args.world_size > 1 else None, rank=args.rank,
                             device=args.device, gpu=args.gpu, attention=attention)
     if len(peaks) > 1:
-        print("graphmem: " + "; ".join(f"rank {r}: peak {p:,} B" for r, p in peaks), file=sys.stderr)
-    return report
+        print("graphmem: later steps' peak by rank: " + "; ".join(f"rank {r}: {p:,} B" for r, p in peaks),
+              file=sys.stderr)
+    return report_of(measured)
 
 
 def _check(args: argparse.Namespace) -> None:

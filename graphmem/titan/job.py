@@ -115,7 +115,7 @@ def prepared(config: Any) -> Any:
 def with_sdpa(config: Any) -> Any:
     """A copy of the job with every FlexAttention inner attention replaced by torchtitan's
     ``ScaledDotProductAttention`` (``is_causal=True``, one document per sequence): the attention
-    torchtitan's published Llama 3 runs used (benchmarks/llama3_h100_202412_torchtitan.md: SDPA),
+    torchtitan's published Llama 3 runs used (torchtitan/benchmarks/llama3_h100_202412_torchtitan.md: SDPA),
     and the one a CPU can train (FlexAttention has no CPU backward: torch/nn/attention/
     flex_attention.py ``_validate_device``). Changed through the config tree's own ``traverse``."""
     _torchtitan()
@@ -188,7 +188,6 @@ def _tokens(vocab: int, b: int, s: int, gen: Optional[torch.Generator]) -> tuple
 def _classes() -> Any:
     """torchtitan ``Configurable`` components (defined on first use: torchtitan is optional)."""
     from torchtitan.components.dataloader import BaseDataLoader
-    from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.config import Configurable
 
     class NoTokenizer(Configurable):
@@ -221,6 +220,12 @@ def _classes() -> Any:
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             pass
 
+    return types.SimpleNamespace(NoTokenizer=NoTokenizer, SyntheticTokens=SyntheticTokens, QuietMetrics=_quiet_metrics())
+
+
+def _quiet_metrics() -> Any:
+    from torchtitan.components.metrics import MetricsProcessor
+
     class QuietMetrics(MetricsProcessor):
         """The attributes ``Trainer`` reads and writes on its metrics processor, with no device
         memory monitor (torchtitan's asks the CUDA driver) and no logging."""
@@ -247,7 +252,7 @@ def _classes() -> Any:
         def close(self) -> None:
             pass
 
-    return types.SimpleNamespace(NoTokenizer=NoTokenizer, SyntheticTokens=SyntheticTokens, QuietMetrics=QuietMetrics)
+    return QuietMetrics
 
 
 class _NoColor:

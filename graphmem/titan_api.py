@@ -85,17 +85,18 @@ def stage_ranks(config: Any, world_size: int) -> list[int]:
 
 def highest(config: Any, world_size: Optional[int] = None, rank: Optional[int] = None, **options: Any
             ) -> tuple[Any, list[tuple[int, int]]]:
-    """The report of rank ``rank``, or (``rank=None``) of the highest-peak rank among the pipeline
-    stages' first ranks, with every analyzed rank's peak."""
-    from graphmem.api import report_of
+    """The measured step (graphmem/measure.py) of rank ``rank``, or (``rank=None``) of the rank with
+    the highest later-steps peak among the pipeline stages' first ranks, and every analyzed rank's
+    later-steps peak. ``graphmem.api.report_of`` makes its report."""
     from graphmem.measure import measure
 
     world = world_size or _degrees(config)
     ranks = [rank] if rank is not None else stage_ranks(config, world)
-    reports = [(r, report_of(measure(job_spec(config, world, r, **options)))) for r in ranks]
-    peaks = [(r, rep.peak_bytes if rep.budget is None else rep.budget.peak_bytes) for r, rep in reports]
-    top = max(range(len(reports)), key=lambda i: peaks[i][1])
-    return reports[top][1], peaks
+    measured = [measure(job_spec(config, world, r, **options)) for r in ranks]
+    peaks = [(r, m.step.budget.rank.later_peak_bytes if m.step.budget is not None else m.step.peak_bytes)
+             for r, m in zip(ranks, measured)]
+    top = max(range(len(measured)), key=lambda i: peaks[i][1])
+    return measured[top], peaks
 
 
 def _degrees(cfg: Any) -> int:
