@@ -45,7 +45,7 @@ def fully_shard_blocks(model: nn.Module, name: str, mesh: DeviceMesh, reshard_af
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
-    for block in model.get_submodule(BLOCKS[name]):
+    for block in model.get_submodule(BLOCKS[name]).children():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
 

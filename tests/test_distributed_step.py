@@ -9,7 +9,8 @@ WHEN graphmem captures rank r's whole step on fake tensors under the fake proces
 THEN on every rank: the last micro-step's saved bytes and the optimizer states' bytes equal a real
 2-process gloo job's to the byte; the first step's peak and a later step's peak (the states then
 exist before the step: passes/later_steps.py later_steps_peak) equal the real ones up to the gap the
-single-device prediction has on the same model in the same phase, bounded by GAPS.
+single-device prediction has on the same model in the same phase, bounded by STEP_GAP and
+OPTIMIZER_GAP.
 """
 from __future__ import annotations
 
@@ -42,14 +43,13 @@ CASES: list[tuple[str, Wrap, Train]] = [
 #   an 8-byte double tensor and copies it to a 4-byte float32 one, both live during aten.div and
 #   invisible to fake tensors; the foreach one on the CPU divides by the same float per tensor (no
 #   fused CPU kernel: the per-tensor fallback of ``_foreach_div_``), the same 12 B.
-GAPS = {"step": {"lora_llama": 64}, "optimizer": 12}
+STEP_GAP, OPTIMIZER_GAP = {"lora_llama": 64}, 12
 
 
 def _bounded(name: str, gaps: dict[str, int]) -> dict[str, int]:
-    step = GAPS["step"].get(name, 0)  # type: ignore[union-attr]
-    assert gaps["step"] == step, (name, gaps)
+    assert gaps["step"] == STEP_GAP.get(name, 0), (name, gaps)
     for key in ("first", "later"):  # -1: that peak is not in the optimizer step
-        assert gaps[key] in (-1, GAPS["optimizer"]), (name, gaps)
+        assert gaps[key] in (-1, OPTIMIZER_GAP), (name, gaps)
     return gaps
 
 
@@ -84,7 +84,9 @@ def _single_gaps(name: str, train: TrainStep) -> dict[str, int]:
     and the whole step's first and later steps, where the single device peaks in the optimizer."""
     model, batch = case(name)
     fb = measure_peak(model, batch).peak_bytes - _analyze(name, TrainStep()).peak_bytes
-    b = _analyze(name, train).budget.rank
+    budget = _analyze(name, train).budget
+    assert budget is not None
+    b = budget.rank
     model, batch = case(name)
     first = measure_peak(model, batch, train=train).peak_bytes - b.peak_bytes
     model, batch = case(name)
@@ -100,6 +102,7 @@ def test_rank_step_matches_real_gloo(real: list[list[dict[str, int]]], index: in
     gaps = _bounded(name, _single_gaps(name, _step(train)))
     for rank in range(WORLD):
         r = _analyze(name, _step(train), rank=rank, **wrap.options())
+        assert r.budget is not None
         b, m = r.budget.rank, real[index][rank]
         assert r.activation_bytes == m["saved"], (name, rank)
         assert b.row("optimizer states").size == m["states"] > 0, (name, rank)
