@@ -1,70 +1,165 @@
 """Ground truth for per-rank captures: a REAL multi-process CPU step with gloo
-(torch.multiprocessing.spawn), each rank measuring what graphmem/validation/measure.py measures
-on one device: the distinct storages autograd saves in forward and loss (parameters excluded:
-under FSDP2 the registered parameters during forward are the unsharded ones, so they are read
-at each save; a saved DTensor counts its local shard), and the peak from the CPU allocator's events under torch.profiler, plus the bytes
-live before the step (rank r's shards, buffers, the batch)."""
+(torch.multiprocessing.spawn), the model wrapped as a user wraps it (tests/dist_plans.py: torch's
+fully_shard, parallelize_module, transformers' TP engine; nothing of graphmem/distributed/) and
+the step and optimizer written out here in plain torch. Each rank measures what
+graphmem/validation/measure.py measures on one device: the distinct storages autograd saves in
+forward and loss (parameters excluded: under FSDP2 the registered parameters during forward are
+the unsharded ones, so they are read at each save; a saved DTensor counts its local shard), and
+the peak from the CPU allocator's events under torch.profiler, plus the bytes live before the
+step (rank r's shards, buffers, the batch)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import tempfile
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch._C._profiler import _EventType
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import ProfilerActivity, profile
 
-from graphmem.distributed.fsdp import local, shard
-from graphmem.distributed.process_group import Meshes
-from graphmem.distributed.spec import Sharding
-from graphmem.distributed.tensor_parallel import parallelize, step_context
-from graphmem.training.batch import as_batch
-from graphmem.training.loop import Session, TrainStep
-from graphmem.training.optim import state_tensors
-from graphmem.training.step import LossFn, run_step
-from graphmem.validation.measure import _allocation_events
+from tests.dist_plans import fully_shard_blocks, tensor_parallel
 
-REPEAT = 5  # steps per case: a free the profiler misses (see _settled) only raises the running sum,
-# so the least of the measured peaks is the allocator's peak
+LossFn = Callable[[Any, tuple], torch.Tensor]
+
+# steps per case: a free the profiler misses (see _settled) only raises the running sum, so the
+# least of the measured peaks is the allocator's peak
+REPEAT = 5
+
+
+@dataclass(frozen=True)
+class Wrap:
+    """How a case wraps the model on ``world`` ranks, as graphmem.analyze's options name it."""
+
+    world: int
+    fsdp: bool = False
+    reshard_after_forward: bool = True
+    param_dtype: Optional[str] = None  # MixedPrecisionPolicy's, "bf16" | "fp32"
+    reduce_dtype: Optional[str] = None
+    tp: int = 1  # tensor-parallel ranks (FSDP2 over world / tp when both)
+    sp: bool = False
+    loss_parallel: bool = False
+    no_sync: bool = False  # set_requires_gradient_sync(False) on all micro-batches but the last
+
+    def options(self) -> dict[str, Any]:
+        """The same wrapping as graphmem.analyze's keywords (with ``rank`` to add)."""
+        return {"world_size": self.world, "fsdp": "fully_shard" if self.fsdp else None,
+                "reshard_after_forward": self.reshard_after_forward, "fsdp_param_dtype": self.param_dtype,
+                "fsdp_reduce_dtype": self.reduce_dtype, "tp": self.tp, "sp": self.sp,
+                "loss_parallel": self.loss_parallel, "fsdp_no_sync": self.no_sync}
+
+    def describe(self) -> str:
+        tp = f"tp{self.tp}-sp={self.sp}" + ("-loss-parallel" if self.loss_parallel else "") if self.tp > 1 else ""
+        fsdp = f"fsdp-reshard={self.reshard_after_forward}-mp={self.param_dtype}" if self.fsdp else ""
+        return "-".join(p for p in (fsdp, tp, "no-sync" if self.no_sync else "") if p)
+
+
+@dataclass(frozen=True)
+class Train:
+    """A whole step: ``micro_batches`` forward/backward, then torch.optim's ``optimizer`` (lr 1e-3,
+    its for-loop or foreach implementation) and ``zero_grad(set_to_none=True)``."""
+
+    optimizer: str = "adamw"  # adamw | momentum (SGD, momentum 0.9)
+    foreach: bool = False  # False: the for-loop one, torch's default on the CPU
+    micro_batches: int = 1
+
+    def make(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if self.optimizer == "momentum":
+            return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=self.foreach)
+        assert self.optimizer == "adamw", self.optimizer
+        return torch.optim.AdamW(params, lr=1e-3, foreach=self.foreach)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank holds); a plain tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _keys(tensors: list[torch.Tensor]) -> dict[int, int]:
     return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
 
 
-def _step(model: nn.Module, batch: Any, loss_fn: LossFn | None, kept: list) -> tuple[int, int]:
-    """(saved bytes, peak bytes) of one real step of the wrapped ``model`` on this rank. What
-    the step leaves alive is appended to ``kept`` and never freed: the CPU allocator's profiler
+def _held(model: nn.Module) -> list[torch.Tensor]:
+    return [_local(t) for t in (*model.parameters(), *model.buffers())]
+
+
+@contextlib.contextmanager
+def _profiled() -> Iterator[Any]:
+    """torch.profiler with the CPU allocator's events, the garbage collector paused inside (as
+    graphmem/validation/measure.py's measure_peak after the T5 flake): garbage from before the
+    window, freed inside it, would be reported as the step's own frees (the allocator's profiler
+    reporter, c10/core/CPUAllocator.cpp, remembers blocks allocated while any profile ran)."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield prof
+    finally:
+        if was:
+            gc.enable()
+
+
+def _high(prof: Any) -> int:
+    """The largest running sum of the allocator's events (allocations positive, frees negative)."""
+    events: list[tuple[int, int]] = []
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+        todo.extend(e.children)
+    running = high = 0
+    for _, size in sorted(events):
+        running += size
+        high = max(high, running)
+    return high
+
+
+class _Saves:
+    """saved_tensors_hooks counting the distinct storages autograd saves while ``on`` (forward and
+    loss), the model's parameters and buffers (local shards, read at each save) excluded."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.on = model, True
+        self.saved: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = _local(t).untyped_storage()
+        if self.on and st._cdata not in _keys(_held(self.model)):
+            self.saved[st._cdata] = st.nbytes()
+        return t
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def _step(model: nn.Module, batch: tuple, loss_fn: LossFn, kept: list, context: Any) -> tuple[int, int]:
+    """(saved bytes, peak bytes) of one real step on this rank: ``out = model(*batch); loss =
+    loss_fn(out, batch); loss.backward()`` inside ``context`` (loss_parallel(), as torchtitan's train_context).
+    What the step leaves alive is appended to ``kept`` and never freed: the CPU allocator's profiler
     reporter (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter) remembers the sizes of blocks
     allocated while profiling, and a block freed after profiling stopped would leave an entry
     that a later case's block at the same address, freed while profiling, reports as its own."""
-    saved: dict[int, int] = {}
-    phase = ["forward"]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        params = _keys([local(p) for p in model.parameters()] + [local(b) for b in model.buffers()])
-        st = local(t).untyped_storage()  # a DTensor (tensor parallel) holds its local shard
-        if phase[0] != "backward" and st._cdata not in params:
-            saved[st._cdata] = st.nbytes()
-        return t
-
-    baseline = sum(_keys([local(p) for p in model.parameters()] + [local(b) for b in model.buffers()]
-                         + list(as_batch(batch).tensors())).values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out, loss = run_step(model, batch, loss_fn, lambda p: phase.__setitem__(0, p))
+    saves = _Saves(model)
+    baseline = sum(_keys(_held(model) + list(batch)).values())
+    with _profiled() as prof, saves.hooks(), context:
+        out = model(*batch)
+        loss = loss_fn(out, batch)
+        saves.on = False
+        loss.backward()
     kept.append((model, batch, out, loss))
-    running = high = 0
-    for _, size in _allocation_events(prof):
-        running += size
-        high = max(high, running)
-    return sum(saved.values()), baseline + high
+    return sum(saves.saved.values()), baseline + _high(prof)
 
 
 class _Block(nn.Module):
@@ -102,6 +197,12 @@ def loss_of(name: str) -> LossFn | None:
     return llama.loss if name.startswith("llama") else gpt2.loss
 
 
+def _user_loss(name: str) -> LossFn:
+    """What the real step trains on: ``loss_of``'s, else the sum of the output (of a transformers
+    model's logits): what graphmem's default loss takes of an output with no loss of its own."""
+    return loss_of(name) or (lambda out, batch: (out if isinstance(out, torch.Tensor) else out.logits).sum())
+
+
 def case(name: str) -> tuple[nn.Module, tuple]:
     """(model in train mode, inputs) of a named case, the same on every call: the Chain above,
     or a tests/zoo.py model (transformers' Llama, GPT-2 with tied embeddings, ...)."""
@@ -136,7 +237,9 @@ def _settled(collective: Any) -> Any:
     drops its reference to the Work (which holds the buffers) once it has run it, and a buffer
     whose last reference dies there is freed on a thread torch.profiler does not watch (its free
     event is lost and the measured running sum stays too high). Held here, the last reference
-    dies on the profiled thread, where FSDP2 drops it."""
+    dies on the profiled thread, where FSDP2 drops it. (No event says when gloo's thread let go:
+    the Work is done before it does; and ``_ExperimentalConfig(profile_all_threads=True)``, which
+    would watch that thread, records no allocator events at all in torch 2.14: tried.)"""
 
     def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
         work = collective(*args, async_op=True, **kwargs)
@@ -177,25 +280,32 @@ def _spawn(worker: Any, cases: list, world_size: int) -> list[list[dict[str, int
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
 
 
-def _worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Sharding]], out: str) -> None:
+def _wrapped(name: str, wrap: Wrap) -> tuple[nn.Module, tuple]:
+    """A fresh copy of case ``name``, split as ``wrap`` says: tensor parallel first (over the
+    whole world, or the inner dimension of a (world / tp, tp) mesh), then FSDP2 over the rest."""
+    model, batch = case(name)
+    mesh: DeviceMesh = init_device_mesh("cpu", (wrap.world,), mesh_dim_names=("dp",))
+    dp = tp = mesh
+    if wrap.fsdp and wrap.tp > 1:
+        world = init_device_mesh("cpu", (wrap.world // wrap.tp, wrap.tp), mesh_dim_names=("dp", "tp"))
+        dp, tp = world["dp"], world["tp"]
+    if wrap.tp > 1:
+        tensor_parallel(model, name, tp, wrap.sp, wrap.loss_parallel)
+    if wrap.fsdp:
+        fully_shard_blocks(model, name, dp, wrap.reshard_after_forward, wrap.param_dtype, wrap.reduce_dtype)
+    return model, batch
+
+
+def _worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Wrap]], out: str) -> None:
     _join(rank, world_size, init)
     try:
         results, kept = [], []  # type: ignore[var-annotated]
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-        for name, sharding in cases:
-            meshes = Meshes(mesh, mesh if sharding.fsdp else None, mesh if sharding.tp > 1 else None)
-            if sharding.fsdp and sharding.tp > 1:  # FSDP x TP: the 2-D mesh graphmem's fake process group builds
-                world = init_device_mesh("cpu", (sharding.dp, sharding.tp), mesh_dim_names=("dp", "tp"))
-                meshes = Meshes(world, world["dp"], world["tp"])
+        for name, wrap in cases:
             runs = []
             for _ in range(REPEAT):  # a fresh model each time; everything kept alive (see _step)
-                model, batch = case(name)
-                if sharding.tp > 1:
-                    parallelize(model, sharding, meshes)
-                if sharding.fsdp:
-                    shard(model, sharding, meshes)
-                with step_context(sharding):  # loss_parallel() around the step when the logits stay split
-                    runs.append(_step(model, batch, loss_of(name), kept))
+                model, batch = _wrapped(name, wrap)
+                context = loss_parallel() if wrap.loss_parallel else contextlib.nullcontext()
+                runs.append(_step(model, batch, _user_loss(name), kept, context))
             saved = {s for s, _ in runs}
             assert len(saved) == 1, saved  # autograd saves the same every time
             results.append({"saved": saved.pop(), "peak": min(p for _, p in runs)})
@@ -204,13 +314,13 @@ def _worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Shardi
         dist.destroy_process_group()
 
 
-def measure_ranks(cases: list[tuple[str, Sharding]], world_size: int) -> list[list[dict[str, int]]]:
-    """For each case (a name for ``case``, its sharding), each rank's {"saved", "peak"} from one
+def measure_ranks(cases: list[tuple[str, Wrap]], world_size: int) -> list[list[dict[str, int]]]:
+    """For each case (a name for ``case``, its wrapping), each rank's {"saved", "peak"} from one
     real gloo job of ``world_size`` processes running all the cases in turn."""
     return _spawn(_worker, cases, world_size)
 
 
-# -- whole training steps per rank: micro-batches and torch.optim over FSDP2's DTensor parameters --------
+# -- whole training steps per rank: micro-batches and torch.optim over the wrapped DTensor parameters ------
 
 # Whole steps under tensor parallel: a free of a functional collective's buffer the profiler misses
 # (see _settled_wait) stays in the running sum through the optimizer step, where these steps peak,
@@ -218,68 +328,61 @@ def measure_ranks(cases: list[tuple[str, Sharding]], world_size: int) -> list[li
 REPEAT_TP = 12
 
 
-def _train_steps(model: nn.Module, batch: Any, train: TrainStep, sharding: Sharding, kept: list) -> dict[str, int]:
-    """Two real whole steps (graphmem/training/loop.py's Session: micro-batches, optimizer.step(),
-    zero_grad) of the wrapped ``model`` on this rank: the last micro-step's saved bytes (as
-    ``_step`` counts them), the first step's peak, the second's (the optimizer states exist
-    before it: they are in its baseline) and the states' bytes (local shards). With
-    ``sharding.no_sync`` every micro-batch but the last runs ``set_requires_gradient_sync(False)``."""
-    session = Session(train, dict(model.named_parameters()), "cpu")
-    saved: dict[int, int] = {}
-    phase = ["forward"]
+def _train_steps(model: nn.Module, batch: tuple, name: str, wrap: Wrap, train: Train, kept: list) -> dict[str, int]:
+    """Two real whole steps of the wrapped ``model`` on this rank, written as a user writes them::
 
-    def on_phase(p: str) -> None:
-        if p == "forward":
-            saved.clear()  # each micro-step saves the same: the last one's set is the step's
-        phase[0] = p
+        def micro_step():
+            out = model(*batch); loss = loss_fn(out, batch) / k; loss.backward(); return out, loss
+        for i in range(k):
+            model.set_requires_gradient_sync(i == k - 1)  # no_sync only
+            out, loss = micro_step()
+        optimizer.step(); optimizer.zero_grad(set_to_none=True)
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        params = _keys([local(p) for p in model.parameters()] + [local(b) for b in model.buffers()])
-        st = local(t).untyped_storage()
-        if phase[0] != "backward" and st._cdata not in params:
-            saved[st._cdata] = st.nbytes()
-        return t
+    (the previous micro-step's output and loss held until the next one returns). The first step's
+    last micro-step's saved bytes (as ``_step`` counts them), the first step's peak, the second's
+    (the optimizer states exist before it: they are in its baseline) and the states' bytes."""
+    optimizer = train.make([p for p in model.parameters() if p.requires_grad])
+    k, loss_fn, saves = train.micro_batches, _user_loss(name), _Saves(model)
 
-    def micro_step(i: int, runs: int) -> None:
-        if sharding.no_sync:
-            model.set_requires_gradient_sync(i == runs - 1)  # type: ignore[operator]
+    def micro_step() -> tuple[Any, torch.Tensor]:
+        saves.on = True
+        saves.saved.clear()  # each micro-step saves the same: the last one's set is the step's
+        out = model(*batch)
+        loss = loss_fn(out, batch) if k == 1 else loss_fn(out, batch) / k
+        saves.on = False
+        loss.backward()
+        return out, loss
 
     def states() -> list[torch.Tensor]:
-        return [local(t) for _, _, t in state_tensors(session.optimizer)] if session.optimizer is not None else []
+        return [_local(t) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
-    peaks, kept_saved = [], {}  # type: ignore[var-annotated]
+    peaks, first_saved = [], {}  # type: ignore[var-annotated]
     for _ in range(2):
-        baseline = sum(_keys([local(p) for p in model.parameters()] + [local(b) for b in model.buffers()]
-                             + list(as_batch(batch).tensors()) + states()).values())
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out, loss = session.run(model, batch, None, on_phase, contextlib.nullcontext, micro_step=micro_step)
+        baseline = sum(_keys(_held(model) + list(batch) + states()).values())
+        with _profiled() as prof, saves.hooks():
+            for i in range(k):
+                if wrap.no_sync:
+                    model.set_requires_gradient_sync(i == k - 1)  # type: ignore[operator]
+                out, loss = micro_step()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         kept.append((out, loss))  # freed after profiling would confuse the next profile (see _step)
-        kept_saved = kept_saved or dict(saved)  # the first step's
-        running = high = 0
-        for _, size in _allocation_events(prof):
-            running += size
-            high = max(high, running)
-        peaks.append(baseline + high)
-    kept.append((model, batch, session))
-    return {"saved": sum(kept_saved.values()), "peak": peaks[0], "later": peaks[1],
+        first_saved = first_saved or dict(saves.saved)
+        peaks.append(baseline + _high(prof))
+    kept.append((model, batch, optimizer))
+    return {"saved": sum(first_saved.values()), "peak": peaks[0], "later": peaks[1],
             "states": sum(_keys(states()).values())}
 
 
-def _train_worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Sharding, TrainStep]], out: str) -> None:
+def _train_worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Wrap, Train]], out: str) -> None:
     _join(rank, world_size, init)
     try:
         results, kept = [], []  # type: ignore[var-annotated]
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-        for name, sharding, train in cases:
+        for name, wrap, train in cases:
             runs = []
-            for _ in range(REPEAT if sharding.tp == 1 else REPEAT_TP):  # a fresh model each time; all kept (see _step)
-                model, batch = case(name)
-                if sharding.tp > 1:  # one dimension: tensor parallel over every rank
-                    parallelize(model, sharding, Meshes(mesh, None, mesh))
-                if sharding.fsdp:
-                    shard(model, sharding, Meshes(mesh, mesh, None))
-                runs.append(_train_steps(model, batch, train, sharding, kept))
+            for _ in range(REPEAT if wrap.tp == 1 else REPEAT_TP):  # a fresh model each time; all kept (see _step)
+                model, batch = _wrapped(name, wrap)
+                runs.append(_train_steps(model, batch, name, wrap, train, kept))
             for key in ("saved", "states"):
                 assert len({r[key] for r in runs}) == 1, runs  # the same every time
             results.append({"saved": runs[0]["saved"], "states": runs[0]["states"],
@@ -289,8 +392,8 @@ def _train_worker(rank: int, world_size: int, init: str, cases: list[tuple[str, 
         dist.destroy_process_group()
 
 
-def measure_train_ranks(cases: list[tuple[str, Sharding, TrainStep]], world_size: int) -> list[list[dict[str, int]]]:
-    """For each case (a name for ``case``, its sharding over one mesh dimension: FSDP2 or tensor
+def measure_train_ranks(cases: list[tuple[str, Wrap, Train]], world_size: int) -> list[list[dict[str, int]]]:
+    """For each case (a name for ``case``, its wrapping over one mesh dimension: FSDP2 or tensor
     parallel, the training step), each rank's
     {"saved", "peak", "later", "states"} (see _train_steps) from one real gloo job."""
     return _spawn(_train_worker, cases, world_size)

@@ -1,19 +1,16 @@
 """The whole training step per rank (optimizer, micro-batches, LoRA) through FSDP2 against real gloo runs.
 
 GIVEN a model wrapped by fully_shard over 2 ranks (after peft's get_peft_model for LoRA), or the
-bundled Llama split by parallelize_module (TP + SP), and a
-torch.optim optimizer over its DTensor parameters (graphmem/training/loop.py's Session, the step
-graphmem traces), with micro-batches reduce-scattered each (FSDP2's default) or only the last
-(set_requires_gradient_sync(False) before the others)
+bundled Llama split by parallelize_module (TP + SP), and a torch.optim optimizer over its DTensor
+parameters, with micro-batches reduce-scattered each (FSDP2's default) or only the last
+(set_requires_gradient_sync(False) before the others); the real side wrapped and stepped as a
+user writes it (tests/dist_plans.py, tests/dist_truth.py: plain torch.optim, no graphmem code)
 WHEN graphmem captures rank r's whole step on fake tensors under the fake process group
 THEN on every rank: the last micro-step's saved bytes and the optimizer states' bytes equal a real
 2-process gloo job's to the byte; the first step's peak and a later step's peak (the states then
 exist before the step: passes/later_steps.py later_steps_peak) equal the real ones up to the gap the
-single-device prediction has on the same model in the same phase, as in tests/test_distributed.py:
-in the optimizer step 12 B on the CPU (the for-loop AdamW's ``exp_avg_sq.sqrt() /
-bias_correction2_sqrt`` wraps the Python float in an 8-byte double tensor and copies it to a 4-byte
-float32 one, both live during aten.div and invisible to fake tensors); in forward/backward 0 B,
-except peft's LoRA Llama's 64 B, which its single-device step has too.
+single-device prediction has on the same model in the same phase, bounded by STEP_GAP and
+OPTIMIZER_GAP.
 """
 from __future__ import annotations
 
@@ -22,29 +19,52 @@ from typing import Any
 import pytest
 
 import graphmem
-from graphmem.distributed import Sharding, make_sharding
 from graphmem.training.loop import TrainStep
-from graphmem.training.spec import make_training
 from graphmem.validation.measure import measure_peak
-from tests.dist_truth import case, measure_train_ranks
+from tests.dist_truth import Train, Wrap, case, measure_train_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the single-device gaps and every rank with one thread, as each gloo rank runs
 WORLD = 2
-CASES: list[tuple[str, Sharding, TrainStep]] = [
-    ("chain", make_sharding(WORLD, 0, fsdp=True), TrainStep("adamw")),  # for-loop AdamW (the CPU's default)
-    ("chain", make_sharding(WORLD, 0, fsdp=True), TrainStep("adamw", micro_batches=3)),  # reduce-scatter each micro-batch
+CASES: list[tuple[str, Wrap, Train]] = [
+    ("chain", Wrap(WORLD, fsdp=True), Train("adamw")),  # for-loop AdamW (the CPU's default)
+    ("chain", Wrap(WORLD, fsdp=True), Train("adamw", micro_batches=3)),  # reduce-scatter each micro-batch
     # transformers' Llama, foreach AdamW, gradient sync on the last of 3 micro-batches only
-    ("llama_gqa", make_sharding(WORLD, 0, fsdp=True, no_sync=True, training=make_training(micro_batches=3)), TrainStep("adamw", "foreach", micro_batches=3)),
-    ("lora_llama", make_sharding(WORLD, 0, fsdp=True), TrainStep("adamw")),  # peft's get_peft_model, then fully_shard
-    ("llama_bundled", make_sharding(WORLD, 0, tp=WORLD, sp=True), TrainStep("adamw")),  # parallelize_module, TP + SP
+    ("llama_gqa", Wrap(WORLD, fsdp=True, no_sync=True), Train("adamw", foreach=True, micro_batches=3)),
+    ("lora_llama", Wrap(WORLD, fsdp=True), Train("adamw")),  # peft's get_peft_model, then fully_shard
+    ("llama_bundled", Wrap(WORLD, tp=WORLD, sp=True), Train("adamw")),  # parallelize_module, TP + SP
 ]
+# The single-device gaps (real minus predicted peak) each rank may have, bounded, by phase:
+# - "step" (the peak in forward/backward): 0 B, but peft's LoRA Llama's 64 B: each LoRA linear
+#   (q_proj, v_proj of 4 layers) multiplies by the Python float ``scaling`` (peft/tuners/lora/
+#   layer.py), which eager wraps in a 0-dim float64 tensor (8 B) that MulBackward0 keeps until the
+#   backward, invisible to fake tensors: 8 x 8 B held at the peak;
+# - "optimizer" (the peak in AdamW's step): 12 B, the for-loop AdamW's ``exp_avg_sq.sqrt() /
+#   bias_correction2_sqrt`` (torch/optim/adam.py ``_single_tensor_adam``) wraps the Python float in
+#   an 8-byte double tensor and copies it to a 4-byte float32 one, both live during aten.div and
+#   invisible to fake tensors; the foreach one on the CPU divides by the same float per tensor (no
+#   fused CPU kernel: the per-tensor fallback of ``_foreach_div_``), the same 12 B.
+STEP_GAP, OPTIMIZER_GAP = {"lora_llama": 64}, 12
+
+
+def _bounded(name: str, gaps: dict[str, int]) -> dict[str, int]:
+    assert gaps["step"] == STEP_GAP.get(name, 0), (name, gaps)
+    for key in ("first", "later"):  # -1: that peak is not in the optimizer step
+        assert gaps[key] in (-1, OPTIMIZER_GAP), (name, gaps)
+    return gaps
+
+
+def _step(train: Train) -> TrainStep:
+    """The same step as graphmem's options name it."""
+    return TrainStep(train.optimizer, "foreach" if train.foreach else "forloop", micro_batches=train.micro_batches)
+
+
 # the real side's model -> what graphmem is given: the base model and its LoRA options (tests/zoo.py's lora_llama)
 AS_GIVEN = {"lora_llama": ("llama_gqa", {"lora_rank": 4, "lora_targets": "q_proj,v_proj"})}
 
 
-def _ids(c: tuple[str, Sharding, TrainStep]) -> str:
-    name, s, t = c
-    return f"{name}-{t.describe()}" + ("-no-sync" if s.no_sync else "") + ("-tp-sp" if s.tp > 1 else "")
+def _ids(c: tuple[str, Wrap, Train]) -> str:
+    name, w, t = c
+    return f"{name}-{_step(t).describe()}-{w.describe()}"
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +84,9 @@ def _single_gaps(name: str, train: TrainStep) -> dict[str, int]:
     and the whole step's first and later steps, where the single device peaks in the optimizer."""
     model, batch = case(name)
     fb = measure_peak(model, batch).peak_bytes - _analyze(name, TrainStep()).peak_bytes
-    b = _analyze(name, train).budget.rank
+    budget = _analyze(name, train).budget
+    assert budget is not None
+    b = budget.rank
     model, batch = case(name)
     first = measure_peak(model, batch, train=train).peak_bytes - b.peak_bytes
     model, batch = case(name)
@@ -76,12 +98,11 @@ def _single_gaps(name: str, train: TrainStep) -> dict[str, int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[_ids(c) for c in CASES])
 def test_rank_step_matches_real_gloo(real: list[list[dict[str, int]]], index: int) -> None:
-    name, sharding, train = CASES[index]
-    gaps = _single_gaps(name, train)
+    name, wrap, train = CASES[index]
+    gaps = _bounded(name, _single_gaps(name, _step(train)))
     for rank in range(WORLD):
-        r = _analyze(name, train, world_size=WORLD, rank=rank, fsdp="fully_shard" if sharding.fsdp else None,
-                     reshard_after_forward=sharding.reshard_after_forward, fsdp_no_sync=sharding.no_sync,
-                     tp=sharding.tp, sp=sharding.sp)
+        r = _analyze(name, _step(train), rank=rank, **wrap.options())
+        assert r.budget is not None
         b, m = r.budget.rank, real[index][rank]
         assert r.activation_bytes == m["saved"], (name, rank)
         assert b.row("optimizer states").size == m["states"] > 0, (name, rank)

@@ -6,7 +6,8 @@ GIVEN a Hugging Face decoder split by transformers' own TP plan (apply_tensor_pa
 bundled GPT-2 with its fused c_attn
 WHEN graphmem captures rank r under the fake process group
 THEN rank r's parameters have the shapes Megatron's split gives (written out here from the config),
-the same as the real model's local shards after the same wrappers, and its attention runs H/T heads.
+the same as the real model's local shards after the plan written out as a user applies it
+(tests/dist_plans.py), and its attention runs H/T heads.
 """
 from __future__ import annotations
 
@@ -17,13 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import graphmem
 from graphmem.cli.main import main
-from graphmem.distributed import make_sharding
-from graphmem.distributed.fsdp import local
 from graphmem.distributed.process_group import fake_process_group
-from graphmem.distributed.tensor_parallel import parallelize
+from tests.dist_plans import tensor_parallel
 from tests.dist_truth import case
 
 
@@ -32,16 +32,22 @@ def _rank_shapes(report: graphmem.Report) -> dict[str, tuple[int, ...]]:
     return {p.target: p.meta["shape"] for p in report.step.placeholders if p.meta["kind"] == "parameter"}
 
 
-def _real_local_shapes(model: nn.Module, world: int, rank: int, tp: int,
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _real_local_shapes(model: nn.Module, name: str, world: int, rank: int, tp: int,
                        batch: tuple = ()) -> dict[str, tuple[int, ...]]:
-    """The real model's local shards after the same wrappers (real tensors, fake process group);
+    """The real model's local shards after the model's plan written out as a user applies it
+    (tests/dist_plans.py: transformers' engine, not graphmem's code; real tensors, fake process group);
     with a batch, its gradients' local sizes after a real step ("grad " + name: (numel,))."""
     with fake_process_group(rank, world, tp, fsdp=False) as meshes:
-        parallelize(model, make_sharding(world, rank, tp=tp), meshes)
-        shapes = {n: tuple(local(p).shape) for n, p in model.named_parameters()}
+        assert meshes.tp is not None
+        tensor_parallel(model, name, meshes.tp, sp=False, loss_parallel=False)
+        shapes = {n: tuple(_local(p).shape) for n, p in model.named_parameters()}
         if batch:
             model(*batch, labels=batch[0]).loss.backward()
-            shapes.update({f"grad {n}": (local(p.grad).numel(),) for n, p in model.named_parameters()})
+            shapes.update({f"grad {n}": (_local(p.grad).numel(),) for n, p in model.named_parameters()})
         return shapes
 
 
@@ -77,7 +83,7 @@ def test_hf_rank_holds_megatron_shards(name: str, world: int, tp: int) -> None:
         report = graphmem.analyze(model, batch, world_size=world, rank=rank, tp=tp)
         shapes = _rank_shapes(report)
         assert shapes == {n: _megatron(n, model.config, tp) for n, _ in model.named_parameters()}
-        assert {**shapes, **_gradient_shapes(report)} == _real_local_shapes(model, world, rank, tp, batch)
+        assert {**shapes, **_gradient_shapes(report)} == _real_local_shapes(model, name, world, rank, tp, batch)
         assert report.parameter_bytes == sum(4 * torch.Size(s).numel() for s in shapes.values())
         # DTensor's embedding backward hands the vocabulary-sharded embedding a Replicate gradient: the
         # full (vocab, d) on every rank (torch 2.14), as the real step above does; tied to the head, the
@@ -102,8 +108,9 @@ def test_gpt2_fused_c_attn_keeps_each_ranks_q_k_v_heads() -> None:
         assert shapes["transformer.h.0.attn.c_proj.weight"] == (d, d // tp)
         assert shapes["transformer.wte.weight"] == (128 // tp, d) and "lm_head.weight" not in shapes  # still tied
         with fake_process_group(rank, tp, tp, fsdp=False) as meshes:
-            parallelize(model, make_sharding(tp, rank, tp=tp), meshes)
-            assert shapes == {n: tuple(local(p).shape) for n, p in model.named_parameters()}
+            assert meshes.tp is not None
+            tensor_parallel(model, "gpt2_bundled", meshes.tp, sp=False, loss_parallel=False)  # written out by the test
+            assert shapes == {n: tuple(_local(p).shape) for n, p in model.named_parameters()}
             assert model.transformer.wte.weight is model.lm_head.weight
             # the plan's placement gives rank r its chunk of q, of k and of v, in that order (Megatron's split;
             # the fake backend moves no data, so the chunk is taken locally as from a real scatter)

@@ -231,3 +231,35 @@ def test_library_errors_name_api_options_not_cli_flags() -> None:
     bad = {name: hits for name, path in _modules().items() if not name.startswith("graphmem.cli")
            for hits in [_flags_in_errors(ast.parse(path.read_text()))] if hits}
     assert not bad, "CLI flags in library errors: " + "; ".join(f"{n} {h}" for n, h in sorted(bad.items()))
+
+
+# the real runs the per-rank and pipeline predictions are checked against (issue 27): if they wrapped
+# the model with graphmem's own code, a wrong FSDP unit, TP plan or pipeline split would agree with itself
+TRUTH = ("dist_truth.py", "dist_plans.py", "pipeline_real.py")
+
+
+def _imported(path: Path) -> set[str]:
+    """Every module ``path`` imports, at the top or inside functions."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+    return out
+
+
+def test_the_real_runs_use_none_of_graphmems_wrappers() -> None:
+    todo, seen = list(TRUTH), set()  # the truth modules and the tests/ modules they import
+    found: dict[str, set[str]] = {}
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        for module in _imported(ROOT / "tests" / name):
+            local = module.removeprefix("tests.") + ".py"
+            if (ROOT / "tests" / local).exists() and local not in seen:
+                todo.append(local)
+            found.setdefault(module, set()).add(name)
+    wrappers = {m: files for m, files in found.items()
+                if m.split(".")[0] == "graphmem" and not m.startswith("graphmem.models")}
+    assert wrappers == {}, f"the real runs must wrap and step the model themselves, not with {sorted(wrappers)}"

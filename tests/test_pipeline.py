@@ -43,23 +43,37 @@ def hf_llama_8() -> tuple:
     return _zoo_llama(4)  # batch 8
 
 
+# the blocks [a, b) each stage holds, in stage order (stage s on rank s % pp): 4 blocks over 2 and over
+# 4 stages, 8 blocks over 4 and over 8 (interleaved: two stages per rank)
+HALVES, QUARTERS = [(0, 2), (2, 4)], [(0, 1), (1, 2), (2, 3), (3, 4)]
+EIGHTHS = [(i, i + 1) for i in range(8)]
+
+
+def _named(model: torch.nn.Module, split: list[tuple[int, int]], pp: int, rank: int) -> str:
+    """How the report names rank's stages: "stage s (chain.a..b-1)", joined."""
+    chain = "model.layers" if hasattr(model, "model") else "transformer.h"
+    return ", ".join(f"stage {s} ({chain}.{a}..{b - 1})" for s, (a, b) in enumerate(split) if s % pp == rank)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("build,pp,m,schedules", [
-    (bundled_gpt2, 2, 4, ("1f1b", "gpipe", "interleaved")),
-    (hf_llama, 2, 4, ("1f1b",)),
-    (bundled_gpt2_8, 4, 8, ("1f1b", "interleaved")),  # M > P: ranks hold 4, 3, 2, 1 micro-batches
-    (hf_llama_8, 4, 8, ("1f1b",)),
+@pytest.mark.parametrize("build,pp,m,splits", [
+    (bundled_gpt2, 2, 4, {"1f1b": HALVES, "gpipe": HALVES, "interleaved": QUARTERS}),
+    (hf_llama, 2, 4, {"1f1b": HALVES}),
+    # M > P: ranks hold 4, 3, 2, 1 micro-batches
+    (bundled_gpt2_8, 4, 8, {"1f1b": [(0, 2), (2, 4), (4, 6), (6, 8)], "interleaved": EIGHTHS}),
+    (hf_llama_8, 4, 8, {"1f1b": QUARTERS}),
 ], ids=["gpt2-2", "hf-llama-2", "gpt2-4", "hf-llama-4"])
-def test_each_rank_is_a_real_gloo_pipeline_rank(build, pp: int, m: int, schedules: tuple[str, ...], tmp_path) -> None:
+def test_each_rank_is_a_real_gloo_pipeline_rank(build, pp: int, m: int, splits: dict, tmp_path) -> None:
     """No tolerance: saved bytes, the bytes live before the step and the profiled peak are
     compared to the byte on every rank (these models' kernels keep no scratch the capture misses)."""
-    # GIVEN the same pipeline run for real, one process per rank on gloo
-    real = measure_pipeline(build, pp, schedules, m, str(tmp_path))
+    # GIVEN the same pipeline written out and run for real (tests/pipeline_real.py), one process per rank on gloo
+    real = measure_pipeline(build, pp, splits, m, str(tmp_path))
     model, batch, loss = build()
-    for schedule in schedules:
+    for schedule, split in splits.items():
         for rank in range(pp):
             # WHEN graphmem runs that rank's schedule on the fake process group
             report = graphmem.analyze(model, (batch,), loss=loss, pp=pp, rank=rank, schedule=schedule, micro_batches=m)
+            assert f"micro-batches, {_named(model, split, pp, rank)}:" in report.notes[0], (report.notes[0], split)
             # THEN saved bytes and the peak are the real rank's, to the byte
             got = {"saved": report.activation_bytes, "baseline": report.baseline_bytes, "peak": report.peak_bytes}
             assert got == real[schedule][rank], (schedule, rank)
@@ -83,7 +97,7 @@ def test_each_rank_steps_its_own_stage_optimizer_as_a_real_gloo_rank(build, opti
     before it starts (the budget table's "peak (later steps)"), on every rank, to the byte but
     for SCALAR_GAP where the peak is in the optimizer step."""
     # GIVEN the same pipeline run for real, each rank stepping its stage's optimizer, two steps
-    real = measure_pipeline(build, 2, ("1f1b",), 4, str(tmp_path), optimizer=optimizer)
+    real = measure_pipeline(build, 2, {"1f1b": HALVES}, 4, str(tmp_path), optimizer=optimizer)
     model, batch, loss = build()
     for rank in range(2):
         # WHEN graphmem runs that rank's schedule and optimizer on the fake process group
@@ -114,7 +128,7 @@ def test_hf_gpt2_ranks_are_real_up_to_its_gelu_scalars(tmp_path) -> None:
     floats; eager wraps each in a 0-dim float64 tensor (8 B) that its MulBackward0 keeps until
     the block's backward. Fake tensors do not see those wrapped numbers, so each block of each
     micro-batch held at the peak is 24 B above the capture; saved bytes are exact."""
-    real = measure_pipeline(hf_gpt2, 2, ("1f1b", "gpipe"), 4, str(tmp_path))
+    real = measure_pipeline(hf_gpt2, 2, {"1f1b": HALVES, "gpipe": HALVES}, 4, str(tmp_path))
     model, batch, _ = hf_gpt2()
     for schedule in ("1f1b", "gpipe"):
         for rank in range(2):
