@@ -4,6 +4,8 @@ Byte counts are derived by hand in comments from what each kernel keeps for back
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -158,3 +160,27 @@ def test_cuda_report_carries_the_caching_allocator_prediction() -> None:
     d = r.to_dict()["cuda_allocator"]
     assert (d["max_allocated"], d["max_reserved"]) == (a.max_allocated, a.max_reserved)
     assert graphmem.analyze(TwoLinear(), (torch.randn(16, 32),)).cuda_allocator is None  # CPU target
+
+
+def test_sdpa_kernel_priority_is_torch_own() -> None:
+    """A model's ``sdpa_kernel(backends, set_priority=True)`` (torchtitan's SDPA asks cuDNN > flash >
+    math) picks cuDNN on the CUDA target as on a GPU; the default order (flash first, cuDNN after
+    math) never does (sdp_utils.cpp ``select_sdp_backend``)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    class Attn(torch.nn.Module):
+        def __init__(self, order: list) -> None:
+            super().__init__()
+            self.proj, self.order = torch.nn.Linear(64, 192), order
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.proj(x).view(2, 32, 3, 4, 16).permute(2, 0, 3, 1, 4)
+            with sdpa_kernel(self.order, set_priority=True) if self.order else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    x = torch.randn(2, 32, 64)
+    titan = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    assert graphmem.analyze(Attn(titan), (x,), device="cuda", dtype="bf16").attention_backends == {"cudnn": 1}
+    assert graphmem.analyze(Attn([]), (x,), device="cuda", dtype="bf16").attention_backends == {"flash": 1}
+    assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.FLASH_ATTENTION)  # restored after the context

@@ -41,23 +41,50 @@ DROPOUT = {F.dropout, torch.dropout}
 
 def select_backend(target: Target, q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor],
                    enable_gqa: bool, v: Optional[torch.Tensor] = None) -> str:
-    """Which SDPA kernel CUDA runs, in PyTorch's priority order flash > efficient > math
-    (cuDNN only when asked for). See the table in README.md. Flash needs q, k and v of one head
-    dim (sdp_utils.cpp ``check_head_dim_size_flash``: MLA's 192/128 goes to memory-efficient),
-    memory-efficient aligned q/k and v head dims (``check_head_dim_size_mem_efficient``)."""
+    """Which SDPA kernel CUDA runs: the first backend, in PyTorch's priority order, that is enabled
+    and whose checks pass (sdp_utils.cpp ``select_sdp_backend``). The order and the enabled set are
+    torch's own (``torch._C._get_sdp_priority_order``, ``torch.backends.cuda.*_sdp_enabled``): by
+    default flash > efficient > math > cuDNN, and a model's ``sdpa_kernel(backends,
+    set_priority=True)`` (torchtitan's SDPA asks cuDNN > flash > math) changes both, as it does
+    on a GPU. See the table in README.md."""
     if target.attention != "auto":
         return target.attention
+    for backend in _enabled_in_order():
+        if _eligible(backend, target, q, k, attn_mask, enable_gqa, v):
+            return backend
+    return "math"
+
+
+_SDP_NAMES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}  # torch.nn.attention.SDPBackend's values
+
+
+def _enabled_in_order() -> list[str]:
+    enabled = {"math": torch.backends.cuda.math_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
+               "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+               "cudnn": torch.backends.cuda.cudnn_sdp_enabled()}
+    return [_SDP_NAMES[i] for i in torch._C._get_sdp_priority_order() if i in _SDP_NAMES and enabled[_SDP_NAMES[i]]]
+
+
+def _eligible(backend: str, target: Target, q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor],
+              enable_gqa: bool, v: Optional[torch.Tensor]) -> bool:
+    """sdp_utils.cpp's checks for one backend. Flash needs q, k and v of one head dim
+    (``check_head_dim_size_flash``: MLA's 192/128 goes to memory-efficient) and no mask;
+    memory-efficient aligned q/k and v head dims (``check_head_dim_size_mem_efficient``); cuDNN
+    (``can_use_cudnn_attention``) 16-bit inputs on sm80+, one head dim, a multiple of 8 up to 128
+    (``check_cudnn_tensor_shapes``), grouped-query heads allowed."""
     major, _ = target.capability
     hd = q.shape[-1]
     hd_v = v.shape[-1] if v is not None else hd
     half = q.dtype in (torch.float16, torch.bfloat16)
     same_heads = q.shape[-3] == k.shape[-3]
-    if attn_mask is None and half and major >= 8 and hd == hd_v <= 256 and hd % 8 == 0 and (same_heads or enable_gqa):
-        return "flash"
-    aligned = hd % (4 if q.dtype == torch.float32 else 8) == 0 and hd_v % (4 if q.dtype == torch.float32 else 8) == 0
-    if aligned and same_heads and (q.dtype != torch.bfloat16 or major >= 8) and major >= 5:
-        return "efficient"
-    return "math"
+    if backend == "flash":
+        return attn_mask is None and half and major >= 8 and hd == hd_v <= 256 and hd % 8 == 0 and (same_heads or enable_gqa)
+    if backend == "efficient":
+        aligned = hd % (4 if q.dtype == torch.float32 else 8) == 0 and hd_v % (4 if q.dtype == torch.float32 else 8) == 0
+        return aligned and same_heads and (q.dtype != torch.bfloat16 or major >= 8) and major >= 5
+    if backend == "cudnn":
+        return half and major >= 8 and hd == hd_v <= 128 and hd % 8 == 0 and (same_heads or enable_gqa)
+    return backend == "math"
 
 
 def _float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
