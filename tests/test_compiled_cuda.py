@@ -197,3 +197,17 @@ def test_compiled_amp_runs_mha_and_the_models_autocast_regions_under_the_cuda_ru
     assert compiled.compiled.recomputed == ()
     assert _saved(compiled) == _saved(eager) == (expected if expected is not None else _saved(eager))
     assert compiled.attention_backends == eager.attention_backends
+
+
+def test_compiled_amp_opens_transformers_maybe_autocast_regions(nothing_recomputed: None) -> None:
+    """Dynamo traces transformers' ``maybe_autocast`` question (``torch.is_autocast_enabled`` about
+    the fake tensors' device type) as the model sees it in eager: GPT-2's upcast q and k stay fp32."""
+    from test_targets import upcast_gpt2
+
+    module, inputs, upcast = upcast_gpt2()
+    eager, compiled = _amp_pair(module, inputs)
+    assert {k: _shape_dtype(compiled)[k] for k in upcast} == {k: _shape_dtype(eager)[k] for k in upcast} == upcast
+
+
+def _shape_dtype(report: graphmem.Report) -> Counter:
+    return Counter((t.shape, t.dtype) for t in report.saved)

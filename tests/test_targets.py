@@ -5,6 +5,7 @@ Byte counts are derived by hand in comments from what each kernel keeps for back
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -282,3 +283,28 @@ def test_cuda_rules_honour_the_models_autocast_regions() -> None:
     assert _saved(r) == autocast_off_expected()
     assert not torch.is_autocast_enabled("cuda")  # the state and torch.autocast are as they were
     assert torch.autocast.__init__.__module__ == "torch.amp.autocast_mode"
+
+
+def upcast_gpt2() -> tuple[nn.Module, tuple, Counter]:
+    """transformers' GPT-2 with ``reorder_and_upcast_attn`` and the fp32 q and k its
+    ``_upcast_and_reordered_attn`` saves under CUDA autocast, by (shape, dtype): count."""
+    from zoo import _TINY_GPT2, _hf
+
+    module, inputs = _hf("GPT2Config:GPT2LMHeadModel", 16, reorder_and_upcast_attn=True, attn_implementation="eager",
+                         **_TINY_GPT2)()
+    cfg: Any = module.config
+    bh, s, hd = inputs[0].shape[0] * cfg.n_head, inputs[0].shape[1], cfg.n_embd // cfg.n_head
+    return module, inputs, Counter({((bh, s, hd), "float32"): cfg.n_layer, ((bh, hd, s), "float32"): cfg.n_layer})
+
+
+def test_cuda_rules_open_transformers_maybe_autocast_regions() -> None:
+    """GPT-2's ``_upcast_and_reordered_attn`` runs baddbmm in ``maybe_autocast(query.device.type,
+    enabled=False)``, which transformers opens only where ``torch.is_autocast_enabled(device_type)``
+    (transformers/utils/generic.py): on a GPU under amp it is, so baddbmm takes ``q.float()`` and
+    ``k.float()`` as they are and saves them in fp32. Before, asked about "cpu" (the fake tensors'
+    device type), torch said no, and baddbmm's operands were cast back to bf16: 8192 B less here."""
+    module, inputs, upcast = upcast_gpt2()
+    r = graphmem.analyze(module, inputs, device="cuda", amp="bf16")
+    copies = Counter((t.shape, t.dtype) for t in r.saved if t.op == "aten._to_copy.default")
+    assert {k: copies[k] for k in upcast} == upcast
+    assert not any(t.dtype == "bfloat16" and (t.shape, "float32") in upcast for t in r.saved)

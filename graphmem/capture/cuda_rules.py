@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from types import FunctionType
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
@@ -153,11 +154,48 @@ def _translated_init(self: Any, device_type: str, dtype: Optional[torch.dtype] =
             self.fast_dtype = torch.get_autocast_dtype("cuda")
 
 
+def _as_cuda(args: tuple) -> tuple:
+    return tuple("cuda" if a == "cpu" else a for a in args)
+
+
+def _state_query(query: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.is_autocast_enabled`` / ``torch.get_autocast_dtype`` as the model sees them on the
+    CUDA target: a question about the fake tensors' device type gets CUDA's answer, as the GPU run
+    answers one about ``x.device.type`` (transformers' ``maybe_autocast(device_type,
+    enabled=False)`` opens its region only where ``torch.is_autocast_enabled(device_type)``:
+    transformers/utils/generic.py). torch's own callers (dynamo saving and restoring the global
+    state, torch.utils.checkpoint, AOTAutograd) get the real state; dynamo, tracing the model's
+    call, traces the translated one (``torch._dynamo.substitute_in_graph``, registered on first use)."""
+    def ask(*args: Any) -> Any:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return query(*(args if caller.split(".")[0] == "torch" else _as_cuda(args)))
+
+    def traced(*args: Any) -> Any:
+        return query(*_as_cuda(args))
+    ask.__name__ = traced.__name__ = query.__name__
+    ask.traced = traced  # type: ignore[attr-defined]
+    return ask
+
+
+_IS_ENABLED, _GET_DTYPE = torch.is_autocast_enabled, torch.get_autocast_dtype
+_QUERIES = {"is_autocast_enabled": _state_query(_IS_ENABLED), "get_autocast_dtype": _state_query(_GET_DTYPE)}
+_REGISTERED: list[bool] = []
+
+
 def _translating(step: int) -> None:
-    """Count an owning ``CudaRules`` in (+1) or out (-1); the first in installs ``_translated_init``,
-    the last out puts torch's back."""
+    """Count an owning ``CudaRules`` in (+1) or out (-1); the first in installs ``_translated_init``
+    and the state questions of ``_state_query``, the last out puts torch's back."""
+    if not _REGISTERED:
+        from torch._dynamo import substitute_in_graph
+
+        for ask in _QUERIES.values():
+            substitute_in_graph(ask, skip_signature_check=True)(ask.traced)  # type: ignore[attr-defined]
+        _REGISTERED.append(True)
     _OWNERS[0] += step
-    torch.amp.autocast_mode.autocast.__init__ = _translated_init if _OWNERS[0] else _INIT  # type: ignore[method-assign]
+    on = bool(_OWNERS[0])
+    torch.amp.autocast_mode.autocast.__init__ = _translated_init if on else _INIT  # type: ignore[method-assign]
+    torch.is_autocast_enabled = _QUERIES["is_autocast_enabled"] if on else _IS_ENABLED
+    torch.get_autocast_dtype = _QUERIES["get_autocast_dtype"] if on else _GET_DTYPE
 
 
 def sdpa(target: Target, used: dict[str, int], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -218,7 +256,7 @@ class CudaRules(TorchFunctionMode):
 
     def __enter__(self) -> "CudaRules":
         if self.owns_state:
-            self.saved_states.append((torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")))
+            self.saved_states.append((_IS_ENABLED("cuda"), _GET_DTYPE("cuda")))
             torch.set_autocast_enabled("cuda", self.amp is not None)
             if self.amp is not None:
                 torch.set_autocast_dtype("cuda", self.amp)
@@ -240,7 +278,7 @@ class CudaRules(TorchFunctionMode):
     def amp_now() -> Optional[torch.dtype]:
         """The dtype CUDA autocast casts to here, None where it is off: CUDA's autocast state, set to
         the target's ``amp`` by the owning context and changed by the model's own regions."""
-        return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        return _GET_DTYPE("cuda") if _IS_ENABLED("cuda") else None
 
     def autocast(self, func: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``func``'s arguments as CUDA autocast hands them to the kernel (unchanged where it is off)."""
