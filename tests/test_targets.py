@@ -277,8 +277,8 @@ def autocast_off_expected() -> Counter:
 
 
 def test_cuda_rules_honour_the_models_autocast_regions() -> None:
-    """Before: the region was ignored, b ran in bf16 (its input cast back, its weight copied):
-    (16, 32) bf16 input and (32, 32) bf16 weight copies instead of the fp32 input, 2048 B less."""
+    """Before, the region was ignored: 7168 B, not 6144, as b ran in bf16 (its fp32 input cast back
+    to bf16, its weight copied) and c saved b's bf16 output."""
     r = graphmem.analyze(AutocastOff(), (torch.randn(16, 32),), device="cuda", amp="bf16")
     assert _saved(r) == autocast_off_expected()
     assert not torch.is_autocast_enabled("cuda")  # the state and torch.autocast are as they were
@@ -308,3 +308,16 @@ def test_cuda_rules_open_transformers_maybe_autocast_regions() -> None:
     copies = Counter((t.shape, t.dtype) for t in r.saved if t.op == "aten._to_copy.default")
     assert {k: copies[k] for k in upcast} == upcast
     assert not any(t.dtype == "bfloat16" and (t.shape, "float32") in upcast for t in r.saved)
+
+
+def test_cuda_amp_llama_rotary_cos_sin_stay_fp32() -> None:
+    """transformers' LlamaRotaryEmbedding (5.x) computes cos and sin from fp32 ``position_ids *
+    inv_freq`` with no autocast region (mul and cos are on none of CUDA autocast's lists), so they
+    are fp32 under amp as on a GPU; q * cos and k * sin save them (per position, for all heads)."""
+    from zoo import _LM, _hf
+
+    module, inputs = _hf("LlamaConfig:LlamaForCausalLM", 16, **_LM)()
+    r = graphmem.analyze(module, inputs, device="cuda", amp="bf16")
+    cfg: Any = module.config
+    rotary = [(t.shape, t.dtype) for t in r.saved if t.module == "model.rotary_emb"]
+    assert rotary == [((1, inputs[0].shape[1], cfg.hidden_size // cfg.num_attention_heads), "float32")] * 2
