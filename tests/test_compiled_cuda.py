@@ -193,6 +193,7 @@ def test_compiled_amp_runs_mha_and_the_models_autocast_regions_under_the_cuda_ru
     }[name]()
     eager = graphmem.analyze(module, inputs, device="cuda", amp="bf16")
     compiled = graphmem.analyze(module, inputs, device="cuda", amp="bf16", mode="compiled")
+    assert compiled.step is not None and compiled.compiled is not None
     compiled.step.check()
     assert compiled.compiled.recomputed == ()
     assert _saved(compiled) == _saved(eager) == (expected if expected is not None else _saved(eager))

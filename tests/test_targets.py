@@ -290,7 +290,7 @@ def upcast_gpt2() -> tuple[nn.Module, tuple, Counter]:
     ``_upcast_and_reordered_attn`` saves under CUDA autocast, by (shape, dtype): count."""
     from zoo import _TINY_GPT2, _hf
 
-    module, inputs = _hf("GPT2Config:GPT2LMHeadModel", 16, reorder_and_upcast_attn=True, attn_implementation="eager",
+    module, inputs = _hf("GPT2Config:GPT2LMHeadModel", 16, None, reorder_and_upcast_attn=True, attn_implementation="eager",
                          **_TINY_GPT2)()
     cfg: Any = module.config
     bh, s, hd = inputs[0].shape[0] * cfg.n_head, inputs[0].shape[1], cfg.n_embd // cfg.n_head
@@ -316,7 +316,7 @@ def test_cuda_amp_llama_rotary_cos_sin_stay_fp32() -> None:
     are fp32 under amp as on a GPU; q * cos and k * sin save them (per position, for all heads)."""
     from zoo import _LM, _hf
 
-    module, inputs = _hf("LlamaConfig:LlamaForCausalLM", 16, **_LM)()
+    module, inputs = _hf("LlamaConfig:LlamaForCausalLM", 16, None, **_LM)()
     r = graphmem.analyze(module, inputs, device="cuda", amp="bf16")
     cfg: Any = module.config
     rotary = [(t.shape, t.dtype) for t in r.saved if t.module == "model.rotary_emb"]
