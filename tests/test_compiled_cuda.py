@@ -174,3 +174,41 @@ def test_cli_compiled_cuda_amp(capsys: pytest.CaptureFixture[str]) -> None:
     compiled = json.loads(capsys.readouterr().out)
     assert compiled["target"]["mode"] == "compiled" and compiled["target"]["amp"] == "bf16"
     assert compiled["activation_bytes"] == eager["activation_bytes"] > 0
+
+
+@pytest.mark.parametrize("name", ["encoder_dropout", "encoder", "mha_weights", "autocast_off"])
+def test_compiled_amp_runs_mha_and_the_models_autocast_regions_under_the_cuda_rules(name: str) -> None:
+    """Dynamo keeps ``F.multi_head_attention_forward`` as one node, and the model's
+    ``torch.autocast(x.device.type, enabled=False)`` as ``_enter_autocast``/``_exit_autocast``
+    nodes: under the CUDA rules the compiled saved set is the one CUDA autocast's lists give
+    (tests/test_targets.py), tensor for tensor."""
+    from test_targets import Attention, AutocastOff, autocast_off_expected, encoder, encoder_expected
+
+    torch.manual_seed(0)
+    module, inputs, expected = {
+        "encoder_dropout": lambda: (*encoder(0.1), encoder_expected(0.1)),
+        "encoder": lambda: (*encoder(0.0), encoder_expected(0.0)),
+        "mha_weights": lambda: (Attention(), (torch.randn(2, 16, 64),), None),
+        "autocast_off": lambda: (AutocastOff(), (torch.randn(16, 32),), autocast_off_expected()),
+    }[name]()
+    eager = graphmem.analyze(module, inputs, device="cuda", amp="bf16")
+    compiled = graphmem.analyze(module, inputs, device="cuda", amp="bf16", mode="compiled")
+    assert compiled.step is not None and compiled.compiled is not None
+    compiled.step.check()
+    assert compiled.compiled.recomputed == ()
+    assert _saved(compiled) == _saved(eager) == (expected if expected is not None else _saved(eager))
+    assert compiled.attention_backends == eager.attention_backends
+
+
+def test_compiled_amp_opens_transformers_maybe_autocast_regions(nothing_recomputed: None) -> None:
+    """Dynamo traces transformers' ``maybe_autocast`` question (``torch.is_autocast_enabled`` about
+    the fake tensors' device type) as the model sees it in eager: GPT-2's upcast q and k stay fp32."""
+    from test_targets import upcast_gpt2
+
+    module, inputs, upcast = upcast_gpt2()
+    eager, compiled = _amp_pair(module, inputs)
+    assert {k: _shape_dtype(compiled)[k] for k in upcast} == {k: _shape_dtype(eager)[k] for k in upcast} == upcast
+
+
+def _shape_dtype(report: graphmem.Report) -> Counter:
+    return Counter((t.shape, t.dtype) for t in report.saved)

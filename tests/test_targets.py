@@ -5,6 +5,8 @@ Byte counts are derived by hand in comments from what each kernel keeps for back
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -184,3 +186,163 @@ def test_sdpa_kernel_priority_is_torch_own() -> None:
     assert graphmem.analyze(Attn(titan), (x,), device="cuda", dtype="bf16").attention_backends == {"cudnn": 1}
     assert graphmem.analyze(Attn([]), (x,), device="cuda", dtype="bf16").attention_backends == {"flash": 1}
     assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.FLASH_ATTENTION)  # restored after the context
+
+
+def _saved(report: graphmem.Report) -> Counter:
+    return Counter((t.op, t.shape, t.dtype, t.bytes) for t in report.saved)
+
+
+E, FF, SEQ = 64, 128, 16  # model width, feed-forward width, sequence (B = 2 sequences, H = 4 heads of HD_ = 16)
+HD_ = E // H
+
+
+def encoder(dropout: float) -> tuple[nn.Module, tuple]:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, FF, dropout=dropout, batch_first=True)
+    return nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), (torch.randn(B, SEQ, E),)
+
+
+def encoder_expected(dropout: float) -> Counter:
+    """What a CUDA run of ``encoder`` under ``torch.autocast("cuda", torch.bfloat16)`` saves, by
+    autocast's cast lists (aten/src/ATen/autocast_mode.h: linear, mm, bmm and SDPA are
+    lower_precision_fp; layer_norm fp32) and the kernels CUDA picks. nn.TransformerEncoderLayer
+    calls its attention with ``need_weights=False``, so multi_head_attention_forward calls SDPA:
+    bf16 q, k, v, no mask, head dim 16 on sm90 is flash (sdp_utils.cpp)."""
+    n, bf16, f32 = B * SEQ, "bfloat16", "float32"
+    saved = Counter({
+        # in_proj: the batch (seq-first, a non-contiguous view) cast to bf16, folded to 2-D by matmul
+        # (a copy); its weight copy is not saved (the batch needs no gradient)
+        ("aten.clone.default", (SEQ, B, E), bf16, n * E * 2): 1,
+        # q, k, v: views of the packed projection made contiguous, saved by flash
+        ("aten.clone.default", (3, SEQ, B, E), bf16, 3 * n * E * 2): 1,
+        # flash: its output (also out_proj's input), fp32 logsumexp (b, h, s), philox seed and offset
+        ("aten._scaled_dot_product_flash_attention.default", (B, H, SEQ, HD_), bf16, n * E * 2): 1,
+        ("aten._scaled_dot_product_flash_attention.default", (B, H, SEQ), f32, B * H * SEQ * 4): 1,
+        ("aten._scaled_dot_product_flash_attention.default", (2,), "uint64", 16): 1,
+        ("aten._scaled_dot_product_flash_attention.default", (), "uint64", 8): 1,
+        ("aten._to_copy.default", (E, E), bf16, E * E * 2): 1,  # out_proj's weight copy
+        ("aten.add.Tensor", (B, SEQ, E), f32, n * E * 4): 2,  # the residual sums LayerNorm saves
+        ("aten.native_layer_norm.default", (B, SEQ, 1), f32, n * 4): 4,  # mean and rstd of norm1, norm2
+        ("aten._to_copy.default", (B, SEQ, E), bf16, n * E * 2): 1,  # linear1's input copy
+        ("aten._to_copy.default", (FF, E), bf16, FF * E * 2): 1,  # linear1's weight copy
+        ("aten._to_copy.default", (E, FF), bf16, E * FF * 2): 1,  # linear2's weight copy
+        ("aten.relu.default", (B, SEQ, FF), bf16, n * FF * 2): 1,  # relu's output (linear2's input at p = 0)
+    })
+    if dropout > 0:  # CUDA's fused dropout: a bool mask each; linear2 saves the dropped bf16 activation
+        saved += Counter({("aten.native_dropout.default", (B, SEQ, E), "bool", n * E): 2,
+                          ("aten.native_dropout.default", (B, SEQ, FF), "bool", n * FF): 1,
+                          ("aten.native_dropout.default", (B, SEQ, FF), bf16, n * FF * 2): 1})
+    return saved
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_cuda_amp_transformer_encoder_runs_its_attention_under_the_cuda_rules(dropout: float) -> None:
+    """nn.MultiheadAttention's ``F.multi_head_attention_forward`` is one call to a
+    TorchFunctionMode; its linears, SDPA and dropout meet the CUDA rules one by one (as CUDA's
+    autocast meets the aten ops inside it). Before: fp32 linears, the CPU's math SDPA with float
+    dropout noise: 160256 B at dropout 0.1."""
+    module, inputs = encoder(dropout)
+    r = graphmem.analyze(module, inputs, device="cuda", amp="bf16")
+    assert _saved(r) == encoder_expected(dropout)
+    assert r.activation_bytes == {0.1: 107544, 0.0: 91160}[dropout]
+    assert r.attention_backends == {"flash": 1}
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(E, H, dropout=0.1, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mha(x, x, x)[0]  # need_weights=True (the default): bmm, softmax, dropout, bmm; no SDPA
+
+
+def test_cuda_amp_multihead_attention_with_weights_keeps_fp32_probabilities() -> None:
+    torch.manual_seed(0)
+    r = graphmem.analyze(Attention(), (torch.randn(B, SEQ, E),), device="cuda", amp="bf16")
+    bh, n, bf16 = B * H, B * SEQ, "bfloat16"
+    assert _saved(r) == Counter({
+        ("aten.clone.default", (SEQ, B, E), bf16, n * E * 2): 1,  # in_proj's folded bf16 input
+        ("aten.clone.default", (3, SEQ, B, E), bf16, 3 * n * E * 2): 1,  # k and v (bmm's operands): bf16
+        ("aten.mul.Tensor", (bh, SEQ, HD_), bf16, n * E * 2): 1,  # the scaled q, bmm's other operand
+        ("aten._softmax.default", (bh, SEQ, SEQ), "float32", bh * SEQ * SEQ * 4): 1,  # softmax: fp32 list
+        ("aten.native_dropout.default", (bh, SEQ, SEQ), "bool", bh * SEQ * SEQ): 1,  # fused dropout's mask
+        ("aten._to_copy.default", (bh, SEQ, SEQ), bf16, bh * SEQ * SEQ * 2): 1,  # the probabilities cast for bmm
+        ("aten.clone.default", (SEQ, bh, HD_), bf16, n * E * 2): 1,  # out_proj's input, made contiguous
+        ("aten._to_copy.default", (E, E), bf16, E * E * 2): 1,  # out_proj's weight copy
+    })
+    assert r.attention_backends == {}
+
+
+class AutocastOff(nn.Module):
+    """A region with autocast off for the tensors' device type, as transformers writes it
+    (``torch.autocast(device_type=x.device.type, enabled=False)``: 4.x's LlamaRotaryEmbedding,
+    GPT-2's ``_upcast_and_reordered_attn``), and a bf16 region inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)  # bf16 under the target's amp
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            h = self.b(h.float())  # fp32, as on a GPU: "cuda" there, "cpu" on graphmem's fake tensors
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+                h = self.c(h)  # bf16 again
+        return h
+
+
+def autocast_off_expected() -> Counter:
+    n = 16 * 32
+    return Counter({
+        ("aten._to_copy.default", (16, 32), "bfloat16", n * 2): 2,  # a's input copy; c's input copy
+        ("aten._to_copy.default", (16, 32), "float32", n * 4): 1,  # b's input: h.float(), not cast back
+        ("aten._to_copy.default", (32, 32), "bfloat16", 32 * 32 * 2): 1,  # c's weight copy (b keeps its fp32 weight)
+    })
+
+
+def test_cuda_rules_honour_the_models_autocast_regions() -> None:
+    """Before, the region was ignored: 7168 B, not 6144, as b ran in bf16 (its fp32 input cast back
+    to bf16, its weight copied) and c saved b's bf16 output."""
+    r = graphmem.analyze(AutocastOff(), (torch.randn(16, 32),), device="cuda", amp="bf16")
+    assert _saved(r) == autocast_off_expected()
+    assert not torch.is_autocast_enabled("cuda")  # the state and torch.autocast are as they were
+    assert torch.autocast.__init__.__module__ == "torch.amp.autocast_mode"
+
+
+def upcast_gpt2() -> tuple[nn.Module, tuple, Counter]:
+    """transformers' GPT-2 with ``reorder_and_upcast_attn`` and the fp32 q and k its
+    ``_upcast_and_reordered_attn`` saves under CUDA autocast, by (shape, dtype): count."""
+    from zoo import _TINY_GPT2, _hf
+
+    module, inputs = _hf("GPT2Config:GPT2LMHeadModel", 16, None, reorder_and_upcast_attn=True, attn_implementation="eager",
+                         **_TINY_GPT2)()
+    cfg: Any = module.config
+    bh, s, hd = inputs[0].shape[0] * cfg.n_head, inputs[0].shape[1], cfg.n_embd // cfg.n_head
+    return module, inputs, Counter({((bh, s, hd), "float32"): cfg.n_layer, ((bh, hd, s), "float32"): cfg.n_layer})
+
+
+def test_cuda_rules_open_transformers_maybe_autocast_regions() -> None:
+    """GPT-2's ``_upcast_and_reordered_attn`` runs baddbmm in ``maybe_autocast(query.device.type,
+    enabled=False)``, which transformers opens only where ``torch.is_autocast_enabled(device_type)``
+    (transformers/utils/generic.py): on a GPU under amp it is, so baddbmm takes ``q.float()`` and
+    ``k.float()`` as they are and saves them in fp32. Before, asked about "cpu" (the fake tensors'
+    device type), torch said no, and baddbmm's operands were cast back to bf16: 8192 B less here."""
+    module, inputs, upcast = upcast_gpt2()
+    r = graphmem.analyze(module, inputs, device="cuda", amp="bf16")
+    copies = Counter((t.shape, t.dtype) for t in r.saved if t.op == "aten._to_copy.default")
+    assert {k: copies[k] for k in upcast} == upcast
+    assert not any(t.dtype == "bfloat16" and (t.shape, "float32") in upcast for t in r.saved)
+
+
+def test_cuda_amp_llama_rotary_cos_sin_stay_fp32() -> None:
+    """transformers' LlamaRotaryEmbedding (5.x) computes cos and sin from fp32 ``position_ids *
+    inv_freq`` with no autocast region (mul and cos are on none of CUDA autocast's lists), so they
+    are fp32 under amp as on a GPU; q * cos and k * sin save them (per position, for all heads)."""
+    from zoo import _LM, _hf
+
+    module, inputs = _hf("LlamaConfig:LlamaForCausalLM", 16, None, **_LM)()
+    r = graphmem.analyze(module, inputs, device="cuda", amp="bf16")
+    cfg: Any = module.config
+    rotary = [(t.shape, t.dtype) for t in r.saved if t.module == "model.rotary_emb"]
+    assert rotary == [((1, inputs[0].shape[1], cfg.hidden_size // cfg.num_attention_heads), "float32")] * 2

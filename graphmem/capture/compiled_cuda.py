@@ -28,35 +28,43 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from graphmem.capture.cuda_rules import CudaRules, select_backend
+from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.target import Target
-
-_SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 
 
 def cuda_graph(gm: fx.GraphModule, target: Target, used: dict[str, int]) -> None:
     """The CUDA target's rules in a graph dynamo captured, before AOTAutograd traces it: each
     call node runs inside ``CudaRules`` (the eager rules: autocast's casts under ``amp``, each
-    ``scaled_dot_product_attention`` as the backend op CUDA would run, fused dropout), so the
-    joint graph, the partition and the saved set hold what the CUDA kernels keep. ``used``
-    counts the SDPA backends per node (AOTAutograd traces the graph more than once)."""
-    rules = CudaRules(target)  # its own backend counts and cast cache, entered node by node
+    ``scaled_dot_product_attention`` as the backend op CUDA would run, fused dropout, the calls
+    inside a Python function dynamo keeps as one node, such as ``multi_head_attention_forward``),
+    so the joint graph, the partition and the saved set hold what the CUDA kernels keep. ``used``
+    counts the SDPA backends each node's last run picked (AOTAutograd runs the graph more than
+    once). The nodes read CUDA's autocast state (the eager context around the compiled call sets
+    it, the model's ``torch.autocast`` nodes change it) and do not set it."""
+    rules = CudaRules(target, owns_state=False)  # its own cast cache, entered node by node
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in _SDPA:
-            _count_sdpa(n, rules, used)
         if n.op == "call_function":
-            n.target = _ruled(rules, n.target)
+            n.target = _ruled(rules, n.target, used)
         elif n.op == "call_method":
-            n.op, n.target = "call_function", _ruled(rules, _method(n.target))
+            n.op, n.target = "call_function", _ruled(rules, _method(n.target), used)
     gm.recompile()
 
 
-def _ruled(rules: CudaRules, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _ruled(rules: CudaRules, fn: Callable[..., Any], used: dict[str, int]) -> Callable[..., Any]:
+    last: dict[str, int] = {}  # the SDPA backends this node's previous run counted into ``used``
+
     def run(*args: Any, **kwargs: Any) -> Any:
+        rules.backends = {}
         with rules:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+        for backend in set(last) | set(rules.backends):
+            used[backend] = used.get(backend, 0) - last.get(backend, 0) + rules.backends.get(backend, 0)
+            if not used[backend]:
+                del used[backend]
+        last.clear()
+        last.update(rules.backends)
+        return out
     run.__name__ = getattr(fn, "__name__", "ruled")  # the fx code names the call after it
     return run
 
@@ -67,24 +75,6 @@ def _method(name: str) -> Callable[..., Any]:
         return getattr(self, name)(*args, **kwargs)
     call.__name__ = name
     return call
-
-
-def _count_sdpa(n: fx.Node, rules: CudaRules, used: dict[str, int]) -> None:
-    """Count the backend CUDA runs for an SDPA node: the one ``CudaRules`` picks, for q, k and v as
-    autocast hands them over (dynamo's example values, cast like the call's)."""
-    q, k, v, mask = (_arg(n, i, name) for i, name in ((0, "query"), (1, "key"), (2, "value"), (3, "attn_mask")))
-    if q is None or k is None:
-        return
-    (q, k, v), _ = rules.autocast(F.scaled_dot_product_attention, (q, k, v), {})
-    rules.casts.clear()
-    backend = select_backend(rules.target, q, k, mask, bool(n.kwargs.get("enable_gqa", False)), v)
-    used[backend] = used.get(backend, 0) + 1
-
-
-def _arg(n: fx.Node, i: int, name: str) -> Any:
-    """The fake value dynamo recorded for argument ``i`` (or keyword ``name``) of ``n``."""
-    a = n.args[i] if len(n.args) > i else n.kwargs.get(name)
-    return a.meta.get("example_value") if isinstance(a, fx.Node) else None
 
 
 @contextlib.contextmanager
@@ -99,7 +89,7 @@ def example_values_ruled(target: Target) -> Iterator[None]:
     if target.device != "cuda":
         yield
         return
-    run_node, rules = utils.run_node, CudaRules(target)
+    run_node, rules = utils.run_node, CudaRules(target, owns_state=False)
 
     def ruled(tracer: Any, node: fx.Node, args: Any, kwargs: Any, nnmodule: Any) -> Any:
         if node.op not in ("call_function", "call_method"):

@@ -12,13 +12,24 @@ A TorchFunctionMode (above autograd, so autograd saves what the CUDA kernels wou
   CUDA's fused dropout and its fp32 upcast of half inputs;
 - autocast (``amp``): CUDA's cast lists (torch/amp autocast_mode.cpp, the CUDA kernels
   registered as lower_precision_fp and fp32) for the ops below; casts of parameters are cached
-  for the forward, as autocast caches casts of leaf tensors that require grad.
+  for the forward, as autocast caches casts of leaf tensors that require grad. The casts follow
+  the CUDA autocast state: ``CudaRules`` sets it to the target's ``amp`` and the model's own
+  ``torch.autocast`` regions change it (``with torch.autocast(x.device.type, enabled=False)`` in
+  transformers' rotary embeddings: ``"cpu"`` on graphmem's fake CPU tensors, ``"cuda"`` on the
+  GPU, so a region for the fake tensors' device type is taken as the CUDA region it stands for);
+- torch functions written in Python (torch/nn/functional.py ``multi_head_attention_forward``):
+  a TorchFunctionMode sees such a function as one call and runs it with the mode off the stack
+  (torch/overrides.py ``handle_torch_function`` pops it), where CUDA's autocast, backend choice
+  and dropout act on the aten ops inside it; so the rules run the function's body with the mode
+  on the stack (``python_body``) and its linears, bmm, softmax, dropout and SDPA meet them.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, ContextManager, Optional
+import sys
+from types import FunctionType
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +48,46 @@ FP32 = {F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax, tor
         torch.cumsum, torch.Tensor.cumsum, torch.logsumexp, torch.Tensor.logsumexp, torch.norm, torch.Tensor.norm,
         F.softplus}
 DROPOUT = {F.dropout, torch.dropout}
+PYTHON_MODULES = ("torch.nn.functional", "torch.functional")  # the torch functions written in Python
+CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")  # torch/overrides.py
+
+
+def _unchecked(*_: Any) -> bool:
+    return False
+
+
+def _plain(t: type) -> bool:
+    """``t`` adds no ``__torch_function__`` of its own (a Tensor, a fake or wrapper subclass)."""
+    tf = getattr(t, "__torch_function__", None)
+    return tf is torch._C._disabled_torch_function_impl or \
+        getattr(tf, "__func__", None) is torch.Tensor.__torch_function__.__func__  # type: ignore[attr-defined]
+
+
+def python_body(func: Callable, types: Any) -> Optional[Callable]:
+    """``func`` past its own torch-function check, when it is a torch function written in Python that
+    hands itself to the mode (``if has_torch_function(...): return handle_torch_function(...)``) and
+    no argument overrides ``__torch_function__``: a copy of the function whose globals read the
+    checks as False (the module's other names the same). Run with the mode on the stack, the calls
+    in its body meet the mode one by one, as CUDA autocast meets the aten ops below a Python
+    function. None for anything else (a builtin, a function without the check, a Tensor method:
+    ``Tensor.backward`` stays one call, its hooks outside the rules as before)."""
+    if not isinstance(func, FunctionType) or func.__module__ not in PYTHON_MODULES \
+            or not set(CHECKS) & set(func.__code__.co_names) or not all(_plain(t) for t in types):
+        return None
+    scope = dict(func.__globals__, **{name: _unchecked for name in CHECKS})  # fresh: the module as it is now
+    body = FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
+    body.__kwdefaults__ = func.__kwdefaults__
+    return body
+
+
+@contextlib.contextmanager
+def _on_stack(mode: TorchFunctionMode) -> Iterator[None]:
+    """``mode`` back on the torch function mode stack (its ``__torch_function__`` runs with it popped)."""
+    torch._C._push_on_torch_function_stack(mode)
+    try:
+        yield
+    finally:
+        torch._C._pop_torch_function_stack()
 
 
 def select_backend(target: Target, q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor],
@@ -113,6 +164,67 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torc
     return torch.matmul(attn, v).to(origin)
 
 
+_INIT = torch.amp.autocast_mode.autocast.__init__
+_OWNERS = [0]  # CudaRules contexts holding the CUDA autocast state, entered now
+
+
+def _translated_init(self: Any, device_type: str, dtype: Optional[torch.dtype] = None, enabled: bool = True,
+                     cache_enabled: Optional[bool] = None) -> None:
+    """``torch.autocast.__init__`` while the CUDA target runs: a region for the fake tensors' device
+    type is the CUDA region it stands for (models pass ``x.device.type``: "cuda" on the GPU); without
+    a ``dtype`` it takes CUDA's current one, as ``torch.autocast("cuda")`` does
+    (torch/amp/autocast_mode.py ``torch.get_autocast_dtype(device_type)``)."""
+    _INIT(self, device_type, dtype, enabled, cache_enabled)
+    if self.device == "cpu":
+        self.device = "cuda"
+        if dtype is None:
+            self.fast_dtype = torch.get_autocast_dtype("cuda")
+
+
+def _as_cuda(args: tuple) -> tuple:
+    return tuple("cuda" if a == "cpu" else a for a in args)
+
+
+def _state_query(query: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.is_autocast_enabled`` / ``torch.get_autocast_dtype`` as the model sees them on the
+    CUDA target: a question about the fake tensors' device type gets CUDA's answer, as the GPU run
+    answers one about ``x.device.type`` (transformers' ``maybe_autocast(device_type,
+    enabled=False)`` opens its region only where ``torch.is_autocast_enabled(device_type)``:
+    transformers/utils/generic.py). torch's own callers (dynamo saving and restoring the global
+    state, torch.utils.checkpoint, AOTAutograd) get the real state; dynamo, tracing the model's
+    call, traces the translated one (``torch._dynamo.substitute_in_graph``, registered on first use)."""
+    def ask(*args: Any) -> Any:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return query(*(args if caller.split(".")[0] == "torch" else _as_cuda(args)))
+
+    def traced(*args: Any) -> Any:
+        return query(*_as_cuda(args))
+    ask.__name__ = traced.__name__ = query.__name__
+    ask.traced = traced  # type: ignore[attr-defined]
+    return ask
+
+
+_IS_ENABLED, _GET_DTYPE = torch.is_autocast_enabled, torch.get_autocast_dtype
+_QUERIES = {"is_autocast_enabled": _state_query(_IS_ENABLED), "get_autocast_dtype": _state_query(_GET_DTYPE)}
+_REGISTERED: list[bool] = []
+
+
+def _translating(step: int) -> None:
+    """Count an owning ``CudaRules`` in (+1) or out (-1); the first in installs ``_translated_init``
+    and the state questions of ``_state_query``, the last out puts torch's back."""
+    if not _REGISTERED:
+        from torch._dynamo import substitute_in_graph
+
+        for ask in _QUERIES.values():
+            substitute_in_graph(ask, skip_signature_check=True)(ask.traced)  # type: ignore[attr-defined]
+        _REGISTERED.append(True)
+    _OWNERS[0] += step
+    on = bool(_OWNERS[0])
+    torch.amp.autocast_mode.autocast.__init__ = _translated_init if on else _INIT  # type: ignore[method-assign]
+    torch.is_autocast_enabled = _QUERIES["is_autocast_enabled"] if on else _IS_ENABLED
+    torch.get_autocast_dtype = _QUERIES["get_autocast_dtype"] if on else _GET_DTYPE
+
+
 def sdpa(target: Target, used: dict[str, int], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
          attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
          scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
@@ -139,8 +251,12 @@ class CudaRules(TorchFunctionMode):
     """Installs the rules above for one step (see the module docstring)."""
 
     def __init__(self, target: Target, backends: Optional[dict[str, int]] = None,
-                 clearing: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
+                 clearing: Callable[[], ContextManager[Any]] = contextlib.nullcontext, owns_state: bool = True) -> None:
         super().__init__()
+        # entering sets CUDA's autocast state to ``amp`` (restored on exit) and translates the model's
+        # regions; compiled mode's per-node contexts (graphmem/capture/compiled_cuda.py) only read it
+        self.owns_state = owns_state
+        self.saved_states: list[tuple[bool, torch.dtype]] = []
         self.clearing = clearing  # wraps emptying the cast cache (the recorder marks what dies there)
         self.target = target
         self.amp = target.amp_dtype
@@ -165,16 +281,38 @@ class CudaRules(TorchFunctionMode):
             return self._cast(a, dtype)
         return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
+    def __enter__(self) -> "CudaRules":
+        if self.owns_state:
+            self.saved_states.append((_IS_ENABLED("cuda"), _GET_DTYPE("cuda")))
+            torch.set_autocast_enabled("cuda", self.amp is not None)
+            if self.amp is not None:
+                torch.set_autocast_dtype("cuda", self.amp)
+            _translating(+1)
+        return super().__enter__()
+
     def __exit__(self, *exc: Any) -> Any:
         with self.clearing():
             self.casts.clear()  # autocast empties its cast cache when its outermost context exits
-        return super().__exit__(*exc)
+        out = super().__exit__(*exc)
+        if self.owns_state:
+            _translating(-1)
+            enabled, dtype = self.saved_states.pop()
+            torch.set_autocast_enabled("cuda", enabled)
+            torch.set_autocast_dtype("cuda", dtype)
+        return out
+
+    @staticmethod
+    def amp_now() -> Optional[torch.dtype]:
+        """The dtype CUDA autocast casts to here, None where it is off: CUDA's autocast state, set to
+        the target's ``amp`` by the owning context and changed by the model's own regions."""
+        return _GET_DTYPE("cuda") if _IS_ENABLED("cuda") else None
 
     def autocast(self, func: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``func``'s arguments as CUDA autocast hands them to the kernel (unchanged without ``amp``)."""
-        if self.amp is not None:
+        """``func``'s arguments as CUDA autocast hands them to the kernel (unchanged where it is off)."""
+        amp = self.amp_now()
+        if amp is not None:
             if func in LOWER_PRECISION:
-                return self._cast_all(args, kwargs, self.amp)
+                return self._cast_all(args, kwargs, amp)
             if func in FP32:
                 return self._cast_all(args, kwargs, torch.float32, only_lower=True)
         return args, kwargs
@@ -185,6 +323,10 @@ class CudaRules(TorchFunctionMode):
             return sdpa(self.target, self.backends, *args, **kwargs)
         if func in DROPOUT:
             return self._dropout(func, args, kwargs)
+        body = None if func in LOWER_PRECISION or func in FP32 else python_body(func, types)
+        if body is not None:  # e.g. F.multi_head_attention_forward: its inner calls meet the rules
+            with _on_stack(self):
+                return body(*args, **kwargs)
         return func(*args, **kwargs)
 
     @staticmethod
