@@ -38,8 +38,8 @@ from graphmem.training.optim import (
     OPTIMIZERS,
     ScalarReads,
     check_optimizer,
+    describe_impl,
     make_optimizer,
-    resolved_impl,
     state_tensors,
 )
 from graphmem.training.step import LossFn, default_loss, run_step
@@ -49,7 +49,7 @@ Mark = Callable[[str, list[tuple[str, torch.Tensor]]], None]  # (kind, [(name, t
 
 @dataclass(frozen=True)
 class TrainStep:
-    optimizer: Optional[str] = None  # sgd | momentum | adam | adamw | adafactor; None: no step
+    optimizer: Optional[str] = None  # sgd | momentum | adam | adamw | adafactor | adam8bit | adamw8bit | paged_adamw8bit
     impl: str = "auto"  # auto | foreach | forloop | fused
     master_weights: bool = False  # fp32 master copy of 16-bit parameters (the 16-psi recipe)
     micro_batches: int = 1  # gradient accumulation steps
@@ -86,7 +86,7 @@ class TrainStep:
     def describe(self, device: str = "cpu") -> str:
         parts = []
         if self.optimizer:
-            parts.append(f"{self.optimizer} ({resolved_impl(self.impl, device)})")
+            parts.append(f"{self.optimizer} ({describe_impl(self.optimizer, self.impl, device)})")
         if self.master_weights:
             parts.append("fp32 master weights")
         if self.micro_batches > 1:
@@ -96,7 +96,7 @@ class TrainStep:
         return ", ".join(parts)
 
     def to_dict(self, device: str = "cpu") -> dict[str, Any]:
-        return {"optimizer": self.optimizer, "impl": resolved_impl(self.impl, device) if self.optimizer else None,
+        return {"optimizer": self.optimizer, "impl": describe_impl(self.optimizer, self.impl, device) if self.optimizer else None,
                 "master_weights": self.master_weights, "micro_batches": self.micro_batches,
                 "release_output": self.release_output, "clip_grad_norm": self.clip_grad_norm,
                 "clip_foreach": self.clip_foreach if self.clip_grad_norm is not None else None,
