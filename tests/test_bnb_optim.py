@@ -108,6 +108,7 @@ def test_cli_analyze_prints_the_8bit_states(capsys: pytest.CaptureFixture[str]) 
     ({"optimizer": "adamw8bit", "optimizer_impl": "foreach"}, "drop `optimizer_impl`"),
     ({"optimizer": "paged_adamw8bit", "device": "cuda"}, "cudaMallocManaged"),
     ({"optimizer": "adamw8bit", "fsdp": "fully_shard", "world_size": 2}, "one device"),
+    ({"optimizer": "adamw8bit", "optimizer_in_backward": True}, "own quantization maps"),
 ])
 def test_what_is_not_run_is_one_line(kwargs: dict, phrase: str) -> None:
     module, inputs, loss = build(MODELS, "mlp")

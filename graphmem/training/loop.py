@@ -35,10 +35,12 @@ from graphmem.errors import UsageError
 from graphmem.training.loop_options import PLAIN, InBackward, Observe, Offload, check_loop_options, clip
 from graphmem.training.loop_options import describe as describe_loop_options
 from graphmem.training.optim import (
+    BNB_OPTIMIZERS,
     OPTIMIZERS,
     ScalarReads,
     check_optimizer,
     describe_impl,
+    held_tensors,
     make_optimizer,
     state_tensors,
 )
@@ -116,6 +118,9 @@ def make_train_step(optimizer: Optional[str] = None, impl: str = "auto", master_
     if master_weights and dtype not in ("bf16", "fp16"):
         raise UsageError("`master_weights` needs 16-bit parameters: add `dtype='bf16'` or `dtype='fp16'` "
                          "(with `amp` the parameters are already fp32)")
+    if optimizer_in_backward and optimizer in BNB_OPTIMIZERS:
+        raise UsageError(f"`optimizer_in_backward` with bitsandbytes' {optimizer}: each per-parameter optimizer keeps its "
+                         "own quantization maps, which graphmem does not count yet: drop `optimizer_in_backward`")
     check_loop_options(optimizer, micro_batches, master_weights, release_output, clip_grad_norm, clip_foreach,
                        optimizer_in_backward, offload_activations)
     return TrainStep(optimizer, impl, master_weights, micro_batches, release_output=release_output,
@@ -154,6 +159,14 @@ class Session:
     def host_bytes(self) -> int:
         """Bytes the offloading hooks moved to host memory so far (0 without offloading)."""
         return self.offload.host_bytes if self.offload is not None else 0
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What the loop keeps from one step to the next besides the states (as the Trainer's runner says):
+        what its optimizers hold from their construction on (bitsandbytes' quantization maps:
+        graphmem/training/optim.py held_tensors), per-parameter optimizers included."""
+        opts = list(self.in_backward.optimizers.values()) if self.in_backward is not None else \
+            [self.optimizer] if self.optimizer is not None else []
+        return [t for opt in opts for t in held_tensors(opt)]
 
     def state_tensors(self) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
         """(parameter, state name, tensor) of every optimizer state, per-parameter optimizers included."""

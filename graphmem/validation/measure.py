@@ -25,7 +25,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from graphmem.training.batch import as_batch
 from graphmem.training.loop import Session, TrainStep
-from graphmem.training.optim import held_tensors
 from graphmem.training.qlora import quant_state_tensors
 from graphmem.training.step import LossFn, run_step
 
@@ -143,10 +142,9 @@ def measure_peak(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None
             out, loss = session.run(model, inputs, loss_fn, lambda p: None, context)
             del out, loss
     states = [t for _, _, t in session.state_tensors()] if session is not None else []
-    opt = getattr(session, "optimizer", None)  # made before the step: what it holds already (bitsandbytes' maps)
-    states += held_tensors(opt) if opt is not None else []
     masters = list(session.masters.values()) if session is not None else []
-    held = runner.held_tensors() if runner is not None else []  # what the runner keeps between steps
+    # what the loop keeps between steps besides states: the Trainer's _tr_loss, bitsandbytes' maps
+    held = session.held_tensors() if session is not None else []
     tensors = [*model.parameters(), *model.buffers(), *quant_state_tensors(model), *as_batch(inputs).tensors(),
                *masters, *states, *held]
     _, baseline = _storage_bytes(tensors)
