@@ -43,8 +43,8 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
     ``reuse=False`` captures every block.
 
     The whole training step (graphmem/training/loop.py), reported as ``report.budget``: ``optimizer``
-    ("sgd", "momentum", "adam", "adamw", "adafactor"; torch.optim, run after backward, then
-    ``zero_grad``) with ``optimizer_impl`` ("auto", "foreach", "forloop", "fused"),
+    ("sgd", "momentum", "adam", "adamw", "adafactor"; torch.optim, or bitsandbytes' 8-bit Adam
+    "adam8bit", "adamw8bit", "paged_adamw8bit"; run after backward, then ``zero_grad``) with ``optimizer_impl`` ("auto", "foreach", "forloop", "fused"),
     ``master_weights`` (fp32 masters of 16-bit parameters), ``micro_batches`` (gradient
     accumulation), ``lora_rank``/``lora_targets`` (adapters on the named linear layers, the rest
     frozen), ``qlora`` (a Hugging Face model's linear layers in 4-bit NF4 with double quantization

@@ -172,7 +172,7 @@ def precision(report: Analysis, base: StepSpec) -> tuple[list[Change], list[Left
 
 
 ALTERNATIVES = {"adam": ("adafactor", "momentum"), "adamw": ("adafactor", "momentum"),
-                "momentum": ("sgd",), "adafactor": (), "sgd": ()}
+                "momentum": ("sgd",), "adafactor": (), "sgd": (), "adam8bit": (), "adamw8bit": (), "paged_adamw8bit": ()}
 _FUSED = ("adam", "adamw", "sgd", "momentum")
 
 
@@ -183,7 +183,8 @@ def optimizer(report: Analysis, base: StepSpec) -> tuple[list[Change], list[Left
                             "the optimizer's states and its temporaries")]
     impl = resolved_impl(train.impl, base.target.device)
     out = []
-    impls = [i for i in ("forloop", "fused") if i != impl and (i != "fused" or train.optimizer in _FUSED)]
+    impls = [i for i in ("forloop", "fused") if i != impl and (i != "fused" or train.optimizer in _FUSED)
+             and train.optimizer in ALTERNATIVES and not train.optimizer.endswith("8bit")]  # bitsandbytes': one impl
     for other in impls:
         flag = {"forloop": "foreach=False", "fused": "fused=True"}[other]
         out.append(Change("optimizer", f"{train.optimizer} {other}",

@@ -15,7 +15,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 AMP = ("bf16", "fp16")
 ATTENTION = ("auto", "flash", "efficient", "cudnn", "math", "eager")
 MODES = ("eager", "compiled")
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adafactor")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adafactor", "adam8bit", "adamw8bit", "paged_adamw8bit")
 IMPLS = ("auto", "foreach", "forloop", "fused")
 
 
@@ -84,7 +84,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
 def add_loop_arguments(p: argparse.ArgumentParser) -> Any:
     """The loop around forward and backward: optimizer, precision recipe, micro-batches, LoRA/QLoRA."""
     g = p.add_argument_group("training step (any of these adds the per-rank budget table)")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, help="run this torch.optim optimizer after backward, then zero_grad")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help="run this optimizer after backward, then zero_grad: torch.optim, or bitsandbytes' 8-bit Adam (adam8bit, adamw8bit, paged_adamw8bit)")
     g.add_argument("--optimizer-impl", default="auto", choices=IMPLS,
                    help="auto (torch.optim's choice on the target: foreach on cuda, for-loop on cpu), foreach, forloop, fused")
     g.add_argument("--master-weights", action="store_true",

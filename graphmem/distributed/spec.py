@@ -110,6 +110,9 @@ def check_training(training: Training, no_sync: bool) -> None:
     if train.optimizer in ("sgd", "momentum") and train.impl == "fused":
         raise UsageError("torch.optim's fused SGD has no DTensor sharding strategy (aten._fused_sgd_), so it does not "
                          "run on FSDP2/TP parameters: use `optimizer_impl='foreach'` or forloop")
+    if train.optimizer is not None and train.optimizer.endswith("8bit"):
+        raise UsageError(f"bitsandbytes' {train.optimizer} is analyzed on one device here (not run on FSDP2/TP "
+                         "DTensor parameters): use `optimizer='adamw'` per rank, or drop `rank`/`fsdp`")
     if train.optimizer == "adafactor":
         raise UsageError("torch.optim.Adafactor does not run on DTensor parameters (its in-place update of a partial "
                          "norm is refused by DTensor): use `optimizer='adamw'`, adam, momentum or sgd per rank")

@@ -35,11 +35,13 @@ from graphmem.errors import UsageError
 from graphmem.training.loop_options import PLAIN, InBackward, Observe, Offload, check_loop_options, clip
 from graphmem.training.loop_options import describe as describe_loop_options
 from graphmem.training.optim import (
+    BNB_OPTIMIZERS,
     OPTIMIZERS,
     ScalarReads,
     check_optimizer,
+    describe_impl,
+    held_tensors,
     make_optimizer,
-    resolved_impl,
     state_tensors,
 )
 from graphmem.training.step import LossFn, default_loss, run_step
@@ -49,7 +51,7 @@ Mark = Callable[[str, list[tuple[str, torch.Tensor]]], None]  # (kind, [(name, t
 
 @dataclass(frozen=True)
 class TrainStep:
-    optimizer: Optional[str] = None  # sgd | momentum | adam | adamw | adafactor; None: no step
+    optimizer: Optional[str] = None  # sgd | momentum | adam | adamw | adafactor | adam8bit | adamw8bit | paged_adamw8bit
     impl: str = "auto"  # auto | foreach | forloop | fused
     master_weights: bool = False  # fp32 master copy of 16-bit parameters (the 16-psi recipe)
     micro_batches: int = 1  # gradient accumulation steps
@@ -86,7 +88,7 @@ class TrainStep:
     def describe(self, device: str = "cpu") -> str:
         parts = []
         if self.optimizer:
-            parts.append(f"{self.optimizer} ({resolved_impl(self.impl, device)})")
+            parts.append(f"{self.optimizer} ({describe_impl(self.optimizer, self.impl, device)})")
         if self.master_weights:
             parts.append("fp32 master weights")
         if self.micro_batches > 1:
@@ -96,7 +98,7 @@ class TrainStep:
         return ", ".join(parts)
 
     def to_dict(self, device: str = "cpu") -> dict[str, Any]:
-        return {"optimizer": self.optimizer, "impl": resolved_impl(self.impl, device) if self.optimizer else None,
+        return {"optimizer": self.optimizer, "impl": describe_impl(self.optimizer, self.impl, device) if self.optimizer else None,
                 "master_weights": self.master_weights, "micro_batches": self.micro_batches,
                 "release_output": self.release_output, "clip_grad_norm": self.clip_grad_norm,
                 "clip_foreach": self.clip_foreach if self.clip_grad_norm is not None else None,
@@ -116,6 +118,9 @@ def make_train_step(optimizer: Optional[str] = None, impl: str = "auto", master_
     if master_weights and dtype not in ("bf16", "fp16"):
         raise UsageError("`master_weights` needs 16-bit parameters: add `dtype='bf16'` or `dtype='fp16'` "
                          "(with `amp` the parameters are already fp32)")
+    if optimizer_in_backward and optimizer in BNB_OPTIMIZERS:
+        raise UsageError(f"`optimizer_in_backward` with bitsandbytes' {optimizer}: each per-parameter optimizer keeps its "
+                         "own quantization maps, which graphmem does not count yet: drop `optimizer_in_backward`")
     check_loop_options(optimizer, micro_batches, master_weights, release_output, clip_grad_norm, clip_foreach,
                        optimizer_in_backward, offload_activations)
     return TrainStep(optimizer, impl, master_weights, micro_batches, release_output=release_output,
@@ -154,6 +159,14 @@ class Session:
     def host_bytes(self) -> int:
         """Bytes the offloading hooks moved to host memory so far (0 without offloading)."""
         return self.offload.host_bytes if self.offload is not None else 0
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What the loop keeps from one step to the next besides the states (as the Trainer's runner says):
+        what its optimizers hold from their construction on (bitsandbytes' quantization maps:
+        graphmem/training/optim.py held_tensors), per-parameter optimizers included."""
+        opts = list(self.in_backward.optimizers.values()) if self.in_backward is not None else \
+            [self.optimizer] if self.optimizer is not None else []
+        return [t for opt in opts for t in held_tensors(opt)]
 
     def state_tensors(self) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
         """(parameter, state name, tensor) of every optimizer state, per-parameter optimizers included."""

@@ -143,7 +143,8 @@ def measure_peak(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None
             del out, loss
     states = [t for _, _, t in session.state_tensors()] if session is not None else []
     masters = list(session.masters.values()) if session is not None else []
-    held = runner.held_tensors() if runner is not None else []  # what the runner keeps between steps
+    # what the loop keeps between steps besides states: the Trainer's _tr_loss, bitsandbytes' maps
+    held = session.held_tensors() if session is not None else []
     tensors = [*model.parameters(), *model.buffers(), *quant_state_tensors(model), *as_batch(inputs).tensors(),
                *masters, *states, *held]
     _, baseline = _storage_bytes(tensors)
