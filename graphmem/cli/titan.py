@@ -68,6 +68,9 @@ def require_model(args: argparse.Namespace, overrides: Optional[Sequence[str]]) 
         raise UsageError("arguments after -- are torchtitan's overrides: give --torchtitan CONFIG")
     if args.model is None:
         raise UsageError("give MODEL (a model file, preset or Hugging Face id) or --torchtitan CONFIG")
+    if args.input_shape is None:
+        raise UsageError("--input-shape is required for MODEL (e.g. --input-shape 32x1024); only --torchtitan takes "
+                         "its batch from the job (see `graphmem analyze --help`)")
 
 
 __all__ = ["add_job_arguments", "job_report", "require_model", "split_overrides"]
