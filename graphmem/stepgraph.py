@@ -58,6 +58,9 @@ class Storage:
     # output, graphmem/distributed/capture.py): all their storage ids (``owner`` is the first)
     owners: tuple[int, ...] = ()
     cache_freed: bool = False  # its last reference was autocast's cast cache, dropped when a context exited
+    # the stream current when it was allocated: "default", or one of FSDP2's own (graphmem/distributed/
+    # fsdp.py ``watching``); the CUDA caching allocator keeps each stream's free blocks apart (passes/allocator.py)
+    stream: str = "default"
 
 
 @dataclass

@@ -28,8 +28,17 @@ the generic ``c10/core/CachingDeviceAllocator.h`` applies the same rules). What 
   ``get_allocation_size``); best fit skips the tail block when another block fits (its
   "expandable size" includes the unmapped space after it); every pool splits at 512 B.
 
-Not modelled: several streams (one stream, so ``recordStream`` events never delay a free), CUDA
-graph private pools, ``empty_cache``, OOM retries (``release_cached_blocks``), garbage
+- streams: a block belongs to the stream it was allocated on and only serves that stream's
+  requests: ``BlockComparatorSize`` orders a pool's blocks by stream first, ``get_free_block``
+  gives up when the best block found is another stream's (``(*it)->stream != p.stream()``), a new
+  segment is made for the requesting stream (``alloc_block``: ``new Block(p.device(), p.stream(),
+  ...)``) and an expandable segment serves one stream (``find_expandable_block`` matches
+  ``segment->stream()``). So each stream has pools and segments of its own; a freed block goes back
+  to its own stream's pool; allocated and reserved are the sums over the streams. Steps name the
+  stream of each storage (``Storage.stream``: FSDP2's own streams, graphmem/distributed/fsdp.py).
+
+Not modelled: ``recordStream`` (a block used on another stream is freed at once, not when that
+stream's work is done), CUDA graph private pools, ``empty_cache``, OOM retries (``release_cached_blocks``), garbage
 collection: nothing is returned to the driver, so reserved memory never shrinks. The allocator
 starts empty (a real second step starts from the first step's cache), and new segments get
 increasing addresses (real ``cudaMalloc`` addresses only decide ties between equal sizes).
@@ -41,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from graphmem.errors import PassError
-from graphmem.stepgraph import StepGraph
+from graphmem.stepgraph import StepGraph, Storage
 
 MiB = 1 << 20
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 B
@@ -53,7 +62,10 @@ K_ROUND_LARGE = 2 * MiB  # kRoundLarge: bigger requests round up to this
 MAX_NON_SPLIT_ROUNDING = 20 * MiB  # max_non_split_rounding_mb default (kLargeBuffer before)
 _ADDRESS_SPACE = 1 << 50  # virtual size of an expandable segment: "bigger than any request"
 
-Event = tuple[str, Any, int]  # ("alloc", id, nbytes) | ("free", id, 0); an id is any hashable
+# ("alloc", id, nbytes) | ("alloc", id, nbytes, stream) | ("free", id, 0); an id is any hashable, a
+# stream any name ("default" when left out)
+Event = tuple[Any, ...]
+DEFAULT_STREAM = "default"
 _FREE, _USED, _UNMAPPED = 0, 1, 2
 
 
@@ -225,53 +237,65 @@ def simulate(events: Sequence[Event], expandable_segments: bool = False, preexis
              *, max_split_size: Optional[int] = None) -> AllocatorResult:
     """Replay ``events`` through the caching-allocator model, starting from an empty cache.
 
-    ``events``: ``("alloc", id, nbytes)`` / ``("free", id, 0)`` in program order; a zero-byte
-    allocation gets no block. ``preexisting``: sizes allocated first and never freed (e.g. the
-    parameters, in order); they count in the peaks but not in ``timeline``, which has one entry per
-    event. ``max_split_size``: bytes, like ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb``.
+    ``events``: ``("alloc", id, nbytes)`` / ``("free", id, 0)`` in program order; an allocation may
+    name its stream, ``("alloc", id, nbytes, stream)`` (else "default"; a free goes back to the
+    stream its block was allocated on); a zero-byte allocation gets no block. ``preexisting``:
+    sizes allocated first on the default stream and never freed (e.g. the parameters, in order);
+    they count in the peaks but not in ``timeline``, which has one entry per event.
+    ``max_split_size``: bytes, like ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb``.
 
     >>> r = simulate([("alloc", 0, 1), ("alloc", 1, 513), ("free", 0, 0)])
     >>> r.max_allocated, r.max_reserved, r.timeline[-1]
     (1536, 2097152, (1024, 2097152))
     """
-    sim = _Allocator(expandable_segments, max_split_size)
-    live: dict[object, tuple[Optional[_Block], bool]] = {}
+    sims: dict[Any, _Allocator] = {}
+    live: dict[object, tuple[Optional[_Block], bool, Any]] = {}
     best = [0, 0, 0]  # max_allocated, reserved then, max_reserved
+    total = [0, 0]  # allocated, reserved: summed over the streams
 
-    def alloc(key: object, nbytes: int) -> None:
+    def alloc(key: object, nbytes: int, stream: Any) -> None:
         if key in live:
             raise PassError(f"allocator: id {key} allocated twice without a free in between")
         if nbytes < 0:
             raise PassError(f"allocator: id {key} asks for {nbytes} bytes")
-        live[key] = (sim.malloc(nbytes), round_size(nbytes) <= K_SMALL_SIZE) if nbytes else (None, True)
-        if sim.allocated > best[0]:
-            best[0], best[1] = sim.allocated, sim.reserved
-        best[2] = max(best[2], sim.reserved)
+        if not nbytes:
+            live[key] = (None, True, stream)
+            return
+        sim = sims.get(stream) or sims.setdefault(stream, _Allocator(expandable_segments, max_split_size))
+        was = (sim.allocated, sim.reserved)
+        live[key] = (sim.malloc(nbytes), round_size(nbytes) <= K_SMALL_SIZE, stream)
+        total[0] += sim.allocated - was[0]
+        total[1] += sim.reserved - was[1]
+        if total[0] > best[0]:
+            best[0], best[1] = total[0], total[1]
+        best[2] = max(best[2], total[1])
 
     for i, nbytes in enumerate(preexisting):
-        alloc(("preexisting", i), nbytes)
+        alloc(("preexisting", i), nbytes, DEFAULT_STREAM)
     timeline = []
-    for kind, key, nbytes in events:
+    for kind, key, nbytes, *stream in events:
         if kind == "alloc":
-            alloc(key, nbytes)
+            alloc(key, nbytes, stream[0] if stream else DEFAULT_STREAM)
         elif kind == "free":
             if key not in live:
                 raise PassError(f"allocator: free of id {key}, which is not allocated")
-            block, small = live.pop(key)
+            block, small, on = live.pop(key)
             if block is not None:
-                sim.free(block, small)
+                total[0] -= block.size
+                sims[on].free(block, small)
         else:
             raise PassError(f"allocator: unknown event {kind!r} (expected 'alloc' or 'free')")
-        timeline.append((sim.allocated, sim.reserved))
-    return AllocatorResult(best[0], best[2], best[0], best[1], best[1] - best[0], sim.segments,
-                           tuple(timeline))
+        timeline.append((total[0], total[1]))
+    return AllocatorResult(best[0], best[2], best[0], best[1], best[1] - best[0],
+                           sum(sim.segments for sim in sims.values()), tuple(timeline))
 
 
 def events_from_step(g: StepGraph) -> list[Event]:
     """The step's allocation/free sequence: storages created at op i are allocated when op i runs
     (in sid order), storages freed after op i are freed before op i+1 allocates; pre-existing
     storages (created == -1) first; storages never freed stay allocated. Zero-byte storages are
-    skipped (the CUDA allocator returns no block for size 0)."""
+    skipped (the CUDA allocator returns no block for size 0). An allocation on a stream other than
+    the default one names it (``Storage.stream``)."""
     made: dict[int, list[int]] = {}
     dead: dict[int, list[int]] = {}
     for s in sorted(g.storages.values(), key=lambda s: s.sid):
@@ -282,9 +306,14 @@ def events_from_step(g: StepGraph) -> list[Event]:
             dead.setdefault(s.freed, []).append(s.sid)
     events: list[Event] = []
     for i in sorted(made.keys() | dead.keys()):  # -1 (before the step) first
-        events += [("alloc", sid, g.storages[sid].nbytes) for sid in made.get(i, ())]
+        events += [_alloc(g.storages[sid]) for sid in made.get(i, ())]
         events += [("free", sid, 0) for sid in dead.get(i, ())]
     return events
+
+
+def _alloc(s: Storage) -> Event:
+    """A storage's allocation event, naming its stream unless it is the default one."""
+    return ("alloc", s.sid, s.nbytes) if s.stream == DEFAULT_STREAM else ("alloc", s.sid, s.nbytes, s.stream)
 
 
 def later_steps_events(g: StepGraph, steps: int = 2) -> list[Event]:
@@ -301,7 +330,7 @@ def later_steps_events(g: StepGraph, steps: int = 2) -> list[Event]:
     out = list(first)
     for k in range(1, steps):
         out += [("free", sid if k == 1 else (k - 1, sid), 0) for sid in left]
-        out += [(kind, (k, key), n) for kind, key, n in first if key not in kept]
+        out += [(kind, (k, key), *rest) for kind, key, *rest in first if key not in kept]
     return out
 
 

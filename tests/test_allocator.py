@@ -13,7 +13,7 @@ import torch.nn as nn
 import graphmem
 from graphmem.errors import PassError
 from graphmem.passes import liveness
-from graphmem.passes.allocator import allocator, events_from_step, round_size, simulate
+from graphmem.passes.allocator import allocator, events_from_step, later_steps_events, round_size, simulate
 from graphmem.stepgraph import OpNode, StepGraph, Storage
 
 allocator_module = importlib.import_module("graphmem.passes.allocator")  # the module, not the pass function
@@ -215,6 +215,47 @@ def test_oversize_block_too_much_bigger_is_not_reused() -> None:
     # 42 MiB >= max_split_size, but the cached 64 MiB block is >= 42 + 20 MiB: new 42 MiB segment
     events = _allocs(64 * MiB) + [("free", 0, 0), ("alloc", 1, 42 * MiB)]
     assert simulate(events, max_split_size=40 * MiB).timeline[-1] == (42 * MiB, 106 * MiB)
+
+
+# --- streams (BlockComparatorSize / get_free_block match on the stream) ----------------------
+
+def test_a_block_freed_on_one_stream_is_not_reused_by_another() -> None:
+    # GIVEN 12 MiB allocated and freed on stream "rs"  WHEN 12 MiB is then asked for on the default
+    # stream  THEN the cached block is rs's: a second 12 MiB segment, reserved 24 MiB
+    events = [("alloc", 0, 12 * MiB, "rs"), ("free", 0, 0), ("alloc", 1, 12 * MiB)]
+    r = simulate(events)
+    assert r.timeline == ((12 * MiB, 12 * MiB), (0, 12 * MiB), (12 * MiB, 24 * MiB))
+    assert (r.max_reserved, r.segments) == (24 * MiB, 2)
+    # the same request on "rs" takes the cached block back: one segment
+    same = simulate(events[:2] + [("alloc", 1, 12 * MiB, "rs")])
+    assert (same.max_reserved, same.segments) == (12 * MiB, 1)
+    # one stream throughout is the plain model: naming the default stream changes nothing
+    assert simulate([("alloc", 0, 12 * MiB, "default"), ("free", 0, 0), ("alloc", 1, 12 * MiB)]) == \
+        simulate([("alloc", 0, 12 * MiB), ("free", 0, 0), ("alloc", 1, 12 * MiB)])
+
+
+def test_streams_sum_and_free_back_to_their_own_pool() -> None:
+    # small requests: each stream cuts its own 2 MiB small segment; allocated and reserved sum
+    r = simulate([("alloc", 0, 1000, "a"), ("alloc", 1, 1000, "b"), ("free", 0, 0), ("alloc", 2, 1000, "a")])
+    assert r.timeline == ((1024, 2 * MiB), (2048, 4 * MiB), (1024, 4 * MiB), (2048, 4 * MiB))
+    assert (r.max_allocated, r.max_reserved, r.segments) == (2048, 4 * MiB, 2)
+    # expandable segments: one per pool and stream (find_expandable_block matches the stream)
+    e = simulate([("alloc", 0, 3 * MiB, "a"), ("alloc", 1, 3 * MiB, "b")], expandable_segments=True)
+    assert (e.max_reserved, e.segments) == (40 * MiB, 2)
+
+
+def test_events_from_step_names_streams() -> None:
+    on_rs = Storage(1, 12 * MiB, "gradient", 0, None, "m", "g", "float32", (3 * MiB,), stream="reduce_scatter")
+    g = _graph([_s(0, 12 * MiB, 0, 0), on_rs, _s(2, 12 * MiB, 1, None)], 2)
+    assert events_from_step(g) == [("alloc", 0, 12 * MiB), ("alloc", 1, 12 * MiB, "reduce_scatter"),
+                                   ("free", 0, 0), ("alloc", 2, 12 * MiB)]
+    # s2 reuses s0's default-stream block; the gradient keeps a segment of its own stream
+    assert (allocator(g).max_reserved, allocator(g).segments) == (24 * MiB, 2)
+    # a later step: the gradient is freed (zero_grad) and made again on its own stream
+    later = later_steps_events(g)
+    assert later[-2:] == [("free", (1, 0), 0), ("alloc", (1, 2), 12 * MiB)]
+    assert ("alloc", (1, 1), 12 * MiB, "reduce_scatter") in later
+    assert simulate(later).max_reserved == 24 * MiB  # each stream's freed block serves it again
 
 
 # --- events -------------------------------------------------------------------------------

@@ -141,6 +141,7 @@ class _Recorder:
         self.gpu = "h100"  # the CUDA target's GPU (Target.gpu), for the scratch rules that depend on it
         self.real_bookkeeping = False  # (graphmem/distributed/capture.py, while fully_shard / parallelize_module set up)
         self.on_op: Optional[Callable[[Any, tuple, dict, Any], None]] = None  # told of each recorded op (func, args, kwargs, out)
+        self.stream: Callable[[], str] = lambda: "default"  # the current stream's name (FSDP2's: distributed/fsdp.py)
 
     # -- storages -----------------------------------------------------------------
     def storage(self, t: torch.Tensor, kind: str, name: str, created: int, module: str) -> Storage:
@@ -149,7 +150,7 @@ class _Recorder:
         s = self.live.get(key)
         if s is None:
             s = Storage(len(self.storages), st.nbytes(), kind, created, None, module, name,
-                        str(t.dtype).replace("torch.", ""), tuple(t.shape))
+                        str(t.dtype).replace("torch.", ""), tuple(t.shape), stream=self.stream())
             self.storages[s.sid] = s
             self.live[key] = s
             self.refs[s.sid] = weakref.ref(st, lambda _r, key=key, s=s: self._freed(key, s))  # type: ignore[misc]
@@ -273,7 +274,7 @@ class _Recorder:
         found = scratch(func, self.device, args, kwargs, out, GPUS[self.gpu])
         for sc in found:  # allocated and freed inside the kernel: live during this op only
             s = Storage(len(self.storages), sc.nbytes, "workspace", index, index, module, f"{func} scratch: {sc.what}",
-                        "uint8", (sc.nbytes,))
+                        "uint8", (sc.nbytes,), stream=self.stream())
             self.storages[s.sid] = s
         if found:
             node.meta["scratch"] = sum(sc.nbytes for sc in found)

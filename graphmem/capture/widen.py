@@ -109,7 +109,7 @@ class _Copier(Widen):
                 rename(st.module, prefix, j, b), rename(st.name, prefix, j, b) if st.created < 0 else st.name,
                 st.dtype, st.shape, self.sid(st.source, b, j) if st.source is not None else None,
                 self.sid(st.owner, b, j) if st.owner is not None else None,
-                tuple(self.sid(o, b, j) for o in st.owners), st.cache_freed)
+                tuple(self.sid(o, b, j) for o in st.owners), st.cache_freed, st.stream)
         return out
 
     def placeholders(self) -> list[OpNode]:

@@ -98,8 +98,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def watching(cap: _Recorder) -> Iterator[None]:
-    """Tell the recorder of FSDP2's storage resizes and name its collectives' buffers; pause it
-    while DTensor propagates shapes."""
+    """Tell the recorder of FSDP2's storage resizes, the stream each allocation runs on
+    (``streams``) and name its collectives' buffers; pause it while DTensor propagates shapes."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
     alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
@@ -126,19 +126,72 @@ def watching(cap: _Recorder) -> Iterator[None]:
         with cap.paused():
             return propagate(self, *args, **kwargs)
 
+    named = _Streams(_fsdp_param_group.FSDPCommContext.lazy_init)
     patched = [(_fsdp_param, "alloc_storage", alloc_storage), (_fsdp_param, "free_storage", free_storage),
                (_fsdp_param_group, "alloc_storage", alloc_storage),
-               (ShardingPropagator, "_propagate_tensor_meta_non_cached", propagate_paused)]
+               (ShardingPropagator, "_propagate_tensor_meta_non_cached", propagate_paused),
+               (_fsdp_param_group.FSDPCommContext, "lazy_init",
+                lambda ctx, *args, **kwargs: named.lazy_init(ctx, *args, **kwargs))]
     saved = [(m, name, getattr(m, name)) for m, name, _ in patched]
     for m, name, fn in patched:
         setattr(m, name, fn)
     cap.on_op = lambda func, args, kwargs, out: _label(cap, func, args, kwargs, out)
+    cap.stream, stream = named.current, cap.stream
     try:
         yield
     finally:
-        cap.on_op = None
+        cap.on_op, cap.stream = None, stream
         for m, name, fn in saved:
             setattr(m, name, fn)
+
+
+_COMM_STREAMS = ("all_gather_copy_in_stream", "all_gather_stream", "reduce_scatter_stream", "all_reduce_stream")
+
+
+class _Streams:
+    """Names the stream current at each allocation. FSDP2 runs on the parameters' device type's
+    handle (``_get_device_handle``: ``torch.cpu`` for graphmem's fake CPU tensors), whose
+    ``stream(s)`` context sets what ``current_stream()`` returns (torch/cpu/__init__.py,
+    ``StreamContext``); FSDP2 makes its streams in ``FSDPCommContext.lazy_init``
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), named here after the attributes
+    holding them. Which allocations land on them, read from torch 2.14's
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:
+
+    - ``foreach_all_gather``: the all-gather buffer (``all_gather_comm.allocate``) and the
+      ``param_dtype`` copies of the shards (``_get_param_all_gather_inputs``'s
+      ``flat_foreach_copy_input``) are made under ``all_gather_copy_in_stream``, which
+      ``FSDPCommContext.get_all_gather_streams`` gives for a synchronous unshard in forward or
+      pre-backward (otherwise the current stream);
+    - ``foreach_reduce``: the reduce-scatter output ``reduce_output`` (the sharded gradients are
+      views of it, kept until ``zero_grad``) and its cast to the parameters' dtype
+      (``_to_dtype_if_needed``) are made under ``reduce_scatter_stream``; the reduce-scatter input
+      (``reduce_scatter_input``) under the current stream;
+    - ``foreach_all_gather_copy_out`` (``wait_for_unshard``) allocates the unsharded parameters
+      (``alloc_all_gather_outputs``) on the current stream.
+
+    The stream current when ``watching`` starts is "default"; a stream neither that nor FSDP2's
+    is "stream N"."""
+
+    def __init__(self, lazy_init: Any) -> None:
+        self.default = torch.cpu.current_stream()
+        self.named: list[tuple[Any, str]] = []
+        self._lazy_init = lazy_init
+
+    def lazy_init(self, ctx: Any, *args: Any, **kwargs: Any) -> None:
+        self._lazy_init(ctx, *args, **kwargs)
+        for attr in _COMM_STREAMS:
+            if hasattr(ctx, attr):
+                self.named.append((getattr(ctx, attr), attr.removesuffix("_stream")))
+
+    def current(self) -> str:
+        s = torch.cpu.current_stream()
+        if s is self.default:
+            return "default"
+        name = next((n for t, n in self.named if t is s), None)
+        if name is None:
+            name = f"stream {len(self.named)}"
+            self.named.append((s, name))
+        return name
 
 
 _ALL_GATHER_COPY_IN = "fsdp::all_gather_copy_in"
