@@ -1,0 +1,71 @@
+"""The real side of the torchtitan check (tests/titan_truth.py): torchtitan's own Trainer and
+train_step on shrunk llama3 debug models, one gloo process per rank, measured per rank. These
+tests check that the measurements hold together; graphmem's prediction is compared elsewhere."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.titan_truth import real_titan, small_llama3
+
+pytestmark = pytest.mark.slow
+
+
+def _model_bytes() -> tuple[int, int]:
+    """(parameter bytes, buffer bytes) of ``small_llama3``'s model as the Trainer builds it (its
+    RoPE cache sized to the training sequence by ``update_from_config``)."""
+    config = small_llama3()
+    model_config = config.model_spec.model
+    model_config.update_from_config(config=config)
+    with torch.device("meta"):
+        model = model_config.build()
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    return size(model.parameters()), size(model.buffers())
+
+
+def _consistent(ranks: list[dict[str, int]]) -> None:
+    for r in ranks:
+        assert r["saved_bytes"] > 0
+        assert r["peak_bytes"] > r["before_bytes"] > 0
+        # after the first step the gradients and Adam's two states live between steps
+        assert r["later_before_bytes"] > r["before_bytes"]
+        assert r["later_peak_bytes"] > r["later_before_bytes"]
+        assert r["unsettled"] == 0, r  # every collective's work was released on the rank's thread
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_fsdp(degree: int) -> None:
+    ranks = real_titan(small_llama3, degree, {"parallelism.data_parallel_shard_degree": degree})
+    _consistent(ranks)
+    params, buffers = _model_bytes()
+    for r in ranks:  # rank r holds 1/degree of every parameter (all dims divide) and the whole buffers
+        assert r["before_bytes"] == params // degree + buffers
+        # later: the shards, their gradients and Adam's exp_avg and exp_avg_sq, plus the step counts
+        states = r["later_before_bytes"] - r["before_bytes"] - 3 * (params // degree)
+        assert 0 < states < 1024, r
+    assert len({r["saved_bytes"] for r in ranks}) == 1  # data parallel ranks run the same shapes
+
+
+def test_tp() -> None:
+    ranks = real_titan(small_llama3, 2, {"parallelism.tensor_parallel_degree": 2})
+    _consistent(ranks)
+    for key in ("saved_bytes", "before_bytes", "later_before_bytes"):
+        assert len({r[key] for r in ranks}) == 1, key  # tensor parallel ranks hold the same shapes
+
+
+def test_fsdp_tp() -> None:
+    ranks = real_titan(small_llama3, 4, {"parallelism.data_parallel_shard_degree": 2,
+                                         "parallelism.tensor_parallel_degree": 2})
+    _consistent(ranks)
+    for key in ("saved_bytes", "before_bytes", "later_before_bytes"):
+        assert len({r[key] for r in ranks}) == 1, key
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_pp(schedule: str) -> None:
+    ranks = real_titan(small_llama3, 2, {"parallelism.pipeline_parallel_degree": 2,
+                                         "parallelism.pipeline_parallel_schedule": schedule})
+    _consistent(ranks)
+    params, buffers = _model_bytes()
+    # the stages split the model: every parameter and buffer is on exactly one rank
+    assert sum(r["before_bytes"] for r in ranks) == params + buffers
