@@ -4,23 +4,10 @@ tests check that the measurements hold together; graphmem's prediction is compar
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.titan_truth import real_titan, small_llama3
+from tests.titan_truth import model_bytes, real_titan, small_llama3, small_qwen3_moe
 
 pytestmark = pytest.mark.slow
-
-
-def _model_bytes() -> tuple[int, int, int]:
-    """(parameter bytes, buffer bytes, parameter count) of ``small_llama3``'s model as the Trainer
-    builds it (its RoPE cache sized to the training sequence by ``update_from_config``)."""
-    config = small_llama3()
-    model_config = config.model_spec.model
-    model_config.update_from_config(config=config)
-    with torch.device("meta"):
-        model = model_config.build()
-    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    return size(model.parameters()), size(model.buffers()), len(list(model.parameters()))
 
 
 def _consistent(ranks: list[dict[str, int]]) -> None:
@@ -38,7 +25,7 @@ def test_fsdp(degree: int) -> None:
     ranks = real_titan(small_llama3, degree, {"parallelism.data_parallel_shard_degree": degree})
     _consistent(ranks)
     assert all(r["saved_bytes"] == r["later_saved_bytes"] for r in ranks)
-    params, buffers, count = _model_bytes()
+    params, buffers, count = model_bytes()
     for r in ranks:  # rank r holds 1/degree of every parameter (all dims divide) and the whole buffers
         assert r["before_bytes"] == params // degree + buffers
         # later also the shards' gradients, Adam's exp_avg and exp_avg_sq, and a float32 step per parameter
@@ -49,7 +36,7 @@ def test_fsdp(degree: int) -> None:
 def test_tp() -> None:
     ranks = real_titan(small_llama3, 2, {"parallelism.tensor_parallel_degree": 2})
     _consistent(ranks)
-    params, buffers, _ = _model_bytes()
+    params, buffers, _ = model_bytes()
     for r in ranks:  # the linear weights split in two, the norms' weights replicated
         assert params // 2 + buffers < r["before_bytes"] < params + buffers
     for key in ("saved_bytes", "later_saved_bytes", "before_bytes", "later_before_bytes"):
@@ -60,7 +47,7 @@ def test_fsdp_tp() -> None:
     ranks = real_titan(small_llama3, 4, {"parallelism.data_parallel_shard_degree": 2,
                                          "parallelism.tensor_parallel_degree": 2})
     _consistent(ranks)
-    params, buffers, _ = _model_bytes()
+    params, buffers, _ = model_bytes()
     for r in ranks:  # FSDP halves what tensor parallel leaves on a rank
         assert params // 4 + buffers < r["before_bytes"] < params // 2 + buffers
     for key in ("saved_bytes", "later_saved_bytes", "before_bytes", "later_before_bytes"):
@@ -72,6 +59,19 @@ def test_pp(schedule: str) -> None:
     ranks = real_titan(small_llama3, 2, {"parallelism.pipeline_parallel_degree": 2,
                                          "parallelism.pipeline_parallel_schedule": schedule})
     _consistent(ranks)
-    params, buffers, _ = _model_bytes()
+    params, buffers, _ = model_bytes()
     # the stages split the model: every parameter and buffer is on exactly one rank
     assert sum(r["before_bytes"] for r in ranks) == params + buffers
+
+
+def test_ep() -> None:
+    """Expert parallel over the FSDP ranks (torchtitan's qwen3 MoE debug model, shrunk): the
+    experts split by expert parallel, everything else by FSDP, so each rank holds half of it all."""
+    ranks = real_titan(small_qwen3_moe, 2, {"parallelism.data_parallel_shard_degree": 2,
+                                            "parallelism.expert_parallel_degree": 2})
+    _consistent(ranks)
+    params, buffers, count = model_bytes(small_qwen3_moe)
+    for r in ranks:
+        assert r["before_bytes"] == params // 2 + buffers
+        assert r["later_before_bytes"] == r["before_bytes"] + 3 * (params // 2) + 4 * count
+        assert r["saved_bytes"] == r["later_saved_bytes"]

@@ -90,11 +90,18 @@ def small_qwen3_moe() -> Any:
     return config
 
 
-def param_bytes(config: Any) -> int:
-    """Bytes of the model's parameters (``config``'s model built on the meta device)."""
+def model_bytes(config_fn: Callable[[], Any] = small_llama3) -> tuple[int, int, int]:
+    """(parameter bytes, buffer bytes, parameter count) of ``config_fn()``'s model as the Trainer
+    builds it (on the meta device, its RoPE cache sized to the training sequence by
+    ``update_from_config``)."""
+    config = config_fn()
+    model_config = config.model_spec.model
+    model_config.update_from_config(config=config)
     with torch.device("meta"):
-        model = config.model_spec.model.build()
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+        model = model_config.build()
+    params, buffers = list(model.parameters()), list(model.buffers())
+    return (sum(t.numel() * t.element_size() for t in params), sum(t.numel() * t.element_size() for t in buffers),
+            len(params))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -135,8 +142,8 @@ def _settled(collective: Callable, unsettled: list[int]) -> Callable:
 
 def _settled_functional(wait: Callable, unsettled: list[int]) -> Callable:
     """funcol's ``_maybe_wrap_tensor`` (called by each functional collective while its input is
-    still held): the output waited on at once, then held until the work's references to it are
-    gone (the count falls below what it was with the work alive)."""
+    still held): the fresh output waited on at once, then held until this call is its only holder
+    (the work, which also holds the input, is gone)."""
 
     def call(tensor: torch.Tensor) -> torch.Tensor:
         out = wait(tensor)
