@@ -281,8 +281,15 @@ def real_titan(config_fn: Callable[[], Any], world_size: int, overrides: dict[st
     ``{"parallelism.tensor_parallel_degree": 2}``). Per rank: ``saved_bytes``, ``peak_bytes`` and
     ``before_bytes`` of the first ``train_step``; ``later_saved_bytes``, ``later_peak_bytes`` (the
     least of ``LATER`` steps) and ``later_before_bytes`` of the later ones (gradients and optimizer
-    states then live before the step; a pipeline's first step saves more than its later ones); ``unsettled``
-    collectives (0 when every free was seen)."""
+    states then live before the step); ``unsettled`` collectives (0 when every free was seen).
+
+    A pipeline's first step saves more than its later ones: torch's PipelineStage runs the first
+    micro-batch's forward once more, with grad, to infer the shapes it sends
+    (torch/distributed/pipelining/stage.py ``_forward_metadata_inference``). The first step's peak is
+    one measurement (a second Trainer in the same process fails under tensor parallel: FSDP2 finds
+    the parameters on another mesh object), and it moves between runs and ranks by up to ~150 KB
+    here (gloo's threads allocate inside collectives at moments that vary); the later peak, the
+    least of ``LATER``, by up to ~30 KB."""
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
         out = os.path.join(tmp, "result")
