@@ -39,7 +39,7 @@ LAYERS: dict[str, set[str]] = {
     "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api", "spec", "trainer_api"},
     "ci": {"errors", "units", "api", "report", "compare", "render", "training", "capture"},
     "progress": set(),
-    "titan": set(),  # a torchtitan job made runnable on the CPU (graphmem/titan/job.py): torchtitan only
+    "titan": {"errors", "capture", "distributed", "stepgraph", "training"},  # a torchtitan job (graphmem/titan/job.py), its rank captured
     "checkpointing": {"planning"}, "selective": {"planning"},  # compatibility names for printed plan code
     "cli": {"errors", "units", "api", "report", "compare", "render", "capture", "training", "formula", "planning",
             "validation", "progress", "models", "advise", "distributed", "spec", "trainer_api"},

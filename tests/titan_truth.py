@@ -5,7 +5,8 @@ tests/dist_truth.py measures: the distinct storages autograd saves in forward an
 allocator's events under torch.profiler plus the bytes live before the step (the rank's parameter
 shards, buffers, gradients and optimizer states).
 
-The job is made runnable by graphmem/titan/job.py (``use_cpu``, ``prepared``); two changes here are
+The job is made runnable by graphmem/titan/job.py (``on_cpu``, ``prepared``, ``with_sdpa``: the
+same job the prediction captures); two changes here are
 gloo's alone: FSDP2 reduces gradients with ``ReduceOp.SUM`` (torchtitan's gradient divide factor
 1.0 makes FSDP2 ask for ``PREMUL_SUM(1.0)``, which gloo does not have; the sum is the same and no
 division runs), and every collective is settled (see ``_settled``) so the profiler sees its frees.
@@ -33,13 +34,14 @@ SPIN = 2_000_000  # polls of a reference count before a collective counts as uns
 def small_llama3() -> Any:
     """torchtitan's ``llama3_debugmodel`` (models/llama3/config_registry.py) shrunk for a CPU:
     dim 64, 4 heads (2 key/value heads), 4 layers, vocabulary 256, 32 tokens, 2 sequences a
-    rank, float32 parameters. Attention is torchtitan's ``ScaledDotProductAttention`` (causal):
-    the debug model's FlexAttention is compiled by inductor even in eager runs. No activation
+    rank, float32 parameters. Attention is torchtitan's ``ScaledDotProductAttention`` (causal,
+    graphmem/titan/job.py ``with_sdpa``): FlexAttention has no CPU backward. No activation
     checkpointing, so every save is visible to the hooks."""
     from torchtitan.models.common import ComplexRoPE
-    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import _build_llama3_layers, _output_linear_init
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from graphmem.titan.job import with_sdpa
 
     config = llama3_debugmodel()
     model = config.model_spec.model  # type: ignore[union-attr]
@@ -52,13 +54,11 @@ def small_llama3() -> Any:
     rope = ComplexRoPE.Config(dim=dim // heads, max_seq_len=131072, theta=500000, scaling="llama")
     model.layers = _build_llama3_layers(n_layers=4, dim=dim, n_heads=heads, n_kv_heads=2, hidden_dim=192,
                                         rope=rope, attn_backend="flex")
-    for layer in model.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
     config.loss.loss_fn.global_vocab_size = vocab
     config.training.seq_len, config.training.local_batch_size = 32, 2
     config.training.mixed_precision_param = "float32"
     config.activation_checkpoint = None
-    return config
+    return with_sdpa(config)
 
 
 def small_qwen3_moe() -> Any:
@@ -66,9 +66,10 @@ def small_qwen3_moe() -> Any:
     dim 64, 4 heads of 16 (2 key/value heads), 2 layers of 4 experts of hidden 64 (top 2),
     vocabulary 256, SDPA attention, no activation checkpointing."""
     from torchtitan.models.common import CosSinRoPE
-    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3 import _build_qwen3_moe_layers
     from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    from graphmem.titan.job import with_sdpa
 
     config = qwen3_moe_debug()
     model = config.model_spec.model  # type: ignore[union-attr]
@@ -81,13 +82,11 @@ def small_qwen3_moe() -> Any:
         fuse_qkv=True, n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=16, moe_hidden_dim=64,
         num_experts=4, top_k=2, attn_backend="flex", rope=CosSinRoPE.Config(dim=16, max_seq_len=4096, theta=1e6),
         moe_comm_backend="standard")
-    for layer in model.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
     config.loss.loss_fn.global_vocab_size = vocab
     config.training.seq_len, config.training.local_batch_size = 32, 2
     config.training.mixed_precision_param = "float32"
     config.activation_checkpoint = None
-    return config
+    return with_sdpa(config)
 
 
 def model_bytes(config_fn: Callable[[], Any] = small_llama3) -> tuple[int, int, int]:
@@ -250,21 +249,21 @@ def _worker(rank: int, world_size: int, init: str, config_fn: Callable, override
     try:
         from torchtitan.trainer import Trainer
 
-        from graphmem.titan.job import prepared, use_cpu
+        from graphmem.titan.job import on_cpu, prepared
 
-        use_cpu()
-        config = prepared(config_fn())
-        for path, value in overrides.items():
-            *parents, name = path.split(".")
-            target = config
-            for p in parents:
-                target = getattr(target, p)
-            setattr(target, name, value)
-        trainer = Trainer(config)
-        _gloo_reductions(trainer)
-        data = trainer.batch_generator(trainer.dataloader)
-        first = _step(trainer, data)
-        later = [_step(trainer, data) for _ in range(LATER)]
+        with on_cpu():
+            config = prepared(config_fn())
+            for path, value in overrides.items():
+                *parents, name = path.split(".")
+                target = config
+                for p in parents:
+                    target = getattr(target, p)
+                setattr(target, name, value)
+            trainer = Trainer(config)
+            _gloo_reductions(trainer)
+            data = trainer.batch_generator(trainer.dataloader)
+            first = _step(trainer, data)
+            later = [_step(trainer, data) for _ in range(LATER)]
         if len({(r["saved"], r["before"]) for r in later}) != 1:  # the later steps repeat each other
             raise AssertionError(f"rank {rank}: the later steps differ in saved or held bytes: {later}")
         torch.save({"saved_bytes": first["saved"], "peak_bytes": first["peak"], "before_bytes": first["before"],

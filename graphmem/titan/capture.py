@@ -1,0 +1,299 @@
+"""Rank r's step of a torchtitan job, run by torchtitan's own code on fake tensors.
+
+Under the fake process group (torch's fake backend, rank r of the job's world size), in the
+recording fake mode (graphmem/capture/recorder.py), torchtitan's ``Trainer.__init__`` builds the
+job as it does on a cluster: the model on meta, its ``parallelize_fn`` / ``pipelining_fn``
+(FSDP2, TP, PP, CP, EP, activation checkpointing, compile as configured), ``to_empty`` and
+``init_weights`` (fake here), the optimizers and LR schedulers. Then ``Trainer.train_step``
+runs one step: the batch fetched per micro-step, ``forward_backward_step`` (the loss with its
+``del pred``, ``loss.backward()``), ``clip_grad_norm_``, ``optimizers.step()`` and the scheduler.
+
+What graphmem adds is only observation: phases (the loss function's call starts "loss", the
+backward's first node "backward", ``clip_grad_norm_`` "optimizer"), the gradients and optimizer
+states named when they exist, FSDP2's storage resizes (graphmem/distributed/fsdp.py ``watching``).
+The job's data, metrics and checkpointing are replaced as graphmem/titan/job.py says.
+
+Known limitations: torch.compile regions in the job (``compile.enable``, and FlexAttention,
+which torchtitan always compiles) run eagerly here: FlexAttention through the eager
+``flex_attention`` higher-order op, whose forward/backward keep what the compiled kernels keep
+(query, key, value, output and the fp32 logsumexp; torch/_higher_order_ops/flex_attention.py);
+``create_block_mask`` runs outside the recording, its BlockMask held as an input.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
+from graphmem.capture.call_paths import module_names, module_order
+from graphmem.capture.capture import _cache_clears, marker
+from graphmem.capture.cuda_rules import CudaRules
+from graphmem.capture.fakes import translate_error
+from graphmem.capture.recorder import _Mode, _Recorder
+from graphmem.capture.rng_states import rng_states
+from graphmem.capture.target import Target
+from graphmem.distributed.fsdp import local, watching
+from graphmem.errors import GraphmemError, UsageError
+from graphmem.stepgraph import StepGraph
+from graphmem.titan.job import on_cpu, prepared, synthetic_batches
+from graphmem.training.optim import ScalarReads, state_tensors
+
+
+def capture_job(config: Any, world_size: int, rank: int, target: Target) -> StepGraph:
+    """Record rank ``rank``'s first training step of the torchtitan job ``config`` (a
+    ``Trainer.Config``) over ``world_size`` ranks; the graph's storages are rank r's."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not 0 <= rank < world_size:
+        raise UsageError(f"`rank={rank}` is not one of the job's {world_size} ranks: use 0 to {world_size - 1}")
+    if dist.is_initialized():
+        raise UsageError("torch.distributed is already initialized in this process; graphmem runs the job's rank "
+                         "in a fake process group of its own: call analyze outside the distributed job")
+    cfg = prepared(config)
+    _unique_counts()
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        with on_cpu(), _compiled_eagerly(target):
+            return _capture(cfg, target)
+    finally:
+        dist.destroy_process_group()
+        from graphmem.distributed.process_group import _forget_meshes
+
+        _forget_meshes()
+
+
+def _capture(cfg: Any, target: Target) -> StepGraph:
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.trainer import Trainer
+
+    dims = ParallelDims.from_config(cfg.parallelism, torch.distributed.get_world_size())
+    dims.build_mesh()  # outside the fake mode: a DeviceMesh's rank layout is real
+
+    class Job(Trainer):
+        def init_distributed(self) -> Any:  # the fake process group is up; its meshes built above
+            return dims
+
+    import torchtitan.distributed.utils as dist_utils
+
+    determinism = dist_utils.set_determinism
+
+    def seeded(*args: Any, **kwargs: Any) -> Any:  # its seed broadcast is of real tensors
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return determinism(*args, **kwargs)
+
+    cap = _Recorder({})
+    cap.device, cap.gpu = target.device, target.gpu
+    backends: dict[str, int] = {}
+    if target.device == "cuda":
+        cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)
+        cap.fp32_norm_stats = True
+    fake_mode = _Mode(cap)
+    k = _micro_batches(cfg)
+    with fake_mode, _masks_paused(cap):
+        cap.real_bookkeeping = True  # the meshes, the seed broadcast: real tensors, run for real
+        try:
+            dist_utils.set_determinism = seeded
+            with _InitReads():
+                trainer = Job(cfg)
+        except GraphmemError:
+            raise
+        except Exception as e:
+            raise UsageError(f"torchtitan could not build the job on rank {torch.distributed.get_rank()}: "
+                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        finally:
+            cap.real_bookkeeping = False
+            dist_utils.set_determinism = determinism
+        root = nn.ModuleList(trainer.model_parts)
+        cap.paths = module_names(root)
+        param_sid: dict[str, int] = {}
+        for kind, named in (("parameter", root.named_parameters()), ("buffer", root.named_buffers())):
+            for name, t in named:
+                cap.preexisting(local(t), kind, name)
+                param_sid[name] = cap.placeholders[-1].meta["storage"]
+        batches = synthetic_batches(cfg, k)
+        for i, (inputs, labels) in enumerate(batches):
+            for name, t in (*inputs.items(), ("labels", labels)):
+                cap.preexisting(t, "input", f"batch{i}.{name}")
+    return _run(cap, fake_mode, trainer, root, batches, param_sid, target, backends)
+
+
+def _micro_batches(cfg: Any) -> int:
+    """How many batches one ``train_step`` fetches: gradient accumulation steps x pipeline micro-batches."""
+    t, p = cfg.training, cfg.parallelism
+    dp = max(p.data_parallel_replicate_degree, 1) * max(p.data_parallel_shard_degree, 1) \
+        if p.data_parallel_shard_degree > 0 else 1
+    accumulation = max(t.global_batch_size // (t.local_batch_size * dp), 1) if t.global_batch_size > 0 else 1
+    stages = t.local_batch_size // p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else 1
+    return accumulation * stages
+
+
+def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batches: list, param_sid: dict[str, int],
+         target: Target, backends: dict[str, int]) -> StepGraph:
+    handles = [nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
+               nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True)]
+    marked: dict[str, list[int]] = {}
+    mark = marker(cap, param_sid, marked, False, local)
+    try:
+        try:
+            with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
+                    rng_states(cap, target.device == "cpu"), _cache_clears(cap), watching(cap), \
+                    _observed(trainer, root, cap, mark), _target_rules(target, backends, cap):
+                cap.recording = True
+                cap.set_phase("forward")
+                with _StepReads():  # the token count and loss it reads scale arithmetic and logs only
+                    trainer.train_step(iter(batches))
+        except GraphmemError:
+            raise
+        except Exception as e:
+            raise translate_error(e, cap, "the torchtitan job") from e
+        phase_start = dict(cap.phase_start)
+        phase_start["end"] = len(cap.ops)
+        return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
+                         list(dict.fromkeys(marked.get("gradient", []))), "torchtitan job", module_order(root),
+                         cap.module_inputs, target, backends, micro_steps=tuple(cap.micro_steps))
+    finally:
+        cap.closed = True
+        for h in handles:
+            h.remove()
+
+
+class _StepReads(ScalarReads):
+    """``ScalarReads`` over the whole step, higher-order operators (FlexAttention's) passed on to
+    the fake mode below."""
+
+    supports_higher_order_operators = True
+
+
+class _InitReads(ScalarReads):
+    """``.item()`` while the job is built: ``init_weights`` draws values (``trunc_normal_``'s
+    rejection loop asks ``mask.any()``; DTensor's RNG reads its offsets) that never decide a size;
+    a bool reads False so rejection loops end, a number 1."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].dtype == torch.bool:
+            return False
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def _target_rules(target: Target, backends: dict[str, int], cap: _Recorder) -> Iterator[None]:
+    """The CUDA target's kernel rules around the step (the CPU target needs none)."""
+    if target.device == "cuda":
+        with CudaRules(target, backends, cap.clearing_cache):
+            yield
+    else:
+        yield
+
+
+@contextlib.contextmanager
+def _observed(trainer: Any, root: nn.Module, cap: _Recorder,
+              mark: Callable[[str, list[tuple[str, torch.Tensor]]], None]) -> Iterator[None]:
+    """Phase marks and names around torchtitan's own calls (instance attributes, removed after):
+    the loss function (each micro-step's forward ends where it is called; its result's grad_fn
+    starts backward), ``clip_grad_norm_`` (the optimizer phase; the gradients named), the
+    optimizers' ``step`` (their states named)."""
+    import torchtitan.distributed.utils as dist_utils
+
+    loss_fn, clip, step = trainer.loss_fn, dist_utils.clip_grad_norm_, trainer.optimizers.step
+    names = {id(p): n for n, p in root.named_parameters()}
+
+    def loss(*args: Any, **kwargs: Any) -> Any:
+        if cap.phase == "backward":
+            cap.set_phase("forward")  # the next micro-step
+        cap.set_phase("loss")
+        out = loss_fn(*args, **kwargs)
+        value = out[0] if isinstance(out, tuple) else out
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            _tag_grad_fns(value, "")
+            value.grad_fn.register_prehook(lambda grads: cap.set_phase("backward"))
+        return out
+
+    def clipped(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        parameters = list(parameters)
+        mark("gradient", [(names.get(id(p), "?"), p.grad) for p in parameters if p.grad is not None])
+        cap.set_phase("optimizer")
+        return clip(parameters, *args, **kwargs)
+
+    def stepped(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        for opt in getattr(trainer.optimizers, "optimizers", [trainer.optimizers]):
+            mark("optimizer state", [(f"{names.get(id(p), '?')}:{key}", v) for p, key, v in state_tensors(opt)])
+        return out
+
+    trainer.loss_fn, dist_utils.clip_grad_norm_, trainer.optimizers.step = loss, clipped, stepped
+    try:
+        yield
+    finally:
+        trainer.loss_fn, dist_utils.clip_grad_norm_ = loss_fn, clip
+        del trainer.optimizers.step
+
+
+@contextlib.contextmanager
+def _compiled_eagerly(target: Target) -> Iterator[None]:
+    """torchtitan's always-compiled FlexAttention and ``create_block_mask`` as their eager
+    functions (the module docstring). FlexAttention refuses a backward on CPU tensors
+    (torch/nn/attention/flex_attention.py ``_validate_device``): on the CUDA target, whose fake
+    tensors are CPU tensors, that check is the real device's (CUDA has the backward); on the CPU
+    target the refusal stands, in one line."""
+    import torch.nn.attention.flex_attention as flex
+    from torchtitan.models.common import attention
+
+    kept = attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask, flex._validate_device, \
+        flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+
+    def on_target(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if target.device == "cpu" and (query.requires_grad or key.requires_grad or value.requires_grad):
+            raise UsageError("the job's FlexAttention has no backward on the CPU (torch/nn/attention/flex_attention.py): "
+                             "analyze it with `device='cuda'`, or swap it for SDPA with `attention='sdpa'`")
+
+    _fake_rules_for(_Mode)
+    attention.FlexAttention._compiled_flex_attn = staticmethod(flex.flex_attention)  # type: ignore[assignment]
+    attention._compiled_create_block_mask = flex.create_block_mask
+    flex._validate_device = on_target
+    flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True  # the higher-order op itself (eager flex_attention wraps it in dynamo)
+    try:
+        yield
+    finally:
+        attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask, flex._validate_device, \
+            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = kept
+
+
+def _fake_rules_for(mode: type) -> None:
+    """FlexAttention's higher-order ops find their fake-tensor rule by the mode's exact type
+    (torch/_ops.py ``HigherOrderOperator.dispatch``): give graphmem's recording fake mode
+    FakeTensorMode's rules (registered once)."""
+    from torch._higher_order_ops.flex_attention import flex_attention, flex_attention_backward
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for hop in (flex_attention, flex_attention_backward):
+        if mode not in hop.python_key_table:
+            hop.py_impl(mode)(hop.python_key_table[FakeTensorMode])
+
+
+@contextlib.contextmanager
+def _masks_paused(cap: _Recorder) -> Iterator[None]:
+    """``create_block_mask`` outside the recording: eagerly it evaluates the mask at every
+    (query, key) pair, which the compiled function the job runs does blockwise; its BlockMask's
+    tensors are counted from their first use in the step."""
+    from torchtitan.models.common import attention
+
+    kept = attention._compiled_create_block_mask
+
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        with cap.paused():
+            return kept(*args, **kwargs)
+
+    attention._compiled_create_block_mask = paused
+    try:
+        yield
+    finally:
+        attention._compiled_create_block_mask = kept
+
+
+__all__ = ["capture_job"]
