@@ -1,0 +1,296 @@
+"""Ground truth for torchtitan jobs: torchtitan's own ``Trainer`` and ``train_step`` run for real,
+one CPU process per rank over gloo (torch.multiprocessing.spawn), each rank measuring what
+tests/dist_truth.py measures: the distinct storages autograd saves in forward and loss
+(parameters and buffers excluded, a DTensor counts its local shard), and the peak from the CPU
+allocator's events under torch.profiler plus the bytes live before the step (the rank's parameter
+shards, buffers, gradients and optimizer states).
+
+The job is made runnable by graphmem/titan/job.py (``on_cpu``, ``prepared``, ``with_sdpa``: the
+same job the prediction captures); two changes here are
+gloo's alone: FSDP2 reduces gradients with ``ReduceOp.SUM`` (torchtitan's gradient divide factor
+1.0 makes FSDP2 ask for ``PREMUL_SUM(1.0)``, which gloo does not have; the sum is the same and no
+division runs), and every collective is settled (see ``_settled``) so the profiler sees its frees.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
+
+from graphmem.validation.measure import _allocation_events, _quiet_gc
+
+LATER = 3  # later steps measured: the least of their peaks (a free the profiler misses only raises one)
+SPIN = 2_000_000  # polls of a reference count before a collective counts as unsettled
+
+
+def small_llama3() -> Any:
+    """torchtitan's ``llama3_debugmodel`` (models/llama3/config_registry.py) shrunk for a CPU:
+    dim 64, 4 heads (2 key/value heads), 4 layers, vocabulary 256, 32 tokens, 2 sequences a
+    rank, float32 parameters. Attention is torchtitan's ``ScaledDotProductAttention`` (causal,
+    graphmem/titan/job.py ``with_sdpa``): FlexAttention has no CPU backward. No activation
+    checkpointing, so every save is visible to the hooks."""
+    from torchtitan.models.common import ComplexRoPE
+    from torchtitan.models.llama3 import _build_llama3_layers, _output_linear_init
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from graphmem.titan.job import with_sdpa
+
+    config = llama3_debugmodel()
+    model = config.model_spec.model  # type: ignore[union-attr]
+    dim, heads, vocab = 64, 4, 256
+    model.dim, model.vocab_size = dim, vocab
+    model.tok_embeddings.num_embeddings, model.tok_embeddings.embedding_dim = vocab, dim
+    model.norm.normalized_shape = dim
+    model.lm_head.in_features, model.lm_head.out_features = dim, vocab
+    model.lm_head.param_init = _output_linear_init(dim)
+    rope = ComplexRoPE.Config(dim=dim // heads, max_seq_len=131072, theta=500000, scaling="llama")
+    model.layers = _build_llama3_layers(n_layers=4, dim=dim, n_heads=heads, n_kv_heads=2, hidden_dim=192,
+                                        rope=rope, attn_backend="flex")
+    config.loss.loss_fn.global_vocab_size = vocab
+    config.training.seq_len, config.training.local_batch_size = 32, 2
+    config.training.mixed_precision_param = "float32"
+    config.activation_checkpoint = None
+    return with_sdpa(config)
+
+
+def small_qwen3_moe() -> Any:
+    """torchtitan's ``qwen3_moe_debug`` (models/qwen3/config_registry.py) shrunk as ``small_llama3``:
+    dim 64, 4 heads of 16 (2 key/value heads), 2 layers of 4 experts of hidden 64 (top 2),
+    vocabulary 256, SDPA attention, no activation checkpointing."""
+    from torchtitan.models.common import CosSinRoPE
+    from torchtitan.models.qwen3 import _build_qwen3_moe_layers
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    from graphmem.titan.job import with_sdpa
+
+    config = qwen3_moe_debug()
+    model = config.model_spec.model  # type: ignore[union-attr]
+    dim, vocab = 64, 256
+    model.dim, model.vocab_size = dim, vocab
+    model.tok_embeddings.num_embeddings, model.tok_embeddings.embedding_dim = vocab, dim
+    model.norm.normalized_shape = dim
+    model.lm_head.in_features, model.lm_head.out_features = dim, vocab
+    model.layers = _build_qwen3_moe_layers(
+        fuse_qkv=True, n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=16, moe_hidden_dim=64,
+        num_experts=4, top_k=2, attn_backend="flex", rope=CosSinRoPE.Config(dim=16, max_seq_len=4096, theta=1e6),
+        moe_comm_backend="standard")
+    config.loss.loss_fn.global_vocab_size = vocab
+    config.training.seq_len, config.training.local_batch_size = 32, 2
+    config.training.mixed_precision_param = "float32"
+    config.activation_checkpoint = None
+    return with_sdpa(config)
+
+
+def model_bytes(config_fn: Callable[[], Any] = small_llama3) -> tuple[int, int, int]:
+    """(parameter bytes, buffer bytes, parameter count) of ``config_fn()``'s model as the Trainer
+    builds it (on the meta device, its RoPE cache sized to the training sequence by
+    ``update_from_config``)."""
+    config = config_fn()
+    model_config = config.model_spec.model
+    model_config.update_from_config(config=config)
+    with torch.device("meta"):
+        model = model_config.build()
+    params, buffers = list(model.parameters()), list(model.buffers())
+    return (sum(t.numel() * t.element_size() for t in params), sum(t.numel() * t.element_size() for t in buffers),
+            len(params))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class _Done:
+    """The work handed back for ``async_op=True`` after the collective was settled."""
+
+    def wait(self, *_: Any) -> bool:
+        return True
+
+
+def _until_released(tensors: list[torch.Tensor], counts: list[int], unsettled: list[int]) -> None:
+    """Poll until each tensor is held only as before the collective: gloo's worker thread then has
+    dropped the work (which held them), so no buffer's last reference dies on that thread, whose
+    frees torch.profiler does not see (its profiling state is the calling thread's)."""
+    for t, c in zip(tensors, counts):
+        n = 0
+        while t._use_count() > c and n < SPIN:
+            n += 1
+        unsettled[0] += n == SPIN
+
+
+def _settled(collective: Callable, unsettled: list[int]) -> Callable:
+    """A c10d collective waited on at once and held until its work is released (see above)."""
+
+    def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        counts = [t._use_count() for t in tensors]
+        work = collective(*args, async_op=True, **kwargs)
+        work.wait()
+        del work
+        _until_released(tensors, counts, unsettled)
+        return _Done() if async_op else None
+    return call
+
+
+def _settled_functional(wait: Callable, unsettled: list[int]) -> Callable:
+    """funcol's ``_maybe_wrap_tensor`` (called by each functional collective while its input is
+    still held): the fresh output waited on at once, then held until this call is its only holder
+    (the work, which also holds the input, is gone)."""
+
+    def call(tensor: torch.Tensor) -> torch.Tensor:
+        out = wait(tensor)
+        n = 0
+        while tensor._use_count() > 1 and n < SPIN:
+            n += 1
+        unsettled[0] += n == SPIN
+        return out
+    return call
+
+
+def _join(rank: int, world_size: int, init: str) -> list[int]:
+    """Join the gloo job as ``rank`` (torchtitan's ``init_distributed`` then skips its own init);
+    the environment torchtitan reads, one thread, autograd's device threads off as
+    ``init_distributed`` sets them, every collective settled. The list counts unsettled ones."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    torch.autograd.set_multithreading_enabled(False)
+    unsettled = [0]
+    dist.all_gather_single = _settled(dist.all_gather_single, unsettled)  # type: ignore[attr-defined]
+    dist.reduce_scatter_single = _settled(dist.reduce_scatter_single, unsettled)  # type: ignore[attr-defined]
+    dist.all_reduce = _settled(dist.all_reduce, unsettled)
+    funcol._maybe_wrap_tensor = _settled_functional(funcol.wait_tensor, unsettled)
+    return unsettled
+
+
+def _gloo_reductions(trainer: Any) -> None:
+    """FSDP2 sums gradients with ``ReduceOp.SUM`` instead of ``PREMUL_SUM(1.0)`` (see the module
+    docstring; torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py _get_gradient_divide_factors)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in trainer.model_parts:
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+
+
+def _held(trainer: Any) -> list[torch.Tensor]:
+    """What lives between steps on this rank: parameters, gradients, buffers, optimizer states."""
+    held = []
+    for part in trainer.model_parts:
+        for p in part.parameters():
+            held += [local(p)] + ([local(p.grad)] if p.grad is not None else [])
+        held += [local(b) for b in part.buffers()]
+    for opt in trainer.optimizers.optimizers:
+        for state in opt.state.values():
+            held += [local(v) for v in state.values() if isinstance(v, torch.Tensor)]
+    return held
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+class _Saves:
+    """Bytes of the distinct storages saved, a storage known by its address while a tensor saved
+    on it is alive: torchtitan's ``ChunkedLossWrapper`` (components/loss.py) runs each chunk's
+    lm_head and loss forward and backward inside the loss, so a chunk's saved storages are freed
+    before the next chunk saves its own, which may reuse their addresses; each counts."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, tuple[int, list[weakref.ref]]] = {}
+        self.retired = 0
+
+    def add(self, t: torch.Tensor, st: torch.UntypedStorage) -> None:
+        key = st._cdata
+        if key in self.live and not any(r() is not None for r in self.live[key][1]):
+            self.retired += self.live.pop(key)[0]
+        self.live.setdefault(key, (st.nbytes(), []))[1].append(weakref.ref(t))
+
+    def total(self) -> int:
+        return self.retired + sum(n for n, _ in self.live.values())
+
+
+def _step(trainer: Any, data: Iterator) -> dict[str, int]:
+    """One ``train_step`` of ``trainer`` profiled: saved bytes (forward and loss: no backward
+    graph task is running; parameters as registered at the save, the unsharded ones under FSDP2,
+    excluded), the peak, and the bytes live before the step."""
+    saves = _Saves()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        state = {local(p).untyped_storage()._cdata for part in trainer.model_parts
+                 for p in [*part.parameters(), *part.buffers()]}
+        st = local(t).untyped_storage()
+        if torch._C._current_graph_task_id() == -1 and st._cdata not in state:
+            saves.add(t, st)
+        return t
+
+    before = _storage_bytes(_held(trainer))
+    trainer.step += 1  # as Trainer.train counts steps
+    with _quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.train_step(data)
+    running = high = 0
+    for _, size in _allocation_events(prof):
+        running += size
+        high = max(high, running)
+    return {"saved": saves.total(), "peak": before + high, "before": before}
+
+
+def _worker(rank: int, world_size: int, init: str, config_fn: Callable, overrides: dict, out: str) -> None:
+    unsettled = _join(rank, world_size, init)
+    try:
+        from torchtitan.trainer import Trainer
+
+        from graphmem.titan.job import on_cpu, prepared
+
+        with on_cpu():
+            config = prepared(config_fn())
+            for path, value in overrides.items():
+                *parents, name = path.split(".")
+                target = config
+                for p in parents:
+                    target = getattr(target, p)
+                setattr(target, name, value)
+            trainer = Trainer(config)
+            _gloo_reductions(trainer)
+            data = trainer.batch_generator(trainer.dataloader)
+            first = _step(trainer, data)
+            later = [_step(trainer, data) for _ in range(LATER)]
+        if len({(r["saved"], r["before"]) for r in later}) != 1:  # the later steps repeat each other
+            raise AssertionError(f"rank {rank}: the later steps differ in saved or held bytes: {later}")
+        torch.save({"saved_bytes": first["saved"], "peak_bytes": first["peak"], "before_bytes": first["before"],
+                    "later_saved_bytes": later[0]["saved"], "later_before_bytes": later[0]["before"],
+                    "later_peak_bytes": min(r["peak"] for r in later), "unsettled": unsettled[0]}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def real_titan(config_fn: Callable[[], Any], world_size: int, overrides: dict[str, Any]) -> list[dict[str, int]]:
+    """Each rank's measurements of a real torchtitan job of ``world_size`` CPU processes:
+    ``config_fn()`` (a module-level function returning a ``Trainer.Config``) prepared by
+    graphmem/titan/job.py, with ``overrides`` set by dotted path (e.g.
+    ``{"parallelism.tensor_parallel_degree": 2}``). Per rank: ``saved_bytes``, ``peak_bytes`` and
+    ``before_bytes`` of the first ``train_step``; ``later_saved_bytes``, ``later_peak_bytes`` (the
+    least of ``LATER`` steps) and ``later_before_bytes`` of the later ones (gradients and optimizer
+    states then live before the step); ``unsettled`` collectives (0 when every free was seen).
+
+    A pipeline's first step saves more than its later ones: torch's PipelineStage runs the first
+    micro-batch's forward once more, with grad, to infer the shapes it sends
+    (torch/distributed/pipelining/stage.py ``_forward_metadata_inference``). The first step's peak is
+    one measurement (a second Trainer in the same process fails under tensor parallel: FSDP2 finds
+    the parameters on another mesh object), and it moves between runs and ranks by up to ~150 KB
+    here (gloo's threads allocate inside collectives at moments that vary); the later peak, the
+    least of ``LATER``, by up to ~30 KB."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'store')}"
+        out = os.path.join(tmp, "result")
+        mp.spawn(_worker, args=(world_size, init, config_fn, overrides, out), nprocs=world_size, join=True)
+        return [torch.load(f"{out}.{r}") for r in range(world_size)]
