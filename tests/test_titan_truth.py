@@ -1,13 +1,44 @@
-"""The real side of the torchtitan check (tests/titan_truth.py): torchtitan's own Trainer and
-train_step on shrunk llama3 debug models, one gloo process per rank, measured per rank. These
-tests check that the measurements hold together; graphmem's prediction is compared elsewhere."""
+"""torchtitan jobs, real against predicted: torchtitan's own Trainer and train_step on shrunk
+llama3 debug models, one gloo process per rank (tests/titan_truth.py), beside graphmem's analysis
+of the same prepared job on fake tensors (graphmem/titan/), rank by rank.
+
+Tolerances, measured: saved bytes and the bytes before the step are exact. The real peaks move
+between runs, upward only: gloo's threads allocate inside collectives at moments that vary
+(tests/titan_truth.py), by up to ~150 KB on these ~2-3.5 MB steps on a loaded machine (FSDP2's
+later peak: 3,427,732 B in one run, 3,570,580 B in another). So a real peak must lie between 1 %
+under and 8 % over the prediction; in quiet runs they agreed to the byte (FSDP2's first peak,
+2,509,336 B) or within 1,536 B (every later peak)."""
 from __future__ import annotations
 
 import pytest
 
+import graphmem
 from tests.titan_truth import model_bytes, real_titan, small_llama3, small_qwen3_moe
 
 pytestmark = pytest.mark.slow
+
+
+def _predicted(config_fn, world: int, overrides: dict, rank: int):
+    """graphmem's report of rank ``rank`` of the same job the real run ran (overrides set alike)."""
+    config = config_fn()
+    for path, value in overrides.items():
+        *parents, name = path.split(".")
+        target = config
+        for p in parents:
+            target = getattr(target, p)
+        setattr(target, name, value)
+    return graphmem.analyze(config, world_size=world, rank=rank, device="cpu")
+
+
+def _as_predicted(config_fn, world: int, overrides: dict, ranks: list[dict[str, int]], saved: bool = True) -> None:
+    for rank, real in enumerate(ranks):
+        report = _predicted(config_fn, world, overrides, rank)
+        if saved:
+            assert report.activation_bytes == real["saved_bytes"], rank
+        assert report.parameter_bytes + report.buffer_bytes == real["before_bytes"], rank
+        for predicted, measured in ((report.budget.rank.later_peak_bytes, real["later_peak_bytes"]),
+                                    (report.peak_bytes, real["peak_bytes"])):
+            assert -0.01 * predicted <= measured - predicted <= 0.08 * predicted, (rank, predicted, real)
 
 
 def _consistent(ranks: list[dict[str, int]]) -> None:
@@ -22,8 +53,10 @@ def _consistent(ranks: list[dict[str, int]]) -> None:
 
 @pytest.mark.parametrize("degree", [2, 4])
 def test_fsdp(degree: int) -> None:
-    ranks = real_titan(small_llama3, degree, {"parallelism.data_parallel_shard_degree": degree})
+    overrides = {"parallelism.data_parallel_shard_degree": degree}
+    ranks = real_titan(small_llama3, degree, overrides)
     _consistent(ranks)
+    _as_predicted(small_llama3, degree, overrides, ranks)
     assert all(r["saved_bytes"] == r["later_saved_bytes"] for r in ranks)
     params, buffers, count = model_bytes()
     for r in ranks:  # rank r holds 1/degree of every parameter (all dims divide) and the whole buffers
@@ -34,8 +67,14 @@ def test_fsdp(degree: int) -> None:
 
 
 def test_tp() -> None:
-    ranks = real_titan(small_llama3, 2, {"parallelism.tensor_parallel_degree": 2})
+    overrides = {"parallelism.tensor_parallel_degree": 2}
+    ranks = real_titan(small_llama3, 2, overrides)
     _consistent(ranks)
+    # peaks and held bytes as predicted; saved bytes not yet: graphmem counts 428,288 B more on each
+    # rank, storages of the local weight shards' sizes made during the step (aten.empty (6144,),
+    # aten.mm (64, 96)) that the real run's hooks see as the registered parameters (open, issue 28)
+    _as_predicted(small_llama3, 2, overrides, ranks, saved=False)
+    assert _predicted(small_llama3, 2, overrides, 0).activation_bytes - ranks[0]["saved_bytes"] == 428_288
     params, buffers, _ = model_bytes()
     for r in ranks:  # the linear weights split in two, the norms' weights replicated
         assert params // 2 + buffers < r["before_bytes"] < params + buffers
@@ -44,9 +83,10 @@ def test_tp() -> None:
 
 
 def test_fsdp_tp() -> None:
-    ranks = real_titan(small_llama3, 4, {"parallelism.data_parallel_shard_degree": 2,
-                                         "parallelism.tensor_parallel_degree": 2})
+    overrides = {"parallelism.data_parallel_shard_degree": 2, "parallelism.tensor_parallel_degree": 2}
+    ranks = real_titan(small_llama3, 4, overrides)
     _consistent(ranks)
+    _as_predicted(small_llama3, 4, overrides, ranks)
     params, buffers, _ = model_bytes()
     for r in ranks:  # FSDP halves what tensor parallel leaves on a rank
         assert params // 4 + buffers < r["before_bytes"] < params // 2 + buffers
