@@ -29,14 +29,13 @@ a graph), so its intermediate peaks are not the graphs graphmem replays (docs/in
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.nn as nn
-from gpu_truth_zoo import VARIANTS, ZOO, Variant, build
+from gpu_truth_zoo import VARIANTS, Variant, build
 
 import graphmem
 from graphmem.training.step import run_step
@@ -75,11 +74,6 @@ def error_line(e: BaseException) -> str:
     return f"error: {type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-# graphmem's CUDA rules are a TorchFunctionMode (graphmem/capture/cuda_rules.py), which torch pops while
-# it handles a Python-level function (torch/overrides.py handle_torch_function, _pop_mode_temporarily):
-# F.multi_head_attention_forward (nn.MultiheadAttention) then runs its SDPA, linears and dropout without
-# the rules, so no CUDA backend is picked and autocast's casts are not applied inside it.
-NO_RULES = "SDPA ran without the CUDA rules (inside F.multi_head_attention_forward: torch-function modes popped)"
 
 
 def predict_row(model: str, variant: str, gpu: str) -> Any:
@@ -88,8 +82,6 @@ def predict_row(model: str, variant: str, gpu: str) -> Any:
         side = predict(*build(model), VARIANTS[variant], gpu)
     except Exception as e:  # noqa: BLE001 - the table names every failure
         return error_line(e)
-    if ZOO[model][1] and not side.note and VARIANTS[variant].mode == "eager":
-        side = dataclasses.replace(side, note=NO_RULES)
     return side
 
 

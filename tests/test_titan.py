@@ -92,7 +92,7 @@ def test_cli_json(capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == "torchtitan llama3 debugmodel"
-    assert out["budget"]["training"]["train"]["loop"] == "torchtitan.Trainer"
+    assert out["budget"]["loop"] == "torchtitan.Trainer"
 
 
 PUBLISHED = """
