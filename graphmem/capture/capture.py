@@ -88,7 +88,7 @@ def capture(
                          "traced without them): drop mode='compiled'")
     backends: dict[str, int] = {}
     _unique_counts()  # calibrate before entering the fake mode
-    cap = _recorder(model, target, backends)
+    cap = recorder_for(target, backends, module_names(model))
     fake_mode = _Mode(cap)
     training = [(m, m.training) for m in model.modules()]
     handles = []
@@ -116,10 +116,12 @@ def capture(
             m.training = was
 
 
-def _recorder(model: nn.Module, target: Target, backends: dict[str, int]) -> _Recorder:
+def recorder_for(target: Target, backends: dict[str, int], paths: Optional[dict[int, tuple[str, ...]]] = None
+                 ) -> _Recorder:
     """The recorder for ``target``: its device and GPU pick the kernel rules; the CUDA target's
-    recomputes run under CUDA's rules, and its LayerNorm keeps fp32 statistics."""
-    cap = _Recorder(module_names(model))
+    recomputes run under CUDA's rules, and its LayerNorm keeps fp32 statistics. ``paths``: the
+    module names (call_paths.module_names), when the module is known already."""
+    cap = _Recorder(paths or {})
     cap.device, cap.gpu = target.device, target.gpu
     if target.device == "cuda":
         cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)

@@ -32,8 +32,7 @@ import torch.nn as nn
 
 from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
 from graphmem.capture.call_paths import module_names, module_order
-from graphmem.capture.capture import _cache_clears, marker
-from graphmem.capture.cuda_rules import CudaRules
+from graphmem.capture.capture import _cache_clears, marker, recorder_for
 from graphmem.capture.fakes import Inputs, fake_batch, forward_context, translate_error
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recorder import _Mode, _Recorder
@@ -67,12 +66,8 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
     """
     _unique_counts()  # calibrate before entering the fake mode
     with fake_process_group(sharding.rank, sharding.world_size, sharding.tp, sharding.fsdp) as meshes:
-        cap = _Recorder({})
-        cap.device, cap.gpu = target.device, target.gpu
         backends: dict[str, int] = {}
-        if target.device == "cuda":
-            cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)
-            cap.fp32_norm_stats = True
+        cap = recorder_for(target, backends)
         fake_mode = _Mode(cap)
         with fake_mode:
             wrapped = fake_copy(model, target.param_dtype)

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
 from graphmem.capture.call_paths import module_names, module_order
-from graphmem.capture.capture import _cache_clears, marker
+from graphmem.capture.capture import _cache_clears, marker, recorder_for
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import translate_error
 from graphmem.capture.recorder import _Mode, _Recorder
@@ -87,12 +87,8 @@ def _capture(cfg: Any, target: Target) -> StepGraph:
         with unset_fake_temporarily():
             return determinism(*args, **kwargs)
 
-    cap = _Recorder({})
-    cap.device, cap.gpu = target.device, target.gpu
     backends: dict[str, int] = {}
-    if target.device == "cuda":
-        cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)
-        cap.fp32_norm_stats = True
+    cap = recorder_for(target, backends)
     fake_mode = _Mode(cap)
     k = _micro_batches(cfg)
     with fake_mode, _masks_paused(cap):
