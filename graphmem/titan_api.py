@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -31,7 +31,6 @@ class TitanStep(TrainStep):
     max_norm: float = 0.0
     precision: str = ""
     checkpointing: str = ""
-    job: Any = field(default=None, compare=False, repr=False, metadata={"json": False})
 
     @property
     def external(self) -> Optional[str]:
@@ -69,7 +68,7 @@ def job_spec(config: Any, world_size: Optional[int] = None, rank: int = 0, devic
     t = cfg.training
     step = TitanStep(_optimizer(cfg), micro_batches=max(t.global_batch_size // max(t.local_batch_size * _dp(cfg, world), 1), 1)
                      if t.global_batch_size > 0 else 1, max_norm=float(t.max_norm), precision=_precision(cfg),
-                     checkpointing=type(cfg.activation_checkpoint).__qualname__.split(".")[0], job=cfg)
+                     checkpointing=type(cfg.activation_checkpoint).__qualname__.split(".")[0])
     inputs = Inputs(lambda shape: synthetic_batches(cfg, 1)[0], (t.local_batch_size, t.seq_len))
     return StepSpec(name, _meta_model(cfg), inputs, None, target, Training(step, None), Job(cfg, world, rank), reuse=False)
 
@@ -102,8 +101,9 @@ def highest(config: Any, world_size: Optional[int] = None, rank: Optional[int] =
 def _degrees(cfg: Any) -> int:
     p = cfg.parallelism
     dp = p.data_parallel_shard_degree if p.data_parallel_shard_degree > 0 else 1
+    # expert parallel borrows the data/context-parallel ranks (torchtitan/distributed/parallel_dims.py): no factor
     return p.data_parallel_replicate_degree * dp * p.tensor_parallel_degree * p.pipeline_parallel_degree * \
-        p.context_parallel_degree * getattr(p, "expert_parallel_degree", 1) // max(getattr(p, "expert_parallel_degree", 1), 1)
+        p.context_parallel_degree
 
 
 def _dp(cfg: Any, world: int) -> int:

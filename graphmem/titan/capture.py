@@ -90,7 +90,6 @@ def _capture(cfg: Any, target: Target) -> StepGraph:
     backends: dict[str, int] = {}
     cap = recorder_for(target, backends)
     fake_mode = _Mode(cap)
-    k = _micro_batches(cfg)
     with fake_mode, _masks_paused(cap):
         cap.real_bookkeeping = True  # the meshes, the seed broadcast: real tensors, run for real
         try:
@@ -112,21 +111,12 @@ def _capture(cfg: Any, target: Target) -> StepGraph:
             for name, t in named:
                 cap.preexisting(local(t), kind, name)
                 param_sid[name] = cap.placeholders[-1].meta["storage"]
-        batches = synthetic_batches(cfg, k)
+        # what one train_step fetches: its accumulation steps x pipeline micro-batches, as the Trainer counted them
+        batches = synthetic_batches(cfg, trainer.gradient_accumulation_steps * trainer.num_pipeline_parallel_microbatches)
         for i, (inputs, labels) in enumerate(batches):
             for name, t in (*inputs.items(), ("labels", labels)):
                 cap.preexisting(t, "input", f"batch{i}.{name}")
     return _run(cap, fake_mode, trainer, root, batches, param_sid, target, backends)
-
-
-def _micro_batches(cfg: Any) -> int:
-    """How many batches one ``train_step`` fetches: gradient accumulation steps x pipeline micro-batches."""
-    t, p = cfg.training, cfg.parallelism
-    dp = max(p.data_parallel_replicate_degree, 1) * max(p.data_parallel_shard_degree, 1) \
-        if p.data_parallel_shard_degree > 0 else 1
-    accumulation = max(t.global_batch_size // (t.local_batch_size * dp), 1) if t.global_batch_size > 0 else 1
-    stages = t.local_batch_size // p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else 1
-    return accumulation * stages
 
 
 def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batches: list, param_sid: dict[str, int],
