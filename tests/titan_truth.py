@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -23,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.profiler import ProfilerActivity, profile
 
 from graphmem.validation.measure import _allocation_events, _quiet_gc
@@ -182,7 +182,8 @@ def _gloo_reductions(trainer: Any) -> None:
 
 
 def _held(trainer: Any) -> list[torch.Tensor]:
-    """What lives between steps on this rank: parameters, gradients, buffers, optimizer states."""
+    """What lives between steps on this rank: parameters, gradients, buffers, optimizer states,
+    a pipeline stage's receive buffers."""
     held = []
     for part in trainer.model_parts:
         for p in part.parameters():
@@ -191,7 +192,20 @@ def _held(trainer: Any) -> list[torch.Tensor]:
     for opt in trainer.optimizers.optimizers:
         for state in opt.state.values():
             held += [local(v) for v in state.values() if isinstance(v, torch.Tensor)]
-    return held
+    return held + _pipeline_buffers(trainer)
+
+
+def _pipeline_buffers(trainer: Any) -> list[torch.Tensor]:
+    """A pipeline stage's receive buffers, one per micro-batch for its activations and one for
+    their gradients, made at the first step and reused by every later one
+    (torch/distributed/pipelining/stage.py ``_setup_forward_recv_info``, ``_create_grad_recv_info``)."""
+    schedule = getattr(trainer, "pp_schedule", None)
+    if schedule is None:
+        return []
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    return [info.buffer for stage in stages for infos in (*stage.args_recv_info.values(),
+                                                          *stage.grad_recv_info.values())
+            for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -199,20 +213,22 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 class _Saves:
-    """Bytes of the distinct storages saved, a storage known by its address while a tensor saved
-    on it is alive: torchtitan's ``ChunkedLossWrapper`` (components/loss.py) runs each chunk's
-    lm_head and loss forward and backward inside the loss, so a chunk's saved storages are freed
-    before the next chunk saves its own, which may reuse their addresses; each counts."""
+    """Bytes of the distinct storages saved. A storage is known by its address while it lives:
+    torchtitan's ``ChunkedLossWrapper`` (components/loss.py) runs each chunk's lm_head and loss
+    forward and backward inside the loss, so a chunk's own storages are freed before the next
+    chunk saves its own, which may reuse their addresses; each of those counts. A storage that
+    is still alive when saved again (each chunk re-saves a view of the same hidden states) is
+    the same memory and counts once (a weak reference to the storage tells the two apart)."""
 
     def __init__(self) -> None:
-        self.live: dict[int, tuple[int, list[weakref.ref]]] = {}
+        self.live: dict[int, tuple[int, StorageWeakRef]] = {}
         self.retired = 0
 
     def add(self, t: torch.Tensor, st: torch.UntypedStorage) -> None:
         key = st._cdata
-        if key in self.live and not any(r() is not None for r in self.live[key][1]):
+        if key in self.live and self.live[key][1].expired():
             self.retired += self.live.pop(key)[0]
-        self.live.setdefault(key, (st.nbytes(), []))[1].append(weakref.ref(t))
+        self.live.setdefault(key, (st.nbytes(), StorageWeakRef(st)))
 
     def total(self) -> int:
         return self.retired + sum(n for n, _ in self.live.values())

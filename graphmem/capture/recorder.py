@@ -71,6 +71,13 @@ class _Mode(FakeTensorMode):
         self.rec = rec
         self.values = Values()  # the batch's values (graphmem/capture/values.py)
 
+    def __deepcopy__(self, memo: dict) -> "_Mode":
+        """One mode per capture: ``copy.deepcopy`` of a module holding fake tensors (torch's
+        pipeline split copies the whole model per stage, torch/distributed/pipelining) copies each
+        tensor's ``__dict__``, ``fake_mode`` included (torch/_tensor.py ``__deepcopy__``); the copies
+        must stay in this mode, as FakeCopyMode keeps them (torch/_subclasses/fake_tensor.py)."""
+        return self
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         answer = self.values.read(func, args, kwargs)
         if answer is not NO_ANSWER:  # a data-dependent read of the batch: the real step's answer

@@ -11,7 +11,10 @@ runs one step: the batch fetched per micro-step, ``forward_backward_step`` (the 
 What graphmem adds is only observation: phases (the loss function's call starts "loss", the
 backward's first node "backward", ``clip_grad_norm_`` "optimizer"), the gradients and optimizer
 states named when they exist, FSDP2's storage resizes (graphmem/distributed/fsdp.py ``watching``).
-The job's data, metrics and checkpointing are replaced as graphmem/titan/job.py says.
+The job's data, metrics and checkpointing are replaced as graphmem/titan/job.py says. A pipeline's
+stages get the metadata torch infers over point-to-point messages on a cluster, inferred on this
+rank instead (graphmem/titan/pipeline.py); a pipelined step's phases stay "forward" until the
+optimizer (its micro-batches' forwards and backwards interleave; saves in each forward count).
 
 Known limitations: torch.compile regions in the job (``compile.enable``, and FlexAttention,
 which torchtitan always compiles) run eagerly here: FlexAttention through the eager
@@ -39,6 +42,7 @@ from graphmem.distributed.fsdp import local, watching
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.stepgraph import StepGraph
 from graphmem.titan.job import on_cpu, prepared, synthetic_batches
+from graphmem.titan.pipeline import static_stages
 from graphmem.training.optim import ScalarReads, state_tensors
 
 
@@ -90,12 +94,23 @@ def _capture(cfg: Any, target: Target) -> StepGraph:
     backends: dict[str, int] = {}
     cap = recorder_for(target, backends)
     fake_mode = _Mode(cap)
+    with static_stages(cfg, cap):
+        trainer, root, batches, param_sid = _built(cfg, cap, fake_mode, Job, seeded)
+        return _run(cap, fake_mode, trainer, root, batches, param_sid, target, backends)
+
+
+def _built(cfg: Any, cap: _Recorder, fake_mode: _Mode, job: type, seeded: Callable) -> tuple:
+    """torchtitan's ``Trainer.__init__`` on fake tensors, the model's parameters and buffers and
+    the step's batches held as the graph's inputs."""
+    import torchtitan.distributed.utils as dist_utils
+
+    determinism = dist_utils.set_determinism
     with fake_mode, _masks_paused(cap):
         cap.real_bookkeeping = True  # the meshes, the seed broadcast: real tensors, run for real
         try:
             dist_utils.set_determinism = seeded
             with _InitReads():
-                trainer = Job(cfg)
+                trainer = job(cfg)
         except GraphmemError:
             raise
         except Exception as e:
@@ -116,7 +131,7 @@ def _capture(cfg: Any, target: Target) -> StepGraph:
         for i, (inputs, labels) in enumerate(batches):
             for name, t in (*inputs.items(), ("labels", labels)):
                 cap.preexisting(t, "input", f"batch{i}.{name}")
-    return _run(cap, fake_mode, trainer, root, batches, param_sid, target, backends)
+    return trainer, root, batches, param_sid
 
 
 def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batches: list, param_sid: dict[str, int],

@@ -1,0 +1,152 @@
+"""A torchtitan pipeline's stage metadata, inferred on one rank.
+
+On a cluster, torch's ``PipelineStage`` infers what each stage receives and sends at the first
+step: a vote over point-to-point messages picks dynamic inference, then every stage runs its
+forward on the first micro-batch and sends its outputs' metadata to the next stage
+(torch/distributed/pipelining/stage.py ``_forward_metadata_inference``). A fake process group
+exchanges no data, so torch refuses that there unless each stage was given complete static
+metadata (schedules.py ``_warmup_p2p``), and torchtitan gives none
+(torchtitan/distributed/pipeline_parallel.py ``_pipeline_module_split``).
+
+graphmem does the same inference locally, in stage order, on the same first micro-batch: stage 0
+runs on its first micro-batch (the schedule's, or on a rank without stage 0 the inputs torchtitan's
+``post_dataloading_process`` made and did not pass), each later stage on the previous one's output.
+A stage this rank holds runs as built; a stage another rank holds is built the way torchtitan
+built this rank's (its own ``_split_module`` of the whole model, then the job's
+``parallelize_fn`` with the same arguments, ``to_empty``). Each local stage is then given its
+inputs and outputs as static metadata, the fields its constructor's ``input_args`` /
+``output_args`` fill (``_user_meta``), and the schedule runs as on a cluster after its vote.
+The inference runs with grad, as torch's does (the metadata's ``requires_grad`` decides which
+gradients a stage receives), but outside the recording, its graph dropped: bookkeeping, not the step.
+A real first step also runs that inference forward once more, with grad
+(``_forward_metadata_inference``); graphmem's step is the later steps', which do not.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+from graphmem.capture.recorder import _Recorder
+
+
+class _Seen:
+    """What torchtitan's pipelining function was called with: the whole model (on meta), the
+    module names of every stage, the device, the parallelize function and its arguments."""
+
+    def __init__(self) -> None:
+        self.whole: Any = None
+        self.names: list[list[str]] = []
+        self.device: Any = None
+        self.parallelize: Callable | None = None
+        self.kwargs: dict[str, Any] = {}
+        self.first: tuple | None = None  # the first micro-batch's arguments of stage 0
+
+
+@contextlib.contextmanager
+def static_stages(cfg: Any, cap: _Recorder) -> Iterator[None]:
+    """Around the building and the step of the job ``cfg`` (a prepared ``Trainer.Config``):
+    each local pipeline stage gets its static metadata before the schedule's first step."""
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torchtitan.distributed import pipeline_parallel
+    from torchtitan.trainer import Trainer
+
+    spec = cfg.model_spec
+    seen = _Seen()
+    pipelining, split, init = spec.pipelining_fn, pipeline_parallel._pipeline_module_split, \
+        _PipelineSchedule._initialize_pp_stages
+    batch = Trainer.post_dataloading_process
+    if pipelining is None:
+        yield
+        return
+
+    def observed(model: Any, **kwargs: Any) -> Any:
+        parallelize = kwargs["parallelize_fn"]
+
+        def recorded(m: Any, **pkw: Any) -> Any:
+            seen.parallelize, seen.kwargs = parallelize, pkw
+            return parallelize(m, **pkw)
+        return pipelining(model, **{**kwargs, "parallelize_fn": recorded})
+
+    def splitting(whole: Any, pp_mesh: Any, schedule: str, device: Any, names: list[list[str]],
+                  *args: Any, **kwargs: Any) -> Any:
+        seen.whole, seen.names, seen.device = whole, names, device
+        return split(whole, pp_mesh, schedule, device, names, *args, **kwargs)
+
+    def processed(trainer: Any, *args: Any, **kwargs: Any) -> Any:
+        out = batch(trainer, *args, **kwargs)  # (inputs, labels, extra_kwargs): stage 0 runs on inputs
+        if seen.first is None:
+            seen.first = (out[0],)
+        return out
+
+    def initialized(schedule: Any, stages: list, args: Any, kwargs: Any, *rest: Any, **kw: Any) -> Any:
+        if seen.whole is not None and any(getattr(s, "_user_meta", None) is not None
+                                           and s._user_meta.inputs is None for s in stages):
+            with cap.paused(), torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+                _infer(seen, stages, args if any(s.is_first for s in stages) else seen.first, kwargs or {})
+        return init(schedule, stages, args, kwargs, *rest, **kw)
+
+    spec.pipelining_fn, pipeline_parallel._pipeline_module_split = observed, splitting
+    _PipelineSchedule._initialize_pp_stages = initialized  # type: ignore[method-assign,assignment]
+    Trainer.post_dataloading_process = processed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        spec.pipelining_fn, pipeline_parallel._pipeline_module_split = pipelining, split
+        _PipelineSchedule._initialize_pp_stages = init  # type: ignore[method-assign]
+        Trainer.post_dataloading_process = batch  # type: ignore[method-assign]
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    """The inference forward's saves, outside the step's (its graph is dropped unused)."""
+    return t
+
+
+def _infer(seen: _Seen, stages: list, args: Any, kwargs: dict[str, Any]) -> None:
+    """Run stages 0 .. the last local one in order on the first micro-batch (``args``,
+    ``kwargs``, as the schedule passes them to every stage) and give each local stage its
+    inputs and outputs as static metadata."""
+    from torch.distributed.pipelining._utils import _StageMeta, extract_tensor_metas
+
+    local = {s.stage_index: s for s in stages}
+    inputs: tuple = args if isinstance(args, tuple) else (args,)
+    for index in range(max(local) + 1):
+        module = local[index].submod if index in local else _built(seen, index)
+        out = module(*inputs, **kwargs)
+        outputs = out if isinstance(out, tuple) else (out,)
+        stage = local.get(index)
+        if stage is not None:
+            grads = _grads_if_distributed(inputs, outputs)
+            stage._user_meta = _StageMeta(
+                inputs=extract_tensor_metas(inputs), outputs=extract_tensor_metas(outputs),
+                input_grads=extract_tensor_metas(grads[0], allow_none=True) if grads else None,
+                output_grads=extract_tensor_metas(grads[1], allow_none=True) if grads else None)
+        inputs = outputs
+
+
+def _grads_if_distributed(inputs: tuple, outputs: tuple) -> tuple[tuple, tuple] | None:
+    """A DTensor's gradient has its layout (the backward of a redistribution keeps the
+    placement it came with); plain tensors need no gradient metadata (torch derives it)."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(t, DTensor) for t in (*inputs, *outputs)):
+        return None
+    return (tuple(t if t.is_floating_point() else None for t in inputs),
+            tuple(t if t.is_floating_point() else None for t in outputs))
+
+
+def _built(seen: _Seen, index: int) -> Any:
+    """Stage ``index``, held by another rank, built as torchtitan builds a rank's stage."""
+    from torchtitan.distributed.pipeline_parallel import _split_module
+
+    if seen.parallelize is None:
+        raise RuntimeError("torchtitan's pipelining function did not parallelize its stages")
+    chunk = _split_module(seen.whole, seen.names[index])
+    chunk = seen.parallelize(chunk, **seen.kwargs)
+    chunk.to_empty(device=seen.device)
+    return chunk
+
+
+__all__ = ["static_stages"]
