@@ -13,8 +13,8 @@ backward's first node "backward", ``clip_grad_norm_`` "optimizer"), the gradient
 states named when they exist, FSDP2's storage resizes (graphmem/distributed/fsdp.py ``watching``).
 The job's data, metrics and checkpointing are replaced as graphmem/titan/job.py says. A pipeline's
 stages get the metadata torch infers over point-to-point messages on a cluster, inferred on this
-rank instead (graphmem/titan/pipeline.py); a pipelined step's phases stay "forward" until the
-optimizer (its micro-batches' forwards and backwards interleave; saves in each forward count).
+rank instead (graphmem/titan/pipeline.py), and its phases follow the schedule: each stage's
+micro-batch forward and backward, interleaved as the schedule runs them.
 
 Known limitations: torch.compile regions in the job (``compile.enable``, and FlexAttention,
 which torchtitan always compiles) run eagerly here: FlexAttention through the eager
@@ -42,7 +42,7 @@ from graphmem.distributed.fsdp import local, watching
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.stepgraph import StepGraph
 from graphmem.titan.job import on_cpu, prepared, synthetic_batches
-from graphmem.titan.pipeline import static_stages
+from graphmem.titan.pipeline import stage_phases, static_stages
 from graphmem.training.optim import ScalarReads, state_tensors
 
 
@@ -144,7 +144,8 @@ def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batche
         try:
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                     rng_states(cap, target.device == "cpu"), _cache_clears(cap), watching(cap), \
-                    _observed(trainer, root, cap, mark), _target_rules(target, backends, cap):
+                    _observed(trainer, root, cap, mark), stage_phases(trainer, cap), \
+                    _target_rules(target, backends, cap):
                 cap.recording = True
                 cap.set_phase("forward")
                 with _StepReads():  # the token count and loss it reads scale arithmetic and logs only

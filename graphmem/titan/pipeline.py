@@ -149,4 +149,33 @@ def _built(seen: _Seen, index: int) -> Any:
     return chunk
 
 
-__all__ = ["static_stages"]
+
+
+@contextlib.contextmanager
+def stage_phases(trainer: Any, cap: _Recorder) -> Iterator[None]:
+    """Phase marks for a pipelined step, whose micro-batches' forwards and backwards interleave
+    as the schedule orders them: each stage's ``forward_one_chunk`` is a forward,
+    ``backward_one_chunk`` / ``backward_weight_one_chunk`` a backward (torch/distributed/
+    pipelining/stage.py); saves in a forward count, a recompute's in a backward do not."""
+    schedule = getattr(trainer, "pp_schedule", None)
+    stages = (getattr(schedule, "_stages", None) or [schedule._stage]) if schedule is not None else []
+    for stage in stages:
+        for name, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+                            ("backward_weight_one_chunk", "backward")):
+            setattr(stage, name, _marked(getattr(stage, name), phase, cap))
+    try:
+        yield
+    finally:
+        for stage in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                stage.__dict__.pop(name, None)
+
+
+def _marked(method: Callable, phase: str, cap: _Recorder) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        cap.set_phase(phase)
+        return method(*args, **kwargs)
+    return call
+
+
+__all__ = ["stage_phases", "static_stages"]
