@@ -117,7 +117,10 @@ def _job(spec: StepSpec, p: Job) -> Measured:
     lv, sv = liveness(g), saved(g)
     budget = step_budget(g, lv, sv, spec.training, spec.module, (), p.describe())
     step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
-    return Measured(spec, step, notes(g) + (p.describe(),) + job_memory_lines(g, p.rank))
+    routing = ("expert parallel: each rank's routed tokens read as split evenly over the expert-parallel ranks "
+               "(balanced routing, graphmem/titan/moe.py); ranks that receive more under uneven routing hold more",) \
+        if getattr(p.config.parallelism, "expert_parallel_degree", 1) > 1 else ()
+    return Measured(spec, step, notes(g) + (p.describe(),) + routing + job_memory_lines(g, p.rank))
 
 
 def job_memory_lines(g: Any, rank: int) -> tuple[str, ...]:

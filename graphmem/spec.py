@@ -134,7 +134,8 @@ class Job:
         p = self.config.parallelism
         degrees = [f"{n} {d}" for n, d in (("dp_replicate", p.data_parallel_replicate_degree),
                                             ("dp_shard", p.data_parallel_shard_degree), ("tp", p.tensor_parallel_degree),
-                                            ("pp", p.pipeline_parallel_degree), ("cp", p.context_parallel_degree))
+                                            ("pp", p.pipeline_parallel_degree), ("cp", p.context_parallel_degree),
+                                            ("ep", p.expert_parallel_degree))
                    if d not in (1, 0)]
         return f"torchtitan job, rank {self.rank} of {self.world_size} ({', '.join(degrees) or 'one device'})"
 

@@ -118,10 +118,12 @@ def test_pp(schedule: str) -> None:
 
 def test_ep() -> None:
     """Expert parallel over the FSDP ranks (torchtitan's qwen3 MoE debug model, shrunk): the
-    experts split by expert parallel, everything else by FSDP, so each rank holds half of it all."""
-    ranks = real_titan(small_qwen3_moe, 2, {"parallelism.data_parallel_shard_degree": 2,
-                                            "parallelism.expert_parallel_degree": 2})
+    experts split by expert parallel, everything else by FSDP, so each rank holds half of it all.
+    Routing is torchtitan's balanced round-robin on both sides (graphmem/titan/moe.py)."""
+    overrides = {"parallelism.data_parallel_shard_degree": 2, "parallelism.expert_parallel_degree": 2}
+    ranks = real_titan(small_qwen3_moe, 2, overrides)
     _consistent(ranks)
+    _as_predicted(small_qwen3_moe, 2, overrides, ranks)
     params, buffers, count = model_bytes(small_qwen3_moe)
     for r in ranks:
         assert r["before_bytes"] == params // 2 + buffers

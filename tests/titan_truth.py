@@ -64,8 +64,10 @@ def small_llama3() -> Any:
 def small_qwen3_moe() -> Any:
     """torchtitan's ``qwen3_moe_debug`` (models/qwen3/config_registry.py) shrunk as ``small_llama3``:
     dim 64, 4 heads of 16 (2 key/value heads), 2 layers of 4 experts of hidden 64 (top 2),
-    vocabulary 256, SDPA attention, no activation checkpointing."""
+    vocabulary 256, SDPA attention, no activation checkpointing. Its routers use torchtitan's own
+    balanced round-robin routing (``_debug_force_load_balance``), the routing graphmem reads."""
     from torchtitan.models.common import CosSinRoPE
+    from torchtitan.models.common.moe import TokenChoiceTopKRouter
     from torchtitan.models.qwen3 import _build_qwen3_moe_layers
     from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
 
@@ -82,6 +84,8 @@ def small_qwen3_moe() -> Any:
         fuse_qkv=True, n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=16, moe_hidden_dim=64,
         num_experts=4, top_k=2, attn_backend="flex", rope=CosSinRoPE.Config(dim=16, max_seq_len=4096, theta=1e6),
         moe_comm_backend="standard")
+    for _fqn, router, _parent, _attr in model.traverse(TokenChoiceTopKRouter.Config):
+        router._debug_force_load_balance = True  # routing balanced, as graphmem reads it (graphmem/titan/moe.py)
     config.loss.loss_fn.global_vocab_size = vocab
     config.training.seq_len, config.training.local_batch_size = 32, 2
     config.training.mixed_precision_param = "float32"

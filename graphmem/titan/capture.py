@@ -42,6 +42,7 @@ from graphmem.distributed.fsdp import local, watching
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.stepgraph import StepGraph
 from graphmem.titan.job import on_cpu, prepared, synthetic_batches
+from graphmem.titan.moe import balanced_routing
 from graphmem.titan.pipeline import stage_phases, static_stages
 from graphmem.training.optim import ScalarReads, state_tensors
 
@@ -144,7 +145,7 @@ def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batche
         try:
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                     rng_states(cap, target.device == "cpu"), _cache_clears(cap), watching(cap), \
-                    _observed(trainer, root, cap, mark), stage_phases(trainer, cap), \
+                    _observed(trainer, root, cap, mark), stage_phases(trainer, cap), balanced_routing(), \
                     _target_rules(target, backends, cap):
                 cap.recording = True
                 cap.set_phase("forward")
