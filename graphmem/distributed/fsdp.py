@@ -116,6 +116,17 @@ def watching(cap: _Recorder) -> Iterator[None]:
             cap.released(t)
         free(t)
 
+    init_outputs = _fsdp_param.FSDPParam.init_all_gather_outputs
+
+    def init_all_gather_outputs(self: Any, *args: Any, **kwargs: Any) -> None:
+        # over a one-rank mesh FSDP2 gathers nothing: wait_for_unshard copies each shard into these,
+        # made here at their full size, the unsharded parameters' storage (_fsdp_param_group.py)
+        fresh = not self.all_gather_outputs
+        init_outputs(self, *args, **kwargs)
+        if fresh and cap.recording:
+            for t in self.all_gather_outputs:
+                cap.relabel(t, "gathered parameter", "all-gather output (unsharded parameter)")
+
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     propagate = ShardingPropagator._propagate_tensor_meta_non_cached
@@ -129,6 +140,7 @@ def watching(cap: _Recorder) -> Iterator[None]:
     named = _Streams(_fsdp_param_group.FSDPCommContext.lazy_init)
     patched = [(_fsdp_param, "alloc_storage", alloc_storage), (_fsdp_param, "free_storage", free_storage),
                (_fsdp_param_group, "alloc_storage", alloc_storage),
+               (_fsdp_param.FSDPParam, "init_all_gather_outputs", init_all_gather_outputs),
                (ShardingPropagator, "_propagate_tensor_meta_non_cached", propagate_paused),
                (_fsdp_param_group.FSDPCommContext, "lazy_init",
                 lambda ctx, *args, **kwargs: named.lazy_init(ctx, *args, **kwargs))]
