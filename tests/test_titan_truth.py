@@ -104,8 +104,23 @@ def test_pp(schedule: str) -> None:
     params, buffers, _ = model_bytes()
     # the stages split the model: every parameter and buffer is on exactly one rank
     assert sum(r["before_bytes"] for r in ranks) == params + buffers
-    for rank, real in enumerate(ranks):
-        report = _predicted(small_llama3, 2, overrides, rank)
+    _as_pipelined(overrides, ranks)
+
+
+def test_fsdp_pp() -> None:
+    """FSDP2 within each of two stages (4 ranks); stage ranks 0 and 2 (their FSDP peers hold the same shapes)."""
+    overrides = {"parallelism.pipeline_parallel_degree": 2, "parallelism.data_parallel_shard_degree": 2}
+    ranks = real_titan(small_llama3, 4, overrides)
+    _consistent(ranks)
+    for key in ("saved_bytes", "later_saved_bytes", "before_bytes", "later_before_bytes"):
+        assert ranks[0][key] == ranks[1][key] and ranks[2][key] == ranks[3][key], key
+    _as_pipelined(overrides, ranks, (0, 2))
+
+
+def _as_pipelined(overrides: dict, ranks: list[dict[str, int]], which: tuple[int, ...] = (0, 1)) -> None:
+    for rank in which:
+        real = ranks[rank]
+        report = _predicted(small_llama3, len(ranks), overrides, rank)
         assert report.activation_bytes == real["later_saved_bytes"] < real["saved_bytes"], rank
         assert report.parameter_bytes + report.buffer_bytes == real["before_bytes"], rank
         later = report.budget.rank.later_peak_bytes
