@@ -66,6 +66,22 @@ def test_fsdp(degree: int) -> None:
     assert len({r["saved_bytes"] for r in ranks}) == 1  # data parallel ranks run the same shapes
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_blocks(backend: str) -> None:
+    """Each transformer block compiled by torchtitan (``compile.enable``, components ``model``)
+    under FSDP2: graphmem compiles the blocks with its own backend (AOTAutograd's min-cut
+    partition, graphmem/titan/compiled.py) whatever the job names; the real run compiles with
+    the job's backend, Inductor's C++ code on this CPU included. Saved 1,203,496 B against
+    eager's 1,531,176 on both, exact."""
+    overrides = {"parallelism.data_parallel_shard_degree": 2, "compile.enable": True, "compile.components": ["model"],
+                 "compile.backend": backend}
+    ranks = real_titan(small_llama3, 2, overrides)
+    _consistent(ranks)
+    _as_predicted(small_llama3, 2, overrides, ranks)
+    eager = _predicted(small_llama3, 2, {"parallelism.data_parallel_shard_degree": 2}, 0)
+    assert ranks[0]["saved_bytes"] < eager.activation_bytes
+
+
 def test_tp() -> None:
     overrides = {"parallelism.tensor_parallel_degree": 2}
     ranks = real_titan(small_llama3, 2, overrides)

@@ -70,6 +70,11 @@ class _Mode(FakeTensorMode):
         super().__init__(allow_non_fake_inputs=False)
         self.rec = rec
         self.values = Values()  # the batch's values (graphmem/capture/values.py)
+        # while set, what a read of a tensor's value as a Python number returns (``.item()`` of a
+        # count or a loss that only scales arithmetic and logs: graphmem/titan/capture.py); in the
+        # fake mode itself, not a mode above it, so dynamo still compiles inside (it skips frames
+        # under a non-infra dispatch mode)
+        self.scalar_answer: Optional[Callable[[torch.Tensor], Any]] = None
 
     def __deepcopy__(self, memo: dict) -> "_Mode":
         """One mode per capture: ``copy.deepcopy`` of a module holding fake tensors (torch's
@@ -79,6 +84,8 @@ class _Mode(FakeTensorMode):
         return self
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _LOCAL_SCALAR and self.scalar_answer is not None:
+            return self.scalar_answer(args[0])
         answer = self.values.read(func, args, kwargs)
         if answer is not NO_ANSWER:  # a data-dependent read of the batch: the real step's answer
             return answer
@@ -110,6 +117,7 @@ class _Mode(FakeTensorMode):
 
 
 _LAYER_NORM = torch.ops.aten.native_layer_norm.default
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 
 
 def _fp32_stats(out: Any) -> tuple:

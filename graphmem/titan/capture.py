@@ -16,8 +16,9 @@ stages get the metadata torch infers over point-to-point messages on a cluster, 
 rank instead (graphmem/titan/pipeline.py), and its phases follow the schedule: each stage's
 micro-batch forward and backward, interleaved as the schedule runs them.
 
-Known limitations: torch.compile regions in the job (``compile.enable``, and FlexAttention,
-which torchtitan always compiles) run eagerly here: FlexAttention through the eager
+The job's compiled blocks (``compile.enable``) compile with graphmem's own dynamo backend
+(graphmem/titan/compiled.py): AOTAutograd's min-cut partition, graphs run op by op. Known
+limitations: FlexAttention, which torchtitan always compiles, runs through the eager
 ``flex_attention`` higher-order op, whose forward/backward keep what the compiled kernels keep
 (query, key, value, output and the fp32 logsumexp; torch/_higher_order_ops/flex_attention.py);
 ``create_block_mask`` runs outside the recording, its BlockMask held as an input.
@@ -41,6 +42,7 @@ from graphmem.capture.target import Target
 from graphmem.distributed.fsdp import local, watching
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.stepgraph import StepGraph
+from graphmem.titan.compiled import attributed, compiled_regions, hooks_standing_aside
 from graphmem.titan.job import on_cpu, prepared, synthetic_batches
 from graphmem.titan.moe import balanced_routing
 from graphmem.titan.pipeline import stage_phases, static_stages
@@ -95,8 +97,9 @@ def _capture(cfg: Any, target: Target) -> StepGraph:
     backends: dict[str, int] = {}
     cap = recorder_for(target, backends)
     fake_mode = _Mode(cap)
-    with static_stages(cfg, cap):
+    with static_stages(cfg, cap), compiled_regions(cfg, cap, target, backends) as compiled:
         trainer, root, batches, param_sid = _built(cfg, cap, fake_mode, Job, seeded)
+        attributed(root, compiled, cap, target)
         return _run(cap, fake_mode, trainer, root, batches, param_sid, target, backends)
 
 
@@ -137,8 +140,8 @@ def _built(cfg: Any, cap: _Recorder, fake_mode: _Mode, job: type, seeded: Callab
 
 def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batches: list, param_sid: dict[str, int],
          target: Target, backends: dict[str, int]) -> StepGraph:
-    handles = [nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
-               nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True)]
+    handles = [nn.modules.module.register_module_forward_pre_hook(hooks_standing_aside(cap.pre_hook)),
+               nn.modules.module.register_module_forward_hook(hooks_standing_aside(cap.post_hook), always_call=True)]
     marked: dict[str, list[int]] = {}
     mark = marker(cap, param_sid, marked, False, local)
     try:
@@ -149,7 +152,7 @@ def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batche
                     _target_rules(target, backends, cap):
                 cap.recording = True
                 cap.set_phase("forward")
-                with _StepReads():  # the token count and loss it reads scale arithmetic and logs only
+                with _step_reads(fake_mode):  # the token count and loss it reads scale arithmetic and logs only
                     trainer.train_step(iter(batches))
         except GraphmemError:
             raise
@@ -166,11 +169,20 @@ def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batche
             h.remove()
 
 
-class _StepReads(ScalarReads):
-    """``ScalarReads`` over the whole step, higher-order operators (FlexAttention's) passed on to
-    the fake mode below."""
+@contextlib.contextmanager
+def _step_reads(mode: _Mode) -> Iterator[None]:
+    """``.item()`` during the step answered as ``ScalarReads`` answers it (a bool True, a float
+    1.0, an int 1), by the fake mode itself: a mode above it would make dynamo skip the job's
+    compiled blocks."""
+    mode.scalar_answer = _answer
+    try:
+        yield
+    finally:
+        mode.scalar_answer = None
 
-    supports_higher_order_operators = True
+
+def _answer(t: torch.Tensor) -> Any:
+    return True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1
 
 
 class _InitReads(ScalarReads):

@@ -1,0 +1,126 @@
+"""A torchtitan job's ``torch.compile`` regions, compiled as the job compiles them, partitioned as
+Inductor partitions them.
+
+With ``compile.enable`` and ``"model"`` in ``compile.components``, torchtitan compiles each
+transformer block, ``fullgraph=True``, with the job's ``compile.backend``
+(torchtitan/distributed/compile.py ``apply_compile``). graphmem hands torchtitan its own dynamo
+backend in place of the backend's name (graphmem/capture/compiled.py ``_Backend``): AOTAutograd
+with the min-cut rematerialization partitioner, the partition Inductor's training graphs get
+(torch/_inductor/compile_fx.py ``compile_fx`` passes ``min_cut_rematerialization_partition``), and
+no code generated: the forward and backward graphs run node by node on graphmem's fake tensors,
+so their ops are the step's ops and what the compiled forward saves for backward is the step's
+saved set. Dynamo's own tracing and AOTAutograd's compilation run outside the recording (compile
+time, not the step), and graphmem's module hooks stand aside while dynamo traces through them.
+Inductor's fusions are not modelled: a fused kernel's intermediates never exist, so a compiled
+block's temporaries are at most those of its graph's ops (the saved set is the partition's).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from graphmem.capture.aot_settings import partition_config, unlogged
+from graphmem.capture.compiled import _Backend
+from graphmem.capture.compiled_cuda import graphs_unruled
+from graphmem.capture.recorder import _Recorder
+from graphmem.capture.target import Target
+
+
+class _JobBackend(_Backend):
+    """graphmem's backend for a job's compiled blocks: one compiled code serves every block
+    (dynamo's guards do not specialize on the module), so a forward graph's nodes name modules
+    inside the block, and the block running now (the recorder's innermost module,
+    ``attributed``) prefixes them; a backward graph's nodes are left to the recorder."""
+
+    def _compiler(self, kind: str) -> Any:
+        inner = super()._compiler(kind)
+
+        def compile(gm: Any, example_inputs: list) -> Any:
+            run = inner(gm, example_inputs)
+            cg = self.graphs[-1]
+            relative = dict(cg.modules)  # node -> path inside the block ("": the block itself)
+
+            def prefixed(args: list) -> Any:
+                block = self.recorder.stack[-1] if kind == "forward" else None
+                # None in backward: the recorder's own attribution (recorder.py ``module_now``)
+                cg.modules = {n: (f"{block}.{p}" if block and p else p or block)  # type: ignore[misc]
+                              for n, p in relative.items()}
+                return run(args)
+            prefixed._boxed_call = True  # type: ignore[attr-defined]
+            return prefixed
+        return compile
+
+
+def attributed(root: Any, backend: "_Backend | None", cap: _Recorder, target: Target) -> None:
+    """Each compiled block of ``root`` runs between graphmem's module hooks (its own hooks are
+    inside its compiled call, traced, never run), on the CUDA target with the eager CUDA rules
+    lifted (its graphs carry them: graphmem/capture/compiled_cuda.py), and the backend learns
+    the blocks' inner names."""
+    if backend is None:
+        return
+    blocks = [m for m in root.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    backend.names = frozenset(name for m in blocks for name, _ in m.named_modules())
+    for m in blocks:
+        m._compiled_call_impl = _between_hooks(m, m._compiled_call_impl, cap, target.device == "cuda")
+
+
+def _between_hooks(module: Any, call: Any, cap: _Recorder, cuda: bool) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        cap.pre_hook(module, args)
+        out = None
+        try:
+            with graphs_unruled() if cuda else contextlib.nullcontext():
+                out = call(*args, **kwargs)
+            return out
+        finally:
+            cap.post_hook(module, args, out)
+    return run
+
+
+def compiles_model(cfg: Any) -> bool:
+    """Whether the job compiles its model's blocks (torchtitan's ``compile`` config)."""
+    c = cfg.compile
+    return bool(getattr(c, "enable", False)) and "model" in getattr(c, "components", ())
+
+
+@contextlib.contextmanager
+def compiled_regions(cfg: Any, cap: _Recorder, target: Target, backends: dict[str, int]) -> Iterator[_Backend | None]:
+    """Around the job's build and step: graphmem's backend as the job's compile backend, dynamo's
+    compilation unrecorded. Yields the backend (None when the job compiles nothing), whose
+    ``names`` the caller sets once the model exists."""
+    if not compiles_model(cfg):
+        yield None
+        return
+    from torch._dynamo import convert_frame
+
+    backend = _JobBackend(frozenset(), target, backends)
+    backend.recorder, backend.replaying = cap, True  # one pass: each graph runs on the step's fake tensors
+    kept_backend, kept_compile = cfg.compile.backend, convert_frame._compile
+    cfg.compile.backend = backend  # torchtitan passes it to ``module.compile(backend=...)``
+
+    def compile_unrecorded(*args: Any, **kwargs: Any) -> Any:
+        with cap.paused():
+            return kept_compile(*args, **kwargs)
+
+    convert_frame._compile = compile_unrecorded
+    try:
+        with partition_config(target.memory_budget), unlogged():
+            yield backend
+    finally:
+        cfg.compile.backend, convert_frame._compile = kept_backend, kept_compile
+        torch._dynamo.reset()  # the job's compiled code, guarded on this capture's objects, goes with it
+
+
+def hooks_standing_aside(hook: Any) -> Any:
+    """A global module hook that does nothing while dynamo traces it (inside a compiled block the
+    hooks of its submodules are traced, never run; the graph's nodes name their modules)."""
+    def call(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return hook(*args)
+    return call
+
+
+__all__ = ["attributed", "compiled_regions", "compiles_model", "hooks_standing_aside"]
