@@ -38,7 +38,9 @@ ROWS = [
 COMMON = ["--training.local_batch_size", "2", "--training.seq_len", "8192", "--optimizer.implementation", "foreach"]
 
 NOT_EXPRESSIBLE = [
-    ("+ Float8 (Tables 1-6)", "torchao's float8 training is not installed with torchtitan 0.3.0 and its scaled-mm rules are not derived"),
+    ("+ Float8 (Tables 1-6)", "the 2024 runs scaled tensorwise and all-gathered float8 weights under FSDP; torchtitan 0.3.0's "
+     "Float8LinearConverter offers the rowwise recipes only (components/quantization/float8.py), and torchao is not "
+     "among its dependencies"),
     ("FSDP x CP (Tables 2, 6)", "those rows also compile and use Float8; context parallel's ring attention is not run yet"),
     ("70B FSDP32 x TP8 (Table 4)", "compile + Float8 (+ AsyncTP's symmetric memory)"),
     ("405B FSDP8 x TP8 x PP8 (Table 5)", "compile + Float8 + AsyncTP"),
