@@ -59,6 +59,7 @@ def _predicted(name: str) -> graphmem.Report:
 def test_zero1_per_rank_against_zero_redundancy_optimizer(index: int, real: list[list[dict[str, Any]]]) -> None:
     name, view = CASES[index]
     r = _predicted(name)
+    assert r.budget is not None
     b = r.budget.rank
     model, batch = case(name)
     params = list(model.parameters())

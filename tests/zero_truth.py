@@ -44,7 +44,8 @@ def _phases(prof: Any, marks: int) -> tuple[list[int], list[int]]:
         if e.tag == _EventType.Allocation:
             events.append((e.start_time_ns, e.extra_fields.alloc_size))
         todo.extend(e.children)
-    at, highs = [], [0]
+    at: list[int] = []
+    highs = [0]
     running = 0
     for _, size in sorted(events):
         if size == MARK + len(at) and len(at) < marks:
