@@ -99,7 +99,7 @@ def test_zero1_per_rank_against_zero_redundancy_optimizer(index: int, real: list
 # `fsdp='fully_shard'` with `rank`, counts them: tests/test_distributed_step.py). Measured on the bundled
 # GPT-2 (2 ranks, AdamW): 293,888 B above the formula (reshard) and 302,072 B (no reshard), first and later
 # steps alike. The formula's peaks stay unchecked against a real ZeRO-3 (docs/validation.md).
-FSDP_CASES = [(True, {"zero": 3}), (False, {"fsdp": "grad-op"})]
+FSDP_CASES: list[tuple[bool, dict[str, Any]]] = [(True, {"zero": 3}), (False, {"fsdp": "grad-op"})]
 
 
 @pytest.fixture(scope="module")
