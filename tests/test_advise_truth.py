@@ -11,8 +11,11 @@ the changed step's saved bytes are 0 B off.
 
 Measured (1 CPU thread): 0 B off on every lever here but two. bf16 parameters with fp32 master
 copies: 12 B real above (0.002 %) at the first step's peak, in the optimizer step (aten.div of
-AdamW's update); bf16 parameters without masters are exact, so the 12 B are in the masters' step;
-not traced further: the bound is that 12 B. LoRA through peft: 104 B real above, the float64
+AdamW's update over the fp32 masters). The allocator's events live there, against the prediction's
+storages: the same 2 B loss and 28 4-B ``step`` counters, and two scalars more, a 4 B one
+(aten::empty_strided) and an 8 B one allocated by ``Optimizer.step#AdamW.step`` itself, outside any
+aten op the fake step records. bf16 parameters without masters, and later steps, are exact. The
+bound is those 12 B. LoRA through peft: 104 B real above, the float64
 scalars of peft's ``scaling`` (see the test).
 
 The levers checked elsewhere against real runs, or not at all, are named in docs/validation.md
