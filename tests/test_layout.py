@@ -235,7 +235,7 @@ def test_library_errors_name_api_options_not_cli_flags() -> None:
 
 # the real runs the per-rank and pipeline predictions are checked against (issue 27): if they wrapped
 # the model with graphmem's own code, a wrong FSDP unit, TP plan or pipeline split would agree with itself
-TRUTH = ("dist_truth.py", "dist_plans.py", "pipeline_real.py")
+TRUTH = ("dist_truth.py", "dist_plans.py", "pipeline_real.py", "zero_truth.py")
 
 
 def _imported(path: Path) -> set[str]:
