@@ -86,7 +86,10 @@ def validate(
     ``master_weights``, ``micro_batches``, ``dtype``, ``amp``, ``lora_rank``/``lora_targets``/``lora_alpha``):
     the real run is that loop (graphmem/training/loop.py, the one the capture runs), with the
     optimizer's states, the later steps' peak (a second real step, the first unmeasured) and the
-    peak compared. Parallel settings are validated by real gloo jobs (tests/dist_truth.py), not here.
+    peak compared. ``world_size`` with ``fsdp="fully_shard"`` and/or ``tp``/``sp`` (``rank``: that rank only,
+    else every rank) runs each rank's step for real in gloo CPU processes, wrapped by the same call as the
+    per-rank analysis, rows per rank (graphmem/validation/ranks.py); ``zero``, ``fsdp="full"``/``"grad-op"``
+    (formulas), ``pp`` and ``fsdp_offload`` are refused in one line.
 
     ``inputs``: a tuple, a dict (``model(**inputs)``, as Hugging Face loops call it) or
     ``(args, kwargs)``. ``model``: a model file or preset (built for real on ``device`` after the prediction fits
@@ -116,6 +119,8 @@ def validate(
         raise UsageError("no inputs: pass example inputs or `input_shape='32x1024'`")
     shape = _shape(input_shape) if inputs is None else None
     given = None if inputs is None else as_batch(inputs)
+    if any(k in options for k in _PARALLEL):  # rank r's step through the wrappers, on real gloo ranks
+        return _ranks(model, given, shape, loss, dev, tol, hf, options)
     _check_loop(options)
 
     if isinstance(model, nn.Module):
@@ -159,11 +164,19 @@ _PARALLEL = ("world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank",
              "fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_offload", "fsdp_no_sync", "loss_parallel", "parallel")
 
 
+def _ranks(model: Any, given: Optional[Batch], shape: Optional[tuple[int, ...]], loss: Optional[LossFn],
+           dev: torch.device, tol: float, hf: Optional[HFOptions], options: dict[str, Any]) -> Validation:
+    """Rank r's step through fully_shard/parallelize_module, run on real gloo ranks (graphmem/validation/ranks.py)."""
+    from graphmem.validation.ranks import validate_ranks
+
+    if dev.type != "cpu":
+        raise UsageError("validate runs the ranks' real steps as CPU processes over gloo: use `device='cpu'`")
+    if isinstance(model, nn.Module):
+        _check_real(model, dev)
+    return validate_ranks(model, given, shape, loss, hf, tol, options)
+
+
 def _check_loop(options: dict[str, Any]) -> None:
-    split = [k for k in _PARALLEL if k in options]
-    if split:
-        raise UsageError(f"validate runs one device's real step; {', '.join(f'`{k}`' for k in split)} split it over ranks, whose real "
-                         "runs are multi-process gloo jobs (tests/dist_truth.py): drop them here")
     if options.get("qlora") or options.get("quantization"):
         raise UsageError("validate does not run QLoRA's 4-bit step for real yet (its real CPU steps are "
                          "tests/test_qlora.py's): drop `qlora`")
