@@ -63,7 +63,7 @@ from graphmem.validation.result import Row, Validation, judge
 REPEATS = 3  # fresh wrapped models per rank; the least peak (a free the profiler misses only raises the sum)
 SETTLE_S = 0.02  # how long a finished collective is held before it returns (see _settle)
 # what validate does not run per rank: the formulas have no real wrapper, and the rest is not modelled yet
-UNSUPPORTED = ("zero", "pp", "schedule", "fsdp_offload", "parallel")
+UNSUPPORTED = {"zero": 0, "pp": 1, "schedule": "1f1b", "fsdp_offload": False, "parallel": None}  # (their defaults)
 
 
 @dataclass(frozen=True)
@@ -86,17 +86,19 @@ def validate_ranks(model: Any, given: Optional[Batch], shape: Optional[tuple[int
                    hf: Optional[HFOptions], tol: float, options: dict[str, Any]) -> Validation:
     """The per-rank prediction (``graphmem.analyze(..., rank=r)``) of each rank ``options`` name (``rank``, else
     all of ``world_size``) beside a real gloo run of every rank; rows carry their rank."""
-    refused = [k for k in UNSUPPORTED if options.get(k) not in (None, 0, 1, "1f1b", False)]
+    refused = [k for k, d in UNSUPPORTED.items() if _set(options.get(k, d), d)]
     if refused or options.get("fsdp") not in (None, "fully_shard"):
         named = refused or [f"fsdp={options.get('fsdp')!r}"]
-        raise UsageError(f"validate runs rank r's real step through fully_shard and parallelize_module only; "
-                         f"{', '.join(f'`{k}`' for k in named)} has no real wrapper here (the formulas, pipeline "
-                         "stages and CPU offload are checked by tests/): drop it, or use `fsdp='fully_shard'`/`tp`")
+        raise UsageError(f"validate runs rank r's real step through fully_shard and parallelize_module only, not "
+                         f"{', '.join(f'`{k}`' for k in named)} (`zero` and `fsdp='full'`/`'grad-op'` are formulas with "
+                         "no wrapper to run; `pp`, `fsdp_offload` and a built `parallel` are not run for real yet): "
+                         "drop it, or validate `fsdp='fully_shard'` or `tp`")
     if options.get("fsdp") is None and options.get("tp", 1) == 1:
         raise UsageError("nothing splits the step over ranks (no `fsdp='fully_shard'`, no `tp`): add one, "
                          "or drop `world_size`/`rank` to validate one device's step")
+    # a rank given: through the wrappers (``tp`` alone would be Megatron's formula, which has no real run)
     spec = make_spec(model, given, input_shape=shape, loss=loss, hf=hf, device="cpu",
-                     **{k: v for k, v in options.items() if k not in ("rank",)}, rank=options.get("rank"))
+                     **{k: v for k, v in options.items() if k != "rank"}, rank=options.get("rank") or 0)
     assert isinstance(spec.parallel, Ranks)
     sharding = spec.parallel.sharding
     ranks = [options["rank"]] if options.get("rank") is not None else list(range(sharding.world_size))
@@ -110,6 +112,11 @@ def validate_ranks(model: Any, given: Optional[Batch], shape: Optional[tuple[int
     judged, reason = judge(tuple(rows), tol)
     first = reports[ranks[0]]
     return Validation(first.model, "cpu", tuple(tuple(s) for s in first.input_shapes), tol, judged, reason, first)
+
+
+def _set(value: Any, default: Any) -> bool:
+    """Whether an option is set away from its default (``True == 1``, so the type counts too)."""
+    return type(value) is not type(default) or value != default
 
 
 def _rows(report: Report, m: dict[str, int], rank: int) -> list[Row]:
