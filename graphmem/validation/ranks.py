@@ -48,7 +48,7 @@ from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import load
 from graphmem.capture.target import DTYPES, Target
 from graphmem.distributed.fsdp import local
-from graphmem.distributed.spec import Sharding
+from graphmem.distributed.spec import Sharding, make_sharding
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.report import Report
 from graphmem.spec import Ranks, StepSpec, make_spec
@@ -58,12 +58,15 @@ from graphmem.training.spec import Training
 from graphmem.training.step import LossFn, run_step
 from graphmem.units import fmt_bytes
 from graphmem.validation.profiler_log import without_profiler_log
+from graphmem.validation.real import RAM_SHARE, available_memory, prepared, real_inputs
 from graphmem.validation.result import Row, Validation, judge
 
 REPEATS = 3  # fresh wrapped models per rank; the least peak (a free the profiler misses only raises the sum)
 SETTLE_S = 0.02  # how long a finished collective is held before it returns (see _settle)
 # what validate does not run per rank: the formulas have no real wrapper, and the rest is not modelled yet
-UNSUPPORTED = {"zero": 0, "pp": 1, "schedule": "1f1b", "fsdp_offload": False, "parallel": None}  # (their defaults)
+SHARDING: dict[str, Any] = {"world_size": 1, "rank": None, "fsdp": None, "reshard_after_forward": True, "fsdp_param_dtype": None,
+            "fsdp_reduce_dtype": None, "tp": 1, "sp": False, "fsdp_no_sync": False, "loss_parallel": False}
+UNSUPPORTED: dict[str, Any] = {"zero": 0, "pp": 1, "schedule": "1f1b", "fsdp_offload": False, "parallel": None}  # (their defaults)
 
 
 @dataclass(frozen=True)
@@ -96,11 +99,9 @@ def validate_ranks(model: Any, given: Optional[Batch], shape: Optional[tuple[int
     if options.get("fsdp") is None and options.get("tp", 1) == 1:
         raise UsageError("nothing splits the step over ranks (no `fsdp='fully_shard'`, no `tp`): add one, "
                          "or drop `world_size`/`rank` to validate one device's step")
-    # a rank given: through the wrappers (``tp`` alone would be Megatron's formula, which has no real run)
-    spec = make_spec(model, given, input_shape=shape, loss=loss, hf=hf, device="cpu",
-                     **{k: v for k, v in options.items() if k != "rank"}, rank=options.get("rank") or 0)
-    assert isinstance(spec.parallel, Ranks)
-    sharding = spec.parallel.sharding
+    sharding = _sharding(options)
+    loop = {k: v for k, v in options.items() if k not in SHARDING and k not in UNSUPPORTED}
+    spec = make_spec(model, given, input_shape=shape, loss=loss, hf=hf, device="cpu", parallel=Ranks(sharding), **loop)
     ranks = [options["rank"]] if options.get("rank") is not None else list(range(sharding.world_size))
     reports = {r: analyze(spec.replace(parallel=Ranks(dataclasses.replace(sharding, rank=r)))) for r in ranks}
     _check_budget(reports, sharding.world_size)
@@ -112,6 +113,15 @@ def validate_ranks(model: Any, given: Optional[Batch], shape: Optional[tuple[int
     judged, reason = judge(tuple(rows), tol)
     first = reports[ranks[0]]
     return Validation(first.model, "cpu", tuple(tuple(s) for s in first.input_shapes), tol, judged, reason, first)
+
+
+def _sharding(options: dict[str, Any]) -> Sharding:
+    """The wrappers the options name, always through them (``tp`` without ``rank`` would otherwise be
+    Megatron's formula in graphmem.analyze, which has no real run); checked by make_sharding."""
+    o = {k: options.get(k, d) for k, d in SHARDING.items()}
+    return make_sharding(o["world_size"], o["rank"] or 0, o["fsdp"] == "fully_shard", o["reshard_after_forward"],
+                         o["fsdp_param_dtype"], o["fsdp_reduce_dtype"], False, o["tp"], o["sp"], o["fsdp_no_sync"],
+                         None, o["loss_parallel"])  # (the loop is checked with it where the spec is built)
 
 
 def _set(value: Any, default: Any) -> bool:
@@ -132,15 +142,13 @@ def _rows(report: Report, m: dict[str, int], rank: int) -> list[Row]:
 
 def _check_budget(reports: dict[int, Report], world_size: int) -> None:
     """All ranks run on this machine: refuse a job whose predicted peaks exceed half the available RAM."""
-    from graphmem.validation.validate import RAM_SHARE, available_memory
-
     per_rank = max(max(r.peak_bytes, r.budget.rank.later_peak_bytes if r.budget is not None else 0)
                    for r in reports.values())
     needed, budget = world_size * per_rank, int(available_memory() * RAM_SHARE)
     if needed > budget:
         raise UsageError(f"a real step on {world_size} ranks needs about {fmt_bytes(needed)} on this machine, over the "
                          f"safety budget of {fmt_bytes(budget)} ({RAM_SHARE:.0%} of the available RAM): validate a "
-                         "smaller --input-shape or configuration")
+                         "smaller `input_shape` or configuration")
 
 
 def _pickled(what: Any, name: str) -> bytes:
@@ -252,8 +260,6 @@ def _measure_rank(job: RankJob, sharding: Sharding) -> dict[str, int]:
 
 def _real(job: RankJob) -> tuple[nn.Module, Batch, Optional[LossFn]]:
     """The model, batch and loss, built for real on this rank as validate builds them on one device (seed 0)."""
-    from graphmem.validation.validate import _inputs, _prepared
-
     torch.manual_seed(0)
     loss = job.loss
     if isinstance(job.model, bytes):
@@ -264,8 +270,8 @@ def _real(job: RankJob) -> tuple[nn.Module, Batch, Optional[LossFn]]:
     if job.batch is not None:
         batch = torch.load(io.BytesIO(job.batch), weights_only=False)
     else:
-        batch = _inputs(loaded, job.shape, torch.device("cpu"))
-    return _prepared(module, job.training, job.target).train(), batch, loss
+        batch = real_inputs(loaded, job.shape, torch.device("cpu"))
+    return prepared(module, job.training, job.target).train(), batch, loss
 
 
 class _Saves:

@@ -25,7 +25,6 @@ out is an error, not a machine in swap).
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import os
 from typing import Any, Iterator, Optional, Union
@@ -36,7 +35,7 @@ import torch.nn as nn
 import graphmem.validation.measure as measure  # called through the module: tests patch it
 from graphmem.api import analyze
 from graphmem.capture.hf import HFOptions
-from graphmem.capture.load import Loaded, load, make_inputs, parse_shape
+from graphmem.capture.load import Loaded, load, parse_shape
 from graphmem.capture.target import DTYPES, GPUS, Target
 from graphmem.errors import UsageError
 from graphmem.passes.allocator import allocator
@@ -44,29 +43,20 @@ from graphmem.report import Report
 from graphmem.spec import shape_of
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.hf_trainer import is_trainer
-from graphmem.training.lora import apply_lora
 from graphmem.training.spec import Training
 from graphmem.training.step import LossFn, run_step
 from graphmem.units import fmt_bytes
 from graphmem.validation.profiler_log import without_profiler_log
+from graphmem.validation.real import RAM_SHARE, available_memory
+from graphmem.validation.real import prepared as _prepared
+from graphmem.validation.real import real_inputs as _inputs
+from graphmem.validation.real import to_device as _to
 from graphmem.validation.result import DEFAULT_TOLERANCE, Row, Validation, ValidationError, judge
 
-RAM_SHARE = 0.5  # of MemAvailable: the page cache and other programs keep the rest
 GPU_SHARE = 0.9  # of the free device memory: an OOM there is an exception, not a frozen machine
 NO_GPU = "no GPU on this machine; validate --device cpu here, or run on a GPU host"
 
 
-def available_memory() -> int:
-    """Bytes the OS can hand out without swapping: ``MemAvailable`` from /proc/meminfo, else
-    (no /proc, e.g. macOS) the physical memory size, which the 50 % share keeps conservative."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
 
 
 def validate(
@@ -182,19 +172,6 @@ def _check_loop(options: dict[str, Any]) -> None:
                          "tests/test_qlora.py's): drop `qlora`")
 
 
-def _prepared(module: nn.Module, training: Training, target: Target) -> nn.Module:
-    """The real module the step trains: ``module`` itself, or a copy in the spec's dtype and with
-    its LoRA adapters (graphmem/training/lora.py, peft for a Hugging Face model), as the analysis
-    prepared its fake one; the user's module is never changed (an optimizer steps a copy too)."""
-    if training.lora is None and target.param_dtype is None and training.train.optimizer is None:
-        return module
-    model = copy.deepcopy(module)
-    if target.param_dtype is not None and not training.keeps_dtypes(module):
-        model = model.to(target.param_dtype)
-    if training.lora is not None:
-        model, _ = apply_lora(model, training.lora, inplace=True)
-    return model
-
 def _device(device: Union[str, torch.device]) -> torch.device:
     try:
         dev = torch.device(device)
@@ -254,21 +231,6 @@ def _build(spec: str, dev: torch.device, report: Optional[Report] = None, hf: Op
     the prediction, so the file is known to be well formed here."""
     target = report.step.target if report is not None and report.step is not None else None  # an HF model's dtype, attention
     return load(spec, device=str(dev), target=target, options=hf)
-
-
-def _inputs(loaded: Loaded, shape: tuple[int, ...], dev: torch.device) -> Batch:
-    """The model file's example_inputs, or the default-input rule, on the real device."""
-    with torch.device(dev):
-        made = make_inputs(loaded, shape)
-    return made.map(lambda x: _to(x, dev))  # example_inputs may name a device itself
-
-
-def _to(x: Any, dev: torch.device) -> Any:
-    if not isinstance(x, torch.Tensor) or x.device == dev:
-        return x
-    if x.device.type == "meta":
-        raise UsageError("an input is on the meta device: a real run needs real inputs (or give input_shape)")
-    return x.detach().to(dev).requires_grad_(x.requires_grad)
 
 
 @contextlib.contextmanager
