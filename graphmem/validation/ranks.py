@@ -63,10 +63,12 @@ from graphmem.validation.result import Row, Validation, judge
 
 REPEATS = 3  # fresh wrapped models per rank; the least peak (a free the profiler misses only raises the sum)
 SETTLE_S = 0.02  # how long a finished collective is held before it returns (see _settle)
-# what validate does not run per rank: the formulas have no real wrapper, and the rest is not modelled yet
-SHARDING: dict[str, Any] = {"world_size": 1, "rank": None, "fsdp": None, "reshard_after_forward": True, "fsdp_param_dtype": None,
-            "fsdp_reduce_dtype": None, "tp": 1, "sp": False, "fsdp_no_sync": False, "loss_parallel": False}
-UNSUPPORTED: dict[str, Any] = {"zero": 0, "pp": 1, "schedule": "1f1b", "fsdp_offload": False, "parallel": None}  # (their defaults)
+# the options that name the wrappers, with their defaults (graphmem.analyze's)
+SHARDING: dict[str, Any] = {"world_size": 1, "rank": None, "fsdp": None, "reshard_after_forward": True,
+                            "fsdp_param_dtype": None, "fsdp_reduce_dtype": None, "tp": 1, "sp": False,
+                            "fsdp_no_sync": False, "loss_parallel": False}
+# what validate does not run per rank, with their defaults: the formulas have no real wrapper, the rest is not run yet
+UNSUPPORTED: dict[str, Any] = {"zero": 0, "pp": 1, "schedule": "1f1b", "fsdp_offload": False, "parallel": None}
 
 
 @dataclass(frozen=True)
@@ -156,8 +158,8 @@ def _pickled(what: Any, name: str) -> bytes:
     try:
         torch.save(what, buf)
     except (pickle.PicklingError, AttributeError, TypeError) as e:
-        raise UsageError(f"the gloo ranks get {name} pickled, and it is not picklable ({type(e).__name__}): define its "
-                         "class at module level of an importable module, or give the model file") from None
+        raise UsageError(f"the gloo ranks get {name} pickled, and it is not picklable ({type(e).__name__}): define it "
+                         "(its class) at module level of an importable module, or give the model file") from None
     return buf.getvalue()
 
 
