@@ -128,3 +128,23 @@ def test_cli_refuses_the_zero_formula_in_one_line(capfd: pytest.CaptureFixture[s
     out, err = capfd.readouterr()
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and out == "" and len(lines) == 1 and "not --zero" in lines[0]  # (the CLI names its flags)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+
+
+def test_a_job_over_the_memory_budget_is_refused_before_any_rank_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphmem.validation.ranks as ranks
+
+    monkeypatch.setattr(ranks, "available_memory", lambda: 1000)
+    monkeypatch.setattr(ranks, "run_ranks", lambda job, world: pytest.fail("a rank started"))
+    with pytest.raises(UsageError, match="a real step on 2 ranks needs about .* over the safety budget"):
+        validate(_net(), (torch.randn(4, 16),), world_size=2, fsdp="fully_shard")
+
+
+def test_a_loss_the_ranks_cannot_unpickle_is_refused_in_one_line() -> None:
+    with pytest.raises(UsageError, match="`loss` pickled, and it is not picklable") as e:
+        validate(_net(), (torch.randn(4, 16),), loss=lambda out, batch: out.sum(), world_size=2, fsdp="fully_shard")
+    assert "\n" not in str(e.value)
