@@ -39,7 +39,8 @@ LAYERS: dict[str, set[str]] = {
     "trainer_api": {"errors", "capture", "spec", "training"},
     "api": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "recapture", "report",
             "distributed", "spec", "measure", "trainer_api", "titan", "titan_api"},
-    "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api", "spec", "trainer_api"},
+    "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api", "spec", "trainer_api",
+                   "distributed"},  # per-rank validate runs the same wrappers for real (graphmem/validation/ranks.py)
     "ci": {"errors", "units", "api", "report", "compare", "render", "training", "capture"},
     "progress": set(),
     "checkpointing": {"planning"}, "selective": {"planning"},  # compatibility names for printed plan code

@@ -131,12 +131,12 @@ def test_lazy_chunks_capture_what_torch_chunks_capture(monkeypatch: pytest.Monke
     # GIVEN FSDP2 at a world size far above the parameters' first dims (64 vs 16-64 rows)
     import contextlib
 
-    import graphmem.distributed.capture as dcap
+    import graphmem.distributed.wrappers as wrappers  # (apply_wrappers runs fully_shard under lazy_chunks)
 
     model, x = _hf_llama()
     sharding = make_sharding(64, 63, fsdp=True)
     fast = capture_rank(model, x, None, Target("cpu"), sharding)
-    monkeypatch.setattr(dcap, "lazy_chunks", contextlib.nullcontext)  # torch's own _chunk_with_empty
+    monkeypatch.setattr(wrappers, "lazy_chunks", contextlib.nullcontext)  # torch's own _chunk_with_empty
     slow = capture_rank(model, x, None, Target("cpu"), sharding)
     assert signature(fast) == signature(slow) and liveness(fast).peak_bytes == liveness(slow).peak_bytes
 

@@ -204,6 +204,15 @@ def loop_options(args: argparse.Namespace) -> dict[str, Any]:
                 optimizer_in_backward=args.optimizer_in_backward, offload_activations=args.offload_activations)
 
 
+def per_rank_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The parallel options given on the command line (left at their defaults: none), as
+    ``graphmem.validate`` keywords: any of them runs the ranks for real (graphmem/validation/ranks.py)."""
+    defaults = {"world_size": 1, "zero": 0, "fsdp": None, "tp": 1, "sp": False, "rank": None,
+                "reshard_after_forward": True, "fsdp_param_dtype": None, "fsdp_reduce_dtype": None,
+                "fsdp_offload": False, "fsdp_no_sync": False, "loss_parallel": False}
+    return {k: getattr(args, k) for k, d in defaults.items() if getattr(args, k) != d}
+
+
 def training_of(args: argparse.Namespace) -> Any:
     """The frozen Training spec (the loop) the training options name (checked once, here)."""
     from graphmem.training.spec import make_training

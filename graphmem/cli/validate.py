@@ -15,8 +15,10 @@ from graphmem.cli.options import (
     add_debug_argument,
     add_loop_arguments,
     add_model_arguments,
+    add_parallel_arguments,
     hf_of,
     loop_options,
+    per_rank_options,
 )
 from graphmem.errors import UsageError
 
@@ -30,7 +32,7 @@ class Validate:
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run the real step (default cpu)")
         p.add_argument("--dtype", choices=DTYPES, help="parameter dtype of the real model (default: as built)")
         p.add_argument("--amp", choices=AMP, help="autocast with fp32 parameters")
-        add_loop_arguments(p)
+        add_parallel_arguments(p, add_loop_arguments(p))  # --world-size with --fsdp/--tp: real gloo ranks, one row set each
         p.add_argument("--tolerance", type=float, metavar="PCT",
                        help="allowed peak gap, percent of the measured peak (default 1; CPU convnets need ~2.5)")
         p.add_argument("--json", action="store_true", help="print the comparison as JSON (exact integers)")
@@ -61,7 +63,8 @@ def _validate(args: argparse.Namespace) -> int:
                                       tolerance=args.tolerance)
         else:
             result = validate(args.model, input_shape=args.input_shape, device=args.device, tolerance=args.tolerance,
-                              hf=hf_of(args), dtype=args.dtype, amp=args.amp, **loop_options(args))
+                              hf=hf_of(args), dtype=args.dtype, amp=args.amp, **loop_options(args),
+                              **per_rank_options(args))
     sys.stdout.write(json.dumps({"validation": result.to_dict()}, indent=2) + "\n" if args.json
                      else render_validation(result))
     sys.stdout.flush()  # the table comes before the stderr line of a failure

@@ -38,11 +38,11 @@ from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recorder import _Mode, _Recorder
 from graphmem.capture.rng_states import rng_states
 from graphmem.capture.target import Target
-from graphmem.distributed.chunks import lazy_chunks
-from graphmem.distributed.fsdp import fake_copy, local, shard, unsharded_grads, watching
+from graphmem.distributed.fsdp import fake_copy, local, unsharded_grads, watching
 from graphmem.distributed.process_group import fake_process_group
 from graphmem.distributed.spec import Sharding
-from graphmem.distributed.tensor_parallel import parallelize, step_context
+from graphmem.distributed.tensor_parallel import step_context
+from graphmem.distributed.wrappers import apply_wrappers
 from graphmem.errors import GraphmemError
 from graphmem.stepgraph import StepGraph
 from graphmem.training.loop import Session, TrainStep, relabel_accumulation
@@ -72,11 +72,7 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
         with fake_mode:
             wrapped = fake_copy(model, target.param_dtype)
             cap.real_bookkeeping = True  # the meshes' own tensors are real
-            if sharding.tp > 1:
-                parallelize(wrapped, sharding, meshes)
-            if sharding.fsdp:
-                with lazy_chunks():  # (only the chunks FSDP2 reads: graphmem/distributed/chunks.py)
-                    shard(wrapped, sharding, meshes)
+            apply_wrappers(wrapped, sharding, meshes, fake=True)  # the same call as validate's real ranks
             cap.real_bookkeeping = False
             cap.paths = module_names(wrapped)
             param_sid = {}

@@ -50,19 +50,25 @@ def fake_process_group(rank: int, world_size: int, tp: int = 1, fsdp: bool = Tru
                          "in a fake process group of its own: call analyze outside the distributed job")
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
-        dp = world_size // tp
-        if tp > 1 and fsdp and dp > 1:
-            world = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-            yield Meshes(world, world["dp"], world["tp"])
-        elif tp > 1:
-            world = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-            yield Meshes(world, None, world)
-        else:
-            world = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-            yield Meshes(world, world, None)
+        yield device_meshes(world_size, tp, fsdp)
     finally:
         dist.destroy_process_group()
         _forget_meshes()
+
+
+def device_meshes(world_size: int, tp: int = 1, fsdp: bool = True) -> Meshes:
+    """The CPU device mesh(es) over the initialized process group: data parallel x tensor parallel
+    (``world_size // tp`` x ``tp``) when both split, else one dimension. The fake group's capture
+    and validate's real gloo ranks (graphmem/validation/ranks.py) build them here, the same way."""
+    dp = world_size // tp
+    if tp > 1 and fsdp and dp > 1:
+        world = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        return Meshes(world, world["dp"], world["tp"])
+    if tp > 1:
+        world = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+        return Meshes(world, None, world)
+    world = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    return Meshes(world, world, None)
 
 
 def _forget_meshes() -> None:

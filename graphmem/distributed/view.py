@@ -39,6 +39,11 @@ class RankView:
 
     def describe(self) -> str:
         s = self.sharding
+        return f"rank {s.rank} of {s.world_size} ({self.wrappers()})"
+
+    def wrappers(self) -> str:
+        """What split the step: the tensor-parallel engine and fully_shard with its policies."""
+        s = self.sharding
         wrappers = []
         if s.tp > 1:
             wrappers.append(f"{self.tp_engine} tp={s.tp}" + (" + sequence parallel" if s.sp else ""))
@@ -46,7 +51,7 @@ class RankView:
             mp = ", ".join(f"{k}={v}" for k, v in (("param_dtype", s.param_dtype), ("reduce_dtype", s.reduce_dtype)) if v)
             wrappers.append(f"fully_shard over {s.dp}, reshard_after_forward={s.reshard_after_forward}"
                             + (f", {mp}" if mp else "") + (", CPUOffloadPolicy" if s.offload else ""))
-        return f"rank {s.rank} of {s.world_size} ({'; '.join(wrappers)})"
+        return "; ".join(wrappers)
 
     def lines(self) -> tuple[str, ...]:
         out = [self.describe()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from graphmem.validation.ranks import REPEATS
 from graphmem.validation.result import Row, Validation
 
 
@@ -17,10 +18,13 @@ def _verdict(r: Row, tolerance: float) -> str:
 def render_validation(v: Validation) -> str:
     """The side-by-side table (exact bytes) and the verdict."""
     shapes = ", ".join("x".join(map(str, s)) for s in v.input_shapes) or "-"
-    rows = [[r.name, f"{r.predicted:,}", f"{r.measured:,}", f"{r.difference:+,}",
+    ranked = bool(v.ranks)  # a per-rank validation: each row names its gloo rank
+    rows = [[*([r.rank] if ranked else []), r.name, f"{r.predicted:,}", f"{r.measured:,}", f"{r.difference:+,}",
              "-" if r.percent is None else f"{r.percent:+.3f} %", _verdict(r, v.tolerance)] for r in v.rows]
-    table = tabulate(rows, headers=["bytes", "predicted", "measured", "difference", "%", "verdict"],
-                     tablefmt="simple", colalign=("left", "right", "right", "right", "right", "left"))
+    table = tabulate(rows, headers=[*(["rank"] if ranked else []), "bytes", "predicted", "measured", "difference", "%",
+                                    "verdict"],
+                     tablefmt="simple", colalign=(*(("right",) if ranked else ()), "left", "right", "right", "right",
+                                                  "right", "left"))
     if v.device == "cpu":
         how = ("measured: saved_tensors_hooks on the real forward (distinct storages) and the CPU allocator's "
                "events (torch.profiler). A kernel's scratch inside one op is invisible to fake tensors, so the "
@@ -32,6 +36,13 @@ def render_validation(v: Validation) -> str:
     verdict = "within tolerance" if v.ok else f"OUTSIDE tolerance: {v.reason}"
     budget = v.report.budget if v.report is not None else None
     loop = budget.training.train.describe(budget.device) if budget is not None else ""
-    return (f"graphmem validate · {v.model} · input {shapes} · {v.device} · one real training step"
+    sharding = getattr(v.report, "sharding", None) if ranked else None
+    where = f"{v.device}, {sharding.sharding.world_size} gloo processes: {sharding.wrappers()}" \
+        if sharding is not None else v.device
+    if ranked:
+        how += (" Each rank is a real process (gloo) wrapped by the per-rank analysis's own call; its collectives "
+                "are held until their buffers die on the rank's thread, and its least peak of "
+                f"{REPEATS} fresh steps is kept.")
+    return (f"graphmem validate · {v.model} · input {shapes} · {where} · one real training step"
             f"{f' ({loop})' if loop else ''}\n\n"
             f"{table}\n\n{how}\n{verdict}\n")

@@ -21,13 +21,15 @@ class ValidationError(GraphmemError):
 
 @dataclass(frozen=True)
 class Row:
-    """One compared quantity. ``rule``: "exact", "tolerance" or "info" (no verdict)."""
+    """One compared quantity. ``rule``: "exact", "tolerance" or "info" (no verdict); ``rank``: the
+    gloo rank it was measured on (a per-rank validation, graphmem/validation/ranks.py), else None."""
 
     name: str
     predicted: int
     measured: int
     rule: str
     ok: Optional[bool]  # None for "info"
+    rank: Optional[int] = None
 
     @property
     def difference(self) -> int:
@@ -55,8 +57,13 @@ class Validation:
     def ok(self) -> bool:
         return not self.reason
 
-    def row(self, name: str) -> Row:
-        return next(r for r in self.rows if r.name == name)
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks the rows were measured on (a per-rank validation); () for one device's step."""
+        return tuple(dict.fromkeys(r.rank for r in self.rows if r.rank is not None))
+
+    def row(self, name: str, rank: Optional[int] = None) -> Row:
+        return next(r for r in self.rows if r.name == name and (rank is None or r.rank == rank))
 
     def check(self) -> None:
         """Raise ValidationError (exit code 1 in the CLI) when outside the tolerance."""
@@ -66,9 +73,9 @@ class Validation:
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "device": self.device, "input_shapes": [list(s) for s in self.input_shapes],
                 "tolerance_percent": self.tolerance, "ok": self.ok, "reason": self.reason,
-                "rows": [{"name": r.name, "predicted": r.predicted, "measured": r.measured,
-                          "difference": r.difference, "percent": r.percent, "rule": r.rule, "ok": r.ok}
-                         for r in self.rows]}
+                "rows": [{"name": r.name, **({"rank": r.rank} if r.rank is not None else {}), "predicted": r.predicted,
+                          "measured": r.measured, "difference": r.difference, "percent": r.percent, "rule": r.rule,
+                          "ok": r.ok} for r in self.rows]}
 
 def judge(rows: tuple[Row, ...], tol: float, hint: str = "") -> tuple[tuple[Row, ...], str]:
     """Each row with its verdict, and one line naming the first failure ("" when all pass);
@@ -86,12 +93,16 @@ def _verdict(r: Row, tol: float, hint: str) -> tuple[Optional[bool], str]:
     if r.rule == "info":
         return None, ""
     if r.rule == "exact":
-        return d == 0, "" if d == 0 else (f"{r.name}: predicted {r.predicted:,} B, measured {r.measured:,} B ({d:+,} B); "
+        return d == 0, "" if d == 0 else (f"{_named(r)}: predicted {r.predicted:,} B, measured {r.measured:,} B ({d:+,} B); "
                                           "these must match exactly (a graphmem bug: please report it with the --json output)")
     if d > 0:
-        return False, (f"{r.name}: predicted {r.predicted:,} B is above the measured {r.measured:,} B by {d:,} B; "
+        return False, (f"{_named(r)}: predicted {r.predicted:,} B is above the measured {r.measured:,} B by {d:,} B; "
                        "graphmem counts memory the real step never allocates (a graphmem bug: please report it)")
     if -d <= tol / 100.0 * r.measured:
         return True, ""
-    return False, (f"{r.name}: predicted {r.predicted:,} B is {-(r.percent or 0.0):.3f} % below the measured "
+    return False, (f"{_named(r)}: predicted {r.predicted:,} B is {-(r.percent or 0.0):.3f} % below the measured "
                    f"{r.measured:,} B, outside the {tol:g} % tolerance{hint}")
+
+
+def _named(r: Row) -> str:
+    return r.name if r.rank is None else f"rank {r.rank}'s {r.name}"

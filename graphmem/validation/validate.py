@@ -25,7 +25,6 @@ out is an error, not a machine in swap).
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import os
 from typing import Any, Iterator, Optional, Union
@@ -36,7 +35,7 @@ import torch.nn as nn
 import graphmem.validation.measure as measure  # called through the module: tests patch it
 from graphmem.api import analyze
 from graphmem.capture.hf import HFOptions
-from graphmem.capture.load import Loaded, load, make_inputs, parse_shape
+from graphmem.capture.load import Loaded, load, parse_shape
 from graphmem.capture.target import DTYPES, GPUS, Target
 from graphmem.errors import UsageError
 from graphmem.passes.allocator import allocator
@@ -44,29 +43,20 @@ from graphmem.report import Report
 from graphmem.spec import shape_of
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.hf_trainer import is_trainer
-from graphmem.training.lora import apply_lora
 from graphmem.training.spec import Training
 from graphmem.training.step import LossFn, run_step
 from graphmem.units import fmt_bytes
 from graphmem.validation.profiler_log import without_profiler_log
+from graphmem.validation.real import RAM_SHARE, available_memory
+from graphmem.validation.real import prepared as _prepared
+from graphmem.validation.real import real_inputs as _inputs
+from graphmem.validation.real import to_device as _to
 from graphmem.validation.result import DEFAULT_TOLERANCE, Row, Validation, ValidationError, judge
 
-RAM_SHARE = 0.5  # of MemAvailable: the page cache and other programs keep the rest
 GPU_SHARE = 0.9  # of the free device memory: an OOM there is an exception, not a frozen machine
 NO_GPU = "no GPU on this machine; validate --device cpu here, or run on a GPU host"
 
 
-def available_memory() -> int:
-    """Bytes the OS can hand out without swapping: ``MemAvailable`` from /proc/meminfo, else
-    (no /proc, e.g. macOS) the physical memory size, which the 50 % share keeps conservative."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
 
 
 def validate(
@@ -86,7 +76,10 @@ def validate(
     ``master_weights``, ``micro_batches``, ``dtype``, ``amp``, ``lora_rank``/``lora_targets``/``lora_alpha``):
     the real run is that loop (graphmem/training/loop.py, the one the capture runs), with the
     optimizer's states, the later steps' peak (a second real step, the first unmeasured) and the
-    peak compared. Parallel settings are validated by real gloo jobs (tests/dist_truth.py), not here.
+    peak compared. ``world_size`` with ``fsdp="fully_shard"`` and/or ``tp``/``sp`` (``rank``: that rank only,
+    else every rank) runs each rank's step for real in gloo CPU processes, wrapped by the same call as the
+    per-rank analysis, rows per rank (graphmem/validation/ranks.py); ``zero``, ``fsdp="full"``/``"grad-op"``
+    (formulas), ``pp`` and ``fsdp_offload`` are refused in one line.
 
     ``inputs``: a tuple, a dict (``model(**inputs)``, as Hugging Face loops call it) or
     ``(args, kwargs)``. ``model``: a model file or preset (built for real on ``device`` after the prediction fits
@@ -116,6 +109,8 @@ def validate(
         raise UsageError("no inputs: pass example inputs or `input_shape='32x1024'`")
     shape = _shape(input_shape) if inputs is None else None
     given = None if inputs is None else as_batch(inputs)
+    if any(k in options for k in _PARALLEL):  # rank r's step through the wrappers, on real gloo ranks
+        return _ranks(model, given, shape, loss, dev, tol, hf, options)
     _check_loop(options)
 
     if isinstance(model, nn.Module):
@@ -159,28 +154,23 @@ _PARALLEL = ("world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank",
              "fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_offload", "fsdp_no_sync", "loss_parallel", "parallel")
 
 
+def _ranks(model: Any, given: Optional[Batch], shape: Optional[tuple[int, ...]], loss: Optional[LossFn],
+           dev: torch.device, tol: float, hf: Optional[HFOptions], options: dict[str, Any]) -> Validation:
+    """Rank r's step through fully_shard/parallelize_module, run on real gloo ranks (graphmem/validation/ranks.py)."""
+    from graphmem.validation.ranks import validate_ranks
+
+    if dev.type != "cpu":
+        raise UsageError("validate runs the ranks' real steps as CPU processes over gloo: use `device='cpu'`")
+    if isinstance(model, nn.Module):
+        _check_real(model, dev)
+    return validate_ranks(model, given, shape, loss, hf, tol, options)
+
+
 def _check_loop(options: dict[str, Any]) -> None:
-    split = [k for k in _PARALLEL if k in options]
-    if split:
-        raise UsageError(f"validate runs one device's real step; {', '.join(f'`{k}`' for k in split)} split it over ranks, whose real "
-                         "runs are multi-process gloo jobs (tests/dist_truth.py): drop them here")
     if options.get("qlora") or options.get("quantization"):
         raise UsageError("validate does not run QLoRA's 4-bit step for real yet (its real CPU steps are "
                          "tests/test_qlora.py's): drop `qlora`")
 
-
-def _prepared(module: nn.Module, training: Training, target: Target) -> nn.Module:
-    """The real module the step trains: ``module`` itself, or a copy in the spec's dtype and with
-    its LoRA adapters (graphmem/training/lora.py, peft for a Hugging Face model), as the analysis
-    prepared its fake one; the user's module is never changed (an optimizer steps a copy too)."""
-    if training.lora is None and target.param_dtype is None and training.train.optimizer is None:
-        return module
-    model = copy.deepcopy(module)
-    if target.param_dtype is not None and not training.keeps_dtypes(module):
-        model = model.to(target.param_dtype)
-    if training.lora is not None:
-        model, _ = apply_lora(model, training.lora, inplace=True)
-    return model
 
 def _device(device: Union[str, torch.device]) -> torch.device:
     try:
@@ -241,21 +231,6 @@ def _build(spec: str, dev: torch.device, report: Optional[Report] = None, hf: Op
     the prediction, so the file is known to be well formed here."""
     target = report.step.target if report is not None and report.step is not None else None  # an HF model's dtype, attention
     return load(spec, device=str(dev), target=target, options=hf)
-
-
-def _inputs(loaded: Loaded, shape: tuple[int, ...], dev: torch.device) -> Batch:
-    """The model file's example_inputs, or the default-input rule, on the real device."""
-    with torch.device(dev):
-        made = make_inputs(loaded, shape)
-    return made.map(lambda x: _to(x, dev))  # example_inputs may name a device itself
-
-
-def _to(x: Any, dev: torch.device) -> Any:
-    if not isinstance(x, torch.Tensor) or x.device == dev:
-        return x
-    if x.device.type == "meta":
-        raise UsageError("an input is on the meta device: a real run needs real inputs (or give input_shape)")
-    return x.detach().to(dev).requires_grad_(x.requires_grad)
 
 
 @contextlib.contextmanager

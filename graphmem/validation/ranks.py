@@ -1,0 +1,342 @@
+"""``graphmem.validate`` of a step split over ranks by PyTorch's own wrappers: the step the per-rank
+analysis records on fake tensors (graphmem/distributed/capture.py) run for real in ``world_size``
+CPU processes with the gloo backend (torch.multiprocessing.spawn, a file:// rendezvous in a
+temporary directory), each rank wrapped by the same call (graphmem/distributed/wrappers.py
+``apply_wrappers``: ``parallelize_module``, then ``fully_shard`` per unit, over meshes built by
+graphmem/distributed/process_group.py ``device_meshes``), and compared rank by rank with
+``graphmem.analyze(..., rank=r)``.
+
+Each rank measures what graphmem/validation/measure.py measures on one device: the distinct
+storages autograd saves in forward and loss (a DTensor's local shard; the model's parameters and
+buffers excluded at each save, since FSDP2 registers the unsharded parameters during forward),
+the bytes live before the step (rank r's local shards, buffers, the batch; with an optimizer, its
+states before the later step) and the peak: those bytes plus the largest running sum of the CPU
+allocator's events under torch.profiler. Every rank runs with the thread count the prediction
+used (the CPU scratch rules depend on it: graphmem/oprules/).
+
+Why the peak is measured as it is (tests/dist_truth.py found each): gloo's worker thread drops its
+reference to a collective's Work, which holds the buffers, once it has run it, and a buffer whose
+last reference dies there is freed on a thread the profiler does not watch: each collective is
+waited on and held a moment (``_settle``) so the last reference dies on the rank's own thread. A
+free the profiler still misses only raises the running sum, so each rank steps ``REPEATS`` fresh
+wrapped models and keeps the least peak. Everything a step leaves is kept alive to the end (the
+allocator's profiler reporter, c10/core/CPUAllocator.cpp, remembers blocks allocated while
+profiling: a block freed after one profile would be reported in another's).
+
+The tolerance is validate's (percent of the measured peak, default 1): the per-rank gaps measured
+against real gloo jobs are the single-device ones, a few bytes (tests/test_distributed.py
+SINGLE_GAP: 0 B, or 96 B for transformers' GPT-2's GELU scalars; tests/test_distributed_step.py
+OPTIMIZER_GAP: 12 B in the for-loop AdamW's step), and the prediction is never above the real peak.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn as nn
+
+import graphmem.validation.measure as measure
+from graphmem.api import analyze
+from graphmem.capture.hf import HFOptions
+from graphmem.capture.load import load
+from graphmem.capture.target import DTYPES, Target
+from graphmem.distributed.fsdp import local
+from graphmem.distributed.spec import Sharding, make_sharding
+from graphmem.errors import GraphmemError, UsageError
+from graphmem.report import Report
+from graphmem.spec import Ranks, StepSpec, make_spec
+from graphmem.training.batch import Batch, as_batch
+from graphmem.training.loop import Session
+from graphmem.training.spec import Training
+from graphmem.training.step import LossFn, run_step
+from graphmem.units import fmt_bytes
+from graphmem.validation.profiler_log import without_profiler_log
+from graphmem.validation.real import RAM_SHARE, available_memory, prepared, real_inputs
+from graphmem.validation.result import Row, Validation, judge
+
+REPEATS = 3  # fresh wrapped models per rank; the least peak (a free the profiler misses only raises the sum)
+SETTLE_S = 0.02  # how long a finished collective is held before it returns (see _settle)
+# the options that name the wrappers, with their defaults (graphmem.analyze's)
+SHARDING: dict[str, Any] = {"world_size": 1, "rank": None, "fsdp": None, "reshard_after_forward": True,
+                            "fsdp_param_dtype": None, "fsdp_reduce_dtype": None, "tp": 1, "sp": False,
+                            "fsdp_no_sync": False, "loss_parallel": False}
+# what validate does not run per rank, with their defaults: the formulas have no real wrapper, the rest is not run yet
+UNSUPPORTED: dict[str, Any] = {"zero": 0, "pp": 1, "schedule": "1f1b", "fsdp_offload": False, "parallel": None}
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What each gloo rank needs to build and step the model, pickled to the spawned processes."""
+
+    model: Union[str, bytes]  # a model file or preset (each rank builds it, as validate does) or a module, pickled
+    hf: Optional[HFOptions]
+    built: Optional[Target]  # load()'s target: a Hugging Face model's dtype and attention
+    batch: Optional[bytes]  # the batch, pickled; None: each rank makes it for ``shape`` from the model file
+    shape: tuple[int, ...]
+    loss: Optional[LossFn]
+    training: Training
+    target: Target
+    sharding: Sharding
+    threads: int
+
+
+def validate_ranks(model: Any, given: Optional[Batch], shape: Optional[tuple[int, ...]], loss: Optional[LossFn],
+                   hf: Optional[HFOptions], tol: float, options: dict[str, Any]) -> Validation:
+    """The per-rank prediction (``graphmem.analyze(..., rank=r)``) of each rank ``options`` name (``rank``, else
+    all of ``world_size``) beside a real gloo run of every rank; rows carry their rank."""
+    refused = [k for k, d in UNSUPPORTED.items() if _set(options.get(k, d), d)]
+    if refused or options.get("fsdp") not in (None, "fully_shard"):
+        named = refused or [f"fsdp={options.get('fsdp')!r}"]
+        raise UsageError(f"validate runs rank r's real step through fully_shard and parallelize_module only, not "
+                         f"{', '.join(f'`{k}`' for k in named)} (`zero` and `fsdp='full'`/`'grad-op'` are formulas with "
+                         "no wrapper to run; `pp`, `fsdp_offload` and a built `parallel` are not run for real yet): "
+                         "drop it, or validate `fsdp='fully_shard'` or `tp`")
+    if options.get("fsdp") is None and options.get("tp", 1) == 1:
+        raise UsageError("nothing splits the step over ranks (no `fsdp='fully_shard'`, no `tp`): add one, "
+                         "or drop `world_size`/`rank` to validate one device's step")
+    sharding = _sharding(options)
+    loop = {k: v for k, v in options.items() if k not in SHARDING and k not in UNSUPPORTED}
+    spec = make_spec(model, given, input_shape=shape, loss=loss, hf=hf, device="cpu", parallel=Ranks(sharding), **loop)
+    ranks = [options["rank"]] if options.get("rank") is not None else list(range(sharding.world_size))
+    reports = {r: analyze(spec.replace(parallel=Ranks(dataclasses.replace(sharding, rank=r)))) for r in ranks}
+    _check_budget(reports, sharding.world_size)
+    job = _job(spec, model, given, loss, hf, reports[ranks[0]])
+    measured = run_ranks(job, sharding.world_size)  # (each rank drops kineto's log lines itself)
+    rows: list[Row] = []
+    for r, report in reports.items():
+        rows.extend(_rows(report, measured[r], r))
+    judged, reason = judge(tuple(rows), tol)
+    first = reports[ranks[0]]
+    return Validation(first.model, "cpu", tuple(tuple(s) for s in first.input_shapes), tol, judged, reason, first)
+
+
+def _sharding(options: dict[str, Any]) -> Sharding:
+    """The wrappers the options name, always through them (``tp`` without ``rank`` would otherwise be
+    Megatron's formula in graphmem.analyze, which has no real run); checked by make_sharding."""
+    o = {k: options.get(k, d) for k, d in SHARDING.items()}
+    return make_sharding(o["world_size"], o["rank"] or 0, o["fsdp"] == "fully_shard", o["reshard_after_forward"],
+                         o["fsdp_param_dtype"], o["fsdp_reduce_dtype"], False, o["tp"], o["sp"], o["fsdp_no_sync"],
+                         None, o["loss_parallel"])  # (the loop is checked with it where the spec is built)
+
+
+def _set(value: Any, default: Any) -> bool:
+    """Whether an option is set away from its default (``True == 1``, so the type counts too)."""
+    return type(value) is not type(default) or value != default
+
+
+def _rows(report: Report, m: dict[str, int], rank: int) -> list[Row]:
+    rows = [Row("saved for backward", report.activation_bytes, m["saved"], "exact", None, rank),
+            Row("before the step", report.baseline_bytes, m["baseline"], "exact", None, rank),
+            Row("peak", report.peak_bytes, m["peak"], "tolerance", None, rank)]
+    if "later" in m and report.budget is not None:
+        b = report.budget.rank
+        rows += [Row("optimizer states", b.row("optimizer states").size, m["states"], "exact", None, rank),
+                 Row("peak (later steps)", b.later_peak_bytes, m["later"], "tolerance", None, rank)]
+    return rows
+
+
+def _check_budget(reports: dict[int, Report], world_size: int) -> None:
+    """All ranks run on this machine: refuse a job whose predicted peaks exceed half the available RAM."""
+    per_rank = max(max(r.peak_bytes, r.budget.rank.later_peak_bytes if r.budget is not None else 0)
+                   for r in reports.values())
+    needed, budget = world_size * per_rank, int(available_memory() * RAM_SHARE)
+    if needed > budget:
+        raise UsageError(f"a real step on {world_size} ranks needs about {fmt_bytes(needed)} on this machine, over the "
+                         f"safety budget of {fmt_bytes(budget)} ({RAM_SHARE:.0%} of the available RAM): validate a "
+                         "smaller `input_shape` or configuration")
+
+
+def _pickled(what: Any, name: str) -> bytes:
+    buf = io.BytesIO()
+    try:
+        torch.save(what, buf)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise UsageError(f"the gloo ranks get {name} pickled, and it is not picklable ({type(e).__name__}): define it "
+                         "(its class) at module level of an importable module, or give the model file") from None
+    return buf.getvalue()
+
+
+def _job(spec: StepSpec, model: Any, given: Optional[Batch], loss: Optional[LossFn], hf: Optional[HFOptions],
+         report: Report) -> RankJob:
+    batch: Optional[Batch] = given
+    if isinstance(model, nn.Module):
+        source: Union[str, bytes] = _pickled(model, "the model")
+        if batch is None:  # the batch the analysis made for the shape (an HF model's own), made for real here
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                batch = as_batch(spec.inputs.make(spec.shape))
+    else:
+        spec_name = os.fspath(model)
+        source = os.path.abspath(spec_name) if os.path.exists(spec_name) else spec_name
+    if loss is not None:
+        _pickled(loss, "`loss`")
+    built = report.step.target if report.step is not None else None
+    return RankJob(source, hf, built, None if batch is None else _pickled(batch, "the inputs"), spec.shape, loss,
+                   spec.training, spec.target, spec.parallel.sharding, torch.get_num_threads())  # type: ignore[union-attr]
+
+
+def run_ranks(job: RankJob, world_size: int) -> list[dict[str, int]]:
+    """Each rank's measurement (see ``_measure_rank``) from one real gloo job of ``world_size`` processes."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init, out = f"file://{os.path.join(tmp, 'store')}", os.path.join(tmp, "result")
+        try:
+            mp.spawn(_rank_main, args=(job, world_size, init, out), nprocs=world_size, join=True)
+        except mp.ProcessRaisedException as e:
+            last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
+            raise GraphmemError(f"the real gloo run failed on a rank: {last}") from None
+        except mp.ProcessExitedException as e:
+            raise GraphmemError(f"a gloo rank exited with {e.exit_code} (out of memory?)") from None
+        return [torch.load(f"{out}.{r}") for r in range(world_size)]
+
+
+def _rank_main(rank: int, job: RankJob, world_size: int, init: str, out: str) -> None:
+    """A spawned rank: join the gloo job, step and measure, write the result for the parent."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    torch.set_num_threads(job.threads)  # (a spawned process: it ends with the job)
+    _settle()
+    try:
+        with without_profiler_log():
+            result = _measure_rank(job, dataclasses.replace(job.sharding, rank=rank))
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _settle() -> None:
+    """FSDP2's collectives (dist.all_gather_single, dist.reduce_scatter_single) and DTensor's
+    functional ones (their wait_tensor) waited on, then held ``SETTLE_S`` before they return: the
+    last reference to their buffers then dies on this rank's profiled thread, not gloo's (see the
+    module's docstring). In a spawned rank process only; it ends with the job."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    def settled(collective: Any) -> Any:
+        def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+            work = collective(*args, async_op=True, **kwargs)
+            work.wait()
+            time.sleep(SETTLE_S)
+            return work if async_op else None
+        return call
+
+    wait = funcol.wait_tensor
+
+    def settled_wait(tensor: torch.Tensor) -> torch.Tensor:
+        done = wait(tensor)
+        time.sleep(SETTLE_S)
+        return done
+
+    dist.all_gather_single = settled(dist.all_gather_single)  # type: ignore[attr-defined]
+    dist.reduce_scatter_single = settled(dist.reduce_scatter_single)  # type: ignore[attr-defined]
+    funcol.wait_tensor = settled_wait
+
+
+def _measure_rank(job: RankJob, sharding: Sharding) -> dict[str, int]:
+    """Rank ``sharding.rank``'s least peaks over ``REPEATS`` fresh wrapped models, its saved and before-step bytes."""
+    from graphmem.distributed.process_group import device_meshes
+    from graphmem.distributed.wrappers import apply_wrappers
+
+    meshes = device_meshes(sharding.world_size, sharding.tp, sharding.fsdp)
+    kept: list[Any] = []
+    runs = []
+    for _ in range(REPEATS):
+        model, batch, loss_fn = _real(job)
+        apply_wrappers(model, sharding, meshes)  # the call the per-rank capture makes
+        runs.append(_steps(model, batch, loss_fn, job, sharding, kept))
+    result = dict(runs[0])
+    for key in ("peak", "later"):
+        if key in result:
+            result[key] = min(r[key] for r in runs)
+    return result
+
+
+def _real(job: RankJob) -> tuple[nn.Module, Batch, Optional[LossFn]]:
+    """The model, batch and loss, built for real on this rank as validate builds them on one device (seed 0)."""
+    torch.manual_seed(0)
+    loss = job.loss
+    if isinstance(job.model, bytes):
+        module = torch.load(io.BytesIO(job.model), weights_only=False)
+    else:
+        loaded = load(job.model, device="cpu", target=job.built, options=job.hf)
+        module, loss = loaded.module, loss or loaded.loss
+    if job.batch is not None:
+        batch = torch.load(io.BytesIO(job.batch), weights_only=False)
+    else:
+        batch = real_inputs(loaded, job.shape, torch.device("cpu"))
+    return prepared(module, job.training, job.target).train(), batch, loss
+
+
+class _Saves:
+    """saved_tensors_hooks counting the distinct storages saved in forward and loss (a DTensor's local
+    shard), the model's parameters and buffers as registered at that moment excluded."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.phase, self.saved = model, "forward", {}  # type: ignore[var-annotated]
+
+    def set_phase(self, phase: str) -> None:
+        if phase == "forward":  # a later micro-step: the last one's saved set is the step's
+            self.saved.clear()
+        self.phase = phase
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = local(t).untyped_storage()
+        if self.phase in ("forward", "loss") and st._cdata not in _storages(_held(self.model)):
+            self.saved[st._cdata] = st.nbytes()
+        return t
+
+
+def _held(model: nn.Module) -> list[torch.Tensor]:
+    return [local(t) for t in (*model.parameters(), *model.buffers())]
+
+
+def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
+    return {local(t).untyped_storage()._cdata: local(t).untyped_storage().nbytes() for t in tensors}
+
+
+def _steps(model: nn.Module, batch: Batch, loss_fn: Optional[LossFn], job: RankJob, sharding: Sharding,
+           kept: list[Any]) -> dict[str, int]:
+    """One real step (two with an optimizer: the later one starts with its states) of the wrapped model:
+    the loop the capture runs (graphmem/training/loop.py), FSDP2's gradient sync as the spec says."""
+    from graphmem.distributed.tensor_parallel import step_context
+
+    train = job.training.train if job.training.train.active else None
+    session = Session(train, dict(model.named_parameters()), "cpu") if train is not None else None
+    context = measure._autocast(DTYPES[job.target.amp] if job.target.amp else None)
+    saves, result = _Saves(model), dict[str, int]()
+
+    def sync(i: int, runs: int) -> None:
+        if sharding.no_sync and sharding.fsdp:
+            model.set_requires_gradient_sync(i == runs - 1)  # type: ignore[operator]
+
+    states = lambda: [t for _, _, t in session.state_tensors()] if session is not None else []  # noqa: E731
+    for i in range(2 if session is not None and session.optimizer is not None else 1):
+        masters = list(session.masters.values()) if session is not None else []
+        baseline = sum(_storages(_held(model) + list(batch.tensors()) + masters + states()).values())
+        with measure._quiet_gc(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                         profile_memory=True) as prof, \
+                torch.autograd.graph.saved_tensors_hooks(saves.pack, lambda t: t), step_context(sharding):
+            if session is None:
+                out, loss = run_step(model, batch, loss_fn, saves.set_phase, context)
+            else:
+                out, loss = session.run(model, batch, loss_fn, saves.set_phase, context, micro_step=sync)
+        kept.append((out, loss))  # freed after profiling would confuse the next profile (see the module's docstring)
+        high = running = 0
+        for _, size in measure._allocation_events(prof):
+            running += size
+            high = max(high, running)
+        if i == 0:
+            result.update(saved=sum(saves.saved.values()), baseline=baseline, peak=baseline + high)
+        else:
+            result.update(later=baseline + high, states=sum(_storages(states()).values()))
+    kept.append((model, batch, session))
+    return result
