@@ -50,6 +50,7 @@ from graphmem.capture.compiled_cuda import compiled_context as cuda_context
 from graphmem.capture.compiled_cuda import cuda_graph, example_values_ruled, graphs_unruled
 from graphmem.capture.dynamo_cache import cache_entries, cache_sizes, compiled_codes
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
+from graphmem.capture.inductor_partition import inductor_partition
 from graphmem.capture.partition_record import Partition, recording
 from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
@@ -170,6 +171,8 @@ class _Backend:
 
         if self.target is not None and self.target.device == "cuda":
             cuda_graph(gm, self.target, self.used)
+        if self.target is not None and self.target.compile_backend == "inductor":
+            return inductor_partition(gm, example_inputs, self._compiler("forward"), self._compiler("backward"))
         return aot_eager(gm, example_inputs, fw_compiler=self._compiler("forward"),
                          bw_compiler=self._compiler("backward"))
 
