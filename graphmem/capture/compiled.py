@@ -232,9 +232,11 @@ class CompiledStep:
 
     @staticmethod
     def trace(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target,
-              used: Optional[dict[str, int]] = None) -> "CompiledStep":
+              used: Optional[dict[str, int]] = None, runner: Optional[Callable[..., Any]] = None) -> "CompiledStep":
         """Compile and run one step of ``model`` on a plain fake mode (step 1 above); on the CUDA
-        target ``used`` counts the SDPA backends the graphs run."""
+        target ``used`` counts the SDPA backends the graphs run. ``runner`` (a trainer's own step, as
+        the capture takes it: graphmem/training/hf_trainer.py) runs the step in graphmem's place, so
+        the model is called as the replay will call it (its keyword inputs, accelerate's autocast)."""
         from torch._dynamo.utils import counters
 
         names = frozenset(name for name, _ in model.named_modules())
@@ -255,8 +257,12 @@ class CompiledStep:
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True):
-                    run_step(lambda *a, **k: _unruled(optimized, model, *a, **k), batch, loss_fn, partial(_stop_at_backward, phase),
-                             compiled_context(target))
+                    forward = partial(_unruled, optimized, model)
+                    if runner is not None:
+                        runner(forward, batch, loss_fn, partial(_stop_at_backward, phase), compiled_context(target),
+                               fake=True)
+                    else:
+                        run_step(forward, batch, loss_fn, partial(_stop_at_backward, phase), compiled_context(target))
         except _Compiled:
             pass  # every graph is compiled: the backward graphs with their forward (partition_config)
         except GraphmemError:
