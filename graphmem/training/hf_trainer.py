@@ -163,7 +163,7 @@ class TrainerRunner:
 
     def restart(self) -> None:
         """The next run is a first step again: a new optimizer (no states yet) and ``_tr_loss``."""
-        self.started = False
+        self.started, self.tr_loss = False, None
 
     @property
     def optimizer(self) -> Optional[torch.optim.Optimizer]:
