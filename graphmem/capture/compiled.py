@@ -22,7 +22,11 @@ How: two runs of the step, both on fake tensors, nothing real allocated.
    recorder the module of the node running (its ``nn_module_stack``), since module hooks inside
    a compiled graph never fire.
 
-The partition runs at ``Target.memory_budget`` (``activation_memory_budget``, ``partition_config``).
+The partition runs at ``Target.memory_budget`` (``activation_memory_budget``, ``partition_config``);
+with ``Target.compile_backend == "inductor"``, after Inductor's decompositions and joint-graph passes
+(graphmem/capture/inductor_partition.py). A trainer's own step (a transformers Trainer's:
+graphmem/training/hf_trainer.py) runs in both the trace and the replay, so the model is called as the
+replay calls it.
 On the CUDA target, dynamo's graphs run under the eager CUDA rules while AOTAutograd traces them
 (graphmem/capture/compiled_cuda.py: autocast's CUDA casts, SDPA's backend op, fused dropout;
 LayerNorm's fp32 statistics come from the recorder in the replay).
