@@ -22,7 +22,8 @@ Phases are marked by wrapping ``trainer.compute_loss`` (forward, then loss once 
 (undone after the runner's session). Gradient checkpointing is enabled as ``Trainer.train`` does (1502-1528)
 and disabled afterwards if the step turned it on.
 
-``torch_compile=True``: ``Trainer.create_accelerator_and_postprocess`` (787-802) gives accelerate a
+``torch_compile=True``: ``Trainer.create_accelerator_and_postprocess`` (806-864, through
+``_build_accelerator_args`` 791-802) gives accelerate a
 ``TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)``, and
 ``accelerator.prepare`` (in ``_prepare_for_training``) ends ``prepare_model`` with
 ``torch.compile(model, **dynamo_plugin.to_kwargs())`` (accelerate 1.15 ``accelerator.py`` 2068-2073,
