@@ -1,6 +1,7 @@
 """The public entry point: ``graphmem.analyze``."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Optional, Union
 
@@ -18,6 +19,7 @@ from graphmem.spec import ModelLike, StepSpec, make_spec
 from graphmem.stepgraph import StepGraph
 from graphmem.titan.job import is_job_config
 from graphmem.training.hf_trainer import is_trainer
+from graphmem.training.loop import TrainStep
 from graphmem.training.step import LossFn
 
 
@@ -119,17 +121,22 @@ def report_of(m: Measured) -> Report:
     if spec.inputs.settings:  # the choices in a batch graphmem made for an input shape (graphmem/capture/hf_batch.py)
         report = dataclasses.replace(report, batch=dict(spec.inputs.settings))
     if spec.target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
-        report = _beside_eager(report, spec.module, spec.inputs.captured, spec.loss, step.eager if step.module is spec.module else None)
+        report = _beside_eager(report, spec.module, spec.inputs.captured, spec.loss, step.eager if step.module is spec.module else None,
+                               spec.training.train)
     return report
 
 
 def _beside_eager(report: Report, model: nn.Module, inputs: Any, loss_fn: Optional[LossFn],
-                  eager: Optional[StepGraph] = None) -> Report:
+                  eager: Optional[StepGraph] = None, train: Optional[TrainStep] = None) -> Report:
     """``report`` (compiled mode) with ``compiled``: the same step captured eagerly, side by side
-    (``eager``: already captured by compiled depth reuse's check, graphmem/capture/reuse_compiled.py)."""
+    (``eager``: already captured by compiled depth reuse's check, graphmem/capture/reuse_compiled.py;
+    a trainer's step, ``train.runner()``: its own step, run eagerly)."""
     g = report.step
     assert g is not None  # analyze keeps the step graph
+    eager_target = dataclasses.replace(g.target, mode="eager", compile_backend="aot_eager")
+    with train.runner() if train is not None else contextlib.nullcontext(None) as runner:
+        if eager is None and runner is not None:  # a transformers Trainer's step (graphmem/training/hf_trainer.py)
+            eager = capture(model, inputs, loss_fn, eager_target, runner=runner.run)
     if eager is None:
-        eager_target = dataclasses.replace(g.target, mode="eager")
         eager = capture_reusing(model, lambda: capture(model, inputs, loss_fn, eager_target)).graph
     return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager)))

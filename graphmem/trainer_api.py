@@ -55,7 +55,8 @@ def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple
     """The StepSpec of the step ``trainer.train()`` runs: its model, the batch (``inputs``, or
     ``input_shape`` through its collator), and its loop (graphmem/training/hf_trainer.py TrainerStep:
     ``args.optim``, ``max_grad_norm``, ``gradient_accumulation_steps``, bf16/fp16 through accelerate,
-    gradient checkpointing), which the capture runs through the Trainer's own code.
+    gradient checkpointing), which the capture runs through the Trainer's own code; with
+    ``torch_compile``, in compiled mode with its backend's partition.
 
     >>> report = graphmem.analyze(trainer, input_shape=(8, 512))  # doctest: +SKIP
     >>> report.budget.peak_bytes, report.budget.rank.later_peak_bytes  # doctest: +SKIP
@@ -69,8 +70,11 @@ def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple
     if batch.form != "dict":
         raise UsageError("a Trainer's batch is a dict of keyword inputs (as its dataloader yields): pass inputs={...}")
     first = batch.tensors()[0]
+    args = trainer.args  # torch_compile: the model compiled as accelerate compiles it (graphmem/training/hf_trainer.py)
+    target = Target(args.device.type, mode="compiled", compile_backend=args.torch_compile_backend) \
+        if args.torch_compile else Target(args.device.type)
     return StepSpec(type(trainer.model).__name__, trainer.model, Inputs(resizer(batch), tuple(first.shape), batch), None,
-                    Target(trainer.args.device.type), Training(trainer_step(trainer), None), Single(), reuse=False)
+                    target, Training(trainer_step(trainer), None), Single(), reuse=False)
 
 
 def trainer_from_file(model: Any, path: str) -> Any:

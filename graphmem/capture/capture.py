@@ -97,7 +97,7 @@ def capture(
         for m in model.modules():  # train mode (set directly: an exported module refuses .train())
             m.training = True
         if target.mode == "compiled":  # torch.compile's step, traced once on its own fake tensors
-            compiled = CompiledStep.trace(model, inputs, loss_fn, target, backends)
+            compiled = CompiledStep.trace(model, inputs, loss_fn, target, backends, runner)
         step = _prepare(model, inputs, target, train, cap, fake_mode)  # before the step swaps the fake parameters in
         handles = [] if compiled is not None else [  # compiled: modules come from the graphs' node metadata
             nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),

@@ -22,7 +22,11 @@ How: two runs of the step, both on fake tensors, nothing real allocated.
    recorder the module of the node running (its ``nn_module_stack``), since module hooks inside
    a compiled graph never fire.
 
-The partition runs at ``Target.memory_budget`` (``activation_memory_budget``, ``partition_config``).
+The partition runs at ``Target.memory_budget`` (``activation_memory_budget``, ``partition_config``);
+with ``Target.compile_backend == "inductor"``, after Inductor's decompositions and joint-graph passes
+(graphmem/capture/inductor_partition.py). A trainer's own step (a transformers Trainer's:
+graphmem/training/hf_trainer.py) runs in both the trace and the replay, so the model is called as the
+replay calls it.
 On the CUDA target, dynamo's graphs run under the eager CUDA rules while AOTAutograd traces them
 (graphmem/capture/compiled_cuda.py: autocast's CUDA casts, SDPA's backend op, fused dropout;
 LayerNorm's fp32 statistics come from the recorder in the replay).
@@ -50,6 +54,7 @@ from graphmem.capture.compiled_cuda import compiled_context as cuda_context
 from graphmem.capture.compiled_cuda import cuda_graph, example_values_ruled, graphs_unruled
 from graphmem.capture.dynamo_cache import cache_entries, cache_sizes, compiled_codes
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
+from graphmem.capture.inductor_partition import inductor_partition
 from graphmem.capture.partition_record import Partition, recording
 from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
@@ -170,6 +175,8 @@ class _Backend:
 
         if self.target is not None and self.target.device == "cuda":
             cuda_graph(gm, self.target, self.used)
+        if self.target is not None and self.target.compile_backend == "inductor":
+            return inductor_partition(gm, example_inputs, self._compiler("forward"), self._compiler("backward"))
         return aot_eager(gm, example_inputs, fw_compiler=self._compiler("forward"),
                          bw_compiler=self._compiler("backward"))
 
@@ -229,9 +236,11 @@ class CompiledStep:
 
     @staticmethod
     def trace(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target,
-              used: Optional[dict[str, int]] = None) -> "CompiledStep":
+              used: Optional[dict[str, int]] = None, runner: Optional[Callable[..., Any]] = None) -> "CompiledStep":
         """Compile and run one step of ``model`` on a plain fake mode (step 1 above); on the CUDA
-        target ``used`` counts the SDPA backends the graphs run."""
+        target ``used`` counts the SDPA backends the graphs run. ``runner`` (a trainer's own step, as
+        the capture takes it: graphmem/training/hf_trainer.py) runs the step in graphmem's place, so
+        the model is called as the replay will call it (its keyword inputs, accelerate's autocast)."""
         from torch._dynamo.utils import counters
 
         names = frozenset(name for name, _ in model.named_modules())
@@ -252,8 +261,12 @@ class CompiledStep:
                 state, _ = fake_state(model, device, target.param_dtype)
                 batch = fake_batch(inputs, mode, device, target.param_dtype)
                 with torch.nn.utils.stateless._reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True):
-                    run_step(lambda *a, **k: _unruled(optimized, model, *a, **k), batch, loss_fn, partial(_stop_at_backward, phase),
-                             compiled_context(target))
+                    forward = partial(_unruled, optimized, model)
+                    if runner is not None:
+                        runner(forward, batch, loss_fn, partial(_stop_at_backward, phase), compiled_context(target),
+                               fake=True)
+                    else:
+                        run_step(forward, batch, loss_fn, partial(_stop_at_backward, phase), compiled_context(target))
         except _Compiled:
             pass  # every graph is compiled: the backward graphs with their forward (partition_config)
         except GraphmemError:

@@ -36,6 +36,10 @@ class Target:
     mode: str = "eager"  # "eager" | "compiled" (torch.compile: AOTAutograd + min-cut partition)
     # compiled mode: torch._functorch.config.activation_memory_budget for the partition (None: torch's own, 1.0)
     memory_budget: Optional[float] = None
+    # compiled mode: the torch.compile backend whose partition is predicted: "aot_eager", or "inductor"
+    # (its decompositions and pre-grad and joint-graph passes first: graphmem/capture/inductor_partition.py);
+    # either way the split graphs run op by op (no Inductor code generated)
+    compile_backend: str = "aot_eager"
 
     @property
     def param_dtype(self) -> Optional[torch.dtype]:
@@ -61,13 +65,15 @@ class Target:
             parts.append(f"attention {self.attention}")
         if self.mode == "compiled":
             parts.append("torch.compile (AOTAutograd, min-cut partition"
+                         + (", Inductor's decompositions and joint-graph passes" if self.compile_backend == "inductor" else "")
                          + (f", activation memory budget {self.memory_budget:g})" if self.memory_budget is not None else ")"))
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, object]:
         return {"device": self.device, "dtype": self.dtype or "fp32", "amp": self.amp,
                 "attention": self.attention, "gpu": self.gpu if self.device == "cuda" else None,
-                "mode": self.mode, "memory_budget": self.memory_budget}
+                "mode": self.mode, "memory_budget": self.memory_budget,
+                **({"compile_backend": self.compile_backend} if self.compile_backend != "aot_eager" else {})}
 
 
 def make_target(device: str = "cpu", dtype: Optional[str] = None, amp: Optional[str] = None,

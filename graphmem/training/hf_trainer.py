@@ -19,12 +19,23 @@ as ``Trainer._inner_training_loop`` / ``_run_epoch`` call it (transformers 5.x
 Phases are marked by wrapping ``trainer.compute_loss`` (forward, then loss once it returns) and
 ``trainer.accelerator.backward`` (backward), not by copies of them. Precision is accelerate's:
 ``accelerator.prepare_model`` wraps the model's forward in autocast when ``bf16``/``fp16`` ask for it
-(undone after the step). Gradient checkpointing is enabled as ``Trainer.train`` does (1502-1528)
+(undone after the runner's session). Gradient checkpointing is enabled as ``Trainer.train`` does (1502-1528)
 and disabled afterwards if the step turned it on.
+
+``torch_compile=True``: ``Trainer.create_accelerator_and_postprocess`` (806-864, through
+``_build_accelerator_args`` 791-802) gives accelerate a
+``TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)``, and
+``accelerator.prepare`` (in ``_prepare_for_training``) ends ``prepare_model`` with
+``torch.compile(model, **dynamo_plugin.to_kwargs())`` (accelerate 1.15 ``accelerator.py`` 2068-2073,
+after the autocast wrapper); the Trainer's steps then call that compiled module. The real runs here
+step the module ``prepare_model`` returns; the capture steps a stand-in (``CompiledModel``) whose
+calls go to graphmem's compiled capture of the same model (graphmem/capture/compiled.py), with the
+partition of the backend asked for (``inductor``: graphmem/capture/inductor_partition.py).
 
 Known limitations: the CPU target only (a Trainer on a GPU is refused: its ``_prepare_inputs`` moves
 the batch to the GPU, which the CUDA target's fake CPU tensors do not follow); one process (no
-DeepSpeed/FSDP/DDP); ``torch_compile`` is refused; the
+DeepSpeed/FSDP/DDP); ``torch_compile`` with the ``inductor`` or ``aot_eager`` backend and the default
+mode only (``COMPILE_BACKENDS``); the
 ``include_num_input_tokens_seen`` bookkeeping and callbacks are not run (no tensors of the step);
 a scheduler passed in ``optimizers=`` is replaced by ``args.lr_scheduler_type``'s (its memory is
 Python numbers).
@@ -59,6 +70,7 @@ class TrainerStep(TrainStep):
     precision: str = "fp32"  # fp32 | bf16 autocast | fp16 autocast
     checkpointing: bool = False
     scheduler: str = ""
+    compiled: str = ""  # the torch_compile_backend when args.torch_compile
     # the transformers.Trainer whose step this is (a live object: not in the report's JSON)
     trainer: Any = field(default=None, compare=False, repr=False, metadata={"json": False})
 
@@ -79,13 +91,15 @@ class TrainerStep(TrainStep):
             parts.append("gradient checkpointing")
         if self.scheduler:
             parts.append(f"{self.scheduler} lr scheduler")
+        if self.compiled:
+            parts.append(f"torch.compile ({self.compiled})")
         return ", ".join(parts)
 
     def to_dict(self, device: str = "cpu") -> dict[str, Any]:
         return {"loop": "transformers.Trainer", "optimizer": self.optimizer, "impl": None,
                 "master_weights": False, "micro_batches": self.micro_batches, "max_grad_norm": self.max_grad_norm,
                 "precision": self.precision, "gradient_checkpointing": self.checkpointing,
-                "lr_scheduler": self.scheduler}
+                "lr_scheduler": self.scheduler, "torch_compile": self.compiled or None}
 
 
 def trainer_step(trainer: Any) -> TrainerStep:
@@ -98,16 +112,24 @@ def trainer_step(trainer: Any) -> TrainerStep:
     scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
     return TrainerStep(str(optim), micro_batches=args.gradient_accumulation_steps, max_grad_norm=float(args.max_grad_norm),
                        precision=precision, checkpointing=bool(args.activation_checkpointing), scheduler=str(scheduler),
-                       trainer=trainer)
+                       compiled=str(args.torch_compile_backend) if args.torch_compile else "", trainer=trainer)
+
+
+# torch_compile_backend values whose partition graphmem's compiled capture makes (graphmem/capture/compiled.py)
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 
 def check_trainer(trainer: Any) -> None:
     """Refuse, in one line naming the fix, what the runner does not run."""
     if trainer.model is None:
         raise UsageError("the Trainer has no model: pass model= (or model_init=) to transformers.Trainer before analyze")
-    if trainer.args.torch_compile:
-        raise UsageError("torch_compile=True: graphmem runs the Trainer's eager step; set torch_compile=False, or "
-                         "analyze the model alone with mode='compiled'")
+    args = trainer.args
+    if args.torch_compile and args.torch_compile_backend not in COMPILE_BACKENDS:
+        raise UsageError(f"torch_compile_backend={args.torch_compile_backend!r}: graphmem predicts the partition of "
+                         f"{' or '.join(COMPILE_BACKENDS)}; set `torch_compile_backend` to one of them")
+    if args.torch_compile and args.torch_compile_mode not in (None, "default"):
+        raise UsageError(f"torch_compile_mode={args.torch_compile_mode!r}: graphmem runs the default mode's compile; "
+                         "leave `torch_compile_mode` unset")
     if trainer.args.device.type != "cpu":  # _prepare_inputs would move the fake batch off the CUDA target's fake CPU tensors
         raise UsageError(f"the Trainer runs on {trainer.args.device.type}; graphmem runs a Trainer's step on the CPU target "
                          "for now: set use_cpu=True in its TrainingArguments, or analyze the model with device='cuda'")
@@ -138,6 +160,11 @@ class TrainerRunner:
         self.trace_micro_steps = trace_micro_steps
         self.tr_loss: Optional[torch.Tensor] = None
         self.started = False
+        self.compiled: Optional[nn.Module] = None  # accelerate's torch.compile of the model, in a session
+
+    def restart(self) -> None:
+        """The next run is a first step again: a new optimizer (no states yet) and ``_tr_loss``."""
+        self.started, self.tr_loss = False, None
 
     @property
     def optimizer(self) -> Optional[torch.optim.Optimizer]:
@@ -162,8 +189,11 @@ class TrainerRunner:
                 list(acc._models))
         enabled = _enable_checkpointing(t)
         try:
-            yield self
+            with _prepared(t, self.model) as prepared:
+                self.compiled = prepared if t.args.torch_compile else None
+                yield self
         finally:
+            self.compiled = None
             t.optimizer, t.lr_scheduler, t._created_lr_scheduler = kept[0], kept[1], kept[2]
             acc._optimizers[:], acc._schedulers[:], acc._models[:] = kept[3], kept[4], kept[5]
             if enabled:
@@ -190,12 +220,24 @@ class TrainerRunner:
             on_phase: Callable[[str], None], forward_context: Callable[[], ContextManager[Any]],
             mark: Mark = lambda kind, named: None, fake: bool = False,
             micro_step: Callable[[int, int], None] = lambda i, runs: None) -> tuple[Any, torch.Tensor]:
-        """One optimizer step of the Trainer (the module docstring). ``forward`` and ``forward_context``
-        are not used: the Trainer calls its model itself, under accelerate's autocast; ``loss_fn``
-        (the capture's) is handed each micro-step's loss to label its autograd nodes; ``fake`` runs
-        ``trace_micro_steps`` micro-steps (3..k repeat 2) and answers ``.item()``."""
+        """One optimizer step of the Trainer (the module docstring). The Trainer calls its model itself,
+        under accelerate's autocast (``forward_context`` is not used); with ``torch_compile`` it calls
+        ``forward`` (the capture's, wrapped as ``CompiledModel``) where ``fake``, else the module
+        accelerate compiled. ``loss_fn`` (the capture's) is handed each micro-step's loss to label its
+        autograd nodes; ``fake`` runs ``trace_micro_steps`` micro-steps (3..k repeat 2) and answers
+        ``.item()``. A step cut short (the compiled trace stops at backward) leaves no optimizer behind."""
+        try:
+            return self._run(forward, inputs, loss_fn, on_phase, mark, fake)
+        except BaseException:
+            self.restart()
+            raise
+
+    def _run(self, forward: Callable[..., Any], inputs: Any, loss_fn: Optional[LossFn],
+             on_phase: Callable[[str], None], mark: Mark, fake: bool) -> tuple[Any, torch.Tensor]:
         t, model, k = self.trainer, self.model, self.trainer.args.gradient_accumulation_steps
-        with _prepared(t, model), _phases(t, on_phase, loss_fn):
+        stepped = model if not t.args.torch_compile else CompiledModel(model, forward) if fake else self.compiled
+        assert stepped is not None, "a compiled Trainer's real step runs inside the runner's session"
+        with _phases(t, on_phase, loss_fn):
             if not self.started:  # (bitsandbytes' optimizers read their quantization maps' values: any will do)
                 with ScalarReads() if fake else contextlib.nullcontext():
                     self._start()
@@ -205,16 +247,16 @@ class TrainerRunner:
                                  for _ in range(k - 1)]
             samples, num_items = t.get_batch_samples(iter(batches), k, t.args.device)
             t.current_gradient_accumulation_steps = len(samples)
-            loss = self._micro_steps(samples, num_items, min(k, self.trace_micro_steps) if fake else k, fake)
+            loss = self._micro_steps(stepped, samples, num_items, min(k, self.trace_micro_steps) if fake else k, fake)
             mark("gradient", [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None])
             on_phase("optimizer")
             with ScalarReads() if fake else contextlib.nullcontext():
                 self._optimizer_step(mark)
         return None, loss
 
-    def _micro_steps(self, samples: list, num_items: Any, runs: int, fake: bool) -> torch.Tensor:
-        """_run_epoch's inner loop (1892-1935)."""
-        t, model = self.trainer, self.model
+    def _micro_steps(self, model: nn.Module, samples: list, num_items: Any, runs: int, fake: bool) -> torch.Tensor:
+        """_run_epoch's inner loop (1892-1935), over ``model`` (the compiled one with ``torch_compile``)."""
+        t = self.trainer
         assert self.tr_loss is not None
         tr_loss_step: Any = None
         for i, inputs in enumerate(samples[:runs]):
@@ -257,18 +299,34 @@ def _enable_checkpointing(trainer: Any) -> bool:
     return True
 
 
+class CompiledModel(nn.Module):
+    """What the capture's Trainer steps in place of accelerate's ``torch.compile(model)`` (an
+    ``OptimizedModule``): calls go to ``forward`` (graphmem's compiled trace or replay of the model);
+    parameters, ``train()`` and ``zero_grad()`` are the model's, held as ``_orig_mod`` as the
+    ``OptimizedModule`` holds it."""
+
+    def __init__(self, model: nn.Module, forward: Callable[..., Any]) -> None:
+        super().__init__()
+        self._orig_mod = model
+        self.compiled_forward = forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled_forward(*args, **kwargs)
+
+
 @contextlib.contextmanager
-def _prepared(trainer: Any, model: nn.Module) -> Iterator[None]:
-    """accelerate's ``prepare_model`` (autocast around forward, outputs back to fp32 under bf16/fp16),
-    undone afterwards so the user's model is left as it was."""
+def _prepared(trainer: Any, model: nn.Module) -> Iterator[nn.Module]:
+    """accelerate's ``prepare_model`` (autocast around forward, outputs back to fp32 under bf16/fp16;
+    last, ``torch.compile`` under ``torch_compile``), yielding the module it returns, undone
+    afterwards so the user's model is left as it was."""
     acc = trainer.accelerator
-    if not acc.native_amp or hasattr(model, "_original_forward"):
-        yield
+    if not (acc.native_amp or trainer.args.torch_compile) or hasattr(model, "_original_forward"):
+        yield model
         return
     before = dict(model.__dict__)
-    acc.prepare_model(model, device_placement=False)
+    prepared = acc.prepare_model(model, device_placement=False)
     try:
-        yield
+        yield prepared
     finally:  # forward, _original_forward, _is_accelerate_prepared back as they were
         for key in set(model.__dict__) - set(before):
             del model.__dict__[key]
@@ -304,4 +362,4 @@ def _phases(trainer: Any, on_phase: Callable[[str], None], loss_fn: Optional[Los
         del trainer.accelerator.backward
 
 
-__all__ = ["TrainerRunner", "TrainerStep", "check_trainer", "is_trainer", "trainer_step"]
+__all__ = ["COMPILE_BACKENDS", "CompiledModel", "TrainerRunner", "TrainerStep", "check_trainer", "is_trainer", "trainer_step"]
