@@ -94,6 +94,9 @@ class StepGraph:
     compiled: Any = None  # compiled mode: graphmem.capture.compiled.CompiledGraphs (the forward/backward fx graphs)
     train: Any = None  # graphmem.training.loop.TrainStep when micro-batches / an optimizer step were traced
     micro_steps: tuple[tuple[int, int], ...] = ()  # (forward start, backward start) of each traced micro-step
+    # ops [start, end) only the first step runs (a pipeline's metadata inference: graphmem/titan/pipeline.py);
+    # later steps run without them, and keep what they made that outlives the step
+    first_step_only: Optional[tuple[int, int]] = None
 
     _graph: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
 

@@ -322,15 +322,19 @@ def later_steps_events(g: StepGraph, steps: int = 2) -> list[Event]:
     adds them; they stay allocated), after the previous step's leftovers (its gradients and loss:
     ``zero_grad(set_to_none=True)`` at the step's start) are freed. What a training loop's
     ``torch.cuda.max_memory_reserved()`` reads after its first steps: the cache is kept from step
-    to step, and the states live through every later forward and backward."""
+    to step, and the states live through every later forward and backward. The first step's own
+    ops (``StepGraph.first_step_only``) are not run again; what they made and kept stays."""
     first = events_from_step(g)
-    kept = {s.sid for s in g.storages.values() if s.created < 0 or (s.kind == "optimizer state" and s.created >= 0)}
+    only = g.first_step_only or (0, 0)  # ops a later step does not run (a pipeline's metadata inference)
+    setup = {s.sid for s in g.storages.values() if only[0] <= s.created < only[1]}
+    kept = {s.sid for s in g.storages.values() if s.created < 0 or (s.kind == "optimizer state" and s.created >= 0)
+            or (s.sid in setup and s.freed is None)}
     left = [s.sid for s in sorted(g.storages.values(), key=lambda s: s.sid)
             if s.freed is None and s.nbytes and s.sid not in kept]
     out = list(first)
     for k in range(1, steps):
         out += [("free", sid if k == 1 else (k - 1, sid), 0) for sid in left]
-        out += [(kind, (k, key), *rest) for kind, key, *rest in first if key not in kept]
+        out += [(kind, (k, key), *rest) for kind, key, *rest in first if key not in kept and key not in setup]
     return out
 
 

@@ -270,10 +270,12 @@ def _later_rows(g: StepGraph, lv: Liveness, sh: _Shares, parts: dict[int, tuple[
 def _timelines(g: StepGraph, lv: Liveness, parts: dict[int, tuple[int, int]],
                gather: list[int]) -> tuple[list[int], list[int]]:
     """One rank's live bytes per op (numerators over den) in the traced step and in later steps,
-    where the optimizer states live from the start."""
+    where the optimizer states live from the start and the first step's own ops
+    (``StepGraph.first_step_only``) do not run, what they made to keep living from the start."""
     n = g.num_ops
     diff = [0] * (n + 1)
     later = [0] * (n + 1)
+    first_only = g.first_step_only
     for sid, (start, stop) in lv.intervals.items():
         s = g.storages[sid]
         before, after = parts[sid]
@@ -285,6 +287,13 @@ def _timelines(g: StepGraph, lv: Liveness, parts: dict[int, tuple[int, int]],
         if s.kind == "optimizer state" and s.created >= 0:  # later steps: live from the start
             later[0] += s.nbytes * after
             later[s.created] -= s.nbytes * after
+        elif first_only is not None and first_only[0] <= s.created < first_only[1]:
+            if s.freed is None:  # made once and kept (a pipeline stage's receive buffers): live from the start
+                later[0] += s.nbytes * after
+                later[start] -= s.nbytes * after
+            else:  # a later step does not run the ops that made it
+                later[start] -= s.nbytes * after
+                later[stop + 1] += s.nbytes * after
     timeline: list[int] = []
     later_line: list[int] = []
     live = extra = 0

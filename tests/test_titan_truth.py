@@ -110,11 +110,14 @@ def test_fsdp_tp() -> None:
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "GPipe"])
 def test_pp(schedule: str) -> None:
-    """Each stage rank's step with torch's pipeline schedules, as torchtitan builds them. graphmem's
-    step is the later steps' (graphmem/titan/pipeline.py): a real first step also runs torch's
-    metadata-inference forward once, with grad (torch/distributed/pipelining/stage.py
-    ``_forward_metadata_inference``), so it saves more and may peak higher than any prediction of
-    a later step; that forward's peak is not modelled, and the first peak is only bounded below."""
+    """Each stage rank's step with torch's pipeline schedules, as torchtitan builds them. A first
+    step also runs torch's metadata inference, each stage's forward and backward once more
+    (torch/distributed/pipelining/stage.py ``_forward_metadata_inference``); graphmem runs it too,
+    as the first step's own ops (graphmem/titan/pipeline.py), whose saves are not activations, so
+    its saved bytes are the later steps'. Stage 0 has no inputs that need grad, so its inference
+    runs no backward and its graph dies at the cleanup; under the truth's saved-tensor hook, which
+    returns each saved output itself, that graph holds itself through C++ and lives on, so the real
+    first peak of a stage-0 rank can read higher than the run without hooks graphmem predicts."""
     overrides = {"parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": schedule}
     ranks = real_titan(small_llama3, 2, overrides)
     _consistent(ranks)

@@ -149,6 +149,7 @@ class _Recorder:
         self.recompute_ctx: Any = None
         self.scoped = False  # recompute_ctx spans a whole checkpointed segment
         self.micro_steps: list[tuple[int, int]] = []  # (forward start, backward start) per micro-step
+        self.first_step_only: Optional[tuple[int, int]] = None  # ops only the first step runs (StepGraph)
         self.fp32_norm_stats = False  # CUDA target: LayerNorm's mean/rstd in fp32 (see _fp32_stats)
         self.node_module: Optional[str] = None  # compiled mode: the module of the fx node running now
         self.clearing = False  # inside an autocast cache clear (see ``clearing_cache``)

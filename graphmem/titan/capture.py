@@ -162,7 +162,8 @@ def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batche
         phase_start["end"] = len(cap.ops)
         return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
                          list(dict.fromkeys(marked.get("gradient", []))), "torchtitan job", module_order(root),
-                         cap.module_inputs, target, backends, micro_steps=tuple(cap.micro_steps))
+                         cap.module_inputs, target, backends, micro_steps=tuple(cap.micro_steps),
+                         first_step_only=cap.first_step_only)
     finally:
         cap.closed = True
         for h in handles:

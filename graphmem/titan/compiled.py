@@ -5,9 +5,9 @@ With ``compile.enable`` and ``"model"`` in ``compile.components``, torchtitan co
 transformer block, ``fullgraph=True``, with the job's ``compile.backend``
 (torchtitan/distributed/compile.py ``apply_compile``). graphmem hands torchtitan its own dynamo
 backend in place of the backend's name (graphmem/capture/compiled.py ``_Backend``): AOTAutograd
-with the min-cut rematerialization partitioner, the partition Inductor's training graphs get
-(torch/_inductor/compile_fx.py ``compile_fx`` passes ``min_cut_rematerialization_partition``), and
-no code generated: the forward and backward graphs run node by node on graphmem's fake tensors,
+partitioned as the named backend partitions (Inductor: its decompositions, joint-graph passes and
+min-cut partitioner, graphmem/capture/inductor_partition.py; ``aot_eager``: the min-cut
+partitioner), and no code generated: the forward and backward graphs run node by node on graphmem's fake tensors,
 so their ops are the step's ops and what the compiled forward saves for backward is the step's
 saved set. Dynamo's own tracing and AOTAutograd's compilation run outside the recording (compile
 time, not the step), and graphmem's module hooks stand aside while dynamo traces through them.
@@ -17,6 +17,7 @@ block's temporaries are at most those of its graph's ops (the saved set is the p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterator
 
 import torch
@@ -26,6 +27,7 @@ from graphmem.capture.compiled import _Backend
 from graphmem.capture.compiled_cuda import graphs_unruled
 from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
+from graphmem.errors import UsageError
 
 
 class _JobBackend(_Backend):
@@ -95,9 +97,16 @@ def compiled_regions(cfg: Any, cap: _Recorder, target: Target, backends: dict[st
         return
     from torch._dynamo import convert_frame
 
-    backend = _JobBackend(frozenset(), target, backends)
+    kept_backend = cfg.compile.backend
+    # the job's backend decides the partition: Inductor's (its decompositions and joint-graph passes,
+    # graphmem/capture/inductor_partition.py) or aot_eager's; any other is refused where the job names it
+    named = kept_backend if isinstance(kept_backend, str) else "aot_eager"
+    if named not in ("inductor", "aot_eager"):
+        raise UsageError(f"the job compiles with `compile.backend={named!r}`: graphmem partitions as 'inductor' or "
+                         "'aot_eager' do; set one of them")
+    backend = _JobBackend(frozenset(), dataclasses.replace(target, compile_backend=named), backends)
     backend.recorder, backend.replaying = cap, True  # one pass: each graph runs on the step's fake tensors
-    kept_backend, kept_compile = cfg.compile.backend, convert_frame._compile
+    kept_compile = convert_frame._compile
     cfg.compile.backend = backend  # torchtitan passes it to ``module.compile(backend=...)``
 
     def compile_unrecorded(*args: Any, **kwargs: Any) -> Any:

@@ -42,6 +42,7 @@ class _Seen:
         self.parallelize: Callable | None = None
         self.kwargs: dict[str, Any] = {}
         self.first: tuple | None = None  # the first micro-batch's arguments of stage 0
+        self.outputs: dict[int, tuple] = {}  # stage index -> its outputs' metadata
 
 
 @contextlib.contextmanager
@@ -81,12 +82,19 @@ def static_stages(cfg: Any, cap: _Recorder) -> Iterator[None]:
         return out
 
     def initialized(schedule: Any, stages: list, args: Any, kwargs: Any, *rest: Any, **kw: Any) -> Any:
-        if seen.whole is not None and any(getattr(s, "_user_meta", None) is not None
-                                           and s._user_meta.inputs is None for s in stages):
-            with cap.paused(), torch.random.fork_rng(devices=[]), torch.enable_grad(), \
-                    torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
-                _infer(seen, stages, args if any(s.is_first for s in stages) else seen.first, kwargs or {})
-        return init(schedule, stages, args, kwargs, *rest, **kw)
+        if seen.whole is None or not any(getattr(s, "_user_meta", None) is not None
+                                         and s._user_meta.inputs is None for s in stages):
+            return init(schedule, stages, args, kwargs, *rest, **kw)
+        with cap.paused(), torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+            _infer(seen, stages, args if any(s.is_first for s in stages) else seen.first, kwargs or {})
+        start, phase = len(cap.ops), cap.phase
+        cap.phase = "setup"  # its saves are not the step's activations (passes/saved.py counts forward and loss)
+        try:
+            with _exchanged(seen.outputs), _unhooked():
+                return init(schedule, stages, args, kwargs, *rest, **kw)
+        finally:
+            cap.phase, cap.first_step_only = phase, (start, len(cap.ops))
 
     spec.pipelining_fn, pipeline_parallel._pipeline_module_split = observed, splitting
     _PipelineSchedule._initialize_pp_stages = initialized  # type: ignore[method-assign,assignment]
@@ -97,6 +105,24 @@ def static_stages(cfg: Any, cap: _Recorder) -> Iterator[None]:
         spec.pipelining_fn, pipeline_parallel._pipeline_module_split = pipelining, split
         _PipelineSchedule._initialize_pp_stages = init  # type: ignore[method-assign]
         Trainer.post_dataloading_process = batch  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _unhooked() -> Iterator[None]:
+    """No saved-tensor hooks while torch infers the metadata: a stage whose inputs need no grad
+    (stage 0) never runs its inference backward, and its graph must die when torch drops it in
+    the cleanup, as it does without hooks; a pack hook that returns the tensor would hold each
+    saved output through its own grad_fn, a cycle through C++ no collection frees. (Its saves are
+    not the step's activations either.)"""
+    stack = []
+    while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        stack.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(stack):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 def _kept(t: torch.Tensor) -> torch.Tensor:
@@ -116,6 +142,7 @@ def _infer(seen: _Seen, stages: list, args: Any, kwargs: dict[str, Any]) -> None
         module = local[index].submod if index in local else _built(seen, index)
         out = module(*inputs, **kwargs)
         outputs = out if isinstance(out, tuple) else (out,)
+        seen.outputs[index] = extract_tensor_metas(outputs) or ()
         stage = local.get(index)
         if stage is not None:
             grads = _grads_if_distributed(inputs, outputs)
@@ -124,6 +151,38 @@ def _infer(seen: _Seen, stages: list, args: Any, kwargs: dict[str, Any]) -> None
                 input_grads=extract_tensor_metas(grads[0], allow_none=True) if grads else None,
                 output_grads=extract_tensor_metas(grads[1], allow_none=True) if grads else None)
         inputs = outputs
+
+
+@contextlib.contextmanager
+def _exchanged(outputs: dict[int, tuple]) -> Iterator[None]:
+    """torch's own dynamic inference on this rank's stages, as on a cluster's first step: each
+    stage runs its forward and backward on the first micro-batch (stage.py
+    ``_forward_metadata_inference``, ``_backward_metadata_inference``), what another rank's stage
+    would send answered from the local inference (``outputs``), nothing sent; its ops are
+    recorded as the first step's only (``first_step_only``), and torch checks them against the
+    static metadata (``_validate_inferred_metadata``)."""
+    from torch.distributed.pipelining._utils import InferenceMode, _StageBackwardMeta, _StageForwardMeta
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    warmup, recv, send = _PipelineSchedule._warmup_p2p, PipelineStage._recv_meta, PipelineStage._send_meta
+
+    def voted(schedule: Any, stages: list, *args: Any, **kwargs: Any) -> None:
+        for st in stages:  # what the vote decides when some stage lacks static metadata
+            st._inference_mode = InferenceMode.DYNAMIC
+
+    def received(stage: Any, src_stage: int) -> Any:
+        if src_stage < stage.stage_index:
+            return _StageForwardMeta(forward_metas=outputs[src_stage])
+        return _StageBackwardMeta(backward_metas=outputs[stage.stage_index])  # the next stage's input grads
+
+    _PipelineSchedule._warmup_p2p = voted  # type: ignore[method-assign,assignment]
+    PipelineStage._recv_meta, PipelineStage._send_meta = received, lambda *args: None  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        _PipelineSchedule._warmup_p2p = warmup  # type: ignore[method-assign]
+        PipelineStage._recv_meta, PipelineStage._send_meta = recv, send  # type: ignore[method-assign]
 
 
 def _grads_if_distributed(inputs: tuple, outputs: tuple) -> tuple[tuple, tuple] | None:
