@@ -301,10 +301,11 @@ class CudaRules(TorchFunctionMode):
             torch.set_autocast_dtype("cuda", dtype)
         return out
 
-    @staticmethod
-    def amp_now() -> Optional[torch.dtype]:
+    def amp_now(self) -> Optional[torch.dtype]:
         """The dtype CUDA autocast casts to here, None where it is off: CUDA's autocast state, set to
-        the target's ``amp`` by the owning context and changed by the model's own regions."""
+        the target's ``amp`` by the owning context and changed by the model's own regions. (A method,
+        not a static one: dynamo guards a mode's methods through ``__func__`` when it traces under
+        this mode.)"""
         return _GET_DTYPE("cuda") if _IS_ENABLED("cuda") else None
 
     def autocast(self, func: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
