@@ -8,18 +8,19 @@ exchanges no data, so torch refuses that there unless each stage was given compl
 metadata (schedules.py ``_warmup_p2p``), and torchtitan gives none
 (torchtitan/distributed/pipeline_parallel.py ``_pipeline_module_split``).
 
-graphmem does the same inference locally, in stage order, on the same first micro-batch: stage 0
-runs on its first micro-batch (the schedule's, or on a rank without stage 0 the inputs torchtitan's
-``post_dataloading_process`` made and did not pass), each later stage on the previous one's output.
-A stage this rank holds runs as built; a stage another rank holds is built the way torchtitan
-built this rank's (its own ``_split_module`` of the whole model, then the job's
-``parallelize_fn`` with the same arguments, ``to_empty``). Each local stage is then given its
-inputs and outputs as static metadata, the fields its constructor's ``input_args`` /
-``output_args`` fill (``_user_meta``), and the schedule runs as on a cluster after its vote.
-The inference runs with grad, as torch's does (the metadata's ``requires_grad`` decides which
-gradients a stage receives), but outside the recording, its graph dropped: bookkeeping, not the step.
-A real first step also runs that inference forward once more, with grad
-(``_forward_metadata_inference``); graphmem's step is the later steps', which do not.
+graphmem first infers every stage's inputs and outputs locally, in stage order, on the same first
+micro-batch, outside the recording: stage 0 runs on its first micro-batch (the schedule's, or on a
+rank without stage 0 the inputs torchtitan's ``post_dataloading_process`` made and did not pass),
+each later stage on the previous one's output. A stage this rank holds runs as built; a stage
+another rank holds is built the way torchtitan built this rank's (its own ``_split_module`` of the
+whole model, then the job's ``parallelize_fn`` with the same arguments, ``to_empty``). Each local
+stage gets those as static metadata (``_user_meta``, what its constructor's ``input_args`` /
+``output_args`` fill). Then torch's own dynamic inference runs on this rank's stages, as on a
+cluster's first step (``_exchanged``): each stage's forward and, where its inputs need grad, its
+backward, with what another rank would send answered from the local inference; torch checks it
+against the static metadata. Those ops are recorded as the first step's own
+(``StepGraph.first_step_only``): later steps run without them and keep what they made (the
+receive buffers), and their saves are not activations.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ class _Seen:
 @contextlib.contextmanager
 def static_stages(cfg: Any, cap: _Recorder) -> Iterator[None]:
     """Around the building and the step of the job ``cfg`` (a prepared ``Trainer.Config``):
-    each local pipeline stage gets its static metadata before the schedule's first step."""
+    before the schedule's first step, each local pipeline stage gets its metadata (the module
+    docstring) and torch's own inference runs, recorded as the first step's own ops."""
     from torch.distributed.pipelining.schedules import _PipelineSchedule
     from torchtitan.distributed import pipeline_parallel
     from torchtitan.trainer import Trainer
