@@ -110,8 +110,8 @@ def _profiled() -> Iterator[Any]:
             gc.enable()
 
 
-def _high(prof: Any) -> int:
-    """The largest running sum of the allocator's events (allocations positive, frees negative)."""
+def _allocations(prof: Any) -> list[tuple[int, int]]:
+    """The allocator's events of a profiled window in time order: (time, size), frees negative."""
     events: list[tuple[int, int]] = []
     todo = list(prof.profiler.kineto_results.experimental_event_tree())
     while todo:
@@ -119,8 +119,13 @@ def _high(prof: Any) -> int:
         if e.tag == _EventType.Allocation:
             events.append((e.start_time_ns, e.extra_fields.alloc_size))
         todo.extend(e.children)
+    return sorted(events)
+
+
+def _high(prof: Any) -> int:
+    """The largest running sum of the allocator's events (allocations positive, frees negative)."""
     running = high = 0
-    for _, size in sorted(events):
+    for _, size in _allocations(prof):
         running += size
         high = max(high, running)
     return high

@@ -39,20 +39,11 @@ import graphmem
 from graphmem.render import render_json, render_text
 from graphmem.trainer_api import trainer_batch
 from graphmem.validation.trainer import measure_trainer
+from tests.test_hf_trainer import _gpt2, _llama  # the same tiny configs as the eager Trainer's checks
 
 transformers = pytest.importorskip("transformers")
 PEAK_TOLERANCE = 0.001  # as tests/test_hf_trainer.py; the gaps measured: module docstring
 
-
-def _llama() -> Any:
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def _gpt2() -> Any:
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2,
-                                                                n_head=4))
 
 
 def _trainer(model: Any, out: str, **kwargs: Any) -> Any:

@@ -20,11 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._C._profiler import _EventType
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.dist_truth import _held, _join, _keys, _profiled, _spawn, _user_loss, case
+from tests.dist_truth import _allocations, _held, _join, _keys, _profiled, _spawn, _user_loss, case
 
 REPEAT = 5  # a free the profiler misses (gloo's thread) only raises the running sum: the least of the runs
 MARK = 1_000_003  # marker allocation sizes: MARK + phase, in bytes (uint8)
@@ -37,17 +36,10 @@ def _mark(phase: int) -> None:
 def _phases(prof: Any, marks: int) -> tuple[list[int], list[int]]:
     """From the allocator's events in time order: the running sum at each marker (the marker
     itself not counted) and the highest running sum between consecutive markers."""
-    events: list[tuple[int, int]] = []
-    todo = list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        e = todo.pop()
-        if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
-        todo.extend(e.children)
     at: list[int] = []
     highs = [0]
     running = 0
-    for _, size in sorted(events):
+    for _, size in _allocations(prof):
         if size == MARK + len(at) and len(at) < marks:
             at.append(running)
             highs.append(running)
