@@ -133,7 +133,8 @@ def _settled(collective: Callable, unsettled: list[int]) -> Callable:
     """A c10d collective waited on at once and held until its work is released (see above)."""
 
     def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        tensors = [t for a in (*args, *kwargs.values())
+                   for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
         counts = [t._use_count() for t in tensors]
         work = collective(*args, async_op=True, **kwargs)
         work.wait()
@@ -170,6 +171,11 @@ def _join(rank: int, world_size: int, init: str) -> list[int]:
     dist.all_gather_single = _settled(dist.all_gather_single, unsettled)  # type: ignore[attr-defined]
     dist.reduce_scatter_single = _settled(dist.reduce_scatter_single, unsettled)  # type: ignore[attr-defined]
     dist.all_reduce = _settled(dist.all_reduce, unsettled)
+    # spmd_types (torchtitan's default SPMD backend) calls these: expert parallel's token exchange
+    # is dist.all_to_all over lists of chunks (spmd_types/_collectives.py)
+    for name in ("all_to_all", "all_to_all_single", "all_gather", "all_gather_into_tensor",
+                 "reduce_scatter", "reduce_scatter_tensor"):
+        setattr(dist, name, _settled(getattr(dist, name), unsettled))
     funcol._maybe_wrap_tensor = _settled_functional(funcol.wait_tensor, unsettled)
     return unsettled
 
