@@ -312,9 +312,10 @@ def real_titan(config_fn: Callable[[], Any], world_size: int, overrides: dict[st
     micro-batch's forward once more, with grad, to infer the shapes it sends
     (torch/distributed/pipelining/stage.py ``_forward_metadata_inference``). The first step's peak is
     one measurement (a second Trainer in the same process fails under tensor parallel: FSDP2 finds
-    the parameters on another mesh object), and it moves between runs and ranks by up to ~150 KB
-    here (gloo's threads allocate inside collectives at moments that vary); the later peak, the
-    least of ``LATER``, by up to ~30 KB."""
+    the parameters on another mesh object). It moved between runs by up to ~150 KB until the
+    collectives spmd_types calls (``dist.all_to_all`` over lists of chunks,
+    ``all_gather_into_tensor``, ``reduce_scatter_tensor``) were settled too: their buffers had
+    died on gloo's thread, unseen (expert parallel's first peak read +131,120 B on one CI run)."""
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
         out = os.path.join(tmp, "result")
