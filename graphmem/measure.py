@@ -120,7 +120,11 @@ def _job(spec: StepSpec, p: Job) -> Measured:
     routing = ("expert parallel: each rank's routed tokens read as split evenly over the expert-parallel ranks "
                "(balanced routing, graphmem/titan/moe.py); ranks that receive more under uneven routing hold more",) \
         if getattr(p.config.parallelism, "expert_parallel_degree", 1) > 1 else ()
-    return Measured(spec, step, notes(g) + (p.describe(),) + routing + job_memory_lines(g, p.rank))
+    cp = getattr(p.config.parallelism, "context_parallel_degree", 1)
+    context = (f"context parallel: each rank holds 1/{cp} of every sequence (torchtitan's load balancer's "
+               "chunks); attention is torch's context parallel (SDPA: ring attention; FlexAttention: keys and "
+               "values all-gathered), run per rank on fake tensors",) if cp > 1 else ()
+    return Measured(spec, step, notes(g) + (p.describe(),) + routing + context + job_memory_lines(g, p.rank))
 
 
 def job_memory_lines(g: Any, rank: int) -> tuple[str, ...]:

@@ -147,6 +147,15 @@ class Job:
             raise UsageError("a torchtitan job's compile setting is its own (`compile.enable` in its config): drop "
                              "`mode='compiled'`")
         p = self.config.parallelism
+        if p.context_parallel_degree > 1 and spec.target.device == "cpu":
+            raise UsageError("context parallel runs on the CUDA target only: torch's ring attention handles CUDA's "
+                             "SDPA kernels (torch/distributed/tensor/experimental/_context_parallel/_attention.py) and "
+                             "FlexAttention has no CPU backward, so the job fails on a CPU too: analyze with "
+                             "`device='cuda'` (`--gpu h100`)")
+        if p.context_parallel_degree > 1 and self.config.compile.enable:
+            raise UsageError("context parallel with `compile.enable` is not analyzed yet (dynamo traces the fake "
+                             "tensors' SDPA as the CPU kernel, which torch's ring attention does not handle): drop "
+                             "`compile.enable` to analyze the eager job")
         if p.pipeline_parallel_degree > 1 and p.tensor_parallel_degree > 1 and \
                 getattr(p, "spmd_backend", "") == "spmd_types":
             raise UsageError("tensor parallel inside a pipeline under `parallelism.spmd_backend='spmd_types'` (the "

@@ -112,7 +112,7 @@ def forward_context(target: Target, used: dict[str, int],
 
 
 def translate_error(e: Exception, cap: _Recorder, root: str) -> GraphmemError:
-    where = f"module {cap.stack[-1]!r}" if cap.stack[-1] else f"{root}.forward"
+    where = f"module {cap.stack[-1]!r}" if cap.stack and cap.stack[-1] else f"{root}.forward"
     if cap.phase == "backward":
         where = "backward"
     elif cap.phase == "loss":

@@ -149,7 +149,7 @@ def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batche
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                     rng_states(cap, target.device == "cpu"), _cache_clears(cap), watching(cap), \
                     _observed(trainer, root, cap, mark), stage_phases(trainer, cap), balanced_routing(), \
-                    _target_rules(target, backends, cap):
+                    _target_rules(target, backends, cap), _masks_paused(cap):
                 cap.recording = True
                 cap.set_phase("forward")
                 with _step_reads(fake_mode):  # the token count and loss it reads scale arithmetic and logs only
@@ -258,10 +258,11 @@ def _compiled_eagerly(target: Target) -> Iterator[None]:
     tensors are CPU tensors, that check is the real device's (CUDA has the backward); on the CPU
     target the refusal stands, in one line."""
     import torch.nn.attention.flex_attention as flex
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
     from torchtitan.models.common import attention
 
     kept = attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask, flex._validate_device, \
-        flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+        flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG, cp_attention._compiled_create_block_mask
 
     def on_target(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         if target.device == "cpu" and (query.requires_grad or key.requires_grad or value.requires_grad):
@@ -271,13 +272,17 @@ def _compiled_eagerly(target: Target) -> Iterator[None]:
     _fake_rules_for(_Mode)
     attention.FlexAttention._compiled_flex_attn = staticmethod(flex.flex_attention)  # type: ignore[assignment]
     attention._compiled_create_block_mask = flex.create_block_mask
+    # context parallel shards a BlockMask by building each rank's own with a create_block_mask it
+    # compiles once (torch/distributed/tensor/experimental/_context_parallel/_attention.py
+    # ``_create_cp_block_mask``): Inductor's code run on fake tensors' storage crashed the process
+    setattr(cp_attention, "_compiled_create_block_mask", flex.create_block_mask)
     flex._validate_device = on_target
     flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True  # the higher-order op itself (eager flex_attention wraps it in dynamo)
     try:
         yield
     finally:
         attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask, flex._validate_device, \
-            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = kept
+            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG, cp_attention._compiled_create_block_mask = kept
 
 
 def _fake_rules_for(mode: type) -> None:
@@ -297,19 +302,23 @@ def _masks_paused(cap: _Recorder) -> Iterator[None]:
     """``create_block_mask`` outside the recording: eagerly it evaluates the mask at every
     (query, key) pair, which the compiled function the job runs does blockwise; its BlockMask's
     tensors are counted from their first use in the step."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
     from torchtitan.models.common import attention
 
-    kept = attention._compiled_create_block_mask
+    kept, kept_cp = attention._compiled_create_block_mask, cp_attention._compiled_create_block_mask
 
-    def paused(*args: Any, **kwargs: Any) -> Any:
-        with cap.paused():
-            return kept(*args, **kwargs)
+    def pausing(build: Any) -> Callable:
+        def paused(*args: Any, **kwargs: Any) -> Any:
+            with cap.paused():
+                return build(*args, **kwargs)
+        return paused
 
-    attention._compiled_create_block_mask = paused
+    attention._compiled_create_block_mask = pausing(kept)
+    setattr(cp_attention, "_compiled_create_block_mask", pausing(kept_cp))  # context parallel's per-rank mask
     try:
         yield
     finally:
-        attention._compiled_create_block_mask = kept
+        attention._compiled_create_block_mask, cp_attention._compiled_create_block_mask = kept, kept_cp
 
 
 __all__ = ["capture_job"]
