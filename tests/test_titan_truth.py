@@ -2,12 +2,15 @@
 llama3 debug models, one gloo process per rank (tests/titan_truth.py), beside graphmem's analysis
 of the same prepared job on fake tensors (graphmem/titan/), rank by rank.
 
-Tolerances, measured: saved bytes and the bytes before the step are exact. The real peaks move
-between runs, upward only: gloo's threads allocate inside collectives at moments that vary
-(tests/titan_truth.py), by up to ~150 KB on these ~2-3.5 MB steps on a loaded machine (FSDP2's
-later peak: 3,427,732 B in one run, 3,570,580 B in another). So a real peak must lie between 1 %
-under and 8 % over the prediction; in quiet runs they agreed to the byte (FSDP2's first peak,
-2,509,336 B) or within 1,536 B (every later peak)."""
+Tolerances, measured: saved bytes and the bytes before the step are exact. Peaks within 1 %, both
+ways: with every collective settled and gloo's own clones freed where the collective was settled
+(tests/titan_truth.py ``_events``), the first peaks agree to the byte on FSDP2, TP, FSDP x TP and
+expert parallel (16 B on EP), and the later peaks lie 1,536 B under graphmem's (0.05-0.09 %; the
+least of three steps). Pipelines' later peaks read up to 0.7 % over graphmem's, the same bytes
+in repeated runs (Interleaved1F1B +13,560 B, +0.50 %; FSDP x PP +0.67 %; 1F1B -520 B): a gap in
+the model, not noise (no free goes unseen there), not yet found; the likeliest cause is the p2p
+send works, which hold the tensors they send until the schedule waits on them. Bounded below only: a compiled job's first peak (Inductor and dynamo compile
+inside it) and a pipeline's first peak (see test_pp)."""
 from __future__ import annotations
 
 import pytest
@@ -41,7 +44,7 @@ def _as_predicted(config_fn, world: int, overrides: dict, ranks: list[dict[str, 
         assert report.parameter_bytes + report.buffer_bytes == real["before_bytes"], rank
         for predicted, measured in ((report.budget.rank.later_peak_bytes, real["later_peak_bytes"]),
                                     (report.peak_bytes, real["peak_bytes"])):
-            over = float("inf") if compiles and predicted == report.peak_bytes else 0.08 * predicted
+            over = float("inf") if compiles and predicted == report.peak_bytes else 0.01 * predicted
             assert -0.01 * predicted <= measured - predicted <= over, (rank, predicted, real)
 
 
@@ -162,7 +165,7 @@ def _as_pipelined(overrides: dict, ranks: list[dict[str, int]], which: tuple[int
         assert report.activation_bytes == real["later_saved_bytes"] < real["saved_bytes"], rank
         assert report.parameter_bytes + report.buffer_bytes == real["before_bytes"], rank
         later = report.budget.rank.later_peak_bytes
-        assert -0.01 * later <= real["later_peak_bytes"] - later <= 0.08 * later, (rank, later, real)
+        assert -0.01 * later <= real["later_peak_bytes"] - later <= 0.01 * later, (rank, later, real)
         assert real["peak_bytes"] >= report.peak_bytes, (rank, report.peak_bytes, real)
 
 
