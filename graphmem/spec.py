@@ -151,7 +151,7 @@ class Job:
             raise UsageError("context parallel runs on the CUDA target only: torch's ring attention handles CUDA's "
                              "SDPA kernels (torch/distributed/tensor/experimental/_context_parallel/_attention.py) and "
                              "FlexAttention has no CPU backward, so the job fails on a CPU too: analyze with "
-                             "`device='cuda'` (`--gpu h100`)")
+                             "`device='cuda'`")
         if p.context_parallel_degree > 1 and self.config.compile.enable:
             raise UsageError("context parallel with `compile.enable` is not analyzed yet (dynamo traces the fake "
                              "tensors' SDPA as the CPU kernel, which torch's ring attention does not handle): drop "
