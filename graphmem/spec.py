@@ -152,10 +152,6 @@ class Job:
                              "SDPA kernels (torch/distributed/tensor/experimental/_context_parallel/_attention.py) and "
                              "FlexAttention has no CPU backward, so the job fails on a CPU too: analyze with "
                              "`device='cuda'`")
-        if p.context_parallel_degree > 1 and self.config.compile.enable:
-            raise UsageError("context parallel with `compile.enable` is not analyzed yet (dynamo traces the fake "
-                             "tensors' SDPA as the CPU kernel, which torch's ring attention does not handle): drop "
-                             "`compile.enable` to analyze the eager job")
         if p.pipeline_parallel_degree > 1 and p.tensor_parallel_degree > 1 and \
                 getattr(p, "spmd_backend", "") == "spmd_types":
             raise UsageError("tensor parallel inside a pipeline under `parallelism.spmd_backend='spmd_types'` (the "

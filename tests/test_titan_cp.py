@@ -85,10 +85,27 @@ def test_flex_attention_gathers_keys_and_values() -> None:
         assert len(gathered) == 2 * LAYERS and all(s.shape == (BATCH, cp * local, KV_HEADS, HEAD_DIM) for s in gathered)
 
 
-def test_context_parallel_is_refused_where_it_cannot_run() -> None:
+@pytest.mark.slow
+def test_compiled_blocks_save_what_the_partition_keeps_of_the_ring() -> None:
+    """``compile.enable`` with context parallel: dynamo traces each block with the ring attention
+    inside (torch's CP dispatcher handles the DTensor SDPA as dynamo's fake run of the node picks
+    the CUDA kernel, graphmem/capture/compiled_cuda.py ``example_values_ruled``), and AOTAutograd's
+    partition of that graph decides what is saved: against the compiled job without CP at the last
+    rank's share of the sequence, each layer keeps the all-gathered keys and values (one buffer of
+    cp ranks' k and v) and a copy of its own k and v, where the eager ring kept neither."""
+    def compiled(cp: int, seq: int):
+        job = _job(cp, seq)
+        job.compile.enable, job.compile.components, job.compile.backend = True, ["model"], "aot_eager"
+        return graphmem.analyze(job, world_size=cp, rank=cp - 1, device="cuda", gpu="h100")
+
+    cp = 2
+    alone, last = compiled(1, 16), compiled(cp, 16 * cp)
+    kv = 2 * BATCH * KV_HEADS * 16 * HEAD_DIM * BF16  # the rank's own keys and values, one layer
+    assert last.activation_bytes - alone.activation_bytes == LAYERS * (cp + 1) * kv
+    gathered = [s for s in last.saved if s.op.startswith("all_gather_into_tensor")]
+    assert len(gathered) == LAYERS and all(s.bytes == cp * kv for s in gathered)
+
+
+def test_context_parallel_is_refused_on_the_cpu() -> None:
     with pytest.raises(UsageError, match="CUDA target only"):
         graphmem.analyze(_job(2, 32), world_size=2, rank=0, device="cpu")
-    job = _job(2, 32)
-    job.compile.enable, job.compile.components = True, ["model"]
-    with pytest.raises(UsageError, match="compile.enable"):
-        graphmem.analyze(job, world_size=2, rank=0, device="cuda", gpu="h100")

@@ -275,7 +275,7 @@ def _compiled_eagerly(target: Target) -> Iterator[None]:
     # context parallel shards a BlockMask by building each rank's own with a create_block_mask it
     # compiles once (torch/distributed/tensor/experimental/_context_parallel/_attention.py
     # ``_create_cp_block_mask``): Inductor's code run on fake tensors' storage crashed the process
-    setattr(cp_attention, "_compiled_create_block_mask", flex.create_block_mask)
+    cp_attention._compiled_create_block_mask = flex.create_block_mask  # type: ignore[assignment]
     flex._validate_device = on_target
     flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True  # the higher-order op itself (eager flex_attention wraps it in dynamo)
     try:
@@ -314,7 +314,7 @@ def _masks_paused(cap: _Recorder) -> Iterator[None]:
         return paused
 
     attention._compiled_create_block_mask = pausing(kept)
-    setattr(cp_attention, "_compiled_create_block_mask", pausing(kept_cp))  # context parallel's per-rank mask
+    cp_attention._compiled_create_block_mask = pausing(kept_cp)  # type: ignore[assignment]  # context parallel
     try:
         yield
     finally:

@@ -24,7 +24,7 @@ import torch
 
 from graphmem.capture.aot_settings import partition_config, unlogged
 from graphmem.capture.compiled import _Backend
-from graphmem.capture.compiled_cuda import graphs_unruled
+from graphmem.capture.compiled_cuda import example_values_ruled, graphs_unruled
 from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
@@ -115,7 +115,7 @@ def compiled_regions(cfg: Any, cap: _Recorder, target: Target, backends: dict[st
 
     convert_frame._compile = compile_unrecorded
     try:
-        with partition_config(target.memory_budget), unlogged():
+        with partition_config(target.memory_budget), unlogged(), example_values_ruled(target):
             yield backend
     finally:
         cfg.compile.backend, convert_frame._compile = kept_backend, kept_compile
