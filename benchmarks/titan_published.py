@@ -38,18 +38,16 @@ ROWS = [
 COMMON = ["--training.local_batch_size", "2", "--training.seq_len", "8192", "--optimizer.implementation", "foreach"]
 
 # Table 2 (8 GPUs, local batch 1, full AC; FSDP 8/cp x CP cp over cp x 32768 tokens), published with
-# torch.compile and Float8: neither is expressible with context parallel here (Float8: see below; compile
-# with CP: graphmem/spec.py refuses it), so these rows run eager with bf16 linears, under torchtitan's
-# ``partial_dtensor`` backend (the one that applies CP to SDPA). Not the published configuration: printed
-# beside it, not held to it.
+# torch.compile and Float8. Float8 is not expressible (see below), so these rows run with bf16 linears,
+# eager and with each block compiled, under torchtitan's ``partial_dtensor`` backend (the one that
+# applies CP to SDPA). Not the published configuration: printed beside it, not held to it.
 CP_ROWS = [(cp, 8 // cp, 32768 * cp, published) for cp, published in ((1, 83.9), (2, 84.2), (4, 84.0), (8, 84.5))]
 
 NOT_EXPRESSIBLE = [
     ("+ Float8 (Tables 1-6)", "the 2024 runs scaled tensorwise and all-gathered float8 weights under FSDP; torchtitan 0.3.0's "
      "Float8LinearConverter offers the rowwise recipes only (components/quantization/float8.py), and torchao is not "
      "among its dependencies"),
-    ("FSDP x CP (Tables 2, 6)", "those rows also compile and use Float8; context parallel runs eager only (the "
-     "rows above, without either)"),
+    ("FSDP x CP (Tables 2, 6)", "those rows also use Float8 (Table 2's rows above run without it)"),
     ("70B FSDP32 x TP8 (Table 4)", "compile + Float8 (+ AsyncTP's symmetric memory)"),
     ("405B FSDP8 x TP8 x PP8 (Table 5)", "compile + Float8 + AsyncTP"),
 ]
@@ -67,7 +65,7 @@ def published_job(config_name: str, overrides: list[str]) -> Any:
     return job
 
 
-def cp_job(cp: int, fsdp: int, seq: int) -> Any:
+def cp_job(cp: int, fsdp: int, seq: int, compiled: bool) -> Any:
     """A Table 2 row's job as graphmem can run it (see ``CP_ROWS``): full activation checkpointing,
     RoPE's table as long as the sequence (0.3.0's llama3_8b stops at 131072 tokens)."""
     from torchtitan.distributed.activation_checkpoint import FullAC
@@ -75,7 +73,7 @@ def cp_job(cp: int, fsdp: int, seq: int) -> Any:
 
     job = published_job("llama3_8b", ["--parallelism.data_parallel_shard_degree", str(fsdp),
                                       "--parallelism.context_parallel_degree", str(cp),
-                                      "--parallelism.spmd_backend", "partial_dtensor"])
+                                      "--parallelism.spmd_backend", "partial_dtensor", *(COMPILE if compiled else [])])
     job.training.local_batch_size, job.training.seq_len = 1, seq
     job.activation_checkpoint = FullAC.Config()
     for _fqn, rope, _parent, _attr in job.model_spec.model.traverse(ComplexRoPE.Config):
@@ -113,11 +111,12 @@ def main(argv: list[str]) -> int:
         print(f"| {name} | {published:.1f} | {got['later reserved']:.1f} | {err:+.1f} % | {got['later allocated']:.1f} | "
               f"{got['first reserved']:.1f} | {seconds:.0f} | {rss:.2f} |", flush=True)
     if not args.rows:
-        for cp, fsdp, seq, published in CP_ROWS:
-            got, seconds, rss = predict(cp * fsdp, cp_job(cp, fsdp, seq))
-            print(f"| 8B FSDP{fsdp} x CP{cp}, {seq} tokens, full AC, eager, bf16 linears (Table 2 published with "
-                  f"compile + Float8: not comparable) | {published:.1f} | {got['later reserved']:.1f} | — | "
-                  f"{got['later allocated']:.1f} | {got['first reserved']:.1f} | {seconds:.0f} | {rss:.2f} |", flush=True)
+        for (cp, fsdp, seq, published), compiled in ((row, c) for c in (False, True) for row in CP_ROWS):
+            got, seconds, rss = predict(cp * fsdp, cp_job(cp, fsdp, seq, compiled))
+            print(f"| 8B FSDP{fsdp} x CP{cp}, {seq} tokens, full AC, {'compile' if compiled else 'eager'}, bf16 "
+                  f"linears (Table 2 published with compile + Float8: not comparable) | {published:.1f} | "
+                  f"{got['later reserved']:.1f} | — | {got['later allocated']:.1f} | {got['first reserved']:.1f} | "
+                  f"{seconds:.0f} | {rss:.2f} |", flush=True)
     for name, why in NOT_EXPRESSIBLE:
         print(f"| {name} | — | not expressible: {why} | | | | | |")
     return 0
