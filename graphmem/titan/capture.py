@@ -299,9 +299,10 @@ def _fake_rules_for(mode: type) -> None:
 
 @contextlib.contextmanager
 def _masks_paused(cap: _Recorder) -> Iterator[None]:
-    """``create_block_mask`` outside the recording: eagerly it evaluates the mask at every
-    (query, key) pair, which the compiled function the job runs does blockwise; its BlockMask's
-    tensors are counted from their first use in the step."""
+    """``create_block_mask`` outside the recording, in the Trainer's build and in its step:
+    eagerly it evaluates the mask at every (query, key) pair, which the compiled function the job
+    runs does blockwise; its BlockMask's tensors are counted from their first use in the step.
+    torchtitan's builder and context parallel's (each rank's shard of the mask) alike."""
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
     from torchtitan.models.common import attention
 
