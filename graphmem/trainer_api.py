@@ -124,6 +124,10 @@ def trainer_from_file(model: Any, path: str) -> Any:
     except Exception as e:  # a malformed file, an unknown field, a value TrainingArguments refuses
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"training_args {path!r} is not readable as TrainingArguments: {first}") from None
+    if args.fsdp:  # Trainer.__init__ raises "Using fsdp only works in distributed training." in one process
+        raise UsageError(f"training_args {path!r} ask for FSDP, which the Trainer builds only when launched on several "
+                         "processes (and accelerate runs only on accelerators: on CPUs it wraps DDP): analyze the model "
+                         "per rank with `fsdp='fully_shard'` and `world_size`, or drop fsdp for the DDP step")
     return Trainer(model=model, args=args)
 
 

@@ -97,3 +97,30 @@ def test_ddp_ranks_match_a_real_two_process_trainer(make: Any) -> None:
         assert r.baseline_bytes == got["built"]
         assert abs(got["peak"] - b.peak_bytes) <= PEAK_TOLERANCE * got["peak"]
         assert abs(got["later"] - b.later_peak_bytes) <= PEAK_TOLERANCE * got["later"]
+
+
+def test_training_args_file_with_world_size_from_the_cli(tmp_path: Any, capsys: Any) -> None:
+    """graphmem analyze MODEL --training-args args.json --world-size 2 --rank 1: the loaded (meta) model's
+    Trainer as rank 1 of a DDP job, GPT-2's gradients in DDP's buckets (``bucket_cap_mb`` 25) live at
+    the peak; the formulas' options, and FSDP arguments, are refused in one line."""
+    import json
+
+    from graphmem.cli.main import main
+
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True, "report_to": [], "optim": "adamw_torch"}))
+    base = ["analyze", "hf-gpt2", "--input-shape", "2x32", "--training-args", str(args)]
+    assert main([*base, "--world-size", "2", "--rank", "1", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["budget"]["ddp"] == {"world_size": 2, "rank": 1}
+    buckets = [t for t in d["peak"]["live"] if t["name"].startswith(BUCKET)]  # 25 MiB each, the first 1 MiB
+    assert len(buckets) > 1 and sum(t["bytes"] for t in buckets) == d["gradient_bytes"]
+    assert main([*base, "--world-size", "2", "--zero", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--training-args" in err[0] and "drop --zero" in err[0]
+    fsdp = tmp_path / "fsdp.json"
+    fsdp.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True, "report_to": [], "fsdp": "full_shard",
+                                "fsdp_config": {"fsdp_version": 2}}))
+    assert main(["analyze", "hf-gpt2", "--input-shape", "2x32", "--training-args", str(fsdp), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "FSDP" in err[0] and "--fsdp" in err[0]

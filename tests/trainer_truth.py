@@ -6,8 +6,8 @@ its backend gloo, accelerate's default there (``ddp_backend="gloo"`` says the sa
 arguments cannot be built in the one analysis process: accelerate's PartialState then asks
 torch.distributed for a world size it has not got) and ``accelerator.prepare`` wraps the model in DistributedDataParallel
 itself). Nothing of graphmem's runner or wrappers runs here: the step is the Trainer's own code,
-called as ``Trainer._prepare_for_training`` and ``_run_epoch`` call it (transformers 5.24
-``trainer.py`` 1741-1778, 1881-1954), written out below.
+called as ``Trainer.train`` (activation checkpointing, 1502-1528), ``_prepare_for_training`` and
+``_run_epoch`` call it (transformers 5.24 ``trainer.py`` 1741-1778, 1881-1954), written out below.
 
 Each rank measures, from the CPU allocator's events under one torch.profiler window spanning
 ``accelerator.prepare`` and two steps (tests/dist_truth.py ``_profiled``, the garbage collector
@@ -19,8 +19,8 @@ in the last micro-step's forward and loss (parameters and buffers excluded; in a
 job, and ``Tensor.to`` from ``cpu`` to ``cpu:0`` copies every parameter and buffer into a new
 storage (seen in the profiler: ``aten::_to_copy`` under ``prepare_model``'s ``model.to``); the old
 storages, allocated before the window, die inside it without a free event (the allocator's
-profiler reporter knows only blocks allocated while a profile ran): the bytes of the copies made
-before the first marker (allocations under ``aten::_to_copy``, each as large as its original) are
+profiler reporter knows only blocks allocated while a profile ran): the bytes of the copies held
+at the first marker (allocations under ``aten::_to_copy``, each as large as its original) are
 taken off (``moved``). The collectives the
 Trainer calls from Python (accelerate's gather of the token count) are settled
 (tests/dist_truth.py ``_settled``); DDP's all-reduce runs in place on buckets the Reducer holds, so
@@ -114,6 +114,12 @@ def _run(make: Callable[[str], Any], kept: list) -> dict[str, int]:
     assert trainer.accelerator.distributed_type.value == "MULTI_CPU", trainer.accelerator.distributed_type
     torch.manual_seed(0)
     batch = trainer_batch(trainer, (trainer.args.per_device_train_batch_size, 16))  # (only makes the batch)
+    args = trainer.args
+    if args.activation_checkpointing:  # Trainer.train (1502-1528), before _prepare_for_training
+        kwargs = dict(args.activation_checkpointing_kwargs or {})
+        every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+        trainer.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
+                                                      every_n_layers=every_n_layers, offload=offload)
     base = sum(_keys(_held(trainer.model) + list(batch.values())).values())
     with _profiled() as prof:
         trainer.create_optimizer()
@@ -135,22 +141,28 @@ def _run(make: Callable[[str], Any], kept: list) -> dict[str, int]:
 
 
 def _copies(prof: Any) -> int:
-    """Bytes allocated by ``aten::_to_copy`` before the first marker (``prepare_model``'s ``model.to``)."""
-    found: list[tuple[int, int]] = []
-    start = None
+    """Bytes of the ``aten::_to_copy`` blocks made before the first marker (``prepare_model``'s
+    ``model.to``) and still held there: one per original storage from before the window. (A tied
+    weight is copied once per module holding it, ``Module._apply``; the first copy's free is seen.)"""
+    events: list[tuple[int, int, int, bool]] = []  # (time, size, ptr, made by _to_copy)
     todo = list(prof.profiler.kineto_results.experimental_event_tree())
     while todo:
         e = todo.pop()
         if e.tag == _EventType.Allocation:
-            size = e.extra_fields.alloc_size
-            if size == MARK and start is None:
-                start = e.start_time_ns
-            elif size > 0 and e.parent is not None and e.parent.parent is not None \
-                    and e.parent.parent.name == "aten::_to_copy":
-                found.append((e.start_time_ns, size))
+            copy = e.parent is not None and e.parent.parent is not None and e.parent.parent.name == "aten::_to_copy"
+            events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr, copy))
         todo.extend(e.children)
-    assert start is not None
-    return sum(size for t, size in found if t < start)
+    events.sort()
+    start = next(t for t, size, _, _ in events if size == MARK)
+    held: dict[int, int] = {}
+    for t, size, ptr, copy in events:
+        if t >= start:
+            break
+        if size > 0 and copy:
+            held[ptr] = size
+        elif size < 0:
+            held.pop(ptr, None)
+    return sum(held.values())
 
 
 def _worker(rank: int, world_size: int, port: int, make: Callable[[str], Any], out: str) -> None:

@@ -33,9 +33,9 @@ calls go to graphmem's compiled capture of the same model (graphmem/capture/comp
 partition of the backend asked for (``inductor``: graphmem/capture/inductor_partition.py).
 
 Known limitations: the CPU target only (a Trainer on a GPU is refused: its ``_prepare_inputs`` moves
-the batch to the GPU, which the CUDA target's fake CPU tensors do not follow); one process (no
-DeepSpeed/FSDP/DDP); ``torch_compile`` with the ``inductor`` or ``aot_eager`` backend and the default
-mode only (``COMPILE_BACKENDS``); the
+the batch to the GPU, which the CUDA target's fake CPU tensors do not follow); no DeepSpeed or
+FSDP (DDP: one rank of N, graphmem/training/hf_trainer_ddp.py); ``torch_compile`` with the
+``inductor`` or ``aot_eager`` backend and the default mode only (``COMPILE_BACKENDS``); the
 ``include_num_input_tokens_seen`` bookkeeping and callbacks are not run (no tensors of the step);
 a scheduler passed in ``optimizers=`` is replaced by ``args.lr_scheduler_type``'s (its memory is
 Python numbers).
@@ -141,8 +141,9 @@ def check_trainer(trainer: Any) -> None:
         raise UsageError(f"the Trainer runs on {trainer.args.device.type}; graphmem runs a Trainer's step on the CPU target "
                          "for now: set use_cpu=True in its TrainingArguments, or analyze the model with device='cuda'")
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or trainer.args.world_size > 1:
-        raise UsageError("the Trainer is set up for several processes (DeepSpeed, FSDP or DDP); graphmem runs its "
-                         "one-process step: analyze the model with fsdp=/zero=/rank= for per-rank memory")
+        raise UsageError("the Trainer is set up for several processes (DeepSpeed, FSDP or DDP); graphmem runs one "
+                         "rank's step of a Trainer built in one process: pass `world_size`/`rank` for DDP, or analyze "
+                         "the model with `fsdp`/`zero`/`rank` for per-rank memory")
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:
