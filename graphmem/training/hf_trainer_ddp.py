@@ -1,6 +1,6 @@
 """A Trainer's step as one rank of a DDP job runs it: torch's own ``DistributedDataParallel`` around
-the model, under the fake process group (graphmem/distributed/process_group.py), on the capture's
-fake tensors.
+the model, under PyTorch's fake process group (as graphmem/distributed/process_group.py opens it),
+on the capture's fake tensors.
 
 Launched on N processes (torchrun / accelerate launch, ``use_cpu=True`` on gloo), the Trainer's
 accelerator is MULTI_CPU / MULTI_GPU and ``accelerator.prepare_model`` ends with
@@ -34,6 +34,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from graphmem.errors import UsageError
 
 BUCKET = "DDP gradient bucket"
 
@@ -88,10 +90,25 @@ def ranks(trainer: Any, world_size: int, rank: int) -> Iterator[None]:
     if world_size == 1:
         yield
         return
-    from graphmem.distributed.process_group import fake_process_group
-
-    with fake_process_group(rank, world_size), copied_inputs(trainer):
+    with fake_group(rank, world_size), copied_inputs(trainer):
         yield
+
+
+@contextlib.contextmanager
+def fake_group(rank: int, world_size: int) -> Iterator[None]:
+    """PyTorch's fake backend as rank ``rank`` of ``world_size``, always destroyed after: the group
+    graphmem/distributed/process_group.py opens for the wrappers, without its device meshes (DDP
+    takes the default group; this layer sits below graphmem/distributed/)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise UsageError("torch.distributed is already initialized in this process; graphmem runs rank r "
+                         "in a fake process group of its own: call analyze outside the distributed job")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -115,4 +132,4 @@ def copied_inputs(trainer: Any) -> Iterator[None]:
         del trainer._prepare_input
 
 
-__all__ = ["BUCKET", "copied_inputs", "ddp_kwargs", "ranks", "wrap_ddp"]
+__all__ = ["BUCKET", "copied_inputs", "ddp_kwargs", "fake_group", "ranks", "wrap_ddp"]
