@@ -15,16 +15,16 @@ with no distributed state, so accelerate wraps nothing: the runner wraps the sam
 What DDP's C++ Reducer does is recorded as the real job runs it: the flat gradient buckets it
 allocates at construction (reducer.cpp ``initialize_buckets``) and holds for the job (made while
 the recorder is paused, so they are tensors from before the step, named "DDP gradient bucket"
-where backward first writes them), the gradients copied (scaled by 1/N: ``mul.out``) into them,
+where backward first writes them), the gradients copied into them in the last micro-step,
 the buckets copied back into ``.grad`` after the all-reduce, and, with ``find_unused_parameters``,
-its used-parameter maps. Two things differ from a real job, neither allocating: the cross-rank
+its used-parameter maps. Two things differ from a real job: the cross-rank
 shape check at construction (``_verify_param_shape_across_processes``, which reads the
 parameters' values) is skipped, and the all-reduce goes through a comm hook that runs the same
 in-place ``all_reduce`` of the bucket and hands the bucket back (the fake backend's work has no
 result for the built-in hook to read: torch/csrc/distributed/c10d/FakeProcessGroup.hpp
 ``FakeWork::getFuture``). With a hook, the Reducer copies a gradient into its bucket with
 ``copy_`` where the built-in path multiplies by 1/N into it (``mul.out``, reducer.cpp
-``mark_variable_ready_dense``): the same bytes, less the 8 B scalar tensor ``mul.out`` wraps 1/N in.
+``mark_variable_ready_dense``): the same bytes held, less the 8 B scalar tensor ``mul.out`` wraps 1/N in for the moment of each copy.
 """
 from __future__ import annotations
 
