@@ -51,6 +51,16 @@ def gpt2_checkpointing_trainer(out: str) -> Any:
     return transformers.Trainer(model=_gpt2(), args=args)
 
 
+def llama_four_steps_trainer(out: str) -> Any:
+    """4 accumulation steps (the capture traces 2; 3 run under no_sync for real), and
+    ``ddp_find_unused_parameters=False``: no used-parameter maps, DDP rebuilds its buckets in step 2."""
+    torch.manual_seed(0)
+    args = transformers.TrainingArguments(output_dir=out, report_to=[], use_cpu=True, max_grad_norm=1.0,
+                                          gradient_accumulation_steps=4, optim="adamw_torch",
+                                          per_device_train_batch_size=2, ddp_find_unused_parameters=False)
+    return transformers.Trainer(model=_llama(), args=args)
+
+
 def _predicted(make: Any, world_size: int, rank: int) -> Any:
     with tempfile.TemporaryDirectory() as out:
         trainer = make(out)
@@ -82,8 +92,9 @@ def test_bad_ranks_are_one_line() -> None:
             assert "\n" not in str(e.value)
 
 
-@pytest.mark.slow  # ~60 s: a real 2-process gloo job per model, each step run 3 times per rank
-@pytest.mark.parametrize("make", [llama_trainer, gpt2_checkpointing_trainer], ids=["llama", "gpt2-checkpointing"])
+@pytest.mark.slow  # ~45 s each: a real 2-process gloo job, its steps run 3 times per rank
+@pytest.mark.parametrize("make", [llama_trainer, llama_four_steps_trainer, gpt2_checkpointing_trainer],
+                         ids=["llama", "llama-4-steps", "gpt2-checkpointing"])
 def test_ddp_ranks_match_a_real_two_process_trainer(make: Any) -> None:
     from tests.trainer_truth import real_trainer_ranks
 
