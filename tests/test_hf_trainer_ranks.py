@@ -75,7 +75,7 @@ def test_ddp_rank_holds_the_buckets_and_names_them() -> None:
     one, rank1 = _predicted(llama_trainer, 1, 0), _predicted(llama_trainer, 2, 1)
     grads = one.budget.row("gradients").size
     buckets = [t for t in rank1.step.storages.values() if t.name.startswith(BUCKET)]
-    assert [t.nbytes for t in buckets] == [grads] and buckets[0].created < 0
+    assert [t.nbytes for t in buckets] == [grads] and buckets[0].created < 0 and buckets[0].kind == "communication"
     assert rank1.activation_bytes == one.activation_bytes
     assert rank1.budget.peak_bytes >= one.budget.peak_bytes + grads
     d = rank1.to_dict()["budget"]

@@ -14,8 +14,8 @@ with no distributed state, so accelerate wraps nothing: the runner wraps the sam
 
 What DDP's C++ Reducer does is recorded as the real job runs it: the flat gradient buckets it
 allocates at construction (reducer.cpp ``initialize_buckets``) and holds for the job (made while
-the recorder is paused, so they are tensors from before the step, named "DDP gradient bucket"
-where backward first writes them), the gradients copied into them in the last micro-step,
+the recorder is paused, so they are tensors from before the step, named "DDP gradient bucket",
+kind "communication" as FSDP2's collective buffers, where the all-reduce takes them), the gradients copied into them in the last micro-step,
 the buckets copied back into ``.grad`` after the all-reduce, and, with ``find_unused_parameters``,
 its used-parameter maps. Two things differ from a real job: the cross-rank
 shape check at construction (``_verify_param_shape_across_processes``, which reads the
@@ -71,7 +71,7 @@ def _all_reduce(rec: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
     values are fake: the 1/N scaling is left out)."""
     buffer = bucket.buffer()
     if rec is not None:
-        rec.relabel(buffer, "external", f"{BUCKET} {bucket.index()}")
+        rec.relabel(buffer, "communication", f"{BUCKET} {bucket.index()}")
     dist.all_reduce(buffer)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)
