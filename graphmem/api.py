@@ -27,7 +27,7 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
     ``model`` is a transformers ``Trainer`` (its own step: graphmem/trainer_api.py; ``inputs`` or
-    ``input_shape`` only), an nn.Module (real, or built under ``torch.device("meta")``; an fx.GraphModule
+    ``input_shape``, and ``world_size``/``rank`` for one rank of its DDP job), an nn.Module (real, or built under ``torch.device("meta")``; an fx.GraphModule
     is one), a ``torch.export.ExportedProgram`` (its example inputs are used when none are
     given), a path to a model file or a ``.pt2`` exported program, or a preset name. Give ``inputs`` (a tensor or tuple of tensors; only shapes
     and dtypes are used) or ``input_shape``. Nothing real is allocated and the module is left
@@ -86,10 +86,12 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
     if is_trainer(model):  # a transformers Trainer: its own step (graphmem/trainer_api.py)
         from graphmem.trainer_api import trainer_spec
 
-        extra = sorted(set(options) - {"input_shape"})
+        extra = sorted(set(options) - {"input_shape", "world_size", "rank"})
         if extra:
-            raise UsageError(f"a Trainer's step comes from its TrainingArguments; drop {', '.join(extra)}")
-        return report_of(measure(trainer_spec(model, inputs, options.get("input_shape"))))
+            raise UsageError(f"a Trainer's step comes from its TrainingArguments (and `world_size`/`rank` for a DDP "
+                             f"job's rank); drop {', '.join(extra)}")
+        return report_of(measure(trainer_spec(model, inputs, options.get("input_shape"), options.get("world_size", 1),
+                                              options.get("rank"))))
     if is_job_config(model):  # a torchtitan Trainer.Config: the job's own code per rank (graphmem/titan/)
         from graphmem.titan_api import OPTIONS, job_spec
 

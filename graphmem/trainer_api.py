@@ -9,7 +9,7 @@ token samples of ``input_shape`` made for the model (graphmem/capture/hf.py) spl
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from graphmem.capture.hf import batch as hf_batch
 from graphmem.capture.target import Target
@@ -51,17 +51,22 @@ def trainer_batch(trainer: Any, shape: tuple[int, ...]) -> dict[str, Any]:
     return dict(out)
 
 
-def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None) -> StepSpec:
+def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None,
+                 world_size: int = 1, rank: Optional[int] = None) -> StepSpec:
     """The StepSpec of the step ``trainer.train()`` runs: its model, the batch (``inputs``, or
     ``input_shape`` through its collator), and its loop (graphmem/training/hf_trainer.py TrainerStep:
     ``args.optim``, ``max_grad_norm``, ``gradient_accumulation_steps``, bf16/fp16 through accelerate,
     gradient checkpointing), which the capture runs through the Trainer's own code; with
-    ``torch_compile``, in compiled mode with its backend's partition.
+    ``torch_compile``, in compiled mode with its backend's partition. ``world_size`` > 1: the step
+    of rank ``rank`` (default 0) when the Trainer is launched on ``world_size`` processes, the model
+    in torch's DistributedDataParallel under a fake process group (graphmem/training/hf_trainer_ddp.py);
+    the batch is that rank's (``per_device_train_batch_size`` rows).
 
     >>> report = graphmem.analyze(trainer, input_shape=(8, 512))  # doctest: +SKIP
     >>> report.budget.peak_bytes, report.budget.rank.later_peak_bytes  # doctest: +SKIP
     """
     check_trainer(trainer)
+    check_ranks(trainer, world_size, rank)
     if inputs is None:
         if input_shape is None:
             raise UsageError("no inputs: pass inputs= (a batch dict) or `input_shape` (batch, seq) for the Trainer")
@@ -74,7 +79,18 @@ def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple
     target = Target(args.device.type, mode="compiled", compile_backend=args.torch_compile_backend) \
         if args.torch_compile else Target(args.device.type)
     return StepSpec(type(trainer.model).__name__, trainer.model, Inputs(resizer(batch), tuple(first.shape), batch), None,
-                    target, Training(trainer_step(trainer), None), Single(), reuse=False)
+                    target, Training(trainer_step(trainer, world_size, rank or 0), None), Single(), reuse=False)
+
+
+def check_ranks(trainer: Any, world_size: Any, rank: Any) -> None:
+    """``world_size`` and ``rank`` of a DDP job, checked; the error names the fix."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"`world_size` must be a positive integer, got {world_size!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size):
+        raise UsageError(f"`rank={rank!r}` is not one of the {world_size} ranks: use 0 to {world_size - 1}")
+    if world_size > 1 and trainer.args.torch_compile:
+        raise UsageError("a compiled Trainer is analyzed on one process; per rank, DDP runs eagerly here: drop "
+                         "`torch_compile` or `world_size`")
 
 
 def trainer_from_file(model: Any, path: str) -> Any:
@@ -108,7 +124,11 @@ def trainer_from_file(model: Any, path: str) -> Any:
     except Exception as e:  # a malformed file, an unknown field, a value TrainingArguments refuses
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"training_args {path!r} is not readable as TrainingArguments: {first}") from None
+    if args.fsdp:  # Trainer.__init__ raises "Using fsdp only works in distributed training." in one process
+        raise UsageError(f"training_args {path!r} ask for FSDP, which the Trainer builds only when launched on several "
+                         "processes (and accelerate runs only on accelerators: on CPUs it wraps DDP): analyze the model "
+                         "per rank with `fsdp='fully_shard'` and `world_size`, or drop fsdp for the DDP step")
     return Trainer(model=model, args=args)
 
 
-__all__ = ["trainer_batch", "trainer_from_file", "trainer_spec"]
+__all__ = ["check_ranks", "trainer_batch", "trainer_from_file", "trainer_spec"]

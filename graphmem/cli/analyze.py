@@ -36,7 +36,8 @@ class Analyze:
         p.add_argument("--training-args", metavar="PATH",
                        help="a JSON or YAML file of transformers TrainingArguments: analyze the step a Trainer "
                             "around the (Hugging Face) model runs (its optim, clipping, accumulation, bf16/fp16, "
-                            "gradient checkpointing)")
+                            "gradient checkpointing); with --world-size N [--rank R], rank R of its DDP job on N "
+                            "processes")
         o = p.add_argument_group("output")
         o.add_argument("--json", action="store_true", help="print the report as JSON (exact integers); same as --format json")
         o.add_argument("--format", choices=["text", "json", "markdown"], help="output format (default text)")
@@ -82,7 +83,8 @@ class Analyze:
 
 
 def trainer_report(args: argparse.Namespace) -> Any:
-    """``--training-args``: a transformers Trainer around the loaded model (graphmem/trainer_api.py)."""
+    """``--training-args``: a transformers Trainer around the loaded model (graphmem/trainer_api.py);
+    with ``--world-size N [--rank R]``, rank R of the DDP job it runs on N processes."""
     from graphmem.api import analyze
     from graphmem.capture.load import load
     from graphmem.cli.options import hf_of, target_of
@@ -90,8 +92,12 @@ def trainer_report(args: argparse.Namespace) -> Any:
 
     if args.plan or args.formula:
         raise UsageError("--training-args analyzes the Trainer's step; --plan and --formula are not run on it yet")
+    if args.zero or args.fsdp or args.tp != 1:
+        raise UsageError("--training-args runs the Trainer's own step, per rank as a DDP job (--world-size N "
+                         "[--rank R]); drop --zero, --fsdp and --tp")
     loaded = load(args.model, target=target_of(args), options=hf_of(args))
-    return analyze(trainer_from_file(loaded.module, args.training_args), input_shape=args.input_shape)
+    return analyze(trainer_from_file(loaded.module, args.training_args), input_shape=args.input_shape,
+                   world_size=args.world_size, rank=args.rank)
 
 
 class Presets:

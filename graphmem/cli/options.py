@@ -113,7 +113,8 @@ def add_parallel_arguments(p: argparse.ArgumentParser, g: Any) -> None:
     g.add_argument("--sp", action="store_true", help="sequence parallel with --tp: the tensors outside the TP regions split too")
     d = p.add_argument_group("per rank through PyTorch's own wrappers (docs/distributed.md)")
     d.add_argument("--rank", type=int, metavar="R", help="analyze rank R's step as fully_shard / parallelize_module run "
-                   "it under a fake process group of --world-size ranks (bare --fsdp implies --rank 0)")
+                   "it under a fake process group of --world-size ranks (bare --fsdp implies --rank 0); with "
+                   "--training-args, rank R of the Trainer's DDP job")
     d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="fully_shard(reshard_after_forward=False): keep each block's gathered parameters until backward")
     d.add_argument("--fsdp-param-dtype", choices=["fp32", "bf16", "fp16"], help="MixedPrecisionPolicy(param_dtype=...)")

@@ -33,9 +33,9 @@ calls go to graphmem's compiled capture of the same model (graphmem/capture/comp
 partition of the backend asked for (``inductor``: graphmem/capture/inductor_partition.py).
 
 Known limitations: the CPU target only (a Trainer on a GPU is refused: its ``_prepare_inputs`` moves
-the batch to the GPU, which the CUDA target's fake CPU tensors do not follow); one process (no
-DeepSpeed/FSDP/DDP); ``torch_compile`` with the ``inductor`` or ``aot_eager`` backend and the default
-mode only (``COMPILE_BACKENDS``); the
+the batch to the GPU, which the CUDA target's fake CPU tensors do not follow); no DeepSpeed or
+FSDP (DDP: one rank of N, graphmem/training/hf_trainer_ddp.py); ``torch_compile`` with the
+``inductor`` or ``aot_eager`` backend and the default mode only (``COMPILE_BACKENDS``); the
 ``include_num_input_tokens_seen`` bookkeeping and callbacks are not run (no tensors of the step);
 a scheduler passed in ``optimizers=`` is replaced by ``args.lr_scheduler_type``'s (its memory is
 Python numbers).
@@ -52,6 +52,7 @@ import torch.nn as nn
 
 from graphmem.errors import UsageError
 from graphmem.training.batch import as_batch
+from graphmem.training.hf_trainer_ddp import ranks, wrap_ddp
 from graphmem.training.loop import Mark, TrainStep
 from graphmem.training.optim import ScalarReads, state_tensors
 from graphmem.training.step import LossFn
@@ -71,6 +72,8 @@ class TrainerStep(TrainStep):
     checkpointing: bool = False
     scheduler: str = ""
     compiled: str = ""  # the torch_compile_backend when args.torch_compile
+    world_size: int = 1  # > 1: rank ``rank`` of a DDP job (graphmem/training/hf_trainer_ddp.py)
+    rank: int = 0
     # the transformers.Trainer whose step this is (a live object: not in the report's JSON)
     trainer: Any = field(default=None, compare=False, repr=False, metadata={"json": False})
 
@@ -80,7 +83,7 @@ class TrainerStep(TrainStep):
 
     def runner(self) -> ContextManager[Any]:
         """The Trainer's own step (``TrainerRunner``) in place of graphmem's loop, the trainer restored after."""
-        return TrainerRunner(self.trainer).session()
+        return TrainerRunner(self.trainer, world_size=self.world_size, rank=self.rank).session()
 
     def describe(self, device: str = "cpu") -> str:
         parts = [f"transformers Trainer's loop: optim {self.optimizer}",
@@ -93,17 +96,20 @@ class TrainerStep(TrainStep):
             parts.append(f"{self.scheduler} lr scheduler")
         if self.compiled:
             parts.append(f"torch.compile ({self.compiled})")
+        if self.world_size > 1:
+            parts.append(f"DistributedDataParallel, rank {self.rank} of {self.world_size}")
         return ", ".join(parts)
 
     def to_dict(self, device: str = "cpu") -> dict[str, Any]:
         return {"loop": "transformers.Trainer", "optimizer": self.optimizer, "impl": None,
                 "master_weights": False, "micro_batches": self.micro_batches, "max_grad_norm": self.max_grad_norm,
                 "precision": self.precision, "gradient_checkpointing": self.checkpointing,
-                "lr_scheduler": self.scheduler, "torch_compile": self.compiled or None}
+                "lr_scheduler": self.scheduler, "torch_compile": self.compiled or None,
+                "ddp": {"world_size": self.world_size, "rank": self.rank} if self.world_size > 1 else None}
 
 
-def trainer_step(trainer: Any) -> TrainerStep:
-    """What ``trainer.args`` asks of the loop."""
+def trainer_step(trainer: Any, world_size: int = 1, rank: int = 0) -> TrainerStep:
+    """What ``trainer.args`` asks of the loop; ``world_size`` > 1: as rank ``rank`` of a DDP job."""
     args = trainer.args
     precision = "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else "fp32"
     optim = getattr(args.optim, "value", args.optim)
@@ -112,7 +118,8 @@ def trainer_step(trainer: Any) -> TrainerStep:
     scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
     return TrainerStep(str(optim), micro_batches=args.gradient_accumulation_steps, max_grad_norm=float(args.max_grad_norm),
                        precision=precision, checkpointing=bool(args.activation_checkpointing), scheduler=str(scheduler),
-                       compiled=str(args.torch_compile_backend) if args.torch_compile else "", trainer=trainer)
+                       compiled=str(args.torch_compile_backend) if args.torch_compile else "", world_size=world_size,
+                       rank=rank, trainer=trainer)
 
 
 # torch_compile_backend values whose partition graphmem's compiled capture makes (graphmem/capture/compiled.py)
@@ -134,8 +141,9 @@ def check_trainer(trainer: Any) -> None:
         raise UsageError(f"the Trainer runs on {trainer.args.device.type}; graphmem runs a Trainer's step on the CPU target "
                          "for now: set use_cpu=True in its TrainingArguments, or analyze the model with device='cuda'")
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or trainer.args.world_size > 1:
-        raise UsageError("the Trainer is set up for several processes (DeepSpeed, FSDP or DDP); graphmem runs its "
-                         "one-process step: analyze the model with fsdp=/zero=/rank= for per-rank memory")
+        raise UsageError("the Trainer is set up for several processes (DeepSpeed, FSDP or DDP); graphmem runs one "
+                         "rank's step of a Trainer built in one process: pass `world_size`/`rank` for DDP, or analyze "
+                         "the model with `fsdp`/`zero`/`rank` for per-rank memory")
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:
@@ -152,9 +160,11 @@ class TrainerRunner:
 
     masters: dict[str, torch.Tensor] = {}  # no fp32 master copies (accelerate's autocast keeps none)
 
-    def __init__(self, trainer: Any, trace_micro_steps: int = 2) -> None:
+    def __init__(self, trainer: Any, trace_micro_steps: int = 2, world_size: int = 1, rank: int = 0) -> None:
         check_trainer(trainer)
         self.trainer, self.model = trainer, trainer.model
+        self.world_size, self.rank = world_size, rank
+        self.ddp: Any = None  # DistributedDataParallel around the model, world_size > 1
         self.given = _inner(trainer.optimizer) if trainer.optimizer is not None else None
         self.names = {id(p): n for n, p in self.model.named_parameters()}  # the given optimizer's parameters by name
         self.trace_micro_steps = trace_micro_steps
@@ -164,7 +174,7 @@ class TrainerRunner:
 
     def restart(self) -> None:
         """The next run is a first step again: a new optimizer (no states yet) and ``_tr_loss``."""
-        self.started, self.tr_loss = False, None
+        self.started, self.tr_loss, self.ddp = False, None, None
 
     @property
     def optimizer(self) -> Optional[torch.optim.Optimizer]:
@@ -189,7 +199,7 @@ class TrainerRunner:
                 list(acc._models))
         enabled = _enable_checkpointing(t)
         try:
-            with _prepared(t, self.model) as prepared:
+            with ranks(t, self.world_size, self.rank), _prepared(t, self.model) as prepared:
                 self.compiled = prepared if t.args.torch_compile else None
                 yield self
         finally:
@@ -198,7 +208,7 @@ class TrainerRunner:
             acc._optimizers[:], acc._schedulers[:], acc._models[:] = kept[3], kept[4], kept[5]
             if enabled:
                 self.model.activation_checkpointing_disable()
-            self.started = False
+            self.started, self.ddp = False, None
 
     def _start(self) -> None:
         """Trainer._prepare_for_training (1741-1778): create_optimizer, accelerator.prepare, create_scheduler."""
@@ -212,6 +222,8 @@ class TrainerRunner:
         else:
             t.create_optimizer()
         t.optimizer = t.accelerator.prepare_optimizer(t.optimizer)
+        if self.world_size > 1:  # accelerate's prepare_model on N processes (graphmem/training/hf_trainer_ddp.py)
+            self.ddp = wrap_ddp(t, self.model)
         t.create_scheduler(num_training_steps=max(t.args.max_steps, 1), optimizer=t.optimizer)
         self.tr_loss = torch.tensor(0.0, device=t.args.device)  # _inner_training_loop 1645
         self.started = True
@@ -235,12 +247,13 @@ class TrainerRunner:
     def _run(self, forward: Callable[..., Any], inputs: Any, loss_fn: Optional[LossFn],
              on_phase: Callable[[str], None], mark: Mark, fake: bool) -> tuple[Any, torch.Tensor]:
         t, model, k = self.trainer, self.model, self.trainer.args.gradient_accumulation_steps
-        stepped = model if not t.args.torch_compile else CompiledModel(model, forward) if fake else self.compiled
-        assert stepped is not None, "a compiled Trainer's real step runs inside the runner's session"
         with _phases(t, on_phase, loss_fn):
             if not self.started:  # (bitsandbytes' optimizers read their quantization maps' values: any will do)
                 with ScalarReads() if fake else contextlib.nullcontext():
                     self._start()
+            stepped = self.ddp if self.ddp is not None else model if not t.args.torch_compile \
+                else CompiledModel(model, forward) if fake else self.compiled
+            assert stepped is not None, "a compiled Trainer's real step runs inside the runner's session"
             batch = dict(as_batch(inputs).kwargs)
             # the k micro-batches are prefetched (1881): each one its own tensors, as the dataloader yields them
             batches = [batch] + [{n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in batch.items()}
@@ -262,7 +275,8 @@ class TrainerRunner:
         for i, inputs in enumerate(samples[:runs]):
             last = i == len(samples) - 1 or i == runs - 1
             t.accelerator.gradient_state._set_sync_gradients(last)
-            sync: Any = contextlib.nullcontext if last else functools.partial(t.accelerator.no_sync, model=model)
+            sync: Any = contextlib.nullcontext if last else self.ddp.no_sync if self.ddp is not None \
+                else functools.partial(t.accelerator.no_sync, model=model)  # (accelerate's no_sync is DDP's on N processes)
             with sync():
                 tr_loss_step = t.training_step(model, inputs, num_items)
             with ScalarReads() if fake else contextlib.nullcontext():

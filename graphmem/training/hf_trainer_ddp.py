@@ -1,0 +1,135 @@
+"""A Trainer's step as one rank of a DDP job runs it: torch's own ``DistributedDataParallel`` around
+the model, under PyTorch's fake process group (as graphmem/distributed/process_group.py opens it),
+on the capture's fake tensors.
+
+Launched on N processes (torchrun / accelerate launch, ``use_cpu=True`` on gloo), the Trainer's
+accelerator is MULTI_CPU / MULTI_GPU and ``accelerator.prepare_model`` ends with
+``DistributedDataParallel(model, **self.ddp_handler.to_kwargs())`` (accelerate 1.15
+``accelerator.py`` 2058-2060; the handler's kwargs are the Trainer's ``_build_accelerator_args``,
+transformers 5.24 ``trainer.py`` 749-766: ``find_unused_parameters`` = not gradient checkpointing for
+a PreTrainedModel unless ``ddp_find_unused_parameters`` says, ``ddp_bucket_cap_mb``,
+``ddp_broadcast_buffers``, ``ddp_static_graph``); micro-steps but the last run under
+``accelerator.no_sync(model)``, which is DDP's ``no_sync``. The analysis process is one process
+with no distributed state, so accelerate wraps nothing: the runner wraps the same way here.
+
+What DDP's C++ Reducer does is recorded as the real job runs it: the flat gradient buckets it
+allocates at construction (reducer.cpp ``initialize_buckets``) and holds for the job (made while
+the recorder is paused, so they are tensors from before the step, named "DDP gradient bucket",
+kind "communication" as FSDP2's collective buffers, where the all-reduce takes them), the gradients copied into them in the last micro-step,
+the buckets copied back into ``.grad`` after the all-reduce, and, with ``find_unused_parameters``,
+its used-parameter maps. Two things differ from a real job: the cross-rank
+shape check at construction (``_verify_param_shape_across_processes``, which reads the
+parameters' values) is skipped, and the all-reduce goes through a comm hook that runs the same
+in-place ``all_reduce`` of the bucket and hands the bucket back (the fake backend's work has no
+result for the built-in hook to read: torch/csrc/distributed/c10d/FakeProcessGroup.hpp
+``FakeWork::getFuture``). With a hook, the Reducer copies a gradient into its bucket with
+``copy_`` where the built-in path multiplies by 1/N into it (``mul.out``, reducer.cpp
+``mark_variable_ready_dense``): the same bytes held, less the 8 B scalar tensor ``mul.out`` wraps 1/N in for the moment of each copy.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from graphmem.errors import UsageError
+
+BUCKET = "DDP gradient bucket"
+
+
+def ddp_kwargs(trainer: Any) -> dict[str, Any]:
+    """What accelerate hands DistributedDataParallel for this Trainer (the module docstring)."""
+    handler = trainer.accelerator.ddp_handler
+    return handler.to_kwargs() if handler is not None else {}
+
+
+def wrap_ddp(trainer: Any, model: nn.Module) -> nn.Module:
+    """``DistributedDataParallel(model, **kwargs)`` over the fake process group, built on the fake
+    parameters the capture swapped in, outside the recorded step (its buckets are held before it)."""
+    from torch._guards import detect_fake_mode
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import distributed as ddp_module
+
+    mode = detect_fake_mode()
+    rec = getattr(mode, "rec", None)
+    verify = ddp_module._verify_param_shape_across_processes
+    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        with rec.paused() if rec is not None else contextlib.nullcontext():
+            ddp = DistributedDataParallel(model, **ddp_kwargs(trainer))
+    finally:
+        ddp_module._verify_param_shape_across_processes = verify  # type: ignore[assignment]
+    ddp.register_comm_hook(rec, _all_reduce)
+    return ddp
+
+
+def _all_reduce(rec: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """The built-in hook's in-place all-reduce of the bucket, the bucket handed back at once (the
+    values are fake: the 1/N scaling is left out)."""
+    buffer = bucket.buffer()
+    if rec is not None:
+        rec.relabel(buffer, "communication", f"{BUCKET} {bucket.index()}")
+    dist.all_reduce(buffer)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buffer)
+    return fut
+
+
+# DistributedDataParallel.register_comm_hook reads the hook's annotations through inspect.signature,
+# which keeps this module's postponed (string) annotations as strings: the objects it compares with
+_all_reduce.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
+
+
+@contextlib.contextmanager
+def ranks(trainer: Any, world_size: int, rank: int) -> Iterator[None]:
+    """The fake process group of ``world_size`` ranks as ``rank``, and the Trainer's inputs copied as
+    on a MULTI_CPU job (``copied_inputs``); nothing for one process."""
+    if world_size == 1:
+        yield
+        return
+    with fake_group(rank, world_size), copied_inputs(trainer):
+        yield
+
+
+@contextlib.contextmanager
+def fake_group(rank: int, world_size: int) -> Iterator[None]:
+    """PyTorch's fake backend as rank ``rank`` of ``world_size``, always destroyed after: the group
+    graphmem/distributed/process_group.py opens for the wrappers, without its device meshes (DDP
+    takes the default group; this layer sits below graphmem/distributed/)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise UsageError("torch.distributed is already initialized in this process; graphmem runs rank r "
+                         "in a fake process group of its own: call analyze outside the distributed job")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def copied_inputs(trainer: Any) -> Iterator[None]:
+    """On a MULTI_CPU job accelerate's device is ``cpu:0`` (``PartialState.set_device``), and the
+    Trainer's ``_prepare_input`` (transformers 5.24 ``trainer.py`` 2369-2385) moves each batch tensor
+    there: ``Tensor.to`` from ``cpu`` to ``cpu:0`` copies (``aten::_to_copy``; measured in the real
+    gloo job, tests/trainer_truth.py: the later steps' peak read 768 B, the batch, above the capture
+    without it). The fake tensors cannot be on ``cpu:0`` beside the ``cpu`` parameters (FakeTensor's
+    device check), so the copy is a ``clone``: the same bytes, alive as long."""
+    prepare = trainer._prepare_input
+
+    def moved(data: Any) -> Any:
+        out = prepare(data)
+        return out.clone() if isinstance(out, torch.Tensor) else out
+
+    trainer._prepare_input = moved
+    try:
+        yield
+    finally:
+        del trainer._prepare_input
+
+
+__all__ = ["BUCKET", "copied_inputs", "ddp_kwargs", "fake_group", "ranks", "wrap_ddp"]
