@@ -200,6 +200,12 @@ def _gemm_backward(b: dict) -> list[Scratch]:
     pads = (0, padding[0]) if x.dim() == 3 else (padding[0], padding[1])
     dilated = any(d != 1 for d in gemm.expand(b["dilation"], x.dim() - 2))
     cl = x.dim() == 4 and _channels_last(x, b["weight"])
+    if x.dim() == 4 and mask[1] and x.dtype == torch.float32 and gemm.uses_onednn(c, x, pads, dilated) \
+            and gemm.avx2_gemm_weights(c, pads, dilated, cl):
+        copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
+        return [Scratch(gemm.avx2_backward_scratch(c, mask, copies, gemm.threads()),
+                        "oneDNN AVX2 convolution backward: nChw8c/ABcd8a8b reorders (jit_avx2_conv_kernel_f32.cpp) "
+                        "and the gemm weight gradient's scratchpad (gemm_convolution_utils.cpp)")]
     if not mask[1] or x.dtype != torch.float32 or not gemm.uses_onednn(c, x, pads, dilated) \
             or not gemm.weights_by_gemm(c, pads, dilated, cl) or (mask[0] and not gemm.data_by_gemm(c, pads, dilated, cl)):
         return []  # an input gradient by another kernel, or a bias gradient alone: the note stays

@@ -214,6 +214,31 @@ def gemm_backward_scratch(c: Conv, mask: tuple[bool, bool, bool], copies: int, m
     return max(0, high - (x + w + bias)) + copies
 
 
+def avx2_gemm_weights(c: Conv, pads: tuple[int, int], dilated: bool, channels_last: bool) -> bool:
+    """AVX2 only: a dense (one group), plain-layout, unit-stride convolution padded by half its
+    square kernel (< 14 wide), whose kernel is taller than its input (ResNet's 3x3 convolutions on
+    1x1 and 2x2 maps): jit_avx2_conv_kernel_f32.cpp ``jit_avx2_conv_bwd_weights_kernel_f32::
+    init_conf`` refuses it (``params_ok``: ``kh <= ih``), so the gemm convolution computes the weight
+    gradient, while ``jit_avx2_conv_bwd_data_kernel_f32`` computes the input gradient. The domain
+    checked against the allocator (tests/test_workspace_conv_gemm.py); strided ones are left out."""
+    return (not avx512() and c.groups == 1 and not channels_last and not dilated and c.sh == c.sw == 1
+            and c.kh == c.kw < 14 and pads == (c.kh // 2, c.kw // 2) and c.kh > c.ih)
+
+
+def avx2_backward_scratch(c: Conv, mask: tuple[bool, bool, bool], copies: int, max_threads: int) -> int:
+    """Bytes beside the outputs where ``avx2_gemm_weights``: the input gradient first (ideep
+    reorders the output gradient to ``nChw8c`` and the weight to ``ABcd8a8b``, both with channels
+    padded to 8, computes the input gradient in ``nChw8c``, then copies it into the dense output),
+    then the weight gradient as ``gemm_backward_scratch`` (measured to the byte)."""
+    oc8, ic8 = -(-c.oc // 8) * 8, -(-c.ic // 8) * 8
+    x = c.src_bytes if mask[0] else 0
+    blocked = c.n * ic8 * c.ih * c.iw * 4
+    high = max(c.n * oc8 * c.oh * c.ow * 4 + oc8 * ic8 * c.kh * c.kw * 4 + blocked, blocked + x) if mask[0] else 0
+    w, bias = c.weight_bytes, (c.oc * 4 if mask[2] else 0)
+    high = max(high, x + w + bias + max(gemm_bwd_weights_scratchpad(c, max_threads), w + bias))
+    return max(0, high - (x + w + bias)) + copies
+
+
 def threads() -> int:
     """oneDNN's ``dnnl_get_max_threads()``: OpenMP's, which PyTorch sets to its own count."""
     return torch.get_num_threads()
