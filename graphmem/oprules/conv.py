@@ -162,7 +162,7 @@ def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     c = _geometry(b, (grad.size(2), grad.size(3)) if grad.dim() == 4 else (0, 0))
     mask = b["output_mask"]
     if c is None:
-        return _plain_depthwise_backward(b) or _gemm_backward(b) or _first_conv_backward(b)
+        return _plain_depthwise_backward(b) or _gemm_backward(b) or _first_conv_backward(b) or _avx2_jit_backward(b)
     # the input gradient runs first and frees its Goihw16g weight before the weight gradient starts
     data = _goihw16g(c) if mask[0] else 0
     weights = depthwise_weight_grad_scratch(c, grad.size(0), mask[2]) if mask[1] else 0
@@ -241,6 +241,25 @@ def _first_conv_backward(b: dict) -> list[Scratch]:
     nbytes = jit.first_conv_weight_grad_scratch(c, mask[2], gemm.threads()) + copies
     return [Scratch(nbytes, "oneDNN first-convolution weight gradient: nChw16c/Ohwi16o reorders and reductions "
                             "(jit_avx512_common_conv_kernel.cpp, mkldnn/Conv.cpp)")]
+
+
+def _avx2_jit_backward(b: dict) -> list[Scratch]:
+    """AVX2 only: a one-group fp32 convolution in the plain layout, 1-d or 2-d, undilated, whose
+    weight gradient (and input gradient, at unit stride) oneDNN's AVX2 jit kernels compute
+    (graphmem/oprules/conv_jit.py ``avx2_jit_applies``): Whisper's kernel-3 Conv1d, a 3x3 stem."""
+    grad, x, w, mask = b["grad_output"], b["input"], b["weight"], tuple(b["output_mask"])
+    if gemm.avx512() or not (x.dtype == torch.float32 and b["groups"] == 1 and mask[1]
+                             and all(d == 1 for d in gemm.expand(b["dilation"], x.dim() - 2))
+                             and not (x.dim() == 4 and _channels_last(x, w))):
+        return []
+    c, padding = gemm.as_conv(b, grad), gemm.expand(b["padding"], x.dim() - 2)
+    pads = (0, padding[0]) if x.dim() == 3 else (padding[0], padding[1])
+    if not (jit.avx2_jit_applies(c, pads, mask[0]) and gemm.uses_onednn(c, x, pads, False)):
+        return []
+    copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
+    return [Scratch(jit.avx2_backward_scratch(c, mask, gemm.threads()) + copies,
+                    "oneDNN AVX2 convolution backward: nChw8c/ABcd8a8b/OIhw8i8o reorders and reducers "
+                    "(jit_avx2_conv_kernel_f32.cpp, jit_avx2_convolution.hpp, mkldnn/Conv.cpp)")]
 
 
 @register_note(aten.convolution.default, aten.convolution_backward.default, devices=("cpu",),
