@@ -101,26 +101,37 @@ def _settings_kept(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 # Tests that compare graphmem's oneDNN rules (graphmem/oprules/: convolution, LSTM, CPU flash-attention
-# and bf16 GEMM scratch) with the real kernels of THIS machine. The rules were derived from, and are
-# checked against, oneDNN's AVX-512 kernels; an AVX2-only CPU runs other kernels with other scratch
-# (all of these failed on an AVX2 host while passing on AVX-512 ones, at the same commit). There they
-# are skipped, with this reason, rather than compared with kernels the rules do not describe.
+# and bf16 GEMM scratch) with the real kernels of THIS machine. The rules were derived from oneDNN's
+# AVX-512 kernels and made ISA-aware for AVX2 ones (graphmem/oprules/conv_gemm.py ``simd_w``): their
+# per-op comparisons run on both. What still holds on AVX-512 only is skipped on other CPUs,
+# measured on a two-core AVX2 machine (graphmem below the real peak): whole-model peaks that an AVX2
+# CPU decides in convolutions no rule covers (oneDNN's AVX2 reorders of other dense and 1x1
+# convolutions: the report's note), ConvNeXt-V2 387,960 B (1.2 %), EfficientNet 31,600 B (1.1 %),
+# compiled ConvNeXt 6,944 B; and GPT-2's CPU autocast plans, whose real peak is 24 B above the plan's
+# (on AVX-512 inside the test's allowance for oneDNN's bf16 GEMM scratch, which AVX2 CPUs do not run).
 AVX512_KERNELS = (
+    "tests/test_workspace_conv.py::test_depthwise_models_peak_equals_real_step[convnextv2]",
+    "tests/test_workspace_conv_dw.py::test_plain_depthwise_models_peak_equals_real_step[timm_test_efficientnet]",
+    "tests/test_compiled_rules.py::test_compiled_peak_equals_real_compiled_step[timm_convnext_atto]",
+    "tests/test_checkpoint_plans.py::test_autocast_plans_match_real_cpu_autocast_runs[gpt2-cpu]",
+)
+
+# The per-op comparisons: oneDNN's x86-64 kernels (AVX-512 or AVX2); on other CPUs the rules decline
+# (graphmem/oprules/conv_gemm.py ``onednn_x64``), so these are skipped there.
+X64_KERNELS = (
     "tests/test_workspace.py::test_onednn_lstm_workspace_equals_real_kernel",
     "tests/test_workspace.py::test_flash_attention_cpu_scratch",
-    "tests/test_workspace_conv.py::test_depthwise_channels_last_scratch_equals_real_kernel",
-    "tests/test_workspace_conv.py::test_depthwise_models_peak_equals_real_step",
-    "tests/test_workspace_conv_dw.py::test_plain_depthwise_1d_backward_equals_real_kernel",
-    "tests/test_workspace_conv_dw.py::test_plain_depthwise_backward_equals_real_kernel",
-    "tests/test_workspace_conv_dw.py::test_plain_depthwise_models_peak_equals_real_step[timm_test_efficientnet]",
+    "tests/test_workspace_conv.py::test_depthwise",
+    "tests/test_workspace_conv_dw.py::test_plain_depthwise",
     "tests/test_workspace_conv_gemm.py::test_gemm_convolution_backward_equals_real_kernel",
-    "tests/test_workspace_conv_jit.py::test_patch_embedding_weight_grad_equals_real_kernel",
+    "tests/test_workspace_conv_gemm.py::test_conv_models_peak_within_one_percent_of_real_step",
+    "tests/test_workspace_conv_jit.py::test_",
     "tests/test_compiled_rules.py::test_compiled_peak_equals_real_compiled_step[timm_convnext_atto]",
-    "tests/test_zoo_accuracy.py::test_zoo_saved_exact_and_peak_within_named_tolerance[timm_resnet18]",
-    "tests/test_zoo_accuracy.py::test_zoo_saved_exact_and_peak_within_named_tolerance[torchvision_resnet18]",
     "tests/test_zoo_accuracy.py::test_zoo_saved_exact_and_peak_within_named_tolerance[timm_convnext_atto]",
     "tests/test_zoo_plans.py::test_a_plan_holds_on_a_real_step[convnext]",
     "tests/test_checkpoint_plans.py::test_autocast_plans_match_real_cpu_autocast_runs",
+    "tests/test_zoo_accuracy.py::test_zoo_saved_exact_and_peak_within_named_tolerance[timm_resnet18]",
+    "tests/test_zoo_accuracy.py::test_zoo_saved_exact_and_peak_within_named_tolerance[torchvision_resnet18]",
     "tests/test_hf_trainer.py::test_gpt2_bf16_with_gradient_checkpointing_later_steps",
 )
 
@@ -181,7 +192,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     isa = torch.backends.cpu.get_cpu_capability()
     if isa.startswith("AVX512"):
         return
-    skip = pytest.mark.skip(reason=f"compares oneDNN rules derived for AVX-512 kernels with this {isa} CPU's kernels")
+    skip = pytest.mark.skip(reason=f"a peak decided by oneDNN kernels graphmem models on AVX-512 only, not this {isa} CPU's")
+    off_x64 = pytest.mark.skip(reason=f"compares oneDNN rules for x86-64 AVX-512 and AVX2 kernels with this {isa} CPU's")
     for item in items:
         if item.nodeid.startswith(AVX512_KERNELS):
             item.add_marker(skip)
+        elif isa != "AVX2" and item.nodeid.startswith(X64_KERNELS):
+            item.add_marker(off_x64)

@@ -136,6 +136,17 @@ def _case(name: str) -> tuple[torch.nn.Module, tuple[int, ...], object, list[tup
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mlp", "resnet"])
 def test_polynomial_reproduces_captured_bytes_at_five_held_out_points(name: str) -> None:
     net, shape, loss, points = _case(name)
+    if name == "resnet" and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        # oneDNN's AVX2 kernels change with the feature map's size (a 3x3 kernel taller than the map,
+        # 1x1 or 2x2 at 32 or 64 px, runs the gemm convolution and its per-thread weight reduction:
+        # graphmem/oprules/conv_gemm.py avx2_gemm_weights; conv_jit.py avx2_jit_applies above): the
+        # step's peak is no one polynomial in h and w there, and graphmem says so; saved bytes still are
+        c = graphmem.analyze(net, input_shape=shape, loss=loss).coefficients
+        for point in points:
+            assert c.activation_at(point) == graphmem.analyze(net, input_shape=point, loss=loss).activation_bytes
+            with pytest.raises(NotPolynomialError, match="not a polynomial"):
+                c.peak_at(point)
+        return
     c = graphmem.analyze(net, input_shape=shape, loss=loss).coefficients
     for point in points:
         captured = graphmem.analyze(net, input_shape=point, loss=loss)

@@ -85,13 +85,34 @@ def test_gemm_convolution_backward_equals_real_kernel(make: Callable[[random.Ran
         assert real == [predicted], (torch.get_num_threads(), what, real, predicted)
 
 
+def _small_maps(rng: random.Random) -> Case:
+    """(e) AVX2 only: a dense convolution whose kernel is taller than its input (ResNet's 3x3 on 1x1
+    and 2x2 maps), unit stride, padding k // 2: the weight gradient by the gemm convolution, the
+    input gradient (when asked) by oneDNN's AVX2 jit kernel; channels not always multiples of 8."""
+    k = rng.choice([3, 5, 7])
+    n, ic, oc, h = rng.choice([2, 3]), rng.choice([3, 12, 16, 64, 256]), rng.choice([16, 20, 64, 128]), rng.randint(1, k - 1)
+    x = torch.randn(n, ic, h, h)
+    return x, torch.randn(oc, ic, k, k), rng.random() < 0.3, [1, 1], [k // 2] * 2, 1, rng.choice([[False, True], [True, True]]), False
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX2", reason="oneDNN's AVX2 kernels (an AVX2-only CPU)")
+def test_avx2_dense_convolutions_on_small_maps_equal_real_kernel(threads: None) -> None:
+    """60 random shapes, 1 or 2 threads (graphmem/oprules/conv_gemm.py ``avx2_gemm_weights``): to the byte."""
+    rng = random.Random(5)
+    for _ in range(60):
+        torch.set_num_threads(rng.choice([1, 2]))
+        real, predicted, what = _real_and_predicted(_small_maps(rng))
+        assert predicted > 0, what
+        assert real == [predicted], (torch.get_num_threads(), what, real, predicted)
+
+
 def test_rule_leaves_other_kernels_alone(threads: None) -> None:
-    """Where another oneDNN kernel (or ATen's slow path) runs, no gemm rule: a kernel of 14 or less,
+    """Where another oneDNN kernel (or ATen's slow path) runs, no rule: a kernel of 14 or less with a strided input gradient,
     an input gradient of one group or of a strided convolution (brgemm kernels), a channels-last
     input, a batch of one with a small 1-d input (ATen's slow_conv2d), a bias gradient alone."""
     torch.set_num_threads(2)
     cases: list[Case] = [
-        (torch.randn(2, 3, 32, 32), torch.randn(8, 3, 8, 8), True, [8, 8], [0, 0], 1, [False, True], False),
+        (torch.randn(2, 3, 32, 32), torch.randn(8, 3, 8, 8), True, [4, 4], [0, 0], 1, [True, True], False),
         (torch.randn(2, 4, 64), torch.randn(8, 4, 32), True, [1], [0], 1, [True, True], False),
         (torch.randn(2, 8, 64), torch.randn(8, 4, 32), True, [2], [0], 2, [True, True], False),
         (torch.randn(2, 3, 32, 32).contiguous(memory_format=torch.channels_last), torch.randn(8, 3, 16, 16), True,

@@ -67,3 +67,27 @@ def test_patch8_vits_peak_equals_real_step(build: Callable[[], tuple]) -> None:
     real = measure_peak(model, inputs)
     assert report.activation_bytes == real.saved_bytes
     assert report.peak_bytes == real.peak_bytes
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX2", reason="oneDNN's AVX2 kernels (an AVX2-only CPU)")
+def test_avx2_dense_convolution_backward_equals_real_kernel(threads: None) -> None:
+    """60 random one-group convolutions on oneDNN's AVX2 jit kernels (conv_jit.py ``avx2_jit_applies``):
+    1-d (Whisper's kernel 3) and 2-d, kernels 2 to 7, padding below the kernel, channels not always
+    multiples of 8 (3 among them), bias or not, 1 or 2 threads, the input gradient at unit stride,
+    strided inputs among them: the bytes inside convolution_backward above its outputs equal the rule's."""
+    rng = random.Random(11)
+    for _ in range(60):
+        torch.set_num_threads(rng.choice([1, 2]))
+        one_d, k, s = rng.random() < 0.5, rng.choice([2, 3, 3, 5, 7]), rng.choice([1, 1, 2])
+        n, ic, oc, size = rng.choice([2, 3]), rng.choice([3, 8, 12, 16, 80]), rng.choice([16, 20, 32, 64]), rng.choice([8, 16, 30])
+        bias, p, dims = rng.random() < 0.5, rng.randint(0, k - 1), 1 if one_d else 2
+        shape = (n, ic, size) if one_d else (n, ic, size // 2 + k, size // 2 + k)
+        x = torch.randn(*shape) if rng.random() < 0.7 else torch.randn(*reversed(shape)).permute(*reversed(range(len(shape))))
+        w = torch.randn(oc, ic, *([k] * dims))
+        conv = (x, w, torch.randn(oc) if bias else None, [s] * dims, [p] * dims, [1] * dims, False, [0] * dims, 1)
+        y = aten.convolution.default(*conv)
+        bwd = (torch.randn_like(y), x, w, [oc] if bias else None, *conv[3:], [s == 1 and rng.random() < 0.6, True, bias])
+        real = _op_scratch(lambda: aten.convolution_backward.default(*bwd), ("aten::convolution_backward",))
+        predicted = sum(sc.nbytes for sc in scratch(aten.convolution_backward.default, "cpu", bwd, {}, None))
+        assert predicted > 0, (shape, k, s, p)
+        assert real == [predicted], (torch.get_num_threads(), shape, x.is_contiguous(), k, s, p, bwd[-1])

@@ -16,7 +16,9 @@ ideep's ``convolution_backward_weights::compute_v2``, which computes the weight 
 primitive's own weight format (``pd.diff_weights_desc()``) and reorders it into the dense output.
 
 Measured on oneDNN v3.12 (torch 2.14, AVX-512), to the byte over random shapes, 1 or 2 threads
-(tests/test_workspace_conv.py):
+(tests/test_workspace_conv.py); an AVX2 CPU runs oneDNN's AVX2 kernels, 8 channels wide where these
+are 16 (conv_gemm.simd_w; each function below says where that changes the bytes), checked the same
+way on an AVX2 CPU. On other CPUs (``conv_gemm.onednn_x64``) the rules decline and the note stays:
 
 - the forward and the input gradient reorder the weight to ``Goihw16g`` (groups padded to 16);
 - the weight gradient runs oneDNN's depthwise kernel where its ``init_conf`` accepts the shape
@@ -87,8 +89,10 @@ def _geometry(b: dict, out_hw: tuple[int, int]) -> Optional[Geometry]:
 
 
 def _goihw16g(c: Geometry) -> int:
-    """The weight in oneDNN's depthwise format ``Goihw16g``: groups padded to 16 (fp32)."""
-    return -(-c.g // 16) * 16 * c.kh * c.kw * 4
+    """The weight in oneDNN's depthwise format ``Goihw16g``: groups padded to 16 (fp32). On an AVX2
+    CPU ``Goihw8g`` (jit_uni_dw_conv_kernel_utils.cpp ``init_conf``: ``wei_tag = isa == avx512_core ?
+    Goihw16g : Goihw8g``) and the forward's brdgmm kernel's ``debcA8a``: groups padded to 8."""
+    return -(-c.g // gemm.simd_w()) * gemm.simd_w() * c.kh * c.kw * 4
 
 
 def dw_backward_weights_applies(c: Geometry) -> bool:
@@ -110,21 +114,39 @@ def _convolution(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
     b = dict(zip(names, args), **kwargs)
     c = _geometry(b, (out.size(2), out.size(3)) if isinstance(out, torch.Tensor) and out.dim() == 4 else (0, 0))
-    if c is None:
+    if c is None or not gemm.onednn_x64():
         return []
     # measured: the weight is reordered to Goihw16g whichever kernel runs
     return [Scratch(_goihw16g(c), f"weight reorder to Goihw16g: {WHAT}")]
 
 
-def depthwise_weight_grad_scratch(c: Geometry, bias_grad: bool) -> int:
+def depthwise_weight_grad_scratch(c: Geometry, n: int, bias_grad: bool) -> int:
     """Bytes beside the outputs while oneDNN computes a channels-last depthwise weight gradient:
     the depthwise kernel's Goihw16g gradient and its dense copy, or, where that kernel refuses the
     shape, a grouped kernel's gradient with each group's 1x1 blocked to 16x16, the dense copy and
-    a bias-sized one (measured)."""
+    a bias-sized one (measured). On an AVX2 CPU the same law with 8x8 blocks where the AVX2 jit
+    kernel takes the shape (``avx2_weights_applies``; ``aBCde8c8b`` in oneDNN's verbose output),
+    else the gemm convolution (``x64:gemm:jit``): ideep's gradient and bias beside its channels-last
+    scratchpad (conv_gemm.gemm_nspc_bwd_weights_scratchpad), then their dense copies (measured)."""
     dense, bias = c.g * c.kh * c.kw * 4, (c.g * 4 if bias_grad else 0)
     if dw_backward_weights_applies(c):
         return _goihw16g(c) + dense + bias
-    return c.g * 16 * 16 * c.kh * c.kw * 4 + dense + bias
+    if gemm.avx512():
+        return c.g * 16 * 16 * c.kh * c.kw * 4 + dense + bias
+    if avx2_weights_applies(c):  # the same law with AVX2's 8x8 blocks (gOIhw8i8o, ``aBCde8c8b`` in the verbose output)
+        return c.g * 8 * 8 * c.kh * c.kw * 4 + dense + bias
+    conv = gemm.Conv(n, c.g, 1, 1, c.ih, c.iw, c.oh, c.ow, c.kh, c.kw, c.sh, c.sw)
+    return max(gemm.gemm_nspc_bwd_weights_scratchpad(conv, gemm.threads()), dense + bias)
+
+
+def avx2_weights_applies(c: Geometry) -> bool:
+    """src/cpu/x64/jit_avx2_conv_kernel_f32.cpp ``jit_avx2_conv_bwd_weights_kernel_f32::init_conf``
+    (channels-last, so no channel padding; no dilation here): ``boundaries_ok`` (every padding
+    below the kernel) and ``params_ok`` (``kw < 14``, ``kh <= t_pad + ih``, ``kh <= ih``,
+    ``t_pad < kh``). Where it refuses, the gemm convolution runs."""
+    b_pad, r_pad = max(0, c.end_pad(False)), max(0, c.end_pad(True))
+    return (max(c.t_pad, b_pad) < c.kh and max(c.l_pad, r_pad) < c.kw
+            and c.kw < 14 and c.kh <= c.t_pad + c.ih and c.kh <= c.ih)
 
 
 @register_scratch(aten.convolution_backward.default, source="aten/src/ATen/native/mkldnn/Conv.cpp "
@@ -135,15 +157,15 @@ def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
              "output_padding", "groups", "output_mask")
     b = dict(zip(names, args), **kwargs)
     grad = b["grad_output"]
-    if b["transposed"] or grad.dim() not in (3, 4):
+    if b["transposed"] or grad.dim() not in (3, 4) or not gemm.onednn_x64():
         return []
     c = _geometry(b, (grad.size(2), grad.size(3)) if grad.dim() == 4 else (0, 0))
     mask = b["output_mask"]
     if c is None:
-        return _plain_depthwise_backward(b) or _gemm_backward(b) or _first_conv_backward(b)
+        return _plain_depthwise_backward(b) or _gemm_backward(b) or _first_conv_backward(b) or _avx2_jit_backward(b)
     # the input gradient runs first and frees its Goihw16g weight before the weight gradient starts
     data = _goihw16g(c) if mask[0] else 0
-    weights = depthwise_weight_grad_scratch(c, mask[2]) if mask[1] else 0
+    weights = depthwise_weight_grad_scratch(c, grad.size(0), mask[2]) if mask[1] else 0
     return [Scratch(max(data, weights), f"weight-gradient blocks and reorders: {WHAT}")]
 
 
@@ -178,6 +200,12 @@ def _gemm_backward(b: dict) -> list[Scratch]:
     pads = (0, padding[0]) if x.dim() == 3 else (padding[0], padding[1])
     dilated = any(d != 1 for d in gemm.expand(b["dilation"], x.dim() - 2))
     cl = x.dim() == 4 and _channels_last(x, b["weight"])
+    if x.dim() == 4 and mask[1] and x.dtype == torch.float32 and gemm.uses_onednn(c, x, pads, dilated) \
+            and gemm.avx2_gemm_weights(c, pads, dilated, cl):
+        copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
+        return [Scratch(gemm.avx2_backward_scratch(c, mask, copies, gemm.threads()),
+                        "oneDNN AVX2 convolution backward: nChw8c/ABcd8a8b reorders (jit_avx2_conv_kernel_f32.cpp) "
+                        "and the gemm weight gradient's scratchpad (gemm_convolution_utils.cpp)")]
     if not mask[1] or x.dtype != torch.float32 or not gemm.uses_onednn(c, x, pads, dilated) \
             or not gemm.weights_by_gemm(c, pads, dilated, cl) or (mask[0] and not gemm.data_by_gemm(c, pads, dilated, cl)):
         return []  # an input gradient by another kernel, or a bias gradient alone: the note stays
@@ -201,12 +229,37 @@ def _first_conv_backward(b: dict) -> list[Scratch]:
     if not (stride == [c.kh, c.kw] and 2 <= c.kw <= 14 and padding == [0, 0]
             and gemm.expand(b["dilation"], 2) == [1, 1] and gemm.uses_onednn(c, x, (0, 0), False)):
         return []
+    copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
+    if not gemm.avx512():  # AVX2: jit_avx2_conv_kernel_f32.cpp below kernel 14, the gemm convolution at 14
+        if not jit.avx2_first_conv_applies(c):
+            return []
+        return [Scratch(jit.avx2_first_conv_weight_grad_scratch(c, mask[2], gemm.threads()) + copies,
+                        "oneDNN AVX2 weight gradient: nChw8c/OIhw8i8o reorders and reducers "
+                        "(jit_avx2_conv_kernel_f32.cpp, jit_avx2_convolution.hpp, mkldnn/Conv.cpp)")]
     if mask[2] and jit.balance(c, gemm.threads()) > 1:
         return []  # a bias gradient reduced over threads: measured 12,352 B more than the source read explains
-    copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
     nbytes = jit.first_conv_weight_grad_scratch(c, mask[2], gemm.threads()) + copies
     return [Scratch(nbytes, "oneDNN first-convolution weight gradient: nChw16c/Ohwi16o reorders and reductions "
                             "(jit_avx512_common_conv_kernel.cpp, mkldnn/Conv.cpp)")]
+
+
+def _avx2_jit_backward(b: dict) -> list[Scratch]:
+    """AVX2 only: a one-group fp32 convolution in the plain layout, 1-d or 2-d, undilated, whose
+    weight gradient (and input gradient, at unit stride) oneDNN's AVX2 jit kernels compute
+    (graphmem/oprules/conv_jit.py ``avx2_jit_applies``): Whisper's kernel-3 Conv1d, a 3x3 stem."""
+    grad, x, w, mask = b["grad_output"], b["input"], b["weight"], tuple(b["output_mask"])
+    if gemm.avx512() or not (x.dtype == torch.float32 and b["groups"] == 1 and mask[1]
+                             and all(d == 1 for d in gemm.expand(b["dilation"], x.dim() - 2))
+                             and not (x.dim() == 4 and _channels_last(x, w))):
+        return []
+    c, padding = gemm.as_conv(b, grad), gemm.expand(b["padding"], x.dim() - 2)
+    pads = (0, padding[0]) if x.dim() == 3 else (padding[0], padding[1])
+    if not (jit.avx2_jit_applies(c, pads, mask[0]) and gemm.uses_onednn(c, x, pads, False)):
+        return []
+    copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
+    return [Scratch(jit.avx2_backward_scratch(c, mask, gemm.threads()) + copies,
+                    "oneDNN AVX2 convolution backward: nChw8c/ABcd8a8b/OIhw8i8o reorders and reducers "
+                    "(jit_avx2_conv_kernel_f32.cpp, jit_avx2_convolution.hpp, mkldnn/Conv.cpp)")]
 
 
 @register_note(aten.convolution.default, aten.convolution_backward.default, devices=("cpu",),

@@ -7,7 +7,8 @@ graphmem/oprules/conv.py registers the rule; this module computes it.
 PyTorch's side, aten/src/ATen/native/mkldnn/Conv.cpp ``mkldnn_convolution_backward`` (not
 channels-last): ideep reorders what the primitive wants in another layout, allocates the
 gradient in the primitive's layout, runs it, then copies that gradient into the dense output.
-oneDNN's side (fp32, AVX-512, ``ch_block`` 16):
+oneDNN's side (fp32; ``ch_block`` 16 with AVX-512, 8 with AVX2, ``init_conf``'s ``isa == avx512_core ?
+16 : 8``: ``nChw16c``/``Goihw16g`` below are ``nChw8c``/``Goihw8g`` on an AVX2 CPU, the same bookings):
 
 - input gradient: ``jit_uni_dw_convolution_bwd_data`` (src/cpu/x64/jit_uni_dw_conv_kernel_utils.cpp
   ``init_conf``: one channel per group, no dilation; the plain layout's channels padded to 16,
@@ -29,24 +30,26 @@ import graphmem.oprules.conv_gemm as gemm
 ALIGN = gemm.ALIGN
 
 
-def _c16(c: int) -> int:
-    return -(-c // 16) * 16
+def _padded(c: int) -> int:
+    """Channels padded to ``ch_block`` (``init_conf``: ``rnd_up(ngroups, ch_block)``; 16 or 8, gemm.simd_w)."""
+    return -(-c // gemm.simd_w()) * gemm.simd_w()
 
 
 def _dw_reduction(c: gemm.Conv, bias: bool, threads: int) -> int:
-    """``jit_uni_dw_conv_bwd_weights_kernel::init_scratchpad`` (harness ``mb_reduction``)."""
-    nthr_g = min(_c16(c.groups) // 16, threads)
+    """``jit_uni_dw_conv_bwd_weights_kernel::init_scratchpad`` (harness ``mb_reduction``; ``balance``:
+    ``nthr_g = min(nb_ch, nthreads)`` with ``nb_ch = ngroups / ch_block``)."""
+    nthr_g = min(_padded(c.groups) // gemm.simd_w(), threads)
     nthr_mb = min(max(1, threads // nthr_g), c.n)
     if nthr_mb == 1:
         return 0
-    wei = _c16(c.groups) * c.kh * c.kw * (nthr_mb - 1) * 4 + ALIGN
-    return wei + (_c16(c.groups) * (nthr_mb - 1) * 4 + ALIGN if bias else 0)  # ngroups padded to ch_block
+    wei = _padded(c.groups) * c.kh * c.kw * (nthr_mb - 1) * 4 + ALIGN
+    return wei + (_padded(c.groups) * (nthr_mb - 1) * 4 + ALIGN if bias else 0)  # ngroups padded to ch_block
 
 
 def depthwise_backward_scratch(c: gemm.Conv, mask: tuple[bool, bool, bool], dw_weights: bool, threads: int) -> int:
     """Bytes beside the outputs at the op's high point (module docstring): the input gradient's
     phase, then the weight gradient's beside the dense input gradient."""
-    e, c16 = 4, _c16(c.groups)
+    e, c16 = 4, _padded(c.groups)
     xb, gob = c.n * c16 * c.ih * c.iw * e, c.n * c16 * c.oh * c.ow * e
     wb, x, w = c16 * c.kh * c.kw * e, c.src_bytes, c.weight_bytes
     bias = c.groups * e if mask[2] else 0

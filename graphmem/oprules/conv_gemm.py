@@ -45,7 +45,28 @@ from typing import Any
 import torch
 
 ALIGN = 128  # memory_tracking.hpp default_alignment
-SIMD_W = 16  # fp32 lanes of a 64-byte vector register (AVX-512)
+
+
+def avx512() -> bool:
+    """Whether oneDNN runs its AVX-512 kernels here: ``torch.backends.cpu.get_cpu_capability()``
+    (ATen's dispatch level, which reads the same CPUID flags as oneDNN's ``mayiuse``); an AVX2-only
+    CPU runs oneDNN's AVX2 kernels, whose blocks are 8 fp32 wide (checked with
+    ``torch.backends.mkldnn.verbose``: ``nChw8c``, ``Goihw8g``, ``jit_dw:avx2``)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def onednn_x64() -> bool:
+    """The CPUs these rules were derived and checked on: AVX-512 or AVX2 x86-64 (another capability,
+    e.g. an Arm CPU's, runs other kernels: the rules decline there and the report's note stays)."""
+    return avx512() or torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+def simd_w() -> int:
+    """fp32 lanes of a vector register: src/cpu/gemm_convolution_utils.cpp ``init_conf``'s
+    ``simd_w = vlen / data_size`` (vlen from ``platform::get_vector_register_size()``: 64 bytes
+    with AVX-512, 32 with AVX2); also the depthwise kernels' ``ch_block`` (src/cpu/x64/
+    jit_uni_dw_conv_kernel_utils.cpp ``init_conf``: ``isa == avx512_core ? 16 : 8``)."""
+    return 16 if avx512() else 8
 
 
 @dataclass(frozen=True)
@@ -88,7 +109,10 @@ def _inner_product(c: Conv, pads: tuple[int, int]) -> bool:
 def weights_by_gemm(c: Conv, pads: tuple[int, int], dilated: bool, channels_last: bool) -> bool:
     """Where oneDNN's fp32 weight gradient falls through to the gemm convolution (module
     docstring): plain layout, no dilation, a kernel wider than 14, not the inner-product form,
-    and not ``is_hw_transp`` (unit strides, ``ow == 1``, ``kw == iw``, ``kw < 20``, no padding)."""
+    and not ``is_hw_transp`` (unit strides, ``ow == 1``, ``kw == iw``, ``kw < 20``, no padding). On an
+    AVX2 CPU no AVX-512 kernel is tried: a kernel of 14 or wider (checked: patch embeddings of 14)."""
+    if not avx512():  # AVX2: jit_avx2_conv_kernel_f32.cpp ``init_conf`` (``kw < 14``) is the last jit kernel tried
+        return not channels_last and not dilated and c.kw >= 14 and not _inner_product(c, pads)
     hw_transp = c.sh == c.sw == 1 and c.ow == 1 and c.kw == c.iw and c.kw < 20 and pads == (0, 0)
     return not channels_last and not dilated and c.kw > 14 and not _inner_product(c, pads) and not hw_transp
 
@@ -106,18 +130,35 @@ def data_by_gemm(c: Conv, pads: tuple[int, int], dilated: bool, channels_last: b
     Checked on random shapes (tests/test_workspace_conv_gemm.py)."""
     blocks_refused = c.ic % 4 != 0 or c.oc % 4 != 0
     overflow_refused = c.kw >= 20 and c.kw - 1 - pads[1] > 28
-    return (weights_by_gemm(c, pads, dilated, channels_last) and c.sh == c.sw == 1 and c.groups > 1
+    return (weights_by_gemm(c, pads, dilated, channels_last) and c.kw > 14 and c.sh == c.sw == 1 and c.groups > 1
             and (c.ic, c.oc) != (1, 1) and (blocks_refused or overflow_refused))
 
 
 def gemm_bwd_weights_scratchpad(c: Conv, max_threads: int) -> int:
     """Bytes of the scratchpad ``gemm_convolution_bwd_weights_t`` asks for (module docstring)."""
     w, limit = c.weight_bytes, _limit(c, max_threads)
-    estimate = 4 * max_threads * w + 4 * max_threads * c.ic * c.kh * c.kw * SIMD_W
+    estimate = 4 * max_threads * w + 4 * max_threads * c.ic * c.kh * c.kw * simd_w()
     outer = estimate < limit and (c.oh * c.ow) // max_threads < 256 and (c.n != 1 or c.groups > 2)
     nthr = max_threads if outer else 1
     booked = 4 * nthr * w + ALIGN  # key_conv_wei_reduction
     return booked + _col_booking(c, nthr, booked, limit, 0.05)
+
+
+def gemm_nspc_bwd_weights_scratchpad(c: Conv, max_threads: int) -> int:
+    """Bytes of the scratchpad ``gemm_convolution_bwd_weights_t`` asks for in the channels-last
+    layout (src/cpu/gemm_convolution_utils.cpp ``init_conf``, ``jcp.is_nspc && is_bwd_w``): under
+    outer threading (``thr_mem_estimate = max_threads·(4·im2col_sz + 4·is·ic + 4·weights_d.size())``
+    below the limit, ``os / max_threads < 256``, ``mb != 1 || ngroups > 2``) ``nthr = max_threads``,
+    else 1; then ``key_conv_gemm_col`` (nthr·im2col_sz floats, no spatial cut in this layout),
+    ``key_conv_wei_reduction`` (``book<float>(nthr·weights_d.size())``: 4x the weight's bytes per
+    thread) and ``key_conv_gemm_imtr`` (nthr·is·ic floats), each plus its 128-byte alignment."""
+    w, is_, os_ = c.weight_bytes, c.ih * c.iw, c.oh * c.ow
+    im2col = _im2col(c)
+    estimate = max_threads * (4 * im2col + 4 * is_ * c.ic + 4 * w)
+    outer = estimate < _limit(c, max_threads) and os_ // max_threads < 256 and (c.n != 1 or c.groups > 2)
+    nthr = max_threads if outer else 1
+    col = nthr * im2col * 4 + ALIGN if im2col else 0
+    return col + 4 * nthr * w + ALIGN + nthr * is_ * c.ic * 4 + ALIGN
 
 
 def _im2col(c: Conv) -> int:
@@ -133,7 +174,7 @@ def _col_booking(c: Conv, nthr: int, booked: int, limit: int, coef: float) -> in
     col = nthr * im2col
     if limit - booked < col * 4:
         max_os_block = (limit - booked) // (4 * nthr * (im2col // os_))
-        col = nthr * c.ic * c.kh * c.kw * max(SIMD_W, int(max_os_block * coef))
+        col = nthr * c.ic * c.kh * c.kw * max(simd_w(), int(max_os_block * coef))
     return col * 4 + ALIGN if col else 0
 
 
@@ -147,7 +188,7 @@ def gemm_bwd_data_scratchpad(c: Conv, max_threads: int) -> int:
     (``(os / max_threads < 512 || ks < 64) && (mb != 1 || ngroups > 2)`` and the outer split at
     least as even as the inner one, or little work per thread)."""
     is_, os_, ks = c.ih * c.iw, c.oh * c.ow, c.kh * c.kw
-    outer_work, inner_work = c.groups * c.n, -(-is_ // SIMD_W) * -(-c.ic // SIMD_W)
+    outer_work, inner_work = c.groups * c.n, -(-is_ // simd_w()) * -(-c.ic // simd_w())
 
     def rnd_up(v: int) -> int:
         return -(-v // max_threads) * max_threads
@@ -170,6 +211,31 @@ def gemm_backward_scratch(c: Conv, mask: tuple[bool, bool, bool], copies: int, m
     high = x + max(gemm_bwd_data_scratchpad(c, max_threads), x) if mask[0] else 0
     if mask[1]:
         high = max(high, x + w + bias + max(gemm_bwd_weights_scratchpad(c, max_threads), w + bias))
+    return max(0, high - (x + w + bias)) + copies
+
+
+def avx2_gemm_weights(c: Conv, pads: tuple[int, int], dilated: bool, channels_last: bool) -> bool:
+    """AVX2 only: a dense (one group), plain-layout, unit-stride convolution padded by half its
+    square kernel (< 14 wide), whose kernel is taller than its input (ResNet's 3x3 convolutions on
+    1x1 and 2x2 maps): jit_avx2_conv_kernel_f32.cpp ``jit_avx2_conv_bwd_weights_kernel_f32::
+    init_conf`` refuses it (``params_ok``: ``kh <= ih``), so the gemm convolution computes the weight
+    gradient, while ``jit_avx2_conv_bwd_data_kernel_f32`` computes the input gradient. The domain
+    checked against the allocator (tests/test_workspace_conv_gemm.py); strided ones are left out."""
+    return (not avx512() and c.groups == 1 and not channels_last and not dilated and c.sh == c.sw == 1
+            and c.kh == c.kw < 14 and pads == (c.kh // 2, c.kw // 2) and c.kh > c.ih)
+
+
+def avx2_backward_scratch(c: Conv, mask: tuple[bool, bool, bool], copies: int, max_threads: int) -> int:
+    """Bytes beside the outputs where ``avx2_gemm_weights``: the input gradient first (ideep
+    reorders the output gradient to ``nChw8c`` and the weight to ``ABcd8a8b``, both with channels
+    padded to 8, computes the input gradient in ``nChw8c``, then copies it into the dense output),
+    then the weight gradient as ``gemm_backward_scratch`` (measured to the byte)."""
+    oc8, ic8 = -(-c.oc // 8) * 8, -(-c.ic // 8) * 8
+    x = c.src_bytes if mask[0] else 0
+    blocked = c.n * ic8 * c.ih * c.iw * 4
+    high = max(c.n * oc8 * c.oh * c.ow * 4 + oc8 * ic8 * c.kh * c.kw * 4 + blocked, blocked + x) if mask[0] else 0
+    w, bias = c.weight_bytes, (c.oc * 4 if mask[2] else 0)
+    high = max(high, x + w + bias + max(gemm_bwd_weights_scratchpad(c, max_threads), w + bias))
     return max(0, high - (x + w + bias)) + copies
 
 

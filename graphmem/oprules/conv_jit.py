@@ -79,3 +79,90 @@ def first_conv_weight_grad_scratch(c: gemm.Conv, bias: bool, threads: int) -> in
         pad += oc16 * 4 + gemm.ALIGN
     high = max(grad_b + wb + b + pad, wb + 2 * b + w)
     return high - (w + b)
+
+
+# -- AVX2 (jit_avx2_conv_kernel_f32.cpp, jit_avx2_convolution.hpp): 8-wide blocks, cpu_reducer buffers --------------
+def reduce_balance(nthr: int, job_size: int, njobs: int, reduction: int) -> tuple[int, int, int]:
+    """src/cpu/x64/cpu_reducer.cpp ``reduce_balancer_t::balance`` (``max_buffer_size`` 1 << 21, as
+    jit_avx2_convolution.hpp ``init_balancers`` passes, threads allowed in a group): (ngroups,
+    nthr_per_group, njobs_per_group_ub)."""
+    min_per_group = max(1, njobs // nthr)
+    max_per_group = max(1, (1 << 21) // (nthr * job_size))
+    ngroups = min(njobs // min_per_group, nthr)
+    best = (ngroups, min(nthr // ngroups, reduction), _div_up(njobs, ngroups))
+    best_cost = njobs * job_size * reduction
+    for per_group in range(min_per_group, njobs):
+        groups = min(njobs // per_group, nthr)
+        in_group, ub = min(nthr // groups, reduction), _div_up(njobs, groups)
+        if in_group > 1 and ub > max_per_group:
+            continue
+        cost = job_size * ub * (_div_up(reduction, in_group) + (in_group != 1))
+        if cost < best_cost:
+            best, best_cost = (groups, in_group, ub), cost
+    return best
+
+
+def reducer_space(nthr: int, job_size: int, njobs: int, reduction: int) -> int:
+    """``cpu_reducer_t::conf_t::init_scratchpad``: nothing with one thread per group; else
+    ``ngroups·(nthr_per_group - 1)·njobs_per_group_ub·job_size`` floats (4 KiB aligned) and one
+    barrier context per group (``simple_barrier::ctx_t``, 4 KiB each and aligned)."""
+    groups, in_group, ub = reduce_balance(nthr, job_size, njobs, reduction)
+    if in_group == 1:
+        return 0
+    return groups * (in_group - 1) * ub * job_size * 4 + BARRIER + groups * BARRIER + BARRIER
+
+
+def avx2_weights_scratchpad(c: gemm.Conv, ic_block: int, bias: bool, threads: int) -> int:
+    """The scratchpad of ``jit_avx2_convolution_bwd_weights_t`` (one group's blocks, ``oc_block`` 8,
+    groups as jobs): ``init_scratchpad``'s padded bias (output channels not a multiple of 8), the
+    bias reducer (jobs of 8 over the batch) and the weight reducer (jobs of kh·kw·ic_block·8)."""
+    oc8, nb_ic = _div_up(c.oc, 8) * 8, _div_up(c.ic, ic_block)
+    pad = c.groups * oc8 * 4 + gemm.ALIGN if bias and c.oc % 8 else 0
+    bias_red = reducer_space(threads, 8, c.groups * oc8 // 8, c.n) if bias else 0
+    return pad + bias_red + reducer_space(threads, c.kh * c.kw * ic_block * 8, c.groups * nb_ic * oc8 // 8, c.n)
+
+
+def avx2_first_conv_applies(c: gemm.Conv) -> bool:
+    """jit_avx2_conv_kernel_f32.cpp ``jit_avx2_conv_bwd_weights_kernel_f32::init_conf`` for an
+    unpadded convolution: ``kw < 14``, ``kh <= ih`` (channels padded to 8, one group)."""
+    return c.kw < 14 and c.kh <= c.ih
+
+
+def avx2_first_conv_weight_grad_scratch(c: gemm.Conv, bias: bool, threads: int) -> int:
+    """Bytes beside the outputs (AVX2): the output gradient reordered to ``nChw8c``, the source to
+    ``nChw8c`` with its channels padded to 8 unless it has 3 (``flat``: the plain source stays),
+    the weight gradient in ``Ohwi8o`` (3 channels) or ``OIhw8i8o``, the bias gradient and the
+    scratchpad (``avx2_weights_scratchpad``); then the dense copies."""
+    return avx2_backward_scratch(c, (False, True, bias), threads)
+
+
+def avx2_backward_scratch(c: gemm.Conv, mask: tuple[bool, bool, bool], threads: int) -> int:
+    """Bytes beside the outputs of a one-group convolution's backward on oneDNN's AVX2 jit kernels
+    (mkldnn/Conv.cpp ``mkldnn_convolution_backward``: the input gradient first, then the weight's):
+    the input gradient with the output gradient in ``nChw8c``, the weight in ``ABcd8a8b`` and the
+    gradient in ``nChw8c`` (channels padded to 8: ``jit_avx2_conv_bwd_data_kernel_f32::init_conf``
+    ``ok_to_pad_channels``), then its dense copy; then the weight gradient beside it, as
+    ``avx2_first_conv_weight_grad_scratch`` says (measured to the byte)."""
+    oc8, ic8, flat = _div_up(c.oc, 8) * 8, _div_up(c.ic, 8) * 8, c.ic == 3
+    grad_b, blocked_x, x = c.n * oc8 * c.oh * c.ow * 4, c.n * ic8 * c.ih * c.iw * 4, c.src_bytes if mask[0] else 0
+    high = max(grad_b + oc8 * ic8 * c.kh * c.kw * 4 + blocked_x, blocked_x + x) if mask[0] else 0
+    ic_b = c.ic if flat else ic8
+    src_b = 0 if flat else c.n * ic_b * c.ih * c.iw * 4
+    wb, w, b = oc8 * ic_b * c.kh * c.kw * 4, c.weight_bytes, (c.oc * 4 if mask[2] else 0)
+    pad = avx2_weights_scratchpad(c, 3 if flat else 8, mask[2], threads)
+    high = max(high, x + max(grad_b + src_b + wb + b + pad, wb + 2 * b + w))
+    return high - (x + w + b)
+
+
+def avx2_jit_applies(c: gemm.Conv, pads: tuple[int, int], input_grad: bool) -> bool:
+    """Where oneDNN's AVX2 jit kernels compute a one-group, plain-layout, undilated fp32 backward
+    (src/cpu/cpu_convolution_list.cpp: after the inner-product form and the 1x1 kernel):
+    jit_avx2_conv_kernel_f32.cpp ``jit_avx2_conv_bwd_weights_kernel_f32::init_conf`` (``kw < 14``,
+    ``kh <= ih``, every padding below the kernel); the input gradient only at unit stride (a strided
+    one measured other bytes: left to the note)."""
+    b_pad = (c.oh - 1) * c.sh + c.kh - c.ih - pads[0]
+    r_pad = (c.ow - 1) * c.sw + c.kw - c.iw - pads[1]
+    inner_product = c.sh == c.sw == 1 and pads == (0, 0) and (c.kh, c.kw) == (c.ih, c.iw)
+    return (c.groups == 1 and (c.kh, c.kw) != (1, 1) and not inner_product and c.kw < 14 and c.kh <= c.ih
+            and max(pads[0], b_pad) < c.kh and max(pads[1], r_pad) < c.kw
+            and (not input_grad or c.sh == c.sw == 1))
