@@ -16,20 +16,10 @@ from graphmem.errors import UsageError
 from graphmem.render import render_text
 from graphmem.trainer_api import trainer_batch
 from graphmem.training.hf_trainer_ddp import BUCKET
+from tests.test_hf_trainer import _gpt2, _llama  # the one-process Trainer tests' tiny models
 
 transformers = pytest.importorskip("transformers")
 PEAK_TOLERANCE = 0.01  # the brief's 1 %; the gaps measured are bytes (docs/trainer.md)
-
-
-def _llama() -> Any:
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def _gpt2() -> Any:
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2,
-                                                                n_head=4))
 
 
 def llama_trainer(out: str) -> Any:
