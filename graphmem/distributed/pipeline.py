@@ -51,27 +51,13 @@ from graphmem.distributed.pipeline_stages import (
     run_schedule,
     stage_loss,
 )
-from graphmem.errors import GraphmemError, UsageError
+from graphmem.errors import GraphmemError
+from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
 from graphmem.training.batch import as_batch
 from graphmem.training.loop import Session, TrainStep
 from graphmem.training.optim import resolved_impl
 from graphmem.training.step import LossFn
-
-
-@contextlib.contextmanager
-def fake_group(rank: int, world_size: int) -> Iterator[None]:
-    """torch.distributed's fake process group for ``rank`` (one process, no communication)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise UsageError("a torch.distributed process group is already initialized in this process; "
-                         "graphmem runs rank r on its own fake process group")
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class _Held:
@@ -371,4 +357,4 @@ def analyze_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
     return StageStep(g, lv, sv, (line, *notes(g)), flight, blocks, layout)
 
 
-__all__ = ["Pipeline", "make_pipeline", "analyze_stage", "capture_stage", "StageStep", "InFlight", "fake_group"]
+__all__ = ["Pipeline", "make_pipeline", "analyze_stage", "capture_stage", "StageStep", "InFlight"]

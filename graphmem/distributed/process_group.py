@@ -15,10 +15,10 @@ import contextlib
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from graphmem.errors import UsageError
+from graphmem.fake_group import fake_group
 
 
 @dataclass(frozen=True)
@@ -39,21 +39,13 @@ def fake_process_group(rank: int, world_size: int, tp: int = 1, fsdp: bool = Tru
     ...     meshes.dp.size()
     8
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise UsageError(f"`rank={rank}` is not one of the {world_size} ranks: use 0 to {world_size - 1}")
     if world_size % tp:
         raise UsageError(f"`world_size={world_size}` is not a multiple of `tp={tp}`: world = data parallel x tensor parallel")
-    if dist.is_initialized():
-        raise UsageError("torch.distributed is already initialized in this process; graphmem runs rank r "
-                         "in a fake process group of its own: call analyze outside the distributed job")
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield device_meshes(world_size, tp, fsdp)
-    finally:
-        dist.destroy_process_group()
-        _forget_meshes()
+    with fake_group(rank, world_size):
+        try:
+            yield device_meshes(world_size, tp, fsdp)
+        finally:
+            _forget_meshes()
 
 
 def device_meshes(world_size: int, tp: int = 1, fsdp: bool = True) -> Meshes:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphmem.errors import UsageError
+from graphmem.fake_group import fake_group
 
 BUCKET = "DDP gradient bucket"
 
@@ -95,23 +95,6 @@ def ranks(trainer: Any, world_size: int, rank: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_group(rank: int, world_size: int) -> Iterator[None]:
-    """PyTorch's fake backend as rank ``rank`` of ``world_size``, always destroyed after: the group
-    graphmem/distributed/process_group.py opens for the wrappers, without its device meshes (DDP
-    takes the default group; this layer sits below graphmem/distributed/)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise UsageError("torch.distributed is already initialized in this process; graphmem runs rank r "
-                         "in a fake process group of its own: call analyze outside the distributed job")
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@contextlib.contextmanager
 def copied_inputs(trainer: Any) -> Iterator[None]:
     """On a MULTI_CPU job accelerate's device is ``cpu:0`` (``PartialState.set_device``), and the
     Trainer's ``_prepare_input`` (transformers 5.24 ``trainer.py`` 2369-2385) moves each batch tensor
@@ -132,4 +115,4 @@ def copied_inputs(trainer: Any) -> Iterator[None]:
         del trainer._prepare_input
 
 
-__all__ = ["BUCKET", "copied_inputs", "ddp_kwargs", "fake_group", "ranks", "wrap_ddp"]
+__all__ = ["BUCKET", "copied_inputs", "ddp_kwargs", "ranks", "wrap_ddp"]
