@@ -39,8 +39,9 @@ __all__ = ["ROWS", "Budget", "BudgetRow", "Parallel", "budget", "later_steps_pea
            "made_states", "make_parallel", "rank_share"]
 
 ROWS = ("parameters", "buffers", "gradients", "optimizer states", "master copies", "activations", "temporaries")
+COMMUNICATION = "communication buffers"  # a row of its own where the step has any (at the peak, as temporaries)
 _KIND_ROW = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradients",
-             "optimizer state": "optimizer states", "master": "master copies"}
+             "optimizer state": "optimizer states", "master": "master copies", "communication": COMMUNICATION}
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,11 @@ def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parall
     with_grad = {o for s in g.storages.values() if s.kind == "gradient" for o in (s.owners or (s.owner,))}
     notes = _row_notes(parallel, sh.shard_states, sh.shard_grads, sh.shard_params, parallel.tp)
     out_rows = [BudgetRow(r, held[r], _ceil(at_peak[r], den), notes.get(r, "")) for r in ROWS]
+    comm = any(s.kind == "communication" for s in g.storages.values())
+    if comm:
+        out_rows.append(BudgetRow(COMMUNICATION, held[COMMUNICATION], _ceil(at_peak[COMMUNICATION], den),
+                                  "the wrappers' collective buffers live at the peak (DDP's gradient buckets: "
+                                  "held for the job)"))
     if sh.shard_params:
         out_rows.append(BudgetRow("gathered parameters", _ceil(gather_max, den), _ceil(gather[peak_index] if n else 0, den),
                                   f"all-gather buffers; largest unit {largest or '(root)'}"))
@@ -250,7 +256,7 @@ def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parall
         peak_module=node.meta.get("module", "") if node is not None else "", top_temporaries=top,
         largest_unit=largest, gather_bytes=_ceil(gather_max, den), tp_split=_forward_linears(g, marks),
         timeline=tuple(_ceil(v, den) for v in timeline),
-        later_at_peak=tuple((r, _ceil(v, den)) for r, v in later_at.items()))
+        later_at_peak=tuple((r, _ceil(v, den)) for r, v in later_at.items() if comm or r != COMMUNICATION))
 
 
 def _later_rows(g: StepGraph, lv: Liveness, sh: _Shares, parts: dict[int, tuple[int, int]], index: int,
@@ -309,13 +315,13 @@ def _rows(g: StepGraph, lv: Liveness, sh: _Shares, parts: dict[int, tuple[int, i
           peak_index: int) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """Bytes one rank holds per row, bytes per row live at the peak (over den), and the
     temporaries live at the peak by the op (or kind) that made them."""
-    rows = {r: 0 for r in ROWS}
+    rows = {r: 0 for r in (*ROWS, COMMUNICATION)}
     for s in g.storages.values():
         after = (parts.get(s.sid) or sh.part(s))[1]
         r = sh.row_of(s)
-        if r != "temporaries" and (s.sid in lv.intervals or s.created < 0):
+        if r not in ("temporaries", COMMUNICATION) and (s.sid in lv.intervals or s.created < 0):
             rows[r] += s.nbytes * after
-    at_peak = {r: 0 for r in ROWS}
+    at_peak = {r: 0 for r in (*ROWS, COMMUNICATION)}
     contributors: dict[str, int] = {}
     for sid, (a, b) in lv.intervals.items():
         if a <= peak_index <= b:
@@ -328,6 +334,7 @@ def _rows(g: StepGraph, lv: Liveness, sh: _Shares, parts: dict[int, tuple[int, i
                 contributors[label] = contributors.get(label, 0) + nb
     held = {r: _ceil(v, sh.den) for r, v in rows.items()}
     held["temporaries"] = _ceil(at_peak["temporaries"], sh.den)
+    held[COMMUNICATION] = _ceil(at_peak[COMMUNICATION], sh.den)
     return held, at_peak, contributors
 
 

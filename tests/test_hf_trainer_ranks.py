@@ -68,6 +68,11 @@ def test_ddp_rank_holds_the_buckets_and_names_them() -> None:
     assert [t.nbytes for t in buckets] == [grads] and buckets[0].created < 0 and buckets[0].kind == "communication"
     assert rank1.activation_bytes == one.activation_bytes
     assert rank1.budget.peak_bytes >= one.budget.peak_bytes + grads
+    # the bucket is a budget row of its own, not a temporary; one device's step has no such row
+    assert rank1.budget.row("communication buffers").size == grads
+    assert rank1.budget.row("temporaries").size < grads
+    assert sum(r.at_peak for r in rank1.budget.rows) == rank1.budget.peak_bytes
+    assert "communication buffers" not in [r.name for r in one.budget.rows]
     d = rank1.to_dict()["budget"]
     assert d["ddp"] == {"world_size": 2, "rank": 1} and "DistributedDataParallel, rank 1 of 2" in render_text(rank1)
 
