@@ -40,6 +40,7 @@ __all__ = ["ROWS", "Budget", "BudgetRow", "Parallel", "budget", "later_steps_pea
 
 ROWS = ("parameters", "buffers", "gradients", "optimizer states", "master copies", "activations", "temporaries")
 COMMUNICATION = "communication buffers"  # a row of its own where the step has any (at the peak, as temporaries)
+COMM_NOTE = "the wrappers' collective buffers live at the peak (DDP's gradient buckets: held for the job)"
 _KIND_ROW = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradients",
              "optimizer state": "optimizer states", "master": "master copies", "communication": COMMUNICATION}
 
@@ -234,11 +235,8 @@ def budget(g: StepGraph, lv: Liveness, sv: SavedSet, parallel: Parallel = Parall
     with_grad = {o for s in g.storages.values() if s.kind == "gradient" for o in (s.owners or (s.owner,))}
     notes = _row_notes(parallel, sh.shard_states, sh.shard_grads, sh.shard_params, parallel.tp)
     out_rows = [BudgetRow(r, held[r], _ceil(at_peak[r], den), notes.get(r, "")) for r in ROWS]
-    comm = any(s.kind == "communication" for s in g.storages.values())
-    if comm:
-        out_rows.append(BudgetRow(COMMUNICATION, held[COMMUNICATION], _ceil(at_peak[COMMUNICATION], den),
-                                  "the wrappers' collective buffers live at the peak (DDP's gradient buckets: "
-                                  "held for the job)"))
+    if comm := any(s.kind == "communication" for s in g.storages.values()):
+        out_rows.append(BudgetRow(COMMUNICATION, held[COMMUNICATION], _ceil(at_peak[COMMUNICATION], den), COMM_NOTE))
     if sh.shard_params:
         out_rows.append(BudgetRow("gathered parameters", _ceil(gather_max, den), _ceil(gather[peak_index] if n else 0, den),
                                   f"all-gather buffers; largest unit {largest or '(root)'}"))
@@ -315,13 +313,12 @@ def _rows(g: StepGraph, lv: Liveness, sh: _Shares, parts: dict[int, tuple[int, i
           peak_index: int) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """Bytes one rank holds per row, bytes per row live at the peak (over den), and the
     temporaries live at the peak by the op (or kind) that made them."""
-    rows = {r: 0 for r in (*ROWS, COMMUNICATION)}
+    rows, at_peak = ({r: 0 for r in (*ROWS, COMMUNICATION)} for _ in range(2))
     for s in g.storages.values():
         after = (parts.get(s.sid) or sh.part(s))[1]
         r = sh.row_of(s)
         if r not in ("temporaries", COMMUNICATION) and (s.sid in lv.intervals or s.created < 0):
             rows[r] += s.nbytes * after
-    at_peak = {r: 0 for r in (*ROWS, COMMUNICATION)}
     contributors: dict[str, int] = {}
     for sid, (a, b) in lv.intervals.items():
         if a <= peak_index <= b:
@@ -333,16 +330,14 @@ def _rows(g: StepGraph, lv: Liveness, sh: _Shares, parts: dict[int, tuple[int, i
                 label = s.kind if s.kind == "gradient copy" else s.name
                 contributors[label] = contributors.get(label, 0) + nb
     held = {r: _ceil(v, sh.den) for r, v in rows.items()}
-    held["temporaries"] = _ceil(at_peak["temporaries"], sh.den)
-    held[COMMUNICATION] = _ceil(at_peak[COMMUNICATION], sh.den)
+    held.update({r: _ceil(at_peak[r], sh.den) for r in ("temporaries", COMMUNICATION)})  # rows at the peak
     return held, at_peak, contributors
 
 
 def _forward_linears(g: StepGraph, marks: Optional[TPMarks]) -> tuple[int, int]:
     if marks is None:
         return (0, 0)
-    end = g.phase_start.get("loss", g.num_ops)
-    start = g.phase_start.get("forward", 0)
+    start, end = g.phase_start.get("forward", 0), g.phase_start.get("loss", g.num_ops)
     return (sum(start <= i < end for i in marks.column), sum(start <= i < end for i in marks.row))
 
 

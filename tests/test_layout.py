@@ -16,12 +16,13 @@ PACKAGES = {"graphmem": ROOT / "graphmem", "graphmem.passes": ROOT / "passes", "
 LAYERS: dict[str, set[str]] = {
     "errors": set(), "units": {"errors"}, "stepgraph": {"errors"}, "chains": set(),
     "jsondata": {"errors"}, "analysis": {"errors", "stepgraph", "passes"},
-    "training": {"errors", "units", "stepgraph", "chains", "passes"},
+    "fake_group": {"errors"},  # torch's fake process group, opened by training/ (DDP) and distributed/
+    "training": {"errors", "units", "stepgraph", "chains", "passes", "fake_group"},
     "oprules": set(),  # per-op rules (graphmem/oprules/): below the capture and the passes that read them
     "passes": {"errors", "stepgraph", "oprules"},
     "models": set(),
     "capture": {"errors", "units", "stepgraph", "chains", "training", "models", "oprules"},
-    "distributed": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "models"},
+    "distributed": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "models", "fake_group"},
     "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "analysis"},
     "recapture": {"errors", "stepgraph", "capture", "formula", "training", "passes", "distributed", "spec"},
     "spec": {"errors", "capture", "distributed", "passes", "training"},
