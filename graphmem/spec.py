@@ -152,11 +152,6 @@ class Job:
                              "SDPA kernels (torch/distributed/tensor/experimental/_context_parallel/_attention.py) and "
                              "FlexAttention has no CPU backward, so the job fails on a CPU too: analyze with "
                              "`device='cuda'`")
-        if p.pipeline_parallel_degree > 1 and p.tensor_parallel_degree > 1 and \
-                getattr(p, "spmd_backend", "") == "spmd_types":
-            raise UsageError("tensor parallel inside a pipeline under `parallelism.spmd_backend='spmd_types'` (the "
-                             "default) is not analyzed yet (a stage's sharded weights come out empty on fake tensors): "
-                             "set `parallelism.spmd_backend='full_dtensor'`, which held the same per-rank bytes on gloo")
 
 
 Parallelism = Union[Single, Formula, Ranks, Stages, Job]

@@ -70,6 +70,34 @@ def test_stage_ranks_follow_the_mesh():
     assert stage_ranks(job, 8) == [0, 4]
 
 
+
+def test_build_reads_answer_fake_tensors_only():
+    """While the job is built, ``.item()`` of a fake tensor is answered (graphmem/titan/capture.py
+    ``_InitReads``), of a real one read for real: a pipeline's (dp_shard, tp) mesh sliced then
+    (spmd_types' FSDP storage mesh) picks this rank's row of its rank layout by such a read
+    (torch/distributed/device_mesh.py ``_get_mesh_tensor_from_full_mesh``); answered 1, rank 0 of
+    a pp2 x tp2 mesh got ranks [2, 3] and TP x PP's parameters came out empty."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from graphmem.titan.capture import _InitReads
+
+    fake = FakeTensorMode().from_tensor(torch.tensor([7, 9]))
+    with _InitReads():
+        assert torch.tensor([7, 9])[1].item() == 9
+        assert fake[1].item() == 1 and (fake > 8).any().item() is False
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+        with _InitReads():
+            sliced = mesh["dp_shard", "tp"]
+        assert sliced.mesh.tolist() == [[0, 1]] and sliced.get_coordinate() == (0, 0)
+    finally:
+        dist.destroy_process_group()
+
 def test_errors_are_one_line(capsys):
     with pytest.raises(UsageError, match="no torchtitan model family defines"):
         load_job("llama3_nonesuch")

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
 from graphmem.capture.call_paths import module_names, module_order
@@ -187,11 +188,19 @@ def _answer(t: torch.Tensor) -> Any:
 
 
 class _InitReads(ScalarReads):
-    """``.item()`` while the job is built: ``init_weights`` draws values (``trunc_normal_``'s
-    rejection loop asks ``mask.any()``; DTensor's RNG reads its offsets) that never decide a size;
-    a bool reads False so rejection loops end, a number 1."""
+    """``.item()`` of a fake tensor while the job is built: ``init_weights`` draws values
+    (``trunc_normal_``'s rejection loop asks ``mask.any()``; DTensor's RNG reads its offsets) that
+    never decide a size; a bool reads False so rejection loops end, a number 1. A real tensor's
+    read runs for real: a DeviceMesh sliced while the job is built (spmd_types' FSDP storage mesh,
+    torchtitan/distributed/parallel_dims.py ``get_optional_mesh``) picks this rank's row of its
+    rank layout by an index read under ``unset_fake_temporarily`` (torch/distributed/
+    device_mesh.py ``_get_mesh_tensor_from_full_mesh``); answered 1, a pipeline's stage 0 got
+    the row of the ranks of stage 1, and its parameters came out empty (DTensor's
+    ``from_local`` on a mesh without this rank)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and not is_fake(args[0]):
+            return func(*args, **(kwargs or {}))
         if func is torch.ops.aten._local_scalar_dense.default and args[0].dtype == torch.bool:
             return False
         return super().__torch_dispatch__(func, types, args, kwargs)
