@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 from torch._prims_common import suggest_memory_format
 
+import graphmem.oprules.conv_brgemm as brg
 import graphmem.oprules.conv_dw as dw
 import graphmem.oprules.conv_gemm as gemm
 import graphmem.oprules.conv_jit as jit
@@ -254,10 +255,13 @@ def _avx2_jit_backward(b: dict) -> list[Scratch]:
         return []
     c, padding = gemm.as_conv(b, grad), gemm.expand(b["padding"], x.dim() - 2)
     pads = (0, padding[0]) if x.dim() == 3 else (padding[0], padding[1])
-    if not (jit.avx2_jit_applies(c, pads, mask[0]) and gemm.uses_onednn(c, x, pads, False)):
+    strided = mask[0] and (c.sh > 1 or c.sw > 1)  # the input gradient on brgconv_strided:avx2 (conv_brgemm.py)
+    if not (jit.avx2_jit_applies(c, pads, mask[0] and not strided) and gemm.uses_onednn(c, x, pads, False)
+            and (not strided or brg.strided_data_applies(c, pads))):
         return []
     copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
-    return [Scratch(jit.avx2_backward_scratch(c, mask, gemm.threads()) + copies,
+    data_high = brg.strided_data_high(c, pads, gemm.threads()) if strided else None
+    return [Scratch(jit.avx2_backward_scratch(c, mask, gemm.threads(), data_high) + copies,
                     "oneDNN AVX2 convolution backward: nChw8c/ABcd8a8b/OIhw8i8o reorders and reducers "
                     "(jit_avx2_conv_kernel_f32.cpp, jit_avx2_convolution.hpp, mkldnn/Conv.cpp)")]
 

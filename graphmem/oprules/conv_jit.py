@@ -22,6 +22,8 @@ declines that case and the report's note stays.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import graphmem.oprules.conv_gemm as gemm
 
 MIN_OH_REDUCE = 9  # jit_avx512_common_conv_bwd_weights_kernel_f32::min_oh_reduce
@@ -136,16 +138,20 @@ def avx2_first_conv_weight_grad_scratch(c: gemm.Conv, bias: bool, threads: int) 
     return avx2_backward_scratch(c, (False, True, bias), threads)
 
 
-def avx2_backward_scratch(c: gemm.Conv, mask: tuple[bool, bool, bool], threads: int) -> int:
+def avx2_backward_scratch(c: gemm.Conv, mask: tuple[bool, bool, bool], threads: int,
+                          data_high: Optional[int] = None) -> int:
     """Bytes beside the outputs of a one-group convolution's backward on oneDNN's AVX2 jit kernels
     (mkldnn/Conv.cpp ``mkldnn_convolution_backward``: the input gradient first, then the weight's):
     the input gradient with the output gradient in ``nChw8c``, the weight in ``ABcd8a8b`` and the
     gradient in ``nChw8c`` (channels padded to 8: ``jit_avx2_conv_bwd_data_kernel_f32::init_conf``
     ``ok_to_pad_channels``), then its dense copy; then the weight gradient beside it, as
-    ``avx2_first_conv_weight_grad_scratch`` says (measured to the byte)."""
+    ``avx2_first_conv_weight_grad_scratch`` says (measured to the byte). ``data_high``: the input
+    gradient's high point where another kernel computes it (conv_brgemm.py, a strided one)."""
     oc8, ic8, flat = _div_up(c.oc, 8) * 8, _div_up(c.ic, 8) * 8, c.ic == 3
     grad_b, blocked_x, x = c.n * oc8 * c.oh * c.ow * 4, c.n * ic8 * c.ih * c.iw * 4, c.src_bytes if mask[0] else 0
     high = max(grad_b + oc8 * ic8 * c.kh * c.kw * 4 + blocked_x, blocked_x + x) if mask[0] else 0
+    if mask[0] and data_high is not None:
+        high = data_high
     ic_b = c.ic if flat else ic8
     src_b = 0 if flat else c.n * ic_b * c.ih * c.iw * 4
     wb, w, b = oc8 * ic_b * c.kh * c.kw * 4, c.weight_bytes, (c.oc * 4 if mask[2] else 0)
