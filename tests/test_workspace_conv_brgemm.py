@@ -41,3 +41,27 @@ def test_avx2_strided_input_gradient_equals_real_kernel(threads: None) -> None:
         predicted = sum(sc.nbytes for sc in scratch(aten.convolution_backward.default, "cpu", bwd, {}, None))
         assert predicted > 0, (shape, k, s, p)
         assert real == [predicted], (torch.get_num_threads(), shape, x.is_contiguous(), k, s, p, bias)
+
+
+@AVX2
+def test_avx2_1x1_convolution_backward_equals_real_kernel(threads: None) -> None:
+    """60 random one-group 1x1 convolutions on ``jit_1x1:avx2`` (conv_jit.py ``avx2_1x1_applies``):
+    EfficientNet's and ConvNeXt's pointwise and squeeze-excite ones, channels not always multiples
+    of 8, 1x1 to 20x20 maps, bias or not, the input gradient or not, 2 threads (or 1 with a batch of
+    16: ATen sends a 1x1 convolution to oneDNN only then), strided inputs among them: the bytes
+    inside convolution_backward above its outputs equal the rule's (``jit_avx2_1x1`` reducers)."""
+    rng = random.Random(13)
+    for _ in range(60):
+        torch.set_num_threads(rng.choice([1, 2]))
+        n = 16 if torch.get_num_threads() == 1 else rng.choice([2, 3, 5])
+        ic, oc = rng.choice([3, 8, 12, 24, 64, 96, 200, 320]), rng.choice([8, 12, 48, 64, 256, 400])
+        shape, bias = (n, ic, rng.choice([1, 2, 4, 7, 16]), rng.choice([1, 2, 4, 7, 20])), rng.random() < 0.5
+        x = torch.randn(*shape) if rng.random() < 0.8 else torch.randn(*reversed(shape)).permute(3, 2, 1, 0)
+        w = torch.randn(oc, ic, 1, 1)
+        conv = (x, w, torch.randn(oc) if bias else None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+        y = aten.convolution.default(*conv)
+        bwd = (torch.randn_like(y), x, w, [oc] if bias else None, *conv[3:], [rng.random() < 0.7, True, bias])
+        real = _op_scratch(lambda: aten.convolution_backward.default(*bwd), ("aten::convolution_backward",))
+        predicted = sum(sc.nbytes for sc in scratch(aten.convolution_backward.default, "cpu", bwd, {}, None))
+        assert predicted > 0, (shape, oc)
+        assert real == [predicted], (torch.get_num_threads(), shape, oc, x.is_contiguous(), bwd[-1])

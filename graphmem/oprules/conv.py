@@ -256,7 +256,8 @@ def _avx2_jit_backward(b: dict) -> list[Scratch]:
     c, padding = gemm.as_conv(b, grad), gemm.expand(b["padding"], x.dim() - 2)
     pads = (0, padding[0]) if x.dim() == 3 else (padding[0], padding[1])
     strided = mask[0] and (c.sh > 1 or c.sw > 1)  # the input gradient on brgconv_strided:avx2 (conv_brgemm.py)
-    if not (jit.avx2_jit_applies(c, pads, mask[0] and not strided) and gemm.uses_onednn(c, x, pads, False)
+    if not ((jit.avx2_jit_applies(c, pads, mask[0] and not strided) or jit.avx2_1x1_applies(c, pads))
+            and gemm.uses_onednn(c, x, pads, False)
             and (not strided or brg.strided_data_applies(c, pads))):
         return []
     copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
