@@ -110,7 +110,6 @@ def _settings_kept(request: pytest.FixtureRequest) -> Iterator[None]:
 # compiled ConvNeXt 6,944 B; and GPT-2's CPU autocast plans, whose real peak is 24 B above the plan's
 # (on AVX-512 inside the test's allowance for oneDNN's bf16 GEMM scratch, which AVX2 CPUs do not run).
 AVX512_KERNELS = (
-    "tests/test_workspace_conv.py::test_depthwise_models_peak_equals_real_step[convnextv2]",
     "tests/test_compiled_rules.py::test_compiled_peak_equals_real_compiled_step[timm_convnext_atto]",
     "tests/test_checkpoint_plans.py::test_autocast_plans_match_real_cpu_autocast_runs[gpt2-cpu]",
 )

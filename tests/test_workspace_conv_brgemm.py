@@ -65,3 +65,28 @@ def test_avx2_1x1_convolution_backward_equals_real_kernel(threads: None) -> None
         predicted = sum(sc.nbytes for sc in scratch(aten.convolution_backward.default, "cpu", bwd, {}, None))
         assert predicted > 0, (shape, oc)
         assert real == [predicted], (torch.get_num_threads(), shape, oc, x.is_contiguous(), bwd[-1])
+
+
+@AVX2
+def test_avx2_channels_last_1x1_backward_equals_real_kernel(threads: None) -> None:
+    """60 random channels-last one-group 1x1 convolutions (conv_brgemm.py ``cl_1x1_applies``: the
+    input gradient on ``brg_conv_bwd:avx2+brgconv_1x1:avx2``, the weight gradient on ``jit_1x1:avx2``
+    in nhwc): ConvNeXt's pointwise convolutions, 8, 16 or a multiple of 32 input channels, output
+    channels not always multiples of 8, bias or not, the input gradient or not, 2 threads (or 1
+    with a batch of 16): the bytes inside convolution_backward above its outputs equal the rule's."""
+    rng = random.Random(14)
+    cl = torch.channels_last
+    for _ in range(60):
+        torch.set_num_threads(rng.choice([1, 2]))
+        n = 16 if torch.get_num_threads() == 1 else rng.choice([2, 3, 5])
+        ic, oc = rng.choice([8, 16, 32, 64, 160, 320]), rng.choice([8, 12, 40, 80, 160, 640, 800])
+        x = torch.randn(n, ic, rng.randint(2, 14), rng.randint(2, 14)).contiguous(memory_format=cl)
+        w, bias = torch.randn(oc, ic, 1, 1), rng.random() < 0.5
+        conv = (x, w, torch.randn(oc) if bias else None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+        y = aten.convolution.default(*conv)
+        bwd = (torch.randn_like(y).contiguous(memory_format=cl), x, w, [oc] if bias else None, *conv[3:],
+               [rng.random() < 0.7, True, bias])
+        real = _op_scratch(lambda: aten.convolution_backward.default(*bwd), ("aten::convolution_backward",))
+        predicted = sum(sc.nbytes for sc in scratch(aten.convolution_backward.default, "cpu", bwd, {}, None))
+        assert predicted > 0, (tuple(x.shape), oc)
+        assert real == [predicted], (torch.get_num_threads(), tuple(x.shape), oc, bwd[-1])

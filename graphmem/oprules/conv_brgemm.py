@@ -98,3 +98,31 @@ def strided_data_high(c: gemm.Conv, pads: tuple[int, int], nthr: int) -> int:
     go, x = c.n * c.oc * c.oh * c.ow * 4, c.src_bytes
     wei = c.oc * _weight_padded_ic(c) * c.kh * c.kw * 4
     return max(go + wei + x + strided_data_scratchpad(c, pads, nthr), 3 * x)
+
+
+def cl_1x1_applies(c: gemm.Conv, pads: tuple[int, int]) -> bool:
+    """AVX2, channels-last, one group, 1x1, unit strides, no padding: the input gradient on
+    ``brg_conv_bwd:avx2+brgconv_1x1:avx2`` (the backward as a forward 1x1 brgemm convolution,
+    src/cpu/x64/jit_brgemm_conv_bwd.cpp), the weight gradient on ``jit_1x1:avx2`` in ``nhwc``;
+    within the domain where the blocking search cannot change the bytes (as ``strided_data_applies``:
+    the weight's input channels padded alike by every candidate block; the output channels, the
+    forward's reduction, within one 4 KiB page of batch elements at 8 per block)."""
+    return (not gemm.avx512() and c.groups == 1 and (c.kh, c.kw) == (1, 1) and c.sh == c.sw == 1
+            and pads == (0, 0) and (c.ic <= 8 or c.ic == 16 or c.ic % 32 == 0)
+            and -(-c.oc // 8) * BATCH_ELEMENT <= P4K)
+
+
+def cl_1x1_scratch(c: gemm.Conv, mask: tuple[bool, bool, bool], weights_pad: int, nthr: int) -> int:
+    """Bytes beside the outputs of a channels-last 1x1 backward (``cl_1x1_applies``): the input
+    gradient written in place (``nhwc``) beside the weight reordered to ``Bcda<ic_block>b`` and the
+    nested forward's scratchpad (its batch elements, one 4 KiB page per thread, and the nested
+    registry's 128-byte alignment: jit_brgemm_conv_utils.cpp ``init_scratchpad``); then the weight
+    gradient in ``OIhw8i8o``, the bias gradient and ``weights_pad`` (the 1x1 kernel's reducers,
+    conv_jit.py), then two dense weight copies and the bias copy (measured)."""
+    x, w, b = c.src_bytes if mask[0] else 0, c.weight_bytes, (c.oc * 4 if mask[2] else 0)
+    pad = nthr * _rnd_up(P4K, BATCH_ELEMENT) + P4K + gemm.ALIGN
+    high = x + c.oc * _weight_padded_ic(c) * 4 + pad if mask[0] else 0
+    if mask[1]:
+        wb = _rnd_up(c.oc, 8) * _rnd_up(c.ic, 8) * 4
+        high = max(high, x + wb + b + max(weights_pad, b + 2 * w))
+    return high - (x + (w + b if mask[1] else 0))

@@ -133,15 +133,18 @@ def _blocking(nb: int, limit: int) -> int:
     return nb
 
 
-def avx2_1x1_weights_scratchpad(c: gemm.Conv, bias: bool, threads: int) -> int:
+def avx2_1x1_weights_scratchpad(c: gemm.Conv, bias: bool, threads: int, nxc: bool = False) -> int:
     """The scratchpad of ``jit_avx2_1x1_convolution_bwd_weights_t`` (jit_avx2_1x1_convolution.hpp
     ``init_balancers``; plain layout, channels padded to 8): the padded bias (output channels not a
     multiple of 8, ``init_scratchpad``), the bias reducer (``cpu_reducer_t``: jobs of 8 over the
     batch) and the weight reducer (``cpu_reducer_2d_t``: jobs of ``nb_load_blocking·nb_bcast_blocking``
     8x8 blocks reduced over batch x spatial; ``ngroups·nthr_per_group·njobs_per_group_ub·job_size``
-    floats, 128-byte aligned, and the barriers), both with ``max_buffer_size = nthr·job_size·8``."""
+    floats, 128-byte aligned, and the barriers), both with ``max_buffer_size = nthr·job_size·8``.
+    Channels-last (``nxc``): the channels unpadded, the blockings cut only without a channel tail
+    (and for the input channels, a map of at most 1024), to 17 input-channel blocks."""
     nb_oc, nb_ic = _div_up(c.oc, 8), _div_up(c.ic, 8)
-    load, bcast = _blocking(nb_oc, 32), _blocking(nb_ic, 9)
+    load = _blocking(nb_oc, 32) if not nxc or c.oc % 8 == 0 else nb_oc
+    bcast = _blocking(nb_ic, 17 if nxc else 9) if not nxc or (c.ic % 8 == 0 and c.ih * c.iw <= 1024) else nb_ic
     job = load * bcast * 64
     njobs = _div_up(nb_ic, bcast) * _div_up(nb_oc, load)
     pad = nb_oc * 8 * 4 + gemm.ALIGN if bias and c.oc % 8 else 0
