@@ -140,9 +140,13 @@ def test_each_input_kind_equals_a_real_model_call_with_labels(kind: str, tmp_pat
     # that, Whisper's decoder built a causal mask only on fake tensors)
     assert report.activation_bytes == measured.saved_bytes
     assert report.baseline_bytes == measured.baseline_bytes
-    if kind == "speech":  # Whisper's Conv1d encoder: oneDNN convolution scratch, no rule (graphmem/oprules/conv.py)
-        assert report.peak_bytes <= measured.peak_bytes <= report.peak_bytes * 1.12
+    if kind == "speech":  # Whisper's Conv1d encoder: its forward convolutions keep the report's note
         assert any("convolution" in n for n in report.notes)
+    if kind == "speech" and torch.backends.cpu.get_cpu_capability() != "AVX2":
+        # AVX-512: the stride-2 conv2's input gradient (oneDNN's brgemm kernel) has no rule there
+        # (graphmem/oprules/conv.py); on AVX2 graphmem/oprules/conv_brgemm.py models it (measured
+        # before that rule: 10.4 % under; now 0 B apart)
+        assert report.peak_bytes <= measured.peak_bytes <= report.peak_bytes * 1.12
     else:
         assert_peak(report, measured.peak_bytes)
     assert graphmem.analyze(real.module, batch).activation_bytes == measured.saved_bytes

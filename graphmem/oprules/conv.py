@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 from torch._prims_common import suggest_memory_format
 
+import graphmem.oprules.conv_brgemm as brg
 import graphmem.oprules.conv_dw as dw
 import graphmem.oprules.conv_gemm as gemm
 import graphmem.oprules.conv_jit as jit
@@ -162,7 +163,8 @@ def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
     c = _geometry(b, (grad.size(2), grad.size(3)) if grad.dim() == 4 else (0, 0))
     mask = b["output_mask"]
     if c is None:
-        return _plain_depthwise_backward(b) or _gemm_backward(b) or _first_conv_backward(b) or _avx2_jit_backward(b)
+        return (_plain_depthwise_backward(b) or _gemm_backward(b) or _first_conv_backward(b) or _avx2_jit_backward(b)
+                or _avx2_cl_1x1_backward(b))
     # the input gradient runs first and frees its Goihw16g weight before the weight gradient starts
     data = _goihw16g(c) if mask[0] else 0
     weights = depthwise_weight_grad_scratch(c, grad.size(0), mask[2]) if mask[1] else 0
@@ -254,12 +256,35 @@ def _avx2_jit_backward(b: dict) -> list[Scratch]:
         return []
     c, padding = gemm.as_conv(b, grad), gemm.expand(b["padding"], x.dim() - 2)
     pads = (0, padding[0]) if x.dim() == 3 else (padding[0], padding[1])
-    if not (jit.avx2_jit_applies(c, pads, mask[0]) and gemm.uses_onednn(c, x, pads, False)):
+    strided = mask[0] and (c.sh > 1 or c.sw > 1)  # the input gradient on brgconv_strided:avx2 (conv_brgemm.py)
+    if not ((jit.avx2_jit_applies(c, pads, mask[0] and not strided) or jit.avx2_1x1_applies(c, pads))
+            and gemm.uses_onednn(c, x, pads, False)
+            and (not strided or brg.strided_data_applies(c, pads))):
         return []
     copies = sum(t.numel() * t.element_size() for t in (x, grad) if not t.is_contiguous())
-    return [Scratch(jit.avx2_backward_scratch(c, mask, gemm.threads()) + copies,
+    data_high = brg.strided_data_high(c, pads, gemm.threads()) if strided else None
+    return [Scratch(jit.avx2_backward_scratch(c, mask, gemm.threads(), data_high) + copies,
                     "oneDNN AVX2 convolution backward: nChw8c/ABcd8a8b/OIhw8i8o reorders and reducers "
                     "(jit_avx2_conv_kernel_f32.cpp, jit_avx2_convolution.hpp, mkldnn/Conv.cpp)")]
+
+
+def _avx2_cl_1x1_backward(b: dict) -> list[Scratch]:
+    """AVX2 only: a channels-last one-group fp32 1x1 convolution (ConvNeXt's pointwise ones as
+    convolutions) whose input and output gradient are both channels-last (no reorders):
+    graphmem/oprules/conv_brgemm.py ``cl_1x1_applies``."""
+    grad, x, w, mask = b["grad_output"], b["input"], b["weight"], tuple(b["output_mask"])
+    cl = torch.channels_last
+    if gemm.avx512() or not (x.dim() == 4 and x.dtype == torch.float32 and b["groups"] == 1 and mask[1]
+                             and x.is_contiguous(memory_format=cl) and grad.is_contiguous(memory_format=cl)
+                             and not x.is_contiguous() and _channels_last(x, w)):
+        return []
+    c, pads = gemm.as_conv(b, grad), tuple(gemm.expand(b["padding"], 2))
+    if not (brg.cl_1x1_applies(c, (pads[0], pads[1])) and gemm.uses_onednn(c, x, (0, 0), False)):
+        return []
+    weights_pad = jit.avx2_1x1_weights_scratchpad(c, mask[2], gemm.threads(), nxc=True)
+    return [Scratch(brg.cl_1x1_scratch(c, mask, weights_pad, gemm.threads()),
+                    "oneDNN AVX2 channels-last 1x1 backward: Bcda32b weight reorder, brgemm batch, "
+                    "jit_1x1 reducers (jit_brgemm_conv_bwd.cpp, jit_avx2_1x1_convolution.hpp)")]
 
 
 @register_note(aten.convolution.default, aten.convolution_backward.default, devices=("cpu",),

@@ -22,6 +22,8 @@ declines that case and the report's note stays.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import graphmem.oprules.conv_gemm as gemm
 
 MIN_OH_REDUCE = 9  # jit_avx512_common_conv_bwd_weights_kernel_f32::min_oh_reduce
@@ -82,12 +84,13 @@ def first_conv_weight_grad_scratch(c: gemm.Conv, bias: bool, threads: int) -> in
 
 
 # -- AVX2 (jit_avx2_conv_kernel_f32.cpp, jit_avx2_convolution.hpp): 8-wide blocks, cpu_reducer buffers --------------
-def reduce_balance(nthr: int, job_size: int, njobs: int, reduction: int) -> tuple[int, int, int]:
+def reduce_balance(nthr: int, job_size: int, njobs: int, reduction: int,
+                   max_buffer: int = 1 << 21) -> tuple[int, int, int]:
     """src/cpu/x64/cpu_reducer.cpp ``reduce_balancer_t::balance`` (``max_buffer_size`` 1 << 21, as
-    jit_avx2_convolution.hpp ``init_balancers`` passes, threads allowed in a group): (ngroups,
-    nthr_per_group, njobs_per_group_ub)."""
+    jit_avx2_convolution.hpp ``init_balancers`` passes, or the 1x1 kernel's; threads allowed in a
+    group): (ngroups, nthr_per_group, njobs_per_group_ub)."""
     min_per_group = max(1, njobs // nthr)
-    max_per_group = max(1, (1 << 21) // (nthr * job_size))
+    max_per_group = max(1, max_buffer // (nthr * job_size))
     ngroups = min(njobs // min_per_group, nthr)
     best = (ngroups, min(nthr // ngroups, reduction), _div_up(njobs, ngroups))
     best_cost = njobs * job_size * reduction
@@ -102,11 +105,11 @@ def reduce_balance(nthr: int, job_size: int, njobs: int, reduction: int) -> tupl
     return best
 
 
-def reducer_space(nthr: int, job_size: int, njobs: int, reduction: int) -> int:
+def reducer_space(nthr: int, job_size: int, njobs: int, reduction: int, max_buffer: int = 1 << 21) -> int:
     """``cpu_reducer_t::conf_t::init_scratchpad``: nothing with one thread per group; else
     ``ngroups·(nthr_per_group - 1)·njobs_per_group_ub·job_size`` floats (4 KiB aligned) and one
     barrier context per group (``simple_barrier::ctx_t``, 4 KiB each and aligned)."""
-    groups, in_group, ub = reduce_balance(nthr, job_size, njobs, reduction)
+    groups, in_group, ub = reduce_balance(nthr, job_size, njobs, reduction, max_buffer)
     if in_group == 1:
         return 0
     return groups * (in_group - 1) * ub * job_size * 4 + BARRIER + groups * BARRIER + BARRIER
@@ -120,6 +123,41 @@ def avx2_weights_scratchpad(c: gemm.Conv, ic_block: int, bias: bool, threads: in
     pad = c.groups * oc8 * 4 + gemm.ALIGN if bias and c.oc % 8 else 0
     bias_red = reducer_space(threads, 8, c.groups * oc8 // 8, c.n) if bias else 0
     return pad + bias_red + reducer_space(threads, c.kh * c.kw * ic_block * 8, c.groups * nb_ic * oc8 // 8, c.n)
+
+
+def _blocking(nb: int, limit: int) -> int:
+    """jit_avx2_1x1_conv_kernel_f32.cpp ``init_conf`` (backward_weights): a block count halved or
+    divided by 3 while above ``limit`` (32 output-channel blocks, 9 input-channel blocks)."""
+    while nb > limit and nb % 2 == 0 or nb > limit and nb % 3 == 0:
+        nb = nb // 2 if nb % 2 == 0 else nb // 3
+    return nb
+
+
+def avx2_1x1_weights_scratchpad(c: gemm.Conv, bias: bool, threads: int, nxc: bool = False) -> int:
+    """The scratchpad of ``jit_avx2_1x1_convolution_bwd_weights_t`` (jit_avx2_1x1_convolution.hpp
+    ``init_balancers``; plain layout, channels padded to 8): the padded bias (output channels not a
+    multiple of 8, ``init_scratchpad``), the bias reducer (``cpu_reducer_t``: jobs of 8 over the
+    batch) and the weight reducer (``cpu_reducer_2d_t``: jobs of ``nb_load_blocking·nb_bcast_blocking``
+    8x8 blocks reduced over batch x spatial; ``ngroups·nthr_per_group·njobs_per_group_ub·job_size``
+    floats, 128-byte aligned, and the barriers), both with ``max_buffer_size = nthr·job_size·8``.
+    Channels-last (``nxc``): the channels unpadded, the blockings cut only without a channel tail
+    (and for the input channels, a map of at most 1024), to 17 input-channel blocks."""
+    nb_oc, nb_ic = _div_up(c.oc, 8), _div_up(c.ic, 8)
+    load = _blocking(nb_oc, 32) if not nxc or c.oc % 8 == 0 else nb_oc
+    bcast = _blocking(nb_ic, 17 if nxc else 9) if not nxc or (c.ic % 8 == 0 and c.ih * c.iw <= 1024) else nb_ic
+    job = load * bcast * 64
+    njobs = _div_up(nb_ic, bcast) * _div_up(nb_oc, load)
+    pad = nb_oc * 8 * 4 + gemm.ALIGN if bias and c.oc % 8 else 0
+    bias_red = reducer_space(threads, 8, nb_oc, c.n, threads * job * 8) if bias else 0
+    groups, in_group, ub = reduce_balance(threads, job, njobs, c.n * c.oh * c.ow, threads * job * 8)
+    wei_red = groups * in_group * ub * job * 4 + gemm.ALIGN + groups * BARRIER + BARRIER if in_group > 1 else 0
+    return pad + bias_red + wei_red
+
+
+def avx2_1x1_applies(c: gemm.Conv, pads: tuple[int, int]) -> bool:
+    """jit_avx2_1x1_conv_kernel_f32.cpp ``init_conf``: one group, a 1x1 kernel, unit strides, no
+    padding (a strided one goes through ``rtus``, the reduce-to-unit-stride copy: not modelled)."""
+    return c.groups == 1 and (c.kh, c.kw) == (1, 1) and c.sh == c.sw == 1 and pads == (0, 0)
 
 
 def avx2_first_conv_applies(c: gemm.Conv) -> bool:
@@ -136,20 +174,26 @@ def avx2_first_conv_weight_grad_scratch(c: gemm.Conv, bias: bool, threads: int) 
     return avx2_backward_scratch(c, (False, True, bias), threads)
 
 
-def avx2_backward_scratch(c: gemm.Conv, mask: tuple[bool, bool, bool], threads: int) -> int:
+def avx2_backward_scratch(c: gemm.Conv, mask: tuple[bool, bool, bool], threads: int,
+                          data_high: Optional[int] = None) -> int:
     """Bytes beside the outputs of a one-group convolution's backward on oneDNN's AVX2 jit kernels
     (mkldnn/Conv.cpp ``mkldnn_convolution_backward``: the input gradient first, then the weight's):
     the input gradient with the output gradient in ``nChw8c``, the weight in ``ABcd8a8b`` and the
     gradient in ``nChw8c`` (channels padded to 8: ``jit_avx2_conv_bwd_data_kernel_f32::init_conf``
     ``ok_to_pad_channels``), then its dense copy; then the weight gradient beside it, as
-    ``avx2_first_conv_weight_grad_scratch`` says (measured to the byte)."""
-    oc8, ic8, flat = _div_up(c.oc, 8) * 8, _div_up(c.ic, 8) * 8, c.ic == 3
+    ``avx2_first_conv_weight_grad_scratch`` says (measured to the byte). ``data_high``: the input
+    gradient's high point where another kernel computes it (conv_brgemm.py, a strided one)."""
+    oc8, ic8, flat = _div_up(c.oc, 8) * 8, _div_up(c.ic, 8) * 8, c.ic == 3 and (c.kh, c.kw) != (1, 1)
     grad_b, blocked_x, x = c.n * oc8 * c.oh * c.ow * 4, c.n * ic8 * c.ih * c.iw * 4, c.src_bytes if mask[0] else 0
     high = max(grad_b + oc8 * ic8 * c.kh * c.kw * 4 + blocked_x, blocked_x + x) if mask[0] else 0
+    if mask[0] and data_high is not None:
+        high = data_high
     ic_b = c.ic if flat else ic8
     src_b = 0 if flat else c.n * ic_b * c.ih * c.iw * 4
     wb, w, b = oc8 * ic_b * c.kh * c.kw * 4, c.weight_bytes, (c.oc * 4 if mask[2] else 0)
     pad = avx2_weights_scratchpad(c, 3 if flat else 8, mask[2], threads)
+    if avx2_1x1_applies(c, (0, 0)):  # jit_avx2_1x1 (``jit_1x1:avx2``): the same reorders, its own reducers
+        pad = avx2_1x1_weights_scratchpad(c, mask[2], threads)
     high = max(high, x + max(grad_b + src_b + wb + b + pad, wb + 2 * b + w))
     return high - (x + w + b)
 
