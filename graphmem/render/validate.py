@@ -37,10 +37,13 @@ def render_validation(v: Validation) -> str:
     budget = v.report.budget if v.report is not None else None
     loop = budget.training.train.describe(budget.device) if budget is not None else ""
     sharding = getattr(v.report, "sharding", None) if ranked else None
+    ddp = getattr(budget.training.train, "world_size", 1) if ranked and budget is not None else 1  # a Trainer's DDP
     where = f"{v.device}, {sharding.sharding.world_size} gloo processes: {sharding.wrappers()}" \
-        if sharding is not None else v.device
+        if sharding is not None else f"{v.device}, {ddp} gloo processes: DistributedDataParallel" if ddp > 1 else v.device
     if ranked:
-        how += (" Each rank is a real process (gloo) wrapped by the per-rank analysis's own call; its collectives "
+        wrapped = "rebuilding the Trainer as a torchrun rank does, accelerate wrapping DDP" if ddp > 1 \
+            else "wrapped by the per-rank analysis's own call"
+        how += (f" Each rank is a real process (gloo) {wrapped}; its collectives "
                 "are held until their buffers die on the rank's thread, and its least peak of "
                 f"{REPEATS} fresh steps is kept.")
     return (f"graphmem validate · {v.model} · input {shapes} · {where} · one real training step"

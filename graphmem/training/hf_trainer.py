@@ -126,8 +126,9 @@ def trainer_step(trainer: Any, world_size: int = 1, rank: int = 0) -> TrainerSte
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 
-def check_trainer(trainer: Any) -> None:
-    """Refuse, in one line naming the fix, what the runner does not run."""
+def check_trainer(trainer: Any, launched: bool = False) -> None:
+    """Refuse, in one line naming the fix, what the runner does not run (``launched``: a rank of a real
+    multi-process job, graphmem/validation/trainer_ranks.py, where the Trainer sees its world size)."""
     if trainer.model is None:
         raise UsageError("the Trainer has no model: pass model= (or model_init=) to transformers.Trainer before analyze")
     args = trainer.args
@@ -140,7 +141,7 @@ def check_trainer(trainer: Any) -> None:
     if trainer.args.device.type != "cpu":  # _prepare_inputs would move the fake batch off the CUDA target's fake CPU tensors
         raise UsageError(f"the Trainer runs on {trainer.args.device.type}; graphmem runs a Trainer's step on the CPU target "
                          "for now: set use_cpu=True in its TrainingArguments, or analyze the model with device='cuda'")
-    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or trainer.args.world_size > 1:
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or (trainer.args.world_size > 1 and not launched):
         raise UsageError("the Trainer is set up for several processes (DeepSpeed, FSDP or DDP); graphmem runs one "
                          "rank's step of a Trainer built in one process: pass `world_size`/`rank` for DDP, or analyze "
                          "the model with `fsdp`/`zero`/`rank` for per-rank memory")
@@ -160,10 +161,12 @@ class TrainerRunner:
 
     masters: dict[str, torch.Tensor] = {}  # no fp32 master copies (accelerate's autocast keeps none)
 
-    def __init__(self, trainer: Any, trace_micro_steps: int = 2, world_size: int = 1, rank: int = 0) -> None:
-        check_trainer(trainer)
+    def __init__(self, trainer: Any, trace_micro_steps: int = 2, world_size: int = 1, rank: int = 0,
+                 launched: Any = None) -> None:
+        check_trainer(trainer, launched=launched is not None)
         self.trainer, self.model = trainer, trainer.model
         self.world_size, self.rank = world_size, rank
+        self.launched = launched  # in a real rank: the DistributedDataParallel accelerate's prepare_model made
         self.ddp: Any = None  # DistributedDataParallel around the model, world_size > 1
         self.given = _inner(trainer.optimizer) if trainer.optimizer is not None else None
         self.names = {id(p): n for n, p in self.model.named_parameters()}  # the given optimizer's parameters by name
@@ -222,7 +225,9 @@ class TrainerRunner:
         else:
             t.create_optimizer()
         t.optimizer = t.accelerator.prepare_optimizer(t.optimizer)
-        if self.world_size > 1:  # accelerate's prepare_model on N processes (graphmem/training/hf_trainer_ddp.py)
+        if self.launched is not None:  # a real rank: accelerate wrapped the model before the step
+            self.ddp = self.launched
+        elif self.world_size > 1:  # accelerate's prepare_model on N processes (graphmem/training/hf_trainer_ddp.py)
             self.ddp = wrap_ddp(t, self.model)
         t.create_scheduler(num_training_steps=max(t.args.max_steps, 1), optimizer=t.optimizer)
         self.tr_loss = torch.tensor(0.0, device=t.args.device)  # _inner_training_loop 1645

@@ -3,6 +3,7 @@ capture runs (graphmem/training/hf_trainer.py), beside ``graphmem.analyze(traine
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Optional, Union
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from graphmem.api import analyze
 from graphmem.errors import UsageError
 from graphmem.spec import shape_of
-from graphmem.trainer_api import trainer_batch
+from graphmem.trainer_api import check_ranks, trainer_batch
 from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer import TrainerRunner, check_trainer
 from graphmem.validation.measure import measure_peak
@@ -35,20 +36,33 @@ def measure_trainer(trainer: Any, inputs: Any, warm_steps: int = 0) -> Any:
 
 
 def validate_trainer(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None,
-                     tolerance: Optional[float] = None) -> Any:
+                     tolerance: Optional[float] = None, world_size: int = 1, rank: Optional[int] = None) -> Any:
     """``graphmem.validate(trainer)``: the prediction beside the Trainer's step run for real on the CPU by
     the same runner (first step, then a later one whose optimizer states exist before it). The model
-    must be real (not on the meta device); its weights change (the real steps are optimizer steps)."""
+    must be real (not on the meta device); its weights change (the real steps are optimizer steps).
+    ``world_size`` > 1: each rank's (or ``rank``'s) step of the DDP job, beside a real gloo job of
+    ``world_size`` CPU processes (graphmem/validation/trainer_ranks.py); the model is left as it was."""
     check_trainer(trainer)
+    check_ranks(trainer, world_size, rank)
     if any(p.is_meta for p in trainer.model.parameters()):
         raise UsageError("the Trainer's model is on the meta device; validate runs its step for real: build it on the CPU")
     if trainer.args.device.type != "cpu":
         raise UsageError("validate runs the Trainer's step on the CPU: set use_cpu=True in its TrainingArguments")
+    try:
+        tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
+    except (TypeError, ValueError):
+        tol = math.nan
+    if not math.isfinite(tol) or tol < 0:
+        raise UsageError(f"invalid tolerance {tolerance!r}: expected a percentage >= 0, e.g. 1 or 2.5")
     if inputs is None:
         if input_shape is None:
             raise UsageError("no inputs: pass inputs= (a batch dict) or input_shape=(batch, seq) for the Trainer")
         torch.manual_seed(0)
         inputs = trainer_batch(trainer, shape_of(input_shape))
+    if world_size > 1:
+        from graphmem.validation.trainer_ranks import validate_trainer_ranks
+
+        return validate_trainer_ranks(trainer, inputs, world_size, rank, tol)
     report = analyze(trainer, inputs)
     with without_profiler_log():
         first, later = measure_trainer(trainer, inputs), measure_trainer(trainer, inputs, warm_steps=1)
@@ -62,7 +76,6 @@ def validate_trainer(trainer: Any, inputs: Any = None, input_shape: Union[str, t
             Row("optimizer states", budget.row("optimizer states").size, first.state_bytes, "exact", None),
             Row("peak", budget.peak_bytes, first.peak_bytes, peak, None),
             Row("peak (later steps)", budget.rank.later_peak_bytes, later.peak_bytes, peak, None))
-    tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
     judged, reason = judge(rows, tol)
     shapes = tuple(tuple(x.shape) for x in as_batch(inputs).tensors())
     return Validation(report.model, "cpu", shapes, tol, judged, reason, report)

@@ -97,7 +97,11 @@ def validate(
     if is_trainer(model):  # a transformers Trainer: its own step, real on the CPU (graphmem/trainer_api.py)
         from graphmem.validation.trainer import validate_trainer
 
-        return validate_trainer(model, inputs, input_shape, tolerance)  # type: ignore[no-any-return]
+        unknown = sorted(set(options) - {"world_size", "rank"})
+        if unknown:
+            raise UsageError(f"a Trainer's step is set by its TrainingArguments, not {', '.join(f'`{k}`' for k in unknown)}"
+                             ": drop it (`world_size`/`rank` validate its DDP ranks)")
+        return validate_trainer(model, inputs, input_shape, tolerance, **options)  # type: ignore[no-any-return]
     dev = _device(device)
     try:
         tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
