@@ -38,7 +38,8 @@ class Validate:
         p.add_argument("--json", action="store_true", help="print the comparison as JSON (exact integers)")
         p.add_argument("--training-args", metavar="PATH",
                        help="a JSON or YAML file of transformers TrainingArguments: validate the step a Trainer "
-                            "around the (Hugging Face) model runs, on the CPU")
+                            "around the (Hugging Face) model runs, on the CPU; with --world-size N [--rank R], its DDP "
+                            "ranks against a real job of N gloo processes")
         add_debug_argument(p)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -58,9 +59,13 @@ def _validate(args: argparse.Namespace) -> int:
 
             if args.device != "cpu":
                 raise UsageError("--training-args validates the Trainer's step on the CPU: drop --device cuda")
+            split = sorted(set(per_rank_options(args)) - {"world_size", "rank"})
+            if split:
+                raise UsageError("--training-args validates the Trainer's own step, per rank as a DDP job (--world-size N "
+                                 f"[--rank R]); drop {', '.join('--' + k.replace('_', '-') for k in split)}")
             module = load(args.model, device="cpu", options=hf_of(args)).module
             result = validate_trainer(trainer_from_file(module, args.training_args), input_shape=args.input_shape,
-                                      tolerance=args.tolerance)
+                                      tolerance=args.tolerance, world_size=args.world_size, rank=args.rank)
         else:
             result = validate(args.model, input_shape=args.input_shape, device=args.device, tolerance=args.tolerance,
                               hf=hf_of(args), dtype=args.dtype, amp=args.amp, **loop_options(args),
