@@ -18,7 +18,9 @@ parameter, whose old storage then dies unseen by the allocator's profiler report
 moved first, and ``prepare_model`` then runs under its own profile: what it allocates and still holds
 (DDP's Reducer's flat gradient buckets, reducer.cpp ``initialize_buckets``, and with
 ``find_unused_parameters`` its used-parameter maps), the net of the allocator's events there, is held
-before and through the step, as the prediction holds the buckets. The gathers accelerate calls
+before and through the step, as the prediction holds the buckets. DDP's constructor's own collectives
+(the shape check and the broadcast of rank 0's parameters) run right after that profile, not inside
+it (``_deferred_sync``): their buffers may die on gloo's thread, unseen. The gathers accelerate calls
 (``get_batch_samples``' token count) are waited on and held a moment so their buffers die on the
 rank's own thread (graphmem/validation/ranks.py explains why); DDP's all-reduce runs in place on the
 Reducer's buckets. A free the profiler still misses only raises the running sum: each peak is the least
@@ -27,6 +29,7 @@ tolerance (measured gaps: docs/trainer.md).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import io
@@ -35,7 +38,7 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -199,15 +202,40 @@ def _rebuild(job: TrainerJob) -> Any:
 
 
 def _measure_rank(job: TrainerJob, world_size: int) -> dict[str, int]:
-    """This rank's figures: the first step's least peak, saved, before-step and state bytes over ``REPEATS``
-    fresh Trainers, and a later step's least peak over as many (each after one unmeasured step)."""
+    """This rank's figures: the first step's least peak and before-step bytes (a free the profiler misses only
+    raises either), saved and state bytes, over ``REPEATS`` fresh Trainers, and a later step's least peak over as many (each after one unmeasured step)."""
     kept: list[Any] = []
     first = [_measured(job, world_size, 0, kept) for _ in range(REPEATS)]
     later = [_measured(job, world_size, 1, kept) for _ in range(REPEATS)]
     result = dict(first[0])
-    result["peak"] = min(r["peak"] for r in first)
+    result["peak"], result["baseline"] = min(r["peak"] for r in first), min(r["baseline"] for r in first)
     result["later"] = min(r["peak"] for r in later)
     return result
+
+
+@contextlib.contextmanager
+def _deferred_sync() -> Iterator[list[Callable[[], Any]]]:
+    """DDP's constructor's collectives (torch/nn/parallel/distributed.py: ``_verify_param_shape_across_processes``,
+    then ``_sync_module_states``, whose coalesced broadcast buffers may die on gloo's thread, unseen by the
+    profiler: measured, rank 1 once read the whole 107,168 B flat buffer as held) recorded, to be run by the
+    caller in the same order once the profile is over: they only check shapes and copy rank 0's values in
+    (every rank's model is the same pickle here), and hold nothing afterwards."""
+    import torch.nn.parallel.distributed as ddp_module
+
+    names = ("_verify_param_shape_across_processes", "_sync_module_states")
+    originals = {n: getattr(ddp_module, n) for n in names}
+    calls: list[Callable[[], Any]] = []
+
+    def recorder(name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: calls.append(lambda: originals[name](*args, **kwargs))
+
+    for n in names:
+        setattr(ddp_module, n, recorder(n))
+    try:
+        yield calls
+    finally:
+        for n in names:
+            setattr(ddp_module, n, originals[n])
 
 
 def _held_by_ddp(prof: Any, model: Any) -> int:
@@ -245,10 +273,12 @@ def _measured(job: TrainerJob, world_size: int, warm_steps: int, kept: list[Any]
         raise GraphmemError(f"the rebuilt Trainer's accelerator is {acc.distributed_type.value} on {acc.num_processes} "
                             f"processes, not MULTI_CPU on {world_size}")
     batch, model = torch.load(io.BytesIO(job.batch), weights_only=False), trainer.model
-    with measure._quiet_gc(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                     profile_memory=True) as prof:
+    with measure._quiet_gc(), _deferred_sync() as calls, \
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         ddp = acc.prepare_model(model)
     held = _held_by_ddp(prof, model)
+    for call in calls:  # DDP's initial shape check and broadcast, after the window (``_deferred_sync``)
+        call()
     if type(ddp).__name__ != "DistributedDataParallel":
         raise GraphmemError(f"accelerate's prepare_model returned {type(ddp).__name__}, not DistributedDataParallel")
     with TrainerRunner(trainer, launched=ddp).session() as runner:
