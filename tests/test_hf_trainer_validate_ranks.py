@@ -34,6 +34,7 @@ def test_two_ranks_of_the_tiny_llama_trainer_against_a_real_ddp_job() -> None:
         one = graphmem.analyze(trainer, input_shape=(2, 16))
     assert v.ok, v.reason
     assert v.ranks == (0, 1)
+    assert v.report is not None and v.report.budget is not None
     buffers = v.report.budget.row("communication buffers").size
     assert buffers > 0
     for rank in (0, 1):
@@ -79,7 +80,9 @@ def test_what_the_ranks_cannot_rebuild_is_refused_in_one_line(tmp_path: Any) -> 
     _refused(trainer, "use 0 to 1", world_size=2, rank=2)
     _refused(trainer, "drop it", world_size=2, optimizer="sgd")
 
-    class Mine(transformers.Trainer):  # defined in a function: no rank can import it by name
+    base: Any = transformers.Trainer
+
+    class Mine(base):  # defined in a function: no rank can import it by name
         pass
 
     _refused(Mine(model=_llama(), args=trainer.args), "define it at module level", world_size=2)
