@@ -328,9 +328,9 @@ def _unheld_before(prof: Any, held_before: set[int]) -> int:
     """Bytes live before the step that ``_held`` does not name, told by their frees in the step:
     the last batch of the previous step, which the Trainer's batch generator holds until it makes
     the next one (torchtitan/trainer.py ``batch_generator``), freed after this step's first batch
-    is made (a pipeline's later peaks read 520 B low without it: one micro-batch's int64 tokens
-    and positions, 264 + 256 B; graphmem holds the step's own batches from before the step). A
-    block whose first event in the window is a free, at an address no held tensor had, is one."""
+    is made (later peaks read 1,536 B low without it, a pipeline's 520 B: one micro-batch's int64
+    tokens and positions; graphmem holds the step's own batches from before the step). A block
+    whose first event in the window is a free, at an address no held tensor had, is one."""
     first: dict[int, int] = {}
     for _, size, ptr in sorted(_allocations(prof)):
         first.setdefault(ptr, size)
