@@ -41,6 +41,7 @@ from graphmem.capture.recorder import _Mode, _Recorder
 from graphmem.capture.rng_states import rng_states
 from graphmem.capture.target import Target
 from graphmem.distributed.fsdp import local, watching
+from graphmem.distributed.pipeline import _works_hold_tensors
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.stepgraph import StepGraph
 from graphmem.titan.compiled import attributed, compiled_regions, hooks_standing_aside
@@ -149,7 +150,8 @@ def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batche
         try:
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                     rng_states(cap, target.device == "cpu"), _cache_clears(cap), watching(cap), \
-                    _observed(trainer, root, cap, mark), stage_phases(trainer, cap), balanced_routing(), \
+                    _observed(trainer, root, cap, mark), stage_phases(trainer, cap), _works_hold_tensors(), \
+                    balanced_routing(), \
                     _target_rules(target, backends, cap), _masks_paused(cap):
                 cap.recording = True
                 cap.set_phase("forward")
