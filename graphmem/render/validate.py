@@ -41,8 +41,8 @@ def render_validation(v: Validation) -> str:
         if sharding is not None else v.device
     if ranked:
         how += (" Each rank is a real process (gloo) wrapped by the per-rank analysis's own call; its collectives "
-                "are held until their buffers die on the rank's thread, and its least peak of "
-                f"{REPEATS} fresh steps is kept.")
+                "are held until gloo's thread has released them, so their buffers' frees are all seen"
+                + ("." if REPEATS == 1 else f", and its least peak of {REPEATS} fresh steps is kept."))
     return (f"graphmem validate · {v.model} · input {shapes} · {where} · one real training step"
             f"{f' ({loop})' if loop else ''}\n\n"
             f"{table}\n\n{how}\n{verdict}\n")
