@@ -80,13 +80,27 @@ def _settled_functional(wait: Callable) -> Callable:
     return call
 
 
+def _inside(collective: Callable) -> Callable:
+    """A collective whose buffers are made and dropped in C++ (DistributedDataParallel's
+    ``_broadcast_coalesced`` flattens the module's states into one it broadcasts, its parameter check
+    all-gathers a metadata tensor): no reference to wait on, so it runs inside the ``SETTLED`` range
+    and ``allocation_events`` puts an unseen free of such a buffer at the call's end."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(SETTLED):
+            return collective(*args, **kwargs)
+    return call
+
+
 def settle_collectives() -> None:
-    """Settle the ``COLLECTIVES`` of torch.distributed and the functional ones in this process."""
+    """Settle the ``COLLECTIVES`` of torch.distributed, DDP's C++ ones and the functional ones in this process."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
     for name in COLLECTIVES:
         setattr(dist, name, _settled(getattr(dist, name)))
+    for name in ("_broadcast_coalesced", "_verify_params_across_processes"):
+        setattr(dist, name, _inside(getattr(dist, name)))
     funcol._maybe_wrap_tensor = _settled_functional(funcol.wait_tensor)
 
 
