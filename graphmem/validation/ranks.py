@@ -64,7 +64,7 @@ from graphmem.validation.real import RAM_SHARE, available_memory, prepared, real
 from graphmem.validation.result import Row, Validation, judge
 from graphmem.validation.settle import PATIENCE, UNSETTLED, addresses, allocation_events, settle_collectives
 
-REPEATS = 1  # wrapped models stepped per rank (the least peak were kept of 3 while frees were missed)
+REPEATS = 1  # wrapped models stepped per rank (the least peak of 3 was kept while frees were missed)
 # the options that name the wrappers, with their defaults (graphmem.analyze's)
 SHARDING: dict[str, Any] = {"world_size": 1, "rank": None, "fsdp": None, "reshard_after_forward": True,
                             "fsdp_param_dtype": None, "fsdp_reduce_dtype": None, "tp": 1, "sp": False,
