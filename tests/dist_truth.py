@@ -13,28 +13,27 @@ import contextlib
 import gc
 import os
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn as nn
-from torch._C._profiler import _EventType
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import ProfilerActivity, profile
 
 from tests.dist_plans import fully_shard_blocks, tensor_parallel
+from tests.settle import COLLECTIVES, addresses, high, settle
 
 LossFn = Callable[[Any, tuple], torch.Tensor]
 
-# steps per case: a free the profiler misses (see _settled) only raises the running sum, so the
-# least of the measured peaks is the allocator's peak
-REPEAT = 5
+# steps per case, each on a fresh model: every collective is settled (tests/settle.py), so no free
+# is missed and each step's peak is the allocator's; the runs must agree to the byte (they were the
+# least of 5, and of 12 whole steps under tensor parallel, while the settle slept and frees were missed)
+REPEAT = 2
 
 
 @dataclass(frozen=True)
@@ -93,6 +92,10 @@ def _held(model: nn.Module) -> list[torch.Tensor]:
     return [_local(t) for t in (*model.parameters(), *model.buffers())]
 
 
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [_local(p.grad) for p in model.parameters() if p.grad is not None]
+
+
 @contextlib.contextmanager
 def _profiled() -> Iterator[Any]:
     """torch.profiler with the CPU allocator's events, the garbage collector paused inside (as
@@ -108,27 +111,6 @@ def _profiled() -> Iterator[Any]:
     finally:
         if was:
             gc.enable()
-
-
-def _allocations(prof: Any) -> list[tuple[int, int]]:
-    """The allocator's events of a profiled window in time order: (time, size), frees negative."""
-    events: list[tuple[int, int]] = []
-    todo = list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        e = todo.pop()
-        if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
-        todo.extend(e.children)
-    return sorted(events)
-
-
-def _high(prof: Any) -> int:
-    """The largest running sum of the allocator's events (allocations positive, frees negative)."""
-    running = high = 0
-    for _, size in _allocations(prof):
-        running += size
-        high = max(high, running)
-    return high
 
 
 class _Saves:
@@ -163,8 +145,9 @@ def _step(model: nn.Module, batch: tuple, loss_fn: LossFn, kept: list, context: 
         loss = loss_fn(out, batch)
         saves.on = False
         loss.backward()
+    held = addresses([*_held(model), *_grads(model), *batch, out, loss])
     kept.append((model, batch, out, loss))
-    return sum(saves.saved.values()), baseline + _high(prof)
+    return sum(saves.saved.values()), baseline + high(prof, held)
 
 
 class _Block(nn.Module):
@@ -237,42 +220,12 @@ def case(name: str) -> tuple[nn.Module, tuple]:
     return build(name)
 
 
-def _settled(collective: Any) -> Any:
-    """``collective`` waited on, then held for a moment before it returns: gloo's worker thread
-    drops its reference to the Work (which holds the buffers) once it has run it, and a buffer
-    whose last reference dies there is freed on a thread torch.profiler does not watch (its free
-    event is lost and the measured running sum stays too high). Held here, the last reference
-    dies on the profiled thread, where FSDP2 drops it. (No event says when gloo's thread let go:
-    the Work is done before it does; and ``_ExperimentalConfig(profile_all_threads=True)``, which
-    would watch that thread, records no allocator events at all in torch 2.14: tried.)"""
-
-    def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-        work = collective(*args, async_op=True, **kwargs)
-        work.wait()
-        time.sleep(0.02)
-        return work if async_op else None
-    return call
-
-
-def _settled_wait(wait: Any) -> Any:
-    """The same for DTensor's functional collectives: their ``wait_tensor`` (torch/distributed/
-    _functional_collectives.py) returns once the work is done; the moment after lets gloo's
-    thread drop its reference first."""
-
-    def call(tensor: torch.Tensor) -> torch.Tensor:
-        out = wait(tensor)
-        time.sleep(0.02)
-        return out
-    return call
-
-
-def _join(rank: int, world_size: int, init: str) -> None:
-    """Join the real gloo job as ``rank``, one thread as each rank runs, every collective settled."""
+def _join(rank: int, world_size: int, init: str) -> list[int]:
+    """Join the real gloo job as ``rank``, one thread as each rank runs, every collective settled
+    (tests/settle.py: FSDP2's, DTensor's functional ones); the list counts unsettled ones."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     torch.set_num_threads(1)  # (a spawned rank process: nothing to restore, it ends with the job)
-    dist.all_gather_single = _settled(dist.all_gather_single)  # type: ignore[attr-defined]
-    dist.reduce_scatter_single = _settled(dist.reduce_scatter_single)  # type: ignore[attr-defined]
-    funcol.wait_tensor = _settled_wait(funcol.wait_tensor)
+    return settle((*COLLECTIVES, "broadcast"))  # (ZeroRedundancyOptimizer broadcasts: tests/zero_truth.py)
 
 
 def _spawn(worker: Any, cases: list, world_size: int) -> list[list[dict[str, int]]]:
@@ -282,6 +235,8 @@ def _spawn(worker: Any, cases: list, world_size: int) -> list[list[dict[str, int
         out = os.path.join(tmp, "result")
         mp.spawn(worker, args=(world_size, init, cases, out), nprocs=world_size, join=True)
         per_rank = [torch.load(f"{out}.{r}") for r in range(world_size)]
+    for r, results in enumerate(per_rank):  # every collective's work was released on the rank's thread
+        assert all(c["unsettled"] == 0 for c in results), (r, results)
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
 
 
@@ -302,18 +257,20 @@ def _wrapped(name: str, wrap: Wrap) -> tuple[nn.Module, tuple]:
 
 
 def _worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Wrap]], out: str) -> None:
-    _join(rank, world_size, init)
+    unsettled = _join(rank, world_size, init)
     try:
         results, kept = [], []  # type: ignore[var-annotated]
         for name, wrap in cases:
-            runs = []
+            runs, before = [], unsettled[0]
             for _ in range(REPEAT):  # a fresh model each time; everything kept alive (see _step)
                 model, batch = _wrapped(name, wrap)
                 context = loss_parallel() if wrap.loss_parallel else contextlib.nullcontext()
                 runs.append(_step(model, batch, _user_loss(name), kept, context))
             saved = {s for s, _ in runs}
             assert len(saved) == 1, saved  # autograd saves the same every time
-            results.append({"saved": saved.pop(), "peak": min(p for _, p in runs)})
+            peaks = [p for _, p in runs]
+            assert len(set(peaks)) == 1, (name, wrap, peaks)  # no free missed, none made up
+            results.append({"saved": saved.pop(), "peak": peaks[0], "unsettled": unsettled[0] - before})
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -326,11 +283,6 @@ def measure_ranks(cases: list[tuple[str, Wrap]], world_size: int) -> list[list[d
 
 
 # -- whole training steps per rank: micro-batches and torch.optim over the wrapped DTensor parameters ------
-
-# Whole steps under tensor parallel: a free of a functional collective's buffer the profiler misses
-# (see _settled_wait) stays in the running sum through the optimizer step, where these steps peak,
-# so every miss in backward counts (measured here: about 3 in 5 first steps); the least of 12 is the peak
-REPEAT_TP = 12
 
 
 def _train_steps(model: nn.Module, batch: tuple, name: str, wrap: Wrap, train: Train, kept: list) -> dict[str, int]:
@@ -371,27 +323,27 @@ def _train_steps(model: nn.Module, batch: tuple, name: str, wrap: Wrap, train: T
                 out, loss = micro_step()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        held = addresses([*_held(model), *_grads(model), *batch, *states(), out, loss])
         kept.append((out, loss))  # freed after profiling would confuse the next profile (see _step)
         first_saved = first_saved or dict(saves.saved)
-        peaks.append(baseline + _high(prof))
+        peaks.append(baseline + high(prof, held))
     kept.append((model, batch, optimizer))
     return {"saved": sum(first_saved.values()), "peak": peaks[0], "later": peaks[1],
             "states": sum(_keys(states()).values())}
 
 
 def _train_worker(rank: int, world_size: int, init: str, cases: list[tuple[str, Wrap, Train]], out: str) -> None:
-    _join(rank, world_size, init)
+    unsettled = _join(rank, world_size, init)
     try:
         results, kept = [], []  # type: ignore[var-annotated]
         for name, wrap, train in cases:
-            runs = []
-            for _ in range(REPEAT if wrap.tp == 1 else REPEAT_TP):  # a fresh model each time; all kept (see _step)
+            runs, before = [], unsettled[0]
+            for _ in range(REPEAT):  # a fresh model each time; all kept (see _step)
                 model, batch = _wrapped(name, wrap)
                 runs.append(_train_steps(model, batch, name, wrap, train, kept))
-            for key in ("saved", "states"):
-                assert len({r[key] for r in runs}) == 1, runs  # the same every time
-            results.append({"saved": runs[0]["saved"], "states": runs[0]["states"],
-                            "peak": min(r["peak"] for r in runs), "later": min(r["later"] for r in runs)})
+            for key in ("saved", "states", "peak", "later"):
+                assert len({r[key] for r in runs}) == 1, (name, wrap, runs)  # the same every time, to the byte
+            results.append({**runs[0], "unsettled": unsettled[0] - before})
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()

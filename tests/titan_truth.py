@@ -9,30 +9,26 @@ The job is made runnable by graphmem/titan/job.py (``on_cpu``, ``prepared``, ``w
 same job the prediction captures); two changes here are
 gloo's alone: FSDP2 reduces gradients with ``ReduceOp.SUM`` (torchtitan's gradient divide factor
 1.0 makes FSDP2 ask for ``PREMUL_SUM(1.0)``, which gloo does not have; the sum is the same and no
-division runs), and every collective is settled (see ``_settled``) so the profiler sees its frees.
+division runs), and every collective is settled (tests/settle.py) so the profiler sees its frees.
 """
 from __future__ import annotations
 
-import bisect
 import os
 import tempfile
-import time
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 from torch._C._profiler import _EventType
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 from graphmem.validation.measure import _quiet_gc
+from tests.settle import addresses, high, settle
 
 LATER = 3  # later steps measured: the least of their peaks (a free the profiler misses only raises one)
-PATIENCE = 30.0  # seconds a collective may take to be released before it counts as unsettled
-SETTLED = "titan_truth.settled"  # the profiler's range around each settled collective
 
 
 def small_llama3(sdpa: bool = True) -> Any:
@@ -116,119 +112,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-class _Done:
-    """The work handed back for ``async_op=True`` after the collective was settled."""
-
-    def wait(self, *_: Any) -> bool:
-        return True
-
-
-def _until_released(tensors: list[torch.Tensor], counts: list[int], unsettled: list[int]) -> None:
-    """Wait until each tensor is held only as before the collective: gloo's worker thread then has
-    dropped the work (which held them), so no buffer's last reference dies on that thread, whose
-    frees torch.profiler does not see (its profiling state is the calling thread's). The wait yields
-    the CPU, so that gloo's thread runs on a loaded machine."""
-    deadline = time.monotonic() + PATIENCE
-    for t, c in zip(tensors, counts):
-        while t._use_count() > c:
-            if time.monotonic() > deadline:
-                unsettled[0] += 1
-                break
-            os.sched_yield()
-
-
-def _settled(collective: Callable, unsettled: list[int]) -> Callable:
-    """A c10d collective waited on at once and held until its work is released (see above)."""
-
-    def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-        tensors = [t for a in (*args, *kwargs.values())
-                   for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
-        counts = [t._use_count() for t in tensors]
-        with record_function(SETTLED):
-            work = collective(*args, async_op=True, **kwargs)
-            work.wait()
-            del work
-            _until_released(tensors, counts, unsettled)
-        return _Done() if async_op else None
-    return call
-
-
-def _events(prof: Any, held: set[int]) -> list[tuple[int, int]]:
-    """The allocator's events of a profiled window in time order, (time, size), frees negative,
-    with the frees gloo's thread made where they happened. gloo's reduce-scatter works on a clone
-    of its input (``aten::clone`` inside ``c10d::_reduce_scatter_base_``, ProcessGroupGloo's
-    reduce_scatter_tensor_coalesced) that its work holds; the work, and the clone, die on whichever
-    thread drops the work last, and a free on gloo's thread is unseen (the profiling state is the
-    calling thread's): FSDP2's first peak read +93,568 B on one rank of four in one run, FSDP x TP's
-    +32,768 B through a functional collective. A block allocated inside a settled collective
-    (``SETTLED``), or inside a functional collective's launch (settled by the wait that follows it),
-    whose free is unseen and which is not held after the step, was freed by the time the
-    collective was settled: its free is put there. Held is told by address, so only the last block
-    at an address can be the held one: an earlier one there died unseen (FSDP x TP's first peak read
-    +16,384 B on one rank in about one run of ten, a reduce-scatter clone's address taken later in the
-    step by an optimizer state)."""
-    allocs: list[tuple[int, int, int, int]] = []  # (time, size, ptr, end of the settled call or -1)
-    ends: list[int] = []  # every settled call's end
-    todo = [(e, -1, False) for e in prof.profiler.kineto_results.experimental_event_tree()]
-    while todo:
-        e, end, collective = todo.pop()
-        if e.name == SETTLED:
-            end = e.end_time_ns
-            ends.append(end)
-        collective = collective or e.name.startswith(("c10d::", "_c10d_functional::"))
-        if e.tag == _EventType.Allocation:
-            allocs.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr,
-                           end if end >= 0 or not collective else -2))
-        todo.extend((c, end, collective) for c in e.children)
-    allocs.sort()
-    ends.sort()
-    events = [(t, size) for t, size, _, _ in allocs]
-    for i, (t, size, ptr, end) in enumerate(allocs):
-        if end == -2:  # a functional collective's launch: settled by the wait that follows it
-            later = bisect.bisect_left(ends, t)
-            end = ends[later] if later < len(ends) else -1
-        if size <= 0 or end < 0:
-            continue
-        after = next((a for a in allocs[i + 1:] if a[2] == ptr), None)
-        if after is None and ptr in held:  # alive after the step, held
-            continue
-        if after is None or after[1] > 0:  # never freed where the profiler saw it
-            events.append((min(end, after[0]) if after else end, -size))
-    return sorted(events)
-
-
-def _settled_functional(wait: Callable, unsettled: list[int]) -> Callable:
-    """funcol's ``_maybe_wrap_tensor`` (called by each functional collective while its input is
-    still held): the fresh output waited on at once, then held until this call is its only holder
-    (the work, which also holds the input, is gone)."""
-
-    def call(tensor: torch.Tensor) -> torch.Tensor:
-        with record_function(SETTLED):
-            out = wait(tensor)
-            _until_released([tensor], [1], unsettled)
-        return out
-    return call
-
-
 def _join(rank: int, world_size: int, init: str) -> list[int]:
     """Join the gloo job as ``rank`` (torchtitan's ``init_distributed`` then skips its own init);
     the environment torchtitan reads, one thread, autograd's device threads off as
-    ``init_distributed`` sets them, every collective settled. The list counts unsettled ones."""
+    ``init_distributed`` sets them, every collective settled (tests/settle.py: FSDP2's, and the
+    ones spmd_types calls). The list counts unsettled ones."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     torch.set_num_threads(1)
     torch.autograd.set_multithreading_enabled(False)
-    unsettled = [0]
-    dist.all_gather_single = _settled(dist.all_gather_single, unsettled)  # type: ignore[attr-defined]
-    dist.reduce_scatter_single = _settled(dist.reduce_scatter_single, unsettled)  # type: ignore[attr-defined]
-    dist.all_reduce = _settled(dist.all_reduce, unsettled)
-    # spmd_types (torchtitan's default SPMD backend) calls these: expert parallel's token exchange
-    # is dist.all_to_all over lists of chunks (spmd_types/_collectives.py)
-    for name in ("all_to_all", "all_to_all_single", "all_gather", "all_gather_into_tensor",
-                 "reduce_scatter", "reduce_scatter_tensor"):
-        setattr(dist, name, _settled(getattr(dist, name), unsettled))
-    funcol._maybe_wrap_tensor = _settled_functional(funcol.wait_tensor, unsettled)
-    return unsettled
+    return settle()
 
 
 def _gloo_reductions(trainer: Any) -> None:
@@ -316,12 +209,8 @@ def _step(trainer: Any, data: Iterator, later: bool = False) -> dict[str, int]:
     with _quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         trainer.train_step(data)
-    running = high = 0
-    for _, size in _events(prof, {t.untyped_storage().data_ptr() for t in _held(trainer)}):
-        running += size
-        high = max(high, running)
     unheld = _unheld_before(prof, held_before) if later else 0
-    return {"saved": saves.total(), "peak": before + unheld + high, "before": before}
+    return {"saved": saves.total(), "peak": before + unheld + high(prof, addresses(_held(trainer))), "before": before}
 
 
 def _unheld_before(prof: Any, held_before: set[int]) -> int:

@@ -22,10 +22,11 @@ storages, allocated before the window, die inside it without a free event (the a
 profiler reporter knows only blocks allocated while a profile ran): the bytes of the copies held
 at the first marker (allocations under ``aten::_to_copy``, each as large as its original) are
 taken off (``moved``). The collectives the
-Trainer calls from Python (accelerate's gather of the token count) are settled
-(tests/dist_truth.py ``_settled``); DDP's all-reduce runs in place on buckets the Reducer holds, so
-no buffer of it dies on gloo's thread. A free the profiler misses still only raises the running
-sum: each figure is the least of ``REPEAT`` runs."""
+Trainer calls from Python (accelerate's gather of the token count) are settled (tests/settle.py:
+held until gloo's thread has released their work, no sleeps); DDP's all-reduce runs in place on
+buckets the Reducer holds, but the Reducer runs small collectives of its own in C++, out of Python's
+reach (tests/zero_truth.py saw a 4 B block left unfreed there in one run of two): each figure is
+still the least of ``REPEAT`` runs (fresh Trainers)."""
 from __future__ import annotations
 
 import contextlib
@@ -40,7 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._C._profiler import _EventType
 
-from tests.dist_truth import _held, _keys, _profiled, _settled
+from tests.dist_truth import _grads, _held, _keys, _profiled
+from tests.settle import addresses, settle
 from tests.zero_truth import MARK, _mark, _phases
 
 REPEAT = 3
@@ -132,8 +134,10 @@ def _run(make: Callable[[str], Any], kept: list) -> dict[str, int]:
             _mark(step + 1)
     saved: dict[int, Any] = {}
     _step(trainer, model, batch, saved, frozenset(_keys(_held(trainer.model))))
+    states = [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    held = addresses([*_held(trainer.model), *_grads(trainer.model), *batch.values(), *states, trainer._tr_loss])
     kept.append((trainer, model, batch))  # freed after profiling would confuse the next window
-    at, highs = _phases(prof, 3)
+    at, highs = _phases(prof, 3, held)
     moved = _copies(prof)
     base -= moved
     return {"built": base + at[0], "between": base + at[1], "peak": base + highs[0], "later": base + highs[1],
@@ -165,7 +169,7 @@ def _copies(prof: Any) -> int:
     return sum(held.values())
 
 
-def _worker(rank: int, world_size: int, port: int, make: Callable[[str], Any], out: str) -> None:
+def _worker(rank: int, world_size: int, port: int, make: Callable[[str], Any], out: str, unsettled: list[int]) -> None:
     _environment(rank, world_size, port)
     torch.set_num_threads(1)
     try:
@@ -173,20 +177,14 @@ def _worker(rank: int, world_size: int, port: int, make: Callable[[str], Any], o
         runs = [_run(make, kept) for _ in range(REPEAT)]
         assert dist.is_initialized() and dist.get_world_size() == world_size and dist.get_backend() == "gloo"
         assert len({r["saved"] for r in runs}) == 1, runs
-        torch.save({k: min(r[k] for r in runs) for k in runs[0]}, f"{out}.{rank}")
+        torch.save({**{k: min(r[k] for r in runs) for k in runs[0]}, "unsettled": unsettled[0]}, f"{out}.{rank}")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _settle_gathers() -> None:
-    dist.all_gather_into_tensor = _settled(dist.all_gather_into_tensor)  # type: ignore[assignment]
-    dist.all_gather = _settled(dist.all_gather)  # type: ignore[assignment]
-
-
 def _spawned(rank: int, world_size: int, port: int, make: Callable[[str], Any], out: str) -> None:
-    _settle_gathers()
-    _worker(rank, world_size, port, make, out)
+    _worker(rank, world_size, port, make, out, settle(("all_gather_into_tensor", "all_gather")))
 
 
 def real_trainer_ranks(make: Callable[[str], Any], world_size: int = 2) -> list[dict[str, int]]:
@@ -196,4 +194,6 @@ def real_trainer_ranks(make: Callable[[str], Any], world_size: int = 2) -> list[
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result")
         mp.spawn(_spawned, args=(world_size, _free_port(), make, out), nprocs=world_size, join=True)
-        return [torch.load(f"{out}.{r}") for r in range(world_size)]
+        ranks = [torch.load(f"{out}.{r}") for r in range(world_size)]
+    assert all(r["unsettled"] == 0 for r in ranks), ranks  # every gather's work was released on the rank's thread
+    return ranks

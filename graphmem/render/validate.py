@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from graphmem.validation.ranks import REPEATS
+from graphmem.validation.ranks import REPEATS, TRAINER_REPEATS
 from graphmem.validation.result import Row, Validation
 
 
@@ -43,9 +43,10 @@ def render_validation(v: Validation) -> str:
     if ranked:
         wrapped = "rebuilding the Trainer as a torchrun rank does, accelerate wrapping DDP" if ddp > 1 \
             else "wrapped by the per-rank analysis's own call"
-        how += (f" Each rank is a real process (gloo) {wrapped}; its collectives "
-                "are held until their buffers die on the rank's thread, and its least peak of "
-                f"{REPEATS} fresh steps is kept.")
+        repeats = TRAINER_REPEATS if ddp > 1 else REPEATS
+        how += (f" Each rank is a real process (gloo) {wrapped}; its collectives are held until gloo's thread has "
+                "released them, so their buffers' frees are all seen"
+                + ("." if repeats == 1 else f", and its least peak of {repeats} fresh steps is kept."))
     return (f"graphmem validate · {v.model} · input {shapes} · {where} · one real training step"
             f"{f' ({loop})' if loop else ''}\n\n"
             f"{table}\n\n{how}\n{verdict}\n")

@@ -17,11 +17,14 @@ used (the CPU scratch rules depend on it: graphmem/oprules/).
 Why the peak is measured as it is (tests/dist_truth.py found each): gloo's worker thread drops its
 reference to a collective's Work, which holds the buffers, once it has run it, and a buffer whose
 last reference dies there is freed on a thread the profiler does not watch: each collective is
-waited on and held a moment (``_settle``) so the last reference dies on the rank's own thread. A
-free the profiler still misses only raises the running sum, so each rank steps ``REPEATS`` fresh
-wrapped models and keeps the least peak. Everything a step leaves is kept alive to the end (the
-allocator's profiler reporter, c10/core/CPUAllocator.cpp, remembers blocks allocated while
-profiling: a block freed after one profile would be reported in another's).
+waited on and held until gloo's thread has released its work (``_settle``,
+graphmem/validation/settle.py: reference counts, no sleeps), so the last reference dies on the
+rank's own thread, and a buffer the collective made and gloo's thread freed before that gets its
+free at the end of the call. No free is missed, so one step (two with an optimizer) is measured,
+once (``REPEATS``); a collective gloo's thread did not release is an error, not a guess.
+Everything a step leaves is kept alive to the end (the allocator's profiler reporter,
+c10/core/CPUAllocator.cpp, remembers blocks allocated while profiling: a block freed after one
+profile would be reported in another's).
 
 The tolerance is validate's (percent of the measured peak, default 1): the per-rank gaps measured
 against real gloo jobs are the single-device ones, a few bytes (tests/test_distributed.py
@@ -35,7 +38,6 @@ import io
 import os
 import pickle
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -60,9 +62,10 @@ from graphmem.units import fmt_bytes
 from graphmem.validation.profiler_log import without_profiler_log
 from graphmem.validation.real import RAM_SHARE, available_memory, prepared, real_inputs
 from graphmem.validation.result import Row, Validation, judge
+from graphmem.validation.settle import PATIENCE, UNSETTLED, addresses, allocation_events, settle_collectives
 
-REPEATS = 3  # fresh wrapped models per rank; the least peak (a free the profiler misses only raises the sum)
-SETTLE_S = 0.02  # how long a finished collective is held before it returns (see _settle)
+REPEATS = 1  # wrapped models stepped per rank (the least peak of 3 was kept while frees were missed)
+TRAINER_REPEATS = 3  # a Trainer's DDP ranks (trainer_ranks.py): the least peak of 3 (the Reducer's C++ collectives)
 # the options that name the wrappers, with their defaults (graphmem.analyze's)
 SHARDING: dict[str, Any] = {"world_size": 1, "rank": None, "fsdp": None, "reshard_after_forward": True,
                             "fsdp_param_dtype": None, "fsdp_reduce_dtype": None, "tp": 1, "sp": False,
@@ -195,7 +198,13 @@ def run_ranks(job: RankJob, world_size: int) -> list[dict[str, int]]:
             raise GraphmemError(f"the real gloo run failed on a rank: {last}") from None
         except mp.ProcessExitedException as e:
             raise GraphmemError(f"a gloo rank exited with {e.exit_code} (out of memory?)") from None
-        return [torch.load(f"{out}.{r}") for r in range(world_size)]
+        measured = [torch.load(f"{out}.{r}") for r in range(world_size)]
+    for r, m in enumerate(measured):
+        unsettled = m.pop("unsettled")
+        if unsettled:
+            raise GraphmemError(f"rank {r}: gloo's thread did not release {unsettled} collective(s) within "
+                                f"{PATIENCE:.0f} s, so their frees may be unseen: rerun on a less loaded machine")
+    return measured
 
 
 def _rank_main(rank: int, job: RankJob, world_size: int, init: str, out: str) -> None:
@@ -214,35 +223,17 @@ def _rank_main(rank: int, job: RankJob, world_size: int, init: str, out: str) ->
 
 
 def _settle() -> None:
-    """FSDP2's collectives (dist.all_gather_single, dist.reduce_scatter_single) and DTensor's
-    functional ones (their wait_tensor) waited on, then held ``SETTLE_S`` before they return: the
-    last reference to their buffers then dies on this rank's profiled thread, not gloo's (see the
-    module's docstring). In a spawned rank process only; it ends with the job."""
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-
-    def settled(collective: Any) -> Any:
-        def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-            work = collective(*args, async_op=True, **kwargs)
-            work.wait()
-            time.sleep(SETTLE_S)
-            return work if async_op else None
-        return call
-
-    wait = funcol.wait_tensor
-
-    def settled_wait(tensor: torch.Tensor) -> torch.Tensor:
-        done = wait(tensor)
-        time.sleep(SETTLE_S)
-        return done
-
-    dist.all_gather_single = settled(dist.all_gather_single)  # type: ignore[attr-defined]
-    dist.reduce_scatter_single = settled(dist.reduce_scatter_single)  # type: ignore[attr-defined]
-    funcol.wait_tensor = settled_wait
+    """Every collective FSDP2 and DTensor call (torch.distributed's, the functional ones) waited on,
+    then held until gloo's thread has released its work: the last reference to their buffers then
+    dies on this rank's profiled thread, not gloo's (graphmem/validation/settle.py; the module's
+    docstring). ``UNSETTLED`` counts those not released. In a spawned rank process only; it ends
+    with the job."""
+    UNSETTLED[0] = 0
+    settle_collectives()
 
 
 def _measure_rank(job: RankJob, sharding: Sharding) -> dict[str, int]:
-    """Rank ``sharding.rank``'s least peaks over ``REPEATS`` fresh wrapped models, its saved and before-step bytes."""
+    """Rank ``sharding.rank``'s peaks (the least over ``REPEATS`` fresh wrapped models), saved and before-step bytes."""
     from graphmem.distributed.process_group import device_meshes
     from graphmem.distributed.wrappers import apply_wrappers
 
@@ -257,7 +248,7 @@ def _measure_rank(job: RankJob, sharding: Sharding) -> dict[str, int]:
     for key in ("peak", "later"):
         if key in result:
             result[key] = min(r[key] for r in runs)
-    return result
+    return {**result, "unsettled": UNSETTLED[0]}
 
 
 def _real(job: RankJob) -> tuple[nn.Module, Batch, Optional[LossFn]]:
@@ -329,9 +320,11 @@ def _steps(model: nn.Module, batch: Batch, loss_fn: Optional[LossFn], job: RankJ
                 out, loss = run_step(model, batch, loss_fn, saves.set_phase, context)
             else:
                 out, loss = session.run(model, batch, loss_fn, saves.set_phase, context, micro_step=sync)
+        held = addresses([*_held(model), *(p.grad for p in model.parameters() if p.grad is not None),
+                          *batch.tensors(), *masters, *states(), out, loss])
         kept.append((out, loss))  # freed after profiling would confuse the next profile (see the module's docstring)
         high = running = 0
-        for _, size in measure._allocation_events(prof):
+        for _, size in allocation_events(prof, held):
             running += size
             high = max(high, running)
         if i == 0:

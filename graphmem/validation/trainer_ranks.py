@@ -21,10 +21,12 @@ moved first, and ``prepare_model`` then runs under its own profile: what it allo
 before and through the step, as the prediction holds the buckets. DDP's constructor's own collectives
 (the shape check and the broadcast of rank 0's parameters) run right after that profile, not inside
 it (``_deferred_sync``): their buffers may die on gloo's thread, unseen. The gathers accelerate calls
-(``get_batch_samples``' token count) are waited on and held a moment so their buffers die on the
-rank's own thread (graphmem/validation/ranks.py explains why); DDP's all-reduce runs in place on the
-Reducer's buckets. A free the profiler still misses only raises the running sum: each peak is the least
-of ``REPEATS`` runs. Saved and before-step bytes must match exactly; the peaks within validate's
+(``get_batch_samples``' token count) are waited on and held until gloo's thread has released them, so
+their buffers die on the rank's own thread (graphmem/validation/settle.py); DDP's all-reduce runs in
+place on the Reducer's buckets, in C++, out of Python's reach (a 4 B block of one of its small
+collectives was seen to die unseen in one run of two: tests/zero_truth.py). A free the profiler
+misses only raises the running sum: each peak is the least of ``TRAINER_REPEATS`` runs. Saved and
+before-step bytes must match exactly; the peaks within validate's
 tolerance (measured gaps: docs/trainer.md).
 """
 from __future__ import annotations
@@ -36,7 +38,6 @@ import io
 import os
 import socket
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -47,8 +48,9 @@ from graphmem.errors import GraphmemError, UsageError
 from graphmem.report import Report
 from graphmem.training.batch import as_batch
 from graphmem.validation.profiler_log import without_profiler_log
-from graphmem.validation.ranks import REPEATS, SETTLE_S, _check_budget, _pickled
+from graphmem.validation.ranks import TRAINER_REPEATS, _check_budget, _pickled
 from graphmem.validation.result import Row, Validation, judge
+from graphmem.validation.settle import PATIENCE, UNSETTLED, settle_collectives
 
 
 @dataclass(frozen=True)
@@ -167,8 +169,7 @@ def _rank_main(rank: int, job: TrainerJob, world_size: int, port: int, out: str)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(job.threads)  # (a spawned process: it ends with the job)
-    dist.all_gather_into_tensor = _settled(dist.all_gather_into_tensor)  # type: ignore[assignment]
-    dist.all_gather = _settled(dist.all_gather)  # type: ignore[assignment]
+    settle_collectives()
     try:
         with without_profiler_log():
             result = _measure_rank(job, world_size)
@@ -176,16 +177,6 @@ def _rank_main(rank: int, job: TrainerJob, world_size: int, port: int, out: str)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _settled(collective: Callable[..., Any]) -> Callable[..., Any]:
-    """The collective waited on and held ``SETTLE_S`` before it returns (its buffers die on this thread)."""
-    def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-        work = collective(*args, async_op=True, **kwargs)
-        work.wait()
-        time.sleep(SETTLE_S)
-        return work if async_op else None
-    return call
 
 
 def _rebuild(job: TrainerJob) -> Any:
@@ -203,13 +194,17 @@ def _rebuild(job: TrainerJob) -> Any:
 
 def _measure_rank(job: TrainerJob, world_size: int) -> dict[str, int]:
     """This rank's figures: the first step's least peak and before-step bytes (a free the profiler misses only
-    raises either), saved and state bytes, over ``REPEATS`` fresh Trainers, and a later step's least peak over as many (each after one unmeasured step)."""
+    raises either), saved and state bytes, over ``TRAINER_REPEATS`` fresh Trainers, and a later step's least
+    peak over as many (each after one unmeasured step)."""
     kept: list[Any] = []
-    first = [_measured(job, world_size, 0, kept) for _ in range(REPEATS)]
-    later = [_measured(job, world_size, 1, kept) for _ in range(REPEATS)]
+    first = [_measured(job, world_size, 0, kept) for _ in range(TRAINER_REPEATS)]
+    later = [_measured(job, world_size, 1, kept) for _ in range(TRAINER_REPEATS)]
     result = dict(first[0])
     result["peak"], result["baseline"] = min(r["peak"] for r in first), min(r["baseline"] for r in first)
     result["later"] = min(r["peak"] for r in later)
+    if UNSETTLED[0]:
+        raise GraphmemError(f"gloo's thread did not release {UNSETTLED[0]} collective(s) within {PATIENCE:.0f} s: "
+                            "the machine is too loaded to measure; run validate again on a quieter one")
     return result
 
 
