@@ -4,13 +4,25 @@ peak may be below the measured one by at most the tolerance and is never above i
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from graphmem.errors import GraphmemError
+from graphmem.errors import GraphmemError, UsageError
 from graphmem.report import Report
 
 DEFAULT_TOLERANCE = 1.0  # percent of the measured peak
+
+
+def checked_tolerance(tolerance: object) -> float:
+    """validate's ``tolerance`` as a percentage (``DEFAULT_TOLERANCE`` when None); anything else refused in one line."""
+    try:
+        tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        tol = math.nan
+    if not math.isfinite(tol) or tol < 0:
+        raise UsageError(f"invalid tolerance {tolerance!r}: expected a percentage >= 0, e.g. 1 or 2.5")
+    return tol
 
 
 class ValidationError(GraphmemError):

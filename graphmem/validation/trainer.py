@@ -3,7 +3,6 @@ capture runs (graphmem/training/hf_trainer.py), beside ``graphmem.analyze(traine
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Optional, Union
 
 import torch
@@ -16,7 +15,7 @@ from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer import TrainerRunner, check_trainer
 from graphmem.validation.measure import measure_peak
 from graphmem.validation.profiler_log import without_profiler_log
-from graphmem.validation.result import DEFAULT_TOLERANCE, Row, Validation, judge
+from graphmem.validation.result import Row, Validation, checked_tolerance, judge
 
 
 def measure_trainer(trainer: Any, inputs: Any, warm_steps: int = 0) -> Any:
@@ -48,12 +47,7 @@ def validate_trainer(trainer: Any, inputs: Any = None, input_shape: Union[str, t
         raise UsageError("the Trainer's model is on the meta device; validate runs its step for real: build it on the CPU")
     if trainer.args.device.type != "cpu":
         raise UsageError("validate runs the Trainer's step on the CPU: set use_cpu=True in its TrainingArguments")
-    try:
-        tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
-    except (TypeError, ValueError):
-        tol = math.nan
-    if not math.isfinite(tol) or tol < 0:
-        raise UsageError(f"invalid tolerance {tolerance!r}: expected a percentage >= 0, e.g. 1 or 2.5")
+    tol = checked_tolerance(tolerance)
     if inputs is None:
         if input_shape is None:
             raise UsageError("no inputs: pass inputs= (a batch dict) or input_shape=(batch, seq) for the Trainer")

@@ -25,7 +25,6 @@ out is an error, not a machine in swap).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from typing import Any, Iterator, Optional, Union
 
@@ -51,7 +50,7 @@ from graphmem.validation.real import RAM_SHARE, available_memory
 from graphmem.validation.real import prepared as _prepared
 from graphmem.validation.real import real_inputs as _inputs
 from graphmem.validation.real import to_device as _to
-from graphmem.validation.result import DEFAULT_TOLERANCE, Row, Validation, ValidationError, judge
+from graphmem.validation.result import Row, Validation, ValidationError, checked_tolerance, judge
 
 GPU_SHARE = 0.9  # of the free device memory: an OOM there is an exception, not a frozen machine
 NO_GPU = "no GPU on this machine; validate --device cpu here, or run on a GPU host"
@@ -103,12 +102,7 @@ def validate(
                              ": drop it (`world_size`/`rank` validate its DDP ranks)")
         return validate_trainer(model, inputs, input_shape, tolerance, **options)  # type: ignore[no-any-return]
     dev = _device(device)
-    try:
-        tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
-    except (TypeError, ValueError):
-        tol = math.nan
-    if not math.isfinite(tol) or tol < 0:
-        raise UsageError(f"invalid tolerance {tolerance!r}: expected a percentage >= 0, e.g. 1 or 2.5")
+    tol = checked_tolerance(tolerance)
     if inputs is None and input_shape is None:
         raise UsageError("no inputs: pass example inputs or `input_shape='32x1024'`")
     shape = _shape(input_shape) if inputs is None else None
