@@ -109,3 +109,28 @@ def test_compiled_blocks_save_what_the_partition_keeps_of_the_ring() -> None:
 def test_context_parallel_is_refused_on_the_cpu() -> None:
     with pytest.raises(UsageError, match="CUDA target only"):
         graphmem.analyze(_job(2, 32), world_size=2, rank=0, device="cpu")
+
+
+@pytest.mark.slow
+def test_flex_attention_saves_what_its_compiled_function_saves() -> None:
+    """torchtitan always compiles FlexAttention, and AOTAutograd's partition keeps only what the
+    backward reads: out and the fp32 logsumexp, not the op's ``max_scores``, which its eager
+    autograd saves too (graphmem/titan/capture.py ``_saved_as_compiled``). So the eager job and
+    the job whose blocks are compiled (``compile.enable``; torchtitan's
+    ``_maybe_regional_inductor_backend`` decides on the job's backend name, graphmem/titan/
+    compiled.py ``flex_regions_decided``) save the same attention tensors: one (batch, heads, seq)
+    fp32 tensor a layer."""
+    def report(backend: str | None):
+        job = _job(1, 128, sdpa=False)
+        if backend:
+            job.compile.enable, job.compile.components, job.compile.backend = True, ["model"], backend
+        return graphmem.analyze(job, world_size=1, rank=0, device="cuda", gpu="h100")
+
+    def attention_saves(r) -> collections.Counter:
+        return collections.Counter((s.shape, s.dtype) for s in r.saved if s.shape in (
+            (BATCH, HEADS, 128), (BATCH, HEADS, 128, HEAD_DIM)))
+
+    eager = attention_saves(report(None))
+    assert eager == {((BATCH, HEADS, 128), "float32"): LAYERS, ((BATCH, HEADS, 128, HEAD_DIM), "bfloat16"): LAYERS}
+    for backend in ("aot_eager", "inductor"):
+        assert attention_saves(report(backend)) == eager, backend

@@ -19,8 +19,9 @@ micro-batch forward and backward, interleaved as the schedule runs them.
 The job's compiled blocks (``compile.enable``) compile with graphmem's own dynamo backend
 (graphmem/titan/compiled.py): AOTAutograd's min-cut partition, graphs run op by op. Known
 limitations: FlexAttention, which torchtitan always compiles, runs through the eager
-``flex_attention`` higher-order op, whose forward/backward keep what the compiled kernels keep
-(query, key, value, output and the fp32 logsumexp; torch/_higher_order_ops/flex_attention.py);
+``flex_attention`` higher-order op, whose forward/backward keep what the compiled function keeps
+(query, key, value, output and the fp32 logsumexp; torch/_higher_order_ops/flex_attention.py;
+the op's eager autograd also keeps ``max_scores``, which the compiled one does not: ``_saved_as_compiled``);
 ``create_block_mask`` runs outside the recording, its BlockMask held as an input.
 """
 from __future__ import annotations
@@ -281,6 +282,7 @@ def _compiled_eagerly(target: Target) -> Iterator[None]:
                              "analyze it with `device='cuda'`, or swap it for SDPA with `attention='sdpa'`")
 
     _fake_rules_for(_Mode)
+    _saved_as_compiled()
     attention.FlexAttention._compiled_flex_attn = staticmethod(flex.flex_attention)  # type: ignore[assignment]
     attention._compiled_create_block_mask = flex.create_block_mask
     # context parallel shards a BlockMask by building each rank's own with a create_block_mask it
@@ -294,6 +296,30 @@ def _compiled_eagerly(target: Target) -> Iterator[None]:
     finally:
         attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask, flex._validate_device, \
             flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG, cp_attention._compiled_create_block_mask = kept
+
+
+def _saved_as_compiled() -> None:
+    """The eager higher-order op's autograd saves its ``max_scores`` output (the sixth value,
+    ``FlexAttentionAutogradOp.forward``, torch/_higher_order_ops/flex_attention.py), which its
+    backward unpacks and never passes on (``flex_attention_backward`` takes query, key, value,
+    out and logsumexp). torchtitan runs the op compiled, and AOTAutograd's partition keeps only
+    what the backward graph reads, so the compiled function saves no ``max_scores`` (the job's
+    compiled blocks measure it so: one fp32 (batch, heads, seq) tensor a layer fewer than the
+    eager op). It is saved as None here (installed once; a no-op outside that forward)."""
+    import importlib
+
+    hop = importlib.import_module("torch._higher_order_ops.flex_attention")  # the module (the package's name is the op)
+    if getattr(hop.save_values_for_backward, "_graphmem", False):
+        return
+    save = hop.save_values_for_backward
+
+    def saved(ctx: Any, args: tuple) -> None:
+        if type(ctx).__name__.startswith("FlexAttentionAutogradOp") and len(args) > 5:
+            args = (*args[:5], None, *args[6:])  # max_scores: unread by the backward
+        save(ctx, args)
+
+    saved._graphmem = True  # type: ignore[attr-defined]
+    hop.save_values_for_backward = saved  # type: ignore[attr-defined]
 
 
 def _fake_rules_for(mode: type) -> None:

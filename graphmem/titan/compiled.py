@@ -115,11 +115,41 @@ def compiled_regions(cfg: Any, cap: _Recorder, target: Target, backends: dict[st
 
     convert_frame._compile = compile_unrecorded
     try:
-        with partition_config(target.memory_budget), unlogged(), example_values_ruled(target):
+        with partition_config(target.memory_budget), unlogged(), example_values_ruled(target), \
+                flex_regions_decided(named, backend):
             yield backend
     finally:
         cfg.compile.backend, convert_frame._compile = kept_backend, kept_compile
         torch._dynamo.reset()  # the job's compiled code, guarded on this capture's objects, goes with it
+
+
+@contextlib.contextmanager
+def flex_regions_decided(named: str, backend: _Backend) -> Iterator[None]:
+    """torchtitan's ``apply_compile`` hands the job's backend to ``_maybe_regional_inductor_backend``
+    (torchtitan/distributed/compile.py), which, for a model with FlexAttention, keeps 'inductor',
+    wraps 'aot_eager' in ``regional_inductor`` (the flex regions lowered by Inductor, the rest
+    partitioned as aot_eager partitions) and refuses any other backend. It is asked with the job's
+    backend name, so its refusal and its flag that marks the flex regions stand as in the real job,
+    and graphmem's backend, which partitions as that name does, compiles the blocks."""
+    try:
+        from torchtitan.distributed import compile as titan_compile
+    except ImportError:  # a torchtitan without the hook: nothing to decide
+        yield
+        return
+    decide = getattr(titan_compile, "_maybe_regional_inductor_backend", None)
+    if decide is None:
+        yield
+        return
+
+    def decided(model: Any, _backend: Any) -> Any:
+        decide(model, named)
+        return backend
+
+    titan_compile._maybe_regional_inductor_backend = decided
+    try:
+        yield
+    finally:
+        titan_compile._maybe_regional_inductor_backend = decide
 
 
 def hooks_standing_aside(hook: Any) -> Any:
