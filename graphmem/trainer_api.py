@@ -88,9 +88,6 @@ def check_ranks(trainer: Any, world_size: Any, rank: Any) -> None:
         raise UsageError(f"`world_size` must be a positive integer, got {world_size!r}")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size):
         raise UsageError(f"`rank={rank!r}` is not one of the {world_size} ranks: use 0 to {world_size - 1}")
-    if world_size > 1 and trainer.args.torch_compile:
-        raise UsageError("a compiled Trainer is analyzed on one process; per rank, DDP runs eagerly here: drop "
-                         "`torch_compile` or `world_size`")
 
 
 def trainer_from_file(model: Any, path: str) -> Any:
