@@ -59,7 +59,8 @@ def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple
     gradient checkpointing), which the capture runs through the Trainer's own code; with
     ``torch_compile``, in compiled mode with its backend's partition. ``world_size`` > 1: the step
     of rank ``rank`` (default 0) when the Trainer is launched on ``world_size`` processes, the model
-    in torch's DistributedDataParallel under a fake process group (graphmem/training/hf_trainer_ddp.py);
+    in torch's DistributedDataParallel under a fake process group (graphmem/training/hf_trainer_ddp.py;
+    with ``torch_compile``, compiled over DDP as accelerate compiles it, split at DDP's buckets);
     the batch is that rank's (``per_device_train_batch_size`` rows).
 
     >>> report = graphmem.analyze(trainer, input_shape=(8, 512))  # doctest: +SKIP
