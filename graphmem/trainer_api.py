@@ -89,6 +89,12 @@ def check_ranks(trainer: Any, world_size: Any, rank: Any) -> None:
         raise UsageError(f"`world_size` must be a positive integer, got {world_size!r}")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size):
         raise UsageError(f"`rank={rank!r}` is not one of the {world_size} ranks: use 0 to {world_size - 1}")
+    if world_size > 1 and trainer.args.torch_compile:  # compiled over DDP (graphmem/training/hf_trainer_ddp.py)
+        from torch._dynamo.utils import get_optimize_ddp_mode
+
+        if get_optimize_ddp_mode() not in ("ddp_optimizer", "no_optimization"):
+            raise UsageError(f"torch._dynamo.config.optimize_ddp={get_optimize_ddp_mode()!r}: graphmem runs DDPOptimizer's "
+                             "split or one graph per rank; set `torch._dynamo.config.optimize_ddp` to True or False")
 
 
 def trainer_from_file(model: Any, path: str) -> Any:

@@ -157,3 +157,13 @@ def test_compiled_training_args_with_world_size_from_the_cli(tmp_path: Any, caps
     d = json.loads(capsys.readouterr().out)
     assert d["budget"]["ddp"] == {"world_size": 2, "rank": 0} and d["budget"]["torch_compile"] == "aot_eager"
     assert d["target"]["mode"] == "compiled"
+
+
+def test_python_reducer_is_refused_in_one_line() -> None:
+    """``optimize_ddp="python_reducer"`` (DDP traced into the graph, compiled autograd) is not run: refused."""
+    from graphmem.errors import UsageError
+
+    with tempfile.TemporaryDirectory() as out, torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        with pytest.raises(UsageError, match="optimize_ddp") as e:
+            graphmem.analyze(llama_trainer(out), input_shape=(2, 16), world_size=2)
+    assert "\n" not in str(e.value)
