@@ -20,6 +20,7 @@ import torch
 
 import graphmem
 from graphmem.render import render_text
+from graphmem.render.validate import render_validation
 from graphmem.trainer_api import trainer_batch
 
 transformers = pytest.importorskip("transformers")
@@ -123,6 +124,7 @@ def test_validate_runs_the_real_compiled_ranks() -> None:
     ``torch.compile`` over accelerate's DDP; saved, before-step and state bytes exact, peaks within 1 %."""
     with tempfile.TemporaryDirectory() as out:
         v = graphmem.validate(llama_trainer(out), input_shape=(2, 16), world_size=2)
+    print(render_validation(v))
     assert v.ok, v.reason
     for rank in (0, 1):
         for name in ("saved for backward", "before the step", "optimizer states"):
@@ -135,6 +137,7 @@ def test_inductor_compiled_ranks_save_what_the_real_ones_save() -> None:
     the peaks are shown without a verdict (Inductor's fused kernels, graphmem/validation/trainer.py)."""
     with tempfile.TemporaryDirectory() as out:
         v = graphmem.validate(inductor_llama_trainer(out), input_shape=(2, 16), world_size=2)
+    print(render_validation(v))
     assert v.ok, v.reason
     for rank in (0, 1):
         for name in ("saved for backward", "before the step", "optimizer states"):
