@@ -59,7 +59,8 @@ def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple
     gradient checkpointing), which the capture runs through the Trainer's own code; with
     ``torch_compile``, in compiled mode with its backend's partition. ``world_size`` > 1: the step
     of rank ``rank`` (default 0) when the Trainer is launched on ``world_size`` processes, the model
-    in torch's DistributedDataParallel under a fake process group (graphmem/training/hf_trainer_ddp.py);
+    in torch's DistributedDataParallel under a fake process group (graphmem/training/hf_trainer_ddp.py;
+    with ``torch_compile``, compiled over DDP as accelerate compiles it, split at DDP's buckets);
     the batch is that rank's (``per_device_train_batch_size`` rows).
 
     >>> report = graphmem.analyze(trainer, input_shape=(8, 512))  # doctest: +SKIP
@@ -88,9 +89,12 @@ def check_ranks(trainer: Any, world_size: Any, rank: Any) -> None:
         raise UsageError(f"`world_size` must be a positive integer, got {world_size!r}")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size):
         raise UsageError(f"`rank={rank!r}` is not one of the {world_size} ranks: use 0 to {world_size - 1}")
-    if world_size > 1 and trainer.args.torch_compile:
-        raise UsageError("a compiled Trainer is analyzed on one process; per rank, DDP runs eagerly here: drop "
-                         "`torch_compile` or `world_size`")
+    if world_size > 1 and trainer.args.torch_compile:  # compiled over DDP (graphmem/training/hf_trainer_ddp.py)
+        from torch._dynamo.utils import get_optimize_ddp_mode
+
+        if get_optimize_ddp_mode() not in ("ddp_optimizer", "no_optimization"):
+            raise UsageError(f"torch._dynamo.config.optimize_ddp={get_optimize_ddp_mode()!r}: graphmem runs DDPOptimizer's "
+                             "split or one graph per rank; set `torch._dynamo.config.optimize_ddp` to True or False")
 
 
 def trainer_from_file(model: Any, path: str) -> Any:

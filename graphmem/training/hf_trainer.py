@@ -202,7 +202,9 @@ class TrainerRunner:
                 list(acc._models))
         enabled = _enable_checkpointing(t)
         try:
-            with ranks(t, self.world_size, self.rank), _prepared(t, self.model) as prepared:
+            # (a real rank's model was prepared by accelerate already: ``launched``, DDP or torch.compile over it)
+            with ranks(t, self.world_size, self.rank), \
+                    _prepared(t, self.model) if self.launched is None else contextlib.nullcontext(self.launched) as prepared:
                 self.compiled = prepared if t.args.torch_compile else None
                 yield self
         finally:
@@ -213,8 +215,9 @@ class TrainerRunner:
                 self.model.activation_checkpointing_disable()
             self.started, self.ddp = False, None
 
-    def _start(self) -> None:
-        """Trainer._prepare_for_training (1741-1778): create_optimizer, accelerator.prepare, create_scheduler."""
+    def _start(self, forward: Optional[Callable[..., Any]] = None) -> None:
+        """Trainer._prepare_for_training (1741-1778): create_optimizer, accelerator.prepare, create_scheduler;
+        ``forward``: the capture's compiled call, which DDP wraps as accelerate compiles over DDP."""
         t = self.trainer
         t.optimizer, t.lr_scheduler, t._created_lr_scheduler = None, None, False
         if self.given is not None:  # optimizers=(opt, ...): the same class and groups over the step's parameters
@@ -228,7 +231,7 @@ class TrainerRunner:
         if self.launched is not None:  # a real rank: accelerate wrapped the model before the step
             self.ddp = self.launched
         elif self.world_size > 1:  # accelerate's prepare_model on N processes (graphmem/training/hf_trainer_ddp.py)
-            self.ddp = wrap_ddp(t, self.model)
+            self.ddp = wrap_ddp(t, self.model) if forward is None else wrap_ddp(t, CompiledModel(self.model, forward), compiled=True)
         t.create_scheduler(num_training_steps=max(t.args.max_steps, 1), optimizer=t.optimizer)
         self.tr_loss = torch.tensor(0.0, device=t.args.device)  # _inner_training_loop 1645
         self.started = True
@@ -253,9 +256,12 @@ class TrainerRunner:
              on_phase: Callable[[str], None], mark: Mark, fake: bool) -> tuple[Any, torch.Tensor]:
         t, model, k = self.trainer, self.model, self.trainer.args.gradient_accumulation_steps
         with _phases(t, on_phase, loss_fn):
+            compiled_ddp = fake and t.args.torch_compile and self.world_size > 1  # graphmem/training/hf_trainer_ddp.py
             if not self.started:  # (bitsandbytes' optimizers read their quantization maps' values: any will do)
                 with ScalarReads() if fake else contextlib.nullcontext():
-                    self._start()
+                    self._start(forward if compiled_ddp else None)
+            if compiled_ddp:  # this run's compiled call (the trace's, then the replay's) inside DDP
+                self.ddp.module.compiled_forward = forward
             stepped = self.ddp if self.ddp is not None else model if not t.args.torch_compile \
                 else CompiledModel(model, forward) if fake else self.compiled
             assert stepped is not None, "a compiled Trainer's real step runs inside the runner's session"

@@ -25,6 +25,19 @@ result for the built-in hook to read: torch/csrc/distributed/c10d/FakeProcessGro
 ``FakeWork::getFuture``). With a hook, the Reducer copies a gradient into its bucket with
 ``copy_`` where the built-in path multiplies by 1/N into it (``mul.out``, reducer.cpp
 ``mark_variable_ready_dense``): the same bytes held, less the 8 B scalar tensor ``mul.out`` wraps 1/N in for the moment of each copy.
+
+``torch_compile``: ``prepare_model`` compiles last, over the DDP it made (accelerate 1.15
+``accelerator.py`` 2058-2073: ``torch.compile(DistributedDataParallel(model))``). Dynamo skips DDP's
+forward, which calls the model inside ``_inside_ddp_forward``; there dynamo (torch/_dynamo/convert_frame.py
+``CatchErrorsWrapper``, while ``torch._dynamo.config.optimize_ddp`` is "ddp_optimizer", the default)
+hands the model's graph to DDPOptimizer (torch/_dynamo/backends/distributed.py), which splits it where
+the parameters' bytes, counted from the output back, fill a bucket (1 MiB first, then
+``bucket_cap_mb``) and compiles each piece with the user's backend: AOTAutograd partitions each piece
+on its own, so what is saved and the temporaries differ from one whole graph. The capture wraps the
+same way: DDP around the capture's compiled call of the model (``CompiledModel``,
+graphmem/training/hf_trainer.py; graphmem's backend where the user's goes, graphmem/capture/compiled.py),
+so dynamo's own DDPOptimizer splits it and each piece gets the backend's partition. The ranks' thread
+count is accelerate's (``rank_threads``).
 """
 from __future__ import annotations
 
@@ -46,15 +59,19 @@ def ddp_kwargs(trainer: Any) -> dict[str, Any]:
     return handler.to_kwargs() if handler is not None else {}
 
 
-def wrap_ddp(trainer: Any, model: nn.Module) -> nn.Module:
+def wrap_ddp(trainer: Any, model: nn.Module, compiled: bool = False) -> nn.Module:
     """``DistributedDataParallel(model, **kwargs)`` over the fake process group, built on the fake
-    parameters the capture swapped in, outside the recorded step (its buckets are held before it)."""
+    parameters the capture swapped in, outside the recorded step (its buckets are held before it).
+    ``compiled``: ``model`` is the capture's compiled call of the model (``torch_compile``: the module
+    docstring), whose fake parameters are made parameters as dynamo sees them."""
     from torch._guards import detect_fake_mode
     from torch.nn.parallel import DistributedDataParallel
     from torch.nn.parallel import distributed as ddp_module
 
     mode = detect_fake_mode()
     rec = getattr(mode, "rec", None)
+    if compiled:
+        as_parameters(model)
     verify = ddp_module._verify_param_shape_across_processes
     ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None  # type: ignore[assignment]
     try:
@@ -64,6 +81,16 @@ def wrap_ddp(trainer: Any, model: nn.Module) -> nn.Module:
         ddp_module._verify_param_shape_across_processes = verify  # type: ignore[assignment]
     ddp.register_comm_hook(rec, _all_reduce)
     return ddp
+
+
+def as_parameters(model: nn.Module) -> None:
+    """The capture's fake parameters (plain fake tensors in the module's ``_parameters``) marked as
+    ``nn.Parameter`` for ``isinstance``, as PyTorch marks its own fakes of parameters
+    (torch/_subclasses/meta_utils.py ``r._is_param = True``): dynamo copies the mark to the graph's
+    placeholders, and DDPOptimizer counts a placeholder's bytes into a bucket only when it is a
+    parameter (torch/_dynamo/backends/distributed.py ``add_param_args``)."""
+    for p in model.parameters():
+        p._is_param = True  # type: ignore[attr-defined]
 
 
 def _all_reduce(rec: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
@@ -90,8 +117,31 @@ def ranks(trainer: Any, world_size: int, rank: int) -> Iterator[None]:
     if world_size == 1:
         yield
         return
-    with fake_group(rank, world_size), copied_inputs(trainer):
+    with fake_group(rank, world_size), copied_inputs(trainer), rank_threads(world_size):
         yield
+
+
+@contextlib.contextmanager
+def rank_threads(world_size: int) -> Iterator[None]:
+    """The thread count a rank of a MULTI_CPU job runs with: accelerate's PartialState sets it to this
+    machine's physical cores over the local world size (here ``world_size``: the ranks on this machine),
+    at least 1, unless ``OMP_NUM_THREADS`` is set (accelerate 1.15 ``state.py`` 267-278); the CPU kernels'
+    per-thread scratch follows it (graphmem/oprules/flash_attention.py: measured, a compiled Trainer's
+    later steps peak in flash attention's backward, whose buffers on 2 ranks of a 2-core machine are
+    one thread's, 2,048 B fewer than the analysis process's two threads)."""
+    import os
+
+    import psutil
+
+    if int(os.environ.get("OMP_NUM_THREADS") or 0) != 0:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int((psutil.cpu_count(logical=False) or 1) / world_size)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager
@@ -115,4 +165,4 @@ def copied_inputs(trainer: Any) -> Iterator[None]:
         del trainer._prepare_input
 
 
-__all__ = ["BUCKET", "copied_inputs", "ddp_kwargs", "ranks", "wrap_ddp"]
+__all__ = ["BUCKET", "as_parameters", "copied_inputs", "ddp_kwargs", "rank_threads", "ranks", "wrap_ddp"]
