@@ -17,6 +17,7 @@ import torch.nn as nn
 from graphmem.capture.target import make_target
 from graphmem.errors import UsageError
 from graphmem.spec import Inputs, Job, StepSpec
+from graphmem.titan.float8 import check_target
 from graphmem.titan.job import _torchtitan, on_cpu, synthetic_batches, with_sdpa
 from graphmem.training.loop import TrainStep
 from graphmem.training.spec import Training
@@ -70,7 +71,9 @@ def job_spec(config: Any, world_size: Optional[int] = None, rank: int = 0, devic
                      if t.global_batch_size > 0 else 1, max_norm=float(t.max_norm), precision=_precision(cfg),
                      checkpointing=type(cfg.activation_checkpoint).__qualname__.split(".")[0])
     inputs = Inputs(lambda shape: synthetic_batches(cfg, 1)[0], (t.local_batch_size, t.seq_len))
-    return StepSpec(name, _meta_model(cfg), inputs, None, target, Training(step, None), Job(cfg, world, rank), reuse=False)
+    model = _meta_model(cfg)
+    check_target(model, target.device)
+    return StepSpec(name, model, inputs, None, target, Training(step, None), Job(cfg, world, rank), reuse=False)
 
 
 def stage_ranks(config: Any, world_size: int) -> list[int]:
