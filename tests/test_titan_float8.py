@@ -58,6 +58,7 @@ def test_emulated_against_gloo(torchao: Any, degree: str) -> None:
     _as_predicted(small_llama3_float8, 2, overrides, ranks)
     report = _predicted(small_llama3_float8, 2, overrides, 0)
     _float8_ran(report)
+    assert "float8 linears (torchao, tensor-wise scaling, emulated)" in report.budget.training.train.describe("cpu")
     assert report.activation_bytes == _predicted(small_llama3, 2, overrides, 0).activation_bytes
 
 
@@ -112,6 +113,7 @@ def test_scaled_mm_on_the_cuda_target(torchao: Any, recipe: str) -> None:
         assert op.meta["dtype"] == torch.bfloat16 and out.nbytes == 2 * math.prod(op.meta["shape"])
     assert report.activation_bytes == plain.activation_bytes
     assert not [s for s in g.saves if s.dtype.startswith("float8")]
+    assert f"{len(linears)} float8 linears (torchao, row-wise scaling)" in report.budget.training.train.describe("cuda")
 
 
 def test_registry_gate_answered_as_the_gpu(torchao: Any) -> None:

@@ -114,6 +114,18 @@ def float8_linears(model: Any) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, Float8Linear)]
 
 
+def describe(model: Any) -> str:
+    """The report's words for the model's float8 linears ("" without any): how many, and their scaling
+    (torchao's ``ScalingGranularity``: axiswise is the rowwise recipes', tensorwise the emulated one's)."""
+    found = float8_linears(model)
+    if not found:
+        return ""
+    config = found[0].config
+    scaling = {"axiswise": "row-wise", "tensorwise": "tensor-wise"}.get(
+        config.cast_config_input.scaling_granularity.value, config.cast_config_input.scaling_granularity.value)
+    return f"{len(found)} float8 linears (torchao, {scaling} scaling{', emulated' if config.emulate else ''})"
+
+
 def check_target(model: Any, device: str) -> None:
     """A non-emulated float8 linear runs ``torch._scaled_mm``, a CUDA sm89+ kernel: refused on the CPU
     target, as torchtitan refuses it on a machine without such a GPU."""
@@ -122,5 +134,5 @@ def check_target(model: Any, device: str) -> None:
                          "`device='cuda'`, or convert with `emulate=True` for the CPU")
 
 
-__all__ = ["INSTALL", "RECIPES", "answering_as", "check_target", "float8_linears", "require_torchao",
+__all__ = ["INSTALL", "RECIPES", "answering_as", "check_target", "describe", "float8_linears", "require_torchao",
            "with_float8"]
