@@ -17,6 +17,7 @@ import torch.nn as nn
 from graphmem.capture.target import make_target
 from graphmem.errors import UsageError
 from graphmem.spec import Inputs, Job, StepSpec
+from graphmem.titan.float8 import check_target, describe
 from graphmem.titan.job import _torchtitan, on_cpu, synthetic_batches, with_sdpa
 from graphmem.training.loop import TrainStep
 from graphmem.training.spec import Training
@@ -66,11 +67,14 @@ def job_spec(config: Any, world_size: Optional[int] = None, rank: int = 0, devic
     spec = cfg.model_spec
     name = f"torchtitan {spec.name} {spec.flavor}"
     t = cfg.training
+    model = _meta_model(cfg)
+    check_target(model, target.device)
+    precision = ", ".join(p for p in (_precision(cfg), describe(model)) if p)
     step = TitanStep(_optimizer(cfg), micro_batches=max(t.global_batch_size // max(t.local_batch_size * _dp(cfg, world), 1), 1)
-                     if t.global_batch_size > 0 else 1, max_norm=float(t.max_norm), precision=_precision(cfg),
+                     if t.global_batch_size > 0 else 1, max_norm=float(t.max_norm), precision=precision,
                      checkpointing=type(cfg.activation_checkpoint).__qualname__.split(".")[0])
     inputs = Inputs(lambda shape: synthetic_batches(cfg, 1)[0], (t.local_batch_size, t.seq_len))
-    return StepSpec(name, _meta_model(cfg), inputs, None, target, Training(step, None), Job(cfg, world, rank), reuse=False)
+    return StepSpec(name, model, inputs, None, target, Training(step, None), Job(cfg, world, rank), reuse=False)
 
 
 def stage_ranks(config: Any, world_size: int) -> list[int]:

@@ -40,7 +40,7 @@ def job_report(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     from graphmem.titan_api import highest
 
     _check(args)
-    job = load_job(args.torchtitan, list(overrides))
+    job = load_job(args.torchtitan, list(overrides), gpu=args.gpu if args.device == "cuda" else None)
     if args.attention not in ("auto", None):
         raise UsageError("--torchtitan takes its attention from the job; --sdpa swaps FlexAttention for SDPA: "
                          "drop --attention")

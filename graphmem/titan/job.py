@@ -37,23 +37,33 @@ def is_job_config(obj: Any) -> bool:
                for c in type(obj).__mro__)
 
 
-def load_job(name: str, overrides: Sequence[str] = (), module: Optional[str] = None) -> Any:
+def load_job(name: str, overrides: Sequence[str] = (), module: Optional[str] = None,
+             gpu: Optional[str] = "h100") -> Any:
     """The ``Trainer.Config`` torchtitan's own launcher builds for ``--config name`` plus its
     command-line ``overrides`` (``["--training.seq_len", "4096", ...]``), parsed by torchtitan's
     ``ConfigManager``. ``module`` (``llama3``, ``deepseek_v3``, ...) defaults to the model family
-    whose config registry defines ``name``."""
+    whose config registry defines ``name``. The registry's quantization converters run here and
+    ask for the GPU's compute capability: answered as ``gpu`` would (graphmem/titan/float8.py
+    ``answering_as``; ``None``: as this machine does)."""
     _torchtitan()
     from torchtitan.config.manager import ConfigManager
+
+    from graphmem.titan.float8 import INSTALL, answering_as
 
     module = module or _family(name)
     said = io.StringIO()
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said), answering_as(gpu):
             return ConfigManager().parse_args(["--module", module, "--config", name, *overrides])
     except SystemExit:  # tyro's usage message for an unknown or malformed override, or a refused config
         why = _tyro_reason(said.getvalue())
         raise UsageError(f"torchtitan refused the overrides {' '.join(overrides)!r} for {name}: {why}") from None
-    except (ValueError, ImportError, AttributeError) as e:
+    except ImportError as e:
+        if "torchao" in str(e):  # torchtitan's float8 converter without torchao (components/quantization/float8.py)
+            raise UsageError(f"the job {name} trains in float8 through torchao, which is not installed: {INSTALL}") \
+                from None
+        raise UsageError(f"torchtitan could not load the job {module}/{name}: {str(e).splitlines()[0]}") from None
+    except (ValueError, AttributeError) as e:
         raise UsageError(f"torchtitan could not load the job {module}/{name}: {str(e).splitlines()[0]}") from None
 
 
