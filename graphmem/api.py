@@ -92,6 +92,16 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
                              f"job's rank); drop {', '.join(extra)}")
         return report_of(measure(trainer_spec(model, inputs, options.get("input_shape"), options.get("world_size", 1),
                                               options.get("rank"))))
+    if "training_args" in options:  # a Trainer built per rank: FSDP (graphmem/training/hf_trainer_fsdp.py)
+        from graphmem.trainer_api import fsdp_trainer_spec
+
+        extra = sorted(set(options) - {"training_args", "input_shape", "world_size", "rank", "trainer_class"})
+        if extra:
+            raise UsageError(f"a Trainer's step comes from its TrainingArguments (and `world_size`/`rank`); drop "
+                             f"{', '.join(extra)}")
+        return report_of(measure(fsdp_trainer_spec(model, options["training_args"], inputs, options.get("input_shape"),
+                                                   options.get("world_size", 1), options.get("rank"),
+                                                   options.get("trainer_class"))))
     if is_job_config(model):  # a torchtitan Trainer.Config: the job's own code per rank (graphmem/titan/)
         from graphmem.titan_api import OPTIONS, job_spec
 

@@ -74,6 +74,10 @@ def measure(spec: StepSpec) -> Measured:
         return Measured(spec, step, found, p.pipeline, split)
     if isinstance(p, Job):
         return _job(spec, p)
+    from graphmem.training.hf_trainer_fsdp_capture import TrainerShards, measure_trainer_rank
+
+    if isinstance(p, TrainerShards):  # a Trainer's FSDP2 rank, wrapped by accelerate's own code
+        return measure_trainer_rank(spec, p)
     raise AssertionError(f"unknown parallel setting {p!r}")  # StepSpec refuses any other where it is built
 
 
