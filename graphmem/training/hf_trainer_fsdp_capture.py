@@ -164,9 +164,29 @@ def _real_meshes() -> Iterator[None]:
 
     _fully_shard._init_default_mesh = real
     try:
-        yield
+        with _pointers():
+            yield
     finally:
         _fully_shard._init_default_mesh = made
+
+
+@contextlib.contextmanager
+def _pointers() -> Iterator[None]:
+    """A fake tensor's ``data_ptr()`` as a real one tells tensors apart: its storage's identity plus its
+    offset. ``Accelerator._prepare_fsdp2`` maps the optimizer's old parameters to the sharded ones by
+    ``data_ptr`` (accelerator.py 1718-1766, ``_get_named_parameters`` and
+    ``fsdp2_switch_optimizer_parameters``); a fake tensor's is 0 for all (torch/_subclasses/fake_tensor.py),
+    which would map every parameter to one shard."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def data_ptr(t: torch.Tensor) -> int:
+        return int(t.untyped_storage()._cdata) + t.storage_offset() * t.element_size()
+
+    FakeTensor.data_ptr = data_ptr  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        del FakeTensor.data_ptr
 
 
 def _null() -> Any:
