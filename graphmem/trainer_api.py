@@ -127,7 +127,7 @@ def trainer_from_file(model: Any, path: str) -> Any:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"training_args {path!r} is not readable as TrainingArguments: {first}") from None
     if args.fsdp:  # Trainer.__init__ raises "Using fsdp only works in distributed training." in one process:
-        return args  # the Trainer is built per rank (graphmem/training/hf_trainer_fsdp_capture.py)
+        return args  # the Trainer is built per rank (graphmem/distributed/trainer_fsdp.py)
     return Trainer(model=model, args=args)
 
 
@@ -146,7 +146,7 @@ def fsdp_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
     """
     from transformers import Trainer, TrainingArguments, default_data_collator
 
-    from graphmem.training.hf_trainer_fsdp_capture import shards_of
+    from graphmem.training.hf_trainer_fsdp import shards_of
     from graphmem.training.peft_lora import is_hf_model
 
     if not isinstance(training_args, TrainingArguments):

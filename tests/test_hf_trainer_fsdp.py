@@ -1,7 +1,7 @@
 """A Trainer whose TrainingArguments ask for FSDP, per rank: accelerate's own FSDP2 code
 (``Accelerator._prepare_fsdp2``: ``fsdp2_prepare_model`` and the optimizer-parameter switch) wraps a
 fake copy of the model under graphmem's fake process group (graphmem/training/hf_trainer_fsdp.py,
-graphmem/training/hf_trainer_fsdp_capture.py), and ``graphmem.validate`` runs the same Trainer on real
+graphmem/distributed/trainer_fsdp.py), and ``graphmem.validate`` runs the same Trainer on real
 gloo CPU ranks set up by the same call (graphmem/validation/trainer_fsdp.py). Measured rows: docs/trainer.md."""
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_cli_training_args_with_fsdp(tmp_path: Any, capsys: Any) -> None:
                                 "fsdp_config": {"version": 2}}))
     assert main(["analyze", str(tmp_path / "config.json"), "--input-shape", "2x16", "--training-args", str(args)]) == 2
     err = capsys.readouterr().err
-    assert "world_size" in err and err.count("\n") == 1
+    assert "give --world-size (> 1)" in err and err.count("\n") == 1
     assert main(["analyze", str(tmp_path / "config.json"), "--input-shape", "2x16", "--training-args", str(args),
                  "--world-size", "2", "--rank", "1"]) == 0
     assert "FSDP2 (accelerate), rank 1 of 2" in capsys.readouterr().out

@@ -37,11 +37,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
 
 import torch
 
 from graphmem.errors import UsageError
+from graphmem.passes.budget import Parallel
 from graphmem.training.hf_trainer import TrainerRunner
 
 # what the fake rank's environment names; nothing connects to it (the fake group is initialized first)
@@ -152,4 +154,31 @@ class FsdpRunner(TrainerRunner):
         self.started = True
 
 
-__all__ = ["FAKE_MASTER", "FsdpRunner", "as_fsdp_job", "build_trainer", "launched_here", "torchrun_env"]
+@dataclass(frozen=True)
+class TrainerShards:
+    """Rank ``rank`` of a Trainer's FSDP2 job over ``world_size`` processes: the Trainer is built per rank
+    (in one process its FSDP arguments are refused), from its class, its arguments' class and their fields."""
+
+    trainer_class: type = field(compare=False)
+    args_class: type = field(compare=False)
+    fields: dict[str, Any] = field(compare=False, repr=False)
+    world_size: int = 2
+    rank: int = 0
+    formula = Parallel()  # accelerate's wrapping splits the step itself: no formula over it
+
+    def describe(self) -> str:
+        return f"FSDP2 (accelerate), rank {self.rank} of {self.world_size}"
+
+    def check(self, spec: Any) -> None:
+        if spec.target.mode == "compiled" or spec.target.device != "cpu":
+            raise UsageError("a Trainer's FSDP2 rank runs eagerly on the CPU target: drop `torch_compile` and use_cpu=True")
+
+
+def shards_of(trainer_class: type, model: Any, args: Any, world_size: int, rank: Optional[int]) -> TrainerShards:
+    """The per-rank Trainer's recipe: its arguments' init fields (rebuilt per rank: their device setup is cached)."""
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    return TrainerShards(trainer_class, type(args), fields, world_size, rank or 0)
+
+
+__all__ = ["FAKE_MASTER", "FsdpRunner", "TrainerShards", "as_fsdp_job", "build_trainer", "launched_here", "shards_of",
+           "torchrun_env"]

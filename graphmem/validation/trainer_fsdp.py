@@ -1,5 +1,5 @@
 """``graphmem.validate(model, training_args=args, world_size=N)`` where the arguments ask for FSDP: each
-rank's prediction (graphmem/training/hf_trainer_fsdp_capture.py) beside a REAL job of N gloo CPU
+rank's prediction (graphmem/distributed/trainer_fsdp.py) beside a REAL job of N gloo CPU
 processes (graphmem/validation/trainer_ranks.py spawns them: a torchrun rank's environment each), each
 rank building the Trainer and setting it up as an FSDP job with the same call as the analysis
 (graphmem/training/hf_trainer_fsdp.py ``build_trainer``), so accelerate's own ``_prepare_fsdp2`` shards the
@@ -16,23 +16,18 @@ own thread or get their free at the end of the call. ``prepare`` (the sharding) 
 first profile: what it leaves is the local shards, counted as live. One fresh Trainer per rank, two
 steps (the later one starts with the optimizer's states), as ranks.py measures the wrappers' steps.
 Each rank sets OMP_NUM_THREADS to the prediction's thread count before accelerate's ``PartialState``
-would set its own (state.py 266-282): the CPU scratch rules depend on it.
+would set its own (state.py 266-282): the CPU scratch rules depend on it. Each rank's measurement:
+graphmem/validation/trainer_fsdp_rank.py.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 from typing import Any, Optional
 
 import torch
 
-import graphmem.validation.measure as measure
 from graphmem.errors import UsageError
 from graphmem.training.batch import as_batch
-from graphmem.training.hf_trainer_fsdp import FsdpRunner, build_trainer
-from graphmem.validation.ranks import _held, _Saves, _storages
 from graphmem.validation.result import Row, Validation, checked_tolerance, judge
-from graphmem.validation.settle import addresses, allocation_events
 
 
 def validate_fsdp_ranks(model: Any, training_args: Any, inputs: Any = None, input_shape: Any = None,
@@ -50,7 +45,7 @@ def validate_fsdp_ranks(model: Any, training_args: Any, inputs: Any = None, inpu
         raise UsageError("the model is on the meta device; validate runs its Trainer's step for real: build it on the CPU")
     spec = fsdp_trainer_spec(model, training_args, inputs, input_shape, world_size, rank, trainer_class)
     batch = spec.inputs.given.kwargs
-    shards = spec.parallel
+    shards: Any = spec.parallel  # a TrainerShards (graphmem/training/hf_trainer_fsdp.py)
     trainer_named, args_named = _importable(shards.trainer_class), _args_class(training_args)
     if trainer_named is None or args_named is None:
         raise UsageError("each gloo rank builds the Trainer by its class and the TrainingArguments by theirs: define "
@@ -71,46 +66,4 @@ def validate_fsdp_ranks(model: Any, training_args: Any, inputs: Any = None, inpu
     return Validation(reports[ranks[0]].model, "cpu", shapes, tol, judged, reason, reports[ranks[0]])
 
 
-def measure_fsdp_rank(job: Any, named: Any) -> dict[str, int]:
-    """This rank's figures (the module docstring); ``named`` imports a (module, name) pair."""
-    torch.manual_seed(0)
-    model = torch.load(io.BytesIO(job.model), weights_only=False)
-    trainer = build_trainer(named(job.trainer_class), model, named(job.args_class), job.args)
-    batch = torch.load(io.BytesIO(job.batch), weights_only=False)
-    runner = FsdpRunner(trainer)
-    kept: list[Any] = [trainer, batch, runner]
-    result: dict[str, int] = {}
-    with runner.session():
-        with measure._quiet_gc():
-            runner.prepare()  # accelerate's _prepare_fsdp2: the call the capture makes
-        wrapped = trainer.model
-        saves = _Saves(wrapped)
-        states = lambda: [t for _, _, t in runner.state_tensors()]  # noqa: E731
-        for i in range(2):
-            baseline = sum(_storages(_held(wrapped) + list(as_batch(batch).tensors()) + states()
-                                     + runner.held_tensors()).values())
-            with measure._quiet_gc(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                             profile_memory=True) as prof, \
-                    torch.autograd.graph.saved_tensors_hooks(saves.pack, lambda t: t):
-                out, loss = runner.run(wrapped, batch, None, saves.set_phase, contextlib.nullcontext)
-            grads = [p.grad for p in wrapped.parameters() if p.grad is not None]
-            held = addresses([*_held(wrapped), *grads, *as_batch(batch).tensors(), *states(),
-                              *runner.held_tensors(), loss])
-            kept.append((out, loss))  # freed after profiling would confuse the next profile (ranks.py)
-            high = running = 0
-            for _, size in allocation_events(prof, held):
-                running += size
-                high = max(high, running)
-            if i == 0:
-                result.update(saved=sum(saves.saved.values()), baseline=baseline, peak=baseline + high)
-            else:
-                result.update(later=baseline + high, states=sum(_storages(states()).values()))
-    kept.append(wrapped)
-    _KEPT.append(kept)
-    return result
-
-
-_KEPT: list[Any] = []  # a spawned rank's measured objects, alive until it exits (see ``kept``)
-
-
-__all__ = ["measure_fsdp_rank", "validate_fsdp_ranks"]
+__all__ = ["validate_fsdp_ranks"]

@@ -203,7 +203,7 @@ def _measure_rank(job: TrainerJob, world_size: int) -> dict[str, int]:
     raises either), saved and state bytes, over ``TRAINER_REPEATS`` fresh Trainers, and a later step's least
     peak over as many (each after one unmeasured step)."""
     if job.fsdp:
-        from graphmem.validation.trainer_fsdp import measure_fsdp_rank
+        from graphmem.validation.trainer_fsdp_rank import measure_fsdp_rank
 
         result = measure_fsdp_rank(job, _named)
         if UNSETTLED[0]:

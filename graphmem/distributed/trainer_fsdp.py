@@ -16,9 +16,7 @@ as on any MULTI_CPU rank (graphmem/training/hf_trainer_ddp.py ``copied_inputs``)
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -32,33 +30,12 @@ from graphmem.capture.recorder import _Mode, _Recorder
 from graphmem.capture.rng_states import rng_states
 from graphmem.capture.target import Target
 from graphmem.distributed.fsdp import fake_copy, local, watching
-from graphmem.errors import GraphmemError, UsageError
+from graphmem.errors import GraphmemError
 from graphmem.fake_group import fake_group
-from graphmem.passes.budget import Parallel
 from graphmem.stepgraph import StepGraph
 from graphmem.training.hf_trainer_ddp import copied_inputs
-from graphmem.training.hf_trainer_fsdp import FsdpRunner, build_trainer, launched_here
+from graphmem.training.hf_trainer_fsdp import FsdpRunner, TrainerShards, build_trainer, launched_here
 from graphmem.training.loop import relabel_accumulation
-
-
-@dataclass(frozen=True)
-class TrainerShards:
-    """Rank ``rank`` of a Trainer's FSDP2 job over ``world_size`` processes: the Trainer is built per rank
-    (in one process its FSDP arguments are refused), from its class, its arguments' class and their fields."""
-
-    trainer_class: type = field(compare=False)
-    args_class: type = field(compare=False)
-    fields: dict[str, Any] = field(compare=False, repr=False)
-    world_size: int = 2
-    rank: int = 0
-    formula = Parallel()  # accelerate's wrapping splits the step itself: no formula over it
-
-    def describe(self) -> str:
-        return f"FSDP2 (accelerate), rank {self.rank} of {self.world_size}"
-
-    def check(self, spec: Any) -> None:
-        if spec.target.mode == "compiled" or spec.target.device != "cpu":
-            raise UsageError("a Trainer's FSDP2 rank runs eagerly on the CPU target: drop `torch_compile` and use_cpu=True")
 
 
 def capture_trainer_rank(module: nn.Module, inputs: Any, target: Target, p: TrainerShards) -> StepGraph:
@@ -180,7 +157,7 @@ def _pointers() -> Iterator[None]:
     from torch._subclasses.fake_tensor import FakeTensor
 
     def data_ptr(t: torch.Tensor) -> int:
-        return int(t.untyped_storage()._cdata) + t.storage_offset() * t.element_size()
+        return int(t.untyped_storage()._cdata) + int(t.storage_offset()) * t.element_size()
 
     FakeTensor.data_ptr = data_ptr  # type: ignore[method-assign,assignment]
     try:
@@ -193,27 +170,4 @@ def _null() -> Any:
     return contextlib.nullcontext()
 
 
-def measure_trainer_rank(spec: Any, p: TrainerShards) -> Any:
-    """graphmem/measure.py's ``Measured`` for a Trainer's FSDP2 rank: the passes and the whole step's
-    table over rank r's own graph (its shards, its optimizer states)."""
-    from graphmem.measure import Measured
-    from graphmem.passes import liveness, notes, saved
-    from graphmem.recapture import Captured
-    from graphmem.training.spec import step_budget
-
-    g = capture_trainer_rank(spec.module, spec.inputs.captured, spec.target, p)
-    g.train = spec.training.train
-    lv, sv = liveness(g), saved(g)
-    training = dataclasses.replace(spec.training, train=g.train)
-    budget = step_budget(g, lv, sv, training, spec.module, (), p.describe())
-    step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
-    return Measured(spec, step, notes(g))
-
-
-def shards_of(trainer_class: type, model: Any, args: Any, world_size: int, rank: Optional[int]) -> TrainerShards:
-    """The per-rank Trainer's recipe: its arguments' init fields (rebuilt per rank: their device setup is cached)."""
-    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
-    return TrainerShards(trainer_class, type(args), fields, world_size, rank or 0)
-
-
-__all__ = ["TrainerShards", "capture_trainer_rank", "measure_trainer_rank", "shards_of"]
+__all__ = ["capture_trainer_rank"]
