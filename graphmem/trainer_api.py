@@ -172,6 +172,10 @@ def fsdp_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
     if batch.form != "dict":
         raise UsageError("a Trainer's batch is a dict of keyword inputs (as its dataloader yields): pass inputs={...}")
     step = dataclasses.replace(trainer_step(fake, world_size, rank or 0), fsdp=True, trainer=None)
+    if step.micro_batches > 2:  # under no_sync: the first, a middle and the last micro-step traced (4..k repeat the middle)
+        step = dataclasses.replace(step, trace_micro_steps=3)
+    if step.precision != "fp32":  # no autocast under FSDP2: accelerate's MixedPrecisionPolicy (param, reduce, output dtype)
+        step = dataclasses.replace(step, precision=f"{step.precision.split()[0]} MixedPrecisionPolicy (fp32 shards)")
     first = batch.tensors()[0]
     return StepSpec(type(model).__name__, model, Inputs(resizer(batch), tuple(first.shape), batch), None,
                     Target("cpu"), Training(step, None), shards, reuse=False)  # type: ignore[arg-type]  # (duck-typed: check_spec)

@@ -69,6 +69,10 @@ def test_one_process_fsdp_arguments_are_refused_naming_world_size(tmp_path: Any)
         graphmem.analyze(_llama(), _batch(), training_args=no_fsdp, world_size=2)
     with pytest.raises(UsageError, match="drop"):
         graphmem.analyze(_llama(), _batch(), training_args=fsdp_args(str(tmp_path)), world_size=2, optimizer="sgd")
+    offload = fsdp_args(str(tmp_path))
+    offload.fsdp_config["cpu_offload"] = True  # (read again when each rank rebuilds its arguments)
+    with pytest.raises(UsageError, match="not run per rank yet"):
+        graphmem.analyze(_llama(), _batch(), training_args=offload, world_size=2)
 
 
 def test_cli_training_args_with_fsdp(tmp_path: Any, capsys: Any) -> None:
@@ -87,15 +91,15 @@ def test_cli_training_args_with_fsdp(tmp_path: Any, capsys: Any) -> None:
     assert "FSDP2 (accelerate), rank 1 of 2" in capsys.readouterr().out
 
 
-def _exact(v: Any) -> None:
+def _exact(v: Any, gap: int = 0) -> None:
+    """Saved, before-step and state bytes exact on both ranks; each peak ``gap`` bytes under the real one."""
     assert v.ok, v.reason
     assert v.ranks == (0, 1)
     for rank in (0, 1):
         for name in ("saved for backward", "before the step", "optimizer states"):
             assert v.row(name, rank).difference == 0, (name, rank)
         for name in ("peak", "peak (later steps)"):
-            row = v.row(name, rank)
-            assert abs(row.difference) <= 0.01 * row.measured, (name, rank, row)
+            assert v.row(name, rank).difference == -gap, (name, rank, v.row(name, rank))
 
 
 @pytest.mark.slow  # ~120 s: a real 2-process gloo job
@@ -108,7 +112,12 @@ def test_tiny_llama_fsdp_ranks_against_a_real_gloo_job(tmp_path: Any) -> None:
 
 @pytest.mark.slow  # ~120 s: a real 2-process gloo job
 def test_gpt2_fsdp_ranks_in_bf16_against_a_real_gloo_job(tmp_path: Any) -> None:
-    """bf16: accelerate's MixedPrecisionPolicy (bf16 parameters in compute, fp32 shards) on CPU."""
+    """bf16: accelerate's MixedPrecisionPolicy (bf16 parameters in compute, fp32 shards) on CPU; tied
+    embeddings (accelerate's tail unit holds the embedding with the LM head). The peaks are 48 B under
+    the real ones: HF GPT-2's NewGELUActivation multiplies by three Python floats that eager wraps in
+    0-dim float64 tensors (8 B each), kept by MulBackward0 and invisible to fake tensors, 2 blocks x 3 x
+    8 B (the single-device gap, tests/test_distributed.py SINGLE_GAP)."""
     v = graphmem.validate(_gpt2(), _batch(), training_args=fsdp_args(str(tmp_path), bf16=True), world_size=2)
     print(render_validation(v))
-    _exact(v)
+    _exact(v, gap=48)
+    assert "bf16 MixedPrecisionPolicy" in render_validation(v)

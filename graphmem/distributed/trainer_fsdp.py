@@ -29,7 +29,7 @@ from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recorder import _Mode, _Recorder
 from graphmem.capture.rng_states import rng_states
 from graphmem.capture.target import Target
-from graphmem.distributed.fsdp import fake_copy, local, watching
+from graphmem.distributed.fsdp import fake_copy, local, unsharded_grads, watching
 from graphmem.errors import GraphmemError
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
@@ -50,7 +50,7 @@ def capture_trainer_rank(module: nn.Module, inputs: Any, target: Target, p: Trai
                 wrapped = fake_copy(module, target.param_dtype)
                 cap.real_bookkeeping = True  # the meshes' own tensors are real
                 trainer = build_trainer(p.trainer_class, wrapped, p.args_class, p.fields, place=False)
-            runner = FsdpRunner(trainer)
+            runner = FsdpRunner(trainer, trace_micro_steps=3)  # (under no_sync: the first, a middle, the last)
             with runner.session():
                 with fake_mode, _real_meshes():
                     runner.prepare()  # accelerate's _prepare_fsdp2 (graphmem/training/hf_trainer_fsdp.py)
@@ -87,7 +87,7 @@ def _run(cap: _Recorder, fake_mode: _Mode, runner: FsdpRunner, wrapped: nn.Modul
         try:
             with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                     rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(fake_mode.values), \
-                    watching(cap), _on_cpu(runner.trainer), copied_inputs(runner.trainer):
+                    watching(cap), _on_cpu(runner.trainer), copied_inputs(runner.trainer), _named_unsharded(cap, runner.trainer):
                 cap.recording = True
                 marked: dict[str, list[int]] = {}
                 mark = marker(cap, param_sid, marked, False, local)  # rank r's shards (DTensors' local tensors)
@@ -107,6 +107,26 @@ def _run(cap: _Recorder, fake_mode: _Mode, runner: FsdpRunner, wrapped: nn.Modul
         cap.closed = True  # before the fake tensors die with this frame: those frees are after the step
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def _named_unsharded(cap: _Recorder, trainer: Any) -> Iterator[None]:
+    """Before each micro-step, the unsharded gradients the earlier ones left named "gradient": under
+    accelerate's ``no_sync`` (accelerator.py 1166-1171: ``set_requires_gradient_sync(False)`` for an
+    FSDP2 model, every micro-batch but the last) FSDP2 keeps them whole on the rank until the last one
+    reduce-scatters (graphmem/distributed/capture.py names them the same way)."""
+    step = trainer.training_step
+
+    def named(*args: Any, **kwargs: Any) -> Any:
+        for grad in unsharded_grads(trainer.model):
+            cap.relabel(grad, "gradient", "unsharded gradient, accumulated without sync (accelerate's no_sync)")
+        return step(*args, **kwargs)
+
+    trainer.training_step = named
+    try:
+        yield
+    finally:
+        del trainer.training_step
 
 
 @contextlib.contextmanager

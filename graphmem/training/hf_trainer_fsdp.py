@@ -126,8 +126,10 @@ class FsdpRunner(TrainerRunner):
     ``fsdp2_switch_optimizer_parameters`` (the optimizer over the DTensor shards). ``prepare`` runs it
     once, before the step (the capture holds the shards as the step's parameters; a real rank
     measures from there); the scheduler and ``_tr_loss`` are made at the first run, as for DDP.
-    Micro-steps but the last run under ``accelerator.no_sync(model)``, a nullcontext for an FSDP2
-    module (no ``no_sync``): FSDP2 reduce-scatters after every micro-batch, as in the launched job."""
+    Micro-steps but the last run under ``accelerator.no_sync(model)``, which for FSDP2 is
+    ``set_requires_gradient_sync(False)`` (accelerator.py 1166-1171): the unsharded gradients stay on the
+    rank until the last micro-batch reduce-scatters them. The capture traces three micro-steps then
+    (the first, a middle one, the last; 4..k repeat the middle: graphmem/distributed/trainer_fsdp.py)."""
 
     def __init__(self, trainer: Any, trace_micro_steps: int = 2) -> None:
         super().__init__(trainer, trace_micro_steps, launched=trainer.accelerator)  # (the fake group is the caller's)
