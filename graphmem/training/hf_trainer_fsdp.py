@@ -173,7 +173,7 @@ class TrainerShards:
 
     def check(self, spec: Any) -> None:
         if spec.target.mode == "compiled" or spec.target.device != "cpu":
-            raise UsageError("a Trainer's FSDP2 rank runs eagerly on the CPU target: drop `torch_compile` and use_cpu=True")
+            raise UsageError("a Trainer's FSDP2 rank runs eagerly on the CPU target: drop `torch_compile`, set `use_cpu=True`")
 
 
 def shards_of(trainer_class: type, model: Any, args: Any, world_size: int, rank: Optional[int]) -> TrainerShards:
