@@ -27,7 +27,9 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
     ``model`` is a transformers ``Trainer`` (its own step: graphmem/trainer_api.py; ``inputs`` or
-    ``input_shape``, and ``world_size``/``rank`` for one rank of its DDP job), an nn.Module (real, or built under ``torch.device("meta")``; an fx.GraphModule
+    ``input_shape``, and ``world_size``/``rank`` for one rank of its DDP job; a Hugging Face model with
+    ``training_args=`` TrainingArguments that ask for FSDP, ``world_size`` and ``rank``: that rank of the
+    Trainer's job, accelerate's own FSDP2 wrapping it, graphmem/training/hf_trainer_fsdp.py), an nn.Module (real, or built under ``torch.device("meta")``; an fx.GraphModule
     is one), a ``torch.export.ExportedProgram`` (its example inputs are used when none are
     given), a path to a model file or a ``.pt2`` exported program, or a preset name. Give ``inputs`` (a tensor or tuple of tensors; only shapes
     and dtypes are used) or ``input_shape``. Nothing real is allocated and the module is left
@@ -92,6 +94,16 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
                              f"job's rank); drop {', '.join(extra)}")
         return report_of(measure(trainer_spec(model, inputs, options.get("input_shape"), options.get("world_size", 1),
                                               options.get("rank"))))
+    if "training_args" in options:  # a Trainer built per rank: FSDP (graphmem/training/hf_trainer_fsdp.py)
+        from graphmem.trainer_api import fsdp_trainer_spec
+
+        extra = sorted(set(options) - {"training_args", "input_shape", "world_size", "rank", "trainer_class"})
+        if extra:
+            raise UsageError(f"a Trainer's step comes from its TrainingArguments (and `world_size`/`rank`); drop "
+                             f"{', '.join(extra)}")
+        return report_of(measure(fsdp_trainer_spec(model, options["training_args"], inputs, options.get("input_shape"),
+                                                   options.get("world_size", 1), options.get("rank"),
+                                                   options.get("trainer_class"))))
     if is_job_config(model):  # a torchtitan Trainer.Config: the job's own code per rank (graphmem/titan/)
         from graphmem.titan_api import OPTIONS, job_spec
 

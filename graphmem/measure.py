@@ -23,6 +23,7 @@ from graphmem.distributed.view import rank_view
 from graphmem.passes import liveness, notes, saved
 from graphmem.recapture import Captured, capture_rank_step, capture_stage_step, capture_step
 from graphmem.spec import Formula, Job, Ranks, Single, Stages, StepSpec
+from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.spec import units_of
 
 
@@ -74,6 +75,8 @@ def measure(spec: StepSpec) -> Measured:
         return Measured(spec, step, found, p.pipeline, split)
     if isinstance(p, Job):
         return _job(spec, p)
+    if isinstance(p, TrainerShards):  # a Trainer's FSDP2 rank, wrapped by accelerate's own code
+        return _trainer_shards(spec, p)
     raise AssertionError(f"unknown parallel setting {p!r}")  # StepSpec refuses any other where it is built
 
 
@@ -125,6 +128,21 @@ def _job(spec: StepSpec, p: Job) -> Measured:
                "chunks); attention is torch's context parallel (SDPA: ring attention; FlexAttention: keys and "
                "values all-gathered), run per rank on fake tensors",) if cp > 1 else ()
     return Measured(spec, step, notes(g) + (p.describe(),) + routing + context + job_memory_lines(g, p.rank))
+
+
+def _trainer_shards(spec: StepSpec, p: TrainerShards) -> Measured:
+    """A Trainer's FSDP2 rank, wrapped by accelerate's own code (graphmem/distributed/trainer_fsdp.py): the passes and the whole step's
+    table over rank r's own graph (its shards, its optimizer states)."""
+    from graphmem.distributed.trainer_fsdp import capture_trainer_rank
+    from graphmem.training.spec import step_budget
+
+    g = capture_trainer_rank(spec.module, spec.inputs.captured, spec.target, p)
+    g.train = spec.training.train
+    lv, sv = liveness(g), saved(g)
+    training = dataclasses.replace(spec.training, train=g.train)
+    budget = step_budget(g, lv, sv, training, spec.module, (), p.describe())
+    step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
+    return Measured(spec, step, notes(g))
 
 
 def job_memory_lines(g: Any, rank: int) -> tuple[str, ...]:

@@ -99,6 +99,8 @@ def check_ranks(trainer: Any, world_size: Any, rank: Any) -> None:
 
 def trainer_from_file(model: Any, path: str) -> Any:
     """A ``transformers.Trainer`` around ``model`` with the TrainingArguments of a JSON or YAML file
+    (or, when they ask for FSDP, the TrainingArguments themselves: the Trainer is then built per rank,
+    ``fsdp_trainer_spec``)
     (``HfArgumentParser(TrainingArguments).parse_json_file`` / ``parse_yaml_file``). The model may be
     on the meta device (graphmem/capture/load.py): the arguments leave it where it is
     (``place_model_on_device``, the property TrainingArguments documents for overriding)."""
@@ -128,11 +130,59 @@ def trainer_from_file(model: Any, path: str) -> Any:
     except Exception as e:  # a malformed file, an unknown field, a value TrainingArguments refuses
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"training_args {path!r} is not readable as TrainingArguments: {first}") from None
-    if args.fsdp:  # Trainer.__init__ raises "Using fsdp only works in distributed training." in one process
-        raise UsageError(f"training_args {path!r} ask for FSDP, which the Trainer builds only when launched on several "
-                         "processes (and accelerate runs only on accelerators: on CPUs it wraps DDP): analyze the model "
-                         "per rank with `fsdp='fully_shard'` and `world_size`, or drop fsdp for the DDP step")
+    if args.fsdp:  # Trainer.__init__ raises "Using fsdp only works in distributed training." in one process:
+        return args  # the Trainer is built per rank (graphmem/distributed/trainer_fsdp.py)
     return Trainer(model=model, args=args)
 
 
-__all__ = ["check_ranks", "trainer_batch", "trainer_from_file", "trainer_spec"]
+def fsdp_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
+                      input_shape: Union[str, tuple, list, None] = None, world_size: int = 1,
+                      rank: Optional[int] = None, trainer_class: Any = None) -> StepSpec:
+    """The StepSpec of rank ``rank`` (default 0) of the Trainer (``trainer_class``, default
+    ``transformers.Trainer``) around ``model`` with ``training_args`` that ask for FSDP, launched on
+    ``world_size`` processes: the Trainer is built per rank and accelerate's own FSDP2 code wraps the
+    model (graphmem/training/hf_trainer_fsdp.py). The batch: ``inputs``, or ``input_shape``'s samples
+    made for the model (graphmem/capture/hf.py) through ``default_data_collator`` (the Trainer's
+    collator when it is given no processing class).
+
+    >>> args = TrainingArguments("out", use_cpu=True, fsdp="full_shard auto_wrap")  # doctest: +SKIP
+    >>> graphmem.analyze(model, training_args=args, world_size=8, rank=0, input_shape=(2, 512))  # doctest: +SKIP
+    """
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from graphmem.training.hf_trainer_fsdp import shards_of
+    from graphmem.training.peft_lora import is_hf_model
+
+    if not isinstance(training_args, TrainingArguments):
+        raise UsageError(f"`training_args` is {type(training_args).__name__}, not transformers.TrainingArguments")
+    if not training_args.fsdp:
+        raise UsageError("`training_args` without fsdp: build the Trainer and pass it, graphmem.analyze(trainer)")
+    if world_size == 1:
+        raise UsageError("the TrainingArguments ask for FSDP, which the Trainer runs only launched on several "
+                         "processes: give `world_size` (> 1) and `rank` for one rank of the job")
+    if not is_hf_model(model):
+        raise UsageError(f"`training_args` builds a transformers Trainer around a Hugging Face model; "
+                         f"{type(model).__name__} is not one")
+    shards = shards_of(trainer_class or Trainer, model, training_args, world_size, rank)
+    fake = type("Planned", (), {"args": training_args, "optimizer": None})()  # what trainer_step reads
+    check_ranks(fake, world_size, rank)
+    if inputs is None:
+        if input_shape is None:
+            raise UsageError("no inputs: pass inputs= (a batch dict) or `input_shape` (batch, seq) for the Trainer")
+        shape = shape_of(input_shape)
+        made = hf_batch(model, shape)
+        inputs = dict(default_data_collator([{k: v[i] for k, v in made.items()} for i in range(shape[0])]))
+    batch = as_batch(inputs)
+    if batch.form != "dict":
+        raise UsageError("a Trainer's batch is a dict of keyword inputs (as its dataloader yields): pass inputs={...}")
+    step = dataclasses.replace(trainer_step(fake, world_size, rank or 0), fsdp=True, trainer=None)
+    if step.micro_batches > 2:  # under no_sync: the first, a middle and the last micro-step traced (4..k repeat the middle)
+        step = dataclasses.replace(step, trace_micro_steps=3)
+    if step.precision != "fp32":  # no autocast under FSDP2: accelerate's MixedPrecisionPolicy (param, reduce, output dtype)
+        step = dataclasses.replace(step, precision=f"{step.precision.split()[0]} MixedPrecisionPolicy (fp32 shards)")
+    first = batch.tensors()[0]
+    return StepSpec(type(model).__name__, model, Inputs(resizer(batch), tuple(first.shape), batch), None,
+                    Target("cpu"), Training(step, None), shards, reuse=False)  # type: ignore[arg-type]  # (duck-typed: check_spec)
+
+
+__all__ = ["check_ranks", "fsdp_trainer_spec", "trainer_batch", "trainer_from_file", "trainer_spec"]

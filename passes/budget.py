@@ -40,7 +40,7 @@ __all__ = ["ROWS", "Budget", "BudgetRow", "Parallel", "budget", "later_steps_pea
 
 ROWS = ("parameters", "buffers", "gradients", "optimizer states", "master copies", "activations", "temporaries")
 COMMUNICATION = "communication buffers"  # a row of its own where the step has any (at the peak, as temporaries)
-COMM_NOTE = "the wrappers' collective buffers live at the peak (DDP's gradient buckets: held for the job)"
+COMM_NOTE = "the wrappers' collective buffers live at the peak (DDP's gradient buckets, held for the job; FSDP2's all-gather and reduce-scatter buffers)"
 _KIND_ROW = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradients",
              "optimizer state": "optimizer states", "master": "master copies", "communication": COMMUNICATION}
 

@@ -89,6 +89,7 @@ def trainer_report(args: argparse.Namespace) -> Any:
     from graphmem.capture.load import load
     from graphmem.cli.options import hf_of, target_of
     from graphmem.trainer_api import trainer_from_file
+    from graphmem.training.hf_trainer import is_trainer
 
     if args.plan or args.formula:
         raise UsageError("--training-args analyzes the Trainer's step; --plan and --formula are not run on it yet")
@@ -96,8 +97,11 @@ def trainer_report(args: argparse.Namespace) -> Any:
         raise UsageError("--training-args runs the Trainer's own step, per rank as a DDP job (--world-size N "
                          "[--rank R]); drop --zero, --fsdp and --tp")
     loaded = load(args.model, target=target_of(args), options=hf_of(args))
-    return analyze(trainer_from_file(loaded.module, args.training_args), input_shape=args.input_shape,
-                   world_size=args.world_size, rank=args.rank)
+    trainer = trainer_from_file(loaded.module, args.training_args)
+    if not is_trainer(trainer):  # FSDP arguments: the Trainer is built per rank (graphmem/training/hf_trainer_fsdp.py)
+        return analyze(loaded.module, training_args=trainer, input_shape=args.input_shape, world_size=args.world_size,
+                       rank=args.rank)
+    return analyze(trainer, input_shape=args.input_shape, world_size=args.world_size, rank=args.rank)
 
 
 class Presets:

@@ -55,6 +55,7 @@ def _validate(args: argparse.Namespace) -> int:
         if args.training_args:  # a transformers Trainer around the model, built for real on the CPU
             from graphmem.capture.load import load
             from graphmem.trainer_api import trainer_from_file
+            from graphmem.training.hf_trainer import is_trainer
             from graphmem.validation.trainer import validate_trainer
 
             if args.device != "cpu":
@@ -64,8 +65,13 @@ def _validate(args: argparse.Namespace) -> int:
                 raise UsageError("--training-args validates the Trainer's own step, per rank as a DDP job (--world-size N "
                                  f"[--rank R]); drop {', '.join('--' + k.replace('_', '-') for k in split)}")
             module = load(args.model, device="cpu", options=hf_of(args)).module
-            result = validate_trainer(trainer_from_file(module, args.training_args), input_shape=args.input_shape,
-                                      tolerance=args.tolerance, world_size=args.world_size, rank=args.rank)
+            trainer = trainer_from_file(module, args.training_args)
+            if is_trainer(trainer):
+                result = validate_trainer(trainer, input_shape=args.input_shape, tolerance=args.tolerance,
+                                          world_size=args.world_size, rank=args.rank)
+            else:  # FSDP arguments: the Trainer is built per rank (graphmem/validation/trainer_fsdp.py)
+                result = validate(module, input_shape=args.input_shape, tolerance=args.tolerance, training_args=trainer,
+                                  world_size=args.world_size, rank=args.rank)
         else:
             result = validate(args.model, input_shape=args.input_shape, device=args.device, tolerance=args.tolerance,
                               hf=hf_of(args), dtype=args.dtype, amp=args.amp, **loop_options(args),

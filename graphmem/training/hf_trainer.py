@@ -74,6 +74,7 @@ class TrainerStep(TrainStep):
     compiled: str = ""  # the torch_compile_backend when args.torch_compile
     world_size: int = 1  # > 1: rank ``rank`` of a DDP job (graphmem/training/hf_trainer_ddp.py)
     rank: int = 0
+    fsdp: bool = False  # the job is accelerate's FSDP2 (graphmem/training/hf_trainer_fsdp.py), not DDP
     # the transformers.Trainer whose step this is (a live object: not in the report's JSON)
     trainer: Any = field(default=None, compare=False, repr=False, metadata={"json": False})
 
@@ -97,7 +98,8 @@ class TrainerStep(TrainStep):
         if self.compiled:
             parts.append(f"torch.compile ({self.compiled})")
         if self.world_size > 1:
-            parts.append(f"DistributedDataParallel, rank {self.rank} of {self.world_size}")
+            wrapper = "FSDP2 (accelerate)" if self.fsdp else "DistributedDataParallel"
+            parts.append(f"{wrapper}, rank {self.rank} of {self.world_size}")
         return ", ".join(parts)
 
     def to_dict(self, device: str = "cpu") -> dict[str, Any]:
@@ -105,7 +107,8 @@ class TrainerStep(TrainStep):
                 "master_weights": False, "micro_batches": self.micro_batches, "max_grad_norm": self.max_grad_norm,
                 "precision": self.precision, "gradient_checkpointing": self.checkpointing,
                 "lr_scheduler": self.scheduler, "torch_compile": self.compiled or None,
-                "ddp": {"world_size": self.world_size, "rank": self.rank} if self.world_size > 1 else None}
+                "ddp": {"world_size": self.world_size, "rank": self.rank} if self.world_size > 1 and not self.fsdp else None,
+                "fsdp2": {"world_size": self.world_size, "rank": self.rank} if self.fsdp else None}
 
 
 def trainer_step(trainer: Any, world_size: int = 1, rank: int = 0) -> TrainerStep:
@@ -141,7 +144,7 @@ def check_trainer(trainer: Any, launched: bool = False) -> None:
     if trainer.args.device.type != "cpu":  # _prepare_inputs would move the fake batch off the CUDA target's fake CPU tensors
         raise UsageError(f"the Trainer runs on {trainer.args.device.type}; graphmem runs a Trainer's step on the CPU target "
                          "for now: set use_cpu=True in its TrainingArguments, or analyze the model with device='cuda'")
-    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or (trainer.args.world_size > 1 and not launched):
+    if trainer.is_deepspeed_enabled or ((trainer.is_fsdp_enabled or trainer.args.world_size > 1) and not launched):
         raise UsageError("the Trainer is set up for several processes (DeepSpeed, FSDP or DDP); graphmem runs one "
                          "rank's step of a Trainer built in one process: pass `world_size`/`rank` for DDP, or analyze "
                          "the model with `fsdp`/`zero`/`rank` for per-rank memory")
@@ -345,7 +348,8 @@ def _prepared(trainer: Any, model: nn.Module) -> Iterator[nn.Module]:
     last, ``torch.compile`` under ``torch_compile``), yielding the module it returns, undone
     afterwards so the user's model is left as it was."""
     acc = trainer.accelerator
-    if not (acc.native_amp or trainer.args.torch_compile) or hasattr(model, "_original_forward"):
+    # FSDP2: ``_prepare_fsdp2`` never calls prepare_model (no autocast; its MixedPrecisionPolicy casts)
+    if not (acc.native_amp or trainer.args.torch_compile) or hasattr(model, "_original_forward") or trainer.is_fsdp_enabled:
         yield model
         return
     before = dict(model.__dict__)

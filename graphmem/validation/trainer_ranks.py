@@ -64,6 +64,7 @@ class TrainerJob:
     batch: bytes  # the batch the prediction used, pickled
     threads: int  # the prediction's thread count (the CPU scratch rules depend on it: graphmem/oprules/)
     compiled: bool = False  # torch_compile: each rank compiles before it measures (``_measure_rank``)
+    fsdp: bool = False  # the arguments ask for FSDP: accelerate's FSDP2 job (graphmem/validation/trainer_fsdp.py)
 
 
 def validate_trainer_ranks(trainer: Any, inputs: Any, world_size: int, rank: Optional[int], tol: float) -> Validation:
@@ -172,6 +173,8 @@ def _rank_main(rank: int, job: TrainerJob, world_size: int, port: int, out: str)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(job.threads)  # (a spawned process: it ends with the job)
+    if job.fsdp:  # accelerate's PartialState leaves the thread count as it is (graphmem/training/hf_trainer_fsdp.py)
+        os.environ["OMP_NUM_THREADS"] = str(job.threads)
     settle_collectives()
     try:
         with without_profiler_log():
@@ -182,14 +185,17 @@ def _rank_main(rank: int, job: TrainerJob, world_size: int, port: int, out: str)
             dist.destroy_process_group()
 
 
+def _named(where: tuple[str, str]) -> Any:
+    """The object a (module, qualified name) pair names."""
+    found: Any = importlib.import_module(where[0])
+    for part in where[1].split("."):
+        found = getattr(found, part)
+    return found
+
+
 def _rebuild(job: TrainerJob) -> Any:
     """The Trainer as this rank of the job builds it (its arguments set up the gloo process group)."""
-    def named(where: tuple[str, str]) -> Any:
-        found: Any = importlib.import_module(where[0])
-        for part in where[1].split("."):
-            found = getattr(found, part)
-        return found
-
+    named = _named
     torch.manual_seed(0)
     model = torch.load(io.BytesIO(job.model), weights_only=False)
     return named(job.trainer_class)(model=model, args=named(job.args_class)(**job.args))
@@ -199,6 +205,14 @@ def _measure_rank(job: TrainerJob, world_size: int) -> dict[str, int]:
     """This rank's figures: the first step's least peak and before-step bytes (a free the profiler misses only
     raises either), saved and state bytes, over ``TRAINER_REPEATS`` fresh Trainers, and a later step's least
     peak over as many (each after one unmeasured step)."""
+    if job.fsdp:
+        from graphmem.validation.trainer_fsdp_rank import measure_fsdp_rank
+
+        result = measure_fsdp_rank(job, _named)
+        if UNSETTLED[0]:
+            raise GraphmemError(f"gloo's thread did not release {UNSETTLED[0]} collective(s) within {PATIENCE:.0f} s: "
+                                "the machine is too loaded to measure; run validate again on a quieter one")
+        return result
     kept: list[Any] = []
     if job.compiled:  # compiled by a Trainer of its own (as measure_trainer compiles first): the measured steps
         _measured(job, world_size, 0, kept)  # run dynamo's cached code (its guards do not name the model object)

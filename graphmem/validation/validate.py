@@ -101,6 +101,15 @@ def validate(
             raise UsageError(f"a Trainer's step is set by its TrainingArguments, not {', '.join(f'`{k}`' for k in unknown)}"
                              ": drop it (`world_size`/`rank` validate its DDP ranks)")
         return validate_trainer(model, inputs, input_shape, tolerance, **options)  # type: ignore[no-any-return]
+    if "training_args" in options:  # a Trainer with FSDP arguments, built per rank (graphmem/validation/trainer_fsdp.py)
+        from graphmem.validation.trainer_fsdp import validate_fsdp_ranks
+
+        unknown = sorted(set(options) - {"training_args", "world_size", "rank", "trainer_class"})
+        if unknown or loss is not None or hf is not None:
+            raise UsageError("a Trainer's step is set by its TrainingArguments: give `training_args`, `world_size`, `rank` "
+                             "(and `trainer_class`) only")
+        return validate_fsdp_ranks(model, options["training_args"], inputs, input_shape, tolerance,
+                                   options.get("world_size", 1), options.get("rank"), options.get("trainer_class"))
     dev = _device(device)
     tol = checked_tolerance(tolerance)
     if inputs is None and input_shape is None:
