@@ -124,10 +124,7 @@ def _job(spec: StepSpec, p: Job) -> Measured:
     context = (f"context parallel: each rank holds 1/{cp} of every sequence (torchtitan's load balancer's "
                "chunks); attention is torch's context parallel (SDPA: ring attention; FlexAttention: keys and "
                "values all-gathered), run per rank on fake tensors",) if cp > 1 else ()
-    from graphmem.oprules.symm_mem import workspace_line
-
-    return Measured(spec, step, notes(g) + (p.describe(),) + routing + context + workspace_line(g.ops)
-                    + job_memory_lines(g, p.rank))
+    return Measured(spec, step, notes(g) + (p.describe(),) + routing + context + job_memory_lines(g, p.rank))
 
 
 def job_memory_lines(g: Any, rank: int) -> tuple[str, ...]:

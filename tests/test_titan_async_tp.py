@@ -137,6 +137,10 @@ def test_workspace_is_reported_apart(jobs) -> None:
     shard = 1 * (64 // TP) * DIM * BF16
     assert workspace_bytes(fused.ops) == shard + _SymmetricMemory.signal_pad_size
     assert workspace_bytes(plain.ops) == 0
+    from passes import notes
+
+    assert [n for n in notes(fused) if n.startswith("symmetric memory workspace: 13.00 KiB")]  # 4,096 + 9,216 B
+    assert not [n for n in notes(plain) if "symmetric" in n]
 
 
 @pytest.mark.slow

@@ -181,9 +181,9 @@ def workspace_line(ops: Any) -> tuple[str, ...]:
     need = workspace_bytes(ops)
     if not need:
         return ()
-    from graphmem.units import fmt_bytes
-
-    return (f"symmetric memory workspace: {fmt_bytes(need)} for the TP group (AsyncTP's fused ops; allocated by "
+    size = f"{need / 2 ** 30:.2f} GiB" if need >= 2 ** 30 else f"{need / 2 ** 20:.2f} MiB" if need >= 2 ** 20 \
+        else f"{need / 2 ** 10:.2f} KiB"
+    return (f"symmetric memory workspace: {size} for the TP group (AsyncTP's fused ops; allocated by "
             "the symmetric-memory allocator, torch/csrc/distributed/c10d/symm_mem/SymmetricMemory.hpp, outside the "
             "CUDA caching allocator: not in max allocated or max reserved; the driver rounds it up to its "
             "allocation granularity)",)
