@@ -66,7 +66,7 @@ def _phase_peak(g, phase: str, end: str) -> int:
 
 @pytest.mark.slow
 def test_fused_ops_replace_the_tp_matmuls(jobs) -> None:
-    """torchtitan's TP plan for a llama3 block (models/common/decoder_sharding.py): ``wqkv`` and
+    """torchtitan's TP plan for a llama3 block (torchtitan/models/common/decoder_sharding.py): ``wqkv`` and
     ``w1``/``w3`` column-wise after an all-gather of the sequence-parallel input (one fused op
     each, its matmuls sharing the gathered input: 1 and 2 weights), ``wo`` and ``w2`` row-wise,
     whose input gradients all-gather the output gradient before their matmul (one fused op each
