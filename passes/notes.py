@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from graphmem.oprules import note_rule
+from graphmem.oprules.symm_mem import workspace_line
 from graphmem.stepgraph import StepGraph
 
 
@@ -11,4 +12,5 @@ def notes(g: StepGraph) -> tuple[str, ...]:
         rule = note_rule(node.target, g.device)
         if rule is not None:
             found.setdefault(rule(node), None)
-    return tuple(n for n in found if n)  # a rule returns "" for an op another rule covers
+    # a rule returns "" for an op another rule covers; AsyncTP's workspace is held outside the allocator
+    return tuple(n for n in found if n) + workspace_line(g.ops)

@@ -257,7 +257,10 @@ class _Recorder:
                       {k: self._arg(v) for k, v in kwargs.items()} if kwargs else {}, f"op{index}")
         self.ops.append(node)
         module = self.module_now()
-        outs = out if isinstance(out, (tuple, list)) else (out,)
+        multi = isinstance(out, (tuple, list))
+        outs = out if multi else (out,)
+        if multi and any(isinstance(t, (tuple, list)) for t in outs):  # a list inside the outputs, flattened
+            outs = tuple(x for t in outs for x in (t if isinstance(t, (tuple, list)) else (t,)))  # (symm_mem's (A, [C]))
         metas = []
         new_bytes = 0
         for i, t in enumerate(outs):
@@ -270,13 +273,13 @@ class _Recorder:
                     src = self.live.get(args[0].untyped_storage()._cdata)
                     s.source = src.sid if src is not None else None
             metas.append((tuple(t.shape), t.dtype, s.sid))
-            if outs is out:
+            if multi:
                 setattr(t, _NODE, (node, i))
             else:
                 setattr(t, _NODE, node)
         node.meta.update(index=index, phase=self.phase, module=module, outputs=tuple(metas),
                          bytes=new_bytes)
-        if len(metas) != len(outs) and outs is out:  # some outputs are not tensors: where each tensor is
+        if len(metas) != len(outs) and multi:  # some outputs are not tensors: where each tensor is
             node.meta["positions"] = tuple(i for i, t in enumerate(outs) if isinstance(t, torch.Tensor))
         if self.phase == "backward" and len(self.stack) > 1:
             node.meta["recompute"] = True  # a checkpointed segment's forward, run again

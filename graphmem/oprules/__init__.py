@@ -8,7 +8,8 @@ workspace and scratch; cuDNN's note) · flash_attention.py (CPU flash attention,
 flash backward) · efficient_attention.py (the CUDA target's memory-efficient attention) ·
 layer_norm.py · embedding.py · dropout.py (the fused CPU dropout compiled mode calls) · conv.py
 with conv_gemm.py, conv_dw.py, conv_jit.py (oneDNN's convolution; cuDNN's note) · collectives.py
-(gloo's scratch, ``wait_tensor``) · bnb.py (bitsandbytes' 4-bit matmul and optimizers: loaded
+(gloo's scratch, ``wait_tensor``) · symm_mem.py (AsyncTP's fused all-gather/reduce-scatter matmuls on
+CUDA, the symmetric-memory workspace) · bnb.py (bitsandbytes' 4-bit matmul and optimizers: loaded
 with the first bitsandbytes op, so bitsandbytes is never imported for models without one).
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from graphmem.oprules import (  # noqa: F401  (each registers its family's rules
     layer_norm,
     matmul,
     rnn,
+    symm_mem,
 )
 from graphmem.oprules.registry import RULES, WORKSPACE_OUTPUTS, KernelRule, NoteRule, Rule, Scratch, find
 

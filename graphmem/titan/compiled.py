@@ -28,18 +28,25 @@ from graphmem.capture.compiled_cuda import example_values_ruled, graphs_unruled
 from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
+from graphmem.titan.async_tp import async_tp_state, graph_pass, runs_pass
 
 
 class _JobBackend(_Backend):
     """graphmem's backend for a job's compiled blocks: one compiled code serves every block
     (dynamo's guards do not specialize on the module), so a forward graph's nodes name modules
     inside the block, and the block running now (the recorder's innermost module,
-    ``attributed``) prefixes them; a backward graph's nodes are left to the recorder."""
+    ``attributed``) prefixes them; a backward graph's nodes are left to the recorder.
+    ``graph_pass``: what Inductor's post-grad passes do to each split graph that changes its ops
+    (AsyncTP's micro-pipeline pass, graphmem/titan/async_tp.py), run before the graph is kept."""
+
+    graph_pass: Any = None
 
     def _compiler(self, kind: str) -> Any:
         inner = super()._compiler(kind)
 
         def compile(gm: Any, example_inputs: list) -> Any:
+            if self.graph_pass is not None:
+                self.graph_pass(gm)
             run = inner(gm, example_inputs)
             cg = self.graphs[-1]
             relative = dict(cg.modules)  # node -> path inside the block ("": the block itself)
@@ -104,8 +111,12 @@ def compiled_regions(cfg: Any, cap: _Recorder, target: Target, backends: dict[st
     if named not in ("inductor", "aot_eager"):
         raise UsageError(f"the job compiles with `compile.backend={named!r}`: graphmem partitions as 'inductor' or "
                          "'aot_eager' do; set one of them")
+    if target.device == "cpu" and runs_pass(cfg):
+        raise UsageError("the job enables `compile.enable_async_tensor_parallel`, whose fused ops run on CUDA's "
+                         "symmetric memory only: analyze it with `device='cuda'`")
     backend = _JobBackend(frozenset(), dataclasses.replace(target, compile_backend=named), backends)
     backend.recorder, backend.replaying = cap, True  # one pass: each graph runs on the step's fake tensors
+    backend.graph_pass = graph_pass(cfg)  # AsyncTP with Inductor: its micro-pipeline pass (async_tp.py)
     kept_compile = convert_frame._compile
     cfg.compile.backend = backend  # torchtitan passes it to ``module.compile(backend=...)``
 
@@ -116,7 +127,7 @@ def compiled_regions(cfg: Any, cap: _Recorder, target: Target, backends: dict[st
     convert_frame._compile = compile_unrecorded
     try:
         with partition_config(target.memory_budget), unlogged(), example_values_ruled(target), \
-                flex_regions_decided(named, backend):
+                flex_regions_decided(named, backend), async_tp_state():
             yield backend
     finally:
         cfg.compile.backend, convert_frame._compile = kept_backend, kept_compile
