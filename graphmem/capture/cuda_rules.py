@@ -225,6 +225,19 @@ def _translating(step: int) -> None:
     torch.get_autocast_dtype = _QUERIES["get_autocast_dtype"] if on else _GET_DTYPE
 
 
+@contextlib.contextmanager
+def cuda_regions() -> Iterator[None]:
+    """While entered, a ``torch.autocast`` made for the fake tensors' device type is the CUDA region it
+    stands for (``_translated_init``): what a GPU run's ``torch.autocast(device_type="cuda")`` is, for
+    code that builds its autocast before the step runs (accelerate's ``prepare_model``,
+    graphmem/training/hf_trainer_cuda.py)."""
+    _translating(+1)
+    try:
+        yield
+    finally:
+        _translating(-1)
+
+
 def sdpa(target: Target, used: dict[str, int], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
          attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
          scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
@@ -290,9 +303,13 @@ class CudaRules(TorchFunctionMode):
             _translating(+1)
         return super().__enter__()
 
-    def __exit__(self, *exc: Any) -> Any:
+    def clear_casts(self) -> None:
+        """Empty the cached parameter casts, as ``torch.clear_autocast_cache`` empties CUDA autocast's."""
         with self.clearing():
-            self.casts.clear()  # autocast empties its cast cache when its outermost context exits
+            self.casts.clear()
+
+    def __exit__(self, *exc: Any) -> Any:
+        self.clear_casts()  # autocast empties its cast cache when its outermost context exits
         out = super().__exit__(*exc)
         if self.owns_state:
             _translating(-1)
