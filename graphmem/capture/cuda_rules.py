@@ -225,19 +225,6 @@ def _translating(step: int) -> None:
     torch.get_autocast_dtype = _QUERIES["get_autocast_dtype"] if on else _GET_DTYPE
 
 
-@contextlib.contextmanager
-def cuda_regions() -> Iterator[None]:
-    """While entered, a ``torch.autocast`` made for the fake tensors' device type is the CUDA region it
-    stands for (``_translated_init``): what a GPU run's ``torch.autocast(device_type="cuda")`` is, for
-    code that builds its autocast before the step runs (accelerate's ``prepare_model``,
-    graphmem/training/hf_trainer_cuda.py)."""
-    _translating(+1)
-    try:
-        yield
-    finally:
-        _translating(-1)
-
-
 def sdpa(target: Target, used: dict[str, int], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
          attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
          scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:

@@ -32,9 +32,8 @@ graphmem's compiled capture of the same model (graphmem/capture/compiled.py), wi
 backend asked for (``inductor``: graphmem/capture/inductor_partition.py).
 
 Known limitations: no DeepSpeed or FSDP (DDP: one rank of N, graphmem/training/hf_trainer_ddp.py);
-``torch_compile`` with ``COMPILE_BACKENDS`` in the default mode only, on the CPU target; callbacks and the
-``include_num_input_tokens_seen`` bookkeeping are not run (no tensors of the step); a scheduler passed
-in ``optimizers=`` is replaced by ``args.lr_scheduler_type``'s (its memory is Python numbers).
+``torch_compile`` with ``COMPILE_BACKENDS``, default mode, CPU target only; callbacks and
+``include_num_input_tokens_seen`` are not run (no tensors); ``optimizers=``' scheduler is ``args.lr_scheduler_type``'s.
 """
 from __future__ import annotations
 
@@ -48,7 +47,7 @@ import torch.nn as nn
 
 from graphmem.errors import UsageError
 from graphmem.training.batch import as_batch
-from graphmem.training.hf_trainer_cuda import cuda_regions, cuda_step, mark_states, on_fake_cpu, pin_foreach
+from graphmem.training.hf_trainer_cuda import cuda_step, mark_states, on_fake_cpu, pin_foreach
 from graphmem.training.hf_trainer_ddp import ranks, wrap_ddp
 from graphmem.training.loop import Mark, TrainStep
 from graphmem.training.optim import ScalarReads, state_tensors
@@ -166,6 +165,7 @@ class TrainerRunner:
                  launched: Any = None, device: str = "cpu") -> None:
         check_trainer(trainer, launched=launched is not None)
         self.cuda = device == "cuda"  # the CUDA target (graphmem/training/hf_trainer_cuda.py)
+        self.deferred = contextlib.ExitStack()  # the CUDA target's accelerate prepare_model, made in the first run
         self.trainer, self.model = trainer, trainer.model
         self.world_size, self.rank = world_size, rank
         self.launched = launched  # in a real rank: the DistributedDataParallel accelerate's prepare_model made
@@ -205,8 +205,8 @@ class TrainerRunner:
         enabled = _enable_checkpointing(t)
         try:
             # (a real rank's model was prepared by accelerate already: ``launched``, DDP or torch.compile over it)
-            with ranks(t, self.world_size, self.rank), on_fake_cpu(t) if self.cuda else contextlib.nullcontext(), \
-                    _prepared(t, self.model, self.cuda) if self.launched is None else contextlib.nullcontext(self.launched) as prepared:
+            with ranks(t, self.world_size, self.rank), on_fake_cpu(t) if self.cuda else contextlib.nullcontext(), self.deferred, \
+                    _prepared(t, self.model) if self.launched is None and not self.cuda else contextlib.nullcontext(self.launched) as prepared:
                 self.compiled = prepared if t.args.torch_compile else None
                 yield self
         finally:
@@ -251,7 +251,9 @@ class TrainerRunner:
         autograd nodes; ``fake`` runs ``trace_micro_steps`` micro-steps (3..k repeat 2) and answers
         ``.item()``. A step cut short (the compiled trace stops at backward) leaves no optimizer behind."""
         try:
-            with cuda_step(forward_context, fake) if self.cuda else contextlib.nullcontext(contextlib.nullcontext) as rules:
+            prepare = None if self.started else functools.partial(_prepared, self.trainer, self.model)
+            with cuda_step(forward_context, fake, self.deferred, prepare) if self.cuda \
+                    else contextlib.nullcontext(contextlib.nullcontext) as rules:
                 return self._run(forward, inputs, loss_fn, on_phase, mark, fake, rules)
         except BaseException:
             self.restart()
@@ -345,18 +347,17 @@ class CompiledModel(nn.Module):
 
 
 @contextlib.contextmanager
-def _prepared(trainer: Any, model: nn.Module, cuda: bool = False) -> Iterator[nn.Module]:
+def _prepared(trainer: Any, model: nn.Module) -> Iterator[nn.Module]:
     """accelerate's ``prepare_model`` (autocast around forward, outputs back to fp32 under bf16/fp16;
     last, ``torch.compile`` under ``torch_compile``), yielding the module it returns, undone
-    afterwards so the user's model is left as it was; ``cuda``: its autocast is CUDA's region."""
+    afterwards so the user's model is left as it was."""
     acc = trainer.accelerator
     # FSDP2: ``_prepare_fsdp2`` never calls prepare_model (no autocast; its MixedPrecisionPolicy casts)
     if not (acc.native_amp or trainer.args.torch_compile) or hasattr(model, "_original_forward") or trainer.is_fsdp_enabled:
         yield model
         return
     before = dict(model.__dict__)
-    with cuda_regions() if cuda else contextlib.nullcontext():
-        prepared = acc.prepare_model(model, device_placement=False)
+    prepared = acc.prepare_model(model, device_placement=False)
     try:
         yield prepared
     finally:  # forward, _original_forward, _is_accelerate_prepared back as they were
@@ -368,8 +369,7 @@ def _prepared(trainer: Any, model: nn.Module, cuda: bool = False) -> Iterator[nn
 @contextlib.contextmanager
 def _phases(trainer: Any, on_phase: Callable[[str], None], loss_fn: Optional[LossFn],
             rules: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> Iterator[None]:
-    """Phase marks around the Trainer's own ``compute_loss`` (under ``rules()`` on the CUDA target) and
-    accelerate's ``backward`` (wrappers)."""
+    """Phase marks around the Trainer's ``compute_loss`` (in ``rules()``) and accelerate's ``backward``."""
     compute_loss, backward = trainer.compute_loss, trainer.accelerator.backward
 
     def marked_loss(*args: Any, **kwargs: Any) -> Any:

@@ -10,8 +10,11 @@ accelerate 1.15 ``accelerator.py``/``utils/modeling.py``):
   ``get_batch_samples``' token count and ``_tr_loss`` stay on the fake CPU tensors (on this machine
   they read ``cpu`` already: a GPU user's TrainingArguments fall back to the CPU where none is found);
 - accelerate's ``prepare_model`` builds its autocast once, ``torch.autocast(device_type=state.device.type,
-  dtype=bf16)`` (``get_mixed_precision_context_manager``): it is built under ``cuda_regions``, so it is
-  CUDA's autocast region, whose casts follow CUDA's lists (``CudaRules``), not CPU autocast;
+  dtype=bf16)`` (``get_mixed_precision_context_manager``): the runner calls it in its first run, inside
+  the target's rules, where an autocast made for the fake tensors' device type is the CUDA region it
+  stands for (graphmem/capture/cuda_rules.py ``_translated_init``), whose casts follow CUDA's lists,
+  not CPU autocast's; so is CUDA autocast's state, the target's ``amp`` (bf16 under ``bf16=True``),
+  in a checkpoint's recompute, as torch.utils.checkpoint restores the forward's on the GPU;
 - ``compute_loss`` (forward and the model's loss) runs under the target's ``CudaRules`` (SDPA's CUDA
   kernel, the fused dropout, CUDA autocast's casts where accelerate's region turns it on); the
   rules' cast cache is emptied where ``torch.autocast.__exit__`` empties autocast's, at the end of the
@@ -26,16 +29,15 @@ accelerate 1.15 ``accelerator.py``/``utils/modeling.py``):
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.nn as nn
 
-from graphmem.capture.cuda_rules import cuda_regions
 from graphmem.training.loop import Mark
 from graphmem.training.optim import HOST_STATE, state_tensors
 
-__all__ = ["cuda_regions", "cuda_step", "mark_states", "on_fake_cpu", "pin_foreach"]
+__all__ = ["cuda_step", "mark_states", "on_fake_cpu", "pin_foreach"]
 
 
 @contextlib.contextmanager
@@ -82,9 +84,12 @@ def mark_states(mark: Mark, model: nn.Module, optimizer: Any, cuda: bool) -> Non
 
 
 @contextlib.contextmanager
-def cuda_step(forward_context: Callable[[], Any], fake: bool) -> Iterator[Callable[[], ContextManager[Any]]]:
-    """What the CUDA target changes for one run of the step. Yields the target's rules
-    (``forward_context()``: one ``CudaRules``) for each ``compute_loss``; while inside,
+def cuda_step(forward_context: Callable[[], Any], fake: bool, deferred: contextlib.ExitStack,
+              prepare: Optional[Callable[[], ContextManager[Any]]]) -> Iterator[Callable[[], ContextManager[Any]]]:
+    """What the CUDA target changes for one run of the step. ``prepare`` (the first run: accelerate's
+    ``prepare_model``) is entered into ``deferred`` (the runner's session) under the target's rules
+    (``forward_context()``: one ``CudaRules``), so the autocast it builds is CUDA's. Yields the rules
+    for each ``compute_loss``; while inside,
     ``torch.clear_autocast_cache`` (called by the outermost autocast region's exit) also empties the
     rules' cast cache. ``fake``: fake tensors count as the plain tensors they stand for in
     ``torch.utils._foreach_utils._has_foreach_support`` (its ``type(t) in [torch.Tensor]`` check), so
@@ -99,6 +104,9 @@ def cuda_step(forward_context: Callable[[], Any], fake: bool) -> Iterator[Callab
         clear()
         rules.clear_casts()
 
+    if prepare is not None:
+        with rules:
+            deferred.enter_context(prepare())
     torch.clear_autocast_cache = cleared  # type: ignore[assignment]
     added = fake and FakeTensor not in types
     if added:
