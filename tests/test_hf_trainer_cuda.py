@@ -43,7 +43,7 @@ def _args(out: str, **kwargs: Any) -> Any:
                                           optim="adamw_torch", **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reports(name: str) -> tuple[Any, Any, Any, Any, set[str]]:
     """The Trainer's CUDA-target and CPU-target reports, the own loop's CUDA-target one, the model, and its
     parameters without weight decay (the Trainer's second AdamW group)."""
