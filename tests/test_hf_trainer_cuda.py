@@ -145,6 +145,7 @@ def test_a_trainer_built_on_a_gpu_is_analyzed_on_the_cuda_target() -> None:
         finally:
             trainer.args.__dict__.pop("_setup_devices")
             PartialState._shared_state["device"] = kept
+    assert r.target is not None and r.budget is not None
     assert r.target.device == "cuda" and r.activation_bytes == cuda.activation_bytes
     assert r.budget.peak_bytes == cuda.budget.peak_bytes
 
