@@ -27,7 +27,7 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
     ``model`` is a transformers ``Trainer`` (its own step: graphmem/trainer_api.py; ``inputs`` or
-    ``input_shape``, and ``world_size``/``rank`` for one rank of its DDP job; a Hugging Face model with
+    ``input_shape``, ``device="cuda"`` for its step on the CUDA target, and ``world_size``/``rank`` for one rank of its DDP job; a Hugging Face model with
     ``training_args=`` TrainingArguments that ask for FSDP, ``world_size`` and ``rank``: that rank of the
     Trainer's job, accelerate's own FSDP2 wrapping it, graphmem/training/hf_trainer_fsdp.py), an nn.Module (real, or built under ``torch.device("meta")``; an fx.GraphModule
     is one), a ``torch.export.ExportedProgram`` (its example inputs are used when none are
