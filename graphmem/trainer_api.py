@@ -103,6 +103,9 @@ def trainer_device(trainer: Any, device: Optional[str]) -> str:
     if device == "cuda" and trainer.args.torch_compile:
         raise UsageError("a compiled Trainer (torch_compile) is analyzed on the CPU target only yet: drop `device='cuda'` "
                          "and set use_cpu=True, or unset torch_compile for the CUDA target")
+    if device == "cuda" and "paged" in str(getattr(trainer.args.optim, "value", trainer.args.optim)):
+        raise UsageError("a paged optimizer keeps its states in CUDA managed memory (outside PyTorch's allocator), "
+                         "which graphmem does not model: use `optim='adamw_bnb_8bit'` or the CPU target")
     if device == "cuda" and trainer.args.fp16:
         raise UsageError("fp16 on the CUDA target (accelerate's GradScaler) is not run yet: use bf16=True in the "
                          "TrainingArguments, or analyze the model with `amp='fp16'`")

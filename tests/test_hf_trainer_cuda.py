@@ -39,8 +39,9 @@ SCALARS = 12  # the Trainer's 0-dim fp32 tensors live beside the own loop's (mod
 
 
 def _args(out: str, **kwargs: Any) -> Any:
+    kwargs = {"optim": "adamw_torch", **kwargs}
     return transformers.TrainingArguments(output_dir=out, report_to=[], use_cpu=True, max_grad_norm=1.0, bf16=True,
-                                          optim="adamw_torch", **kwargs)
+                                          **kwargs)
 
 
 @functools.cache
@@ -108,6 +109,24 @@ def test_peaks_differ_from_the_own_loop_by_the_named_tensors(name: str) -> None:
     assert cuda.budget.rank.later_peak_bytes - own.budget.rank.later_peak_bytes == SCALARS
 
 
+def test_fused_adamw_peaks_differ_only_by_the_trainers_scalars() -> None:
+    """adamw_torch_fused against the own loop's fused AdamW: no foreach temporaries, so the Trainer's two
+    param groups change nothing; its step states stay on the device (fused) in both. The first peak is
+    the Trainer's three 4-B scalars less the own loop's 4-B loss above the own loop's, the later ones 12 B."""
+    torch.manual_seed(0)
+    model = _llama()
+    with tempfile.TemporaryDirectory() as out:
+        trainer = transformers.Trainer(model=model, args=_args(out, optim="adamw_torch_fused"))
+        batch = trainer_batch(trainer, (2, 16))
+        cuda = graphmem.analyze(trainer, batch, device="cuda")
+    own = graphmem.analyze(model, batch, device="cuda", amp="bf16", optimizer="adamw", optimizer_impl="fused",
+                           release_output=True, clip_grad_norm=1.0)
+    assert cuda.activation_bytes == own.activation_bytes + 4
+    assert cuda.budget.row("optimizer states").size == own.budget.row("optimizer states").size
+    assert cuda.budget.peak_bytes - own.budget.peak_bytes == SCALARS - 4
+    assert cuda.budget.rank.later_peak_bytes - own.budget.rank.later_peak_bytes == SCALARS
+
+
 def test_cuda_rules_change_the_trainers_saved_set() -> None:
     """Llama: CUDA's flash kernel keeps its philox seed (2 x uint64) and offset (uint64) per layer beside
     the output and fp32 logsumexp the CPU flash kernel keeps too: 24 B a layer more. GPT-2 (dropout 0.1):
@@ -158,6 +177,9 @@ def test_refusals_are_one_line(tmp_path: Any, capsys: Any) -> None:
             graphmem.validate(trainer, input_shape=(2, 16), device="cuda")
         with pytest.raises(UsageError, match="^unknown device 'mps'"):
             graphmem.analyze(trainer, input_shape=(2, 16), device="mps")
+        paged = transformers.Trainer(model=_llama(), args=_args(out, optim="paged_adamw_8bit"))
+        with pytest.raises(UsageError, match="managed memory.*`optim='adamw_bnb_8bit'`"):
+            graphmem.analyze(paged, input_shape=(2, 16), device="cuda")
         compiled = transformers.Trainer(model=_llama(), args=_args(out, torch_compile=True))
         with pytest.raises(UsageError, match="torch_compile.*`device='cuda'`"):
             graphmem.analyze(compiled, input_shape=(2, 16), device="cuda")
