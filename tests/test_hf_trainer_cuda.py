@@ -157,8 +157,11 @@ def test_a_trainer_built_on_a_gpu_is_analyzed_on_the_cuda_target() -> None:
         gpu, kept = torch.device("cuda", 0), PartialState._shared_state["device"]
         trainer.args.__dict__["_setup_devices"] = PartialState._shared_state["device"] = gpu
         try:
+            forward = trainer.model.forward
             r = graphmem.analyze(trainer, batch)
             assert trainer.args.device == gpu and PartialState._shared_state["device"] == gpu
+            # accelerate's autocast wrapper, installed in the step, is taken off again
+            assert "_original_forward" not in trainer.model.__dict__ and trainer.model.forward == forward
             with pytest.raises(UsageError, match="device='cuda'"):
                 graphmem.analyze(trainer, batch, device="cpu")
         finally:
