@@ -82,7 +82,7 @@ def capture_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: T
     prepared, lora_layers = prepare(module, training, target.param_dtype)
     if training.keeps_dtypes(module):  # 4-bit weights, peft's fp32 adapters (graphmem/training/spec.py)
         target = dataclasses.replace(target, dtype=None)
-    with training.train.runner() as runner:  # a trainer's own step, or None: graphmem's loop
+    with training.train.runner(target) as runner:  # a trainer's own step, or None: graphmem's loop
         own = runner.run if runner is not None else None
         train = None if runner is not None else training.train
         # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6), in

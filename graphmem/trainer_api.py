@@ -8,11 +8,12 @@ token samples of ``input_shape`` made for the model (graphmem/capture/hf.py) spl
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 from graphmem.capture.hf import batch as hf_batch
-from graphmem.capture.target import Target
+from graphmem.capture.target import Target, check_device
 from graphmem.errors import UsageError
 from graphmem.spec import Inputs, Single, StepSpec, shape_of
 from graphmem.training.batch import as_batch, resizer
@@ -52,7 +53,7 @@ def trainer_batch(trainer: Any, shape: tuple[int, ...]) -> dict[str, Any]:
 
 
 def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None,
-                 world_size: int = 1, rank: Optional[int] = None) -> StepSpec:
+                 world_size: int = 1, rank: Optional[int] = None, device: Optional[str] = None) -> StepSpec:
     """The StepSpec of the step ``trainer.train()`` runs: its model, the batch (``inputs``, or
     ``input_shape`` through its collator), and its loop (graphmem/training/hf_trainer.py TrainerStep:
     ``args.optim``, ``max_grad_norm``, ``gradient_accumulation_steps``, bf16/fp16 through accelerate,
@@ -61,13 +62,16 @@ def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple
     of rank ``rank`` (default 0) when the Trainer is launched on ``world_size`` processes, the model
     in torch's DistributedDataParallel under a fake process group (graphmem/training/hf_trainer_ddp.py;
     with ``torch_compile``, compiled over DDP as accelerate compiles it, split at DDP's buckets);
-    the batch is that rank's (``per_device_train_batch_size`` rows).
+    the batch is that rank's (``per_device_train_batch_size`` rows). ``device``: the target, by default
+    the Trainer's own (``args.device``); ``"cuda"`` runs its step with CUDA's rules on fake CPU tensors
+    (graphmem/training/hf_trainer_cuda.py), also for a Trainer built where no GPU is found.
 
     >>> report = graphmem.analyze(trainer, input_shape=(8, 512))  # doctest: +SKIP
     >>> report.budget.peak_bytes, report.budget.rank.later_peak_bytes  # doctest: +SKIP
     """
     check_trainer(trainer)
     check_ranks(trainer, world_size, rank)
+    device = trainer_device(trainer, device)
     if inputs is None:
         if input_shape is None:
             raise UsageError("no inputs: pass inputs= (a batch dict) or `input_shape` (batch, seq) for the Trainer")
@@ -77,10 +81,35 @@ def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple
         raise UsageError("a Trainer's batch is a dict of keyword inputs (as its dataloader yields): pass inputs={...}")
     first = batch.tensors()[0]
     args = trainer.args  # torch_compile: the model compiled as accelerate compiles it (graphmem/training/hf_trainer.py)
-    target = Target(args.device.type, mode="compiled", compile_backend=args.torch_compile_backend) \
-        if args.torch_compile else Target(args.device.type)
+    # on the CUDA target, CUDA autocast's state is the target's amp where accelerate's region turns it on: a
+    # checkpoint's recompute runs in it as on the GPU (graphmem/training/hf_trainer_cuda.py)
+    amp = "bf16" if device == "cuda" and args.bf16 else None
+    target = Target(device, mode="compiled", compile_backend=args.torch_compile_backend) \
+        if args.torch_compile else Target(device, amp=amp)
     return StepSpec(type(trainer.model).__name__, trainer.model, Inputs(resizer(batch), tuple(first.shape), batch), None,
                     target, Training(trainer_step(trainer, world_size, rank or 0), None), Single(), reuse=False)
+
+
+def trainer_device(trainer: Any, device: Optional[str]) -> str:
+    """The target's device for the Trainer's step (``device``, else ``args.device``'s), checked in one line."""
+    own = trainer.args.device.type
+    device = own if device is None else str(device)
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"unknown device {device!r}: use cpu or cuda")
+    check_device(device)
+    if device == "cpu" and own == "cuda":
+        raise UsageError("the Trainer runs on cuda: analyze it with `device='cuda'` (or set use_cpu=True in its "
+                         "TrainingArguments for the CPU step)")
+    if device == "cuda" and trainer.args.torch_compile:
+        raise UsageError("a compiled Trainer (torch_compile) is analyzed on the CPU target only yet: drop `device='cuda'` "
+                         "and set use_cpu=True, or unset torch_compile for the CUDA target")
+    if device == "cuda" and "paged" in str(getattr(trainer.args.optim, "value", trainer.args.optim)):
+        raise UsageError("a paged optimizer keeps its states in CUDA managed memory (outside PyTorch's allocator), "
+                         "which graphmem does not model: use `optim='adamw_bnb_8bit'` or the CPU target")
+    if device == "cuda" and trainer.args.fp16:
+        raise UsageError("fp16 on the CUDA target (accelerate's GradScaler) is not run yet: use bf16=True in the "
+                         "TrainingArguments, or analyze the model with `amp='fp16'`")
+    return device
 
 
 def check_ranks(trainer: Any, world_size: Any, rank: Any) -> None:
@@ -97,13 +126,15 @@ def check_ranks(trainer: Any, world_size: Any, rank: Any) -> None:
                              "split or one graph per rank; set `torch._dynamo.config.optimize_ddp` to True or False")
 
 
-def trainer_from_file(model: Any, path: str) -> Any:
+def trainer_from_file(model: Any, path: str, target: Optional[Target] = None) -> Any:
     """A ``transformers.Trainer`` around ``model`` with the TrainingArguments of a JSON or YAML file
     (or, when they ask for FSDP, the TrainingArguments themselves: the Trainer is then built per rank,
     ``fsdp_trainer_spec``)
     (``HfArgumentParser(TrainingArguments).parse_json_file`` / ``parse_yaml_file``). The model may be
     on the meta device (graphmem/capture/load.py): the arguments leave it where it is
-    (``place_model_on_device``, the property TrainingArguments documents for overriding)."""
+    (``place_model_on_device``, the property TrainingArguments documents for overriding). ``target`` on
+    cuda: the file is a GPU user's (``bf16`` without ``use_cpu``), read as on the target's GPU
+    (``_with_gpu_bf16``)."""
     import os
 
     from transformers import HfArgumentParser, Trainer, TrainingArguments
@@ -123,16 +154,32 @@ def trainer_from_file(model: Any, path: str) -> Any:
         raise UsageError(f"training_args {path!r}: no such file; give a JSON or YAML file of TrainingArguments")
     parser = HfArgumentParser(InPlace)  # type: ignore[arg-type]
     try:
-        if path.endswith((".yaml", ".yml")):
-            (args,) = parser.parse_yaml_file(path)
-        else:
-            (args,) = parser.parse_json_file(path)
+        with _with_gpu_bf16(target):
+            (args,) = parser.parse_yaml_file(path) if path.endswith((".yaml", ".yml")) else parser.parse_json_file(path)
     except Exception as e:  # a malformed file, an unknown field, a value TrainingArguments refuses
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"training_args {path!r} is not readable as TrainingArguments: {first}") from None
     if args.fsdp:  # Trainer.__init__ raises "Using fsdp only works in distributed training." in one process:
         return args  # the Trainer is built per rank (graphmem/distributed/trainer_fsdp.py)
     return Trainer(model=model, args=args)
+
+
+@contextlib.contextmanager
+def _with_gpu_bf16(target: Optional[Target]) -> Iterator[None]:
+    """On the CUDA target, TrainingArguments' bf16 check (``_validate_args``: "Your setup doesn't support
+    bf16/gpu" where ``is_torch_bf16_gpu_available()`` is False, as on a machine without a GPU) answers
+    for the target's GPU: bf16 from compute capability 8.0 (Ampere) on."""
+    if target is None or target.device != "cuda":
+        yield
+        return
+    import transformers.training_args as training_args
+
+    kept = training_args.is_torch_bf16_gpu_available
+    training_args.is_torch_bf16_gpu_available = lambda *a, **k: target.capability >= (8, 0)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        training_args.is_torch_bf16_gpu_available = kept
 
 
 def fsdp_trainer_spec(model: Any, training_args: Any, inputs: Any = None,

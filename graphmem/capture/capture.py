@@ -38,7 +38,7 @@ from graphmem.stepgraph import StepGraph
 from graphmem.training.batch import Batch
 from graphmem.training.loop import Session, TrainStep, relabel_accumulation
 from graphmem.training.loop_options import OFFLOADED
-from graphmem.training.optim import resolved_impl
+from graphmem.training.optim import HOST_STATE, resolved_impl
 from graphmem.training.step import LossFn, default_loss, run_step
 
 StepRunner = Callable[..., Any]  # Session.run's signature: (forward, batch, loss_fn, on_phase, context, mark, fake=)
@@ -260,12 +260,14 @@ def marker(cap: _Recorder, param_sid: dict[str, int], marked: dict[str, list[int
     one whose storage is held (a DTensor's local shard: graphmem/distributed/capture.py)."""
 
     def mark(kind: str, named: list[tuple[str, torch.Tensor]]) -> None:
+        host = kind == HOST_STATE  # a runner's own step says which states are in host memory
+        kind = "optimizer state" if host else kind
         for name, t in named:
             s = cap.storage(view(t), kind, kind, len(cap.ops) - 1, "")
             s.kind = kind
             if kind != "gradient":
                 s.name = f"{name} ({kind})"
-            if host_steps and kind == "optimizer state" and name.endswith(":step") and t.numel() <= 1:
+            if host or (host_steps and kind == "optimizer state" and name.endswith(":step") and t.numel() <= 1):
                 s.nbytes, s.name = 0, f"{name} (optimizer state, host memory)"
             if kind == OFFLOADED:  # a saved tensor's host copy: no device bytes (graphmem/training/loop_options.py)
                 s.nbytes, s.name = 0, name

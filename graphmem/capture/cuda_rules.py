@@ -290,9 +290,13 @@ class CudaRules(TorchFunctionMode):
             _translating(+1)
         return super().__enter__()
 
-    def __exit__(self, *exc: Any) -> Any:
+    def clear_casts(self) -> None:
+        """Empty the cached parameter casts, as ``torch.clear_autocast_cache`` empties CUDA autocast's."""
         with self.clearing():
-            self.casts.clear()  # autocast empties its cast cache when its outermost context exits
+            self.casts.clear()
+
+    def __exit__(self, *exc: Any) -> Any:
+        self.clear_casts()  # autocast empties its cast cache when its outermost context exits
         out = super().__exit__(*exc)
         if self.owns_state:
             _translating(-1)

@@ -84,7 +84,8 @@ class Analyze:
 
 def trainer_report(args: argparse.Namespace) -> Any:
     """``--training-args``: a transformers Trainer around the loaded model (graphmem/trainer_api.py);
-    with ``--world-size N [--rank R]``, rank R of the DDP job it runs on N processes."""
+    with ``--world-size N [--rank R]``, rank R of the DDP job it runs on N processes; ``--device cuda``:
+    its step on the CUDA target."""
     from graphmem.api import analyze
     from graphmem.capture.load import load
     from graphmem.cli.options import hf_of, target_of
@@ -96,12 +97,14 @@ def trainer_report(args: argparse.Namespace) -> Any:
     if args.zero or args.fsdp or args.tp != 1:
         raise UsageError("--training-args runs the Trainer's own step, per rank as a DDP job (--world-size N "
                          "[--rank R]); drop --zero, --fsdp and --tp")
-    loaded = load(args.model, target=target_of(args), options=hf_of(args))
-    trainer = trainer_from_file(loaded.module, args.training_args)
+    target = target_of(args)
+    loaded = load(args.model, target=target, options=hf_of(args))
+    trainer = trainer_from_file(loaded.module, args.training_args, target)
     if not is_trainer(trainer):  # FSDP arguments: the Trainer is built per rank (graphmem/training/hf_trainer_fsdp.py)
         return analyze(loaded.module, training_args=trainer, input_shape=args.input_shape, world_size=args.world_size,
                        rank=args.rank)
-    return analyze(trainer, input_shape=args.input_shape, world_size=args.world_size, rank=args.rank)
+    device = "cuda" if target.device == "cuda" else None  # else the Trainer's own (cuda where built on a GPU)
+    return analyze(trainer, input_shape=args.input_shape, world_size=args.world_size, rank=args.rank, device=device)
 
 
 class Presets:

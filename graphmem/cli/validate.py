@@ -56,10 +56,11 @@ def _validate(args: argparse.Namespace) -> int:
             from graphmem.capture.load import load
             from graphmem.trainer_api import trainer_from_file
             from graphmem.training.hf_trainer import is_trainer
-            from graphmem.validation.trainer import validate_trainer
+            from graphmem.validation.trainer import trainer_on_cuda, validate_trainer
 
-            if args.device != "cpu":
-                raise UsageError("--training-args validates the Trainer's step on the CPU: drop --device cuda")
+            if args.device != "cpu":  # on a machine without a GPU, first say so (as validate --device cuda does)
+                trainer_on_cuda("--training-args validates the Trainer's step on the CPU only yet: drop --device cuda "
+                                "(analyze --device cuda predicts its CUDA step)")
             split = sorted(set(per_rank_options(args)) - {"world_size", "rank"})
             if split:
                 raise UsageError("--training-args validates the Trainer's own step, per rank as a DDP job (--world-size N "

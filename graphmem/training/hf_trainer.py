@@ -19,26 +19,21 @@ as ``Trainer._inner_training_loop`` / ``_run_epoch`` call it (transformers 5.x
 Phases are marked by wrapping ``trainer.compute_loss`` (forward, then loss once it returns) and
 ``trainer.accelerator.backward`` (backward), not by copies of them. Precision is accelerate's:
 ``accelerator.prepare_model`` wraps the model's forward in autocast when ``bf16``/``fp16`` ask for it
-(undone after the runner's session). Gradient checkpointing is enabled as ``Trainer.train`` does (1502-1528)
-and disabled afterwards if the step turned it on.
+(undone after the runner's session). Gradient checkpointing is enabled as ``Trainer.train`` does
+(1502-1528) and disabled afterwards if the step turned it on. On the CUDA target the step's device
+bindings go through the target (graphmem/training/hf_trainer_cuda.py).
 
-``torch_compile=True``: ``Trainer.create_accelerator_and_postprocess`` (806-864, through
-``_build_accelerator_args`` 791-802) gives accelerate a
-``TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)``, and
-``accelerator.prepare`` (in ``_prepare_for_training``) ends ``prepare_model`` with
-``torch.compile(model, **dynamo_plugin.to_kwargs())`` (accelerate 1.15 ``accelerator.py`` 2068-2073,
-after the autocast wrapper); the Trainer's steps then call that compiled module. The real runs here
-step the module ``prepare_model`` returns; the capture steps a stand-in (``CompiledModel``) whose
-calls go to graphmem's compiled capture of the same model (graphmem/capture/compiled.py), with the
-partition of the backend asked for (``inductor``: graphmem/capture/inductor_partition.py).
+``torch_compile=True``: ``Trainer.create_accelerator_and_postprocess`` (806-864, ``_build_accelerator_args``
+791-802) gives accelerate a ``TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)``,
+and ``accelerator.prepare`` ends ``prepare_model`` with ``torch.compile(model, **dynamo_plugin.to_kwargs())``
+(accelerate 1.15 ``accelerator.py`` 2068-2073, after the autocast wrapper). The real runs here step the
+module ``prepare_model`` returns; the capture steps a stand-in (``CompiledModel``) whose calls go to
+graphmem's compiled capture of the same model (graphmem/capture/compiled.py), with the partition of the
+backend asked for (``inductor``: graphmem/capture/inductor_partition.py).
 
-Known limitations: the CPU target only (a Trainer on a GPU is refused: its ``_prepare_inputs`` moves
-the batch to the GPU, which the CUDA target's fake CPU tensors do not follow); no DeepSpeed or
-FSDP (DDP: one rank of N, graphmem/training/hf_trainer_ddp.py); ``torch_compile`` with the
-``inductor`` or ``aot_eager`` backend and the default mode only (``COMPILE_BACKENDS``); the
-``include_num_input_tokens_seen`` bookkeeping and callbacks are not run (no tensors of the step);
-a scheduler passed in ``optimizers=`` is replaced by ``args.lr_scheduler_type``'s (its memory is
-Python numbers).
+Known limitations: no DeepSpeed or FSDP (DDP: one rank of N, graphmem/training/hf_trainer_ddp.py);
+``torch_compile`` with ``COMPILE_BACKENDS``, default mode, CPU target only; callbacks and
+``include_num_input_tokens_seen`` are not run (no tensors); ``optimizers=``' scheduler is ``args.lr_scheduler_type``'s.
 """
 from __future__ import annotations
 
@@ -52,6 +47,7 @@ import torch.nn as nn
 
 from graphmem.errors import UsageError
 from graphmem.training.batch import as_batch
+from graphmem.training.hf_trainer_cuda import cuda_step, mark_states, on_fake_cpu, pin_foreach
 from graphmem.training.hf_trainer_ddp import ranks, wrap_ddp
 from graphmem.training.loop import Mark, TrainStep
 from graphmem.training.optim import ScalarReads, state_tensors
@@ -82,9 +78,10 @@ class TrainerStep(TrainStep):
     def external(self) -> Optional[str]:
         return "the Trainer's compute_loss"
 
-    def runner(self) -> ContextManager[Any]:
-        """The Trainer's own step (``TrainerRunner``) in place of graphmem's loop, the trainer restored after."""
-        return TrainerRunner(self.trainer, world_size=self.world_size, rank=self.rank).session()
+    def runner(self, target: Any = None) -> ContextManager[Any]:
+        """The Trainer's own step (``TrainerRunner``) on ``target``'s device, the trainer restored after."""
+        device = getattr(target, "device", "cpu")
+        return TrainerRunner(self.trainer, world_size=self.world_size, rank=self.rank, device=device).session()
 
     def describe(self, device: str = "cpu") -> str:
         parts = [f"transformers Trainer's loop: optim {self.optimizer}",
@@ -141,9 +138,9 @@ def check_trainer(trainer: Any, launched: bool = False) -> None:
     if args.torch_compile and args.torch_compile_mode not in (None, "default"):
         raise UsageError(f"torch_compile_mode={args.torch_compile_mode!r}: graphmem runs the default mode's compile; "
                          "leave `torch_compile_mode` unset")
-    if trainer.args.device.type != "cpu":  # _prepare_inputs would move the fake batch off the CUDA target's fake CPU tensors
-        raise UsageError(f"the Trainer runs on {trainer.args.device.type}; graphmem runs a Trainer's step on the CPU target "
-                         "for now: set use_cpu=True in its TrainingArguments, or analyze the model with device='cuda'")
+    if args.device.type not in ("cpu", "cuda"):
+        raise UsageError(f"the Trainer runs on {args.device.type}; graphmem runs a Trainer's step on the CPU or CUDA "
+                         "target: set use_cpu=True in its TrainingArguments, or analyze it with `device='cuda'`")
     if trainer.is_deepspeed_enabled or ((trainer.is_fsdp_enabled or trainer.args.world_size > 1) and not launched):
         raise UsageError("the Trainer is set up for several processes (DeepSpeed, FSDP or DDP); graphmem runs one "
                          "rank's step of a Trainer built in one process: pass `world_size`/`rank` for DDP, or analyze "
@@ -165,8 +162,10 @@ class TrainerRunner:
     masters: dict[str, torch.Tensor] = {}  # no fp32 master copies (accelerate's autocast keeps none)
 
     def __init__(self, trainer: Any, trace_micro_steps: int = 2, world_size: int = 1, rank: int = 0,
-                 launched: Any = None) -> None:
+                 launched: Any = None, device: str = "cpu") -> None:
         check_trainer(trainer, launched=launched is not None)
+        self.cuda = device == "cuda"  # the CUDA target (graphmem/training/hf_trainer_cuda.py)
+        self.deferred = contextlib.ExitStack()  # the CUDA target's accelerate prepare_model, made in the first run
         self.trainer, self.model = trainer, trainer.model
         self.world_size, self.rank = world_size, rank
         self.launched = launched  # in a real rank: the DistributedDataParallel accelerate's prepare_model made
@@ -206,8 +205,8 @@ class TrainerRunner:
         enabled = _enable_checkpointing(t)
         try:
             # (a real rank's model was prepared by accelerate already: ``launched``, DDP or torch.compile over it)
-            with ranks(t, self.world_size, self.rank), \
-                    _prepared(t, self.model) if self.launched is None else contextlib.nullcontext(self.launched) as prepared:
+            with ranks(t, self.world_size, self.rank), on_fake_cpu(t) if self.cuda else contextlib.nullcontext(), self.deferred, \
+                    _prepared(t, self.model) if self.launched is None and not self.cuda else contextlib.nullcontext(self.launched) as prepared:
                 self.compiled = prepared if t.args.torch_compile else None
                 yield self
         finally:
@@ -230,6 +229,8 @@ class TrainerRunner:
             t.optimizer = type(self.given)(groups, **self.given.defaults)
         else:
             t.create_optimizer()
+        if self.cuda:  # the implementation torch.optim picks for CUDA tensors
+            pin_foreach(t.optimizer)
         t.optimizer = t.accelerator.prepare_optimizer(t.optimizer)
         if self.launched is not None:  # a real rank: accelerate wrapped the model before the step
             self.ddp = self.launched
@@ -250,15 +251,19 @@ class TrainerRunner:
         autograd nodes; ``fake`` runs ``trace_micro_steps`` micro-steps (3..k repeat 2) and answers
         ``.item()``. A step cut short (the compiled trace stops at backward) leaves no optimizer behind."""
         try:
-            return self._run(forward, inputs, loss_fn, on_phase, mark, fake)
+            prepare = None if self.started else functools.partial(_prepared, self.trainer, self.model)
+            with cuda_step(forward_context, fake, self.deferred, prepare) if self.cuda \
+                    else contextlib.nullcontext(contextlib.nullcontext) as rules:
+                return self._run(forward, inputs, loss_fn, on_phase, mark, fake, rules)
         except BaseException:
             self.restart()
             raise
 
     def _run(self, forward: Callable[..., Any], inputs: Any, loss_fn: Optional[LossFn],
-             on_phase: Callable[[str], None], mark: Mark, fake: bool) -> tuple[Any, torch.Tensor]:
+             on_phase: Callable[[str], None], mark: Mark, fake: bool,
+             rules: Callable[[], ContextManager[Any]]) -> tuple[Any, torch.Tensor]:
         t, model, k = self.trainer, self.model, self.trainer.args.gradient_accumulation_steps
-        with _phases(t, on_phase, loss_fn):
+        with _phases(t, on_phase, loss_fn, rules):
             compiled_ddp = fake and t.args.torch_compile and self.world_size > 1  # graphmem/training/hf_trainer_ddp.py
             if not self.started:  # (bitsandbytes' optimizers read their quantization maps' values: any will do)
                 with ScalarReads() if fake else contextlib.nullcontext():
@@ -306,8 +311,7 @@ class TrainerRunner:
         grad_norm = t._get_grad_norm(model, grad_norm=grad_norm)  # a Python float: the norm's tensor dies here
         del grad_norm
         t.optimizer.step()
-        names = {id(p): n for n, p in model.named_parameters()}
-        mark("optimizer state", [(f"{names.get(id(p), '?')}:{key}", v) for p, key, v in state_tensors(_inner(t.optimizer))])
+        mark_states(mark, model, _inner(t.optimizer), self.cuda)
         if not t.accelerator.optimizer_step_was_skipped and \
                 not isinstance(t.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             t.lr_scheduler.step()
@@ -363,13 +367,15 @@ def _prepared(trainer: Any, model: nn.Module) -> Iterator[nn.Module]:
 
 
 @contextlib.contextmanager
-def _phases(trainer: Any, on_phase: Callable[[str], None], loss_fn: Optional[LossFn]) -> Iterator[None]:
-    """Phase marks around the Trainer's own ``compute_loss`` and accelerate's ``backward`` (wrappers)."""
+def _phases(trainer: Any, on_phase: Callable[[str], None], loss_fn: Optional[LossFn],
+            rules: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> Iterator[None]:
+    """Phase marks around the Trainer's ``compute_loss`` (in ``rules()``) and accelerate's ``backward``."""
     compute_loss, backward = trainer.compute_loss, trainer.accelerator.backward
 
     def marked_loss(*args: Any, **kwargs: Any) -> Any:
         on_phase("forward")
-        out = compute_loss(*args, **kwargs)
+        with rules():
+            out = compute_loss(*args, **kwargs)
         on_phase("loss")
         if loss_fn is not None:
             loss_fn(out[0] if isinstance(out, tuple) else out, None)  # the capture labels the loss's nodes

@@ -72,7 +72,7 @@ class TrainStep:
         captured again by graphmem's loop), as the report's loss line names it; None for graphmem's loop."""
         return None
 
-    def runner(self) -> ContextManager[Any]:
+    def runner(self, target: Any = None) -> ContextManager[Any]:
         """The step runner that replaces graphmem's loop (a trainer's own step: graphmem/training/hf_trainer.py's
         TrainerStep), entered around a capture; None: graphmem's loop (``Session``) runs."""
         return contextlib.nullcontext(None)

@@ -102,6 +102,11 @@ def _bnb_optimizer(name: str, params: list[torch.Tensor], device: str) -> torch.
         return cls(params)
 
 
+# the kind a runner marks an optimizer state with when it lives in host memory (graphmem/capture/capture.py
+# ``marker``): torch.optim's scalar ``step`` on a CUDA device, outside a fused or capturable group
+HOST_STATE = "optimizer state (host memory)"
+
+
 def state_tensors(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
     """(parameter, state name, tensor) for every tensor the optimizer holds as state."""
     return [(p, key, v) for p, st in opt.state.items() for key, v in st.items() if isinstance(v, torch.Tensor)]

@@ -12,6 +12,7 @@ from graphmem.errors import GraphmemError, UsageError
 from graphmem.report import Report
 
 DEFAULT_TOLERANCE = 1.0  # percent of the measured peak
+NO_GPU = "no GPU on this machine; validate --device cpu here, or run on a GPU host"
 
 
 def checked_tolerance(tolerance: object) -> float:

@@ -15,7 +15,7 @@ from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer import TrainerRunner, check_trainer
 from graphmem.validation.measure import measure_peak
 from graphmem.validation.profiler_log import without_profiler_log
-from graphmem.validation.result import Row, Validation, checked_tolerance, judge
+from graphmem.validation.result import NO_GPU, Row, Validation, checked_tolerance, judge
 
 
 def measure_trainer(trainer: Any, inputs: Any, warm_steps: int = 0) -> Any:
@@ -34,13 +34,25 @@ def measure_trainer(trainer: Any, inputs: Any, warm_steps: int = 0) -> Any:
             return measure_peak(model, inputs, runner=runner, warm_steps=warm_steps)
 
 
+def trainer_on_cuda(refusal: str) -> None:
+    """A Trainer's step validated on cuda: ``NO_GPU`` on a machine without one, else ``refusal`` (one line)."""
+    if not torch.cuda.is_available():
+        raise UsageError(NO_GPU)
+    raise UsageError(refusal)
+
+
 def validate_trainer(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None,
-                     tolerance: Optional[float] = None, world_size: int = 1, rank: Optional[int] = None) -> Any:
+                     tolerance: Optional[float] = None, world_size: int = 1, rank: Optional[int] = None,
+                     device: Any = "cpu") -> Any:
     """``graphmem.validate(trainer)``: the prediction beside the Trainer's step run for real on the CPU by
     the same runner (first step, then a later one whose optimizer states exist before it). The model
     must be real (not on the meta device); its weights change (the real steps are optimizer steps).
     ``world_size`` > 1: each rank's (or ``rank``'s) step of the DDP job, beside a real gloo job of
-    ``world_size`` CPU processes (graphmem/validation/trainer_ranks.py); the model is left as it was."""
+    ``world_size`` CPU processes (graphmem/validation/trainer_ranks.py); the model is left as it was.
+    ``device="cuda"``: refused in one line (no GPU here: ``NO_GPU``; the real CUDA step is not run yet)."""
+    if str(device).startswith("cuda"):
+        trainer_on_cuda("validate runs a Trainer's step for real on the CPU only yet: drop `device='cuda'` "
+                        "(graphmem.analyze(trainer, device='cuda') predicts its CUDA step)")
     check_trainer(trainer)
     check_ranks(trainer, world_size, rank)
     if any(p.is_meta for p in trainer.model.parameters()):
@@ -75,4 +87,4 @@ def validate_trainer(trainer: Any, inputs: Any = None, input_shape: Union[str, t
     return Validation(report.model, "cpu", shapes, tol, judged, reason, report)
 
 
-__all__ = ["measure_trainer", "validate_trainer"]
+__all__ = ["measure_trainer", "trainer_on_cuda", "validate_trainer"]

@@ -50,11 +50,9 @@ from graphmem.validation.real import RAM_SHARE, available_memory
 from graphmem.validation.real import prepared as _prepared
 from graphmem.validation.real import real_inputs as _inputs
 from graphmem.validation.real import to_device as _to
-from graphmem.validation.result import Row, Validation, ValidationError, checked_tolerance, judge
+from graphmem.validation.result import NO_GPU, Row, Validation, ValidationError, checked_tolerance, judge
 
 GPU_SHARE = 0.9  # of the free device memory: an OOM there is an exception, not a frozen machine
-NO_GPU = "no GPU on this machine; validate --device cpu here, or run on a GPU host"
-
 
 
 
@@ -100,7 +98,7 @@ def validate(
         if unknown:
             raise UsageError(f"a Trainer's step is set by its TrainingArguments, not {', '.join(f'`{k}`' for k in unknown)}"
                              ": drop it (`world_size`/`rank` validate its DDP ranks)")
-        return validate_trainer(model, inputs, input_shape, tolerance, **options)  # type: ignore[no-any-return]
+        return validate_trainer(model, inputs, input_shape, tolerance, device=device, **options)  # type: ignore[no-any-return]
     if "training_args" in options:  # a Trainer with FSDP arguments, built per rank (graphmem/validation/trainer_fsdp.py)
         from graphmem.validation.trainer_fsdp import validate_fsdp_ranks
 

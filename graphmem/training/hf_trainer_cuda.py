@@ -1,0 +1,119 @@
+"""A transformers ``Trainer``'s step on the CUDA target (graphmem/training/hf_trainer.py runs it).
+
+The CUDA target runs the step on fake CPU tensors with CUDA's rules applied (graphmem/capture/target.py,
+graphmem/capture/cuda_rules.py). The Trainer's own code still runs; these are the places where it
+binds to its device, routed through the target (transformers 5.24 ``trainer.py``/``training_args.py``,
+accelerate 1.15 ``accelerator.py``/``utils/modeling.py``):
+
+- ``args.device`` (``TrainingArguments._setup_devices``, a cached property) and accelerate's
+  ``PartialState.device`` read ``cpu`` for the step, so ``_prepare_input``'s ``.to(args.device)``,
+  ``get_batch_samples``' token count and ``_tr_loss`` stay on the fake CPU tensors (on this machine
+  they read ``cpu`` already: a GPU user's TrainingArguments fall back to the CPU where none is found);
+- accelerate's ``prepare_model`` builds its autocast once, ``torch.autocast(device_type=state.device.type,
+  dtype=bf16)`` (``get_mixed_precision_context_manager``): the runner calls it in its first run, inside
+  the target's rules, where an autocast made for the fake tensors' device type is the CUDA region it
+  stands for (graphmem/capture/cuda_rules.py ``_translated_init``), whose casts follow CUDA's lists,
+  not CPU autocast's; so is CUDA autocast's state, the target's ``amp`` (bf16 under ``bf16=True``),
+  in a checkpoint's recompute, as torch.utils.checkpoint restores the forward's on the GPU;
+- ``compute_loss`` (forward and the model's loss) runs under the target's ``CudaRules`` (SDPA's CUDA
+  kernel, the fused dropout, CUDA autocast's casts where accelerate's region turns it on); the
+  rules' cast cache is emptied where ``torch.autocast.__exit__`` empties autocast's, at the end of the
+  outermost region (accelerate's, around the model's forward), as on the GPU;
+- the optimizer's implementation: torch.optim given neither ``foreach`` nor ``fused`` picks foreach
+  for CUDA tensors (torch/optim/optimizer.py ``_default_to_fused_or_foreach``), the for-loop for the
+  fake CPU ones, so ``foreach=True`` is set in such groups (as graphmem's loop pins it, optim.py
+  ``make_optimizer``); ``adamw_torch_fused`` stays fused (torch's fused Adam has a CPU kernel);
+- torch.optim's scalar ``step`` states live in host memory unless the group is fused or capturable
+  (torch/optim/adam.py ``_init_group``): marked so (``HOST_STATE``), no device bytes.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from graphmem.training.loop import Mark
+from graphmem.training.optim import HOST_STATE, state_tensors
+
+__all__ = ["cuda_step", "mark_states", "on_fake_cpu", "pin_foreach"]
+
+
+@contextlib.contextmanager
+def on_fake_cpu(trainer: Any) -> Iterator[None]:
+    """``trainer.args.device`` and accelerate's device read ``cpu`` inside (the fake tensors' device)."""
+    from accelerate.state import PartialState
+
+    args, shared, cpu = trainer.args, PartialState._shared_state, torch.device("cpu")
+    kept_args = args.__dict__.get("_setup_devices")
+    kept_state = shared.get("device")
+    args.__dict__["_setup_devices"] = cpu  # the cached property's value (TrainingArguments.device)
+    if kept_state is not None:
+        shared["device"] = cpu
+    try:
+        yield
+    finally:
+        if kept_args is None:
+            args.__dict__.pop("_setup_devices", None)
+        else:
+            args.__dict__["_setup_devices"] = kept_args
+        if kept_state is not None:
+            shared["device"] = kept_state
+
+
+def pin_foreach(optimizer: Any) -> None:
+    """``foreach=True`` where a torch.optim group leaves both ``foreach`` and ``fused`` unset: CUDA's pick."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    for group in optimizer.param_groups:
+        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+            group["foreach"] = True
+
+
+def mark_states(mark: Mark, model: nn.Module, optimizer: Any, cuda: bool) -> None:
+    """Name the optimizer's states for the capture (``mark``, as graphmem's loop names them); on the CUDA
+    target the scalar ``step`` states torch.optim keeps on the host (groups neither fused nor
+    capturable) as ``HOST_STATE``: no device bytes."""
+    names, states = {id(p): n for n, p in model.named_parameters()}, state_tensors(optimizer)
+    on_host = {id(p) for g in optimizer.param_groups if not (g.get("fused") or g.get("capturable")) for p in g["params"]} \
+        if cuda and isinstance(optimizer, torch.optim.Optimizer) else set()
+    host = {id(v) for p, key, v in states if key == "step" and v.numel() <= 1 and id(p) in on_host}
+    for kind in ("optimizer state", HOST_STATE):
+        mark(kind, [(f"{names.get(id(p), '?')}:{key}", v) for p, key, v in states if (id(v) in host) == (kind == HOST_STATE)])
+
+
+@contextlib.contextmanager
+def cuda_step(forward_context: Callable[[], Any], fake: bool, deferred: contextlib.ExitStack,
+              prepare: Optional[Callable[[], ContextManager[Any]]]) -> Iterator[Callable[[], ContextManager[Any]]]:
+    """What the CUDA target changes for one run of the step. ``prepare`` (the first run: accelerate's
+    ``prepare_model``) is entered into ``deferred`` (the runner's session) under the target's rules
+    (``forward_context()``: one ``CudaRules``), so the autocast it builds is CUDA's. Yields the rules
+    for each ``compute_loss``; while inside,
+    ``torch.clear_autocast_cache`` (called by the outermost autocast region's exit) also empties the
+    rules' cast cache. ``fake``: fake tensors count as the plain tensors they stand for in
+    ``torch.utils._foreach_utils._has_foreach_support`` (its ``type(t) in [torch.Tensor]`` check), so
+    accelerate's ``clip_grad_norm_`` (``foreach=None``) takes the ``_foreach_norm`` path CUDA gradients take."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils import _foreach_utils
+
+    rules = forward_context()
+    clear, types = torch.clear_autocast_cache, _foreach_utils._foreach_supported_types
+
+    def cleared() -> None:
+        clear()
+        rules.clear_casts()
+
+    if prepare is not None:
+        with rules:
+            deferred.enter_context(prepare())
+    torch.clear_autocast_cache = cleared  # type: ignore[assignment]
+    added = fake and FakeTensor not in types
+    if added:
+        types.append(FakeTensor)
+    try:
+        yield lambda: rules
+    finally:
+        torch.clear_autocast_cache = clear  # type: ignore[assignment]
+        if added:
+            types.remove(FakeTensor)
