@@ -47,7 +47,7 @@ import torch.nn as nn
 
 from graphmem.errors import UsageError
 from graphmem.training.batch import as_batch
-from graphmem.training.hf_trainer_cuda import cuda_step, mark_states, on_fake_cpu, pin_foreach
+from graphmem.training.hf_trainer_cuda import cuda_step, foreach_as_real, mark_states, on_fake_cpu, pin_foreach
 from graphmem.training.hf_trainer_ddp import ranks, wrap_ddp
 from graphmem.training.loop import Mark, TrainStep
 from graphmem.training.optim import ScalarReads, state_tensors
@@ -252,7 +252,7 @@ class TrainerRunner:
         ``.item()``. A step cut short (the compiled trace stops at backward) leaves no optimizer behind."""
         try:
             prepare = None if self.started else functools.partial(_prepared, self.trainer, self.model)
-            with cuda_step(forward_context, fake, self.deferred, prepare) if self.cuda \
+            with foreach_as_real(fake), cuda_step(forward_context, self.deferred, prepare) if self.cuda \
                     else contextlib.nullcontext(contextlib.nullcontext) as rules:
                 return self._run(forward, inputs, loss_fn, on_phase, mark, fake, rules)
         except BaseException:

@@ -37,7 +37,7 @@ import torch.nn as nn
 from graphmem.training.loop import Mark
 from graphmem.training.optim import HOST_STATE, state_tensors
 
-__all__ = ["cuda_step", "mark_states", "on_fake_cpu", "pin_foreach"]
+__all__ = ["cuda_step", "foreach_as_real", "mark_states", "on_fake_cpu", "pin_foreach"]
 
 
 @contextlib.contextmanager
@@ -84,21 +84,16 @@ def mark_states(mark: Mark, model: nn.Module, optimizer: Any, cuda: bool) -> Non
 
 
 @contextlib.contextmanager
-def cuda_step(forward_context: Callable[[], Any], fake: bool, deferred: contextlib.ExitStack,
+def cuda_step(forward_context: Callable[[], Any], deferred: contextlib.ExitStack,
               prepare: Optional[Callable[[], ContextManager[Any]]]) -> Iterator[Callable[[], ContextManager[Any]]]:
     """What the CUDA target changes for one run of the step. ``prepare`` (the first run: accelerate's
     ``prepare_model``) is entered into ``deferred`` (the runner's session) under the target's rules
     (``forward_context()``: one ``CudaRules``), so the autocast it builds is CUDA's. Yields the rules
     for each ``compute_loss``; while inside,
     ``torch.clear_autocast_cache`` (called by the outermost autocast region's exit) also empties the
-    rules' cast cache. ``fake``: fake tensors count as the plain tensors they stand for in
-    ``torch.utils._foreach_utils._has_foreach_support`` (its ``type(t) in [torch.Tensor]`` check), so
-    accelerate's ``clip_grad_norm_`` (``foreach=None``) takes the ``_foreach_norm`` path CUDA gradients take."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils import _foreach_utils
-
+    rules' cast cache."""
     rules = forward_context()
-    clear, types = torch.clear_autocast_cache, _foreach_utils._foreach_supported_types
+    clear = torch.clear_autocast_cache
 
     def cleared() -> None:
         clear()
@@ -108,12 +103,27 @@ def cuda_step(forward_context: Callable[[], Any], fake: bool, deferred: contextl
         with rules:
             deferred.enter_context(prepare())
     torch.clear_autocast_cache = cleared  # type: ignore[assignment]
-    added = fake and FakeTensor not in types
-    if added:
-        types.append(FakeTensor)
     try:
         yield lambda: rules
     finally:
         torch.clear_autocast_cache = clear  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def foreach_as_real(fake: bool) -> Iterator[None]:
+    """``fake``: fake tensors count as the plain tensors they stand for in
+    ``torch.utils._foreach_utils._has_foreach_support`` (its ``type(t) in [torch.Tensor]`` check), so
+    accelerate's ``clip_grad_norm_`` (``foreach=None``) takes the ``_foreach_norm`` path real
+    gradients take, on the CPU (``"cpu"`` is among its devices) as on CUDA."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils import _foreach_utils
+
+    types = _foreach_utils._foreach_supported_types
+    added = fake and FakeTensor not in types
+    if added:
+        types.append(FakeTensor)
+    try:
+        yield
+    finally:
         if added:
             types.remove(FakeTensor)
