@@ -75,16 +75,7 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
             cap.real_bookkeeping = True  # the meshes' own tensors are real
             apply_wrappers(wrapped, sharding, meshes, fake=True)  # the same call as validate's real ranks
             cap.real_bookkeeping = False
-            cap.paths = module_names(wrapped)
-            param_sid = {}
-            for kind, named in (("parameter", wrapped.named_parameters()), ("buffer", wrapped.named_buffers())):
-                for name, t in named:
-                    cap.preexisting(local(t), kind, name)
-                    param_sid[id(t)] = cap.placeholders[-1].meta["storage"]
-            fake_inputs = fake_batch(inputs, fake_mode, torch.device("cpu"), target.param_dtype, fake_mode.values)
-            for name, x in fake_inputs.named():
-                if isinstance(x, torch.Tensor):
-                    cap.preexisting(x, "input", name)
+            param_sid, fake_inputs = rank_placeholders(cap, fake_mode, wrapped, inputs, target)
             # torch.optim over the DTensor parameters (its states are made by the step, lazily)
             session = Session(traced(train, sharding), dict(wrapped.named_parameters()), target.device) \
                 if train is not None and train.active else None
@@ -92,7 +83,7 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
 
 
 def _run(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, fake_inputs: Any, loss_fn: Optional[LossFn],
-         target: Target, backends: dict[str, int], param_sid: dict[int, int], session: Optional[Session],
+         target: Target, backends: dict[str, int], param_sid: dict[str, int], session: Optional[Session],
          sharding: Sharding) -> StepGraph:
     def tagged_loss(out: Any, inputs: Any) -> torch.Tensor:
         loss = (loss_fn or default_loss)(out, inputs)
@@ -109,7 +100,7 @@ def _run(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, fake_inputs: Any,
             # the CUDA target keeps torch.optim's for-loop/foreach step counters on the host
             host_steps = session is not None and target.device == "cuda" and \
                 resolved_impl(session.step.impl, target.device) != "fused"
-            names = {name: param_sid[id(p)] for name, p in wrapped.named_parameters()}
+            names = {name: param_sid[name] for name, _ in wrapped.named_parameters()}
             mark = marker(cap, names, marked, host_steps, local)  # rank r's shards (DTensors' local tensors)
             if session is None:
                 out, loss = run_step(wrapped, fake_inputs, tagged_loss, cap.set_phase, context)
@@ -120,6 +111,24 @@ def _run(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, fake_inputs: Any,
                 relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
             gradients = marked.get("gradient", [])
         return rank_graph(cap, wrapped, target, backends, gradients, session.step if session is not None else None)
+
+
+def rank_placeholders(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, inputs: Any,
+                      target: Target) -> tuple[dict[str, int], Any]:
+    """Rank r's parameters and buffers (their local shards) and the fake batch as ``cap``'s placeholders,
+    under ``fake_mode`` (here and graphmem/distributed/trainer_fsdp.py): the storage id of each parameter
+    and buffer by name, and the batch."""
+    cap.paths = module_names(wrapped)
+    sids = {}
+    for kind, named in (("parameter", wrapped.named_parameters()), ("buffer", wrapped.named_buffers())):
+        for name, t in named:
+            cap.preexisting(local(t), kind, name)
+            sids[name] = cap.placeholders[-1].meta["storage"]
+    fake_inputs = fake_batch(inputs, fake_mode, torch.device("cpu"), target.param_dtype, fake_mode.values)
+    for name, x in fake_inputs.named():
+        if isinstance(x, torch.Tensor):
+            cap.preexisting(x, "input", name)
+    return sids, fake_inputs
 
 
 @contextlib.contextmanager

@@ -22,12 +22,10 @@ import torch
 import torch.nn as nn
 
 from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
-from graphmem.capture.call_paths import module_names
 from graphmem.capture.capture import marker, recorder_for
-from graphmem.capture.fakes import fake_batch
 from graphmem.capture.recorder import _Mode, _Recorder
 from graphmem.capture.target import Target
-from graphmem.distributed.capture import hooked, rank_graph, recording
+from graphmem.distributed.capture import hooked, rank_graph, rank_placeholders, recording
 from graphmem.distributed.fsdp import fake_copy, local, unsharded_grads
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
@@ -53,16 +51,7 @@ def capture_trainer_rank(module: nn.Module, inputs: Any, target: Target, p: Trai
                 with fake_mode, _real_meshes():
                     runner.prepare()  # accelerate's _prepare_fsdp2 (graphmem/training/hf_trainer_fsdp.py)
                     cap.real_bookkeeping = False
-                    cap.paths = module_names(wrapped)
-                    param_sid = {}
-                    for kind, named in (("parameter", wrapped.named_parameters()), ("buffer", wrapped.named_buffers())):
-                        for name, t in named:
-                            cap.preexisting(local(t), kind, name)
-                            param_sid[name] = cap.placeholders[-1].meta["storage"]
-                    fake_inputs = fake_batch(inputs, fake_mode, torch.device("cpu"), target.param_dtype, fake_mode.values)
-                    for name, x in fake_inputs.named():
-                        if isinstance(x, torch.Tensor):
-                            cap.preexisting(x, "input", name)
+                    param_sid, fake_inputs = rank_placeholders(cap, fake_mode, wrapped, inputs, target)
                 return _run(cap, fake_mode, runner, wrapped, fake_inputs, target, backends, param_sid)
         finally:
             cap.real_bookkeeping = False
