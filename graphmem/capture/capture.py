@@ -186,7 +186,8 @@ def _run(model: nn.Module, loss_fn: Optional[LossFn], target: Target, runner: Op
         with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
                 _reparametrize_module(model, step.state, tie_weights=True, strict=False, stack_weights=True), \
                 rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
-                segment_scope(cap.recompute_scope), real_paths(fake_mode.values if compiled is None else None):
+                segment_scope(cap.recompute_scope), \
+                real_paths(fake_mode.values) if compiled is None else contextlib.nullcontext():
             cap.recording = True
             context = forward_context(target, backends, cap.clearing_cache) if compiled is None \
                 else compiled_context(target, cap.clearing_cache)

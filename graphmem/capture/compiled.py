@@ -52,7 +52,7 @@ from graphmem.capture.aot_settings import partition_config, unlogged
 from graphmem.capture.autograd_tags import _DONE, _tensors, node_metadata
 from graphmem.capture.compiled_cuda import compiled_context as cuda_context
 from graphmem.capture.compiled_cuda import cuda_graph, example_values_ruled, graphs_unruled
-from graphmem.capture.dynamo_cache import cache_entries, cache_sizes, compiled_codes
+from graphmem.capture.dynamo_cache import cache_entries, cache_sizes, compiled_codes, guard_failure
 from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.inductor_partition import inductor_partition
 from graphmem.capture.partition_record import Partition, recording
@@ -233,6 +233,7 @@ class CompiledStep:
         self.graph_breaks = breaks
         self.module_inputs = module_inputs
         self.partitions: list[Partition] = []
+        self.missed = ""  # the guard that failed first in the replay (dynamo_cache.guard_failure), if any
 
     @staticmethod
     def trace(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target,
@@ -289,6 +290,9 @@ class CompiledStep:
         the capture has put its fake parameters into the module."""
         self.backend.recorder, self.backend.replaying = rec, True
         self.forwards += 1
+        if not self.missed:  # the frame _call's locals, as dynamo's guards read them
+            self.missed = guard_failure(self.call.__code__, {"graphmem_root": self.model, "args": tuple(args),
+                                                             "kwargs": dict(kwargs)})
         return _unruled(torch._dynamo.run(self.call), self.model, *args, **kwargs)
 
     def check_replayed(self) -> None:
@@ -301,8 +305,8 @@ class CompiledStep:
             if g.calls * self.forwards != g.replays:
                 raise CaptureError(
                     f"the replay of the compiled step ran a {g.kind} graph {g.replays} times in {self.forwards} "
-                    f"forward(s), the trace {g.calls} times in one (dynamo's cached code did not match graphmem's "
-                    "fake tensors); rerun with `debug` and report it")
+                    f"forward(s), the trace {g.calls} times in one (dynamo's cached code did not match the replay: "
+                    f"{self.missed or 'the first frame matched, a frame after a graph break did not'}); rerun with `debug` and report it")
 
     def summary(self) -> CompiledGraphs:
         return CompiledGraphs(tuple(self.backend.graphs), self.graph_breaks, partitions=tuple(self.partitions))

@@ -27,3 +27,17 @@ def cache_entries(code: Any) -> int:
 
 def cache_sizes() -> dict[int, int]:
     return {id(code): cache_entries(code) for code in compiled_codes()}
+
+
+def guard_failure(code: Any, f_locals: dict[str, Any]) -> str:
+    """Why no cached entry of ``code`` runs for a frame with ``f_locals``: the first guard that fails
+    in the newest entry (dynamo's own text: the guard and the source line it came from), or "" when
+    one entry's guards pass or ``code`` has none. ``torch._dynamo.run`` runs a frame whose guards
+    all fail eagerly, without a word (no recompile to report)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    entries = _debug_get_cache_entry_list(code)
+    if not entries or any(e.guard_manager.check(f_locals) for e in entries):
+        return ""
+    parts = entries[0].guard_manager.check_verbose(f_locals).verbose_code_parts
+    return " ".join(str(parts[0]).split()) if parts else "a guard failed"

@@ -32,9 +32,11 @@ from graphmem.capture.values import Values, knowing
 @contextlib.contextmanager
 def real_paths(values: Optional[Values] = None) -> Iterator[None]:
     """Within: transformers (if imported) takes its real-run branches on fake tensors, and reads
-    the values that ``values`` knows. Compiled mode gives none: dynamo's cached code guards on
-    transformers' ``is_fake_tensor`` as traced, and the real compiled step never reads a mask
-    (``is_tracing`` is true under dynamo)."""
+    the values that ``values`` knows. Compiled mode runs without it (graphmem/capture/capture.py):
+    the real compiled step never reads a mask or position ids (``is_tracing`` is true under
+    dynamo), and dynamo's cached code guards on the functions it traced (here
+    ``find_packed_sequence_indices.__code__``, read when a batch has no attention mask), so a
+    replay under another function than the trace's runs eagerly, outside the compiled graphs."""
     known = values or Values()
     masking: Any = sys.modules.get("transformers.masking_utils")
     original: Any = getattr(masking, "find_packed_sequence_indices", None) if masking is not None else None

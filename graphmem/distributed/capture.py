@@ -24,8 +24,9 @@ and Adafactor do not run on DTensors (refused by graphmem/distributed/spec.py ma
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -74,16 +75,7 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
             cap.real_bookkeeping = True  # the meshes' own tensors are real
             apply_wrappers(wrapped, sharding, meshes, fake=True)  # the same call as validate's real ranks
             cap.real_bookkeeping = False
-            cap.paths = module_names(wrapped)
-            param_sid = {}
-            for kind, named in (("parameter", wrapped.named_parameters()), ("buffer", wrapped.named_buffers())):
-                for name, t in named:
-                    cap.preexisting(local(t), kind, name)
-                    param_sid[id(t)] = cap.placeholders[-1].meta["storage"]
-            fake_inputs = fake_batch(inputs, fake_mode, torch.device("cpu"), target.param_dtype, fake_mode.values)
-            for name, x in fake_inputs.named():
-                if isinstance(x, torch.Tensor):
-                    cap.preexisting(x, "input", name)
+            param_sid, fake_inputs = rank_placeholders(cap, fake_mode, wrapped, inputs, target)
             # torch.optim over the DTensor parameters (its states are made by the step, lazily)
             session = Session(traced(train, sharding), dict(wrapped.named_parameters()), target.device) \
                 if train is not None and train.active else None
@@ -91,52 +83,92 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
 
 
 def _run(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, fake_inputs: Any, loss_fn: Optional[LossFn],
-         target: Target, backends: dict[str, int], param_sid: dict[int, int], session: Optional[Session],
+         target: Target, backends: dict[str, int], param_sid: dict[str, int], session: Optional[Session],
          sharding: Sharding) -> StepGraph:
-    handles = [nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
-               nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True)]
-
     def tagged_loss(out: Any, inputs: Any) -> torch.Tensor:
         loss = (loss_fn or default_loss)(out, inputs)
         if isinstance(loss, torch.Tensor):
             _tag_grad_fns(loss, "")  # the loss's nodes belong to the root
         return loss
 
+    with hooked(cap):
+        with recording(cap, fake_mode, target, wrapped), \
+                step_context(sharding):  # loss_parallel() around loss and backward when the logits stay split
+            cap.recording = True
+            context = forward_context(target, backends, cap.clearing_cache)
+            marked: dict[str, list[int]] = {}
+            # the CUDA target keeps torch.optim's for-loop/foreach step counters on the host
+            host_steps = session is not None and target.device == "cuda" and \
+                resolved_impl(session.step.impl, target.device) != "fused"
+            names = {name: param_sid[name] for name, _ in wrapped.named_parameters()}
+            mark = marker(cap, names, marked, host_steps, local)  # rank r's shards (DTensors' local tensors)
+            if session is None:
+                out, loss = run_step(wrapped, fake_inputs, tagged_loss, cap.set_phase, context)
+                mark("gradient", [(n, p.grad) for n, p in wrapped.named_parameters() if p.grad is not None])
+            else:
+                out, loss = session.run(wrapped, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True,
+                                        micro_step=_gradient_sync(cap, wrapped, sharding))
+                relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
+            gradients = marked.get("gradient", [])
+        return rank_graph(cap, wrapped, target, backends, gradients, session.step if session is not None else None)
+
+
+def rank_placeholders(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, inputs: Any,
+                      target: Target) -> tuple[dict[str, int], Any]:
+    """Rank r's parameters and buffers (their local shards) and the fake batch as ``cap``'s placeholders,
+    under ``fake_mode`` (here and graphmem/distributed/trainer_fsdp.py): the storage id of each parameter
+    and buffer by name, and the batch."""
+    cap.paths = module_names(wrapped)
+    sids = {}
+    for kind, named in (("parameter", wrapped.named_parameters()), ("buffer", wrapped.named_buffers())):
+        for name, t in named:
+            cap.preexisting(local(t), kind, name)
+            sids[name] = cap.placeholders[-1].meta["storage"]
+    fake_inputs = fake_batch(inputs, fake_mode, torch.device("cpu"), target.param_dtype, fake_mode.values)
+    for name, x in fake_inputs.named():
+        if isinstance(x, torch.Tensor):
+            cap.preexisting(x, "input", name)
+    return sids, fake_inputs
+
+
+@contextlib.contextmanager
+def hooked(cap: _Recorder) -> Iterator[None]:
+    """Within: ``cap``'s module hooks on every module; after, ``cap`` closed (before the fake tensors die
+    with the caller's frame: those frees are after the step). Around a rank's capture and its graph."""
+    handles = [nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
+               nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True)]
     try:
-        try:
-            with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
-                    rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(fake_mode.values), watching(cap), \
-                    step_context(sharding):  # loss_parallel() around loss and backward when the logits stay split
-                cap.recording = True
-                context = forward_context(target, backends, cap.clearing_cache)
-                marked: dict[str, list[int]] = {}
-                # the CUDA target keeps torch.optim's for-loop/foreach step counters on the host
-                host_steps = session is not None and target.device == "cuda" and \
-                    resolved_impl(session.step.impl, target.device) != "fused"
-                names = {name: param_sid[id(p)] for name, p in wrapped.named_parameters()}
-                mark = marker(cap, names, marked, host_steps, local)  # rank r's shards (DTensors' local tensors)
-                if session is None:
-                    out, loss = run_step(wrapped, fake_inputs, tagged_loss, cap.set_phase, context)
-                    mark("gradient", [(n, p.grad) for n, p in wrapped.named_parameters() if p.grad is not None])
-                else:
-                    out, loss = session.run(wrapped, fake_inputs, tagged_loss, cap.set_phase, context, mark, fake=True,
-                                            micro_step=_gradient_sync(cap, wrapped, sharding))
-                    relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
-                gradients = marked.get("gradient", [])
-        except GraphmemError:
-            raise
-        except Exception as e:  # a one-line error that names the fix
-            raise translate_error(e, cap, type(wrapped).__name__) from e
-        phase_start = dict(cap.phase_start)
-        phase_start["end"] = len(cap.ops)
-        return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
-                         list(dict.fromkeys(gradients)), type(wrapped).__name__,
-                         module_order(wrapped), cap.module_inputs, target, backends,
-                         train=session.step if session is not None else None, micro_steps=tuple(cap.micro_steps))
+        yield
     finally:
-        cap.closed = True  # before the fake tensors die with this frame: those frees are after the step
+        cap.closed = True
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def recording(cap: _Recorder, fake_mode: _Mode, target: Target, wrapped: nn.Module) -> Iterator[None]:
+    """What a rank's step runs under (here and graphmem/distributed/trainer_fsdp.py): the fake mode,
+    ``cap``'s saved_tensors_hooks, the RNG states, autocast's cache clears, transformers' real paths
+    and FSDP's watched collectives; what fails inside is translated into a one-line error naming the fix."""
+    try:
+        with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
+                rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(fake_mode.values), watching(cap):
+            yield
+    except GraphmemError:
+        raise
+    except Exception as e:
+        raise translate_error(e, cap, type(wrapped).__name__) from e
+
+
+def rank_graph(cap: _Recorder, wrapped: nn.Module, target: Target, backends: dict[str, int], gradients: list[int],
+               train: Optional[TrainStep] = None) -> StepGraph:
+    """The StepGraph of a rank's recorded step (``gradients``: the storage ids of its gradients)."""
+    phase_start = dict(cap.phase_start)
+    phase_start["end"] = len(cap.ops)
+    return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
+                     list(dict.fromkeys(gradients)), type(wrapped).__name__,
+                     module_order(wrapped), cap.module_inputs, target, backends,
+                     train=train, micro_steps=tuple(cap.micro_steps))
 
 
 def traced(train: TrainStep, sharding: Sharding) -> TrainStep:

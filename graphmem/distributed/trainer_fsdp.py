@@ -22,15 +22,11 @@ import torch
 import torch.nn as nn
 
 from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
-from graphmem.capture.call_paths import module_names, module_order
-from graphmem.capture.capture import _cache_clears, marker, recorder_for
-from graphmem.capture.fakes import fake_batch, translate_error
-from graphmem.capture.hf_paths import real_paths
+from graphmem.capture.capture import marker, recorder_for
 from graphmem.capture.recorder import _Mode, _Recorder
-from graphmem.capture.rng_states import rng_states
 from graphmem.capture.target import Target
-from graphmem.distributed.fsdp import fake_copy, local, unsharded_grads, watching
-from graphmem.errors import GraphmemError
+from graphmem.distributed.capture import hooked, rank_graph, rank_placeholders, recording
+from graphmem.distributed.fsdp import fake_copy, local, unsharded_grads
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
 from graphmem.training.hf_trainer_ddp import copied_inputs
@@ -55,16 +51,7 @@ def capture_trainer_rank(module: nn.Module, inputs: Any, target: Target, p: Trai
                 with fake_mode, _real_meshes():
                     runner.prepare()  # accelerate's _prepare_fsdp2 (graphmem/training/hf_trainer_fsdp.py)
                     cap.real_bookkeeping = False
-                    cap.paths = module_names(wrapped)
-                    param_sid = {}
-                    for kind, named in (("parameter", wrapped.named_parameters()), ("buffer", wrapped.named_buffers())):
-                        for name, t in named:
-                            cap.preexisting(local(t), kind, name)
-                            param_sid[name] = cap.placeholders[-1].meta["storage"]
-                    fake_inputs = fake_batch(inputs, fake_mode, torch.device("cpu"), target.param_dtype, fake_mode.values)
-                    for name, x in fake_inputs.named():
-                        if isinstance(x, torch.Tensor):
-                            cap.preexisting(x, "input", name)
+                    param_sid, fake_inputs = rank_placeholders(cap, fake_mode, wrapped, inputs, target)
                 return _run(cap, fake_mode, runner, wrapped, fake_inputs, target, backends, param_sid)
         finally:
             cap.real_bookkeeping = False
@@ -75,38 +62,21 @@ def capture_trainer_rank(module: nn.Module, inputs: Any, target: Target, p: Trai
 
 def _run(cap: _Recorder, fake_mode: _Mode, runner: FsdpRunner, wrapped: nn.Module, fake_inputs: Any, target: Target,
          backends: dict[str, int], param_sid: dict[str, int]) -> StepGraph:
-    handles = [nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
-               nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True)]
-
     def tagged_loss(out: Any, inputs: Any) -> Any:
         if isinstance(out, torch.Tensor):
             _tag_grad_fns(out, "")  # the loss's nodes belong to the root
         return out
 
-    try:
-        try:
-            with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
-                    rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(fake_mode.values), \
-                    watching(cap), _on_cpu(runner.trainer), copied_inputs(runner.trainer), _named_unsharded(cap, runner.trainer):
-                cap.recording = True
-                marked: dict[str, list[int]] = {}
-                mark = marker(cap, param_sid, marked, False, local)  # rank r's shards (DTensors' local tensors)
-                runner.run(wrapped, fake_inputs, tagged_loss, cap.set_phase, lambda: _null(), mark, fake=True)
-                relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
-                gradients = marked.get("gradient", [])
-        except GraphmemError:
-            raise
-        except Exception as e:  # a one-line error that names the fix
-            raise translate_error(e, cap, type(wrapped).__name__) from e
-        phase_start = dict(cap.phase_start)
-        phase_start["end"] = len(cap.ops)
-        return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
-                         list(dict.fromkeys(gradients)), type(wrapped).__name__, module_order(wrapped),
-                         cap.module_inputs, target, backends, micro_steps=tuple(cap.micro_steps))
-    finally:
-        cap.closed = True  # before the fake tensors die with this frame: those frees are after the step
-        for h in handles:
-            h.remove()
+    with hooked(cap):  # (graphmem/distributed/capture.py: a rank's recording, as capture_rank's)
+        with recording(cap, fake_mode, target, wrapped), \
+                _on_cpu(runner.trainer), copied_inputs(runner.trainer), _named_unsharded(cap, runner.trainer):
+            cap.recording = True
+            marked: dict[str, list[int]] = {}
+            mark = marker(cap, param_sid, marked, False, local)  # rank r's shards (DTensors' local tensors)
+            runner.run(wrapped, fake_inputs, tagged_loss, cap.set_phase, lambda: _null(), mark, fake=True)
+            relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
+            gradients = marked.get("gradient", [])
+        return rank_graph(cap, wrapped, target, backends, gradients)
 
 
 @contextlib.contextmanager

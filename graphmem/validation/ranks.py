@@ -33,13 +33,14 @@ OPTIMIZER_GAP: 12 B in the for-loop AdamW's step), and the prediction is never a
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
 import pickle
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -313,9 +314,7 @@ def _steps(model: nn.Module, batch: Batch, loss_fn: Optional[LossFn], job: RankJ
     for i in range(2 if session is not None and session.optimizer is not None else 1):
         masters = list(session.masters.values()) if session is not None else []
         baseline = sum(_storages(_held(model) + list(batch.tensors()) + masters + states()).values())
-        with measure._quiet_gc(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                         profile_memory=True) as prof, \
-                torch.autograd.graph.saved_tensors_hooks(saves.pack, lambda t: t), step_context(sharding):
+        with profiled(saves) as prof, step_context(sharding):
             if session is None:
                 out, loss = run_step(model, batch, loss_fn, saves.set_phase, context)
             else:
@@ -323,13 +322,31 @@ def _steps(model: nn.Module, batch: Batch, loss_fn: Optional[LossFn], job: RankJ
         held = addresses([*_held(model), *(p.grad for p in model.parameters() if p.grad is not None),
                           *batch.tensors(), *masters, *states(), out, loss])
         kept.append((out, loss))  # freed after profiling would confuse the next profile (see the module's docstring)
-        high = running = 0
-        for _, size in allocation_events(prof, held):
-            running += size
-            high = max(high, running)
-        if i == 0:
-            result.update(saved=sum(saves.saved.values()), baseline=baseline, peak=baseline + high)
-        else:
-            result.update(later=baseline + high, states=sum(_storages(states()).values()))
+        record(result, i, prof, held, saves, baseline, states())
     kept.append((model, batch, session))
     return result
+
+
+@contextlib.contextmanager
+def profiled(saves: _Saves) -> Iterator[Any]:
+    """Around one real step on a rank (here and graphmem/validation/trainer_fsdp_rank.py): the CPU
+    profiler's memory events (yielded), ``saves`` counting what is saved, garbage collection held off."""
+    with measure._quiet_gc(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                     profile_memory=True) as prof, \
+            torch.autograd.graph.saved_tensors_hooks(saves.pack, lambda t: t):
+        yield prof
+
+
+def record(result: dict[str, int], i: int, prof: Any, held: Any, saves: _Saves, baseline: int,
+           states: list[torch.Tensor]) -> None:
+    """Step ``i``'s figures into ``result``: its peak is ``baseline`` plus the largest running sum of the
+    profile's allocation events (``held``: the addresses alive after it); the first step's saved and
+    before-step bytes, or the later step's optimizer ``states``."""
+    high = running = 0
+    for _, size in allocation_events(prof, held):
+        running += size
+        high = max(high, running)
+    if i == 0:
+        result.update(saved=sum(saves.saved.values()), baseline=baseline, peak=baseline + high)
+    else:
+        result.update(later=baseline + high, states=sum(_storages(states).values()))

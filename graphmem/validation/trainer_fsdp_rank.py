@@ -12,8 +12,8 @@ import torch
 import graphmem.validation.measure as measure
 from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer_fsdp import FsdpRunner, build_trainer
-from graphmem.validation.ranks import _held, _Saves, _storages
-from graphmem.validation.settle import addresses, allocation_events
+from graphmem.validation.ranks import _held, _Saves, _storages, profiled, record
+from graphmem.validation.settle import addresses
 
 
 def measure_fsdp_rank(job: Any, named: Any) -> dict[str, int]:
@@ -34,22 +34,13 @@ def measure_fsdp_rank(job: Any, named: Any) -> dict[str, int]:
         for i in range(2):
             baseline = sum(_storages(_held(wrapped) + list(as_batch(batch).tensors()) + states()
                                      + runner.held_tensors()).values())
-            with measure._quiet_gc(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                             profile_memory=True) as prof, \
-                    torch.autograd.graph.saved_tensors_hooks(saves.pack, lambda t: t):
+            with profiled(saves) as prof:
                 out, loss = runner.run(wrapped, batch, None, saves.set_phase, contextlib.nullcontext)
             grads = [p.grad for p in wrapped.parameters() if p.grad is not None]
             held = addresses([*_held(wrapped), *grads, *as_batch(batch).tensors(), *states(),
                               *runner.held_tensors(), loss])
             kept.append((out, loss))  # freed after profiling would confuse the next profile (ranks.py)
-            high = running = 0
-            for _, size in allocation_events(prof, held):
-                running += size
-                high = max(high, running)
-            if i == 0:
-                result.update(saved=sum(saves.saved.values()), baseline=baseline, peak=baseline + high)
-            else:
-                result.update(later=baseline + high, states=sum(_storages(states()).values()))
+            record(result, i, prof, held, saves, baseline, states())
     kept.append(wrapped)
     _KEPT.append(kept)
     return result
