@@ -1,0 +1,140 @@
+"""Python numbers an op takes as tensors ("wrapped numbers"), on the CPU target in eager mode.
+
+``x * 0.5`` calls ``aten::mul.Tensor(Tensor self, Tensor other)``: Python's argument parser turns
+the float into a 0-dim float64 tensor marked as a wrapped number (torch/csrc/utils/
+python_arg_parser.cpp ``scalar_to_tensor``; int64 for an int, complex128 for a complex, bool for a
+bool), allocated by the CPU allocator like any tensor, and freed when the call returns. If the
+op's autograd node saves it (``MulBackward0`` keeps ``other`` to scale ``self``'s gradient,
+``DivBackward0`` likewise: tools/autograd/derivatives.yaml), it lives until that node runs in
+backward. Fake tensors never see it: a dispatch mode receives the Python number back
+(``__torch_dispatch__`` unwraps wrapped numbers), and saved-tensor hooks are not called for it, so
+saved bytes are unchanged while the real step's peak holds it.
+
+Here each such argument of an op the recorder records becomes an 8 B (or 1/16 B) storage of that
+op, and where the op's node saved it (read from the node itself: ``_saved_<argument>`` is a
+0-dim tensor that is not fake) it lives until a post hook on that node says the node ran. Found
+from the real steps' allocation events by their parent ops: GPT-2's GELU ``0.5 * x`` (24 B a
+block), peft LoRA's ``* scaling`` (8 B an adapted linear), a MoE router's ``* route_scale``
+(8 B a layer), AdamW's ``/ bias_correction2_sqrt`` (8 B, and its 4 B float32 cast, for the moment
+of the division).
+
+Only on the CPU target and in eager mode: on a GPU a wrapped number is a host tensor (device
+memory never holds it), and a compiled graph's backward keeps no autograd node per op.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from graphmem.stepgraph import Storage
+
+# a Python number's wrapped tensor: (dtype, bytes)
+_WRAP = {bool: ("bool", 1), int: ("int64", 8), float: ("float64", 8), complex: ("complex128", 16)}
+
+
+def _numbers(func: Any, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """(argument name, value) of each Python number given where the schema takes a Tensor."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    found = []
+    for i, a in enumerate(schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        if type(value) in _WRAP and str(a.type) == "Tensor":
+            found.append((a.name, value))
+    return found
+
+
+def _cast(args: tuple, value: Any, dtype: str) -> int:
+    """Bytes of the wrapped number's cast to the op's common dtype: TensorIterator promotes its
+    inputs by making copies in the common dtype (aten/src/ATen/TensorIterator.cpp
+    ``compute_types``, ``promote_inputs_to_common_dtype_``, which the binary ops that take
+    numbers as tensors set), a CPU scalar too (AdamW's ``/ bias_correction2_sqrt`` on float32
+    states: 4 B more for the moment of the division, measured)."""
+    tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if tensor is None:
+        return 0
+    common = torch.result_type(tensor, value)
+    return common.itemsize if str(common).replace("torch.", "") != dtype else 0
+
+
+def _saved(fn: Any, name: str) -> bool:
+    """Whether autograd node ``fn`` holds the wrapped number given as argument ``name``."""
+    try:
+        value = getattr(fn, f"_saved_{name}")
+    except (AttributeError, RuntimeError):  # not saved, or released
+        return False
+    return isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.dim() == 0
+
+
+class WrappedNumbers:
+    """The recorder's wrapped numbers (the module docstring)."""
+
+    def __init__(self, rec: Any) -> None:
+        self.rec = rec
+        self.pending: Optional[tuple[Any, list[tuple[str, Storage]]]] = None  # the last op's output and its numbers
+        self.held: list[Storage] = []  # saved by a node not yet run
+
+    def seen(self, func: Any, args: tuple, kwargs: dict, out: Any, index: int, module: str) -> None:
+        """Op ``index`` ran (outermost dispatch): its wrapped numbers, live for the op."""
+        self.resolve()
+        rec = self.rec
+        if rec.device != "cpu" or rec.node_module is not None:
+            return
+        made = []
+        for name, value in _numbers(func, args, kwargs):
+            dtype, nbytes = _WRAP[type(value)]
+            s = Storage(len(rec.storages), nbytes, "activation", index, index, module,
+                        f"wrapped number ({type(value).__name__} as a 0-d {dtype} tensor) of {func}", dtype, (),
+                        stream=rec.stream())
+            rec.storages[s.sid] = s
+            made.append((name, s))
+            cast = _cast(args, value, dtype)
+            if cast:  # for the moment of the op
+                c = Storage(len(rec.storages), cast, "activation", index, index, module,
+                            f"wrapped number's cast to the common dtype of {func}", "uint8", (cast,), stream=rec.stream())
+                rec.storages[c.sid] = c
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        if made and isinstance(first, torch.Tensor) and torch.is_grad_enabled():
+            self.pending = (weakref.ref(first), made)
+
+    def resolve(self) -> None:
+        """The autograd node is attached to the last op's output once the op returns: those of
+        its wrapped numbers the node saved live until it runs."""
+        if self.pending is None:
+            return
+        ref, made = self.pending
+        self.pending = None
+        t = ref()
+        fn = t.grad_fn if t is not None else None
+        if fn is None:
+            return
+        for name, s in made:
+            if _saved(fn, name):
+                s.freed = None
+                self.held.append(s)
+                fn.register_hook(lambda grad_inputs, grad_outputs, s=s: self._ran(s))
+
+    def _ran(self, s: Storage) -> None:
+        if s.freed is None:
+            s.freed = len(self.rec.ops) - 1
+        if s in self.held:
+            self.held.remove(s)
+
+    def phase(self, phase: str) -> None:
+        """A node never run by a backward (a branch that leads to no loss) frees its saved
+        numbers with its graph: here, when the optimizer step starts (a pipeline runs several
+        micro-batches' forwards before their backwards)."""
+        self.resolve()
+        if phase != "optimizer":
+            return
+        for s in self.held:
+            if s.freed is None:
+                s.freed = max(len(self.rec.ops) - 1, s.created)
+        self.held = []
+
+
+__all__ = ["WrappedNumbers"]
