@@ -92,7 +92,8 @@ class WrappedNumbers:
                         stream=rec.stream())
             rec.storages[s.sid] = s
             made.append((name, s))
-            cast = _cast(args, value, dtype)
+            with rec.paused():  # result_type dispatches an op of its own: not one of the step's
+                cast = _cast(args, value, dtype)
             if cast:  # for the moment of the op
                 c = Storage(len(rec.storages), cast, "activation", index, index, module,
                             f"wrapped number's cast to the common dtype of {func}", "uint8", (cast,), stream=rec.stream())
