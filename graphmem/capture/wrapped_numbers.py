@@ -110,7 +110,11 @@ class WrappedNumbers:
         ref, made = self.pending
         self.pending = None
         t = ref()
-        fn = t.grad_fn if t is not None else None
+        # a view's grad_fn may be regenerated under a lock the autograd kernel of the op running now
+        # already holds (torch/csrc/autograd/variable.cpp ``VariableHooks::grad_fn``): read from inside
+        # that op's dispatch, it would deadlock; an in-place op on a view keeps its number unseen (the
+        # 8 B under the real peak that all numbers were before)
+        fn = t.grad_fn if t is not None and not t._is_view() else None
         if fn is None:
             return
         for name, s in made:
