@@ -12,7 +12,10 @@ saved bytes are unchanged while the real step's peak holds it.
 
 Here each such argument of an op the recorder records becomes an 8 B (or 1/16 B) storage of that
 op, and where the op's node saved it (read from the node itself: ``_saved_<argument>`` is a
-0-dim tensor that is not fake) it lives until a post hook on that node says the node ran. Found
+0-dim tensor that is not fake, the saved tensor itself) it lives until that tensor dies: a
+``weakref.finalize`` on it fires when autograd releases the node's saved variables, after the node
+ran in backward or with its graph (a branch no backward runs; a checkpoint's recomputed forward,
+whose nodes never run and die when the recomputed tensors are used). Found
 from the real steps' allocation events by their parent ops: GPT-2's GELU ``0.5 * x`` (24 B a
 block), peft LoRA's ``* scaling`` (8 B an adapted linear), a MoE router's ``* route_scale``
 (8 B a layer), AdamW's ``/ bias_correction2_sqrt`` (8 B, and its 4 B float32 cast, for the moment
@@ -61,13 +64,15 @@ def _cast(args: tuple, value: Any, dtype: str) -> int:
     return common.itemsize if str(common).replace("torch.", "") != dtype else 0
 
 
-def _saved(fn: Any, name: str) -> bool:
-    """Whether autograd node ``fn`` holds the wrapped number given as argument ``name``."""
+def _saved(fn: Any, name: str) -> Optional[torch.Tensor]:
+    """The wrapped number autograd node ``fn`` holds as argument ``name`` (None if it holds none)."""
     try:
         value = getattr(fn, f"_saved_{name}")
     except (AttributeError, RuntimeError):  # not saved, or released
-        return False
-    return isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.dim() == 0
+        return None
+    if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.dim() == 0:
+        return value
+    return None
 
 
 class WrappedNumbers:
@@ -76,7 +81,6 @@ class WrappedNumbers:
     def __init__(self, rec: Any) -> None:
         self.rec = rec
         self.pending: Optional[tuple[Any, list[tuple[str, Storage]]]] = None  # the last op's output and its numbers
-        self.held: list[Storage] = []  # saved by a node not yet run
 
     def seen(self, func: Any, args: tuple, kwargs: dict, out: Any, index: int, module: str) -> None:
         """Op ``index`` ran (outermost dispatch): its wrapped numbers, live for the op."""
@@ -90,6 +94,10 @@ class WrappedNumbers:
             s = Storage(len(rec.storages), nbytes, "activation", index, index, module,
                         f"wrapped number ({type(value).__name__} as a 0-d {dtype} tensor) of {func}", dtype, (),
                         stream=rec.stream())
+            # a checkpoint's recompute: its nodes never run, the number dies with the recomputed
+            # graph when the recompute ends, as autocast's cache dies when its context exits
+            # (checkpoint plans read both the same way: graphmem/planning/pieces.py ``Cut.cleared``)
+            s.cache_freed = rec.phase == "backward" and len(rec.stack) > 1
             rec.storages[s.sid] = s
             made.append((name, s))
             with rec.paused():  # result_type dispatches an op of its own: not one of the step's
@@ -104,7 +112,7 @@ class WrappedNumbers:
 
     def resolve(self) -> None:
         """The autograd node is attached to the last op's output once the op returns: those of
-        its wrapped numbers the node saved live until it runs."""
+        its wrapped numbers the node saved live until the node releases them."""
         if self.pending is None:
             return
         ref, made = self.pending
@@ -118,28 +126,18 @@ class WrappedNumbers:
         if fn is None:
             return
         for name, s in made:
-            if _saved(fn, name):
+            value = _saved(fn, name)
+            if value is not None:
                 s.freed = None
-                self.held.append(s)
-                fn.register_hook(lambda grad_inputs, grad_outputs, s=s: self._ran(s))
+                weakref.finalize(value, self._died, s)
 
-    def _ran(self, s: Storage) -> None:
-        if s.freed is None:
-            s.freed = len(self.rec.ops) - 1
-        if s in self.held:
-            self.held.remove(s)
+    def _died(self, s: Storage) -> None:
+        if s.freed is None and not self.rec.closed:
+            s.freed = max(len(self.rec.ops) - 1, s.created)
 
     def phase(self, phase: str) -> None:
-        """A node never run by a backward (a branch that leads to no loss) frees its saved
-        numbers with its graph: here, when the optimizer step starts (a pipeline runs several
-        micro-batches' forwards before their backwards)."""
+        """A phase starts: the last op's numbers are resolved before its ops are counted."""
         self.resolve()
-        if phase != "optimizer":
-            return
-        for s in self.held:
-            if s.freed is None:
-                s.freed = max(len(self.rec.ops) - 1, s.created)
-        self.held = []
 
 
 __all__ = ["WrappedNumbers"]
