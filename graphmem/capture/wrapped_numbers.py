@@ -80,7 +80,8 @@ class WrappedNumbers:
 
     def __init__(self, rec: Any) -> None:
         self.rec = rec
-        self.pending: Optional[tuple[Any, list[tuple[str, Storage]]]] = None  # the last op's output and its numbers
+        # the last op's output, its numbers, and whether it ran in a checkpoint's recompute
+        self.pending: Optional[tuple[Any, list[tuple[str, Storage]], bool]] = None
 
     def seen(self, func: Any, args: tuple, kwargs: dict, out: Any, index: int, module: str) -> None:
         """Op ``index`` ran (outermost dispatch): its wrapped numbers, live for the op."""
@@ -94,10 +95,6 @@ class WrappedNumbers:
             s = Storage(len(rec.storages), nbytes, "activation", index, index, module,
                         f"wrapped number ({type(value).__name__} as a 0-d {dtype} tensor) of {func}", dtype, (),
                         stream=rec.stream())
-            # a checkpoint's recompute: its nodes never run, the number dies with the recomputed
-            # graph when the recompute ends, as autocast's cache dies when its context exits
-            # (checkpoint plans read both the same way: graphmem/planning/pieces.py ``Cut.cleared``)
-            s.cache_freed = rec.phase == "backward" and len(rec.stack) > 1
             rec.storages[s.sid] = s
             made.append((name, s))
             with rec.paused():  # result_type dispatches an op of its own: not one of the step's
@@ -108,14 +105,14 @@ class WrappedNumbers:
                 rec.storages[c.sid] = c
         first = out[0] if isinstance(out, (tuple, list)) and out else out
         if made and isinstance(first, torch.Tensor) and torch.is_grad_enabled():
-            self.pending = (weakref.ref(first), made)
+            self.pending = (weakref.ref(first), made, rec.phase == "backward" and len(rec.stack) > 1)
 
     def resolve(self) -> None:
         """The autograd node is attached to the last op's output once the op returns: those of
         its wrapped numbers the node saved live until the node releases them."""
         if self.pending is None:
             return
-        ref, made = self.pending
+        ref, made, again = self.pending
         self.pending = None
         t = ref()
         # a view's grad_fn may be regenerated under a lock the autograd kernel of the op running now
@@ -129,6 +126,10 @@ class WrappedNumbers:
             value = _saved(fn, name)
             if value is not None:
                 s.freed = None
+                # a checkpoint's recomputed node never runs: its number dies with the recomputed
+                # graph when the recompute ends, as autocast's cache dies when its context exits
+                # (checkpoint plans read both the same way: graphmem/planning/pieces.py ``Cut.cleared``)
+                s.cache_freed = again
                 weakref.finalize(value, self._died, s)
 
     def _died(self, s: Storage) -> None:
