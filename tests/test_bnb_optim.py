@@ -34,6 +34,15 @@ LM_TOLERANCE = 0.001  # tests/test_training.py
 MIN_8BIT_SIZE, BLOCK, QMAP = 4096, 256, 256  # bitsandbytes/optim/optimizer.py Optimizer2State (0.50)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_overrides() -> None:
+    """bitsandbytes' GlobalOptimManager is one per process: a transformers Trainer with adamw_bnb_8bit
+    registers 32-bit states for each Embedding's weight there (Trainer.create_optimizer), and an
+    earlier test's entries, matched by ``id`` of a parameter, reach a later model's parameters when
+    ids are reused. Each test starts with none, as a fresh process does."""
+    bnb.optim.GlobalOptimManager.get_instance().initialize()
+
+
 def _close(predicted: int, real: int) -> None:
     gap = real - predicted
     assert 0 <= gap <= LM_TOLERANCE * real, (predicted, real)

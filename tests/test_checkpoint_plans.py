@@ -478,7 +478,10 @@ def test_a_segments_recompute_keeps_its_cast_cache_to_the_end(device: str) -> No
     blocks = {s.module.split(".")[2] for s in recomputed}
     assert blocks == {"0", "1", "2", "3"}
     assert len({s.freed for s in recomputed}) == 1
-    assert sum(s.nbytes for s in recomputed) == 4 * 2 * (3 * 32 + 32 + 4 * 32 + 32)  # bf16 biases
+    # (bf16 biases; on the CPU also each block's `* (1.0 / math.sqrt(hd))` double, kept by the
+    # recomputed MulBackward0 that never runs: graphmem/capture/wrapped_numbers.py)
+    scale = 4 * 8 if device == "cpu" else 0
+    assert sum(s.nbytes for s in recomputed) == 4 * 2 * (3 * 32 + 32 + 4 * 32 + 32) + scale
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -8,8 +8,8 @@ bundled GPT-2 (fused c_attn) likewise, or a Hugging Face decoder split by transf
 WHEN graphmem captures rank r on fake tensors under the fake process group
 THEN rank r's saved bytes equal a real 2-process (4-process) gloo step's (saved_tensors_hooks) to the byte,
 and its peak equals the real step's CPU allocator peak (torch.profiler) up to the same gap the
-single-device prediction has on that model, bounded by SINGLE_GAP (0 B for the torch.nn chain, Llama,
-Qwen2 and the bundled GPT-2; HF GPT-2's 96 B are its GELU's scalars), on every rank. The real side is
+single-device prediction has on that model, bounded by SINGLE_GAP (0 B on every model: HF GPT-2's
+96 B of GELU scalars are counted now, graphmem/capture/wrapped_numbers.py), on every rank. The real side is
 wrapped as a user wraps it (tests/dist_plans.py), with nothing of graphmem/distributed/.
 """
 from __future__ import annotations
@@ -41,12 +41,12 @@ def _id(name: str, w: Wrap) -> str:
     return f"{name}-{w.describe()}"
 
 
-# The single-device gap (real minus predicted peak of the model's step on one device), bounded: 0 B
-# on every model but transformers' GPT-2, whose NewGELUActivation (transformers/activations.py)
-# multiplies by three Python floats that eager wraps in 0-dim float64 tensors (8 B each), kept by
-# MulBackward0 until the block's backward and invisible to fake tensors: 4 blocks x 3 x 8 B = 96 B
-# held at the peak (tests/test_pipeline.py counts the same 24 B per block)
-SINGLE_GAP = {name: 96 if name == "gpt2_sdpa" else 0 for name in MODELS}
+# The single-device gap (real minus predicted peak of the model's step on one device): 0 B on every
+# model. transformers' GPT-2's NewGELUActivation (transformers/activations.py) multiplies by three
+# Python floats that eager wraps in 0-dim float64 tensors (8 B each), kept by MulBackward0 until the
+# block's backward: 4 blocks x 3 x 8 B = 96 B held at the peak, which read as a 96 B gap until the
+# capture counted them (graphmem/capture/wrapped_numbers.py)
+SINGLE_GAP = {name: 0 for name in MODELS}
 
 
 @pytest.fixture(scope="module")

@@ -33,17 +33,18 @@ CASES: list[tuple[str, Wrap, Train]] = [
     ("lora_llama", Wrap(WORLD, fsdp=True), Train("adamw")),  # peft's get_peft_model, then fully_shard
     ("llama_bundled", Wrap(WORLD, tp=WORLD, sp=True), Train("adamw")),  # parallelize_module, TP + SP
 ]
-# The single-device gaps (real minus predicted peak) each rank may have, bounded, by phase:
-# - "step" (the peak in forward/backward): 0 B, but peft's LoRA Llama's 64 B: each LoRA linear
-#   (q_proj, v_proj of 4 layers) multiplies by the Python float ``scaling`` (peft/tuners/lora/
-#   layer.py), which eager wraps in a 0-dim float64 tensor (8 B) that MulBackward0 keeps until the
-#   backward, invisible to fake tensors: 8 x 8 B held at the peak;
-# - "optimizer" (the peak in AdamW's step): 12 B, the for-loop AdamW's ``exp_avg_sq.sqrt() /
+# The single-device gaps (real minus predicted peak) each rank may have, by phase, are 0 B now that
+# the capture counts Python numbers taken as tensors (graphmem/capture/wrapped_numbers.py):
+# - "step" (the peak in forward/backward): peft's LoRA Llama read 64 B: each LoRA linear (q_proj,
+#   v_proj of 4 layers) multiplies by the Python float ``scaling`` (peft/tuners/lora/layer.py),
+#   which eager wraps in a 0-dim float64 tensor (8 B) that MulBackward0 keeps until the backward;
+# - "optimizer" (the peak in AdamW's step): read 12 B, the for-loop AdamW's ``exp_avg_sq.sqrt() /
 #   bias_correction2_sqrt`` (torch/optim/adam.py ``_single_tensor_adam``) wraps the Python float in
-#   an 8-byte double tensor and copies it to a 4-byte float32 one, both live during aten.div and
-#   invisible to fake tensors; the foreach one on the CPU divides by the same float per tensor (no
-#   fused CPU kernel: the per-tensor fallback of ``_foreach_div_``), the same 12 B.
-STEP_GAP, OPTIMIZER_GAP = {"lora_llama": 64}, 12
+#   an 8-byte double tensor and TensorIterator copies it to a 4-byte float32 one, both live during
+#   aten.div; the foreach one on the CPU divides by the same float per tensor (no fused CPU kernel:
+#   the per-tensor fallback of ``_foreach_div_``), the same 12 B.
+STEP_GAP: dict[str, int] = {}
+OPTIMIZER_GAP = 0
 
 
 def _bounded(name: str, gaps: dict[str, int]) -> dict[str, int]:

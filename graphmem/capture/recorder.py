@@ -31,6 +31,7 @@ from graphmem.capture.call_paths import call_path
 from graphmem.capture.subclasses import all_real, inner_tensors, wrapped
 from graphmem.capture.target import GPUS
 from graphmem.capture.values import NO_ANSWER, Values
+from graphmem.capture.wrapped_numbers import WrappedNumbers
 from graphmem.oprules import kernel_rule, scratch, workspace_outputs
 from graphmem.stepgraph import OpNode, SaveEvent, Storage
 
@@ -158,6 +159,7 @@ class _Recorder:
         self.real_bookkeeping = False  # (graphmem/distributed/capture.py, while fully_shard / parallelize_module set up)
         self.on_op: Optional[Callable[[Any, tuple, dict, Any], None]] = None  # told of each recorded op (func, args, kwargs, out)
         self.stream: Callable[[], str] = lambda: "default"  # the current stream's name (FSDP2's: distributed/fsdp.py)
+        self.wrapped_numbers = WrappedNumbers(self)  # Python numbers taken as tensors (graphmem/capture/wrapped_numbers.py)
 
     # -- storages -----------------------------------------------------------------
     def storage(self, t: torch.Tensor, kind: str, name: str, created: int, module: str) -> Storage:
@@ -297,6 +299,7 @@ class _Recorder:
             self.storages[s.sid] = s
         if found:
             node.meta["scratch"] = sum(sc.nbytes for sc in found)
+        self.wrapped_numbers.seen(func, args, kwargs, out, index, module)
         if self.on_op is not None:
             self.on_op(func, args, kwargs, out)
         return out
@@ -386,6 +389,7 @@ class _Recorder:
 
     def set_phase(self, phase: str) -> None:
         # The loss's autograd nodes stay untagged: their backward ops belong to the root ("").
+        self.wrapped_numbers.phase(phase)
         self.phase = phase
         self.phase_start[phase] = len(self.ops)
         if phase == "forward":

@@ -6,7 +6,8 @@ pass (passes/notes.py) look rules up here.
 Families: matmul.py (``_grouped_mm``'s fake kernel, BLAS operand copies) · rnn.py (oneDNN's LSTM
 workspace and scratch; cuDNN's note) · flash_attention.py (CPU flash attention, the CUDA target's
 flash backward) · efficient_attention.py (the CUDA target's memory-efficient attention) ·
-layer_norm.py · embedding.py · dropout.py (the fused CPU dropout compiled mode calls) · conv.py
+layer_norm.py · embedding.py · scalars.py (a Scalar made a tensor inside
+add/sub/mul/div and their foreach forms) · dropout.py (the fused CPU dropout compiled mode calls) · conv.py
 with conv_gemm.py, conv_dw.py, conv_jit.py (oneDNN's convolution; cuDNN's note) · collectives.py
 (gloo's scratch, ``wait_tensor``) · symm_mem.py (AsyncTP's fused all-gather/reduce-scatter matmuls on
 CUDA, the symmetric-memory workspace) · bnb.py (bitsandbytes' 4-bit matmul and optimizers: loaded
@@ -26,6 +27,7 @@ from graphmem.oprules import (  # noqa: F401  (each registers its family's rules
     layer_norm,
     matmul,
     rnn,
+    scalars,
     symm_mem,
 )
 from graphmem.oprules.registry import RULES, WORKSPACE_OUTPUTS, KernelRule, NoteRule, Rule, Scratch, find

@@ -77,7 +77,12 @@ def _gemm_4bit_cuda(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
 #   one more 4n for ``p.data.float()`` when p is not fp32 (else it is p itself).
 # - ``_optimizer_update_32bit_cpu`` (parameters under ``min_8bit_size``): ``g_float``, then
 #   ``state1 / (state2.sqrt() + eps * correction2)``'s sum and quotient: 3 x 4n, plus ``p_float``.
+# At that widest point a Python float meets a tensor (``/ correction2``; ``+ eps * correction2``):
+# the argument parser wraps it into an 8 B double and TensorIterator casts that to float32 (4 B)
+# for the op (graphmem/oprules/scalars.py): 12 B more, found at the 8-bit kernel's quotient from
+# the profiler's allocation events (the Trainer's Llama with adamw_bnb_8bit: the first step's peak).
 # Other optimizer names (momentum, lion, rmsprop, adagrad, ademamix, lamb's norms) are not modelled.
+_NUMBER = 8 + 4  # the wrapped double and its float32 cast
 
 def _adam_scratch(args: tuple, kwargs: dict, fp32_copies: int, what: str) -> list[Scratch]:
     a = dict(zip(("optimizer_name", "g", "p"), args), **kwargs)
@@ -85,7 +90,7 @@ def _adam_scratch(args: tuple, kwargs: dict, fp32_copies: int, what: str) -> lis
         return []
     p = a["p"]
     copies = fp32_copies + (0 if p.dtype == torch.float32 else 1)
-    return [Scratch(copies * p.numel() * 4, what)]
+    return [Scratch(copies * p.numel() * 4 + _NUMBER, what + " and a Python float as a 0-d tensor")]
 
 
 @register_scratch(getattr(torch.ops.bitsandbytes, "optimizer_update_8bit_blockwise", None) and
