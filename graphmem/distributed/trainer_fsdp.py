@@ -30,9 +30,11 @@ from graphmem.capture.recorder import _Mode, _Recorder
 from graphmem.capture.rng_states import rng_states
 from graphmem.capture.target import Target
 from graphmem.distributed.fsdp import fake_copy, local, unsharded_grads, watching
+from graphmem.distributed.trainer_fsdp_compiled import compiled_as_accelerate, named_within
 from graphmem.errors import GraphmemError
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
+from graphmem.titan.compiled import hooks_standing_aside
 from graphmem.training.hf_trainer_ddp import copied_inputs
 from graphmem.training.hf_trainer_fsdp import FsdpRunner, TrainerShards, build_trainer, launched_here
 from graphmem.training.loop import relabel_accumulation
@@ -51,9 +53,10 @@ def capture_trainer_rank(module: nn.Module, inputs: Any, target: Target, p: Trai
                 cap.real_bookkeeping = True  # the meshes' own tensors are real
                 trainer = build_trainer(p.trainer_class, wrapped, p.args_class, p.fields, place=False)
             runner = FsdpRunner(trainer, trace_micro_steps=3)  # (under no_sync: the first, a middle, the last)
-            with runner.session():
+            with runner.session(), compiled_as_accelerate(trainer.args, cap, target, backends) as compiled:
                 with fake_mode, _real_meshes():
                     runner.prepare()  # accelerate's _prepare_fsdp2 (graphmem/training/hf_trainer_fsdp.py)
+                    named_within(compiled, wrapped, runner.compiled, cap)  # (torch_compile: trainer_fsdp_compiled.py)
                     cap.real_bookkeeping = False
                     cap.paths = module_names(wrapped)
                     param_sid = {}
@@ -75,8 +78,9 @@ def capture_trainer_rank(module: nn.Module, inputs: Any, target: Target, p: Trai
 
 def _run(cap: _Recorder, fake_mode: _Mode, runner: FsdpRunner, wrapped: nn.Module, fake_inputs: Any, target: Target,
          backends: dict[str, int], param_sid: dict[str, int]) -> StepGraph:
-    handles = [nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
-               nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True)]
+    # (standing aside while dynamo traces through a module: torch_compile, graphmem/distributed/trainer_fsdp_compiled.py)
+    handles = [nn.modules.module.register_module_forward_pre_hook(hooks_standing_aside(cap.pre_hook)),
+               nn.modules.module.register_module_forward_hook(hooks_standing_aside(cap.post_hook), always_call=True)]
 
     def tagged_loss(out: Any, inputs: Any) -> Any:
         if isinstance(out, torch.Tensor):

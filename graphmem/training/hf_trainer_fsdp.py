@@ -141,9 +141,11 @@ class FsdpRunner(TrainerRunner):
         t.optimizer, t.lr_scheduler, t._created_lr_scheduler = None, None, False
         t.create_optimizer()
         model, t.optimizer = t.accelerator.prepare(t.model, t.optimizer)
-        if model is not self.model:
+        if getattr(model, "_orig_mod", model) is not self.model:  # (torch_compile: the OptimizedModule around it)
             raise UsageError(f"accelerate's FSDP2 prepare returned {type(model).__name__}, not the model wrapped in place")
         t.model = t.model_wrapped = model  # trainer.py 1783-1786
+        if t.args.torch_compile:  # the module the steps call: torch.compile's, fully_shard'ed as the root unit
+            self.compiled = model
         self.prepared = True
 
     def _start(self, forward: Optional[Callable[..., Any]] = None) -> None:
@@ -174,7 +176,8 @@ class TrainerShards:
 
     def check(self, spec: Any) -> None:
         if spec.target.mode == "compiled" or spec.target.device != "cpu":
-            raise UsageError("a Trainer's FSDP2 rank runs eagerly on the CPU target: drop `torch_compile`, set `use_cpu=True`")
+            raise UsageError("a Trainer's FSDP2 rank runs on the CPU target and compiles as its TrainingArguments say: "
+                             "drop `mode='compiled'` (set `torch_compile` in them), set `use_cpu=True`")
 
 
 def shards_of(trainer_class: type, model: Any, args: Any, world_size: int, rank: Optional[int]) -> TrainerShards:

@@ -52,7 +52,7 @@ def validate_fsdp_ranks(model: Any, training_args: Any, inputs: Any = None, inpu
                          "them at module level of an importable module")
     _pickled(shards.fields, "the TrainingArguments")
     job = TrainerJob(trainer_named, args_named, shards.fields, _pickled(model, "the model"),
-                     _pickled(dict(batch), "the inputs"), torch.get_num_threads(), fsdp=True)
+                     _pickled(dict(batch), "the inputs"), torch.get_num_threads(), compiled=bool(training_args.torch_compile), fsdp=True)
     ranks = [rank] if rank is not None else list(range(world_size))
     reports = {r: analyze(model, dict(batch), training_args=training_args, world_size=world_size, rank=r,
                           trainer_class=shards.trainer_class) for r in ranks}
