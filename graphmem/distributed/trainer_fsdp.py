@@ -30,7 +30,7 @@ from graphmem.capture.recorder import _Mode, _Recorder
 from graphmem.capture.rng_states import rng_states
 from graphmem.capture.target import Target
 from graphmem.distributed.fsdp import fake_copy, local, unsharded_grads, watching
-from graphmem.distributed.trainer_fsdp_compiled import compiled_as_accelerate, named_within
+from graphmem.distributed.trainer_fsdp_compiled import compiled_as_accelerate, hooks_unseen, named_within, units_entered
 from graphmem.errors import GraphmemError
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
@@ -56,9 +56,9 @@ def capture_trainer_rank(module: nn.Module, inputs: Any, target: Target, p: Trai
             with runner.session(), compiled_as_accelerate(trainer.args, cap, target, backends) as compiled:
                 with fake_mode, _real_meshes():
                     runner.prepare()  # accelerate's _prepare_fsdp2 (graphmem/training/hf_trainer_fsdp.py)
-                    named_within(compiled, wrapped, runner.compiled, cap)  # (torch_compile: trainer_fsdp_compiled.py)
                     cap.real_bookkeeping = False
                     cap.paths = module_names(wrapped)
+                    named_within(compiled, wrapped, runner.compiled, cap)  # (torch_compile: trainer_fsdp_compiled.py)
                     param_sid = {}
                     for kind, named in (("parameter", wrapped.named_parameters()), ("buffer", wrapped.named_buffers())):
                         for name, t in named:
@@ -89,9 +89,10 @@ def _run(cap: _Recorder, fake_mode: _Mode, runner: FsdpRunner, wrapped: nn.Modul
 
     try:
         try:
-            with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
+            with fake_mode, torch.autograd.graph.saved_tensors_hooks(*hooks_unseen(cap, runner.compiled)), \
                     rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(fake_mode.values), \
-                    watching(cap), _on_cpu(runner.trainer), copied_inputs(runner.trainer), _named_unsharded(cap, runner.trainer):
+                    watching(cap), _on_cpu(runner.trainer), copied_inputs(runner.trainer), _named_unsharded(cap, runner.trainer), \
+                    units_entered(cap, runner.compiled is not None):
                 cap.recording = True
                 marked: dict[str, list[int]] = {}
                 mark = marker(cap, param_sid, marked, False, local)  # rank r's shards (DTensors' local tensors)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from typing import Any, Iterator, Optional
 
 import torch
@@ -59,15 +60,71 @@ def compiled_as_accelerate(args: Any, cap: _Recorder, target: Target,
 
     def compile_unrecorded(*a: Any, **kw: Any) -> Any:
         with cap.paused():
-            return kept_frame(*a, **kw)
+            try:
+                return kept_frame(*a, **kw)
+            finally:  # dynamo's tracing leaves cycles that hold the frame's tensors: gone before the frame runs
+                gc.collect()
 
     torch.compile, convert_frame._compile = compile_ours, compile_unrecorded  # type: ignore[assignment]
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
     try:
-        with partition_config(target.memory_budget), unlogged(), example_values_ruled(target):
+        with partition_config(target.memory_budget), unlogged(), example_values_ruled(target), \
+                torch._dynamo.config.patch(run_gc_after_compile=False):
             yield backend
     finally:
+        if was:
+            gc.enable()
         torch.compile, convert_frame._compile = kept_compile, kept_frame  # type: ignore[assignment]
         torch._dynamo.reset()  # the compiled code, guarded on this capture's objects, goes with it
+
+
+@contextlib.contextmanager
+def units_entered(cap: _Recorder, compiled: bool) -> Iterator[None]:
+    """Each FSDP unit's forward on the recorder's module stack from its unshard (``FSDPParamGroup.pre_forward``)
+    to its reshard (``post_forward``): both run eagerly inside FSDP2's disabled hooks, while the unit's own
+    ``__call__`` (graphmem's module hooks with it) may be traced by dynamo, which then resumes inside the
+    unit's forward, a graph whose modules are named from the unit (``named_within``). A unit already entered
+    through graphmem's hooks (its call run eagerly) is not entered twice. Eager steps: nothing changes."""
+    if not compiled:
+        yield
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from graphmem.capture.call_paths import call_path
+
+    kept_pre, kept_post = FSDPParamGroup.pre_forward, FSDPParamGroup.post_forward
+    entered: list[bool] = []
+
+    def pre_forward(group: Any, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        names = cap.paths.get(id(module))
+        fresh = bool(names) and cap.stack[-1] != call_path(names, cap.stack)  # type: ignore[arg-type]
+        if fresh:
+            cap.pre_hook(module, args)
+        entered.append(fresh)
+        return kept_pre(group, module, args, kwargs)
+
+    def post_forward(group: Any, module: nn.Module, input: Any, output: Any) -> Any:
+        if entered.pop():  # (left before the reshard, as graphmem's post hook runs before FSDP2's)
+            cap.post_hook(module, input, output)
+        return kept_post(group, module, input, output)
+
+    FSDPParamGroup.pre_forward, FSDPParamGroup.post_forward = pre_forward, post_forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FSDPParamGroup.pre_forward, FSDPParamGroup.post_forward = kept_pre, kept_post  # type: ignore[method-assign]
+
+
+def hooks_unseen(cap: _Recorder, compiled: Optional[nn.Module]) -> tuple[Any, Any]:
+    """The recorder's saved-tensor hooks, kept from dynamo under ``torch_compile``: autograd calls them from
+    a compiled frame's eager code, where dynamo would compile them as frames of their own (the real rank's
+    measuring hook likewise, graphmem/validation/trainer_fsdp_rank.py); the model's graphs are the same either
+    way, and the capture's tensors are not held by dynamo's compiled frames of graphmem's code."""
+    if compiled is None:
+        return cap.pack, cap.unpack
+    return torch._dynamo.disable(cap.pack), torch._dynamo.disable(cap.unpack)
 
 
 def named_within(backend: Optional[_JobBackend], model: nn.Module, compiled: Optional[nn.Module], cap: _Recorder) -> None:
@@ -82,4 +139,4 @@ def named_within(backend: Optional[_JobBackend], model: nn.Module, compiled: Opt
         cap.paths[id(compiled)] = ("",)
 
 
-__all__ = ["compiled_as_accelerate", "named_within"]
+__all__ = ["compiled_as_accelerate", "hooks_unseen", "named_within", "units_entered"]

@@ -36,12 +36,14 @@ def measure_fsdp_rank(job: Any, named: Any) -> dict[str, int]:
         wrapped = trainer.model
         saves = _Saves(wrapped)
         states = lambda: [t for _, _, t in runner.state_tensors()]  # noqa: E731
+        # (compiled: autograd calls the hook from a compiled frame's eager code, where dynamo would compile it too)
+        pack = torch._dynamo.disable(saves.pack) if job.compiled else saves.pack
         for i in range(2):
             baseline = sum(_storages(_held(wrapped) + list(as_batch(batch).tensors()) + states()
                                      + runner.held_tensors()).values())
             with measure._quiet_gc(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                              profile_memory=True) as prof, \
-                    torch.autograd.graph.saved_tensors_hooks(saves.pack, lambda t: t):
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out, loss = runner.run(wrapped, batch, None, saves.set_phase, contextlib.nullcontext)
             grads = [p.grad for p in wrapped.parameters() if p.grad is not None]
             held = addresses([*_held(wrapped), *grads, *as_batch(batch).tensors(), *states(),
