@@ -110,7 +110,7 @@ def units_entered(cap: _Recorder, compiled: bool) -> Iterator[None]:
             cap.post_hook(module, input, output)
         return kept_post(group, module, input, output)
 
-    FSDPParamGroup.pre_forward, FSDPParamGroup.post_forward = pre_forward, post_forward  # type: ignore[method-assign]
+    FSDPParamGroup.pre_forward, FSDPParamGroup.post_forward = pre_forward, post_forward  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
