@@ -126,6 +126,8 @@ class FsdpRunner(TrainerRunner):
     ``fsdp2_switch_optimizer_parameters`` (the optimizer over the DTensor shards). ``prepare`` runs it
     once, before the step (the capture holds the shards as the step's parameters; a real rank
     measures from there); the scheduler and ``_tr_loss`` are made at the first run, as for DDP.
+    With ``torch_compile`` it returns torch.compile's ``OptimizedModule`` around the model, itself
+    the root FSDP unit; the steps call it (``compiled``), as the Trainer does (trainer.py 1783-1786).
     Micro-steps but the last run under ``accelerator.no_sync(model)``, which for FSDP2 is
     ``set_requires_gradient_sync(False)`` (accelerator.py 1166-1171): the unsharded gradients stay on the
     rank until the last micro-batch reduce-scatters them. The capture traces three micro-steps then
@@ -150,7 +152,8 @@ class FsdpRunner(TrainerRunner):
 
     def _start(self, forward: Optional[Callable[..., Any]] = None) -> None:
         """The rest of ``_prepare_for_training`` once ``prepare`` has run: the scheduler, ``_tr_loss``
-        (``forward``: a compiled call, never given here: an FSDP2 rank runs eagerly)."""
+        (``forward``: graphmem's compiled call, never given here: under ``torch_compile`` accelerate's
+        ``_prepare_fsdp2`` compiles the model itself, before fully_shard, graphmem/distributed/trainer_fsdp_compiled.py)."""
         t = self.trainer
         if not self.prepared:
             self.prepare()
