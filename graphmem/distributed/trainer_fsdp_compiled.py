@@ -9,9 +9,8 @@ embedding, the tail and last on that ``OptimizedModule`` itself, the root unit; 
 ``FSDPState._pre_forward`` and ``_post_forward`` in ``torch._dynamo.disable`` (torch/distributed/fsdp/
 _fully_shard/_fsdp_state.py, ``_dynamo_disable`` in _fsdp_common.py: "skipping FSDP hooks"), so each
 unit's hooks are a graph break and run eagerly, unsharding and resharding as in an eager step, and the
-model's code between them is compiled in pieces (measured on the real gloo job of the tiny Llama:
-6 graphs, 6 breaks at the disabled hooks and 6 at ``UntypedStorage.nbytes``, which dynamo cannot
-trace). The config ``skip_fsdp_hooks`` of older releases is gone; ``skip_fsdp_guards`` (default True)
+model's code between them is compiled in pieces (counted on the real gloo rank of the tiny Llama:
+6 graphs, 6 breaks at the disabled hooks). The config ``skip_fsdp_hooks`` of older releases is gone; ``skip_fsdp_guards`` (default True)
 only spares guards on FSDP-managed modules.
 
 The capture lets dynamo do the same: accelerate's own ``torch.compile`` call, given graphmem's backend in
