@@ -24,6 +24,7 @@ import torch.nn as nn
 from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
 from graphmem.capture.call_paths import module_names, module_order
 from graphmem.capture.capture import _cache_clears, marker, recorder_for
+from graphmem.capture.compiled_blocks import hooks_standing_aside
 from graphmem.capture.fakes import fake_batch, translate_error
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recorder import _Mode, _Recorder
@@ -34,7 +35,6 @@ from graphmem.distributed.trainer_fsdp_compiled import compiled_as_accelerate, h
 from graphmem.errors import GraphmemError
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
-from graphmem.titan.compiled import hooks_standing_aside
 from graphmem.training.hf_trainer_ddp import copied_inputs
 from graphmem.training.hf_trainer_fsdp import FsdpRunner, TrainerShards, build_trainer, launched_here
 from graphmem.training.loop import relabel_accumulation

@@ -14,7 +14,7 @@ model's code between them is compiled in pieces (counted on the real gloo rank o
 only spares guards on FSDP-managed modules.
 
 The capture lets dynamo do the same: accelerate's own ``torch.compile`` call, given graphmem's backend in
-place of the named one (graphmem/titan/compiled.py ``_JobBackend``: AOTAutograd partitioned as
+place of the named one (graphmem/capture/compiled_blocks.py ``_JobBackend``, as for torchtitan's blocks: AOTAutograd partitioned as
 ``aot_eager`` or Inductor partitions, no code generated, each graph run node by node on the step's
 fake tensors), compiling during the recorded step on the capture's fake tensors with dynamo's own
 tracing unrecorded, graphmem's module hooks standing aside while dynamo traces through them. Inductor's
@@ -31,10 +31,10 @@ import torch
 import torch.nn as nn
 
 from graphmem.capture.aot_settings import partition_config, unlogged
+from graphmem.capture.compiled_blocks import _JobBackend
 from graphmem.capture.compiled_cuda import example_values_ruled
 from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
-from graphmem.titan.compiled import _JobBackend
 
 
 @contextlib.contextmanager
