@@ -17,9 +17,12 @@ class _JobBackend(_Backend):
     inside the block, and the block running now (the recorder's innermost module,
     ``attributed``) prefixes them; a backward graph's nodes are left to the recorder.
     ``graph_pass``: what Inductor's post-grad passes do to each split graph that changes its ops
-    (AsyncTP's micro-pipeline pass, graphmem/titan/async_tp.py), run before the graph is kept."""
+    (AsyncTP's micro-pipeline pass, graphmem/titan/async_tp.py), run before the graph is kept.
+    ``tagged_backward``: a backward graph's nodes are prefixed too, by the module its autograd node was
+    tagged with in forward (the block whose forward graph it pairs with; graphmem/capture/autograd_tags.py)."""
 
     graph_pass: Any = None
+    tagged_backward = False
 
     def _compiler(self, kind: str) -> Any:
         inner = super()._compiler(kind)
@@ -32,7 +35,7 @@ class _JobBackend(_Backend):
             relative = dict(cg.modules)  # node -> path inside the block ("": the block itself)
 
             def prefixed(args: list) -> Any:
-                block = self.recorder.stack[-1] if kind == "forward" else None
+                block = self.recorder.stack[-1] if kind == "forward" else _tagged() if self.tagged_backward else None
                 # None in backward: the recorder's own attribution (recorder.py ``module_now``)
                 cg.modules = {n: (f"{block}.{p}" if block and p else p or block)  # type: ignore[misc]
                               for n, p in relative.items()}
@@ -40,6 +43,14 @@ class _JobBackend(_Backend):
             prefixed._boxed_call = True  # type: ignore[attr-defined]
             return prefixed
         return compile
+
+
+def _tagged() -> Any:
+    """The module the running autograd node was tagged with in forward (None: untagged)."""
+    from graphmem.capture.autograd_tags import _TAG, node_metadata
+
+    node = torch._C._current_autograd_node()
+    return node_metadata(node).get(_TAG) if node is not None else None
 
 
 def hooks_standing_aside(hook: Any) -> Any:

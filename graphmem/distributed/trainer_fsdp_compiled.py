@@ -51,6 +51,7 @@ def compiled_as_accelerate(args: Any, cap: _Recorder, target: Target,
     named = str(args.torch_compile_backend)
     backend = _JobBackend(frozenset(), dataclasses.replace(target, compile_backend=named), backends)
     backend.recorder, backend.replaying = cap, True  # one pass: each graph runs on the step's fake tensors
+    backend.tagged_backward = True  # (a unit's backward graph: named from the unit its forward ran in)
     kept_compile, kept_frame = torch.compile, convert_frame._compile
 
     def compile_ours(model: Any = None, **kwargs: Any) -> Any:
