@@ -132,11 +132,11 @@ def rank_placeholders(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, inpu
 
 
 @contextlib.contextmanager
-def hooked(cap: _Recorder) -> Iterator[None]:
-    """Within: ``cap``'s module hooks on every module; after, ``cap`` closed (before the fake tensors die
-    with the caller's frame: those frees are after the step). Around a rank's capture and its graph."""
-    handles = [nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
-               nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True)]
+def hooked(cap: _Recorder, wrap: Callable[[Any], Any] = lambda hook: hook) -> Iterator[None]:
+    """Within: ``cap``'s module hooks (through ``wrap``) on every module; after, ``cap`` closed (before the
+    fake tensors die with the caller's frame: those frees are after the step). Around a rank's capture and its graph."""
+    handles = [nn.modules.module.register_module_forward_pre_hook(wrap(cap.pre_hook)),
+               nn.modules.module.register_module_forward_hook(wrap(cap.post_hook), always_call=True)]
     try:
         yield
     finally:
@@ -146,12 +146,15 @@ def hooked(cap: _Recorder) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def recording(cap: _Recorder, fake_mode: _Mode, target: Target, wrapped: nn.Module) -> Iterator[None]:
+def recording(cap: _Recorder, fake_mode: _Mode, target: Target, wrapped: nn.Module,
+              hooks: Optional[tuple[Any, Any]] = None) -> Iterator[None]:
     """What a rank's step runs under (here and graphmem/distributed/trainer_fsdp.py): the fake mode,
-    ``cap``'s saved_tensors_hooks, the RNG states, autocast's cache clears, transformers' real paths
-    and FSDP's watched collectives; what fails inside is translated into a one-line error naming the fix."""
+    ``cap``'s saved_tensors_hooks (or ``hooks``: (pack, unpack)), the RNG states, autocast's cache clears,
+    transformers' real paths and FSDP's watched collectives; what fails inside is translated into a
+    one-line error naming the fix."""
+    pack, unpack = hooks if hooks is not None else (cap.pack, cap.unpack)
     try:
-        with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
+        with fake_mode, torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
                 rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(fake_mode.values), watching(cap):
             yield
     except GraphmemError:

@@ -23,10 +23,12 @@ import torch.nn as nn
 
 from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
 from graphmem.capture.capture import marker, recorder_for
+from graphmem.capture.compiled_blocks import hooks_standing_aside
 from graphmem.capture.recorder import _Mode, _Recorder
 from graphmem.capture.target import Target
 from graphmem.distributed.capture import hooked, rank_graph, rank_placeholders, recording
 from graphmem.distributed.fsdp import fake_copy, local, unsharded_grads
+from graphmem.distributed.trainer_fsdp_compiled import compiled_as_accelerate, hooks_unseen, named_within, units_entered
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
 from graphmem.training.hf_trainer_ddp import copied_inputs
@@ -47,11 +49,12 @@ def capture_trainer_rank(module: nn.Module, inputs: Any, target: Target, p: Trai
                 cap.real_bookkeeping = True  # the meshes' own tensors are real
                 trainer = build_trainer(p.trainer_class, wrapped, p.args_class, p.fields, place=False)
             runner = FsdpRunner(trainer, trace_micro_steps=3)  # (under no_sync: the first, a middle, the last)
-            with runner.session():
+            with runner.session(), compiled_as_accelerate(trainer.args, cap, target, backends) as compiled:
                 with fake_mode, _real_meshes():
                     runner.prepare()  # accelerate's _prepare_fsdp2 (graphmem/training/hf_trainer_fsdp.py)
                     cap.real_bookkeeping = False
                     param_sid, fake_inputs = rank_placeholders(cap, fake_mode, wrapped, inputs, target)
+                    named_within(compiled, wrapped, runner.compiled, cap)  # (torch_compile: trainer_fsdp_compiled.py)
                 return _run(cap, fake_mode, runner, wrapped, fake_inputs, target, backends, param_sid)
         finally:
             cap.real_bookkeeping = False
@@ -67,9 +70,12 @@ def _run(cap: _Recorder, fake_mode: _Mode, runner: FsdpRunner, wrapped: nn.Modul
             _tag_grad_fns(out, "")  # the loss's nodes belong to the root
         return out
 
-    with hooked(cap):  # (graphmem/distributed/capture.py: a rank's recording, as capture_rank's)
-        with recording(cap, fake_mode, target, wrapped), \
-                _on_cpu(runner.trainer), copied_inputs(runner.trainer), _named_unsharded(cap, runner.trainer):
+    # (graphmem/distributed/capture.py: a rank's recording, as capture_rank's; the hooks standing aside
+    # while dynamo traces through a module under torch_compile: graphmem/distributed/trainer_fsdp_compiled.py)
+    with hooked(cap, hooks_standing_aside):
+        with recording(cap, fake_mode, target, wrapped, hooks_unseen(cap, runner.compiled)), \
+                _on_cpu(runner.trainer), copied_inputs(runner.trainer), _named_unsharded(cap, runner.trainer), \
+                units_entered(cap, runner.compiled is not None):
             cap.recording = True
             marked: dict[str, list[int]] = {}
             mark = marker(cap, param_sid, marked, False, local)  # rank r's shards (DTensors' local tensors)

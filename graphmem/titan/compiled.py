@@ -24,42 +24,12 @@ import torch
 
 from graphmem.capture.aot_settings import partition_config, unlogged
 from graphmem.capture.compiled import _Backend
+from graphmem.capture.compiled_blocks import _JobBackend, hooks_standing_aside
 from graphmem.capture.compiled_cuda import example_values_ruled, graphs_unruled
 from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
 from graphmem.titan.async_tp import async_tp_state, graph_pass, runs_pass
-
-
-class _JobBackend(_Backend):
-    """graphmem's backend for a job's compiled blocks: one compiled code serves every block
-    (dynamo's guards do not specialize on the module), so a forward graph's nodes name modules
-    inside the block, and the block running now (the recorder's innermost module,
-    ``attributed``) prefixes them; a backward graph's nodes are left to the recorder.
-    ``graph_pass``: what Inductor's post-grad passes do to each split graph that changes its ops
-    (AsyncTP's micro-pipeline pass, graphmem/titan/async_tp.py), run before the graph is kept."""
-
-    graph_pass: Any = None
-
-    def _compiler(self, kind: str) -> Any:
-        inner = super()._compiler(kind)
-
-        def compile(gm: Any, example_inputs: list) -> Any:
-            if self.graph_pass is not None:
-                self.graph_pass(gm)
-            run = inner(gm, example_inputs)
-            cg = self.graphs[-1]
-            relative = dict(cg.modules)  # node -> path inside the block ("": the block itself)
-
-            def prefixed(args: list) -> Any:
-                block = self.recorder.stack[-1] if kind == "forward" else None
-                # None in backward: the recorder's own attribution (recorder.py ``module_now``)
-                cg.modules = {n: (f"{block}.{p}" if block and p else p or block)  # type: ignore[misc]
-                              for n, p in relative.items()}
-                return run(args)
-            prefixed._boxed_call = True  # type: ignore[attr-defined]
-            return prefixed
-        return compile
 
 
 def attributed(root: Any, backend: "_Backend | None", cap: _Recorder, target: Target) -> None:
@@ -161,16 +131,6 @@ def flex_regions_decided(named: str, backend: _Backend) -> Iterator[None]:
         yield
     finally:
         titan_compile._maybe_regional_inductor_backend = decide
-
-
-def hooks_standing_aside(hook: Any) -> Any:
-    """A global module hook that does nothing while dynamo traces it (inside a compiled block the
-    hooks of its submodules are traced, never run; the graph's nodes name their modules)."""
-    def call(*args: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return None
-        return hook(*args)
-    return call
 
 
 __all__ = ["attributed", "compiled_regions", "compiles_model", "hooks_standing_aside"]

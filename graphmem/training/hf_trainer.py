@@ -271,7 +271,7 @@ class TrainerRunner:
             if compiled_ddp:  # this run's compiled call (the trace's, then the replay's) inside DDP
                 self.ddp.module.compiled_forward = forward
             stepped = self.ddp if self.ddp is not None else model if not t.args.torch_compile \
-                else CompiledModel(model, forward) if fake else self.compiled
+                else CompiledModel(model, forward) if fake and not t.is_fsdp_enabled else self.compiled  # (FSDP2: compiled in prepare)
             assert stepped is not None, "a compiled Trainer's real step runs inside the runner's session"
             batch = dict(as_batch(inputs).kwargs)
             # the k micro-batches are prefetched (1881): each one its own tensors, as the dataloader yields them

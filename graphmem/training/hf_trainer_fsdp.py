@@ -126,6 +126,8 @@ class FsdpRunner(TrainerRunner):
     ``fsdp2_switch_optimizer_parameters`` (the optimizer over the DTensor shards). ``prepare`` runs it
     once, before the step (the capture holds the shards as the step's parameters; a real rank
     measures from there); the scheduler and ``_tr_loss`` are made at the first run, as for DDP.
+    With ``torch_compile`` it returns torch.compile's ``OptimizedModule`` around the model, itself
+    the root FSDP unit; the steps call it (``compiled``), as the Trainer does (trainer.py 1783-1786).
     Micro-steps but the last run under ``accelerator.no_sync(model)``, which for FSDP2 is
     ``set_requires_gradient_sync(False)`` (accelerator.py 1166-1171): the unsharded gradients stay on the
     rank until the last micro-batch reduce-scatters them. The capture traces three micro-steps then
@@ -141,14 +143,17 @@ class FsdpRunner(TrainerRunner):
         t.optimizer, t.lr_scheduler, t._created_lr_scheduler = None, None, False
         t.create_optimizer()
         model, t.optimizer = t.accelerator.prepare(t.model, t.optimizer)
-        if model is not self.model:
+        if getattr(model, "_orig_mod", model) is not self.model:  # (torch_compile: the OptimizedModule around it)
             raise UsageError(f"accelerate's FSDP2 prepare returned {type(model).__name__}, not the model wrapped in place")
         t.model = t.model_wrapped = model  # trainer.py 1783-1786
+        if t.args.torch_compile:  # the module the steps call: torch.compile's, fully_shard'ed as the root unit
+            self.compiled = model
         self.prepared = True
 
     def _start(self, forward: Optional[Callable[..., Any]] = None) -> None:
         """The rest of ``_prepare_for_training`` once ``prepare`` has run: the scheduler, ``_tr_loss``
-        (``forward``: a compiled call, never given here: an FSDP2 rank runs eagerly)."""
+        (``forward``: graphmem's compiled call, never given here: under ``torch_compile`` accelerate's
+        ``_prepare_fsdp2`` compiles the model itself, before fully_shard, graphmem/distributed/trainer_fsdp_compiled.py)."""
         t = self.trainer
         if not self.prepared:
             self.prepare()
@@ -174,7 +179,8 @@ class TrainerShards:
 
     def check(self, spec: Any) -> None:
         if spec.target.mode == "compiled" or spec.target.device != "cpu":
-            raise UsageError("a Trainer's FSDP2 rank runs eagerly on the CPU target: drop `torch_compile`, set `use_cpu=True`")
+            raise UsageError("a Trainer's FSDP2 rank runs on the CPU target and compiles as its TrainingArguments say: "
+                             "drop `mode='compiled'` (set `torch_compile` in them), set `use_cpu=True`")
 
 
 def shards_of(trainer_class: type, model: Any, args: Any, world_size: int, rank: Optional[int]) -> TrainerShards:

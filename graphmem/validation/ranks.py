@@ -328,12 +328,13 @@ def _steps(model: nn.Module, batch: Batch, loss_fn: Optional[LossFn], job: RankJ
 
 
 @contextlib.contextmanager
-def profiled(saves: _Saves) -> Iterator[Any]:
+def profiled(saves: _Saves, pack: Any = None) -> Iterator[Any]:
     """Around one real step on a rank (here and graphmem/validation/trainer_fsdp_rank.py): the CPU
-    profiler's memory events (yielded), ``saves`` counting what is saved, garbage collection held off."""
+    profiler's memory events (yielded), ``saves`` counting what is saved (through ``pack`` where given:
+    its pack hook wrapped), garbage collection held off."""
     with measure._quiet_gc(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                      profile_memory=True) as prof, \
-            torch.autograd.graph.saved_tensors_hooks(saves.pack, lambda t: t):
+            torch.autograd.graph.saved_tensors_hooks(pack or saves.pack, lambda t: t):
         yield prof
 
 

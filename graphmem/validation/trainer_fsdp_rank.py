@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 import graphmem.validation.measure as measure
+from graphmem.errors import GraphmemError
 from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer_fsdp import FsdpRunner, build_trainer
 from graphmem.validation.ranks import _held, _Saves, _storages, profiled, record
@@ -18,12 +19,16 @@ from graphmem.validation.settle import addresses
 
 def measure_fsdp_rank(job: Any, named: Any) -> dict[str, int]:
     """This rank's figures (the module docstring); ``named`` imports a (module, name) pair."""
+    kept: list[Any] = []
+    if job.compiled:  # a Trainer of its own compiles first: the measured steps run dynamo's cached code
+        kept.append(_compiled_once(job, named))
     torch.manual_seed(0)
     model = torch.load(io.BytesIO(job.model), weights_only=False)
     trainer = build_trainer(named(job.trainer_class), model, named(job.args_class), job.args)
     batch = torch.load(io.BytesIO(job.batch), weights_only=False)
     runner = FsdpRunner(trainer)
-    kept: list[Any] = [trainer, batch, runner]
+    kept += [trainer, batch, runner]
+    compiles = _compiles()
     result: dict[str, int] = {}
     with runner.session():
         with measure._quiet_gc():
@@ -31,10 +36,12 @@ def measure_fsdp_rank(job: Any, named: Any) -> dict[str, int]:
         wrapped = trainer.model
         saves = _Saves(wrapped)
         states = lambda: [t for _, _, t in runner.state_tensors()]  # noqa: E731
+        # (compiled: autograd calls the hook from a compiled frame's eager code, where dynamo would compile it too)
+        pack = torch._dynamo.disable(saves.pack) if job.compiled else saves.pack
         for i in range(2):
             baseline = sum(_storages(_held(wrapped) + list(as_batch(batch).tensors()) + states()
                                      + runner.held_tensors()).values())
-            with profiled(saves) as prof:
+            with profiled(saves, pack) as prof:
                 out, loss = runner.run(wrapped, batch, None, saves.set_phase, contextlib.nullcontext)
             grads = [p.grad for p in wrapped.parameters() if p.grad is not None]
             held = addresses([*_held(wrapped), *grads, *as_batch(batch).tensors(), *states(),
@@ -43,7 +50,31 @@ def measure_fsdp_rank(job: Any, named: Any) -> dict[str, int]:
             record(result, i, prof, held, saves, baseline, states())
     kept.append(wrapped)
     _KEPT.append(kept)
+    if _compiles() != compiles:
+        raise GraphmemError(f"dynamo compiled {_compiles() - compiles} frame(s) during the measured steps (its cached "
+                            "code's guards failed on this Trainer's model): the peaks would include compile time")
     return result
+
+
+def _compiles() -> int:
+    """Frames dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _compiled_once(job: Any, named: Any) -> list[Any]:
+    """One step of a Trainer of the same job, unmeasured: dynamo compiles the model's frames there; its
+    objects are kept (freed during a profile they would read as the step's frees)."""
+    torch.manual_seed(0)
+    model = torch.load(io.BytesIO(job.model), weights_only=False)
+    trainer = build_trainer(named(job.trainer_class), model, named(job.args_class), job.args)
+    batch = torch.load(io.BytesIO(job.batch), weights_only=False)
+    runner = FsdpRunner(trainer)
+    with runner.session():
+        runner.prepare()
+        out = runner.run(trainer.model, batch, None, lambda phase: None, contextlib.nullcontext)
+    return [trainer, batch, runner, out]
 
 
 _KEPT: list[Any] = []  # a spawned rank's measured objects, alive until it exits (see ``kept``)

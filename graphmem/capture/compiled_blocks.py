@@ -1,0 +1,66 @@
+"""What compiles a model's regions inside a recorded step, shared by torchtitan jobs' compiled blocks
+(graphmem/titan/compiled.py) and a Trainer's FSDP2 rank under ``torch_compile``
+(graphmem/distributed/trainer_fsdp_compiled.py): graphmem's dynamo backend for code that dynamo compiles
+while the step runs, and graphmem's module hooks standing aside while dynamo traces them."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphmem.capture.compiled import _Backend
+
+
+class _JobBackend(_Backend):
+    """graphmem's backend for a job's compiled blocks: one compiled code serves every block
+    (dynamo's guards do not specialize on the module), so a forward graph's nodes name modules
+    inside the block, and the block running now (the recorder's innermost module,
+    ``attributed``) prefixes them; a backward graph's nodes are left to the recorder.
+    ``graph_pass``: what Inductor's post-grad passes do to each split graph that changes its ops
+    (AsyncTP's micro-pipeline pass, graphmem/titan/async_tp.py), run before the graph is kept.
+    ``tagged_backward``: a backward graph's nodes are prefixed too, by the module its autograd node was
+    tagged with in forward (the block whose forward graph it pairs with; graphmem/capture/autograd_tags.py)."""
+
+    graph_pass: Any = None
+    tagged_backward = False
+
+    def _compiler(self, kind: str) -> Any:
+        inner = super()._compiler(kind)
+
+        def compile(gm: Any, example_inputs: list) -> Any:
+            if self.graph_pass is not None:
+                self.graph_pass(gm)
+            run = inner(gm, example_inputs)
+            cg = self.graphs[-1]
+            relative = dict(cg.modules)  # node -> path inside the block ("": the block itself)
+
+            def prefixed(args: list) -> Any:
+                block = self.recorder.stack[-1] if kind == "forward" else _tagged() if self.tagged_backward else None
+                # None in backward: the recorder's own attribution (recorder.py ``module_now``)
+                cg.modules = {n: (f"{block}.{p}" if block and p else p or block)  # type: ignore[misc]
+                              for n, p in relative.items()}
+                return run(args)
+            prefixed._boxed_call = True  # type: ignore[attr-defined]
+            return prefixed
+        return compile
+
+
+def _tagged() -> Any:
+    """The module the running autograd node was tagged with in forward (None: untagged)."""
+    from graphmem.capture.autograd_tags import _TAG, node_metadata
+
+    node = torch._C._current_autograd_node()
+    return node_metadata(node).get(_TAG) if node is not None else None
+
+
+def hooks_standing_aside(hook: Any) -> Any:
+    """A global module hook that does nothing while dynamo traces it (inside a compiled block the
+    hooks of its submodules are traced, never run; the graph's nodes name their modules)."""
+    def call(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return hook(*args)
+    return call
+
+
+__all__ = ["_JobBackend", "hooks_standing_aside"]
