@@ -2,9 +2,9 @@
 run the same loop (graphmem/validation/measure.py ``measure_peak``): the bundled GPT-2 and transformers'
 Llama and GPT-2 at tiny sizes, given labels so the loss is the model's own ``loss`` field.
 
-Saved bytes 0 B off; optimizer states and offloaded host bytes to the byte; peaks within 1 % and never
-above the real one; 0 B off but for the gaps the plain loop has on the same model (the eager Adam step's
-12 B, transformers' GPT-2's 48 B of GELU scalars), which no option widens.
+Saved bytes, optimizer states, offloaded host bytes and the peaks to the byte (the eager Adam step's
+12 B and transformers' GPT-2's 48 B of GELU scalars, once the plain loop's gaps, are Python numbers
+made tensors, counted by graphmem/capture/wrapped_numbers.py).
 """
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ from graphmem.cli.main import main
 from graphmem.errors import UsageError
 from graphmem.training.loop import make_train_step
 from graphmem.validation.measure import measure_peak
-
-TOLERANCE = 0.01
 
 
 def _hf(cls: str, vocab: int = 128, **config: Any) -> Callable[[], tuple]:
@@ -126,8 +124,8 @@ def test_releasing_the_logits_lowers_the_peak_of_an_lm_whose_logits_dominate() -
                                      dict(optimizer="adamw", offload_activations=True, release_output=True,
                                           clip_grad_norm=1.0)])
 def test_peft_lora_with_the_loop_options(options: dict[str, Any]) -> None:
-    """Frozen base weights: no hook, no state and no offloaded copy for them; the gap is the plain
-    AdamW step's on this model (measured 32 B both ways)."""
+    """Frozen base weights: no hook, no state and no offloaded copy for them; the peaks to the byte, as
+    the plain AdamW step's (32 B under both ways before LoRA's ``* scaling`` doubles were counted)."""
     peft = pytest.importorskip("peft")
     module, inputs, _ = BUILDERS["hf_llama"]()
     module = peft.get_peft_model(module, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
@@ -138,7 +136,7 @@ def test_peft_lora_with_the_loop_options(options: dict[str, Any]) -> None:
     plain_real = measure_peak(module, inputs, train=_step(dict(optimizer="adamw"))).peak_bytes
     assert r.activation_bytes == real.saved_bytes and r.budget.host_bytes == real.host_bytes
     assert r.budget.row("optimizer states").size == real.state_bytes
-    assert 0 <= real.peak_bytes - r.peak_bytes <= plain_real - plain
+    assert (r.peak_bytes, plain) == (real.peak_bytes, plain_real)
 
 
 def test_host_bytes_are_what_save_on_cpu_style_hooks_move() -> None:
