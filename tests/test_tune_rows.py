@@ -3,7 +3,8 @@ chunked loss, on a tiny transformers Llama on the CPU target against the same st
 (graphmem/validation/measure.py): the 3B rows themselves are predictions only (docs/loop.md), so the loop
 they run is held here at a size a real CPU step can take. Saved bytes and host bytes exact, peaks never
 above the real ones and within 0.1 %: measured 12 B under on every first step and 0 to 12 B on the later ones
-(the eager Adam step's 12 B, docs/loop.md; the bitsandbytes kernels' Python-float tensors, tests/test_bnb_optim.py).
+(the eager Adam step's 12 B, docs/loop.md; the bitsandbytes kernels' Python-float tensors, tests/test_bnb_optim.py);
+0 B on every row with main's count of those numbers (ae06389).
 """
 from __future__ import annotations
 
