@@ -233,7 +233,8 @@ def test_eager_attention_is_for_hf_models() -> None:
 # -- bundled presets -------------------------------------------------------------------------------
 
 # published parameter counts (the model cards / safetensors index of each repository)
-PARAMETERS = {"llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "mistral-7b": 7_241_732_096,
+PARAMETERS = {"llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496,
+              "llama-3.2-3b": 3_212_749_824, "mistral-7b": 7_241_732_096,
               "mixtral-8x7b": 46_702_792_704, "qwen2.5-7b": 7_615_616_512, "gemma-2-9b": 9_241_705_984,
               "phi-3-mini": 3_821_079_552, "hf-gpt2": 124_439_808, "bert-base": 109_514_298,
               "t5-base": 222_903_552, "vit-base": 86_567_656, "falcon-7b": 6_921_720_704}
@@ -247,6 +248,16 @@ def test_bundled_presets_build_offline_with_the_published_sizes() -> None:
         module = load(name).module
         assert sum(p.numel() for p in module.parameters()) == count, name
         assert all(p.device.type == "meta" for p in module.parameters())
+
+
+def test_llama_32_3b_ties_its_head_to_the_embedding() -> None:
+    # GIVEN the llama-3.2-3b preset (tie_word_embeddings true in its config.json) WHEN built on meta
+    module: Any = load("llama-3.2-3b").module
+    # THEN the head is the embedding's tensor (3.21 B parameters, not 3.61 B) and the layers are the published ones
+    assert module.lm_head.weight is module.model.embed_tokens.weight
+    attn = module.model.layers[0].self_attn
+    assert (len(module.model.layers), attn.q_proj.out_features, attn.k_proj.out_features) == (28, 24 * 128, 8 * 128)
+    assert module.lm_head.weight.dtype == torch.bfloat16
 
 
 def test_a_preset_equals_the_model_built_from_its_config() -> None:

@@ -243,6 +243,12 @@ def _session(train: Optional[TrainStep], model: nn.Module, seen: dict[int, torch
     for name, m in session.masters.items():
         cap.preexisting(m, "master", f"{name} (fp32 master)")
         cap.storages[cap.placeholders[-1].meta["storage"]].owner = cap.live[named[name].untyped_storage()._cdata].sid
+    # what the optimizers hold from their construction on, where it is on the target's device (bitsandbytes'
+    # quantization maps: made on the CPU in Optimizer8bit.__init__, copied to a CUDA device only by a parameter's
+    # 8-bit init_state; an optimizer_in_backward optimizer of a small parameter never uses its pair, yet holds it)
+    for i, t in enumerate(session.held_tensors()):
+        if t.device.type == torch.device(device).type and t.untyped_storage()._cdata not in cap.live:
+            cap.preexisting(t, "external", f"optimizer's held tensor {i} (bitsandbytes quantization map)")
     return session
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 _LLAMA_31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+_LLAMA_32_ROPE = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 
 # name -> (hub repository, config.json fields)
 HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -29,6 +31,12 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 64, "num_hidden_layers": 80,
         "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": _LLAMA_31_ROPE, "rope_theta": 500000.0,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256}),
+    "llama-3.2-3b": ("meta-llama/Llama-3.2-3B", {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+        "attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu", "hidden_size": 3072,
+        "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 24,
+        "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": _LLAMA_32_ROPE,
+        "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 128256}),
     "mistral-7b": ("mistralai/Mistral-7B-v0.1", {
         "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
         "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768,

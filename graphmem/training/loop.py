@@ -35,7 +35,6 @@ from graphmem.errors import UsageError
 from graphmem.training.loop_options import PLAIN, InBackward, Observe, Offload, check_loop_options, clip
 from graphmem.training.loop_options import describe as describe_loop_options
 from graphmem.training.optim import (
-    BNB_OPTIMIZERS,
     OPTIMIZERS,
     ScalarReads,
     check_optimizer,
@@ -118,9 +117,6 @@ def make_train_step(optimizer: Optional[str] = None, impl: str = "auto", master_
     if master_weights and dtype not in ("bf16", "fp16"):
         raise UsageError("`master_weights` needs 16-bit parameters: add `dtype='bf16'` or `dtype='fp16'` "
                          "(with `amp` the parameters are already fp32)")
-    if optimizer_in_backward and optimizer in BNB_OPTIMIZERS:
-        raise UsageError(f"`optimizer_in_backward` with bitsandbytes' {optimizer}: each per-parameter optimizer keeps its "
-                         "own quantization maps, which graphmem does not count yet: drop `optimizer_in_backward`")
     check_loop_options(optimizer, micro_batches, master_weights, release_output, clip_grad_norm, clip_foreach,
                        optimizer_in_backward, offload_activations)
     return TrainStep(optimizer, impl, master_weights, micro_batches, release_output=release_output,
