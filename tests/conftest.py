@@ -84,6 +84,15 @@ def _changed(now: dict[str, Any]) -> str:
 
 
 @pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    """Each test starts with dynamo's caches empty, as a fresh process does: a model class's forward is
+    one code object, and every model instance another test compiled adds a cache entry to it, until
+    dynamo's ``recompile_limit`` (8) makes it run the frame eagerly, silently (in one long pytest-xdist
+    worker a compiled FSDP Trainer rank then captured its eager step, and a real Inductor step ran eager)."""
+    torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
 def _settings_kept(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fails the test whose fixtures (set up before this one: wider scopes first) or body leave
     torch's settings changed, restores them, so the tests after it run as the session started."""
