@@ -35,6 +35,7 @@ from graphmem.capture.compiled_blocks import _JobBackend
 from graphmem.capture.compiled_cuda import example_values_ruled
 from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
+from graphmem.errors import GraphmemError
 
 
 @contextlib.contextmanager
@@ -66,6 +67,9 @@ def compiled_as_accelerate(args: Any, cap: _Recorder, target: Target,
                 gc.collect()
 
     torch.compile, convert_frame._compile = compile_ours, compile_unrecorded  # type: ignore[assignment]
+    # an empty cache: a model class's forward is one code object, and entries other compiles left on it
+    # count toward dynamo's recompile_limit, past which it runs the frame eagerly without a word
+    torch._dynamo.reset()
     was = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -73,6 +77,9 @@ def compiled_as_accelerate(args: Any, cap: _Recorder, target: Target,
         with partition_config(target.memory_budget), unlogged(), example_values_ruled(target), \
                 torch._dynamo.config.patch(run_gc_after_compile=False):
             yield backend
+        if not backend.graphs:
+            raise GraphmemError("dynamo compiled none of the model's graphs in the Trainer's step (it ran them "
+                                "eagerly), so there is no compiled step to predict: drop `torch_compile`")
     finally:
         if was:
             gc.enable()
