@@ -389,7 +389,7 @@ class _Recorder:
 
     def set_phase(self, phase: str) -> None:
         # The loss's autograd nodes stay untagged: their backward ops belong to the root ("").
-        self.wrapped_numbers.phase(phase)
+        self.wrapped_numbers.resolve()  # the last op's numbers, before this phase's ops are counted
         self.phase = phase
         self.phase_start[phase] = len(self.ops)
         if phase == "forward":

@@ -32,10 +32,8 @@ from typing import Any, Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from graphmem.oprules.scalars import WRAPPED, cast_bytes
 from graphmem.stepgraph import Storage
-
-# a Python number's wrapped tensor: (dtype, bytes)
-_WRAP = {bool: ("bool", 1), int: ("int64", 8), float: ("float64", 8), complex: ("complex128", 16)}
 
 
 def _numbers(func: Any, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
@@ -46,22 +44,20 @@ def _numbers(func: Any, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
     found = []
     for i, a in enumerate(schema.arguments):
         value = args[i] if i < len(args) else kwargs.get(a.name)
-        if type(value) in _WRAP and str(a.type) == "Tensor":
+        if type(value) in WRAPPED and str(a.type) == "Tensor":
             found.append((a.name, value))
     return found
 
 
-def _cast(args: tuple, value: Any, dtype: str) -> int:
+def _cast(args: tuple, value: Any) -> int:
     """Bytes of the wrapped number's cast to the op's common dtype: TensorIterator promotes its
     inputs by making copies in the common dtype (aten/src/ATen/TensorIterator.cpp
     ``compute_types``, ``promote_inputs_to_common_dtype_``, which the binary ops that take
     numbers as tensors set), a CPU scalar too (AdamW's ``/ bias_correction2_sqrt`` on float32
-    states: 4 B more for the moment of the division, measured)."""
+    states: 4 B more for the moment of the division, measured); torch's promotion read without
+    dispatching (graphmem/oprules/scalars.py)."""
     tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    if tensor is None:
-        return 0
-    common = torch.result_type(tensor, value)
-    return common.itemsize if str(common).replace("torch.", "") != dtype else 0
+    return cast_bytes(tensor.dtype, value) if tensor is not None else 0
 
 
 def _saved(fn: Any, name: str) -> Optional[torch.Tensor]:
@@ -91,14 +87,14 @@ class WrappedNumbers:
             return
         made = []
         for name, value in _numbers(func, args, kwargs):
-            dtype, nbytes = _WRAP[type(value)]
+            wrapped = WRAPPED[type(value)]
+            dtype, nbytes = str(wrapped).replace("torch.", ""), wrapped.itemsize
             s = Storage(len(rec.storages), nbytes, "activation", index, index, module,
                         f"wrapped number ({type(value).__name__} as a 0-d {dtype} tensor) of {func}", dtype, (),
                         stream=rec.stream())
             rec.storages[s.sid] = s
             made.append((name, s))
-            with rec.paused():  # result_type dispatches an op of its own: not one of the step's
-                cast = _cast(args, value, dtype)
+            cast = _cast(args, value)
             if cast:  # for the moment of the op
                 c = Storage(len(rec.storages), cast, "activation", index, index, module,
                             f"wrapped number's cast to the common dtype of {func}", "uint8", (cast,), stream=rec.stream())
@@ -135,10 +131,5 @@ class WrappedNumbers:
     def _died(self, s: Storage) -> None:
         if s.freed is None and not self.rec.closed:
             s.freed = max(len(self.rec.ops) - 1, s.created)
-
-    def phase(self, phase: str) -> None:
-        """A phase starts: the last op's numbers are resolved before its ops are counted."""
-        self.resolve()
-
 
 __all__ = ["WrappedNumbers"]

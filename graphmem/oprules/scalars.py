@@ -24,11 +24,10 @@ import torch
 
 from graphmem.oprules.registry import Scratch, aten_op, register_scratch
 
-_BYTES = {bool: 1, int: 8, float: 8, complex: 16}  # scalar_to_tensor's bool, int64, double, complex128
-_WRAPPED_DTYPE = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+# the 0-dim tensor a Python number becomes (c10 scalar_to_tensor; python_arg_parser.cpp likewise)
+WRAPPED = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
 _NAMES = ("add", "sub", "mul", "div")
-_SCALAR = tuple(aten_op(n, o) for n in _NAMES for o in ("Scalar",)) + \
-    tuple(aten_op(n + "_", "Scalar") for n in _NAMES)
+_SCALAR = tuple(aten_op(n + s, "Scalar") for n in _NAMES for s in ("", "_"))
 _FOREACH = tuple(aten_op(f"_foreach_{n}{s}", o) for n in _NAMES for s in ("", "_") for o in ("Scalar", "ScalarList"))
 
 
@@ -46,11 +45,18 @@ def _common(dtype: torch.dtype, kind: type) -> torch.dtype:
     return dtype
 
 
+def cast_bytes(dtype: torch.dtype, value: Any) -> int:
+    """Bytes of TensorIterator's copy of ``value``'s wrapped tensor in the common dtype with a tensor of
+    ``dtype`` (TensorIterator.cpp ``promote_inputs_to_common_dtype_``): 0 where it is that dtype already."""
+    kind = next((k for k in (bool, int, float, complex) if isinstance(value, k)), float)
+    common = _common(dtype, kind)
+    return common.itemsize if common != WRAPPED[kind] else 0
+
+
 def _one(t: Any, value: Any) -> int:
     """The wrapped tensor of ``value`` and its cast to the common dtype with ``t``."""
     kind = next((k for k in (bool, int, float, complex) if isinstance(value, k)), float)
-    common = _common(t.dtype, kind)
-    return _BYTES[kind] + (common.itemsize if common != _WRAPPED_DTYPE[kind] else 0)
+    return WRAPPED[kind].itemsize + cast_bytes(t.dtype, value)
 
 
 @register_scratch(*_SCALAR, source="aten/src/ATen/native/BinaryOps.cpp add/sub/mul/div (Scalar): wrapped_scalar_tensor")
