@@ -77,7 +77,9 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
     ``optimizer_impl``, ``master_weights``, ``micro_batches``, ``lora_rank``, ``lora_targets``,
     ``lora_alpha``, ``qlora``, ``world_size``, ``zero``, ``fsdp``, ``tp``, ``sp``, ``pp``, ``schedule``,
     ``rank``, ``reshard_after_forward``, ``fsdp_param_dtype``, ``fsdp_reduce_dtype``, ``fsdp_offload``,
-    ``fsdp_no_sync``, ``loss_parallel``, ``hf`` (graphmem/capture/hf.py HFOptions).
+    ``fsdp_no_sync``, ``loss_parallel``, ``hf`` (graphmem/capture/hf.py HFOptions), ``deepspeed`` (a DeepSpeed
+    config dict or JSON path: rank ``rank`` of ``world_size`` through ``deepspeed.initialize``'s engine,
+    graphmem/deepspeed/, docs/deepspeed.md).
 
     >>> import torch, graphmem
     >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))

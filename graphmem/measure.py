@@ -7,7 +7,8 @@ re-captures behind plans, formulas and fits all come through here.
 - ``Ranks``: rank r through PyTorch's wrappers (``capture_rank_step``), with the per-rank formula
   over the single-device step beside it (graphmem/distributed/view.py);
 - ``Stages``: pipeline rank r under torch's schedule (``capture_stage_step``);
-- ``Job``: rank r of a torchtitan job, built and stepped by the job's own code (graphmem/titan/).
+- ``Job``: rank r of a torchtitan job, built and stepped by the job's own code (graphmem/titan/);
+- ``DeepSpeedJob``: rank r of a DeepSpeed job through DeepSpeed's own engine (graphmem/deepspeed/).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any, Optional
 
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
+from graphmem.deepspeed.config import DeepSpeedJob
 from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.tensor_parallel import tp_engine
 from graphmem.distributed.view import rank_view
@@ -77,6 +79,8 @@ def measure(spec: StepSpec) -> Measured:
         return _job(spec, p)
     if isinstance(p, TrainerShards):  # a Trainer's FSDP2 rank, wrapped by accelerate's own code
         return _trainer_shards(spec, p)
+    if isinstance(p, DeepSpeedJob):  # rank r through DeepSpeed's engine
+        return _deepspeed(spec, p)
     raise AssertionError(f"unknown parallel setting {p!r}")  # StepSpec refuses any other where it is built
 
 
@@ -143,6 +147,20 @@ def _trainer_shards(spec: StepSpec, p: TrainerShards) -> Measured:
     budget = step_budget(g, lv, sv, training, spec.module, (), p.describe())
     step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
     return Measured(spec, step, notes(g))
+
+
+def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
+    """Rank r of a DeepSpeed job through its own engine (graphmem/deepspeed/capture.py): the whole step's
+    table over rank r's graph, DeepSpeed's held tensors by where it keeps them beside it."""
+    from graphmem.deepspeed.capture import capture_engine
+    from graphmem.deepspeed.report import engine_lines
+    from graphmem.training.spec import step_budget
+
+    g = capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
+    lv, sv = liveness(g), saved(g)
+    budget = step_budget(g, lv, sv, spec.training, spec.module, (), p.describe())
+    step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
+    return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv, p))
 
 
 def job_memory_lines(g: Any, rank: int) -> tuple[str, ...]:

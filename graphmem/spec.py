@@ -36,6 +36,7 @@ from graphmem.capture.hf import batch as hf_inputs
 from graphmem.capture.hf_batch import settings as hf_settings
 from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
 from graphmem.capture.target import Target, make_target
+from graphmem.deepspeed.config import DeepSpeedJob, make_job
 from graphmem.distributed.pipeline import Pipeline, make_pipeline
 from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.spec import Sharding, check_training, make_sharding, wants_wrappers
@@ -154,7 +155,7 @@ class Job:
                              "`device='cuda'`")
 
 
-Parallelism = Union[Single, Formula, Ranks, Stages, Job]
+Parallelism = Union[Single, Formula, Ranks, Stages, Job, DeepSpeedJob]
 
 
 @dataclass(frozen=True)
@@ -232,10 +233,16 @@ def make_parallelism(world_size: int = 1, zero: int = 0, fsdp: Optional[str] = N
                      pp: int = 1, schedule: str = "1f1b", rank: Optional[int] = None, reshard_after_forward: bool = True,
                      fsdp_param_dtype: Optional[str] = None, fsdp_reduce_dtype: Optional[str] = None,
                      fsdp_offload: bool = False, fsdp_no_sync: bool = False, loss_parallel: bool = False,
-                     training: Optional[Training] = None) -> Parallelism:
+                     training: Optional[Training] = None, deepspeed: Any = None) -> Parallelism:
     """The parallel setting the keyword options name, decided here once: ``pp`` > 1 (or another
     schedule) is a pipeline stage; ``rank``, ``fsdp="fully_shard"`` or a fully_shard option is rank
-    r through the wrappers; ``zero``/``fsdp="full"|"grad-op"``/``tp`` alone are the formulas."""
+    r through the wrappers; ``zero``/``fsdp="full"|"grad-op"``/``tp`` alone are the formulas; ``deepspeed``
+    (a DeepSpeed config) is rank r of that job through DeepSpeed's engine (graphmem/deepspeed/)."""
+    if deepspeed is not None:
+        if zero or fsdp or tp != 1 or sp or pp != 1:
+            raise UsageError("a DeepSpeed job's sharding is its config's (`zero_optimization.stage`): drop `zero`, "
+                             "`fsdp`, `tp`, `sp` and `pp`")
+        return make_job(deepspeed, world_size, rank)
     if pp != 1 or schedule != "1f1b":
         if world_size != 1 or zero or fsdp or tp != 1:
             raise UsageError("a pipeline stage (`pp` > 1) does not combine with `world_size`, `zero`, `fsdp` or `tp` yet: "
@@ -304,7 +311,7 @@ def make_spec(model: ModelLike, inputs: Any = None, *, input_shape: Union[str, t
               if k in options}
     p_opts = {k: options.pop(k) for k in ("world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank",
                                           "reshard_after_forward", "fsdp_param_dtype", "fsdp_reduce_dtype",
-                                          "fsdp_offload", "fsdp_no_sync", "loss_parallel") if k in options}
+                                          "fsdp_offload", "fsdp_no_sync", "loss_parallel", "deepspeed") if k in options}
     qlora = options.pop("qlora", False)
     if "quantization" not in options and qlora:
         options["quantization"] = "nf4"

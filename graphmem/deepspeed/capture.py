@@ -1,0 +1,110 @@
+"""Rank r's step of a DeepSpeed job through DeepSpeed's own engine, on fake tensors.
+
+Under the fake process group (graphmem/fake_group.py) and the recording fake mode, a fake copy of
+the model (graphmem/distributed/fsdp.py ``fake_copy``: the user's module is untouched) is handed to
+``deepspeed.initialize(model=..., optimizer=..., config=...)`` with the job's config (its ``"auto"``
+values resolved: graphmem/deepspeed/config.py); DeepSpeed's engine flattens, partitions and pads the
+parameters as on rank r (its ZeRO optimizer reads the fake group's rank and size). What the engine
+holds then is the step's baseline, each tensor named by where DeepSpeed keeps it
+(graphmem/deepspeed/engine.py ``held_tensors``). The step is the user's:
+``loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()``, recorded as a rank's step
+(graphmem/distributed/capture.py: the same placeholders, hooks, recording context and graph).
+
+Known limitations: eager mode, the CPU target's gloo rules or the CUDA target's, one step (the first);
+DeepSpeed's patches to run on fake tensors are listed in graphmem/deepspeed/engine.py.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
+from graphmem.capture.capture import marker, recorder_for
+from graphmem.capture.fakes import forward_context
+from graphmem.capture.recorder import _Mode, _Recorder
+from graphmem.capture.target import Target
+from graphmem.deepspeed.config import DeepSpeedJob, resolved
+from graphmem.deepspeed.engine import engine_on_fake, held_tensors, launched, staying
+from graphmem.distributed.capture import hooked, rank_graph, rank_placeholders, recording
+from graphmem.distributed.fsdp import fake_copy
+from graphmem.fake_group import fake_group
+from graphmem.stepgraph import StepGraph
+from graphmem.training.batch import as_batch
+from graphmem.training.loop import TrainStep
+from graphmem.training.optim import make_optimizer
+from graphmem.training.step import LossFn, default_loss
+
+# where DeepSpeed keeps a tensor (an attribute of its ZeRO optimizers: deepspeed/runtime/zero/stage_1_and_2.py
+# DeepSpeedZeroOptimizer, stage3.py DeepSpeedZeroOptimizer_Stage3) -> the budget's kind
+_KINDS = (("optimizer.state", "optimizer state"), ("fp32", "master"), ("ipg", "communication"),
+          ("bucket", "communication"), ("grad", "gradient"), ("bit16", "parameter"), ("fp16", "parameter"),
+          ("ds_tensor", "parameter"), ("module.", "parameter"))
+
+
+def kind_of(path: str) -> str:
+    """The kind of a held tensor by the path DeepSpeed keeps it at (``_KINDS``), else "buffer"."""
+    return next((kind for key, kind in _KINDS if key in path), "buffer")
+
+
+def capture_engine(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target, job: DeepSpeedJob,
+                   train: TrainStep) -> StepGraph:
+    """Record rank ``job.rank``'s first step of ``module`` under DeepSpeed's engine (the module docstring)."""
+    _unique_counts()  # calibrate before entering the fake mode
+    with launched(job.rank, job.world_size), fake_group(job.rank, job.world_size):
+        backends: dict[str, int] = {}
+        cap = recorder_for(target, backends)
+        fake_mode = _Mode(cap)
+        import deepspeed
+
+        with fake_mode, engine_on_fake(fake_mode):
+            wrapped = fake_copy(module, None)  # DeepSpeed casts to bf16/fp16 itself (its config)
+            config = resolved(job, module, _micro_batch(inputs))
+            optimizer = make_optimizer(train.optimizer, train.impl, [p for p in wrapped.parameters() if p.requires_grad],
+                                       "cpu") if train.optimizer is not None else None
+            with staying(wrapped):
+                engine, *_ = deepspeed.initialize(model=wrapped, optimizer=optimizer, config=config)
+            held = held_tensors(engine)
+            for path, t in held:
+                if t.untyped_storage().nbytes():
+                    cap.preexisting(t, kind_of(path), path)
+            param_sid, fake_inputs = rank_placeholders(cap, fake_mode, engine.module, inputs, target)
+        return _run(cap, fake_mode, engine, fake_inputs, loss_fn, target, backends, param_sid, train)
+
+
+def _micro_batch(inputs: Any) -> int:
+    """The batch's first dimension (``train_micro_batch_size_per_gpu`` when the config says "auto")."""
+    batch = as_batch(inputs() if callable(inputs) else inputs)
+    first = next(iter(batch.tensors()), None)
+    return int(first.shape[0]) if first is not None and first.dim() else 1
+
+
+def _run(cap: _Recorder, fake_mode: _Mode, engine: Any, fake_inputs: Any, loss_fn: Optional[LossFn], target: Target,
+         backends: dict[str, int], param_sid: dict[str, int], train: TrainStep) -> StepGraph:
+    module = engine.module
+    with hooked(cap):
+        with recording(cap, fake_mode, target, module), engine_on_fake(fake_mode):
+            cap.recording = True
+            marked: dict[str, list[int]] = {}
+            mark = marker(cap, param_sid, marked)
+            batch = as_batch(fake_inputs)
+            with forward_context(target, backends, cap.clearing_cache)():
+                cap.set_phase("forward")
+                out = batch.call(engine)
+                cap.set_phase("loss")
+                loss = (loss_fn or default_loss)(out, batch.given)
+                _tag_grad_fns(loss, "")  # the loss's nodes belong to the root
+            cap.set_phase("backward")
+            engine.backward(loss)
+            mark("gradient", [(p, t) for p, t in held_tensors(engine) if kind_of(p) == "gradient"])
+            cap.set_phase("optimizer")
+            engine.step()
+            states = engine.optimizer.optimizer.state if hasattr(engine.optimizer, "optimizer") else {}
+            mark("optimizer state", [(f"{i}:{k}", v) for i, s in enumerate(states.values()) for k, v in s.items()
+                                     if isinstance(v, torch.Tensor)])
+            gradients = marked.get("gradient", [])
+        return rank_graph(cap, module, target, backends, gradients, train)
+
+
+__all__ = ["capture_engine", "kind_of"]

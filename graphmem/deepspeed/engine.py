@@ -1,0 +1,163 @@
+"""What DeepSpeed's engine needs to run on fake tensors under the fake process group, each at the
+narrowest point, and the tensors the engine holds, named by where DeepSpeed keeps them.
+
+Patches (each undone on exit):
+- ``deepspeed.comm.torch.build_shm_op`` returns None: ``TorchBackend.__init__`` JIT-compiles and
+  initializes a shared-memory all-reduce across the node's real processes; DeepSpeed uses it only in
+  ``inference_all_reduce`` (deepspeed/comm/torch.py), never in a training step, and there is one process here.
+- ``module.to(engine.device)`` is the identity: ``DeepSpeedEngine._configure_distributed_model``
+  (deepspeed/runtime/engine.py) moves the module to the accelerator's device, the CPU where the fake
+  copy already is (a real ``.to`` returns the same tensors); ``Module._apply`` would instead swap each
+  fake parameter with itself (``torch.utils.swap_tensors``), which a tensor with weak references
+  (the recorder's) refuses.
+- ZeRO-3's cross-rank checks of parameter ids and orders (deepspeed/runtime/zero/utils.py
+  ``assert_lst_len_same_as_other_ranks``, ``get_lst_from_rank0``, called by ``assert_ints_same_as_other_ranks``)
+  make and broadcast the same small int64 tensors, but return this rank's own list instead of reading
+  rank 0's back: under the fake group the broadcast moves no data, and every rank holds the same lists.
+- Reads of a tensor's value (``.item()``, ``bool()``) are answered by the fake mode: a bool False (the
+  overflow and non-finite-norm checks: deepspeed/runtime/utils.py ``is_invalid_grad_norm``,
+  ``CheckOverflow``; a real fp32/bf16 step has none), a float 1.0 (a norm that scales the clipping
+  coefficient, a Python number), an int 1. None decides a size.
+
+Known limitations: DeepSpeed's pinned host buffers (CPU offload) and NVMe swapping are not run here
+(graphmem/deepspeed/config.py refuses them).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections import deque
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from graphmem.capture.recorder import _Mode
+
+
+def _answer(t: torch.Tensor) -> Any:
+    return False if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1
+
+
+@contextlib.contextmanager
+def engine_on_fake(mode: _Mode) -> Iterator[None]:
+    """The patches of the module docstring around DeepSpeed's initialize and step."""
+    import deepspeed  # noqa: F401  (deepspeed.comm.torch imported with it)
+
+    import deepspeed.runtime.zero.utils as zero_utils
+
+    comm = sys.modules["deepspeed.comm.torch"]  # (``deepspeed.comm.torch`` as an attribute is torch itself)
+    built, answer = comm.build_shm_op, mode.scalar_answer
+    checks = zero_utils.assert_lst_len_same_as_other_ranks, zero_utils.get_lst_from_rank0
+    comm.build_shm_op = lambda: None
+    mode.scalar_answer = _answer
+    zero_utils.assert_lst_len_same_as_other_ranks, zero_utils.get_lst_from_rank0 = _length_broadcast, _list_broadcast
+    try:
+        yield
+    finally:
+        comm.build_shm_op, mode.scalar_answer = built, answer
+        zero_utils.assert_lst_len_same_as_other_ranks, zero_utils.get_lst_from_rank0 = checks
+
+
+def _broadcast(values: Any) -> torch.Tensor:
+    """DeepSpeed's tensor of ``values`` (int64 on the CPU accelerator), broadcast from rank 0, and its ``.cpu()``."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=int, device=torch.device("cpu"), requires_grad=False)
+    dist.broadcast(t, src=0, async_op=False)
+    return t.cpu()
+
+
+def _length_broadcast(lst: list[int]) -> None:
+    _broadcast(len(lst))
+
+
+def _list_broadcast(lst: list[int]) -> list[int]:
+    _broadcast(lst)
+    return list(lst)
+
+
+@contextlib.contextmanager
+def launched(rank: int, world_size: int) -> Iterator[None]:
+    """Rank ``rank``'s launcher environment (``LOCAL_RANK``, which ``DeepSpeedEngine._do_args_sanity_check``
+    asserts, and torchrun's others: graphmem/training/hf_trainer_fsdp.py ``torchrun_env``) and DeepSpeed's
+    CPU accelerator (``DS_ACCELERATOR=cpu``, read by deepspeed/accelerator/real_accelerator.py when deepspeed
+    is first imported); the environment, DeepSpeed's communication backend (``deepspeed.comm.comm.cdb``) and
+    its cached process groups (deepspeed/utils/groups.py globals), bound to this fake group, put back after."""
+    from graphmem.training.hf_trainer_fsdp import torchrun_env
+
+    import deepspeed.utils.groups as groups
+
+    kept = {k: v for k, v in vars(groups).items() if k.startswith("_") and k.endswith(("_GROUP", "_GROUP_RANKS", "_RANK",
+                                                                                        "_WORLD_SIZE"))}
+    kept["mesh_device"] = groups.mesh_device
+    env = dict(os.environ)
+    os.environ.update(torchrun_env(rank, world_size, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed.comm.comm as ds_comm
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() != "cpu":  # (deepspeed imported before, on a GPU machine)
+            from deepspeed.accelerator import set_accelerator
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+            set_accelerator(CPU_Accelerator())
+        yield
+    finally:
+        ds_comm.cdb = None
+        for k, v in kept.items():  # DeepSpeed's process groups (deepspeed/utils/groups.py), made over this fake group
+            setattr(groups, k, v.copy() if isinstance(v, dict) else v)
+        os.environ.clear()
+        os.environ.update(env)
+
+
+@contextlib.contextmanager
+def staying(module: nn.Module) -> Iterator[None]:
+    """``module.to(...)`` as the identity while DeepSpeed sets up (the module docstring)."""
+    module.to = lambda *args, **kwargs: module  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.to
+
+
+_SKIP = (type, type(len), type(_answer), type(sys))  # classes, builtins, functions, modules
+
+
+def held_tensors(engine: Any, limit: int = 40) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor reachable from ``engine`` through attributes, lists, tuples and dicts (and a
+    tensor's own attributes: ZeRO-3's ``param.ds_tensor``), first found breadth first, with the
+    path it was found by (``optimizer.bit16_groups_flat[0]``): the tensors the engine holds."""
+    seen: set[int] = set()
+    out: list[tuple[str, torch.Tensor]] = []
+    todo: deque[tuple[str, Any, int]] = deque([("", engine, 0)])
+    while todo:
+        path, obj, depth = todo.popleft()
+        if id(obj) in seen or isinstance(obj, _SKIP) or depth > limit:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "meta":  # (ZeRO-1/2's ``round_robin_bit16_meta``: shapes only, no memory)
+                out.append((path, obj))
+            children: Any = vars(obj).items() if hasattr(obj, "__dict__") else ()
+        elif isinstance(obj, dict):
+            children = [(k if isinstance(k, (str, int)) else f"#{i}", v) for i, (k, v) in enumerate(obj.items())]
+        elif isinstance(obj, (list, tuple)):
+            children = list(enumerate(obj))
+        elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("deepspeed", "torch", "transformers") \
+                or isinstance(obj, (nn.Module, torch.optim.Optimizer)):
+            children = vars(obj).items()
+        else:
+            continue
+        for key, value in children:
+            if isinstance(key, str) and (key.startswith("__") and key.endswith("__") or key.startswith("_graphmem")):
+                continue
+            name = f"{path}[{key}]" if not isinstance(key, str) else f"{path}.{key}" if path else key
+            todo.append((name.replace("._modules.", ".").replace("._parameters.", ".").replace("._buffers.", "."),
+                         value, depth + 1))
+    return out
+
+
+__all__ = ["engine_on_fake", "held_tensors", "launched", "staying"]
