@@ -25,9 +25,10 @@ LAYERS: dict[str, set[str]] = {
     "distributed": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "models", "fake_group"},
     "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "analysis"},
     "recapture": {"errors", "stepgraph", "capture", "formula", "training", "passes", "distributed", "spec"},
-    "spec": {"errors", "capture", "distributed", "passes", "training"},
+    "spec": {"errors", "capture", "distributed", "passes", "training", "deepspeed"},
     "titan": {"errors", "capture", "distributed", "stepgraph", "training"},  # a torchtitan job's rank, captured
-    "measure": {"capture", "distributed", "passes", "recapture", "spec", "training", "titan"},
+    "deepspeed": {"errors", "capture", "distributed", "stepgraph", "training", "passes", "fake_group", "units"},
+    "measure": {"capture", "distributed", "passes", "recapture", "spec", "training", "titan", "deepspeed"},
     "titan_api": {"errors", "capture", "spec", "training", "titan", "measure"},  # a torchtitan job as a StepSpec
     "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula", "analysis"},
     "losses": {"capture"},
@@ -135,7 +136,7 @@ def test_every_package_is_installed() -> None:
     assert folders | {"graphmem", "graphmem.passes", "graphmem.models"} == listed
 
 
-PARALLEL = {"Single", "Formula", "Ranks", "Stages", "Job"}  # graphmem/spec.py's parallel settings
+PARALLEL = {"Single", "Formula", "Ranks", "Stages", "Job", "DeepSpeedJob"}  # graphmem/spec.py's parallel settings
 
 
 def _dispatches(tree: ast.AST) -> bool:
@@ -237,7 +238,7 @@ def test_library_errors_name_api_options_not_cli_flags() -> None:
 
 # the real runs the per-rank and pipeline predictions are checked against (issue 27): if they wrapped
 # the model with graphmem's own code, a wrong FSDP unit, TP plan or pipeline split would agree with itself
-TRUTH = ("dist_truth.py", "dist_plans.py", "pipeline_real.py", "zero_truth.py")
+TRUTH = ("dist_truth.py", "dist_plans.py", "pipeline_real.py", "zero_truth.py", "deepspeed_truth.py")
 
 
 def _imported(path: Path) -> set[str]:

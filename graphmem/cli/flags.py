@@ -21,7 +21,7 @@ OPTIONS = frozenset({
     "fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_offload", "fsdp_no_sync", "loss_parallel", "decoder_length",
     "config", "trust_remote_code", "budget", "max_overhead", "selective", "points", "tolerance", "ranks", "memory",
     "seq", "batch", "debug", "json", "plan", "formula", "release_output", "clip_grad_norm", "clip_foreach",
-    "optimizer_in_backward", "offload_activations", "training_args", "padding", "use_cache", "d_model", "n_heads",
+    "optimizer_in_backward", "offload_activations", "training_args", "deepspeed", "padding", "use_cache", "d_model", "n_heads",
 })
 
 

@@ -122,6 +122,9 @@ def add_parallel_arguments(p: argparse.ArgumentParser, g: Any) -> None:
     d.add_argument("--fsdp-offload", action="store_true", help="CPUOffloadPolicy: sharded parameters and gradients in host memory")
     d.add_argument("--fsdp-no-sync", action="store_true", help="with --micro-batches: set_requires_gradient_sync(False) for "
                    "all but the last micro-batch (unsharded gradients accumulate; one reduce-scatter per step)")
+    d.add_argument("--deepspeed", metavar="DS_CONFIG", help="a DeepSpeed config (JSON): rank --rank of --world-size "
+                   "through DeepSpeed's own engine (deepspeed.initialize, engine.backward, engine.step) on fake tensors "
+                   "(docs/deepspeed.md)")
     d.add_argument("--loss-parallel", action="store_true", help="with --tp: the LM head's logits stay split over the "
                    "vocabulary into torch's loss_parallel() cross-entropy (torchtitan's default), not gathered whole")
 
@@ -229,7 +232,8 @@ def parallel_of(args: argparse.Namespace, training: Any) -> Any:
     piped = vars(args)  # --pp and --schedule belong to analyze alone
     return make_parallelism(args.world_size, args.zero, args.fsdp, args.tp, args.sp, piped.get("pp", 1),
                             piped.get("schedule", "1f1b"), args.rank, args.reshard_after_forward, args.fsdp_param_dtype,
-                            args.fsdp_reduce_dtype, args.fsdp_offload, args.fsdp_no_sync, args.loss_parallel, training)
+                            args.fsdp_reduce_dtype, args.fsdp_offload, args.fsdp_no_sync, args.loss_parallel, training,
+                            piped.get("deepspeed"))
 
 
 def hf_of(args: argparse.Namespace) -> Any:

@@ -15,7 +15,8 @@ DeepSpeed's patches to run on fake tensors are listed in graphmem/deepspeed/engi
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -49,8 +50,9 @@ def kind_of(path: str) -> str:
 
 
 def capture_engine(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target, job: DeepSpeedJob,
-                   train: TrainStep) -> StepGraph:
-    """Record rank ``job.rank``'s first step of ``module`` under DeepSpeed's engine (the module docstring)."""
+                   train: TrainStep) -> tuple[StepGraph, frozenset[int]]:
+    """Record rank ``job.rank``'s first step of ``module`` under DeepSpeed's engine (the module docstring);
+    the graph and the storage ids of the step's output and loss (what a loop drops before the next step)."""
     _unique_counts()  # calibrate before entering the fake mode
     with launched(job.rank, job.world_size), fake_group(job.rank, job.world_size):
         backends: dict[str, int] = {}
@@ -81,9 +83,10 @@ def _micro_batch(inputs: Any) -> int:
 
 
 def _run(cap: _Recorder, fake_mode: _Mode, engine: Any, fake_inputs: Any, loss_fn: Optional[LossFn], target: Target,
-         backends: dict[str, int], param_sid: dict[str, int], train: TrainStep) -> StepGraph:
+         backends: dict[str, int], param_sid: dict[str, int], train: TrainStep) -> tuple[StepGraph, frozenset[int]]:
     module = engine.module
-    with hooked(cap):
+    gathered = nn.modules.module.register_module_forward_hook(lambda m, a, o: _gathered(cap, m))
+    with hooked(cap), _removed(gathered):
         with recording(cap, fake_mode, target, module), engine_on_fake(fake_mode):
             cap.recording = True
             marked: dict[str, list[int]] = {}
@@ -104,7 +107,27 @@ def _run(cap: _Recorder, fake_mode: _Mode, engine: Any, fake_inputs: Any, loss_f
             mark("optimizer state", [(f"{i}:{k}", v) for i, s in enumerate(states.values()) for k, v in s.items()
                                      if isinstance(v, torch.Tensor)])
             gradients = marked.get("gradient", [])
-        return rank_graph(cap, module, target, backends, gradients, train)
+            outputs = frozenset(cap.live[t.untyped_storage()._cdata].sid for t in as_batch((out, loss)).tensors()
+                                if t.untyped_storage()._cdata in cap.live)
+        return rank_graph(cap, module, target, backends, gradients, train), outputs
+
+
+def _gathered(cap: _Recorder, m: nn.Module) -> None:
+    """ZeRO-3's gathered parameters named as FSDP2's are ("gathered parameter": parameters, not activations,
+    where a linear saves its weight): after a module's forward (torch runs the global forward hooks before
+    the module's own, so before DeepSpeed's post-forward hook releases them: deepspeed/runtime/zero/
+    parameter_offload.py ``_post_forward_module_hook``) each of its parameters' storage is the all-gather's output."""
+    for p in m.parameters(recurse=False):
+        if p.untyped_storage().nbytes() and hasattr(p, "ds_tensor") and cap.recording:
+            cap.relabel(p, "gathered parameter", "all-gather output (unsharded parameter)")
+
+
+@contextlib.contextmanager
+def _removed(handle: Any) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 __all__ = ["capture_engine", "kind_of"]

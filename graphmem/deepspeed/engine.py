@@ -44,7 +44,6 @@ def _answer(t: torch.Tensor) -> Any:
 def engine_on_fake(mode: _Mode) -> Iterator[None]:
     """The patches of the module docstring around DeepSpeed's initialize and step."""
     import deepspeed  # noqa: F401  (deepspeed.comm.torch imported with it)
-
     import deepspeed.runtime.zero.utils as zero_utils
 
     comm = sys.modules["deepspeed.comm.torch"]  # (``deepspeed.comm.torch`` as an attribute is torch itself)
@@ -85,9 +84,9 @@ def launched(rank: int, world_size: int) -> Iterator[None]:
     CPU accelerator (``DS_ACCELERATOR=cpu``, read by deepspeed/accelerator/real_accelerator.py when deepspeed
     is first imported); the environment, DeepSpeed's communication backend (``deepspeed.comm.comm.cdb``) and
     its cached process groups (deepspeed/utils/groups.py globals), bound to this fake group, put back after."""
-    from graphmem.training.hf_trainer_fsdp import torchrun_env
-
     import deepspeed.utils.groups as groups
+
+    from graphmem.training.hf_trainer_fsdp import torchrun_env
 
     kept = {k: v for k, v in vars(groups).items() if k.startswith("_") and k.endswith(("_GROUP", "_GROUP_RANKS", "_RANK",
                                                                                         "_WORLD_SIZE"))}
