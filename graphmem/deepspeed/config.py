@@ -136,7 +136,7 @@ def _check_zero_model(zero: dict[str, Any]) -> None:
     try:
         DeepSpeedZeroConfig(**{k: v for k, v in zero.items() if v != "auto"})
     except Exception as e:  # pydantic's ValidationError: the first problem, one line
-        errors = getattr(e, "errors", lambda: [])()
+        errors: list[dict[str, Any]] = list(getattr(e, "errors", lambda: [])())
         first = errors[0] if errors else {"loc": (), "msg": str(e).splitlines()[0]}
         where = ".".join(str(p) for p in first.get("loc", ()))
         close = difflib.get_close_matches(where, sorted(DeepSpeedZeroConfig.model_fields), n=1) \

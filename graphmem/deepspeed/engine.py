@@ -46,7 +46,7 @@ def engine_on_fake(mode: _Mode) -> Iterator[None]:
     import deepspeed  # noqa: F401  (deepspeed.comm.torch imported with it)
     import deepspeed.runtime.zero.utils as zero_utils
 
-    comm = sys.modules["deepspeed.comm.torch"]  # (``deepspeed.comm.torch`` as an attribute is torch itself)
+    comm: Any = sys.modules["deepspeed.comm.torch"]  # (``deepspeed.comm.torch`` as an attribute is torch itself)
     built, answer = comm.build_shm_op, mode.scalar_answer
     checks = zero_utils.assert_lst_len_same_as_other_ranks, zero_utils.get_lst_from_rank0
     comm.build_shm_op = lambda: None
@@ -63,7 +63,7 @@ def _broadcast(values: Any) -> torch.Tensor:
     """DeepSpeed's tensor of ``values`` (int64 on the CPU accelerator), broadcast from rank 0, and its ``.cpu()``."""
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=int, device=torch.device("cpu"), requires_grad=False)
+    t = torch.tensor(values, dtype=torch.int64, device=torch.device("cpu"), requires_grad=False)
     dist.broadcast(t, src=0, async_op=False)
     return t.cpu()
 
