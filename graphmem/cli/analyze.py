@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from graphmem.cli.options import (
     add_debug_argument,
+    add_depth_argument,
     add_pipeline_arguments,
     add_plan_arguments,
     add_step_arguments,
@@ -44,7 +45,7 @@ class Analyze:
         o.add_argument("--tree", action="store_true", help="print the module tree of saved bytes (text format)")
         o.add_argument("--plot", metavar="PATH", help="also write a PNG of memory over the step (needs graphmem[plot])")
         o.add_argument("--snapshot", metavar="PATH", help="also write the step as a memory_viz snapshot pickle")
-        o.add_argument("--depth", type=int, default=3, help="module table depth (default 3)")
+        add_depth_argument(o)
         o.add_argument("--expand", action="store_true",
                        help="list every block of a run of identical ones (default: one row, e.g. layers.0-31 ×32)")
         o.add_argument("--top", type=int, default=10, help="rows in the largest-tensor tables (default 10)")

@@ -55,6 +55,11 @@ def add_debug_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+def add_depth_argument(p: Any) -> None:
+    """--depth of the module table (analyze's, compare's): a parser or an argument group."""
+    p.add_argument("--depth", type=int, default=3, help="module table depth (default 3)")
+
+
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
     """--device/--dtype/--amp/--attention/--gpu/--mode/--memory-budget/--no-reuse."""
     g = p.add_argument_group("target")
