@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from graphmem.capture import sac
 from graphmem.capture.autograd_tags import (
     _ADD,
     _DONE,
@@ -70,6 +71,7 @@ class _Mode(FakeTensorMode):
     def __init__(self, rec: "_Recorder") -> None:
         super().__init__(allow_non_fake_inputs=False)
         self.rec = rec
+        sac.install(_Mode)  # what selective checkpointing keeps, seen as saves (graphmem/capture/sac.py)
         self.values = Values()  # the batch's values (graphmem/capture/values.py)
         # while set, what a read of a tensor's value as a Python number returns (``.item()`` of a
         # count or a loss that only scales arithmetic and logs: graphmem/titan/capture.py); in the
@@ -243,9 +245,18 @@ class _Recorder:
             return node_metadata(fn).get(_TAG, "") if fn is not None else ""
         return self.stack[-1]
 
+    def op_phase(self) -> str:
+        """The phase of the op running now, as autograd runs it: an op the engine runs for a node
+        is backward's, even inside the forward or the loss (a loss that runs backward on its own
+        chunks, torchtitan's ChunkedLossWrapper, before the step's ``loss.backward()``)."""
+        if self.phase in ("forward", "loss") and torch._C._current_autograd_node() is not None:
+            return "backward"
+        return self.phase
+
     def record(self, call: Callable[[Any, tuple, dict], Any], func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
         kwargs = kwargs or {}
-        if func is _ADD and self.phase == "backward" and not kwargs and self._accumulates_inplace(args):
+        phase = self.op_phase()
+        if func is _ADD and phase == "backward" and not kwargs and self._accumulates_inplace(args):
             func = torch.ops.aten.add_.Tensor  # what eager does for real tensors (see below)
         self.depth += 1
         try:
@@ -279,7 +290,7 @@ class _Recorder:
                 setattr(t, _NODE, (node, i))
             else:
                 setattr(t, _NODE, node)
-        node.meta.update(index=index, phase=self.phase, module=module, outputs=tuple(metas),
+        node.meta.update(index=index, phase=phase, module=module, outputs=tuple(metas),
                          bytes=new_bytes)
         if len(metas) != len(outs) and multi:  # some outputs are not tensors: where each tensor is
             node.meta["positions"] = tuple(i for i, t in enumerate(outs) if isinstance(t, torch.Tensor))
