@@ -54,6 +54,38 @@ def test_job_step_phases_and_loop(fsdp4):
     assert report.budget.rank.later_peak_bytes > report.budget.peak_bytes  # the states exist from the start
 
 
+def test_selective_ac_keeps_are_activations(fsdp4):
+    """The debug job's SelectiveAC keeps every other ``aten.mm`` of a block (the 1st, 3rd, ... in
+    forward: torchtitan/distributed/activation_checkpoint.py ``SelectiveAC._wrap_block``) in
+    checkpoint's cache until backward: saved for backward, activations (graphmem/capture/sac.py;
+    the bytes against a real run: tests/test_titan_truth.py ``test_fsdp_selective_ac``)."""
+    _, report = fsdp4
+    g = report.step
+    saved = {t.sid: t for t in report.saved}
+    layers = sorted({op.meta["module"].split(".")[2] for op in g.ops if op.meta["module"].startswith("0.layers.")}, key=int)
+    assert len(layers) == 6
+    for i in layers:
+        mms = [op for op in g.ops[:report.phase_start["loss"]] if str(op.target) == "aten.mm.default"
+               and op.meta["module"].startswith(f"0.layers.{i}.")]
+        kept = [op.meta["storage"] for k, op in enumerate(mms) if k % 2 == 0]  # the 1st, 3rd, ...
+        assert kept and all(saved[sid].category == "activation" and saved[sid].op == "aten.mm.default" for sid in kept)
+        assert not any(op.meta["storage"] in saved for k, op in enumerate(mms) if k % 2 == 1)  # recomputed
+
+
+def test_loss_chunks_run_backward_as_backward(fsdp4):
+    """torchtitan's ChunkedLossWrapper (the debug and 8B configs' loss) runs backward on each of its
+    8 chunks' losses inside the loss function (torchtitan/components/loss.py); the ops autograd's
+    engine runs there are backward's, the chunks' forwards stay the loss's."""
+    _, report = fsdp4
+    g = report.step
+    inside = g.ops[report.phase_start["loss"]:report.phase_start["backward"]]
+    ran = {(str(op.target), g.phase_of(op.meta["index"])) for op in inside}
+    assert {("aten._log_softmax.default", "loss"), ("aten.nll_loss_forward.default", "loss"),
+            ("aten.nll_loss_backward.default", "backward"), ("aten._log_softmax_backward_data.default", "backward")} <= ran
+    assert sum(str(op.target) == "aten.nll_loss_backward.default" for op in inside) == 8
+    assert not {name for name, phase in ran if name.endswith("_backward.default") and phase != "backward"}
+
+
 def test_sdpa_swap_leaves_the_users_config():
     job = load_job("llama3_debugmodel", SMALL)
     swapped = with_sdpa(job)
