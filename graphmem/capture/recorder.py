@@ -17,7 +17,6 @@ import torch.nn as nn
 from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from graphmem.capture import sac
 from graphmem.capture.autograd_tags import (
     _ADD,
     _DONE,
@@ -26,6 +25,7 @@ from graphmem.capture.autograd_tags import (
     _tag_grad_fns,
     _tensors,
     _unique_counts,
+    engine_phase,
     node_metadata,
 )
 from graphmem.capture.call_paths import call_path
@@ -71,7 +71,6 @@ class _Mode(FakeTensorMode):
     def __init__(self, rec: "_Recorder") -> None:
         super().__init__(allow_non_fake_inputs=False)
         self.rec = rec
-        sac.install(_Mode)  # what selective checkpointing keeps, seen as saves (graphmem/capture/sac.py)
         self.values = Values()  # the batch's values (graphmem/capture/values.py)
         # while set, what a read of a tensor's value as a Python number returns (``.item()`` of a
         # count or a loss that only scales arithmetic and logs: graphmem/titan/capture.py); in the
@@ -245,17 +244,8 @@ class _Recorder:
             return node_metadata(fn).get(_TAG, "") if fn is not None else ""
         return self.stack[-1]
 
-    def op_phase(self) -> str:
-        """The phase of the op running now, as autograd runs it: an op the engine runs for a node
-        is backward's, even inside the forward or the loss (a loss that runs backward on its own
-        chunks, torchtitan's ChunkedLossWrapper, before the step's ``loss.backward()``)."""
-        if self.phase in ("forward", "loss") and torch._C._current_autograd_node() is not None:
-            return "backward"
-        return self.phase
-
     def record(self, call: Callable[[Any, tuple, dict], Any], func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
-        kwargs = kwargs or {}
-        phase = self.op_phase()
+        kwargs, phase = kwargs or {}, engine_phase(self.phase)
         if func is _ADD and phase == "backward" and not kwargs and self._accumulates_inplace(args):
             func = torch.ops.aten.add_.Tensor  # what eager does for real tensors (see below)
         self.depth += 1
@@ -407,5 +397,4 @@ class _Recorder:
             self.micro_steps.append((len(self.ops), -1))
         elif phase == "backward" and self.micro_steps:
             self.micro_steps[-1] = (self.micro_steps[-1][0], len(self.ops))
-        self.stack = [""]
-        self.seq_start = []
+        self.stack, self.seq_start = [""], []

@@ -53,15 +53,16 @@ def _counting() -> bool:
     return recording is not None and isinstance(mode, recording)
 
 
-def install(recording: type) -> None:
+def install(recording: Optional[type]) -> None:
     """Once per process: SAC's default reads True under a fake mode of type ``recording`` (the
-    recorder's, graphmem/capture/recorder.py); a no-op where this torch has no such option."""
+    recorder's, graphmem/capture/__init__.py installs it; None: keep the type known) and inside
+    ``through_hooks``; a no-op where this torch has no such option."""
     from torch.utils import checkpoint
 
     caching = getattr(checkpoint, "_CachingTorchDispatchMode", None)
     if caching is None or _ATTRIBUTE not in caching.__init__.__code__.co_names:
         return
-    _STATE["recording"] = recording
+    _STATE["recording"] = recording or _STATE["recording"]
     if not isinstance(vars(caching).get(_ATTRIBUTE), _Respect):
         setattr(caching, _ATTRIBUTE, _Respect())
 
@@ -69,9 +70,7 @@ def install(recording: type) -> None:
 @contextlib.contextmanager
 def through_hooks() -> Iterator[None]:
     """A real step's SAC cache through the hooks that count its saves (graphmem/validation/)."""
-    from graphmem.capture.recorder import _Mode
-
-    install(_Mode)
+    install(None)
     _STATE["through"] += 1
     try:
         yield
