@@ -86,7 +86,7 @@ Select = Union[Screen, Pick]
 class Figure:
     name: str
     args: tuple[str, ...]  # graphmem's command line, as the README writes it
-    select: Select
+    select: Optional[Select]  # None: the README quotes only prose figures of this command
     quotes: tuple[Quote, ...] = ()
     exit: int = 0  # the command's exit status (1: the plan the README shows failing to fit)
 
@@ -102,8 +102,15 @@ FIGURES = (
            Screen({"Largest saved tensors": 2, "Live at the peak": 2})),
     Figure("l4-lora", L4,
            Pick((r"^peak\s", r"^peak \(later steps\)", r"^\s+peak without checkpoints", r"^No plan chosen")),
-           (Quote(r"No: even with every block checkpointed the peak is (\S+ \S+)",
+           (Quote(r"No: even with every block checkpointed the peak is (\d+\.\d+ \w+)",
                   r"^\s+peak without checkpoints .* (\d+\.\d+ \S+)$"),), exit=1),
+    Figure("l4-lora-4096", L4[:3] + ("1x4096",) + L4[4:], None,
+           (Quote(r"At `1x4096` the smallest peak is (\d+\.\d+ \w+)", r"^\s+peak without checkpoints .* (\d+\.\d+ \S+)$"),),
+           exit=1),
+    Figure("l4-lora-3072", L4[:3] + ("1x3072",) + L4[4:], None,
+           (Quote(r"`Chosen plan \(budget [^)]*\): peak (\d+\.\d+ \w+) \.\.\.", r"^Chosen plan \([^)]*\): peak (\S+ \S+),"),
+            Quote(r"\+(\S+)% of the step's FLOPs`", r"\(\+(\S+)% of the step's FLOPs\)"),
+            Quote(r"`verified: captured peak (\d+\.\d+ \w+) = predicted", r"verified: captured peak (\S+ \S+) ="))),
     Figure("l4-qlora", L4[:8] + ("--qlora",) + L4[8:],
            Pick((r"^Chosen plan", r"^\s+checkpointed segments", r"^\s+verified:"))),
 )
@@ -142,9 +149,10 @@ def block_span(readme: list[str], figure: Figure) -> tuple[int, int]:
 
 def regenerate(readme: list[str], figure: Figure, out: list[str]) -> list[str]:
     """The README's lines with the figure's block and prose quotes made from ``out``."""
-    first, end = block_span(readme, figure)
-    new = readme[:first] + figure.select.lines(out) + readme[end:]
-    text = "\n".join(new)
+    if figure.select is not None:
+        first, end = block_span(readme, figure)
+        readme = readme[:first] + figure.select.lines(out) + readme[end:]
+    text = "\n".join(readme)
     for quote in figure.quotes:
         found = next((m for m in map(re.compile(quote.output).search, out) if m), None)
         if found is None:

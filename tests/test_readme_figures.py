@@ -3,6 +3,7 @@ command and compares the blocks the README quotes; ``--write`` rewrites them).""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ a     1
 Table B
 x
 ```
-Prose: the peak is 9.99 GiB here.
+Prose: the peak is 9.99 GiB here. Small: 10 ops.
 
 ```
 graphmem analyze big --plan
@@ -57,8 +58,9 @@ def test_blocks_and_quotes_are_rebuilt_from_the_output(tmp_path: Path, capsys: A
     rf = _script()
     figures = (rf.Figure("screen", ("analyze", "m.py", "--input-shape", "2x2"), rf.Screen({"Table A": 1})),
                rf.Figure("plan", ("analyze", "big", "--plan"), rf.Pick((r"^peak", r"^\s+smallest", r"^No plan")),
-                         (rf.Quote(r"the peak is (\S+ \S+) here", r"smallest (\S+ \S+)"),)))
-    outputs = {"screen": SCREEN, "plan": PLAN}
+                         (rf.Quote(r"the peak is (\S+ \S+) here", r"smallest (\S+ \S+)"),)),
+               rf.Figure("prose", ("analyze", "small"), None, (rf.Quote(r"Small: (\S+) ops", r"ops recorded: (\d+)"),)))
+    outputs = {"screen": SCREEN, "plan": PLAN, "prose": ["ops recorded: 12"]}
     path = tmp_path / "README.md"
     path.write_text(README, encoding="utf-8")
     runner = lambda figure: outputs[figure.name]
@@ -73,15 +75,19 @@ def test_blocks_and_quotes_are_rebuilt_from_the_output(tmp_path: Path, capsys: A
     text = path.read_text(encoding="utf-8")
     assert "Table A (top 3)\nname  size\n----  ----\na     1\n...\nTable B\nx\n```" in text  # cut to one row
     assert "```\npeak  3.50 GiB  op 7\n...\n  smallest 4.25 GiB\nNo plan chosen: 4.25 GiB\n```" in text
-    assert "the peak is 4.25 GiB here" in text and text.startswith("# x\n\n```\n$ graphmem analyze m.py")
+    assert "the peak is 4.25 GiB here. Small: 12 ops." in text and text.startswith("# x\n\n```\n$ graphmem analyze m.py")
 
 
 def test_every_readme_figure_is_found() -> None:
     rf = _script()
     readme = rf.README.read_text(encoding="utf-8").split("\n")
+    text = "\n".join(readme)
     for figure in rf.FIGURES:
-        first, end = rf.block_span(readme, figure)
-        assert 0 < first <= end, figure.name
+        if figure.select is not None:
+            first, end = rf.block_span(readme, figure)
+            assert 0 < first <= end, figure.name
+        for quote in figure.quotes:
+            assert len(re.findall(quote.readme, text)) == 1, (figure.name, quote.readme)
 
 
 @pytest.mark.slow  # a few minutes: the README's commands, 8B models on the CUDA target included
