@@ -112,7 +112,10 @@ FIGURES = (
             Quote(r"\+(\S+)% of the step's FLOPs`", r"\(\+(\S+)% of the step's FLOPs\)"),
             Quote(r"`verified: captured peak (\d+\.\d+ \w+) = predicted", r"verified: captured peak (\S+ \S+) ="))),
     Figure("l4-qlora", L4[:8] + ("--qlora",) + L4[8:],
-           Pick((r"^Chosen plan", r"^\s+checkpointed segments", r"^\s+verified:"))),
+           Pick((r"^Chosen plan", r"^\s+checkpointed segments", r"^\s+verified:")),
+           (Quote(r"the weights take (\d+\.\d+ \w+) instead", r"^parameters\s+(\d+\.\d+ \S+)$"),
+            Quote(r"without\s+checkpoints every step after the first peaks at (\d+\.\d+ \w+)",
+                  r"^\s+peak without checkpoints (\d+\.\d+ \S+);"))),
 )
 
 
