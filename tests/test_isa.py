@@ -2,6 +2,10 @@
 ONEDNN_MAX_CPU_ISA), for any CPU and cap; and the convolution rules follow it, named or read."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -48,3 +52,19 @@ def test_this_process_runs_what_the_rules_read() -> None:
         pytest.skip("the kernels are not pinned to AVX2 in this run")
     assert isa.onednn_isa() == isa.AVX2 and torch.backends.cpu.get_cpu_capability() == "AVX2"
     assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def test_this_torch_builds_onednn_with_the_cap() -> None:
+    """The installed torch's oneDNN honours ONEDNN_MAX_CPU_ISA (built with DNNL_ENABLE_MAX_CPU_ISA): a
+    process capped at SSE4.1 runs SSE4.1 kernels (its verbose header names the ISA), and graphmem's
+    rules decline there."""
+    if isa.hardware_isa() == isa.OTHER:
+        pytest.skip("not an x86-64 CPU with AVX2")
+    code = ("import torch, graphmem.oprules.isa as isa\n"
+            "x = torch.randn(2, 8, 8, 8, requires_grad=True)\n"
+            "torch.nn.functional.conv2d(x, torch.randn(8, 8, 3, 3)).sum().backward()\n"
+            "print('rules:', repr(isa.onednn_isa()))\n")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="SSE41", ONEDNN_VERBOSE="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-500:]
+    assert "isa:Intel SSE4.1" in done.stdout and "rules: ''" in done.stdout
