@@ -36,10 +36,11 @@ from graphmem.api import analyze
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import Loaded, load, parse_shape
 from graphmem.capture.target import DTYPES, GPUS, Target
-from graphmem.errors import UsageError
+from graphmem.errors import UsageError, unknown_keywords
+from graphmem.noise import quiet
 from graphmem.passes.allocator import allocator
 from graphmem.report import Report
-from graphmem.spec import shape_of
+from graphmem.spec import shape_of, spec_keywords
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.hf_trainer import is_trainer
 from graphmem.training.spec import Training
@@ -56,6 +57,7 @@ GPU_SHARE = 0.9  # of the free device memory: an OOM there is an exception, not 
 
 
 
+@quiet  # third-party warnings about graphmem's own work, not the user's step (graphmem/noise.py)
 def validate(
     model: Union[nn.Module, str, "os.PathLike[str]"],
     inputs: Any = None,
@@ -108,6 +110,9 @@ def validate(
                              "(and `trainer_class`) only")
         return validate_fsdp_ranks(model, options["training_args"], inputs, input_shape, tolerance,
                                    options.get("world_size", 1), options.get("rank"), options.get("trainer_class"))
+    unknown = unknown_keywords(options, spec_keywords() | {"tolerance"}, "graphmem.validate")
+    if unknown is not None:
+        raise unknown
     dev = _device(device)
     tol = checked_tolerance(tolerance)
     if inputs is None and input_shape is None:
