@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
-from graphmem.errors import UsageError, unknown_keywords
+from graphmem.errors import UsageError, check_keywords
 from graphmem.measure import Measured, measure
 from graphmem.noise import quiet
 from graphmem.passes import allocator, compare_modes, saved
@@ -114,9 +114,7 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
             raise UsageError(f"a torchtitan job's step comes from its config; drop {', '.join(extra) or 'inputs'} "
                              f"(options: {', '.join(sorted(OPTIONS))})")
         return report_of(measure(job_spec(model, **options)))
-    unknown = unknown_keywords(options, spec_keywords(), "graphmem.analyze")
-    if unknown is not None:
-        raise unknown
+    check_keywords(options, spec_keywords(), "graphmem.analyze")
     spec = model if isinstance(model, StepSpec) else make_spec(model, inputs, **options)
     if isinstance(model, StepSpec) and (inputs is not None or options):
         raise UsageError("analyze(spec) takes the StepSpec alone: change it with dataclasses.replace")

@@ -6,7 +6,7 @@ command line or model file is wrong), every other ``GraphmemError`` → 1 (the a
 from __future__ import annotations
 
 import difflib
-from typing import Iterable, Optional
+from typing import Iterable
 
 
 def one_line(e: BaseException) -> str:
@@ -21,21 +21,20 @@ def one_line(e: BaseException) -> str:
     return text
 
 
-def unknown_keywords(given: Iterable[str], accepted: Iterable[str], call: str) -> Optional[UsageError]:
-    """A UsageError naming each keyword of ``given`` that ``accepted`` lacks, with the accepted ones
-    closest to it (difflib), or None when all are accepted. ``call``: the function, e.g.
-    "graphmem.analyze"."""
+def check_keywords(given: Iterable[str], accepted: Iterable[str], call: str) -> None:
+    """Raise a UsageError naming each keyword of ``given`` that ``accepted`` lacks, with the accepted
+    ones closest to it (difflib). ``call``: the function, e.g. "graphmem.analyze"."""
     known = sorted(set(accepted))
     unknown = [k for k in given if k not in known]
     if not unknown:
-        return None
+        return
     parts, hinted = [], False
     for k in unknown:
         near = difflib.get_close_matches(k, known, n=3, cutoff=0.6)
         hinted = hinted or bool(near)
         parts.append(f"`{k}`" + (f" (did you mean {' or '.join(f'`{m}`' for m in near)}?)" if near else ""))
     tail = "" if hinted and len(unknown) == 1 else f"; see help({call}) for the keywords it takes"
-    return UsageError(f"{call}() got an unknown keyword{'s' if len(unknown) > 1 else ''}: {', '.join(parts)}{tail}")
+    raise UsageError(f"{call}() got an unknown keyword{'s' if len(unknown) > 1 else ''}: {', '.join(parts)}{tail}")
 
 
 class GraphmemError(Exception):

@@ -40,7 +40,7 @@ from graphmem.capture.target import Target, make_target
 from graphmem.distributed.pipeline import Pipeline, make_pipeline
 from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.spec import Sharding, check_training, make_sharding, wants_wrappers
-from graphmem.errors import UsageError, unknown_keywords
+from graphmem.errors import UsageError, check_keywords
 from graphmem.passes.budget import Parallel, make_parallel
 from graphmem.training.batch import as_batch, resizer
 from graphmem.training.peft_lora import is_hf_model
@@ -314,9 +314,7 @@ def make_spec(model: ModelLike, inputs: Any = None, *, input_shape: Union[str, t
               **options: Any) -> StepSpec:
     """A StepSpec from ``graphmem.analyze``'s keyword options (see its docstring), checked once.
     ``target``, ``training`` and ``parallel`` may be given as built objects instead of their options."""
-    unknown = unknown_keywords(options, spec_keywords(), "graphmem.make_spec")
-    if unknown is not None:
-        raise unknown
+    check_keywords(options, spec_keywords(), "graphmem.make_spec")
     t_opts = {k: options.pop(k) for k in TARGET_OPTIONS if k in options}
     p_opts = {k: options.pop(k) for k in PARALLEL_OPTIONS if k in options}
     qlora = options.pop("qlora", False)

@@ -54,7 +54,7 @@ def test_warnings_from_libraries_are_silenced_and_the_users_kept() -> None:
         with quiet_third_party():
             exec(compile("import warnings; warnings.warn('library note')", "lib.py", "exec"),
                  {"__name__": "torch.distributed.tensor._random"})
-            warnings.warn("the user's own warning")  # attributed to this test module
+            warnings.warn("the user's own warning", stacklevel=1)  # attributed to this test module
         exec(compile("import warnings; warnings.warn('after')", "lib.py", "exec"), {"__name__": "torch.x"})
     assert [str(w.message) for w in seen] == ["the user's own warning", "after"]
 

@@ -36,7 +36,7 @@ from graphmem.api import analyze
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import Loaded, load, parse_shape
 from graphmem.capture.target import DTYPES, GPUS, Target
-from graphmem.errors import UsageError, unknown_keywords
+from graphmem.errors import UsageError, check_keywords
 from graphmem.noise import quiet
 from graphmem.passes.allocator import allocator
 from graphmem.report import Report
@@ -110,11 +110,8 @@ def validate(
                              "(and `trainer_class`) only")
         return validate_fsdp_ranks(model, options["training_args"], inputs, input_shape, tolerance,
                                    options.get("world_size", 1), options.get("rank"), options.get("trainer_class"))
-    unknown = unknown_keywords(options, spec_keywords() | {"tolerance"}, "graphmem.validate")
-    if unknown is not None:
-        raise unknown
-    dev = _device(device)
-    tol = checked_tolerance(tolerance)
+    check_keywords(options, spec_keywords() | {"tolerance"}, "graphmem.validate")
+    dev, tol = _device(device), checked_tolerance(tolerance)
     if inputs is None and input_shape is None:
         raise UsageError("no inputs: pass example inputs or `input_shape='32x1024'`")
     shape = _shape(input_shape) if inputs is None else None
