@@ -22,13 +22,13 @@ def parse_bytes(text: "str | int") -> int:
         return text
     m = _SIZE.match(str(text))
     if not m or m.group(2).lower() not in _UNITS | {"": 1}:
-        raise UsageError(f"invalid memory size {text!r}: expected a number with a unit, e.g. 80GiB, 40GB or 512MiB; "
-                         f"units: {_NAMES}")
+        raise UsageError(f"invalid memory size {text!r}: expected a number with a unit, e.g. 80GiB, 40GB or 512MiB "
+                         f"(units: {_NAMES})")
     number, unit = m.groups()
     if float(number) <= 0:
-        raise UsageError(f"memory size {text!r} must be positive, e.g. 80GiB or 40GB")
+        raise UsageError(f"invalid memory size {text!r}: it must be positive, e.g. 80GiB or 40GB")
     if not unit:
-        raise UsageError(f"memory size {text!r} has no unit: write {number}GB or {number}GiB; units: {_NAMES}")
+        raise UsageError(f"invalid memory size {text!r}: no unit; write {number}GB or {number}GiB (units: {_NAMES})")
     return int(float(number) * _UNITS[unit.lower()])
 
 

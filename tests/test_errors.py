@@ -306,11 +306,11 @@ def test_shape_mismatch_prints_graphmem_line_only() -> None:
 
 
 @pytest.mark.parametrize("argv, phrase", [
-    (["fit", "gpt2", "--memory", "24", "--seq", "128"], "memory size '24' has no unit: write 24GB or 24GiB"),
-    (["fit", "gpt2", "--memory", "-5GB", "--seq", "128"], "memory size '-5GB' must be positive"),
-    (["advise", "gpt2", "--input-shape", "1x16", "--memory", "-5GB"], "memory size '-5GB' must be positive"),
-    (["advise", "gpt2", "--input-shape", "1x16", "--memory", "-5"], "memory size '-5' must be positive"),
-    (["analyze", "gpt2", "--input-shape", "1x16", "--plan", "--budget", "12"], "memory size '12' has no unit"),
+    (["fit", "gpt2", "--memory", "24", "--seq", "128"], "invalid memory size '24': no unit; write 24GB or 24GiB"),
+    (["fit", "gpt2", "--memory", "-5GB", "--seq", "128"], "invalid memory size '-5GB': it must be positive"),
+    (["advise", "gpt2", "--input-shape", "1x16", "--memory", "-5GB"], "invalid memory size '-5GB': it must be positive"),
+    (["advise", "gpt2", "--input-shape", "1x16", "--memory", "-5"], "invalid memory size '-5': it must be positive"),
+    (["analyze", "gpt2", "--input-shape", "1x16", "--plan", "--budget", "12"], "invalid memory size '12': no unit"),
 ])
 def test_memory_sizes_need_a_unit_and_a_positive_value(capsys: pytest.CaptureFixture[str], argv: list[str],
                                                        phrase: str) -> None:
