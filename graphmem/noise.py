@@ -2,8 +2,8 @@
 transformers, torchtitan, bitsandbytes and their kin print while graphmem builds, captures and
 runs a step, which are about graphmem's fake tensors and stand-ins, not about the user's step.
 
-    with quiet_third_party():      # the front doors: graphmem.analyze, graphmem.validate, the CLI
-        ...
+    with quiet_third_party():      # the front doors: graphmem.analyze, graphmem.validate, the CLI,
+        ...                        # and the report's answers that capture again (formulas, plans)
 
 Inside the block:
 

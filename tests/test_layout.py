@@ -23,13 +23,14 @@ LAYERS: dict[str, set[str]] = {
     "models": set(),
     "capture": {"errors", "units", "stepgraph", "chains", "training", "models", "oprules"},
     "distributed": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "models", "fake_group"},
-    "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "analysis"},
+    "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "analysis", "noise"},
     "recapture": {"errors", "stepgraph", "capture", "formula", "training", "passes", "distributed", "spec"},
     "spec": {"errors", "capture", "distributed", "passes", "training"},
     "titan": {"errors", "capture", "distributed", "stepgraph", "training", "fake_group"},  # a torchtitan job's rank, captured
     "measure": {"capture", "distributed", "passes", "recapture", "spec", "training", "titan"},
     "titan_api": {"errors", "capture", "spec", "training", "titan", "measure"},  # a torchtitan job as a StepSpec
-    "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula", "analysis"},
+    "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula", "analysis",
+                 "noise"},
     "losses": {"capture"},
     "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "recapture",
                "losses", "models", "distributed", "chains", "spec", "measure", "analysis"},
