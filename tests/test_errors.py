@@ -292,6 +292,7 @@ def test_config_json_that_fails_a_class_check_is_a_usage_error(tmp_path: Path) -
         graphmem.analyze(str(tmp_path), input_shape=(2, 16))
 
 
+@pytest.mark.slow
 def test_shape_mismatch_prints_graphmem_line_only() -> None:
     """torch's fake tensor mode logs the meta kernel's traceback (17 lines) before it raises; only
     graphmem's line reaches stderr (a real process: torch's log handler holds the real stderr)."""
