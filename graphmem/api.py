@@ -10,12 +10,13 @@ import torch.nn as nn
 
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
-from graphmem.errors import UsageError
+from graphmem.errors import UsageError, check_keywords
 from graphmem.measure import Measured, measure
+from graphmem.noise import quiet
 from graphmem.passes import allocator, compare_modes, saved
 from graphmem.recapture import Recapture
 from graphmem.report import Report
-from graphmem.spec import ModelLike, StepSpec, make_spec
+from graphmem.spec import ModelLike, StepSpec, make_spec, spec_keywords
 from graphmem.stepgraph import StepGraph
 from graphmem.titan.job import is_job_config
 from graphmem.training.hf_trainer import is_trainer
@@ -23,6 +24,7 @@ from graphmem.training.loop import TrainStep
 from graphmem.training.step import LossFn
 
 
+@quiet  # third-party warnings about graphmem's own work, not the user's step (graphmem/noise.py)
 def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: Any) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
@@ -112,6 +114,7 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
             raise UsageError(f"a torchtitan job's step comes from its config; drop {', '.join(extra) or 'inputs'} "
                              f"(options: {', '.join(sorted(OPTIONS))})")
         return report_of(measure(job_spec(model, **options)))
+    check_keywords(options, spec_keywords(), "graphmem.analyze")
     spec = model if isinstance(model, StepSpec) else make_spec(model, inputs, **options)
     if isinstance(model, StepSpec) and (inputs is not None or options):
         raise UsageError("analyze(spec) takes the StepSpec alone: change it with dataclasses.replace")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
@@ -77,6 +78,19 @@ class Report:
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # graphmem.recapture.Recapture: capture again
+
+    def __str__(self) -> str:
+        """The text view, as ``graphmem analyze`` prints it (graphmem/render/text.py), with the plans
+        kept beside the report after it. (The renderers sit a layer above the report: loaded by name.)"""
+        text = str(importlib.import_module("graphmem.render.text").render_text(self))
+        return text + (f"\n{self.known_plans}" if self.known_plans is not None else "")
+
+    def __repr__(self) -> str:
+        """One line (the generated one would list every saved and live tensor): what and where, the headline bytes."""
+        shapes = ", ".join("x".join(map(str, s)) for s in self.input_shapes)
+        return (f"Report(model={self.model!r}, input_shapes={shapes!r}, device={self.device!r}, "
+                f"activation_bytes={self.activation_bytes}, peak_bytes={self.peak_bytes}, "
+                f"saved=<{len(self.saved)} tensors>)")
 
     # -- questions that capture again: a thin facade over graphmem/formula and graphmem/planning
     def _live(self, question: str) -> "Report":

@@ -24,6 +24,7 @@ The parallel setting is one sum type, ``Parallelism``:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
@@ -39,7 +40,7 @@ from graphmem.capture.target import Target, make_target
 from graphmem.distributed.pipeline import Pipeline, make_pipeline
 from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.spec import Sharding, check_training, make_sharding, wants_wrappers
-from graphmem.errors import UsageError
+from graphmem.errors import UsageError, check_keywords
 from graphmem.passes.budget import Parallel, make_parallel
 from graphmem.training.batch import as_batch, resizer
 from graphmem.training.peft_lora import is_hf_model
@@ -294,17 +295,28 @@ def _inputs(loaded: Loaded, inputs: Any, input_shape: Any) -> Inputs:
     return Inputs(resizer(batch), tuple(first.shape), batch)
 
 
+TARGET_OPTIONS = ("device", "dtype", "amp", "attention", "gpu", "mode", "memory_budget")  # make_target's
+PARALLEL_OPTIONS = ("world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank", "reshard_after_forward",
+                    "fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_offload", "fsdp_no_sync", "loss_parallel")
+
+
+def spec_keywords() -> frozenset[str]:
+    """Every keyword ``make_spec`` (and so ``graphmem.analyze``) takes besides the model and inputs: its
+    own, the target's, the parallelism's, ``qlora`` and ``make_training``'s."""
+    own = [p.name for p in inspect.signature(make_spec).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    loop = [p.name for p in inspect.signature(make_training).parameters.values()]
+    return frozenset((*own, *TARGET_OPTIONS, *PARALLEL_OPTIONS, "qlora", *loop))
+
+
 def make_spec(model: ModelLike, inputs: Any = None, *, input_shape: Union[str, tuple, list, None] = None,
               loss: Optional[LossFn] = None, target: Optional[Target] = None, training: Optional[Training] = None,
               parallel: Optional[Parallelism] = None, reuse: bool = True, hf: Optional[HFOptions] = None,
               **options: Any) -> StepSpec:
     """A StepSpec from ``graphmem.analyze``'s keyword options (see its docstring), checked once.
     ``target``, ``training`` and ``parallel`` may be given as built objects instead of their options."""
-    t_opts = {k: options.pop(k) for k in ("device", "dtype", "amp", "attention", "gpu", "mode", "memory_budget")
-              if k in options}
-    p_opts = {k: options.pop(k) for k in ("world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank",
-                                          "reshard_after_forward", "fsdp_param_dtype", "fsdp_reduce_dtype",
-                                          "fsdp_offload", "fsdp_no_sync", "loss_parallel") if k in options}
+    check_keywords(options, spec_keywords(), "graphmem.make_spec")
+    t_opts = {k: options.pop(k) for k in TARGET_OPTIONS if k in options}
+    p_opts = {k: options.pop(k) for k in PARALLEL_OPTIONS if k in options}
     qlora = options.pop("qlora", False)
     if "quantization" not in options and qlora:
         options["quantization"] = "nf4"

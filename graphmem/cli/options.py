@@ -9,6 +9,7 @@ import argparse
 from typing import Any
 
 from graphmem.errors import UsageError
+from graphmem.units import parse_bytes
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -179,6 +180,8 @@ def check_plan_arguments(args: argparse.Namespace, planning: bool) -> None:
         raise UsageError("--selective takes a number of levels >= 1")
     if args.budget is not None and args.max_overhead is not None:
         raise UsageError("give --budget or --max-overhead, not both")
+    if args.budget is not None:
+        parse_bytes(args.budget)  # a bad size fails before the analysis
     if args.points < 2:
         raise UsageError("--points must be at least 2")
 

@@ -12,6 +12,7 @@ from graphmem.formula.largest import FitAnswer, largest_fitting
 from graphmem.formula.piecewise import fit_windowed, window_of
 from graphmem.formula.sweep import Sweep
 from graphmem.formula.sweep import sweep as sweep_formula
+from graphmem.noise import quiet  # third-party notes on the captures these answers run (graphmem/noise.py)
 from graphmem.units import parse_bytes
 
 
@@ -21,6 +22,7 @@ def _source(report: Analysis) -> Any:
     return report.source
 
 
+@quiet
 def coefficients(report: Analysis) -> Any:
     """The formulas at the defaults, fitted once per report (its Recapture's cache)."""
     cache = _source(report).cache
@@ -29,6 +31,7 @@ def coefficients(report: Analysis) -> Any:
     return cache["coefficients"]
 
 
+@quiet
 def formula(report: Analysis, d_model: Optional[int] = None, n_heads: Optional[int] = None, checks: int = 5,
             tick: Any = None) -> Any:
     source = _source(report)
@@ -44,6 +47,7 @@ def formula(report: Analysis, d_model: Optional[int] = None, n_heads: Optional[i
     return result
 
 
+@quiet
 def fit(report: Analysis, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None,
         tick: Any = None) -> FitAnswer:
     source = _source(report)
@@ -75,5 +79,6 @@ def fit(report: Analysis, memory: Any, seq: Optional[int] = None, batch: Optiona
     return largest_fitting(coeffs, sampler, memory_bytes, name, {})
 
 
+@quiet
 def sweep(report: Analysis, batches: Any, seqs: Any, tick: Any = None) -> Sweep:
     return sweep_formula(_source(report), list(batches), list(seqs), tick)

@@ -6,6 +6,7 @@ from typing import Any
 
 from graphmem.analysis import Analysis
 from graphmem.errors import UsageError, no_source
+from graphmem.noise import quiet  # third-party notes on the captures these answers run (graphmem/noise.py)
 from graphmem.planning.planner import CheckpointPlan, Planner, PlanSummary, parse_limits, summarize
 from graphmem.planning.selective import LEVELS, SelectivePlanner
 
@@ -28,10 +29,12 @@ def planner(report: Analysis, selective: Any = False) -> Planner:
     return kept[key]
 
 
+@quiet
 def plan(report: Analysis, budget: Any = None, max_overhead: Any = None, selective: Any = False) -> CheckpointPlan:
     return planner(report, selective).plan(*parse_limits(budget, max_overhead))
 
 
+@quiet
 def plans(report: Analysis, budget: Any = None, max_overhead: Any = None, points: int = 50,
           selective: Any = False) -> PlanSummary:
     limits = parse_limits(budget, max_overhead, required=False)

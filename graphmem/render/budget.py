@@ -104,7 +104,7 @@ def budget_notes(b: Any) -> list[str]:
     if b.quantized is not None:
         q = b.quantized
         lines.append(f"4-bit: {q.layers} linear layers, {_count(q.weights)} weights held as {fmt_bytes(q.packed_bytes)} "
-                     f"packed (2 per byte; the parameter counts above count a packed byte as one) + "
+                     f"packed (2 per byte; counted above as {_count(q.weights)} parameters) + "
                      f"{fmt_bytes(q.state_bytes)} of block scales and codes (in buffers); each matmul dequantizes its "
                      "weight to the compute dtype inside bitsandbytes' gemm_4bit (its scratch, in temporaries)")
     lines += _why_peak(b)

@@ -3,6 +3,7 @@ master weights; graphmem/training/lora.py; passes/budget.py: ZeRO/FSDP/tensor pa
 for ``graphmem.analyze``, and the budget it reports as ``report.budget``."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -23,6 +24,7 @@ from graphmem.training.qlora import (
     Quantized,
     check_quantization,
     make_quantization,
+    packed_surplus,
     quantize,
     quantized_summary,
 )
@@ -164,6 +166,10 @@ def step_budget(g: Any, lv: Any, sv: Any, training: Training, module: nn.Module,
     units = units_of(module)
     rank = budget(g, lv, sv, layout, units)
     single = budget(g, lv, sv, Parallel(), units) if layout != Parallel() else None
+    surplus = packed_surplus(module)  # the graph counts a 4-bit weight's packed elements; count its weights
+    if surplus:
+        rank = dataclasses.replace(rank, parameters=rank.parameters + surplus)
+        single = dataclasses.replace(single, parameters=single.parameters + surplus) if single is not None else None
     device = g.target.device if g.target is not None else g.device
     spike = temporaries_at(g, lv, rank.peak_index, frozenset(t.sid for t in sv.tensors)) if rank.peak_index >= 0 else ()
     quantized = quantized_summary(module)  # --qlora's, or a model quantized by the user's own script
