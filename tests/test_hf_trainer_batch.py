@@ -143,3 +143,35 @@ def test_without_a_dataset_or_a_batch_is_one_line() -> None:
         with pytest.raises(GraphmemError, match="^the Trainer's dataloader could not draw a batch .*pads") as e:
             graphmem.analyze(ragged)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # ~20 s: the CLI's analysis and the library's
+def test_the_cli_draws_the_batch_from_its_train_dataset(tmp_path: Any, capsys: Any) -> None:
+    """graphmem analyze CONFIG --training-args args.json --train-dataset data.jsonl (no --input-shape): the
+    first batch train() draws, the same report as graphmem.analyze(trainer) on that Trainer; without a
+    dataset or a shape, one line naming both flags."""
+    import json
+
+    from graphmem.cli.main import main
+    from graphmem.trainer_api import trainer_from_file
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True, "report_to": [],
+                                "per_device_train_batch_size": 2, "max_grad_norm": 1.0}))
+    data = tmp_path / "data.jsonl"  # the CLI's Trainer collates with default_data_collator: samples of one length
+    data.write_text("".join(json.dumps({"input_ids": list(range(i, i + 12)), "labels": list(range(i, i + 12))}) + "\n"
+                            for i in range(5)))
+    assert main(["analyze", str(tmp_path / "config.json"), "--training-args", str(args), "--train-dataset", str(data),
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["input_shapes"] == [[2, 12], [2, 12]] and d["batch"]["batch"] == "the first train() draws"
+    r = graphmem.analyze(trainer_from_file(transformers.LlamaForCausalLM(cfg), str(args), train_dataset=str(data)))
+    assert (d["activation_bytes"], d["peak_bytes"]) == (r.activation_bytes, r.peak_bytes)
+    assert main(["analyze", str(tmp_path / "config.json"), "--training-args", str(args)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--train-dataset" in err[0] and "--input-shape" in err[0]
+    assert main(["analyze", str(tmp_path / "config.json"), "--input-shape", "2x8", "--train-dataset", str(data)]) == 2
+    assert "give --training-args too" in capsys.readouterr().err
