@@ -112,6 +112,24 @@ def test_the_first_batch_is_the_one_train_runs(seeds: dict) -> None:
     assert set(drawn) == set(seen[0]) and all(torch.equal(drawn[k], seen[0][k]) for k in drawn)
 
 
+def test_a_ddp_rank_draws_its_shard_of_the_batches() -> None:
+    """Rank r of N trains on the r-th, (r+N)-th, ... batch of the one-process order: accelerate's
+    BatchSamplerShard (split_batches=False) over the same seeded sampler on every rank."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    order = BatchSampler(SequentialSampler(range(12)), 2, False)
+    assert [list(BatchSamplerShard(order, num_processes=3, process_index=r))[0] for r in range(3)] == \
+        [list(order)[r] for r in range(3)]
+    with tempfile.TemporaryDirectory() as out:
+        trainer = _trainer(out, LONG)
+        batches = list(trainer.get_train_dataloader())
+        for rank in range(3):
+            drawn, settings = trainer_inputs(trainer, None, None, "first", world_size=3, rank=rank)
+            assert all(torch.equal(drawn[k], batches[rank][k]) for k in batches[rank])
+            assert settings["batch"] == f"the first train() draws for rank {rank} of 3"
+
+
 def test_input_shape_is_never_changed() -> None:
     """A Trainer with a dataset of 9- and 16-token batches: ``input_shape`` is the shape analyzed (the
     dataset's first batch resized, its keys and dtypes kept); a shape no tensor of the batch has is one line."""

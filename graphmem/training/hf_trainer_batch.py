@@ -111,7 +111,8 @@ def _run_batches(trainer: Any, first_only: bool, world_size: int) -> Iterator[An
                 drawn += 1
                 if first_only and drawn >= world_size:
                     return
-                if (i + 1) % k == 0 or i + 1 == per_epoch:  # _run_epoch's steps: k batches, the epoch's rest last
+                # _run_epoch's steps: k batches of each rank (N x k here), the epoch's rest last
+                if (i + 1) % (k * world_size) == 0 or i + 1 == per_epoch:
                     steps += 1
                     if steps >= max_steps:
                         return
