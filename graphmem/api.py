@@ -28,8 +28,8 @@ from graphmem.training.step import LossFn
 def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: Any) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
-    ``model`` is a transformers ``Trainer`` (its own step: graphmem/trainer_api.py; ``inputs`` or
-    ``input_shape``, ``device="cuda"`` for its step on the CUDA target, and ``world_size``/``rank`` for one rank of its DDP job; a Hugging Face model with
+    ``model`` is a transformers ``Trainer`` (its own step: graphmem/trainer_api.py; the batch its
+    dataloader yields, ``trainer_batch="longest"`` for the run's largest, or ``inputs`` or ``input_shape``, ``device="cuda"`` for its step on the CUDA target, and ``world_size``/``rank`` for one rank of its DDP job; a Hugging Face model with
     ``training_args=`` TrainingArguments that ask for FSDP, ``world_size`` and ``rank``: that rank of the
     Trainer's job, accelerate's own FSDP2 wrapping it, graphmem/training/hf_trainer_fsdp.py), an nn.Module (real, or built under ``torch.device("meta")``; an fx.GraphModule
     is one), a ``torch.export.ExportedProgram`` (its example inputs are used when none are
@@ -90,12 +90,13 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
     if is_trainer(model):  # a transformers Trainer: its own step (graphmem/trainer_api.py)
         from graphmem.trainer_api import trainer_spec
 
-        extra = sorted(set(options) - {"input_shape", "world_size", "rank", "device"})
+        extra = sorted(set(options) - {"input_shape", "world_size", "rank", "device", "trainer_batch"})
         if extra:
             raise UsageError(f"a Trainer's step comes from its TrainingArguments (and `world_size`/`rank` for a DDP "
                              f"job's rank, `device` for its target); drop {', '.join(extra)}")
         return report_of(measure(trainer_spec(model, inputs, options.get("input_shape"), options.get("world_size", 1),
-                                              options.get("rank"), options.get("device"))))
+                                              options.get("rank"), options.get("device"),
+                                              options.get("trainer_batch", "first"))))
     if "training_args" in options:  # a Trainer built per rank: FSDP (graphmem/training/hf_trainer_fsdp.py)
         from graphmem.trainer_api import fsdp_trainer_spec
 

@@ -39,6 +39,13 @@ class Analyze:
                             "around the (Hugging Face) model runs (its optim, clipping, accumulation, bf16/fp16, "
                             "gradient checkpointing); with --world-size N [--rank R], rank R of its DDP job on N "
                             "processes")
+        p.add_argument("--train-dataset", metavar="PATH",
+                       help="with --training-args: the Trainer's train_dataset (a JSON Lines file of samples, or a "
+                            "directory saved by datasets' save_to_disk); without --input-shape the step runs the "
+                            "first batch train() draws from it")
+        p.add_argument("--trainer-batch", choices=["first", "longest"], default="first",
+                       help="with --train-dataset: the first batch train() draws (default), or the longest of the "
+                            "run's (a padding collator's worst case)")
         o = p.add_argument_group("output")
         o.add_argument("--json", action="store_true", help="print the report as JSON (exact integers); same as --format json")
         o.add_argument("--format", choices=["text", "json", "markdown"], help="output format (default text)")
@@ -63,6 +70,8 @@ class Analyze:
         check_plan_arguments(args, args.plan)
         budgets = memory_budgets_of(args)
         check_pipeline_arguments(args)
+        if args.train_dataset and not args.training_args:
+            raise UsageError("--train-dataset is the Trainer's: give --training-args too")
         overrides = getattr(args, "job_overrides", [])
         if args.torchtitan is None:
             require_model(args, overrides)
@@ -100,12 +109,13 @@ def trainer_report(args: argparse.Namespace) -> Any:
                          "[--rank R]); drop --zero, --fsdp and --tp")
     target = target_of(args)
     loaded = load(args.model, target=target, options=hf_of(args))
-    trainer = trainer_from_file(loaded.module, args.training_args, target)
+    trainer = trainer_from_file(loaded.module, args.training_args, target, args.train_dataset)
     if not is_trainer(trainer):  # FSDP arguments: the Trainer is built per rank (graphmem/training/hf_trainer_fsdp.py)
         return analyze(loaded.module, training_args=trainer, input_shape=args.input_shape, world_size=args.world_size,
                        rank=args.rank)
     device = "cuda" if target.device == "cuda" else None  # else the Trainer's own (cuda where built on a GPU)
-    return analyze(trainer, input_shape=args.input_shape, world_size=args.world_size, rank=args.rank, device=device)
+    return analyze(trainer, input_shape=args.input_shape, world_size=args.world_size, rank=args.rank, device=device,
+                   trainer_batch=args.trainer_batch)
 
 
 class Presets:

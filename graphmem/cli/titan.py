@@ -63,14 +63,14 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def require_model(args: argparse.Namespace, overrides: Optional[Sequence[str]]) -> None:
-    """Without --torchtitan, MODEL and --input-shape are required as before."""
+    """Without --torchtitan, MODEL is required, and --input-shape unless --training-args (its Trainer's batch)."""
     if overrides:
         raise UsageError("arguments after -- are torchtitan's overrides: give --torchtitan CONFIG")
     if args.model is None:
         raise UsageError("give MODEL (a model file, preset or Hugging Face id) or --torchtitan CONFIG")
-    if args.input_shape is None:
-        raise UsageError("--input-shape is required for MODEL (e.g. --input-shape 32x1024); only --torchtitan takes "
-                         "its batch from the job (see `graphmem analyze --help`)")
+    if args.input_shape is None and not args.training_args:  # a Trainer draws its batch from --train-dataset
+        raise UsageError("--input-shape is required for MODEL (e.g. --input-shape 32x1024); only --torchtitan and "
+                         "--training-args with --train-dataset take their batch from the job (see `graphmem analyze --help`)")
 
 
 __all__ = ["add_job_arguments", "job_report", "require_model", "split_overrides"]

@@ -96,7 +96,7 @@ def validate(
     if is_trainer(model):  # a transformers Trainer: its own step, real on the CPU (graphmem/trainer_api.py)
         from graphmem.validation.trainer import validate_trainer
 
-        unknown = sorted(set(options) - {"world_size", "rank"})
+        unknown = sorted(set(options) - {"world_size", "rank", "trainer_batch"})
         if unknown:
             raise UsageError(f"a Trainer's step is set by its TrainingArguments, not {', '.join(f'`{k}`' for k in unknown)}"
                              ": drop it (`world_size`/`rank` validate its DDP ranks)")
