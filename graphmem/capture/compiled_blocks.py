@@ -5,6 +5,7 @@ while the step runs, and graphmem's module hooks standing aside while dynamo tra
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any, Iterator
 
 import torch
@@ -94,16 +95,22 @@ def _between_hooks(module: Any, call: Any, cap: _Recorder, cuda: bool) -> Any:
 
 
 @contextlib.contextmanager
-def compiles_unrecorded(cap: _Recorder) -> Iterator[None]:
+def compiles_unrecorded(cap: _Recorder, collect: bool = False) -> Iterator[None]:
     """Dynamo's compilation of a frame (its tracing, AOTAutograd's joint graph and partition) is compile
-    time, not the step: the recorder pauses while it runs."""
+    time, not the step: the recorder pauses while it runs. ``collect``: the cycles dynamo's tracing leaves,
+    which hold the frame's tensors (a block's inputs), are collected before the frame runs, as a real step
+    compiled before it is measured holds none of them."""
     from torch._dynamo import convert_frame
 
     kept_compile = convert_frame._compile
 
     def compile_unrecorded(*args: Any, **kwargs: Any) -> Any:
         with cap.paused():
-            return kept_compile(*args, **kwargs)
+            try:
+                return kept_compile(*args, **kwargs)
+            finally:
+                if collect:
+                    gc.collect()
 
     convert_frame._compile = compile_unrecorded
     try:

@@ -89,7 +89,7 @@ def compiling_blocks(model: torch.nn.Module, loss_fn: Optional[LossFn], cap: _Re
     partitioned as ``target.compile_backend`` partitions; yields the loss to call (None: the model's own)."""
     backend = _JobBackend(frozenset(), dataclasses.replace(target, mode="compiled"), backends)
     backend.recorder, backend.replaying = cap, True  # one pass: each graph runs on the step's fake tensors
-    with compiles_unrecorded(cap), partition_config(target.memory_budget), unlogged(), example_values_ruled(target), \
+    with compiles_unrecorded(cap, collect=True), partition_config(target.memory_budget), unlogged(), example_values_ruled(target), \
             blocks_compiled(model, loss_fn, backend) as compiled_loss:
         attributed(model, backend, cap, target)
         yield compiled_loss
