@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from typing import Any, Iterator
+from unittest import mock
 
 import torch
 
@@ -112,11 +113,8 @@ def compiles_unrecorded(cap: _Recorder, collect: bool = False) -> Iterator[None]
                 if collect:
                     gc.collect()
 
-    convert_frame._compile = compile_unrecorded
-    try:
+    with mock.patch.object(convert_frame, "_compile", compile_unrecorded):
         yield
-    finally:
-        convert_frame._compile = kept_compile
 
 
 __all__ = ["_JobBackend", "attributed", "compiles_unrecorded", "hooks_standing_aside"]

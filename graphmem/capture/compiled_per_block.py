@@ -36,7 +36,6 @@ in torch and here alike.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Iterator, Optional
 
 import torch
@@ -87,7 +86,7 @@ def compiling_blocks(model: torch.nn.Module, loss_fn: Optional[LossFn], cap: _Re
                      backends: dict[str, int]) -> Iterator[Optional[LossFn]]:
     """Around the recorded step: the chain's blocks and ``loss_fn`` compiled with graphmem's backend,
     partitioned as ``target.compile_backend`` partitions; yields the loss to call (None: the model's own)."""
-    backend = _JobBackend(frozenset(), dataclasses.replace(target, mode="compiled"), backends)
+    backend = _JobBackend(frozenset(), target, backends)
     backend.recorder, backend.replaying = cap, True  # one pass: each graph runs on the step's fake tensors
     with compiles_unrecorded(cap, collect=True), partition_config(target.memory_budget), unlogged(), example_values_ruled(target), \
             blocks_compiled(model, loss_fn, backend) as compiled_loss:
