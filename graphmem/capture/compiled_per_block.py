@@ -58,7 +58,7 @@ def chain_blocks(model: nn.Module) -> list[nn.Module]:
     if chain is None:
         raise UsageError(f"{type(model).__name__} has no chain of repeated blocks (a ModuleList or Sequential of "
                          "identical layers) to compile one by one: use `mode='compiled'` (the whole model)")
-    return list(model.get_submodule(chain.path))
+    return list(model.get_submodule(chain.path).children())
 
 
 @contextlib.contextmanager
