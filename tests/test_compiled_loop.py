@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from compiled_loop import MODELS, ROWS, predicted, real  # noqa: E402
 
 # (model, row) -> measured |predicted - real| of the first and later peaks, where they are not 0 B: bitsandbytes'
-# 8-bit AdamW stepped in backward after compiled blocks, 3,968 B = a (32, 32) gradient less a (32,) one, as if
-# two parameters stepped in another order; not explained yet (docs/loop.md, "Compiled blocks")
+# 8-bit AdamW stepped in backward after compiled blocks, 3,968 B = a (32, 32) gradient less a (32,) one. The
+# engine runs a compiled block's parameters' post-accumulate-grad hooks in another order in the capture than in
+# the real step (measured, docs/loop.md "Compiled blocks"); why is not found yet
 GAPS: dict[tuple[str, str], list[int]] = {("gpt2", "torchtune"): [0, 3968]}
 
 
