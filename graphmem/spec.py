@@ -92,7 +92,7 @@ class Ranks:
         if spec.training.train.loop_options:
             raise UsageError(f"{', '.join(f'`{o}`' for o in spec.training.train.loop_options)}: analyzed on one device "
                              "only yet; drop them, or drop `rank` and `fsdp`")
-        if spec.target.mode == "compiled":
+        if spec.target.mode != "eager":
             raise UsageError("the per-rank step runs the wrappers eagerly: use `mode='eager'`, or the formulas "
                              "(`zero`, `fsdp='full'` or `tp` without `rank`)")
         if self.sharding.offload and spec.target.device == "cuda":
@@ -114,7 +114,7 @@ class Stages:
     def check(self, spec: "StepSpec") -> None:
         tr = spec.training
         if tr.lora is not None or tr.quantization is not None or tr.train.master_weights \
-                or spec.target.mode == "compiled" or tr.train.loop_options:
+                or spec.target.mode != "eager" or tr.train.loop_options:
             raise UsageError("a pipeline stage (`pp` > 1) runs one pipeline rank's schedule and its optimizer; it does "
                              "not combine with `lora_rank`, `qlora`, `master_weights`, `mode='compiled'` or the loop "
                              "options (`release_output`, `clip_grad_norm`, `optimizer_in_backward`, "
@@ -144,7 +144,7 @@ class Job:
         if not 0 <= self.rank < self.world_size:
             raise UsageError(f"`rank={self.rank}` is not one of the job's {self.world_size} ranks: use 0 to "
                              f"{self.world_size - 1}")
-        if spec.target.mode == "compiled":
+        if spec.target.mode != "eager":
             raise UsageError("a torchtitan job's compile setting is its own (`compile.enable` in its config): drop "
                              "`mode='compiled'`")
         p = self.config.parallelism
@@ -223,7 +223,7 @@ def check_spec(spec: StepSpec) -> None:
     if t.attention == "eager" and not is_hf_model(spec.module):
         raise UsageError("`attention='eager'` picks a Hugging Face model's own attention; this model is not one: "
                          "use `attention='math'` for SDPA's explicit kernel")
-    if spec.training.quantization is not None and t.mode == "compiled":
+    if spec.training.quantization is not None and t.mode != "eager":
         raise UsageError("`qlora` is analyzed in eager mode (bitsandbytes' ops under torch.compile are not traced "
                          "here): use `mode='eager'`")
     spec.parallel.check(spec)

@@ -15,7 +15,7 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 AMP = ("bf16", "fp16")
 ATTENTION = ("auto", "flash", "efficient", "cudnn", "math", "eager")
-MODES = ("eager", "compiled")
+MODES = ("eager", "compiled", "compiled-blocks")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adafactor", "adam8bit", "adamw8bit", "paged_adamw8bit")
 IMPLS = ("auto", "foreach", "forloop", "fused")
 
@@ -72,7 +72,8 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
                    "attn_implementation='sdpa' with it, or its own softmax attention with eager")
     g.add_argument("--gpu", default="h100", help="GPU for the CUDA backend rules: h100, a100, l4, a10, t4, v100, ...")
     g.add_argument("--mode", default="eager", choices=MODES,
-                   help="eager autograd (default) or torch.compile's step (AOTAutograd, min-cut partition), shown beside eager")
+                   help="eager autograd (default), torch.compile's step (AOTAutograd, min-cut partition), shown beside eager, or "
+                   "compiled-blocks: each block of the model's chain and the loss compiled, the loop eager (as torchtune compiles)")
     g.add_argument("--memory-budget", metavar="F[,F...]",
                    help="with --mode compiled: torch.compile's activation_memory_budget (0-1) for the partitioner; "
                    "several values, e.g. 1,0.8,0.5,0.2, also print a sweep table (the report is at the first value)")
