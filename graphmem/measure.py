@@ -161,4 +161,37 @@ def job_memory_lines(g: Any, rank: int) -> tuple[str, ...]:
             f"max reserved {later.max_reserved / gib:.2f} GiB (caching-allocator model)",)
 
 
-__all__ = ["Measured", "measure", "measure_ranks"]
+def process_groups(parallel: Any) -> tuple[tuple[str, int], ...]:
+    """The process groups a rank of the job creates, (name, ranks) each: each gets an NCCL
+    communicator on its first collective (passes/device_rows.py). A one-dimensional job uses the
+    default group; a two-dimensional one (data x tensor parallel) a group per dimension."""
+    dims: tuple[tuple[str, int], ...] = ()
+    if isinstance(parallel, (Formula, Ranks)):
+        p = parallel.formula if isinstance(parallel, Formula) else parallel.sharding
+        dims = (("data parallel", p.world_size // p.tp), ("tensor parallel", p.tp))
+    elif isinstance(parallel, Stages):
+        dims = (("pipeline", parallel.pipeline.pp),)
+    elif isinstance(parallel, Job):
+        dims = _job_groups(parallel)
+    elif isinstance(parallel, TrainerShards):
+        dims = (("world", parallel.world_size),)
+    return tuple((n, d) for n, d in dims if d > 1)
+
+
+def _job_groups(job: Job) -> tuple[tuple[str, int], ...]:
+    """A torchtitan job's mesh dimensions (ParallelismConfig's degrees; dp_shard -1: the ranks left)."""
+    c = job.config.parallelism
+    given = (("dp_replicate", c.data_parallel_replicate_degree), ("tp", c.tensor_parallel_degree),
+             ("pp", c.pipeline_parallel_degree), ("cp", c.context_parallel_degree), ("ep", c.expert_parallel_degree))
+    dims = [(n, int(d)) for n, d in given if d > 1]
+    shard = int(c.data_parallel_shard_degree)
+    if shard == -1:
+        rest = job.world_size
+        for n, d in dims:
+            if n != "ep":  # expert parallel borrows from the data-parallel ranks
+                rest //= d
+        shard = rest
+    return tuple(dims) + ((("dp_shard", shard),) if shard > 1 else ())
+
+
+__all__ = ["Measured", "measure", "measure_ranks", "process_groups"]

@@ -12,6 +12,7 @@ from graphmem.passes import Liveness, LiveTensor, ModuleSaved, SavedSet, SavedTe
 from graphmem.passes.allocator import AllocatorResult
 from graphmem.passes.memory_budget import BudgetSweep
 from graphmem.passes.modes import ModeComparison
+from graphmem.passes.run_memory import RunMemory
 from graphmem.planning import memory_budget as memory_budget_api
 from graphmem.planning import report_api as planning_api
 from graphmem.planning.planner import PlanSummary
@@ -20,7 +21,7 @@ from graphmem.training.spec import StepBudget
 
 # the fields whose JSON under their own key is a view (derived numbers, names): to_dict writes them
 # once more, exactly, under "exact" (graphmem/jsondata.py), so that from_dict gives them back
-EXACT = ("device", "target", "cuda_allocator", "budget", "compiled", "sharding", "known_coefficients",
+EXACT = ("device", "target", "cuda_allocator", "memory", "budget", "compiled", "sharding", "known_coefficients",
          "known_plans", "known_memory_budgets")
 
 
@@ -51,7 +52,7 @@ class Report:
     gradient_bytes: int
     activation_bytes: int
     by_category: dict[str, int]
-    peak_bytes: int
+    peak_bytes: int  # the FIRST step's peak (``first_step_peak_bytes``); the run's is ``run_peak_bytes``
     peak_index: int
     peak_phase: str
     peak_op: str
@@ -69,6 +70,7 @@ class Report:
     budget: Optional[StepBudget] = None  # optimizer, precision, LoRA, per-rank budget
     compiled: Optional[ModeComparison] = None  # compiled mode: eager beside compiled
     sharding: Optional[RankScope] = None  # the rank this report is (a per-rank or pipeline-stage capture)
+    memory: Optional[RunMemory] = None  # the run: first and later steps, allocated, reserved, device total
     # answers asked for and kept with the report (``keeping``): renderers and to_dict show them
     known_coefficients: Any = None  # graphmem.formula Coefficients or PiecewiseCoefficients
     known_plans: Optional[PlanSummary] = None
@@ -77,6 +79,19 @@ class Report:
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # graphmem.recapture.Recapture: capture again
+
+    @property
+    def first_step_peak_bytes(self) -> int:
+        """The first step's peak: parameters, buffers and the batch at its start, the optimizer's
+        states made during it (``peak_bytes`` is the same figure, under its older name)."""
+        return self.peak_bytes
+
+    @property
+    def run_peak_bytes(self) -> int:
+        """The run's max allocated: the larger of the first step's and the later steps' (which hold
+        the optimizer states from their start), what ``torch.cuda.max_memory_allocated()`` reads
+        after a few steps (the allocator model's block bytes on the CUDA target)."""
+        return self.memory.run_max_allocated if self.memory is not None else self.peak_bytes
 
     # -- questions that capture again: a thin facade over graphmem/formula and graphmem/planning
     def _live(self, question: str) -> "Report":
@@ -198,7 +213,8 @@ class Report:
     @staticmethod
     def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,
               notes: tuple[str, ...] = (), source: Any = None, cuda_allocator: Optional[AllocatorResult] = None,
-              budget: Optional[StepBudget] = None, sharding: Optional[RankScope] = None) -> "Report":
+              budget: Optional[StepBudget] = None, sharding: Optional[RankScope] = None,
+              memory: Optional[RunMemory] = None) -> "Report":
         kinds: dict[str, int] = {}
         for s in g.storages.values():
             if s.created < 0:
@@ -217,7 +233,7 @@ class Report:
             saved=sv.tensors, modules=sv.modules, num_ops=g.num_ops,
             phase_start=dict(g.phase_start), notes=notes, target=g.target,
             attention_backends=dict(g.attention_backends), cuda_allocator=cuda_allocator, budget=budget, step=g, liveness=lv, source=source,
-            sharding=sharding,
+            sharding=sharding, memory=memory,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -255,6 +271,7 @@ class Report:
                                    "max_reserved": self.cuda_allocator.max_reserved,
                                    "fragmentation": self.cuda_allocator.fragmentation,
                                    "segments": self.cuda_allocator.segments}} if self.cuda_allocator is not None else {}),
+            **({"memory": self.memory.to_dict()} if self.memory is not None else {}),
             **({"coefficients": self.known_coefficients.to_dict()} if self.known_coefficients is not None else {}),
             **({"budget": self.budget.to_dict()} if self.budget is not None else {}),
             **({"compiled": self.compiled.to_dict()} if self.compiled is not None else {}),
