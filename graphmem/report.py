@@ -121,15 +121,18 @@ class Report:
 
         return formula_api.formula(self._live("formula()"), d_model, n_heads, checks, tick)
 
-    def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None) -> Any:
+    def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None,
+            figure: Optional[str] = None) -> Any:
         """The largest batch (at sequence length ``seq``, default: this report's) or, given
         ``batch``, the largest sequence length whose peak fits in ``memory`` (bytes or a string
         like "80GiB"): a graphmem.formula.FitAnswer, exact from the peak formula and confirmed
-        by captures at the answer and one above."""
+        by captures at the answer and one above; then judged on ``figure`` of the run
+        (passes/run_memory.py: "allocated", "reserved" or "device", the device total, default on the
+        CUDA target; "allocated" on the CPU's), the whole step captured at each value tried."""
 
         from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
 
-        return formula_api.fit(self._live("fit()"), memory, seq, batch, tick)
+        return formula_api.fit(self._live("fit()"), memory, seq, batch, tick, figure)
 
     def max_batch(self, memory: Any, seq: Optional[int] = None) -> int:
         """Largest batch size whose predicted peak fits in ``memory``, e.g. ``max_batch("80GiB", seq=1024)``."""
@@ -149,26 +152,30 @@ class Report:
 
         return planning_api.planner(self._live("its planner"), False)
 
-    def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False) -> Any:
+    def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False,
+             figure: Optional[str] = None) -> Any:
         """The checkpoint plan (graphmem.planning.CheckpointPlan) with the fewest recompute FLOPs
         whose predicted peak fits ``budget`` (bytes or "40GiB"), or the lowest-peak plan whose
         recompute stays within ``max_overhead`` of the step's FLOPs (0.2 or "20%").
         ``selective=True`` (or a number of levels) also lets each checkpointed segment keep
-        some ops' outputs (graphmem/planning/selective.py).
+        some ops' outputs (graphmem/planning/selective.py). The budget is compared with ``figure`` of
+        the run (passes/run_memory.py): "allocated", "reserved" or "device" (the device total; the
+        default on the CUDA target, "allocated" on the CPU's), captured with the plan applied.
 
         >>> plan = report.plan(budget="40GiB")            # doctest: +SKIP
         >>> plan.segments, plan.peak_bytes, plan.overhead  # doctest: +SKIP
         >>> handle = plan.apply(model)                     # torch.utils.checkpoint; handle.remove() undoes
         """
 
-        return planning_api.plan(self._live("plan()"), budget, max_overhead, selective)
+        return planning_api.plan(self._live("plan()"), budget, max_overhead, selective, figure)
 
-    def plans(self, budget: Any = None, max_overhead: Any = None, points: int = 50, selective: Any = False) -> Any:
+    def plans(self, budget: Any = None, max_overhead: Any = None, points: int = 50, selective: Any = False,
+              figure: Optional[str] = None) -> Any:
         """graphmem.planning.PlanSummary: the chosen plan (if a limit is given), the baselines beside
         graphmem's plan at their own peak, and the Pareto frontier; ``report.keeping(plans=...)``
         keeps it with the report (renderers and JSON show it)."""
 
-        return planning_api.plans(self._live("plans()"), budget, max_overhead, points, selective)
+        return planning_api.plans(self._live("plans()"), budget, max_overhead, points, selective, figure)
 
     def advise(self, memory: Any, ranks: int = 8, lora_rank: int = 16, tick: Any = None, combine: bool = False) -> Any:
         """What to change so the step's peak fits ``memory`` (bytes or "80GiB"): a

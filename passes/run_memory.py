@@ -22,11 +22,12 @@ few steps, and what ``nvidia-smi`` shows beside it (DESIGN.md, "the run's memory
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from graphmem.errors import UsageError
 from graphmem.passes.allocator import AllocatorResult, allocator, later_steps_events, simulate
 from graphmem.passes.device_rows import DeviceRow
+from graphmem.passes.later_steps import later_steps_peak
 from graphmem.stepgraph import StepGraph
 
 FIGURES = ("allocated", "reserved", "device")
@@ -100,4 +101,26 @@ def run_memory(g: StepGraph, first_allocated: int, later_allocated: int, rows: t
                      "steps through one cache for the later steps", rows)
 
 
-__all__ = ["FIGURES", "RunMemory", "run_memory"]
+def step_memory(g: StepGraph, rows: tuple[DeviceRow, ...] = (), parallel: Any = None) -> RunMemory:
+    """``run_memory`` of a step captured again (a plan applied, another size), with the report's
+    device ``rows``; under a per-rank formula ``parallel`` (passes/budget.py Parallel), its rank's peaks."""
+    from graphmem.passes.budget import Parallel, budget
+    from graphmem.passes.liveness import liveness
+    from graphmem.passes.saved import saved
+
+    lv = liveness(g)
+    if parallel is not None and parallel != Parallel():
+        rank = budget(g, lv, saved(g), parallel)
+        return run_memory(g, rank.peak_bytes, rank.later_peak_bytes, rows, per_rank_formula=True)
+    return run_memory(g, lv.peak_bytes, later_steps_peak(g, lv), rows)
+
+
+def default_figure(device: str) -> str:
+    """The figure a verdict compares unless told: the device total on the CUDA target; on the CPU
+    target, allocated (no caching allocator, no device rows: all three are equal there)."""
+    return "device" if device == "cuda" else "allocated"
+
+
+FIGURE_NAMES = {"allocated": "run max allocated", "reserved": "run max reserved", "device": "device total"}
+
+__all__ = ["FIGURES", "FIGURE_NAMES", "RunMemory", "default_figure", "run_memory", "step_memory"]

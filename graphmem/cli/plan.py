@@ -33,7 +33,8 @@ class Plan:
 
         check_plan_arguments(args, True)
         report = analyze_args(args)
-        summary = report.plans(args.budget, args.max_overhead, points=args.points, selective=args.selective)
+        summary = report.plans(args.budget, args.max_overhead, points=args.points, selective=args.selective,
+                               figure=args.figure)
         if args.json:
             sys.stdout.write(json.dumps({"model": report.model, "input_shapes": [list(s) for s in report.input_shapes],
                                          "peak_bytes": report.peak_bytes, "plan": summary.to_dict()}, indent=2) + "\n")
