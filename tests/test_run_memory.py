@@ -109,28 +109,54 @@ def test_overheads_are_checked() -> None:
         graphmem.analyze(net, (torch.randn(2, 4),), overheads={"cuda_context": -1})
 
 
-def _hf_llama() -> tuple:
-    transformers = pytest.importorskip("transformers")
+def _model(name: str) -> tuple:
+    """Small models whose activations outweigh the allocator's 2 and 20 MiB segments (32x128 tokens)."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return transformers.LlamaForCausalLM(cfg), None, None
+    if name == "hf_llama":
+        transformers = pytest.importorskip("transformers")
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        return transformers.LlamaForCausalLM(cfg), None, None
+    from graphmem.models import gpt2, llama
+
+    if name == "gpt2":
+        return gpt2.build(gpt2.GPTConfig(vocab_size=101, block_size=256, n_layer=4, n_head=2, n_embd=64)), None, gpt2.loss
+    return llama.build(llama.LlamaConfig(vocab_size=101, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+                                         max_seq_len=256)), None, llama.loss
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2_sdpa", "llama_sdpa", "hf_llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "hf_llama"])
 def test_plan_and_fit_never_exceed_the_budget_on_the_device_total(name: str) -> None:
     """On the CUDA target the budget is compared with the device total (the default), captured with
-    the plan applied / at the batch found: never above the budget, and the answer names the figure."""
-    module, inputs, loss = _hf_llama() if name == "hf_llama" else build_case(MODELS, name)
-    shape = {"input_shape": "4x64"} if inputs is None else {}
-    r = graphmem.analyze(module, inputs, loss=loss, device="cuda", optimizer="adamw", **shape)
+    the plan applied / at the batch found: never above the budget, and the answer names the figure.
+    The plan is checked again through the public API: applied to the model, analyzed afresh."""
+    module, _, loss = _model(name)
+    r = graphmem.analyze(module, input_shape="32x128", loss=loss, device="cuda", optimizer="adamw")
     m = r.memory
     budget = m.device_total - r.activation_bytes // 3  # below the step as it is: checkpoints are needed
     plan = r.plan(budget=budget)
     assert plan.figure == "device" and plan.figure_bytes <= budget and plan.segments
-    assert budget - m.overhead_bytes < plan.figure_bytes  # the rows are counted: the tensors alone would fit more
-    a = r.fit(m.device_total + r.activation_bytes)  # the run as analyzed fits; one more batch row may
+    handle = plan.apply(module)
+    try:
+        again = graphmem.analyze(module, input_shape="32x128", loss=loss, device="cuda", optimizer="adamw")
+    finally:
+        handle.remove()
+    assert again.memory.device_total == plan.figure_bytes <= budget
+    a = r.fit(m.device_total + r.activation_bytes, seq=128)
     assert a.figure == "device" and a.figure_bytes is not None and a.figure_bytes <= a.memory
     assert a.figure_above is None or a.figure_above > a.memory
-    assert a.value <= a.tensors_value
+    assert 32 <= a.value <= a.tensors_value
+
+
+def test_assert_peak_bytes_names_the_figure_compared() -> None:
+    module, inputs, loss = _mlp(64)
+    r = graphmem.assert_peak_bytes(module, inputs, loss=loss, optimizer="adamw", max_bytes="64MiB")
+    run = r.memory.run_max_allocated
+    with pytest.raises(AssertionError, match="run max allocated is .* over the budget .*compared: the run max allocated"):
+        graphmem.assert_peak_bytes(module, inputs, loss=loss, optimizer="adamw", max_bytes=run - 1)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    with pytest.raises(AssertionError, match="device total"):  # the CUDA target's default: the context counts
+        graphmem.assert_peak_bytes(net, (torch.randn(8, 16),), device="cuda", max_bytes="100MiB")
+    assert graphmem.assert_peak_bytes(net, (torch.randn(8, 16),), device="cuda", max_bytes="100MiB",
+                                      figure="reserved").memory.run_max_reserved <= 100 * 2 ** 20

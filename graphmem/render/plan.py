@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from graphmem.passes.run_memory import FIGURE_NAMES
 from graphmem.planning.planner import CheckpointPlan, PlanSummary
 from graphmem.render.selective import render_levels
-from graphmem.passes.run_memory import FIGURE_NAMES
 from graphmem.units import fmt_bytes
 
 
