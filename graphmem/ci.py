@@ -94,15 +94,13 @@ def assert_peak_bytes(model: ModelLike, inputs: Any = None, *, max_bytes: Union[
     >>> graphmem.assert_peak_bytes(net, (torch.randn(8, 16),), max_bytes="1MiB", optimizer="adamw").memory.figure("allocated")
     15584
     """
-    from graphmem.report import FIGURE_NAMES, FIGURES, default_figure
+    from graphmem.report import FIGURE_NAMES, figure_for
 
     budget = parse_bytes(max_bytes) if isinstance(max_bytes, str) else max_bytes
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise UsageError(f"max_bytes must be a non-negative int (bytes) or a size like '3GiB', not {max_bytes!r}")
-    if figure is not None and figure not in FIGURES:
-        raise UsageError(f"figure must be one of {', '.join(FIGURES)}, not {figure!r}")
     report = analyze(model, inputs, **options)
-    name = figure or default_figure(report.device)
+    name = figure_for(report.device, figure)
     value = report.memory.figure(name)
     if value <= budget:
         return report

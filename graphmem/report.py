@@ -12,7 +12,7 @@ from graphmem.passes import Liveness, LiveTensor, ModuleSaved, SavedSet, SavedTe
 from graphmem.passes.allocator import AllocatorResult
 from graphmem.passes.memory_budget import BudgetSweep
 from graphmem.passes.modes import ModeComparison
-from graphmem.passes.run_memory import FIGURE_NAMES, FIGURES, RunMemory, default_figure  # noqa: F401 (graphmem/ci.py)
+from graphmem.passes.run_memory import FIGURE_NAMES, RunMemory, figure_for  # noqa: F401 (graphmem/ci.py)
 from graphmem.planning import memory_budget as memory_budget_api
 from graphmem.planning import report_api as planning_api
 from graphmem.planning.planner import PlanSummary

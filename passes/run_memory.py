@@ -121,6 +121,15 @@ def default_figure(device: str) -> str:
     return "device" if device == "cuda" else "allocated"
 
 
+def figure_for(device: str, figure: Optional[str]) -> str:
+    """``figure`` checked, or the default for the target ``device`` (``default_figure``)."""
+    if figure is None:
+        return default_figure(device)
+    if figure not in FIGURES:
+        raise UsageError(f"figure must be one of {', '.join(FIGURES)}, not {figure!r}")
+    return figure
+
+
 FIGURE_NAMES = {"allocated": "run max allocated", "reserved": "run max reserved", "device": "device total"}
 
-__all__ = ["FIGURES", "FIGURE_NAMES", "RunMemory", "default_figure", "run_memory", "step_memory"]
+__all__ = ["FIGURES", "FIGURE_NAMES", "RunMemory", "default_figure", "figure_for", "run_memory", "step_memory"]

@@ -13,7 +13,7 @@ from graphmem.formula.largest import FitAnswer, largest_fitting
 from graphmem.formula.piecewise import fit_windowed, window_of
 from graphmem.formula.sweep import Sweep
 from graphmem.formula.sweep import sweep as sweep_formula
-from graphmem.passes.run_memory import FIGURES, default_figure, step_memory
+from graphmem.passes.run_memory import figure_for, step_memory
 from graphmem.units import parse_bytes
 
 
@@ -75,15 +75,8 @@ def fit(report: Analysis, memory: Any, seq: Optional[int] = None, batch: Optiona
             raise
         coeffs = fit_windowed(lambda b: source.sampler_for(b, (1,), tick), ("s",), (1,), tuple(base), window, 0)
     answer = largest_fitting(coeffs, sampler, memory_bytes, name, {})
-    return judged(report, answer, tuple(base), 0 if name == "b" else 1, _figure(report, figure))
-
-
-def _figure(report: Analysis, figure: Optional[str]) -> str:
-    if figure is None:
-        return default_figure(report.target.device if report.target is not None else "cpu")
-    if figure not in FIGURES:
-        raise UsageError(f"figure must be one of {', '.join(FIGURES)}, not {figure!r}")
-    return figure
+    device = report.target.device if report.target is not None else "cpu"
+    return judged(report, answer, tuple(base), 0 if name == "b" else 1, figure_for(device, figure))
 
 
 def judged(report: Analysis, a: FitAnswer, base: tuple[int, ...], dim: int, figure: str) -> FitAnswer:

@@ -11,9 +11,8 @@ import dataclasses
 from typing import Any, Optional
 
 from graphmem.analysis import Analysis, captured
-from graphmem.errors import UsageError
 from graphmem.passes.later_steps import later_steps_peak
-from graphmem.passes.run_memory import FIGURE_NAMES, FIGURES, RunMemory, default_figure, step_memory
+from graphmem.passes.run_memory import FIGURE_NAMES, RunMemory, figure_for, step_memory
 from graphmem.planning.apply import apply_segments
 from graphmem.planning.pieces import PlanError
 from graphmem.units import fmt_bytes
@@ -23,11 +22,7 @@ ROUNDS = 4
 
 def figure_of(report: Analysis, figure: Optional[str]) -> str:
     """``figure`` checked, or the target's default."""
-    if figure is None:
-        return default_figure(report.target.device if report.target is not None else "cpu")
-    if figure not in FIGURES:
-        raise UsageError(f"figure must be one of {', '.join(FIGURES)}, not {figure!r}")
-    return figure
+    return figure_for(report.target.device if report.target is not None else "cpu", figure)
 
 
 def headroom(report: Analysis, figure: str) -> int:
