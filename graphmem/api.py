@@ -18,7 +18,7 @@ from graphmem.passes.later_steps import later_steps_peak
 from graphmem.passes.run_memory import RunMemory, run_memory
 from graphmem.recapture import Recapture
 from graphmem.report import Report
-from graphmem.spec import Formula, ModelLike, StepSpec, make_spec
+from graphmem.spec import ModelLike, StepSpec, make_spec
 from graphmem.stepgraph import StepGraph
 from graphmem.titan.job import is_job_config
 from graphmem.training.hf_trainer import is_trainer
@@ -160,7 +160,7 @@ def memory_of(m: Measured, overrides: Optional[dict[str, int]] = None, first: An
     later_bytes = b.rank.later_peak_bytes if b is not None else later_steps_peak(g, step.liveness)
     rows = device_rows(step.target.capability, process_groups(m.spec.parallel), overrides) \
         if step.target.device == "cuda" else ()
-    return run_memory(g, first_bytes, later_bytes, rows, first, isinstance(m.spec.parallel, Formula))
+    return run_memory(g, first_bytes, later_bytes, rows, first, m.by_formula)
 
 
 def report_of(m: Measured, overrides: Optional[dict[str, int]] = None) -> Report:

@@ -52,6 +52,11 @@ class Measured:
                 "floating outputs)")
 
     @property
+    def by_formula(self) -> bool:
+        """The per-rank figures are the formulas' over the single-device step (no rank captured)."""
+        return isinstance(self.spec.parallel, Formula)
+
+    @property
     def recapturable(self) -> bool:
         """Plans, formulas and fits capture this step again at other sizes: one device's step, in
         graphmem's own loop, only."""
@@ -127,7 +132,7 @@ def _job(spec: StepSpec, p: Job) -> Measured:
     context = (f"context parallel: each rank holds 1/{cp} of every sequence (torchtitan's load balancer's "
                "chunks); attention is torch's context parallel (SDPA: ring attention; FlexAttention: keys and "
                "values all-gathered), run per rank on fake tensors",) if cp > 1 else ()
-    return Measured(spec, step, notes(g) + (p.describe(),) + routing + context + job_memory_lines(g, p.rank))
+    return Measured(spec, step, notes(g) + (p.describe(),) + routing + context)
 
 
 def _trainer_shards(spec: StepSpec, p: TrainerShards) -> Measured:
@@ -143,22 +148,6 @@ def _trainer_shards(spec: StepSpec, p: TrainerShards) -> Measured:
     budget = step_budget(g, lv, sv, training, spec.module, (), p.describe())
     step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
     return Measured(spec, step, notes(g))
-
-
-def job_memory_lines(g: Any, rank: int) -> tuple[str, ...]:
-    """On the CUDA target: what ``torch.cuda.memory_stats`` would read on rank r (the
-    caching-allocator model, passes/allocator.py), in the first step and over two steps in a
-    row (a later step: the optimizer states held, the cache kept), as torchtitan logs
-    ``max_reserved_gib``. Max active equals max allocated in the model (one stream)."""
-    from graphmem.passes.allocator import allocator, later_steps_events, simulate
-
-    if g.device != "cuda":
-        return ()
-    first, later = allocator(g), simulate(later_steps_events(g))
-    gib = 2 ** 30
-    return (f"rank {rank} first step: max allocated {first.max_allocated / gib:.2f} GiB, max reserved "
-            f"{first.max_reserved / gib:.2f} GiB; later steps: max allocated {later.max_allocated / gib:.2f} GiB, "
-            f"max reserved {later.max_reserved / gib:.2f} GiB (caching-allocator model)",)
 
 
 def process_groups(parallel: Any) -> tuple[tuple[str, int], ...]:
