@@ -165,11 +165,11 @@ def test_assert_peak_bytes_names_the_figure_compared() -> None:
 def test_fit_cli_takes_the_step_options_and_names_the_figure(capsys) -> None:
     """``graphmem fit`` takes --optimizer as analyze does; the states count, and the answer says which
     figure it compared (allocated on the CPU target)."""
-    args = ["fit", "mlp-mnist", "--input-shape", "64x784", "--memory", "24MiB", "--json"]
+    args = ["fit", "mlp-mnist", "--input-shape", "64x784", "--memory", "64MiB", "--json"]
     assert main(args) == 0
     plain = json.loads(capsys.readouterr().out)["fit"]
     assert main(args + ["--optimizer", "adamw"]) == 0
     adamw = json.loads(capsys.readouterr().out)["fit"]
     assert plain["figure"] == adamw["figure"] == "allocated"
     assert adamw["value"] < plain["value"]  # AdamW's states (2 x the parameters) take room from the batch
-    assert adamw["figure_bytes"] <= 24 * 2 ** 20 < adamw["figure_above"]
+    assert 0 < adamw["value"] and adamw["figure_bytes"] <= 64 * 2 ** 20 < adamw["figure_above"]
