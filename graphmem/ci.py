@@ -100,12 +100,13 @@ def assert_peak_bytes(model: ModelLike, inputs: Any = None, *, max_bytes: Union[
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise UsageError(f"max_bytes must be a non-negative int (bytes) or a size like '3GiB', not {max_bytes!r}")
     report = analyze(model, inputs, **options)
-    name = figure_for(report.device, figure)
-    value = report.memory.figure(name)
+    name, memory = figure_for(report.device, figure), report.memory
+    assert memory is not None  # analyze gives every report its run memory
+    value = memory.figure(name)
     if value <= budget:
         return report
     lines = [f"{report.model}'s {FIGURE_NAMES[name]} is {fmt_bytes(value)} ({value:,} B), over the budget of "
              f"{fmt_bytes(budget)} ({budget:,} B) by {fmt_bytes(value - budget)} (compared: the {FIGURE_NAMES[name]}; "
-             f"first step {fmt_bytes(report.memory.first_allocated)}, later steps {fmt_bytes(report.memory.later_allocated)} "
+             f"first step {fmt_bytes(memory.first_allocated)}, later steps {fmt_bytes(memory.later_allocated)} "
              "allocated)", ""]
     raise AssertionError("\n".join(lines + _contributors(report, top)))
