@@ -82,7 +82,7 @@ class Analyze:
                 with Progress(total=len(budgets), desc="memory budgets") as bar:
                     report = report.keeping(memory_budgets=report.memory_budgets(budgets, tick=bar.update))
             summary = report.plans(args.budget, args.max_overhead, points=args.points,
-                                   selective=args.selective) if args.plan else None
+                                   selective=args.selective, figure=args.figure) if args.plan else None
             report = report.keeping(plans=summary)
             if args.formula:
                 with Progress(desc="captures") as bar:

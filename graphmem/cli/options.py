@@ -77,6 +77,10 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-budget", metavar="F[,F...]",
                    help="with --mode compiled: torch.compile's activation_memory_budget (0-1) for the partitioner; "
                    "several values, e.g. 1,0.8,0.5,0.2, also print a sweep table (the report is at the first value)")
+    g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE",
+                   help="replace a device row's figure in the device total, e.g. cuda_context=600MiB (rows: "
+                   "cuda_context, cublas_workspace, cudnn_workspace, nccl (each communicator), torch_distributed); "
+                   "repeat for several")
     g.add_argument("--no-reuse", action="store_true",
                    help="capture every block of a deep chain (default: 5 captured and copied, checked at depth 6; "
                    "with --mode compiled, also that the partition repeats at full depth)")
@@ -172,6 +176,15 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="selective checkpointing: a checkpointed segment may also keep some ops' outputs (the knapsack's "
                    "choice at LEVELS memory levels, default 3), measured like plain checkpointing")
     g.add_argument("--points", type=int, default=50, help="budgets tried for the Pareto frontier (default 50)")
+    add_figure_argument(g)
+
+
+def add_figure_argument(g: Any) -> None:
+    """--figure: which of the run's figures a verdict compares with the memory given."""
+    g.add_argument("--figure", choices=("allocated", "reserved", "device"),
+                   help="the run's figure compared with the budget: allocated (max_memory_allocated), reserved "
+                   "(max_memory_reserved) or device (reserved + CUDA context, cuBLAS, NCCL: nvidia-smi); default "
+                   "device on --device cuda, allocated on cpu (no caching allocator, no device rows)")
 
 
 def check_plan_arguments(args: argparse.Namespace, planning: bool) -> None:
@@ -262,8 +275,19 @@ def spec_of(args: argparse.Namespace, input_shape: Any = None, training: Any = N
                      reuse=not args.no_reuse, hf=hf_of(args))
 
 
+def overheads_of(args: argparse.Namespace) -> dict[str, str]:
+    """--overhead NAME=SIZE, as ``graphmem.analyze``'s ``overheads`` (names and sizes checked there)."""
+    out = {}
+    for item in vars(args).get("overhead") or []:
+        name, eq, size = item.partition("=")
+        if not eq or not name or not size:
+            raise UsageError(f"--overhead takes NAME=SIZE, e.g. cuda_context=600MiB, not {item!r}")
+        out[name.strip()] = size.strip()
+    return out
+
+
 def analyze_args(args: argparse.Namespace, input_shape: Any = None, training: Any = None, parallel: Any = None) -> Any:
     """``graphmem.analyze`` of the command's StepSpec (``spec_of``)."""
     from graphmem.api import analyze
 
-    return analyze(spec_of(args, input_shape, training, parallel))
+    return analyze(spec_of(args, input_shape, training, parallel), overheads=overheads_of(args) or None)

@@ -35,7 +35,8 @@ def job_report(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     ranks (graphmem/titan_api.py ``highest``)."""
     import sys
 
-    from graphmem.api import report_of
+    from graphmem.api import parse_overheads, report_of
+    from graphmem.cli.options import overheads_of
     from graphmem.titan import load_job
     from graphmem.titan_api import highest
 
@@ -50,7 +51,7 @@ def job_report(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     if len(peaks) > 1:
         print("graphmem: later steps' peak by rank: " + "; ".join(f"rank {r}: {p:,} B" for r, p in peaks),
               file=sys.stderr)
-    return report_of(measured)
+    return report_of(measured, parse_overheads(overheads_of(args)))
 
 
 def _check(args: argparse.Namespace) -> None:

@@ -60,6 +60,9 @@ class CheckpointPlan:
     # how the peak was checked: a capture of the step with the plan applied (graphmem/planning/verify.py);
     # when present, ``peak_bytes`` and ``activation_bytes`` are the captured ones
     verification: Optional[Verification] = None
+    # the figure of the run the budget was compared with (graphmem/planning/figures.py) and its bytes
+    figure: str = ""
+    figure_bytes: Optional[int] = None
 
     def __str__(self) -> str:  # the text view (graphmem/render/plan.py, a layer above: loaded by name)
         return str(importlib.import_module("graphmem.render.plan").render_chosen(self))
@@ -107,7 +110,8 @@ class CheckpointPlan:
                 "recompute_flops": self.recompute_flops, "overhead": self.overhead, "budget": self.budget,
                 "max_overhead": self.max_overhead,
                 "verification": self.verification.to_dict() if self.verification is not None else None,
-                **({"policies": [p.name if p is not None else None for p in self.policies]} if self.policies else {})}
+                **({"policies": [p.name if p is not None else None for p in self.policies]} if self.policies else {}),
+                **({"figure": self.figure, "figure_bytes": self.figure_bytes} if self.figure else {})}
 
 
 def _policy_code(plan: CheckpointPlan) -> str:

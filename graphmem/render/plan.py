@@ -6,6 +6,7 @@ import re
 
 from tabulate import tabulate
 
+from graphmem.passes.run_memory import FIGURE_NAMES
 from graphmem.planning.planner import CheckpointPlan, PlanSummary
 from graphmem.render.selective import render_levels
 from graphmem.units import fmt_bytes
@@ -41,6 +42,9 @@ def render_chosen(p: CheckpointPlan, heading: str = "Checkpoint plan") -> str:
              f"{fmt_bytes(p.activation_bytes)}, recompute {fmt_flops(p.recompute_flops)} "
              f"(+{100 * p.overhead:.1f}% of the step's FLOPs)",
              f"  checkpointed segments of {p.chain or '(model)'}: {_segments(p, limit=len(p.segments))}",
+             *([f"  budget compared with the {FIGURE_NAMES[p.figure]}: {fmt_bytes(p.figure_bytes)} of "
+                f"{fmt_bytes(p.budget)} (the plan's step captured, passes/run_memory.py)"]
+               if p.figure and p.figure_bytes is not None and p.budget is not None else []),
              *([f"  {p.verification.line()}"] if p.verification is not None else []),
              "  apply it:",
              *("    " + line for line in p.code().splitlines())]
