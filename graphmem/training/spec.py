@@ -15,7 +15,7 @@ from graphmem.passes.budget import Budget, Parallel, budget
 from graphmem.passes.spike import Temporaries, temporaries_at
 from graphmem.training.loop import TrainStep, make_train_step
 from graphmem.training.loop_options import host_bytes_of
-from graphmem.training.lora import LoRA, apply_lora, make_lora, meta_copy
+from graphmem.training.lora import HeadOutside, LoRA, adapted_model, apply_lora, make_lora, meta_copy
 from graphmem.training.optim import resolved_impl
 from graphmem.training.peft_lora import is_hf_model
 from graphmem.training.qlora import (
@@ -45,7 +45,7 @@ class Training:
     def keeps_dtypes(self, module: nn.Module) -> bool:
         """``prepare(module, self, ...)`` holds its final dtypes (4-bit weights, block scales, peft's
         fp32 adapters): the capture casts nothing."""
-        return self.quantization is not None or (self.lora is not None and is_hf_model(module))
+        return self.quantization is not None or (self.lora is not None and is_hf_model(adapted_model(module)))
 
 
 def make_training(dtype: Optional[str] = None, optimizer: Optional[str] = None, optimizer_impl: str = "auto",
@@ -70,6 +70,9 @@ def prepare(module: nn.Module, training: Training,
     with quantization, that copy's linear layers in 4 bits first, the rest in ``dtype``."""
     if training.lora is None:
         return module, ()
+    if isinstance(module, HeadOutside):  # the whole model adapted (and quantized), its head taken out again
+        model, names = prepare(meta_copy(module).whole(), training, dtype)
+        return module.around(model), names
     if training.quantization is None:
         if dtype is None or not is_hf_model(module):
             return apply_lora(module, training.lora)
