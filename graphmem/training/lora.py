@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn as nn
@@ -108,7 +108,8 @@ def apply_lora(module: nn.Module, lora: LoRA, inplace: bool = False) -> tuple[nn
     model gets peft's own adapters instead (graphmem/training/peft_lora.py); a ``HeadOutside``
     wrapper's model is adapted whole, its head included, and wrapped again."""
     if isinstance(module, HeadOutside):
-        model, names = apply_lora((module if inplace else meta_copy(module)).whole(), lora, inplace=True)
+        wrapper = module if inplace else cast(HeadOutside, meta_copy(module))
+        model, names = apply_lora(wrapper.whole(), lora, inplace=True)
         return module.around(model), names
     if is_hf_model(module):
         return apply_peft(module if inplace else meta_copy(module), lora)

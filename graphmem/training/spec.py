@@ -4,7 +4,7 @@ for ``graphmem.analyze``, and the budget it reports as ``report.budget``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union, cast
 
 import torch
 import torch.nn as nn
@@ -71,7 +71,7 @@ def prepare(module: nn.Module, training: Training,
     if training.lora is None:
         return module, ()
     if isinstance(module, HeadOutside):  # the whole model adapted (and quantized), its head taken out again
-        model, names = prepare(meta_copy(module).whole(), training, dtype)
+        model, names = prepare(cast(HeadOutside, meta_copy(module)).whole(), training, dtype)
         return module.around(model), names
     if training.quantization is None:
         if dtype is None or not is_hf_model(module):
