@@ -13,6 +13,7 @@ from graphmem.analysis import Analysis
 from graphmem.errors import GraphmemError
 from graphmem.passes.budget import later_steps_peak
 from graphmem.spec import StepSpec
+from graphmem.training.spec import preparing_once
 from graphmem.units import fmt_bytes, parse_bytes
 
 COSTS_NOTE = ("costs are graphmem's measures (recompute FLOPs from the recorded ops, bytes moved by collectives) "
@@ -100,7 +101,13 @@ def advise(report: Analysis, memory: Any, ranks: int = 8, lora_rank: int = 16,
            tick: Optional[Callable[[], None]] = None, combine: bool = False) -> Advice:
     """The levers of ``report``'s step, each captured, ranked, and the best few combined (when no
     single lever fits, or ``combine``)."""
-    limit = parse_bytes(memory)
+    with preparing_once():  # one adapted (LoRA, QLoRA) model for every lever that keeps the model
+        return _advise(report, parse_bytes(memory), memory if isinstance(memory, str) else None, ranks, lora_rank,
+                       tick, combine)
+
+
+def _advise(report: Analysis, limit: int, budget: Optional[str], ranks: int, lora_rank: int,
+            tick: Optional[Callable[[], None]], combine: bool) -> Advice:
     measurer = Measurer(report, tick)
     base = measurer.base
     base_peak = measurer.peak(base)
@@ -123,7 +130,7 @@ def advise(report: Analysis, memory: Any, ranks: int = 8, lora_rank: int = 16,
         row, skipped = _batch_lever(report, measurer, limit, base_peak)
         rows += [row] if row is not None else []
         left_out += [skipped] if skipped is not None else []
-    plan, skipped = _plan_lever(report, limit, memory if isinstance(memory, str) else f"{limit}B", base_peak)
+    plan, skipped = _plan_lever(report, limit, budget or f"{limit}B", base_peak)
     rows += [plan] if plan is not None else []
     left_out += [skipped] if skipped is not None else []
     # combinations only when no single lever fits: the answer needs them then, and each is a capture
