@@ -72,7 +72,7 @@ _PREPARED: ContextVar[Optional[dict[tuple, tuple[nn.Module, tuple[nn.Module, tup
 
 @contextlib.contextmanager
 def preparing_once() -> Iterator[None]:
-    """Within it, ``prepare`` of the same module with the same LoRA, quantization and dtype returns
+    """Within it, ``prepare`` of the same module with the same LoRA (no quantization) and dtype returns
     the module it made the first time: advise captures one adapted model once per lever, and peft's
     ``get_peft_model`` on a 8B model's meta copy takes seconds. Captures do not change the module
     they capture (the fake parameters are swapped in and out; the sharded ones wrap a fake copy)."""
@@ -89,8 +89,8 @@ def prepare(module: nn.Module, training: Training,
     with quantization, that copy's linear layers in 4 bits first, the rest in ``dtype``."""
     if training.lora is None:
         return module, ()
-    memo = _PREPARED.get()
-    key = (id(module), training.lora, training.quantization, dtype)
+    memo = _PREPARED.get() if training.quantization is None else None  # 4-bit weights: made afresh, as before
+    key = (id(module), training.lora, dtype)
     if memo is not None and key in memo:  # the module is held in the memo: its id is not reused meanwhile
         return memo[key][1]
     made = _prepared(module, training, dtype)
