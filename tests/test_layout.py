@@ -31,7 +31,7 @@ LAYERS: dict[str, set[str]] = {
     "titan_api": {"errors", "capture", "spec", "training", "titan", "measure"},  # a torchtitan job as a StepSpec
     "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula", "analysis",
                  "noise"},
-    "losses": {"capture"},
+    "losses": {"capture", "training"},  # training/lora.py: the head-outside wrapper LoRA adapts whole
     "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "recapture",
                "losses", "models", "distributed", "chains", "spec", "measure", "analysis"},
     "report": {"errors", "stepgraph", "passes", "formula", "planning", "advise", "capture", "training", "jsondata"},
