@@ -26,19 +26,19 @@ if TYPE_CHECKING:
     from graphmem import capture
     from graphmem.api import analyze
     from graphmem.capture.load import parse_shape
-    from graphmem.ci import assert_activation_bytes
+    from graphmem.ci import assert_activation_bytes, assert_peak_bytes
     from graphmem.report import Report
     from graphmem.spec import StepSpec, make_spec
     from graphmem.stepgraph import StepGraph
     from graphmem.validation.validate import validate
 
 _LAZY = {"analyze": "graphmem.api", "parse_shape": "graphmem.capture.load",
-         "assert_activation_bytes": "graphmem.ci", "Report": "graphmem.report", "StepGraph": "graphmem.stepgraph",
+         "assert_activation_bytes": "graphmem.ci", "assert_peak_bytes": "graphmem.ci", "Report": "graphmem.report", "StepGraph": "graphmem.stepgraph",
          "validate": "graphmem.validation.validate", "StepSpec": "graphmem.spec", "make_spec": "graphmem.spec"}
 
 __all__ = ["analyze", "capture", "parse_shape", "Report", "StepGraph", "GraphmemError", "UsageError",
            "ModelLoadError", "CaptureError", "DataDependentError", "UnsupportedOpError", "PassError",
-           "assert_activation_bytes", "validate", "StepSpec", "make_spec"]
+           "assert_activation_bytes", "assert_peak_bytes", "validate", "StepSpec", "make_spec"]
 __version__ = "0.2.0"
 
 

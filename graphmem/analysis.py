@@ -55,6 +55,9 @@ class Analysis(Protocol):
     def sharding(self) -> Any: ...  # the rank a per-rank or pipeline-stage report is (graphmem.report.RankScope)
 
     @property
+    def memory(self) -> Any: ...  # graphmem.passes.run_memory.RunMemory: the run's figures
+
+    @property
     def step(self) -> Optional[StepGraph]: ...
 
     @property
@@ -63,11 +66,13 @@ class Analysis(Protocol):
     @property
     def source(self) -> Any: ...  # graphmem.recapture.Recapture (recapture sits above formula and planning)
 
-    def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None) -> Any:
+    def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None,
+            figure: Optional[str] = None) -> Any:
         """graphmem.formula.FitAnswer (Report.fit)."""
         ...
 
-    def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False) -> Any:
+    def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False,
+             figure: Optional[str] = None) -> Any:
         """graphmem.planning.CheckpointPlan (Report.plan)."""
         ...
 

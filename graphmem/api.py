@@ -10,24 +10,31 @@ import torch.nn as nn
 
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
-from graphmem.errors import UsageError
-from graphmem.measure import Measured, measure
+from graphmem.errors import UsageError, check_keywords
+from graphmem.measure import Measured, measure, process_groups
+from graphmem.noise import quiet
 from graphmem.passes import allocator, compare_modes, saved
+from graphmem.passes.device_rows import NAMES, check_overrides, device_rows
+from graphmem.passes.later_steps import later_steps_peak
+from graphmem.passes.run_memory import RunMemory, run_memory
 from graphmem.recapture import Recapture
 from graphmem.report import Report
-from graphmem.spec import ModelLike, StepSpec, make_spec
+from graphmem.spec import ModelLike, StepSpec, make_spec, spec_keywords
 from graphmem.stepgraph import StepGraph
 from graphmem.titan.job import is_job_config
 from graphmem.training.hf_trainer import is_trainer
 from graphmem.training.loop import TrainStep
 from graphmem.training.step import LossFn
+from graphmem.units import parse_bytes
 
 
-def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: Any) -> Report:
+@quiet  # third-party warnings about graphmem's own work, not the user's step (graphmem/noise.py)
+def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, *, overheads: Optional[dict[str, Any]] = None,
+            **options: Any) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
-    ``model`` is a transformers ``Trainer`` (its own step: graphmem/trainer_api.py; ``inputs`` or
-    ``input_shape``, ``device="cuda"`` for its step on the CUDA target, and ``world_size``/``rank`` for one rank of its DDP job; a Hugging Face model with
+    ``model`` is a transformers ``Trainer`` (its own step: graphmem/trainer_api.py; the batch its
+    dataloader yields, ``trainer_batch="longest"`` for the run's largest, or ``inputs`` or ``input_shape``, ``device="cuda"`` for its step on the CUDA target, and ``world_size``/``rank`` for one rank of its DDP job; a Hugging Face model with
     ``training_args=`` TrainingArguments that ask for FSDP, ``world_size`` and ``rank``: that rank of the
     Trainer's job, accelerate's own FSDP2 wrapping it, graphmem/training/hf_trainer_fsdp.py), an nn.Module (real, or built under ``torch.device("meta")``; an fx.GraphModule
     is one), a ``torch.export.ExportedProgram`` (its example inputs are used when none are
@@ -81,21 +88,28 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
     config dict or JSON path: rank ``rank`` of ``world_size`` through ``deepspeed.initialize``'s engine,
     graphmem/deepspeed/, docs/deepspeed.md).
 
+    ``report.memory`` is the run's (passes/run_memory.py): the first and later steps' max allocated
+    and reserved, the run's maximum and, on the CUDA target, the device total with the rows outside
+    the caching allocator (passes/device_rows.py); ``overheads`` replaces their figures, e.g.
+    ``overheads={"cuda_context": "600MiB", "nccl": "300MiB"}``.
+
     >>> import torch, graphmem
     >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     >>> report = graphmem.analyze(net, (torch.randn(8, 16),))
     >>> report.activation_bytes          # input (512 B) + ReLU output (1024 B), saved for backward
     1536
     """
+    given = parse_overheads(overheads)
     if is_trainer(model):  # a transformers Trainer: its own step (graphmem/trainer_api.py)
         from graphmem.trainer_api import trainer_spec
 
-        extra = sorted(set(options) - {"input_shape", "world_size", "rank", "device"})
+        extra = sorted(set(options) - {"input_shape", "world_size", "rank", "device", "trainer_batch"})
         if extra:
             raise UsageError(f"a Trainer's step comes from its TrainingArguments (and `world_size`/`rank` for a DDP "
                              f"job's rank, `device` for its target); drop {', '.join(extra)}")
         return report_of(measure(trainer_spec(model, inputs, options.get("input_shape"), options.get("world_size", 1),
-                                              options.get("rank"), options.get("device"))))
+                                              options.get("rank"), options.get("device"),
+                                              options.get("trainer_batch", "first"))), given)
     if "training_args" in options:  # a Trainer built per rank: FSDP (graphmem/training/hf_trainer_fsdp.py)
         from graphmem.trainer_api import fsdp_trainer_spec
 
@@ -105,7 +119,7 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
                              f"{', '.join(extra)}")
         return report_of(measure(fsdp_trainer_spec(model, options["training_args"], inputs, options.get("input_shape"),
                                                    options.get("world_size", 1), options.get("rank"),
-                                                   options.get("trainer_class"))))
+                                                   options.get("trainer_class"))), given)
     if is_job_config(model):  # a torchtitan Trainer.Config: the job's own code per rank (graphmem/titan/)
         from graphmem.titan_api import OPTIONS, job_spec
 
@@ -113,14 +127,49 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, **options: An
         if extra or inputs is not None:
             raise UsageError(f"a torchtitan job's step comes from its config; drop {', '.join(extra) or 'inputs'} "
                              f"(options: {', '.join(sorted(OPTIONS))})")
-        return report_of(measure(job_spec(model, **options)))
+        return report_of(measure(job_spec(model, **options)), given)
+    check_keywords(options, spec_keywords(), "graphmem.analyze")
     spec = model if isinstance(model, StepSpec) else make_spec(model, inputs, **options)
     if isinstance(model, StepSpec) and (inputs is not None or options):
         raise UsageError("analyze(spec) takes the StepSpec alone: change it with dataclasses.replace")
-    return report_of(measure(spec))
+    return report_of(measure(spec), given)
 
 
-def report_of(m: Measured) -> Report:
+def parse_overheads(overheads: Optional[dict[str, Any]]) -> dict[str, int]:
+    """``overheads`` (row name -> bytes or a size like "600MiB") checked: names from
+    passes/device_rows.py's NAMES."""
+    if overheads is None:
+        return {}
+    if not isinstance(overheads, dict):
+        raise UsageError(f"overheads must be a dict of row name -> size, e.g. {{'cuda_context': '600MiB'}}, "
+                         f"not {type(overheads).__name__}")
+    unknown = check_overrides(overheads)
+    if unknown is not None:
+        raise UsageError(f"overheads: no device row named {unknown!r}; the rows are {', '.join(NAMES)}")
+    out = {}
+    for name, size in overheads.items():
+        value = parse_bytes(size) if isinstance(size, str) else size
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UsageError(f"overheads[{name!r}] must be a non-negative int (bytes) or a size like '600MiB', "
+                             f"not {size!r}")
+        out[name] = value
+    return out
+
+
+def memory_of(m: Measured, overrides: Optional[dict[str, int]] = None, first: Any = None) -> RunMemory:
+    """The run's memory of a measured step (passes/run_memory.py): the exact first and later peaks
+    (the per-rank table's when the step has one), on the CUDA target the allocator model's and the
+    device rows for the job's process groups."""
+    step = m.step
+    g, b = step.graph, step.budget
+    first_bytes = b.rank.peak_bytes if b is not None else step.liveness.peak_bytes
+    later_bytes = b.rank.later_peak_bytes if b is not None else later_steps_peak(g, step.liveness)
+    rows = device_rows(step.target.capability, process_groups(m.spec.parallel), overrides) \
+        if step.target.device == "cuda" else ()
+    return run_memory(g, first_bytes, later_bytes, rows, first, m.by_formula)
+
+
+def report_of(m: Measured, overrides: Optional[dict[str, int]] = None) -> Report:
     """The Report of a measured step: the passes' results, the spec it came from (``source``:
     what plans, formulas and fits capture again) and, in compiled mode, eager beside it."""
     spec, step = m.spec, m.step
@@ -133,7 +182,7 @@ def report_of(m: Measured) -> Report:
         source = Recapture(spec, step, probe)
     alloc = allocator(g) if step.target.device == "cuda" else None  # the caching allocator's view of the step
     report = Report.build(g, step.liveness, step.saved, spec.name, shapes, m.loss_name, m.notes, source, alloc,
-                          budget=step.budget, sharding=m.scope)
+                          budget=step.budget, sharding=m.scope, memory=memory_of(m, overrides, alloc))
     if spec.inputs.settings:  # the choices in a batch graphmem made for an input shape (graphmem/capture/hf_batch.py)
         report = dataclasses.replace(report, batch=dict(spec.inputs.settings))
     if spec.target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed

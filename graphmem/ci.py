@@ -3,6 +3,8 @@
 ``assert_activation_bytes`` analyzes one training step (fake tensors, nothing allocated) and
 raises AssertionError when the activation bytes exceed the budget, with the largest saved
 tensors and modules in the message, and what changed when a baseline report is given.
+``assert_peak_bytes`` does the same for one named figure of the run (passes/run_memory.py):
+its max allocated, max reserved or device total.
 """
 from __future__ import annotations
 
@@ -78,3 +80,33 @@ def assert_activation_bytes(
         lines += ["", "what changed since the baseline:", "",
                   render_comparison(compare(base, report, ("baseline", "now")), top=top).rstrip("\n")]
     raise AssertionError("\n".join(lines))
+
+
+def assert_peak_bytes(model: ModelLike, inputs: Any = None, *, max_bytes: Union[int, str], figure: Optional[str] = None,
+                      top: int = 5, **options: Any) -> Report:
+    """Assert that the run's ``figure`` stays within ``max_bytes``: "allocated" (what
+    ``torch.cuda.max_memory_allocated()`` reads after a few steps), "reserved" or "device" (the device
+    total, what nvidia-smi shows); default "device" on the CUDA target, "allocated" on the CPU's (equal
+    there). ``options`` are ``graphmem.analyze``'s (``optimizer``, ``device``, ...). Returns the Report.
+
+    >>> import torch, graphmem
+    >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    >>> graphmem.assert_peak_bytes(net, (torch.randn(8, 16),), max_bytes="1MiB", optimizer="adamw").memory.figure("allocated")
+    15584
+    """
+    from graphmem.report import FIGURE_NAMES, figure_for
+
+    budget = parse_bytes(max_bytes) if isinstance(max_bytes, str) else max_bytes
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise UsageError(f"max_bytes must be a non-negative int (bytes) or a size like '3GiB', not {max_bytes!r}")
+    report = analyze(model, inputs, **options)
+    name, memory = figure_for(report.device, figure), report.memory
+    assert memory is not None  # analyze gives every report its run memory
+    value = memory.figure(name)
+    if value <= budget:
+        return report
+    lines = [f"{report.model}'s {FIGURE_NAMES[name]} is {fmt_bytes(value)} ({value:,} B), over the budget of "
+             f"{fmt_bytes(budget)} ({budget:,} B) by {fmt_bytes(value - budget)} (compared: the {FIGURE_NAMES[name]}; "
+             f"first step {fmt_bytes(memory.first_allocated)}, later steps {fmt_bytes(memory.later_allocated)} "
+             "allocated)", ""]
+    raise AssertionError("\n".join(lines + _contributors(report, top)))

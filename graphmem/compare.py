@@ -13,15 +13,28 @@ import json
 import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 from graphmem.errors import UsageError
 from graphmem.report import Report
 
-TOTALS = (("activations", "activation_bytes"), ("peak", "peak_bytes"), ("parameters", "parameter_bytes"),
-          ("gradients", "gradient_bytes"), ("buffers", "buffer_bytes"), ("inputs", "input_bytes"))
 REQUIRED = ("activation_bytes", "peak_bytes", "parameter_bytes", "gradient_bytes", "modules", "saved")
 ReportLike = Union[Report, Mapping[str, Any]]
+Figure = Callable[[Report], Optional[int]]
+
+# the figures compared, one line each: (name, the report's figure or None where it has none, shown
+# even when equal); a figure that is None on one side counts as 0 there
+TOTALS: tuple[tuple[str, Figure, bool], ...] = (
+    ("activations", lambda r: r.activation_bytes, True),
+    ("peak", lambda r: r.peak_bytes, True),
+    ("peak (later steps)", lambda r: r.budget.rank.later_peak_bytes if r.budget is not None else None, False),
+    ("CUDA max allocated", lambda r: r.cuda_allocator.max_allocated if r.cuda_allocator is not None else None, False),
+    ("CUDA max reserved", lambda r: r.cuda_allocator.max_reserved if r.cuda_allocator is not None else None, False),
+    ("parameters", lambda r: r.parameter_bytes, True),
+    ("gradients", lambda r: r.gradient_bytes, True),
+    ("buffers", lambda r: r.buffer_bytes, False),
+    ("inputs", lambda r: r.input_bytes, False),
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +42,7 @@ class Change:
     name: str
     before: int
     after: int
+    shown: tuple[bool, bool] = (True, True)  # whether each report has the figure (a later-steps peak needs a loop)
 
     @property
     def delta(self) -> int:
@@ -56,8 +70,8 @@ class SavedGroup:
 class Comparison:
     before: str  # labels, e.g. the file names
     after: str
-    context: tuple[tuple[str, str, str], ...]  # (what, before, after): model, input, target
-    totals: tuple[Change, ...]  # TOTALS order; buffers and inputs only when they changed
+    context: tuple[tuple[str, str, str], ...]  # (what, before, after): SETUP's rows
+    totals: tuple[Change, ...]  # TOTALS order; those not always shown only when they changed
     peak_at: tuple[str, str]  # where each peak is
     modules: tuple[Change, ...]  # modules whose saved bytes changed, in module order
     added: tuple[SavedGroup, ...]  # only in ``after``, largest first
@@ -90,8 +104,13 @@ def _checked(data: Any, label: str) -> dict[str, Any]:
     return data
 
 
-def _as_dict(r: ReportLike, label: str) -> dict[str, Any]:
-    return r.to_dict() if isinstance(r, Report) else _checked(dict(r), label)
+def _as_report(r: ReportLike, label: str) -> Report:
+    if isinstance(r, Report):
+        return r
+    try:
+        return Report.from_dict(_checked(dict(r), label))
+    except UsageError as e:
+        raise UsageError(f"{label} is {str(e)[0].lower()}{str(e)[1:]}") from None
 
 
 def _saved_counts(d: Mapping[str, Any]) -> Counter[tuple[str, str, tuple[int, ...], str, str, int]]:
@@ -111,15 +130,59 @@ def _peak_at(d: Mapping[str, Any]) -> str:
     return f"op {p['index']} ({p.get('phase', '?')}, {p.get('op', '?')}, {p.get('module') or '(model)'})"
 
 
-def _context(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[tuple[str, str, str], ...]:
-    def shapes(d: Mapping[str, Any]) -> str:
-        return ", ".join("x".join(map(str, s)) for s in d.get("input_shapes", [])) or "-"
+def _target(r: Report) -> str:
+    t = r.target
+    if t is None:
+        return r.device
+    parts = [t.device + (f" ({t.gpu})" if t.device == "cuda" else "")]
+    if t.attention != "auto":
+        parts.append(f"attention {t.attention}")
+    if t.mode == "compiled":
+        parts.append(f"torch.compile ({t.compile_backend}" + (f", activation memory budget {t.memory_budget:g})"
+                                                              if t.memory_budget is not None else ")"))
+    return ", ".join(parts)
 
-    def device(d: Mapping[str, Any]) -> str:
-        return str((d.get("target") or {}).get("device", "?"))
 
-    return (("model", str(a.get("model", "?")), str(b.get("model", "?"))),
-            ("input", shapes(a), shapes(b)), ("target", device(a), device(b)))
+def _precision(r: Report) -> str:
+    t = r.target
+    if t is None:
+        return "-"
+    return f"{t.dtype or 'fp32'} parameters" + (f", {t.amp} autocast" if t.amp else "")
+
+
+def _loop(r: Report) -> str:
+    """The loop around forward and backward: optimizer, micro-batches, loop options, adapters."""
+    if r.budget is None:
+        return "forward and backward, no optimizer step"
+    t, device = r.budget.training, r.budget.device
+    parts = [t.train.describe(device) or "forward and backward, no optimizer step"]
+    if t.quantization is not None:
+        parts.append(t.quantization.describe())
+    if t.lora is not None:
+        parts.append(t.lora.describe())
+    return ", ".join(parts)
+
+
+def _parallel(r: Report) -> str:
+    if r.sharding is not None:
+        return r.sharding.describe()
+    return r.budget.layout.describe() if r.budget is not None else "1 rank"
+
+
+# how each step was set up, one line each: (what, the report's words for it)
+SETUP: tuple[tuple[str, Callable[[Report], str]], ...] = (
+    ("model", lambda r: r.model),
+    ("input", lambda r: ", ".join("x".join(map(str, s)) for s in r.input_shapes) or "-"),
+    ("target", _target),
+    ("precision", _precision),
+    ("optimizer", lambda r: (r.budget.training.train.optimizer or "none") if r.budget is not None else "none"),
+    ("loop", _loop),
+    ("parallel", _parallel),
+)
+
+
+def _change(name: str, a: Optional[int], b: Optional[int]) -> Change:
+    return Change(name, a or 0, b or 0, (a is not None, b is not None))
 
 
 def compare(before: ReportLike, after: ReportLike, labels: tuple[str, str] = ("before", "after")) -> Comparison:
@@ -133,13 +196,15 @@ def compare(before: ReportLike, after: ReportLike, labels: tuple[str, str] = ("b
     >>> c.totals[0].delta              # GELU also saves its input, the first Linear's 8x32 output
     -1024
     """
-    a, b = _as_dict(before, labels[0]), _as_dict(after, labels[1])
-    totals = tuple(Change(name, int(a.get(key, 0)), int(b.get(key, 0))) for name, key in TOTALS
-                   if key in REQUIRED or a.get(key, 0) != b.get(key, 0))
+    ra, rb = _as_report(before, labels[0]), _as_report(after, labels[1])
+    a, b = ra.to_dict(), rb.to_dict()
+    totals = tuple(_change(name, figure(ra), figure(rb)) for name, figure, always in TOTALS
+                   if (always or figure(ra) != figure(rb)) and (figure(ra) is not None or figure(rb) is not None))
     mods_a = {m["path"]: int(m["activation_bytes"]) for m in a["modules"]}
     mods_b = {m["path"]: int(m["activation_bytes"]) for m in b["modules"]}
     modules = tuple(Change(p, mods_a.get(p, 0), mods_b.get(p, 0)) for p in dict.fromkeys([*mods_a, *mods_b])
                     if mods_a.get(p, 0) != mods_b.get(p, 0))
     saved_a, saved_b = _saved_counts(a), _saved_counts(b)
-    return Comparison(labels[0], labels[1], _context(a, b), totals, (_peak_at(a), _peak_at(b)), modules,
+    context = tuple((what, words(ra), words(rb)) for what, words in SETUP)
+    return Comparison(labels[0], labels[1], context, totals, (_peak_at(a), _peak_at(b)), modules,
                       added=_groups(saved_b - saved_a), removed=_groups(saved_a - saved_b))

@@ -5,6 +5,37 @@ command line or model file is wrong), every other ``GraphmemError`` → 1 (the a
 """
 from __future__ import annotations
 
+import difflib
+from typing import Iterable
+
+
+def one_line(e: BaseException) -> str:
+    """``e``'s message as one line: its first line, and while that line ends in ":" (a heading whose
+    reason follows, as huggingface_hub's validation errors), the next ones joined to it."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    for line in lines[1:]:
+        if not text.endswith(":"):
+            break
+        text += " " + line
+    return text
+
+
+def check_keywords(given: Iterable[str], accepted: Iterable[str], call: str) -> None:
+    """Raise a UsageError naming each keyword of ``given`` that ``accepted`` lacks, with the accepted
+    ones closest to it (difflib). ``call``: the function, e.g. "graphmem.analyze"."""
+    known = sorted(set(accepted))
+    unknown = [k for k in given if k not in known]
+    if not unknown:
+        return
+    parts, hinted = [], False
+    for k in unknown:
+        near = difflib.get_close_matches(k, known, n=3, cutoff=0.6)
+        hinted = hinted or bool(near)
+        parts.append(f"`{k}`" + (f" (did you mean {' or '.join(f'`{m}`' for m in near)}?)" if near else ""))
+    tail = "" if hinted and len(unknown) == 1 else f"; see help({call}) for the keywords it takes"
+    raise UsageError(f"{call}() got an unknown keyword{'s' if len(unknown) > 1 else ''}: {', '.join(parts)}{tail}")
+
 
 class GraphmemError(Exception):
     """Base class: a one-line message naming the fix."""

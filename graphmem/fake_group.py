@@ -10,6 +10,7 @@ graphmem/distributed/process_group.py).
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator
 
 import torch.distributed as dist
@@ -28,11 +29,25 @@ def fake_group(rank: int, world_size: int) -> Iterator[None]:
     if dist.is_initialized():
         raise UsageError("torch.distributed is already initialized in this process; graphmem runs rank r "
                          "in a fake process group of its own: call analyze outside the distributed job")
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    with kept_excepthook():
+        dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def kept_excepthook() -> Iterator[None]:
+    """``sys.excepthook`` as it was before the block: ``init_process_group`` wraps it to prefix each
+    traceback line with ``[rank{r}]:`` and ``destroy_process_group`` leaves the wrapper
+    (torch/distributed/distributed_c10d.py ``_distributed_excepthook``), so after graphmem's fake
+    ranks every traceback in the process carried one prefix per group graphmem opened."""
+    hook = sys.excepthook
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        sys.excepthook = hook
 
 
-__all__ = ["fake_group"]
+__all__ = ["fake_group", "kept_excepthook"]

@@ -54,6 +54,11 @@ class Measured:
                 "floating outputs)")
 
     @property
+    def by_formula(self) -> bool:
+        """The per-rank figures are the formulas' over the single-device step (no rank captured)."""
+        return isinstance(self.spec.parallel, Formula)
+
+    @property
     def recapturable(self) -> bool:
         """Plans, formulas and fits capture this step again at other sizes: one device's step, in
         graphmem's own loop, only."""
@@ -131,7 +136,7 @@ def _job(spec: StepSpec, p: Job) -> Measured:
     context = (f"context parallel: each rank holds 1/{cp} of every sequence (torchtitan's load balancer's "
                "chunks); attention is torch's context parallel (SDPA: ring attention; FlexAttention: keys and "
                "values all-gathered), run per rank on fake tensors",) if cp > 1 else ()
-    return Measured(spec, step, notes(g) + (p.describe(),) + routing + context + job_memory_lines(g, p.rank))
+    return Measured(spec, step, notes(g) + (p.describe(),) + routing + context)
 
 
 def _trainer_shards(spec: StepSpec, p: TrainerShards) -> Measured:
@@ -167,20 +172,39 @@ def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
     return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv, p))
 
 
-def job_memory_lines(g: Any, rank: int) -> tuple[str, ...]:
-    """On the CUDA target: what ``torch.cuda.memory_stats`` would read on rank r (the
-    caching-allocator model, passes/allocator.py), in the first step and over two steps in a
-    row (a later step: the optimizer states held, the cache kept), as torchtitan logs
-    ``max_reserved_gib``. Max active equals max allocated in the model (one stream)."""
-    from graphmem.passes.allocator import allocator, later_steps_events, simulate
+def process_groups(parallel: Any) -> tuple[tuple[str, int], ...]:
+    """The process groups a rank of the job creates, (name, ranks) each: each gets an NCCL
+    communicator on its first collective (passes/device_rows.py). A one-dimensional job uses the
+    default group; a two-dimensional one (data x tensor parallel) a group per dimension."""
+    dims: tuple[tuple[str, int], ...] = ()
+    if isinstance(parallel, (Formula, Ranks)):
+        p = parallel.formula if isinstance(parallel, Formula) else parallel.sharding
+        dims = (("data parallel", p.world_size // p.tp), ("tensor parallel", p.tp))
+    elif isinstance(parallel, Stages):
+        dims = (("pipeline", parallel.pipeline.pp),)
+    elif isinstance(parallel, Job):
+        dims = _job_groups(parallel)
+    elif isinstance(parallel, TrainerShards):
+        dims = (("world", parallel.world_size),)
+    elif isinstance(parallel, DeepSpeedJob):
+        dims = (("world", parallel.world_size),)
+    return tuple((n, d) for n, d in dims if d > 1)
 
-    if g.device != "cuda":
-        return ()
-    first, later = allocator(g), simulate(later_steps_events(g))
-    gib = 2 ** 30
-    return (f"rank {rank} first step: max allocated {first.max_allocated / gib:.2f} GiB, max reserved "
-            f"{first.max_reserved / gib:.2f} GiB; later steps: max allocated {later.max_allocated / gib:.2f} GiB, "
-            f"max reserved {later.max_reserved / gib:.2f} GiB (caching-allocator model)",)
+
+def _job_groups(job: Job) -> tuple[tuple[str, int], ...]:
+    """A torchtitan job's mesh dimensions (ParallelismConfig's degrees; dp_shard -1: the ranks left)."""
+    c = job.config.parallelism
+    given = (("dp_replicate", c.data_parallel_replicate_degree), ("tp", c.tensor_parallel_degree),
+             ("pp", c.pipeline_parallel_degree), ("cp", c.context_parallel_degree), ("ep", c.expert_parallel_degree))
+    dims = [(n, int(d)) for n, d in given if d > 1]
+    shard = int(c.data_parallel_shard_degree)
+    if shard == -1:
+        rest = job.world_size
+        for n, d in dims:
+            if n != "ep":  # expert parallel borrows from the data-parallel ranks
+                rest //= d
+        shard = rest
+    return tuple(dims) + ((("dp_shard", shard),) if shard > 1 else ())
 
 
-__all__ = ["Measured", "measure", "measure_ranks"]
+__all__ = ["Measured", "measure", "measure_ranks", "process_groups"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
@@ -12,6 +13,7 @@ from graphmem.passes import Liveness, LiveTensor, ModuleSaved, SavedSet, SavedTe
 from graphmem.passes.allocator import AllocatorResult
 from graphmem.passes.memory_budget import BudgetSweep
 from graphmem.passes.modes import ModeComparison
+from graphmem.passes.run_memory import FIGURE_NAMES, RunMemory, figure_for  # noqa: F401 (graphmem/ci.py)
 from graphmem.planning import memory_budget as memory_budget_api
 from graphmem.planning import report_api as planning_api
 from graphmem.planning.planner import PlanSummary
@@ -20,7 +22,7 @@ from graphmem.training.spec import StepBudget
 
 # the fields whose JSON under their own key is a view (derived numbers, names): to_dict writes them
 # once more, exactly, under "exact" (graphmem/jsondata.py), so that from_dict gives them back
-EXACT = ("device", "target", "cuda_allocator", "budget", "compiled", "sharding", "known_coefficients",
+EXACT = ("device", "target", "cuda_allocator", "memory", "budget", "compiled", "sharding", "known_coefficients",
          "known_plans", "known_memory_budgets")
 
 
@@ -51,7 +53,7 @@ class Report:
     gradient_bytes: int
     activation_bytes: int
     by_category: dict[str, int]
-    peak_bytes: int
+    peak_bytes: int  # the FIRST step's peak (``first_step_peak_bytes``); the run's is ``run_peak_bytes``
     peak_index: int
     peak_phase: str
     peak_op: str
@@ -69,6 +71,7 @@ class Report:
     budget: Optional[StepBudget] = None  # optimizer, precision, LoRA, per-rank budget
     compiled: Optional[ModeComparison] = None  # compiled mode: eager beside compiled
     sharding: Optional[RankScope] = None  # the rank this report is (a per-rank or pipeline-stage capture)
+    memory: Optional[RunMemory] = None  # the run: first and later steps, allocated, reserved, device total
     # answers asked for and kept with the report (``keeping``): renderers and to_dict show them
     known_coefficients: Any = None  # graphmem.formula Coefficients or PiecewiseCoefficients
     known_plans: Optional[PlanSummary] = None
@@ -77,6 +80,32 @@ class Report:
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
     source: Any = field(default=None, repr=False, compare=False)  # graphmem.recapture.Recapture: capture again
+
+    def __str__(self) -> str:
+        """The text view, as ``graphmem analyze`` prints it (graphmem/render/text.py), with the plans
+        kept beside the report after it. (The renderers sit a layer above the report: loaded by name.)"""
+        text = str(importlib.import_module("graphmem.render.text").render_text(self))
+        return text + (f"\n{self.known_plans}" if self.known_plans is not None else "")
+
+    def __repr__(self) -> str:
+        """One line (the generated one would list every saved and live tensor): what and where, the headline bytes."""
+        shapes = ", ".join("x".join(map(str, s)) for s in self.input_shapes)
+        return (f"Report(model={self.model!r}, input_shapes={shapes!r}, device={self.device!r}, "
+                f"activation_bytes={self.activation_bytes}, peak_bytes={self.peak_bytes}, "
+                f"saved=<{len(self.saved)} tensors>)")
+
+    @property
+    def first_step_peak_bytes(self) -> int:
+        """The first step's peak: parameters, buffers and the batch at its start, the optimizer's
+        states made during it (``peak_bytes`` is the same figure, under its older name)."""
+        return self.peak_bytes
+
+    @property
+    def run_peak_bytes(self) -> int:
+        """The run's max allocated: the larger of the first step's and the later steps' (which hold
+        the optimizer states from their start), what ``torch.cuda.max_memory_allocated()`` reads
+        after a few steps (the allocator model's block bytes on the CUDA target)."""
+        return self.memory.run_max_allocated if self.memory is not None else self.peak_bytes
 
     # -- questions that capture again: a thin facade over graphmem/formula and graphmem/planning
     def _live(self, question: str) -> "Report":
@@ -106,15 +135,18 @@ class Report:
 
         return formula_api.formula(self._live("formula()"), d_model, n_heads, checks, tick)
 
-    def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None) -> Any:
+    def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None,
+            figure: Optional[str] = None) -> Any:
         """The largest batch (at sequence length ``seq``, default: this report's) or, given
         ``batch``, the largest sequence length whose peak fits in ``memory`` (bytes or a string
         like "80GiB"): a graphmem.formula.FitAnswer, exact from the peak formula and confirmed
-        by captures at the answer and one above."""
+        by captures at the answer and one above; then judged on ``figure`` of the run
+        (passes/run_memory.py: "allocated", "reserved" or "device", the device total, default on the
+        CUDA target; "allocated" on the CPU's), the whole step captured at each value tried."""
 
         from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
 
-        return formula_api.fit(self._live("fit()"), memory, seq, batch, tick)
+        return formula_api.fit(self._live("fit()"), memory, seq, batch, tick, figure)
 
     def max_batch(self, memory: Any, seq: Optional[int] = None) -> int:
         """Largest batch size whose predicted peak fits in ``memory``, e.g. ``max_batch("80GiB", seq=1024)``."""
@@ -134,26 +166,30 @@ class Report:
 
         return planning_api.planner(self._live("its planner"), False)
 
-    def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False) -> Any:
+    def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False,
+             figure: Optional[str] = None) -> Any:
         """The checkpoint plan (graphmem.planning.CheckpointPlan) with the fewest recompute FLOPs
         whose predicted peak fits ``budget`` (bytes or "40GiB"), or the lowest-peak plan whose
         recompute stays within ``max_overhead`` of the step's FLOPs (0.2 or "20%").
         ``selective=True`` (or a number of levels) also lets each checkpointed segment keep
-        some ops' outputs (graphmem/planning/selective.py).
+        some ops' outputs (graphmem/planning/selective.py). The budget is compared with ``figure`` of
+        the run (passes/run_memory.py): "allocated", "reserved" or "device" (the device total; the
+        default on the CUDA target, "allocated" on the CPU's), captured with the plan applied.
 
         >>> plan = report.plan(budget="40GiB")            # doctest: +SKIP
         >>> plan.segments, plan.peak_bytes, plan.overhead  # doctest: +SKIP
         >>> handle = plan.apply(model)                     # torch.utils.checkpoint; handle.remove() undoes
         """
 
-        return planning_api.plan(self._live("plan()"), budget, max_overhead, selective)
+        return planning_api.plan(self._live("plan()"), budget, max_overhead, selective, figure)
 
-    def plans(self, budget: Any = None, max_overhead: Any = None, points: int = 50, selective: Any = False) -> Any:
+    def plans(self, budget: Any = None, max_overhead: Any = None, points: int = 50, selective: Any = False,
+              figure: Optional[str] = None) -> Any:
         """graphmem.planning.PlanSummary: the chosen plan (if a limit is given), the baselines beside
         graphmem's plan at their own peak, and the Pareto frontier; ``report.keeping(plans=...)``
         keeps it with the report (renderers and JSON show it)."""
 
-        return planning_api.plans(self._live("plans()"), budget, max_overhead, points, selective)
+        return planning_api.plans(self._live("plans()"), budget, max_overhead, points, selective, figure)
 
     def advise(self, memory: Any, ranks: int = 8, lora_rank: int = 16, tick: Any = None, combine: bool = False) -> Any:
         """What to change so the step's peak fits ``memory`` (bytes or "80GiB"): a
@@ -198,7 +234,8 @@ class Report:
     @staticmethod
     def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,
               notes: tuple[str, ...] = (), source: Any = None, cuda_allocator: Optional[AllocatorResult] = None,
-              budget: Optional[StepBudget] = None, sharding: Optional[RankScope] = None) -> "Report":
+              budget: Optional[StepBudget] = None, sharding: Optional[RankScope] = None,
+              memory: Optional[RunMemory] = None) -> "Report":
         kinds: dict[str, int] = {}
         for s in g.storages.values():
             if s.created < 0:
@@ -217,7 +254,7 @@ class Report:
             saved=sv.tensors, modules=sv.modules, num_ops=g.num_ops,
             phase_start=dict(g.phase_start), notes=notes, target=g.target,
             attention_backends=dict(g.attention_backends), cuda_allocator=cuda_allocator, budget=budget, step=g, liveness=lv, source=source,
-            sharding=sharding,
+            sharding=sharding, memory=memory,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -255,6 +292,7 @@ class Report:
                                    "max_reserved": self.cuda_allocator.max_reserved,
                                    "fragmentation": self.cuda_allocator.fragmentation,
                                    "segments": self.cuda_allocator.segments}} if self.cuda_allocator is not None else {}),
+            **({"memory": self.memory.to_dict()} if self.memory is not None else {}),
             **({"coefficients": self.known_coefficients.to_dict()} if self.known_coefficients is not None else {}),
             **({"budget": self.budget.to_dict()} if self.budget is not None else {}),
             **({"compiled": self.compiled.to_dict()} if self.compiled is not None else {}),

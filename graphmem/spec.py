@@ -24,6 +24,7 @@ The parallel setting is one sum type, ``Parallelism``:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
@@ -40,7 +41,7 @@ from graphmem.deepspeed.config import DeepSpeedJob, make_job
 from graphmem.distributed.pipeline import Pipeline, make_pipeline
 from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.spec import Sharding, check_training, make_sharding, wants_wrappers
-from graphmem.errors import UsageError
+from graphmem.errors import UsageError, check_keywords
 from graphmem.passes.budget import Parallel, make_parallel
 from graphmem.training.batch import as_batch, resizer
 from graphmem.training.peft_lora import is_hf_model
@@ -92,7 +93,7 @@ class Ranks:
         if spec.training.train.loop_options:
             raise UsageError(f"{', '.join(f'`{o}`' for o in spec.training.train.loop_options)}: analyzed on one device "
                              "only yet; drop them, or drop `rank` and `fsdp`")
-        if spec.target.mode == "compiled":
+        if spec.target.mode != "eager":
             raise UsageError("the per-rank step runs the wrappers eagerly: use `mode='eager'`, or the formulas "
                              "(`zero`, `fsdp='full'` or `tp` without `rank`)")
         if self.sharding.offload and spec.target.device == "cuda":
@@ -114,7 +115,7 @@ class Stages:
     def check(self, spec: "StepSpec") -> None:
         tr = spec.training
         if tr.lora is not None or tr.quantization is not None or tr.train.master_weights \
-                or spec.target.mode == "compiled" or tr.train.loop_options:
+                or spec.target.mode != "eager" or tr.train.loop_options:
             raise UsageError("a pipeline stage (`pp` > 1) runs one pipeline rank's schedule and its optimizer; it does "
                              "not combine with `lora_rank`, `qlora`, `master_weights`, `mode='compiled'` or the loop "
                              "options (`release_output`, `clip_grad_norm`, `optimizer_in_backward`, "
@@ -144,7 +145,7 @@ class Job:
         if not 0 <= self.rank < self.world_size:
             raise UsageError(f"`rank={self.rank}` is not one of the job's {self.world_size} ranks: use 0 to "
                              f"{self.world_size - 1}")
-        if spec.target.mode == "compiled":
+        if spec.target.mode != "eager":
             raise UsageError("a torchtitan job's compile setting is its own (`compile.enable` in its config): drop "
                              "`mode='compiled'`")
         p = self.config.parallelism
@@ -223,7 +224,7 @@ def check_spec(spec: StepSpec) -> None:
     if t.attention == "eager" and not is_hf_model(spec.module):
         raise UsageError("`attention='eager'` picks a Hugging Face model's own attention; this model is not one: "
                          "use `attention='math'` for SDPA's explicit kernel")
-    if spec.training.quantization is not None and t.mode == "compiled":
+    if spec.training.quantization is not None and t.mode != "eager":
         raise UsageError("`qlora` is analyzed in eager mode (bitsandbytes' ops under torch.compile are not traced "
                          "here): use `mode='eager'`")
     spec.parallel.check(spec)
@@ -301,17 +302,28 @@ def _inputs(loaded: Loaded, inputs: Any, input_shape: Any) -> Inputs:
     return Inputs(resizer(batch), tuple(first.shape), batch)
 
 
+TARGET_OPTIONS = ("device", "dtype", "amp", "attention", "gpu", "mode", "memory_budget")  # make_target's
+PARALLEL_OPTIONS = ("world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank", "reshard_after_forward",
+                    "fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_offload", "fsdp_no_sync", "loss_parallel", "deepspeed")
+
+
+def spec_keywords() -> frozenset[str]:
+    """Every keyword ``make_spec`` (and so ``graphmem.analyze``) takes besides the model and inputs: its
+    own, the target's, the parallelism's, ``qlora`` and ``make_training``'s."""
+    own = [p.name for p in inspect.signature(make_spec).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    loop = [p.name for p in inspect.signature(make_training).parameters.values()]
+    return frozenset((*own, *TARGET_OPTIONS, *PARALLEL_OPTIONS, "qlora", *loop))
+
+
 def make_spec(model: ModelLike, inputs: Any = None, *, input_shape: Union[str, tuple, list, None] = None,
               loss: Optional[LossFn] = None, target: Optional[Target] = None, training: Optional[Training] = None,
               parallel: Optional[Parallelism] = None, reuse: bool = True, hf: Optional[HFOptions] = None,
               **options: Any) -> StepSpec:
     """A StepSpec from ``graphmem.analyze``'s keyword options (see its docstring), checked once.
     ``target``, ``training`` and ``parallel`` may be given as built objects instead of their options."""
-    t_opts = {k: options.pop(k) for k in ("device", "dtype", "amp", "attention", "gpu", "mode", "memory_budget")
-              if k in options}
-    p_opts = {k: options.pop(k) for k in ("world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank",
-                                          "reshard_after_forward", "fsdp_param_dtype", "fsdp_reduce_dtype",
-                                          "fsdp_offload", "fsdp_no_sync", "loss_parallel", "deepspeed") if k in options}
+    check_keywords(options, spec_keywords(), "graphmem.make_spec")
+    t_opts = {k: options.pop(k) for k in TARGET_OPTIONS if k in options}
+    p_opts = {k: options.pop(k) for k in PARALLEL_OPTIONS if k in options}
     qlora = options.pop("qlora", False)
     if "quantization" not in options and qlora:
         options["quantization"] = "nf4"

@@ -137,8 +137,12 @@ class StepGraph:
         return len(self.ops)
 
     def phase_of(self, index: int) -> str:
+        """The phase op ``index`` ran in, as the recorder named it (autograd's engine running it:
+        backward, even inside the loss); from ``phase_start`` where an op has no phase of its own."""
         if index < 0:
             return "before"
+        if index < self.num_ops and "phase" in self.ops[index].meta:
+            return str(self.ops[index].meta["phase"])
         phase = "forward"
         for p in PHASES:
             if self.phase_start.get(p, self.num_ops) <= index:

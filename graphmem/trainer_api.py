@@ -1,10 +1,11 @@
 """``graphmem.analyze(trainer)``: a transformers ``Trainer``'s own step on fake tensors
 (graphmem/training/hf_trainer.py runs it), and the batch it trains on.
 
-The batch: ``inputs`` as given (a dict, as the Trainer's dataloader yields), else ``input_shape``'s
-first dimension of samples collated by ``trainer.data_collator`` (so the collator's padding
-decides the length): the first samples of ``trainer.train_dataset`` when it has one, else
-token samples of ``input_shape`` made for the model (graphmem/capture/hf.py) split into rows.
+The batch: ``inputs`` as given (a dict, as the Trainer's dataloader yields); else, with no
+``input_shape``, the batch ``trainer.train()`` draws from ``train_dataset`` through its own
+dataloader (sampler, column removal, collator: graphmem/training/hf_trainer_batch.py; ``trainer_batch``
+"first" or "longest"); with ``input_shape``, that batch (or, without a train_dataset, token samples
+made for the model through ``trainer.data_collator``) resized to exactly ``input_shape``.
 """
 from __future__ import annotations
 
@@ -12,50 +13,54 @@ import contextlib
 import dataclasses
 from typing import Any, Iterator, Optional, Union
 
+import torch
+
 from graphmem.capture.hf import batch as hf_batch
 from graphmem.capture.target import Target, check_device
 from graphmem.errors import UsageError
 from graphmem.spec import Inputs, Single, StepSpec, shape_of
 from graphmem.training.batch import as_batch, resizer
 from graphmem.training.hf_trainer import check_trainer, trainer_step
+from graphmem.training.hf_trainer_batch import collator_name, drawn_batch, fit_to_shape
 from graphmem.training.spec import Training
 
 
 def trainer_batch(trainer: Any, shape: tuple[int, ...]) -> dict[str, Any]:
-    """``shape[0]`` samples through the Trainer's collator (as ``Trainer._get_dataloader`` sets it up:
-    unused columns removed), from its train_dataset or made for its model at ``shape``."""
-    b = shape[0]
-    dataset = trainer.train_dataset
-    collator = trainer.data_collator
-    try:
-        import datasets
+    """The Trainer's batch at exactly ``shape`` (``input_shape``): the first batch ``train()`` draws from its
+    train_dataset (graphmem/training/hf_trainer_batch.py), or without one ``shape[0]`` token samples made
+    for its model (graphmem/capture/hf.py) through its collator, resized to ``shape`` (the collator's
+    padding or the dataset's lengths never change a shape the user gave)."""
+    return trainer_inputs(trainer, None, shape)[0]
 
-        is_hf_dataset = isinstance(dataset, datasets.Dataset)
-    except ImportError:
-        is_hf_dataset = False
-    if dataset is not None:
-        if is_hf_dataset:
-            dataset = trainer._remove_unused_columns(dataset, description="training")
-        else:
-            collator = trainer._get_collator_with_removed_columns(collator, description="training")
-        if len(dataset) < b:
-            raise UsageError(f"train_dataset has {len(dataset)} samples, fewer than the batch of {b}: give a "
-                             "smaller input_shape or inputs=")
-        samples = [dataset[i] for i in range(b)]
-    else:
+
+def trainer_inputs(trainer: Any, inputs: Any, shape: Optional[tuple[int, ...]], which: str = "first",
+                   world_size: int = 1, rank: int = 0) -> tuple[Any, dict[str, str]]:
+    """The step's batch and what the report says of it: ``inputs`` as given; else the batch ``train()``
+    draws (``which``), at ``shape`` when given."""
+    if inputs is not None:
+        return inputs, {}
+    if trainer.train_dataset is None and shape is not None:
         made = hf_batch(trainer.model, shape)
-        samples = [{k: v[i] for k, v in made.items()} for i in range(b)]
-    out = collator(samples)
-    if not hasattr(out, "items"):
-        raise UsageError(f"the Trainer's data_collator returned {type(out).__name__}, not a dict of tensors: "
-                         "pass inputs= (the batch dict the model takes)")
-    return dict(out)
+        out = trainer.data_collator([{k: v[i] for k, v in made.items()} for i in range(shape[0])])
+        if not hasattr(out, "items"):
+            raise UsageError(f"the Trainer's data_collator returned {type(out).__name__}, not a dict of tensors: "
+                             "pass inputs= (the batch dict the model takes)")
+        source = {"dataset": f"none: token samples made for the model, {collator_name(trainer.data_collator)}"}
+        return fit_to_shape(dict(out), shape, "made for the model"), source
+    batch, settings = drawn_batch(trainer, which, world_size, rank)
+    if shape is None:
+        return batch, settings
+    drawn = "x".join(map(str, next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape))
+    settings["batch"] = f"input_shape as given (train()'s first, {drawn}, resized)"
+    return fit_to_shape(batch, shape, "the first batch train() draws"), settings
 
 
 def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None,
-                 world_size: int = 1, rank: Optional[int] = None, device: Optional[str] = None) -> StepSpec:
-    """The StepSpec of the step ``trainer.train()`` runs: its model, the batch (``inputs``, or
-    ``input_shape`` through its collator), and its loop (graphmem/training/hf_trainer.py TrainerStep:
+                 world_size: int = 1, rank: Optional[int] = None, device: Optional[str] = None,
+                 trainer_batch: str = "first") -> StepSpec:
+    """The StepSpec of the step ``trainer.train()`` runs: its model, the batch (``inputs``; else the one
+    its dataloader yields, ``trainer_batch`` "first" or "longest" of the run's, at ``input_shape`` when
+    given: ``trainer_inputs``), and its loop (graphmem/training/hf_trainer.py TrainerStep:
     ``args.optim``, ``max_grad_norm``, ``gradient_accumulation_steps``, bf16/fp16 through accelerate,
     gradient checkpointing), which the capture runs through the Trainer's own code; with
     ``torch_compile``, in compiled mode with its backend's partition. ``world_size`` > 1: the step
@@ -66,16 +71,14 @@ def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple
     the Trainer's own (``args.device``); ``"cuda"`` runs its step with CUDA's rules on fake CPU tensors
     (graphmem/training/hf_trainer_cuda.py), also for a Trainer built where no GPU is found.
 
-    >>> report = graphmem.analyze(trainer, input_shape=(8, 512))  # doctest: +SKIP
-    >>> report.budget.peak_bytes, report.budget.rank.later_peak_bytes  # doctest: +SKIP
+    >>> report = graphmem.analyze(trainer)  # doctest: +SKIP
+    >>> report.batch["drawn"], report.budget.peak_bytes, report.budget.rank.later_peak_bytes  # doctest: +SKIP
     """
     check_trainer(trainer)
     check_ranks(trainer, world_size, rank)
     device = trainer_device(trainer, device)
-    if inputs is None:
-        if input_shape is None:
-            raise UsageError("no inputs: pass inputs= (a batch dict) or `input_shape` (batch, seq) for the Trainer")
-        inputs = trainer_batch(trainer, shape_of(input_shape))
+    shape = shape_of(input_shape) if input_shape is not None and inputs is None else None
+    inputs, settings = trainer_inputs(trainer, inputs, shape, trainer_batch, world_size, rank or 0)
     batch = as_batch(inputs)
     if batch.form != "dict":
         raise UsageError("a Trainer's batch is a dict of keyword inputs (as its dataloader yields): pass inputs={...}")
@@ -86,7 +89,8 @@ def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple
     amp = "bf16" if device == "cuda" and args.bf16 else None
     target = Target(device, mode="compiled", compile_backend=args.torch_compile_backend) \
         if args.torch_compile else Target(device, amp=amp)
-    return StepSpec(type(trainer.model).__name__, trainer.model, Inputs(resizer(batch), tuple(first.shape), batch), None,
+    return StepSpec(type(trainer.model).__name__, trainer.model,
+                    Inputs(resizer(batch), tuple(first.shape), batch, tuple(settings.items())), None,
                     target, Training(trainer_step(trainer, world_size, rank or 0), None), Single(), reuse=False)
 
 
@@ -126,7 +130,7 @@ def check_ranks(trainer: Any, world_size: Any, rank: Any) -> None:
                              "split or one graph per rank; set `torch._dynamo.config.optimize_ddp` to True or False")
 
 
-def trainer_from_file(model: Any, path: str, target: Optional[Target] = None) -> Any:
+def trainer_from_file(model: Any, path: str, target: Optional[Target] = None, train_dataset: Optional[str] = None) -> Any:
     """A ``transformers.Trainer`` around ``model`` with the TrainingArguments of a JSON or YAML file
     (or, when they ask for FSDP, the TrainingArguments themselves: the Trainer is then built per rank,
     ``fsdp_trainer_spec``)
@@ -134,7 +138,7 @@ def trainer_from_file(model: Any, path: str, target: Optional[Target] = None) ->
     on the meta device (graphmem/capture/load.py): the arguments leave it where it is
     (``place_model_on_device``, the property TrainingArguments documents for overriding). ``target`` on
     cuda: the file is a GPU user's (``bf16`` without ``use_cpu``), read as on the target's GPU
-    (``_with_gpu_bf16``)."""
+    (``_with_gpu_bf16``). ``train_dataset``: the Trainer's (``dataset_from_file``), whose first batch the step runs."""
     import os
 
     from transformers import HfArgumentParser, Trainer, TrainingArguments
@@ -160,8 +164,41 @@ def trainer_from_file(model: Any, path: str, target: Optional[Target] = None) ->
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"training_args {path!r} is not readable as TrainingArguments: {first}") from None
     if args.fsdp:  # Trainer.__init__ raises "Using fsdp only works in distributed training." in one process:
+        if train_dataset is not None:
+            raise UsageError("`train_dataset` with FSDP arguments is not run yet: give `input_shape` for the rank's batch")
         return args  # the Trainer is built per rank (graphmem/distributed/trainer_fsdp.py)
-    return Trainer(model=model, args=args)
+    data = dataset_from_file(train_dataset) if train_dataset is not None else None
+    return Trainer(model=model, args=args, train_dataset=data)
+
+
+def dataset_from_file(path: str) -> Any:
+    """A train_dataset from a file: a directory saved by ``datasets.Dataset.save_to_disk`` (``load_from_disk``),
+    or a JSON Lines file of samples (one JSON object a line, e.g. ``{"input_ids": [...]}``), read as a list of
+    dicts (a Trainer takes any sized dataset; its collator turns the lists into tensors)."""
+    import json
+    import os
+
+    if os.path.isdir(path):
+        import datasets
+
+        try:
+            return datasets.load_from_disk(path)
+        except Exception as e:  # not a saved dataset
+            raise UsageError(f"train_dataset {path!r} is not a dataset saved by save_to_disk: {str(e).splitlines()[0]}") from None
+    if not os.path.isfile(path):
+        raise UsageError(f"train_dataset {path!r}: no such file; give a JSON Lines file of samples or a saved dataset directory")
+    samples = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                samples.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise UsageError(f"train_dataset {path!r} line {n} is not JSON ({e.msg}): give one JSON object a line") from None
+            if not isinstance(samples[-1], dict):
+                raise UsageError(f"train_dataset {path!r} line {n} is not a JSON object of the sample's fields")
+    return samples
 
 
 @contextlib.contextmanager
@@ -232,4 +269,4 @@ def fsdp_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
                     Target("cpu"), Training(step, None), shards, reuse=False)  # type: ignore[arg-type]  # (duck-typed: check_spec)
 
 
-__all__ = ["check_ranks", "fsdp_trainer_spec", "trainer_batch", "trainer_from_file", "trainer_spec"]
+__all__ = ["check_ranks", "dataset_from_file", "fsdp_trainer_spec", "trainer_batch", "trainer_from_file", "trainer_inputs", "trainer_spec"]

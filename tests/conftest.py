@@ -16,7 +16,33 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import pytest
-import torch
+
+# The real CPU steps run oneDNN's AVX2 kernels on every x86-64 CPU with AVX2 (docs/validation.md, "The
+# suite on any x86 CPU"): oneDNN reads ONEDNN_MAX_CPU_ISA once, at its first use, and ATen its
+# ATEN_CPU_CAPABILITY at its first dispatch, so both are set here, before torch is imported (pytest-xdist
+# workers and the gloo ranks the tests spawn inherit them). oneDNN's cap also turns off PyTorch's bf16
+# routes into oneDNN (mkldnn_bf16_device_check is oneDNN's effective ISA on x86-64): bf16 GEMMs then
+# run ATen's own kernel, as on an AVX2 CPU, so no test depends on oneDNN's bf16 GEMM scratch, which
+# graphmem has no rule for. graphmem's CPU target reads the same cap (graphmem/oprules/isa.py).
+# GRAPHMEM_TEST_NATIVE_ISA=1 runs the CPU's own kernels instead (the lists below say what holds where).
+NATIVE_ISA = os.environ.get("GRAPHMEM_TEST_NATIVE_ISA") == "1"
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        return " avx2" in Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
+PINNED_ISA = not NATIVE_ISA and _cpu_has_avx2()
+if PINNED_ISA:
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+
+import torch  # noqa: E402  (after the ISA settings above)
+
+import graphmem.oprules.isa as isa  # noqa: E402
 
 UPDATE_GOLDEN = os.environ.get("GRAPHMEM_UPDATE_GOLDEN") == "1"
 
@@ -110,18 +136,31 @@ def _settings_kept(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 # Tests that compare graphmem's oneDNN rules (graphmem/oprules/: convolution, LSTM, CPU flash-attention
-# and bf16 GEMM scratch) with the real kernels of THIS machine. The rules were derived from oneDNN's
-# AVX-512 kernels and made ISA-aware for AVX2 ones (graphmem/oprules/conv_gemm.py ``simd_w``): their
-# per-op comparisons run on both. What still holds on AVX-512 only is skipped on other CPUs,
-# measured on a two-core AVX2 machine (graphmem below the real peak): compiled ConvNeXt, 1,216 B under
-# (6,944 B before the AVX2 1x1 and strided rules), whose real peak is in a channels-last 2x2 stride-2
-# downsampling backward of 80 input channels (brgconv_strided:avx2 in nhwc: a weight padded to the
-# ic_block its blocking search picks, outside graphmem/oprules/conv_brgemm.py's domain); and GPT-2's
-# CPU autocast plans, whose real peak is 24 B above the plan's (on AVX-512 inside the test's allowance
-# for oneDNN's bf16 GEMM scratch, which AVX2 CPUs do not run).
+# and bf16 GEMM scratch) with the real kernels this process runs (graphmem/oprules/isa.py: AVX2 unless
+# GRAPHMEM_TEST_NATIVE_ISA=1 on an AVX-512 CPU). The rules were derived from oneDNN's AVX-512 kernels
+# and made ISA-aware for AVX2 ones (graphmem/oprules/conv_gemm.py ``simd_w``): their per-op comparisons
+# run on both. What holds on AVX-512 only is skipped where oneDNN runs AVX2 kernels, measured on a
+# two-core AVX2 machine (graphmem below the real peak): compiled ConvNeXt, 1,216 B under (6,944 B before
+# the AVX2 1x1 and strided rules), whose real peak is in a channels-last 2x2 stride-2 downsampling
+# backward of 80 input channels (brgconv_strided:avx2 in nhwc: a weight padded to the ic_block its
+# blocking search picks, outside graphmem/oprules/conv_brgemm.py's domain); and GPT-2's CPU autocast
+# plans, whose real peak is 24 B above the plan's (on AVX-512 inside the test's allowance for oneDNN's
+# bf16 GEMM scratch, which AVX2 kernels do not run).
 AVX512_KERNELS = (
     "tests/test_compiled_rules.py::test_compiled_peak_equals_real_compiled_step[timm_convnext_atto]",
     "tests/test_checkpoint_plans.py::test_autocast_plans_match_real_cpu_autocast_runs[gpt2-cpu]",
+)
+
+# Real bf16 steps compared to the byte: they hold where bf16 GEMMs run ATen's own kernel (AVX2, or any
+# CPU under the pin above). Where PyTorch sends them to oneDNN (GRAPHMEM_TEST_NATIVE_ISA=1 on an
+# AVX-512-BF16 or AMX CPU: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``) the real peaks are above
+# the prediction by oneDNN's bf16 GEMM scratch, which graphmem has no rule for (docs/kernel-rules.md):
+# measured on an AVX-512-BF16 AMD EPYC, 7,808 B on both peaks of the first test, -2.92 % and -4.94 % on
+# rank 0 of the gloo jobs.
+ONEDNN_BF16_GEMM = (
+    "tests/test_hf_trainer.py::test_bf16_autocast_through_accelerate_matches_a_real_step",
+    "tests/test_hf_trainer_fsdp.py::test_gpt2_fsdp_ranks_in_bf16_against_a_real_gloo_job",
+    "tests/test_hf_trainer_fsdp.py::test_tiny_llama_fsdp_ranks_compiled_against_a_real_gloo_job[aot_eager-True]",
 )
 
 # The per-op comparisons: oneDNN's x86-64 kernels (AVX-512 or AVX2); on other CPUs the rules decline
@@ -192,18 +231,42 @@ SLOW_ON_TWO_CORES = (
 )
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Which CPU kernels the real steps run: a result depends on them (docs/validation.md)."""
+    setting = isa.max_isa_setting() or "unset"
+    how = "pinned by tests/conftest.py" if PINNED_ISA else "the CPU's own (GRAPHMEM_TEST_NATIVE_ISA=1)" \
+        if NATIVE_ISA else "not pinned (no AVX2)"
+    return [f"CPU kernels: oneDNN {isa.onednn_isa() or 'other'} (CPU {isa.hardware_isa() or 'other'}, "
+            f"ONEDNN_MAX_CPU_ISA {setting}, {how}), ATen {torch.backends.cpu.get_cpu_capability()}, "
+            f"bf16 GEMMs through oneDNN: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The pin took: torch had not computed its CPU capability before this file set it (something imported
+    and ran torch first: set the two variables in the environment instead)."""
+    if PINNED_ISA and os.environ["ATEN_CPU_CAPABILITY"] == "avx2" \
+            and torch.backends.cpu.get_cpu_capability() != "AVX2":
+        raise pytest.UsageError("tests/conftest.py set ATEN_CPU_CAPABILITY=avx2 after torch had read it; "
+                                "run with ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 in the environment")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow = pytest.mark.slow
     for item in items:
         if item.nodeid in SLOW_ON_TWO_CORES:
             item.add_marker(slow)
-    isa = torch.backends.cpu.get_cpu_capability()
-    if isa.startswith("AVX512"):
-        return
-    skip = pytest.mark.skip(reason=f"a peak decided by oneDNN kernels graphmem models on AVX-512 only, not this {isa} CPU's")
-    off_x64 = pytest.mark.skip(reason=f"compares oneDNN rules for x86-64 AVX-512 and AVX2 kernels with this {isa} CPU's")
+    kernels = isa.onednn_isa()
+    bf16_gemm = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    avx512 = pytest.mark.skip(reason=f"a peak decided by oneDNN kernels graphmem models on AVX-512 only, not "
+                                     f"the {kernels or 'other'} ones this process runs")
+    off_x64 = pytest.mark.skip(reason="compares oneDNN rules for x86-64 AVX-512 and AVX2 kernels with this "
+                                      "CPU's, which are neither")
+    onednn_bf16 = pytest.mark.skip(reason="bf16 GEMMs run oneDNN here, whose scratch graphmem has no rule for "
+                                          "(run without GRAPHMEM_TEST_NATIVE_ISA=1)")
     for item in items:
-        if item.nodeid.startswith(AVX512_KERNELS):
-            item.add_marker(skip)
-        elif isa != "AVX2" and item.nodeid.startswith(X64_KERNELS):
+        if kernels != isa.AVX512 and item.nodeid.startswith(AVX512_KERNELS):
+            item.add_marker(avx512)
+        elif kernels not in (isa.AVX512, isa.AVX2) and item.nodeid.startswith(X64_KERNELS):
             item.add_marker(off_x64)
+        elif bf16_gemm and item.nodeid.startswith(ONEDNN_BF16_GEMM):
+            item.add_marker(onednn_bf16)

@@ -206,6 +206,23 @@ def test_sweep_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert MIN_SIZE == 3
 
 
+@pytest.mark.slow
+def test_the_sweep_example_of_docs_formulas_md_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/formulas.md's ``graphmem sweep`` line, as written there (it once asked GPT-2 for s = 2048,
+    past its block_size), with a grid point beside an independent capture."""
+    line = next(ln for ln in (HERE.parent / "docs" / "formulas.md").read_text().splitlines()
+                if ln.startswith("graphmem sweep "))
+    argv = line.split("#")[0].split()[1:]
+    assert main([*argv, "--json"]) == 0, capsys.readouterr().err
+    rows = json.loads(capsys.readouterr().out)["sweep"]
+    grid = dict(zip(argv[::2], argv[1::2]))
+    assert [(r["batch"], r["seq"]) for r in rows] == [(int(b), int(s)) for b in grid["--batch"].split(",")
+                                                      for s in grid["--seq"].split(",")]
+    r = rows[-2]  # (32, 512): from the formulas, not captured by the sweep
+    cap = graphmem.analyze(argv[1], input_shape=(r["batch"], r["seq"]))
+    assert (r["activation_bytes"], r["peak_bytes"]) == (cap.activation_bytes, cap.peak_bytes)
+
+
 def test_formula_cli_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     model = str(HERE / "formula_models" / "tiny_gpt.py")
     assert main(["formula", model, "--input-shape", "4x16"]) == 0

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from cases import tiny_gpt
+from conftest import check_golden
 
 import graphmem
 from graphmem import cli
@@ -14,6 +15,7 @@ from graphmem.compare import SavedGroup, compare
 from graphmem.render import fmt_bytes, render_json
 from graphmem.render.compare import render_comparison
 
+GOLDEN = Path(__file__).parent / "golden"
 MLP_MODEL = """\
 from graphmem.models.mlp import MLP, MLPConfig, example_inputs, loss
 model = lambda: MLP(MLPConfig(in_features=16, hidden=(32,), out_features=4, activation={act!r}))
@@ -59,12 +61,43 @@ def test_gelu_to_relu_mlp_from_the_command_line(capsys: pytest.CaptureFixture[st
                          SavedGroup("aten.gelu.default", "net.1", (8, 32), "float32", "activation", act, 1))
     assert c.added == (SavedGroup("aten.relu.default", "net.1", (8, 32), "float32", "activation", act, 1),)
     # AND the text says so
-    assert out.startswith(f"graphmem compare · {a} → {b}\nmodel gelu.py → relu.py · input 8x16 · target cpu\n")
+    assert out.startswith(f"graphmem compare · {a} → {b}\ninput 8x16 · target cpu · precision fp32 parameters · "
+                          "optimizer none · loop forward and backward, no optimizer step · parallel 1 rank\n")
+    assert [" ".join(line.split()) for line in out.splitlines() if line.startswith("model")] == [
+        f"model {a.stem}.py {b.stem}.py"]  # in the table of what differs
     before = totals["activations"].before
     assert [" ".join(line.split()) for line in out.splitlines() if line.startswith("activations")] == [
         f"activations {fmt_bytes(before)} {fmt_bytes(before - act)} -1.00 KiB -1,024 B {-100 * act / before:.1f}%"]
     assert f"Saved only in {b}: 1 tensor, 1.00 KiB" in out and f"Saved only in {a}: 2 tensors, 2.00 KiB" in out
     assert out == render_comparison(c)
+
+
+def test_amp_and_optimizer_differ(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """golden/compare_amp_adamw.txt: the same MLP as plain fp32 and as bf16 autocast + AdamW; the
+    comparison names the precision, the optimizer and the loop that differ (``--depth 1``)."""
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "mlp.py"
+    model.write_text(MLP_MODEL.format(act="gelu"))
+    for name, extra in (("fp32.json", []), ("bf16_adamw.json", ["--amp", "bf16", "--optimizer", "adamw"])):
+        assert cli.main(["analyze", "mlp.py", "--input-shape", "8x16", "--json", *extra]) == 0
+        Path(name).write_text(capsys.readouterr().out)
+    assert cli.main(["compare", "fp32.json", "bf16_adamw.json", "--depth", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    check_golden(out, GOLDEN / "compare_amp_adamw.txt")
+    c = compare(json.loads(Path("fp32.json").read_text()), json.loads(Path("bf16_adamw.json").read_text()))
+    assert [row for row in c.context if row[1] != row[2]] == [
+        ("precision", "fp32 parameters", "fp32 parameters, bf16 autocast"), ("optimizer", "none", "adamw"),
+        ("loop", "forward and backward, no optimizer step", "adamw (forloop)")]
+    # autocast saves bf16 copies: the two 8x32 activations (1 KiB each) at half size, the batch's
+    # bf16 copy (8x16, 256 B) instead of the fp32 batch (512 B), and net.2's bf16 weight (4x32, 256 B)
+    totals = {t.name: t for t in c.totals}
+    assert totals["activations"].delta == -2 * 512 - 512 + 256 + 256 == -1024
+    later = totals["peak (later steps)"]
+    assert later.shown == (False, True) and "peak (later steps)            -" in out
+    # the module table stops at depth 1: (model) and net, not net.0 / net.1 / net.2
+    assert "  net  " in out and "net.0" not in out.split("Saved only in")[0]
 
 
 def _gpt(attention: str) -> dict:

@@ -268,3 +268,90 @@ def test_parse_shape_is_public_and_raises_usage_error() -> None:
     for text in ["32x", "0x5", "abc", "-1x5", "32x1024x", ""]:
         with pytest.raises(UsageError, match="32x1024"):
             graphmem.parse_shape(text)
+
+
+# -- issue 36: config files, memory sizes, keywords, the distributed traceback prefix -----------
+
+def test_nonsense_config_json_names_the_field_and_the_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "llama", "hidden_size": "abc"}')
+    code, out, err = run_cli(capsys, ["analyze", str(path), "--input-shape", "2x16"])
+    line = assert_one_line_error(err, out)
+    assert code == 2
+    assert str(path) in line and "'hidden_size'" in line and "expected int, got str" in line
+    assert "fix the config.json" in line and "internal error" not in line
+    with pytest.raises(ModelLoadError, match="hidden_size.*expected int"):
+        graphmem.analyze(str(path), input_shape=(2, 16))
+
+
+def test_config_json_that_fails_a_class_check_is_a_usage_error(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 30, "num_attention_heads": 4}')
+    with pytest.raises(ModelLoadError, match="not a valid llama config .*not a multiple of the number of attention heads"):
+        graphmem.analyze(str(tmp_path), input_shape=(2, 16))
+
+
+@pytest.mark.slow
+def test_shape_mismatch_prints_graphmem_line_only() -> None:
+    """torch's fake tensor mode logs the meta kernel's traceback (17 lines) before it raises; only
+    graphmem's line reaches stderr (a real process: torch's log handler holds the real stderr)."""
+    code = ("import sys, torch.nn as nn\nfrom graphmem.cli.main import main\n"
+            f"sys.exit(main(['analyze', {bad('mismatch')!r}, '--input-shape', '2x4']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("graphmem: error: Sequential.forward raised RuntimeError: a and b must have same "
+                               "reduction dim")
+
+
+@pytest.mark.parametrize("argv, phrase", [
+    (["fit", "gpt2", "--memory", "24", "--seq", "128"], "invalid memory size '24': no unit; write 24GB or 24GiB"),
+    (["fit", "gpt2", "--memory", "-5GB", "--seq", "128"], "invalid memory size '-5GB': it must be positive"),
+    (["advise", "gpt2", "--input-shape", "1x16", "--memory", "-5GB"], "invalid memory size '-5GB': it must be positive"),
+    (["advise", "gpt2", "--input-shape", "1x16", "--memory", "-5"], "invalid memory size '-5': it must be positive"),
+    (["analyze", "gpt2", "--input-shape", "1x16", "--plan", "--budget", "12"], "invalid memory size '12': no unit"),
+])
+def test_memory_sizes_need_a_unit_and_a_positive_value(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                       phrase: str) -> None:
+    code, out, err = run_cli(capsys, argv)
+    line = assert_one_line_error(err, out)
+    assert code == 2 and phrase in line
+    assert "expected one argument" not in line
+    if "no unit" in line:
+        assert "KiB" in line and "GB" in line  # the units named
+
+
+def test_parse_bytes_refuses_a_bare_number_but_takes_an_int() -> None:
+    from graphmem.units import parse_bytes
+
+    with pytest.raises(UsageError, match="no unit"):
+        parse_bytes("24")
+    assert parse_bytes("24B") == 24 and parse_bytes(24) == 24 and parse_bytes("1.5 GiB") == 3 * 2**29
+
+
+@pytest.mark.parametrize("call", ["analyze", "validate", "make_spec"])
+def test_unknown_keyword_names_the_close_match(call: str) -> None:
+    with pytest.raises(UsageError, match=rf"graphmem\.{call}\(\) got an unknown keyword: `optimiser` \(did you "
+                                         r"mean `optimizer`") as info:
+        getattr(graphmem, call)(nn.Linear(4, 4), input_shape=(2, 4), optimiser="adamw")
+    assert info.value.exit_code == 2
+
+
+def test_unknown_keywords_without_a_close_match_point_to_help() -> None:
+    with pytest.raises(UsageError, match=r"unknown keywords: `tolerence` \(did you mean `tolerance`\?\), `zzz`; "
+                                         r"see help\(graphmem.validate\)"):
+        graphmem.validate(nn.Linear(4, 4), input_shape=(2, 4), tolerence=2, zzz=1)
+
+
+def test_fake_process_groups_leave_the_traceback_hook_as_it_was() -> None:
+    """init_process_group wraps sys.excepthook to prefix every traceback line with [rank0]: and
+    destroy_process_group leaves it: each fake group graphmem opened added one prefix."""
+    from graphmem.fake_group import fake_group
+
+    hook = sys.excepthook
+    for _ in range(2):
+        with fake_group(0, 2):
+            assert sys.excepthook is not hook  # torch's wrapper, while the group is up
+    assert sys.excepthook is hook

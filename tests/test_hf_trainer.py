@@ -135,7 +135,7 @@ def test_bad_trainers_are_one_line() -> None:
         trainer.model = None
         with pytest.raises(GraphmemError, match="has no model"):
             graphmem.analyze(trainer, input_shape=(2, 16))
-        with pytest.raises(GraphmemError, match="no inputs"):
+        with pytest.raises(GraphmemError, match="no train_dataset"):
             graphmem.analyze(_trainer(_llama(), out))
         for option, value in (("torch_compile_backend", "eager"), ("torch_compile_mode", "max-autotune")):
             compiled = _trainer(_llama(), out, **{option: value})  # either one sets torch_compile=True
@@ -179,8 +179,9 @@ def test_an_optimizer_given_to_the_trainer_is_the_one_stepped() -> None:
     assert r.to_dict()["budget"]["optimizer"] == "SGD (given)"
 
 
-def test_input_shape_takes_samples_from_the_train_dataset_through_the_collator() -> None:
-    """The collator's padding decides the length: samples of 5 and 9 tokens padded to a multiple of 8."""
+def test_the_batch_comes_from_the_train_dataset_through_the_collator() -> None:
+    """The collator's padding decides the length of the Trainer's own batch (samples of 5 and 9 tokens
+    padded to a multiple of 8, a plain list dataset); ``input_shape`` is honoured as given."""
 
     def collate(samples: list) -> dict:
         n = -(-max(len(s["input_ids"]) for s in samples) // 8) * 8
@@ -188,11 +189,14 @@ def test_input_shape_takes_samples_from_the_train_dataset_through_the_collator()
         return {"input_ids": ids, "labels": ids.clone()}
 
     with tempfile.TemporaryDirectory() as out:
-        args = transformers.TrainingArguments(output_dir=out, report_to=[], use_cpu=True, remove_unused_columns=False)
-        data = [{"input_ids": list(range(5))}, {"input_ids": list(range(9))}, {"input_ids": [1]}]
+        args = transformers.TrainingArguments(output_dir=out, report_to=[], use_cpu=True, remove_unused_columns=False,
+                                              per_device_train_batch_size=2)
+        data = [{"input_ids": list(range(5))}, {"input_ids": list(range(9))}]
         trainer = transformers.Trainer(model=_llama(), args=args, train_dataset=data, data_collator=collate)
-        r = graphmem.analyze(trainer, input_shape=(2, 999))
-    assert set(r.input_shapes) == {(2, 16)}
+        assert {k: tuple(v.shape) for k, v in trainer_batch(trainer, (2, 24)).items()} == {"input_ids": (2, 24),
+                                                                                          "labels": (2, 24)}
+        r = graphmem.analyze(trainer)
+    assert set(r.input_shapes) == {(2, 16)} and r.batch["batch"] == "the first train() draws"
 
 
 @pytest.mark.slow

@@ -12,8 +12,9 @@ model's mean). First peak (both at AdamW's ``_foreach_sqrt``): the Trainer's Ada
 (``get_decay_parameter_names``: weight decay and none), so its first group's foreach update runs before the
 second group's states exist; the own loop's one group has every state and every ``_foreach_sqrt``
 temporary live there. The difference is exactly those (the no-decay parameters' ``exp_avg``/``exp_avg_sq``
-and sqrt temporaries, and the own loop's 4-B loss) less the Trainer's three 4-B scalars (``_tr_loss``,
-the token count, its last loss). Later steps (in backward): the Trainer's 0-dim fp32 scalars, 12 B.
+and sqrt temporaries, and the own loop's 4-B loss) less the Trainer's four 4-B scalars (``_tr_loss``,
+the token count, its last loss, and the clipped gradients' norm, which ``_run_epoch``'s ``grad_norm`` holds
+through the optimizer step). Later steps (in backward): the Trainer's 0-dim fp32 scalars, 12 B.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from tests.test_hf_trainer import _gpt2, _llama
 transformers = pytest.importorskip("transformers")
 TOKEN_COUNT = ("aten.div.Tensor", "", (), "float32", 4)  # the Trainer's num_items_in_batch, kept by DivBackward0
 SCALARS = 12  # the Trainer's 0-dim fp32 tensors live beside the own loop's (module docstring)
+NORM = 4  # the clipped gradients' norm, held through the Trainer's optimizer step (the own loop's is not)
 
 
 def _args(out: str, **kwargs: Any) -> Any:
@@ -102,7 +104,7 @@ def test_peaks_differ_from_the_own_loop_by_the_named_tensors(name: str) -> None:
             (tensor == "aten._foreach_sqrt.default" and shape in shapes) or \
             (tensor == "aten.nll_loss_forward.default" and nbytes == 4), (kind, tensor, shape)
     assert all(shape == () and dtype == "float32" for _, _, shape, dtype, _ in trainer_only)
-    assert sum(k[4] * n for k, n in trainer_only.items()) == SCALARS
+    assert sum(k[4] * n for k, n in trainer_only.items()) == SCALARS + NORM
     assert own.budget.peak_bytes - cuda.budget.peak_bytes == \
         sum(k[4] * n for k, n in own_only.items()) - sum(k[4] * n for k, n in trainer_only.items()) > 0
     assert cuda.budget.rank.peak_op == own.budget.rank.peak_op == "aten._foreach_sqrt.default"
@@ -112,7 +114,8 @@ def test_peaks_differ_from_the_own_loop_by_the_named_tensors(name: str) -> None:
 def test_fused_adamw_peaks_differ_only_by_the_trainers_scalars() -> None:
     """adamw_torch_fused against the own loop's fused AdamW: no foreach temporaries, so the Trainer's two
     param groups change nothing; its step states stay on the device (fused) in both. The first peak is
-    the Trainer's three 4-B scalars less the own loop's 4-B loss above the own loop's, the later ones 12 B."""
+    the Trainer's four 4-B scalars (its gradient norm among them) less the own loop's 4-B loss above the own
+    loop's, the later ones 12 B."""
     torch.manual_seed(0)
     model = _llama()
     with tempfile.TemporaryDirectory() as out:
@@ -123,7 +126,7 @@ def test_fused_adamw_peaks_differ_only_by_the_trainers_scalars() -> None:
                            release_output=True, clip_grad_norm=1.0)
     assert cuda.activation_bytes == own.activation_bytes + 4
     assert cuda.budget.row("optimizer states").size == own.budget.row("optimizer states").size
-    assert cuda.budget.peak_bytes - own.budget.peak_bytes == SCALARS - 4
+    assert cuda.budget.peak_bytes - own.budget.peak_bytes == SCALARS + NORM - 4
     assert cuda.budget.rank.later_peak_bytes - own.budget.rank.later_peak_bytes == SCALARS
 
 

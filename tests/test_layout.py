@@ -23,15 +23,16 @@ LAYERS: dict[str, set[str]] = {
     "models": set(),
     "capture": {"errors", "units", "stepgraph", "chains", "training", "models", "oprules"},
     "distributed": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "models", "fake_group"},
-    "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "analysis"},
+    "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "analysis", "noise"},
     "recapture": {"errors", "stepgraph", "capture", "formula", "training", "passes", "distributed", "spec"},
     "spec": {"errors", "capture", "distributed", "passes", "training", "deepspeed"},
-    "titan": {"errors", "capture", "distributed", "stepgraph", "training"},  # a torchtitan job's rank, captured
+    "titan": {"errors", "capture", "distributed", "stepgraph", "training", "fake_group"},  # a torchtitan job's rank, captured
     "deepspeed": {"errors", "capture", "distributed", "stepgraph", "training", "passes", "fake_group", "units"},
     "measure": {"capture", "distributed", "passes", "recapture", "spec", "training", "titan", "deepspeed"},
     "titan_api": {"errors", "capture", "spec", "training", "titan", "measure"},  # a torchtitan job as a StepSpec
-    "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula", "analysis"},
-    "losses": {"capture"},
+    "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula", "analysis",
+                 "noise"},
+    "losses": {"capture", "training"},  # training/lora.py: the head-outside wrapper LoRA adapts whole
     "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "recapture",
                "losses", "models", "distributed", "chains", "spec", "measure", "analysis"},
     "report": {"errors", "stepgraph", "passes", "formula", "planning", "advise", "capture", "training", "jsondata"},
@@ -40,14 +41,16 @@ LAYERS: dict[str, set[str]] = {
                "validation", "advise"},
     "trainer_api": {"errors", "capture", "spec", "training"},
     "api": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "recapture", "report",
-            "distributed", "spec", "measure", "trainer_api", "titan", "titan_api"},
+            "distributed", "spec", "measure", "trainer_api", "titan", "titan_api", "noise"},
     "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api", "spec", "trainer_api",
-                   "distributed"},  # per-rank validate runs the same wrappers for real (graphmem/validation/ranks.py)
+                   "distributed", "noise"},  # per-rank validate runs the same wrappers for real (graphmem/validation/ranks.py)
     "ci": {"errors", "units", "api", "report", "compare", "render", "training", "capture"},
     "progress": set(),
+    "noise": set(),  # third-party warnings and logs silenced at the front doors (api, validation, cli)
     "checkpointing": {"planning"}, "selective": {"planning"},  # compatibility names for printed plan code
     "cli": {"errors", "units", "api", "report", "compare", "render", "capture", "training", "formula", "planning",
-            "validation", "progress", "models", "advise", "distributed", "spec", "trainer_api", "titan", "titan_api"},
+            "validation", "progress", "models", "advise", "distributed", "spec", "trainer_api", "titan", "titan_api",
+            "noise"},
     "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation", "spec"},
 }
 

@@ -195,7 +195,7 @@ def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
     (dict(clip_grad_norm=1.0), "add optimizer="),
     (dict(optimizer="adamw", clip_grad_norm=-1.0), "positive number"),
     (dict(optimizer="adamw", clip_foreach=False), "add clip_grad_norm="),
-    (dict(release_output=True, mode="compiled"), "eager mode"),
+    (dict(release_output=True, mode="compiled"), "mode='compiled-blocks'"),
     (dict(offload_activations=True, world_size=2, rank=0, fsdp="fully_shard"), "one device only"),
     (dict(optimizer="adamw", release_output=True, pp=2, micro_batches=2), "loop options"),
 ])

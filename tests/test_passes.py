@@ -16,7 +16,8 @@ def _graph(storages: list[Storage], saves: list[SaveEvent], n_ops: int, phases: 
     for i in range(n_ops):
         node = g.create_node("call_function", torch.ops.aten.relu.default, (), {})
         made = [s for s in storages if s.created == i]
-        node.meta.update(index=i, phase="forward", module="m", bytes=sum(s.nbytes for s in made),
+        phase = max(((start, p) for p, start in phases.items() if start <= i), default=(0, "forward"))[1]
+        node.meta.update(index=i, phase=phase, module="m", bytes=sum(s.nbytes for s in made),
                          outputs=tuple((s.shape, torch.float32, s.sid) for s in made))
         ops.append(node)
     return StepGraph(g, ops, {s.sid: s for s in storages}, saves, {**phases, "end": n_ops}, "cpu",

@@ -92,3 +92,31 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch
     assert code == 2 and out == "" and not (tmp_path / "x.png").exists()
     assert err == ("graphmem: error: the memory plot needs matplotlib, which is not installed: "
                    "pip install 'graphmem[plot]'\n")
+
+
+def test_peak_marker_sits_on_the_curve_of_a_long_step() -> None:
+    """A step of more ops than the plot has pixel columns: each drawn step is the largest op of its
+    run, so the curve's top is the peak, where the marker is, and no step is narrower than a pixel
+    (one was antialiased away: the marker of torchtitan's llama3 8B rank sat above a curve that did
+    not reach it)."""
+    pytest.importorskip("matplotlib")
+    from graphmem.render.plot import COLUMNS, timeline_figure
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(150) for m in (nn.Linear(8, 8), nn.ReLU())])
+    r = graphmem.analyze(net, (torch.randn(4, 8),))
+    assert r.num_ops > 2 * COLUMNS  # several ops a column
+    fig = timeline_figure(r)
+    ax = fig.axes[0]
+    marker = next(line for line in ax.lines if line.get_marker() == "v")
+    (x,), (y,) = marker.get_xdata(), marker.get_ydata()
+    top = ax.collections[-1].get_paths()[0].vertices  # the last band stacked: its upper edge is the total
+    scale = r.peak_bytes / y
+    assert top[:, 1].max() * scale == pytest.approx(r.peak_bytes, rel=1e-12)  # float sums of the stacked bands
+    # the curve is at the peak right under the marker: the step holding x is drawn at the marker's height
+    under = top[(top[:, 0] <= x + r.num_ops / COLUMNS) & (top[:, 0] >= x - r.num_ops / COLUMNS), 1]
+    assert under.max() == pytest.approx(y, rel=1e-12)
+    steps = sorted(set(top[:, 0]))
+    fig.canvas.draw()
+    pixels = ax.transData.transform([(steps[0], 0), (steps[1], 0)])
+    assert len(steps) <= COLUMNS + 1 and pixels[1][0] - pixels[0][0] >= 1.0  # every step a pixel or wider

@@ -196,3 +196,19 @@ def test_a_model_of_linear_subclasses_says_why_nothing_was_quantized() -> None:
     with pytest.raises(UsageError, match="FalconLinear, subclasses of nn.Linear"):
         graphmem.analyze(T.FalconForCausalLM(cfg), input_shape=(1, 8), qlora=True, lora_rank=4,
                          lora_targets="all-linear", optimizer="adamw")
+
+
+def test_parameter_count_is_the_models_not_the_packed_bytes() -> None:
+    """A Params4bit holds two 4-bit weights per uint8 element; the report counts the weights, as
+    peft's own count does on the same model with the same adapters unquantized
+    (``get_nb_trainable_parameters``, which also doubles a Params4bit's elements)."""
+    import copy
+
+    model = _model("llama")
+    r = graphmem.analyze(model, {"input_ids": torch.zeros(2, 16, dtype=torch.long)}, qlora=True, lora_rank=4,
+                         lora_targets="all-linear", optimizer="adamw")
+    assert r.budget is not None and r.budget.quantized is not None
+    peft_model, _ = apply_peft(copy.deepcopy(model), LoRA(4, ("all-linear",)))
+    trainable, total = peft_model.get_nb_trainable_parameters()
+    assert (r.budget.rank.trainable, r.budget.rank.parameters) == (trainable, total)
+    assert total == sum(p.numel() for p in model.parameters()) + trainable

@@ -11,10 +11,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import check_golden
 from test_render import MODELS, analyze
 
+import graphmem
 from graphmem import cli
+from graphmem.render import render_text
 from graphmem.render.markdown import render_markdown
 from graphmem.render.tree import render_tree
 
@@ -34,6 +37,23 @@ def test_render_tree_matches_golden(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_render_markdown_matches_golden(name: str) -> None:
     _check_golden(f"{name}.md", render_markdown(analyze(name)))
+
+
+def test_markdown_shows_the_training_step_table() -> None:
+    """golden/sequential_adamw.md: with an optimizer step the report carries the training-step
+    table (report.budget); Markdown shows it as the text view does, row for row."""
+    torch.manual_seed(0)
+    report = graphmem.analyze(MODELS["sequential"](), (torch.randn(8, 16),), optimizer="adamw")
+    md = render_markdown(report)
+    _check_golden("sequential_adamw.md", md)
+    text = render_text(report)
+    table = text[text.index("Training step · "):text.index("model states (")].splitlines()
+    assert f"### {table[0]}" in md  # the title, as a heading
+    for row in table[3:]:  # every row's cells (below the title, headers and rule), in order, in one pipe row
+        cells = [c for c in row.split("  ") if c.strip()]
+        assert any(all(f" {c.strip()} " in line for c in cells) for line in md.splitlines() if line.startswith("|")), row
+    for line in text[text.index("model states ("):text.index("\nNotes") if "\nNotes" in text else None].splitlines():
+        assert line.strip() in md  # the lines under the table, each one list item
 
 
 def test_tree_nested_by_hand() -> None:

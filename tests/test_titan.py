@@ -54,6 +54,38 @@ def test_job_step_phases_and_loop(fsdp4):
     assert report.budget.rank.later_peak_bytes > report.budget.peak_bytes  # the states exist from the start
 
 
+def test_selective_ac_keeps_are_activations(fsdp4):
+    """The debug job's SelectiveAC keeps every other ``aten.mm`` of a block (the 1st, 3rd, ... in
+    forward: torchtitan/distributed/activation_checkpoint.py ``SelectiveAC._wrap_block``) in
+    checkpoint's cache until backward: saved for backward, activations (graphmem/capture/sac.py;
+    the bytes against a real run: tests/test_titan_truth.py ``test_fsdp_selective_ac``)."""
+    _, report = fsdp4
+    g = report.step
+    saved = {t.sid: t for t in report.saved}
+    layers = sorted({op.meta["module"].split(".")[2] for op in g.ops if op.meta["module"].startswith("0.layers.")}, key=int)
+    assert len(layers) == 6
+    for i in layers:
+        mms = [op for op in g.ops[:report.phase_start["loss"]] if str(op.target) == "aten.mm.default"
+               and op.meta["module"].startswith(f"0.layers.{i}.")]
+        kept = [op.meta["storage"] for k, op in enumerate(mms) if k % 2 == 0]  # the 1st, 3rd, ...
+        assert kept and all(saved[sid].category == "activation" and saved[sid].op == "aten.mm.default" for sid in kept)
+        assert not any(op.meta["storage"] in saved for k, op in enumerate(mms) if k % 2 == 1)  # recomputed
+
+
+def test_loss_chunks_run_backward_as_backward(fsdp4):
+    """torchtitan's ChunkedLossWrapper (the debug and 8B configs' loss) runs backward on each of its
+    8 chunks' losses inside the loss function (torchtitan/components/loss.py); the ops autograd's
+    engine runs there are backward's, the chunks' forwards stay the loss's."""
+    _, report = fsdp4
+    g = report.step
+    inside = g.ops[report.phase_start["loss"]:report.phase_start["backward"]]
+    ran = {(str(op.target), g.phase_of(op.meta["index"])) for op in inside}
+    assert {("aten._log_softmax.default", "loss"), ("aten.nll_loss_forward.default", "loss"),
+            ("aten.nll_loss_backward.default", "backward"), ("aten._log_softmax_backward_data.default", "backward")} <= ran
+    assert sum(str(op.target) == "aten.nll_loss_backward.default" for op in inside) == 8
+    assert not {name for name, phase in ran if name.endswith("_backward.default") and phase != "backward"}
+
+
 def test_sdpa_swap_leaves_the_users_config():
     job = load_job("llama3_debugmodel", SMALL)
     swapped = with_sdpa(job)
@@ -126,10 +158,14 @@ def test_cli_json(capsys):
 PUBLISHED = """
 import json, resource, sys, time
 sys.path.insert(0, "benchmarks")
-from titan_published import ROWS, predict, published_job
+from titan_published import ROWS, published_job
+import graphmem
 name, world, cfg, overrides, published = ROWS[int(sys.argv[1])]
-got, seconds, rss = predict(world, published_job(cfg, overrides))
-print(json.dumps({"got": got, "published": published, "seconds": seconds,
+report = graphmem.analyze(published_job(cfg, overrides), world_size=world, rank=0, device="cuda", gpu="h100",
+                          attention="sdpa")
+d = json.loads(json.dumps(report.to_dict()))  # the report's JSON alone
+got = {"later reserved": d["memory"]["later_steps"]["max_reserved"] / 2 ** 30}
+print(json.dumps({"got": got, "published": published,
                   "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """
 
@@ -138,7 +174,8 @@ print(json.dumps({"got": got, "published": published, "seconds": seconds,
 @pytest.mark.parametrize("row, bound", [(0, 0.03), (1, 0.02), (2, 0.02), (3, 0.025)])
 def test_published_h100_rows(row, bound):
     """torchtitan's published Llama 3.1 8B FSDP rows (benchmarks/titan_published.py, docs/titan.md):
-    the later steps' max reserved of rank 0 on the CUDA target, in a fresh process that never holds
+    the later steps' max reserved of rank 0 on the CUDA target, read from the report's JSON alone
+    (``memory.later_steps.max_reserved``), in a fresh process that never holds
     4 GiB (a real rank holds 62-82 GiB). Measured with a pool per stream (FSDP2's copy-in and
     reduce-scatter streams, passes/allocator.py): 80.6 GiB against 82.4 (-2.2 %, FSDP8) and 65.7
     against 67.0 (-1.9 %, FSDP128); with each block compiled and partitioned as Inductor partitions

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.profiler import ProfilerActivity, profile
 
+from graphmem.capture.sac import through_hooks
 from graphmem.validation.measure import _quiet_gc
 from tests.settle import addresses, high, settle
 
@@ -207,7 +208,7 @@ def _step(trainer: Any, data: Iterator, later: bool = False) -> dict[str, int]:
     held_before = {t.untyped_storage().data_ptr() for t in _held(trainer)}
     trainer.step += 1  # as Trainer.train counts steps
     with _quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), through_hooks():  # SAC's kept tensors too
         trainer.train_step(data)
     unheld = _unheld_before(prof, held_before) if later else 0
     return {"saved": saves.total(), "peak": before + unheld + high(prof, addresses(_held(trainer))), "before": before}

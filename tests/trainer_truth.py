@@ -101,10 +101,10 @@ def _step(trainer: Any, model: Any, batch: dict, saved: Optional[dict[int, Any]]
     finally:
         del trainer.compute_loss
     grad_norm = trainer._clip_grad_norm(model) if trainer.args.max_grad_norm > 0 else None
-    del grad_norm
     trainer.optimizer.step()
     trainer.lr_scheduler.step()
     model.zero_grad()
+    del grad_norm  # _run_epoch's ``grad_norm`` holds the norm's tensor through the optimizer step (1937-1958)
 
 
 def _run(make: Callable[[str], Any], kept: list) -> dict[str, int]:

@@ -13,6 +13,7 @@ from graphmem.analysis import Analysis
 from graphmem.errors import GraphmemError
 from graphmem.passes.budget import later_steps_peak
 from graphmem.spec import StepSpec
+from graphmem.training.spec import preparing_once
 from graphmem.units import fmt_bytes, parse_bytes
 
 COSTS_NOTE = ("costs are graphmem's measures (recompute FLOPs from the recorded ops, bytes moved by collectives) "
@@ -100,15 +101,28 @@ def advise(report: Analysis, memory: Any, ranks: int = 8, lora_rank: int = 16,
            tick: Optional[Callable[[], None]] = None, combine: bool = False) -> Advice:
     """The levers of ``report``'s step, each captured, ranked, and the best few combined (when no
     single lever fits, or ``combine``)."""
-    limit = parse_bytes(memory)
+    with preparing_once():  # one adapted (LoRA, QLoRA) model for every lever that keeps the model
+        return _advise(report, parse_bytes(memory), memory if isinstance(memory, str) else None, ranks, lora_rank,
+                       tick, combine)
+
+
+def _advise(report: Analysis, limit: int, budget: Optional[str], ranks: int, lora_rank: int,
+            tick: Optional[Callable[[], None]], combine: bool) -> Advice:
     measurer = Measurer(report, tick)
     base = measurer.base
     base_peak = measurer.peak(base)
     changes: list[Change] = []
     left_out: list[LeftOut] = []
-    for found, why in (L.loss(report, base, measurer.source.make), L.attention(report, base),
-                       L.precision(report, base), L.optimizer(report, base), L.micro_batches(report, base),
-                       L.sharding(report, base, ranks), L.pipeline(report, base, ranks), L.lora(report, base, lora_rank)):
+    levers: tuple[tuple[str, Callable[[], tuple[list[Change], list[LeftOut]]]], ...] = (
+        ("loss", lambda: L.loss(report, base, measurer.source.make)), ("attention", lambda: L.attention(report, base)),
+        ("precision", lambda: L.precision(report, base)), ("optimizer", lambda: L.optimizer(report, base)),
+        ("micro-batches", lambda: L.micro_batches(report, base)), ("sharding", lambda: L.sharding(report, base, ranks)),
+        ("pipeline", lambda: L.pipeline(report, base, ranks)), ("lora", lambda: L.lora(report, base, lora_rank)))
+    for kind, levers_of in levers:
+        try:  # a lever that cannot be set up on this step is a row of its own, the others still weighed
+            found, why = levers_of()
+        except GraphmemError as e:
+            found, why = [], [LeftOut(kind, f"not applicable: {e}")]
         changes += found
         left_out += why
     rows, measured = _singles(measurer, changes, base_peak, limit, left_out)
@@ -116,12 +130,12 @@ def advise(report: Analysis, memory: Any, ranks: int = 8, lora_rank: int = 16,
         row, skipped = _batch_lever(report, measurer, limit, base_peak)
         rows += [row] if row is not None else []
         left_out += [skipped] if skipped is not None else []
-    plan, skipped = _plan_lever(report, limit, memory if isinstance(memory, str) else f"{limit}B", base_peak)
+    plan, skipped = _plan_lever(report, limit, budget or f"{limit}B", base_peak)
     rows += [plan] if plan is not None else []
     left_out += [skipped] if skipped is not None else []
     # combinations only when no single lever fits: the answer needs them then, and each is a capture
     fits = base_peak <= limit or any(r.fits for r in rows)
-    combos = [] if fits and not combine else _combinations(measurer, base, measured, base_peak, limit)
+    combos = [] if fits and not combine else _combinations(measurer, base, measured, base_peak, limit, left_out)
     rows.sort(key=lambda r: (r.peak_bytes, r.rank))
     return Advice(limit, base_peak, tuple(rows), tuple(combos), tuple(left_out), measurer.captures)
 
@@ -138,18 +152,19 @@ def _singles(measurer: Measurer, changes: list[Change], base_peak: int, limit: i
         if change.kind in STOP_AT_FIT and any(r.kind == change.kind and r.fits for r in rows):
             continue
         try:
-            peak = measurer.peak(change.apply(base))
+            spec = change.apply(base)
+            peak = measurer.peak(spec)
+            cost, extent = change.cost, change.extent
+            if change.cost_class == "recompute":  # the FLOPs the changed step records beyond the step's own
+                extent = max(0, measurer.flops(spec) - base_flops) / base_flops
+                cost = f"recompute {extent:.1%} of the step's FLOPs: {cost}"
         except GraphmemError as e:
-            left_out.append(LeftOut(change.kind, f"{change.name}: {e}"))
+            left_out.append(LeftOut(change.kind, f"{change.name}: not applicable: {e}"))
             continue
         if peak >= base_peak:  # measured, and the step's peak does not drop: not a lever here
             left_out.append(LeftOut(change.kind, f"{change.name}: the peak does not drop ({fmt_bytes(peak)})"))
             continue
         measured[change.name] = (change, peak)
-        cost, extent = change.cost, change.extent
-        if change.cost_class == "recompute":  # the FLOPs the changed step records beyond the step's own
-            extent = max(0, measurer.flops(change.apply(base)) - base_flops) / base_flops
-            cost = f"recompute {extent:.1%} of the step's FLOPs: {cost}"
         rows.append(_row(change.kind, change.name, change.how, peak, base_peak, limit, cost, change.cost_class,
                          extent=extent))
     return rows, measured
@@ -167,6 +182,8 @@ def _batch_lever(report: Analysis, measurer: Measurer, limit: int, base_peak: in
     too) and lowered in proportion while the capture does not fit (``tries`` captures at most)."""
     base = measurer.base
     b = base.shape[0]
+    if b == 1:  # nothing smaller to try: no formula sampled, no capture
+        return None, LeftOut("batch", f"even a batch of 1 does not fit {fmt_bytes(limit)}")
     try:
         value = min(report.fit(memory=limit).value, b - 1)
     except GraphmemError as e:
@@ -175,7 +192,10 @@ def _batch_lever(report: Analysis, measurer: Measurer, limit: int, base_peak: in
     for _ in range(tries):
         if value < 1:
             break
-        peak = measurer.peak(base.at((value, *base.shape[1:])))
+        try:
+            peak = measurer.peak(base.at((value, *base.shape[1:])))
+        except GraphmemError as e:
+            return None, LeftOut("batch", f"batch {value}: not applicable: {e}")
         if peak <= limit:
             break
         value = min(value - 1, value * limit // peak)
@@ -218,10 +238,12 @@ def _plan_lever(report: Analysis, limit: int, budget: str, base_peak: int) -> tu
 
 
 def _combinations(measurer: Measurer, base: StepSpec, measured: dict[str, tuple[Change, int]], base_peak: int,
-                  limit: int, most: int = 4) -> list[Lever]:
+                  limit: int, left_out: list[LeftOut], most: int = 4) -> list[Lever]:
     """Greedy, each step captured: start from the best lever of the kind that saves most, add the
     best lever of each other kind (capture-only kinds first, sharding last: it needs more GPUs)
-    while it lowers the peak, until the step fits or ``most`` levers are tried."""
+    while it lowers the peak, until the step fits or ``most`` levers are tried. A lever that cannot
+    join the others (it refuses their setting, or the capture fails) goes to ``left_out`` with the
+    reason, and the next kind is tried."""
     best: dict[str, tuple[Change, int]] = {}
     for change, peak in measured.values():
         if peak < base_peak and change.cost_class in ("none", "trade-off", "recompute", "communication"):
@@ -234,21 +256,23 @@ def _combinations(measurer: Measurer, base: StepSpec, measured: dict[str, tuple[
     (first, peak_now), parts = order[0], [order[0][0]]
     setting = first.apply(base)
     for change, _ in order[1:most]:
-        trial = change.apply(setting)
-        try:
+        trying = [*parts, change]
+        cls = max((c.cost_class for c in trying), key=lambda c: COST_RANK[c])
+        extent = sum(c.extent for c in trying if c.cost_class == cls)
+        cost = "; ".join(c.cost for c in trying)
+        try:  # a lever may refuse the others' setting (Adafactor on FSDP2's DTensor parameters): not this combination
+            trial = change.apply(setting)
             peak = measurer.peak(trial)
-        except GraphmemError:
+            if cls == "recompute" and peak < peak_now:
+                extent = max(0, measurer.flops(trial) - measurer.flops(base)) / measurer.flops(base)
+                cost = f"recompute {extent:.1%} of the step's FLOPs; " + \
+                    "; ".join(c.cost for c in trying if c.cost_class != cls)
+        except GraphmemError as e:
+            left_out.append(LeftOut("combination", f"{' + '.join(c.name for c in trying)}: not applicable: {e}"))
             continue
         if peak >= peak_now:  # this lever does not help on top of the others
             continue
-        setting, peak_now = trial, peak
-        parts.append(change)
-        cls = max((c.cost_class for c in parts), key=lambda c: COST_RANK[c])
-        extent = sum(c.extent for c in parts if c.cost_class == cls)
-        cost = "; ".join(c.cost for c in parts)
-        if cls == "recompute":
-            extent = max(0, measurer.flops(setting) - measurer.flops(base)) / measurer.flops(base)
-            cost = f"recompute {extent:.1%} of the step's FLOPs; " + "; ".join(c.cost for c in parts if c.cost_class != cls)
+        setting, peak_now, parts = trial, peak, trying
         out.append(_row("combination", " + ".join(c.name for c in parts), "; ".join(c.how.split(":")[0] for c in parts),
                         peak, base_peak, limit, cost.rstrip("; "), cls, tuple(c.name for c in parts), extent))
         if peak <= limit:

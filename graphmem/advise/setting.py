@@ -36,6 +36,7 @@ class Measurer:
         self.base: StepSpec = self.source.spec
         self.tick = tick or (lambda: None)
         self.captures = 0  # captures run (the report's own is not counted)
+        self._flops: dict[int, int] = {}
         step, lv = captured(report)
         lora = report.budget.lora_layers if report.budget is not None else ()
         self._cache: dict[StepSpec, list[Captured]] = {_key(self.base): [
@@ -68,8 +69,11 @@ class Measurer:
         return step_peak(self.captured(spec))
 
     def flops(self, spec: StepSpec) -> int:
-        """FLOPs of the step's recorded ops (planning/planner.py's ``step_flops``)."""
-        return step_flops(self.captured(spec).graph)
+        """FLOPs of the step's recorded ops (planning/planner.py's ``step_flops``), counted once a step."""
+        graph = self.captured(spec).graph
+        if id(graph) not in self._flops:  # the graph is held by the cache: its id is not reused
+            self._flops[id(graph)] = step_flops(graph)
+        return self._flops[id(graph)]
 
 
 def step_peak(step: Captured) -> int:

@@ -19,6 +19,15 @@ _DONE = "graphmem_done"  # set in grad_fn.metadata by a post hook once the node 
 _ADD = torch.ops.aten.add.Tensor
 
 
+def engine_phase(phase: str) -> str:
+    """The phase of the op running now, as autograd runs it: an op the engine runs for a node is
+    backward's, even while the step is in its forward or its loss (a loss that runs backward on its
+    own chunks before the step's ``loss.backward()``: torchtitan's ChunkedLossWrapper)."""
+    if phase in ("forward", "loss") and torch._C._current_autograd_node() is not None:
+        return "backward"
+    return phase
+
+
 def node_metadata(fn: Any) -> dict:
     """An autograd node's metadata dict (a property; torch's stubs call it a method)."""
     return fn.metadata

@@ -25,6 +25,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
 from graphmem.capture.call_paths import module_names, module_order
 from graphmem.capture.compiled import CompiledStep, compiled_context
+from graphmem.capture.compiled_blocks import hooks_standing_aside
+from graphmem.capture.compiled_per_block import compiling_blocks
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import Inputs, fake_batch, fake_state, forward_context, translate_error
 from graphmem.capture.hand_back import hand_back_in_order
@@ -32,7 +34,7 @@ from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recompute import segment_scope
 from graphmem.capture.recorder import _Mode, _Recorder
 from graphmem.capture.rng_states import rng_states
-from graphmem.capture.target import Target
+from graphmem.capture.target import BLOCKS, Target
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.stepgraph import StepGraph
 from graphmem.training.batch import Batch
@@ -84,8 +86,8 @@ def capture(
     """
     target = device if isinstance(device, Target) else Target(str(torch.device(device).type))
     if target.mode == "compiled" and train is not None and train.loop_options:
-        raise UsageError(f"{', '.join(train.loop_options)} are analyzed in eager mode (the compiled step's graphs are "
-                         "traced without them): drop mode='compiled'")
+        raise UsageError(f"{', '.join(train.loop_options)} run around compiled blocks, as torchtune compiles: use "
+                         "mode='compiled-blocks' (each block and the loss compiled), or mode='eager'")
     backends: dict[str, int] = {}
     _unique_counts()  # calibrate before entering the fake mode
     cap = recorder_for(target, backends, module_names(model))
@@ -99,12 +101,16 @@ def capture(
         if target.mode == "compiled":  # torch.compile's step, traced once on its own fake tensors
             compiled = CompiledStep.trace(model, inputs, loss_fn, target, backends, runner)
         step = _prepare(model, inputs, target, train, cap, fake_mode)  # before the step swaps the fake parameters in
+        # compiled blocks: the hooks stand aside while dynamo traces a block (its graphs' nodes name its modules)
+        hook = hooks_standing_aside if target.mode == BLOCKS else lambda h: h
         handles = [] if compiled is not None else [  # compiled: modules come from the graphs' node metadata
-            nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
-            nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True),  # also when a recompute stops early
+            nn.modules.module.register_module_forward_pre_hook(hook(cap.pre_hook)),
+            nn.modules.module.register_module_forward_hook(hook(cap.post_hook), always_call=True),  # also when a recompute stops early
         ]
-        # ``kept``: the step's output, loss and context, alive (as the fake state) until the recorder closes
-        gradient_sids, kept = _run(model, loss_fn, target, runner, cap, fake_mode, compiled, step, backends)
+        with compiling_blocks(model, loss_fn, cap, target, backends) if target.mode == BLOCKS \
+                else contextlib.nullcontext(loss_fn) as step_loss:
+            # ``kept``: the step's output, loss and context, alive (as the fake state) until the recorder closes
+            gradient_sids, kept = _run(model, step_loss, target, runner, cap, fake_mode, compiled, step, backends)
         return _step_graph(model, target, train, cap, compiled, step, gradient_sids, backends)
     finally:
         cap.closed = True  # before out/loss/state die with this frame: those frees are after the step

@@ -4,11 +4,17 @@
 while the step runs, and graphmem's module hooks standing aside while dynamo traces them."""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import gc
+from typing import Any, Iterator
+from unittest import mock
 
 import torch
 
 from graphmem.capture.compiled import _Backend
+from graphmem.capture.compiled_cuda import graphs_unruled
+from graphmem.capture.recorder import _Recorder
+from graphmem.capture.target import Target
 
 
 class _JobBackend(_Backend):
@@ -63,4 +69,52 @@ def hooks_standing_aside(hook: Any) -> Any:
     return call
 
 
-__all__ = ["_JobBackend", "hooks_standing_aside"]
+def attributed(root: Any, backend: "_Backend | None", cap: _Recorder, target: Target) -> None:
+    """Each compiled block of ``root`` runs between graphmem's module hooks (its own hooks are
+    inside its compiled call, traced, never run), on the CUDA target with the eager CUDA rules
+    lifted (its graphs carry them: graphmem/capture/compiled_cuda.py), and the backend learns
+    the blocks' inner names."""
+    if backend is None:
+        return
+    blocks = [m for m in root.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    backend.names = frozenset(name for m in blocks for name, _ in m.named_modules())
+    for m in blocks:
+        m._compiled_call_impl = _between_hooks(m, m._compiled_call_impl, cap, target.device == "cuda")
+
+
+def _between_hooks(module: Any, call: Any, cap: _Recorder, cuda: bool) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        cap.pre_hook(module, args)
+        out = None
+        try:
+            with graphs_unruled() if cuda else contextlib.nullcontext():
+                out = call(*args, **kwargs)
+            return out
+        finally:
+            cap.post_hook(module, args, out)
+    return run
+
+
+@contextlib.contextmanager
+def compiles_unrecorded(cap: _Recorder, collect: bool = False) -> Iterator[None]:
+    """Dynamo's compilation of a frame (its tracing, AOTAutograd's joint graph and partition) is compile
+    time, not the step: the recorder pauses while it runs. ``collect``: the cycles dynamo's tracing leaves,
+    which hold the frame's tensors (a block's inputs), are collected before the frame runs, as a real step
+    compiled before it is measured holds none of them."""
+    from torch._dynamo import convert_frame
+
+    kept_compile = convert_frame._compile
+
+    def compile_unrecorded(*args: Any, **kwargs: Any) -> Any:
+        with cap.paused():
+            try:
+                return kept_compile(*args, **kwargs)
+            finally:
+                if collect:
+                    gc.collect()
+
+    with mock.patch.object(convert_frame, "_compile", compile_unrecorded):
+        yield
+
+
+__all__ = ["_JobBackend", "attributed", "compiles_unrecorded", "hooks_standing_aside"]

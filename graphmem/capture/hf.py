@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from graphmem.capture.hf_batch import PADDINGS, batch  # noqa: F401  (hf.batch: the batch for an input shape)
 from graphmem.capture.target import DTYPES, Target
-from graphmem.errors import ModelLoadError, UsageError
+from graphmem.errors import ModelLoadError, UsageError, one_line
 
 EXTRA = "pip install 'graphmem[hf]'"
 AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
@@ -166,12 +166,14 @@ def make_config(raw: dict, trust_remote_code: bool, name: str) -> Any:
     kwargs = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
     if "torch_dtype" in kwargs:  # the published name; transformers 5 reads dtype
         kwargs.setdefault("dtype", kwargs.pop("torch_dtype"))
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ModelLoadError(f"{name}: model_type {model_type!r} is unknown to transformers "
+                             f"{transformers.__version__}; upgrade transformers ({EXTRA} -U)")
     try:
         with quiet():
             return transformers.AutoConfig.for_model(model_type, **kwargs)
-    except (KeyError, ValueError) as e:
-        raise ModelLoadError(f"{name}: model_type {model_type!r} is unknown to transformers "
-                             f"{transformers.__version__}; upgrade transformers ({EXTRA} -U)") from e
+    except Exception as e:  # a field's type or value refused by the config class (huggingface_hub's strict checks)
+        raise ModelLoadError(f"{name}: not a valid {model_type} config ({one_line(e)}); fix the config.json") from e
 
 
 def model_class(config: Any, trust_remote_code: bool) -> Any:

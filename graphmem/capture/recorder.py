@@ -25,6 +25,7 @@ from graphmem.capture.autograd_tags import (
     _tag_grad_fns,
     _tensors,
     _unique_counts,
+    engine_phase,
     node_metadata,
 )
 from graphmem.capture.call_paths import call_path
@@ -244,8 +245,8 @@ class _Recorder:
         return self.stack[-1]
 
     def record(self, call: Callable[[Any, tuple, dict], Any], func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
-        kwargs = kwargs or {}
-        if func is _ADD and self.phase == "backward" and not kwargs and self._accumulates_inplace(args):
+        kwargs, phase = kwargs or {}, engine_phase(self.phase)
+        if func is _ADD and phase == "backward" and not kwargs and self._accumulates_inplace(args):
             func = torch.ops.aten.add_.Tensor  # what eager does for real tensors (see below)
         self.depth += 1
         try:
@@ -279,7 +280,7 @@ class _Recorder:
                 setattr(t, _NODE, (node, i))
             else:
                 setattr(t, _NODE, node)
-        node.meta.update(index=index, phase=self.phase, module=module, outputs=tuple(metas),
+        node.meta.update(index=index, phase=phase, module=module, outputs=tuple(metas),
                          bytes=new_bytes)
         if len(metas) != len(outs) and multi:  # some outputs are not tensors: where each tensor is
             node.meta["positions"] = tuple(i for i, t in enumerate(outs) if isinstance(t, torch.Tensor))
@@ -396,5 +397,4 @@ class _Recorder:
             self.micro_steps.append((len(self.ops), -1))
         elif phase == "backward" and self.micro_steps:
             self.micro_steps[-1] = (self.micro_steps[-1][0], len(self.ops))
-        self.stack = [""]
-        self.seq_start = []
+        self.stack, self.seq_start = [""], []

@@ -20,7 +20,8 @@ from graphmem.errors import UsageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ATTENTION = ("auto", "flash", "efficient", "cudnn", "math", "eager")  # eager: HF models' own softmax attention
-MODES = ("eager", "compiled")
+MODES = ("eager", "compiled", "compiled-blocks")
+BLOCKS = "compiled-blocks"  # each block of the chain and the loss compiled, the loop eager (compiled_per_block.py)
 # compute capability of the GPUs users name (NVIDIA's tables)
 GPUS = {"v100": (7, 0), "t4": (7, 5), "a100": (8, 0), "a10": (8, 6), "l4": (8, 9), "h100": (9, 0), "h200": (9, 0),
         "b200": (10, 0)}
@@ -33,7 +34,9 @@ class Target:
     amp: Optional[str] = None  # autocast dtype: None | "bf16" | "fp16"
     attention: str = "auto"  # SDPA backend on the CUDA target
     gpu: str = "h100"  # GPU generation for the CUDA backend rules
-    mode: str = "eager"  # "eager" | "compiled" (torch.compile: AOTAutograd + min-cut partition)
+    # "eager" | "compiled" (torch.compile of the model: AOTAutograd + min-cut partition) | "compiled-blocks"
+    # (torch.compile of each block of its chain and of the loss, the rest eager: graphmem/capture/compiled_per_block.py)
+    mode: str = "eager"
     # compiled mode: torch._functorch.config.activation_memory_budget for the partition (None: torch's own, 1.0)
     memory_budget: Optional[float] = None
     # compiled mode: the torch.compile backend whose partition is predicted: "aot_eager", or "inductor"
@@ -67,6 +70,9 @@ class Target:
             parts.append("torch.compile (AOTAutograd, min-cut partition"
                          + (", Inductor's decompositions and joint-graph passes" if self.compile_backend == "inductor" else "")
                          + (f", activation memory budget {self.memory_budget:g})" if self.memory_budget is not None else ")"))
+        elif self.mode == BLOCKS:
+            parts.append("torch.compile per block and loss (AOTAutograd, min-cut partition"
+                         + (f", activation memory budget {self.memory_budget:g})" if self.memory_budget is not None else ")"))
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, object]:
@@ -97,12 +103,12 @@ def make_target(device: str = "cpu", dtype: Optional[str] = None, amp: Optional[
     if device == "cpu" and attention in ("efficient", "cudnn"):
         raise UsageError(f"`attention={attention}` is a CUDA kernel; on the CPU target use auto, flash or math")
     if mode not in MODES:
-        raise UsageError(f"unknown mode {mode!r}: use eager or compiled")
+        raise UsageError(f"unknown mode {mode!r}: use eager, compiled or compiled-blocks")
     if memory_budget is not None:
         memory_budget = check_memory_budget(memory_budget)
-        if mode != "compiled":
+        if mode not in ("compiled", BLOCKS):
             raise UsageError("`memory_budget` sets torch.compile's partitioner (activation_memory_budget): "
-                             "add `mode='compiled'`")
+                             "add `mode='compiled'` (or `mode='compiled-blocks'`)")
     return Target(device, dtype, amp, attention, gpu, mode, memory_budget)
 
 

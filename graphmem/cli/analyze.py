@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from graphmem.cli.options import (
     add_debug_argument,
+    add_depth_argument,
     add_pipeline_arguments,
     add_plan_arguments,
     add_step_arguments,
@@ -38,13 +39,20 @@ class Analyze:
                             "around the (Hugging Face) model runs (its optim, clipping, accumulation, bf16/fp16, "
                             "gradient checkpointing); with --world-size N [--rank R], rank R of its DDP job on N "
                             "processes")
+        p.add_argument("--train-dataset", metavar="PATH",
+                       help="with --training-args: the Trainer's train_dataset (a JSON Lines file of samples, or a "
+                            "directory saved by datasets' save_to_disk); without --input-shape the step runs the "
+                            "first batch train() draws from it")
+        p.add_argument("--trainer-batch", choices=["first", "longest"], default="first",
+                       help="with --train-dataset: the first batch train() draws (default), or the longest of the "
+                            "run's (a padding collator's worst case)")
         o = p.add_argument_group("output")
         o.add_argument("--json", action="store_true", help="print the report as JSON (exact integers); same as --format json")
         o.add_argument("--format", choices=["text", "json", "markdown"], help="output format (default text)")
         o.add_argument("--tree", action="store_true", help="print the module tree of saved bytes (text format)")
         o.add_argument("--plot", metavar="PATH", help="also write a PNG of memory over the step (needs graphmem[plot])")
         o.add_argument("--snapshot", metavar="PATH", help="also write the step as a memory_viz snapshot pickle")
-        o.add_argument("--depth", type=int, default=3, help="module table depth (default 3)")
+        add_depth_argument(o)
         o.add_argument("--expand", action="store_true",
                        help="list every block of a run of identical ones (default: one row, e.g. layers.0-31 ×32)")
         o.add_argument("--top", type=int, default=10, help="rows in the largest-tensor tables (default 10)")
@@ -62,6 +70,8 @@ class Analyze:
         check_plan_arguments(args, args.plan)
         budgets = memory_budgets_of(args)
         check_pipeline_arguments(args)
+        if args.train_dataset and not args.training_args:
+            raise UsageError("--train-dataset is the Trainer's: give --training-args too")
         overrides = getattr(args, "job_overrides", [])
         if args.torchtitan is None:
             require_model(args, overrides)
@@ -72,7 +82,7 @@ class Analyze:
                 with Progress(total=len(budgets), desc="memory budgets") as bar:
                     report = report.keeping(memory_budgets=report.memory_budgets(budgets, tick=bar.update))
             summary = report.plans(args.budget, args.max_overhead, points=args.points,
-                                   selective=args.selective) if args.plan else None
+                                   selective=args.selective, figure=args.figure) if args.plan else None
             report = report.keeping(plans=summary)
             if args.formula:
                 with Progress(desc="captures") as bar:
@@ -99,12 +109,13 @@ def trainer_report(args: argparse.Namespace) -> Any:
                          "[--rank R]); drop --zero, --fsdp and --tp")
     target = target_of(args)
     loaded = load(args.model, target=target, options=hf_of(args))
-    trainer = trainer_from_file(loaded.module, args.training_args, target)
+    trainer = trainer_from_file(loaded.module, args.training_args, target, args.train_dataset)
     if not is_trainer(trainer):  # FSDP arguments: the Trainer is built per rank (graphmem/training/hf_trainer_fsdp.py)
         return analyze(loaded.module, training_args=trainer, input_shape=args.input_shape, world_size=args.world_size,
                        rank=args.rank)
     device = "cuda" if target.device == "cuda" else None  # else the Trainer's own (cuda where built on a GPU)
-    return analyze(trainer, input_shape=args.input_shape, world_size=args.world_size, rank=args.rank, device=device)
+    return analyze(trainer, input_shape=args.input_shape, world_size=args.world_size, rank=args.rank, device=device,
+                   trainer_batch=args.trainer_batch)
 
 
 class Presets:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from graphmem.cli.options import add_debug_argument
+from graphmem.cli.options import add_debug_argument, add_depth_argument
 
 
 class Compare:
@@ -15,6 +15,7 @@ class Compare:
         p.add_argument("before", help="a report written by `graphmem analyze ... --json > before.json`")
         p.add_argument("after", help="the report to compare with it")
         p.add_argument("--top", type=int, default=10, help="rows in the added/removed tensor tables (default 10)")
+        add_depth_argument(p)
         add_debug_argument(p)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -22,5 +23,6 @@ class Compare:
         from graphmem.render.compare import render_comparison
 
         before, after = load_json_report(args.before), load_json_report(args.after)
-        sys.stdout.write(render_comparison(compare(before, after, (args.before, args.after)), top=args.top))
+        c = compare(before, after, (args.before, args.after))
+        sys.stdout.write(render_comparison(c, top=args.top, depth=args.depth))
         return 0

@@ -22,6 +22,7 @@ OPTIONS = frozenset({
     "config", "trust_remote_code", "budget", "max_overhead", "selective", "points", "tolerance", "ranks", "memory",
     "seq", "batch", "debug", "json", "plan", "formula", "release_output", "clip_grad_norm", "clip_foreach",
     "optimizer_in_backward", "offload_activations", "training_args", "deepspeed", "padding", "use_cache", "d_model", "n_heads",
+    "train_dataset", "trainer_batch",
 })
 
 

@@ -7,7 +7,14 @@ import json
 import sys
 from typing import Any
 
-from graphmem.cli.options import add_debug_argument, add_model_arguments, add_target_arguments, analyze_args
+from graphmem.cli.options import (
+    add_debug_argument,
+    add_figure_argument,
+    add_model_arguments,
+    add_target_arguments,
+    add_training_arguments,
+    analyze_args,
+)
 from graphmem.errors import UsageError
 
 
@@ -50,8 +57,13 @@ class Fit:
     help = "largest batch (or sequence length) whose peak fits in memory"
 
     def prepare_parser(self, p: argparse.ArgumentParser) -> None:
-        _common(p, False)
+        add_model_arguments(p, False)
+        add_target_arguments(p)
+        add_training_arguments(p)  # the step's loop and parallel setting, as analyze takes them
+        p.add_argument("--json", action="store_true", help="JSON output")
+        add_debug_argument(p)
         p.add_argument("--memory", required=True, help="e.g. 80GiB, 40GB")
+        add_figure_argument(p)
         g = p.add_mutually_exclusive_group()
         g.add_argument("--seq", type=int, help="fixed sequence length: find the batch size")
         g.add_argument("--batch", type=int, help="fixed batch size: find the sequence length")
@@ -109,9 +121,12 @@ def _fit(args: argparse.Namespace) -> int:
     from graphmem.progress import Progress, quiet
 
     with quiet(args.json), Progress(desc="captures") as bar:
-        a = _report(args, shape).fit(args.memory, seq=args.seq, batch=args.batch, tick=bar.update)
+        a = analyze_args(args, shape).fit(args.memory, seq=args.seq, batch=args.batch, tick=bar.update,
+                                          figure=args.figure)
     if args.json:
         sys.stdout.write(json.dumps({"fit": {"variable": a.variable, "value": a.value, "memory_bytes": a.memory,
+                                             "figure": a.figure, "figure_bytes": a.figure_bytes,
+                                             "figure_above": a.figure_above, "tensors_value": a.tensors_value,
                                              "fixed": a.fixed, "predicted_peak": a.peak_at_value,
                                              "predicted_peak_above": a.peak_above, "captured_peak": a.captured_at_value,
                                              "captured_peak_above": a.captured_above}}, indent=2) + "\n")

@@ -4,6 +4,7 @@ one parser, and the one place where GraphmemError becomes a stderr line and an e
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import NoReturn, Optional, Sequence
 
@@ -16,7 +17,8 @@ from graphmem.cli.formula import Fit, Formula, Sweep
 from graphmem.cli.plan import Plan
 from graphmem.cli.titan import split_overrides
 from graphmem.cli.validate import Validate
-from graphmem.errors import GraphmemError, UsageError
+from graphmem.errors import GraphmemError, UsageError, one_line
+from graphmem.noise import quiet_third_party
 
 COMMANDS: list[Command] = [Analyze(), Plan(), Advise(), Formula(), Fit(), Sweep(), Validate(), Compare(), Presets()]
 
@@ -36,18 +38,41 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _valued(p: argparse.ArgumentParser) -> set[str]:
+    """The option strings of ``p`` and its commands that take a value."""
+    names: set[str] = set()
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                names |= _valued(sub)
+        elif action.nargs != 0:
+            names.update(action.option_strings)
+    return names
+
+
+def _negative_values(argv: list[str], valued: set[str]) -> list[str]:
+    """``--memory -5GB``, ``--input-shape -1x5``: argparse takes a value that starts with "-" (and is
+    not a plain number) for an option and says "expected one argument"; joined as ``--memory=-5GB``,
+    the option's own check names the value."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in valued and re.match(r"-[0-9.]", arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    for i, arg in enumerate(argv[:-1]):  # `--input-shape -1x5` would parse as an option: keep the value
-        if arg == "--input-shape" and argv[i + 1].startswith("-"):
-            argv[i: i + 2] = [f"--input-shape={argv[i + 1]}"]
-            break
     debug = "--debug" in argv
     argv, overrides = split_overrides(argv)  # --torchtitan's own overrides after a bare --
     try:
-        args = parser().parse_args(argv)
+        p = parser()
+        args = p.parse_args(_negative_values(argv, _valued(p)))
         args.job_overrides = overrides
-        return int(args.run(args))
+        with quiet_third_party():  # torch's, transformers', torchtitan's notes on graphmem's own work
+            return int(args.run(args))
     except GraphmemError as e:
         if debug:
             raise
@@ -59,9 +84,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as e:  # a bug in graphmem: still one line unless --debug
         if debug:
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"graphmem: internal error: {type(e).__name__}: {first} (rerun with --debug and report the traceback)",
-              file=sys.stderr)
+        print(f"graphmem: internal error: {type(e).__name__}: {one_line(e)} (rerun with --debug and report the "
+              "traceback)", file=sys.stderr)
         return 1
 
 

@@ -9,12 +9,13 @@ import argparse
 from typing import Any
 
 from graphmem.errors import UsageError
+from graphmem.units import parse_bytes
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 AMP = ("bf16", "fp16")
 ATTENTION = ("auto", "flash", "efficient", "cudnn", "math", "eager")
-MODES = ("eager", "compiled")
+MODES = ("eager", "compiled", "compiled-blocks")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adafactor", "adam8bit", "adamw8bit", "paged_adamw8bit")
 IMPLS = ("auto", "foreach", "forloop", "fused")
 
@@ -55,6 +56,11 @@ def add_debug_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+def add_depth_argument(p: Any) -> None:
+    """--depth of the module table (analyze's, compare's): a parser or an argument group."""
+    p.add_argument("--depth", type=int, default=3, help="module table depth (default 3)")
+
+
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
     """--device/--dtype/--amp/--attention/--gpu/--mode/--memory-budget/--no-reuse."""
     g = p.add_argument_group("target")
@@ -66,10 +72,15 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
                    "attn_implementation='sdpa' with it, or its own softmax attention with eager")
     g.add_argument("--gpu", default="h100", help="GPU for the CUDA backend rules: h100, a100, l4, a10, t4, v100, ...")
     g.add_argument("--mode", default="eager", choices=MODES,
-                   help="eager autograd (default) or torch.compile's step (AOTAutograd, min-cut partition), shown beside eager")
+                   help="eager autograd (default), torch.compile's step (AOTAutograd, min-cut partition), shown beside eager, or "
+                   "compiled-blocks: each block of the model's chain and the loss compiled, the loop eager (as torchtune compiles)")
     g.add_argument("--memory-budget", metavar="F[,F...]",
                    help="with --mode compiled: torch.compile's activation_memory_budget (0-1) for the partitioner; "
                    "several values, e.g. 1,0.8,0.5,0.2, also print a sweep table (the report is at the first value)")
+    g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE",
+                   help="replace a device row's figure in the device total, e.g. cuda_context=600MiB (rows: "
+                   "cuda_context, cublas_workspace, cudnn_workspace, nccl (each communicator), torch_distributed); "
+                   "repeat for several")
     g.add_argument("--no-reuse", action="store_true",
                    help="capture every block of a deep chain (default: 5 captured and copied, checked at depth 6; "
                    "with --mode compiled, also that the partition repeats at full depth)")
@@ -168,6 +179,15 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="selective checkpointing: a checkpointed segment may also keep some ops' outputs (the knapsack's "
                    "choice at LEVELS memory levels, default 3), measured like plain checkpointing")
     g.add_argument("--points", type=int, default=50, help="budgets tried for the Pareto frontier (default 50)")
+    add_figure_argument(g)
+
+
+def add_figure_argument(g: Any) -> None:
+    """--figure: which of the run's figures a verdict compares with the memory given."""
+    g.add_argument("--figure", choices=("allocated", "reserved", "device"),
+                   help="the run's figure compared with the budget: allocated (max_memory_allocated), reserved "
+                   "(max_memory_reserved) or device (reserved + CUDA context, cuBLAS, NCCL: nvidia-smi); default "
+                   "device on --device cuda, allocated on cpu (no caching allocator, no device rows)")
 
 
 def check_plan_arguments(args: argparse.Namespace, planning: bool) -> None:
@@ -177,6 +197,8 @@ def check_plan_arguments(args: argparse.Namespace, planning: bool) -> None:
         raise UsageError("--selective takes a number of levels >= 1")
     if args.budget is not None and args.max_overhead is not None:
         raise UsageError("give --budget or --max-overhead, not both")
+    if args.budget is not None:
+        parse_bytes(args.budget)  # a bad size fails before the analysis
     if args.points < 2:
         raise UsageError("--points must be at least 2")
 
@@ -257,8 +279,19 @@ def spec_of(args: argparse.Namespace, input_shape: Any = None, training: Any = N
                      reuse=not args.no_reuse, hf=hf_of(args))
 
 
+def overheads_of(args: argparse.Namespace) -> dict[str, str]:
+    """--overhead NAME=SIZE, as ``graphmem.analyze``'s ``overheads`` (names and sizes checked there)."""
+    out = {}
+    for item in vars(args).get("overhead") or []:
+        name, eq, size = item.partition("=")
+        if not eq or not name or not size:
+            raise UsageError(f"--overhead takes NAME=SIZE, e.g. cuda_context=600MiB, not {item!r}")
+        out[name.strip()] = size.strip()
+    return out
+
+
 def analyze_args(args: argparse.Namespace, input_shape: Any = None, training: Any = None, parallel: Any = None) -> Any:
     """``graphmem.analyze`` of the command's StepSpec (``spec_of``)."""
     from graphmem.api import analyze
 
-    return analyze(spec_of(args, input_shape, training, parallel))
+    return analyze(spec_of(args, input_shape, training, parallel), overheads=overheads_of(args) or None)

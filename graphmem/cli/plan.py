@@ -33,13 +33,16 @@ class Plan:
 
         check_plan_arguments(args, True)
         report = analyze_args(args)
-        summary = report.plans(args.budget, args.max_overhead, points=args.points, selective=args.selective)
+        summary = report.plans(args.budget, args.max_overhead, points=args.points, selective=args.selective,
+                               figure=args.figure)
         if args.json:
             sys.stdout.write(json.dumps({"model": report.model, "input_shapes": [list(s) for s in report.input_shapes],
-                                         "peak_bytes": report.peak_bytes, "plan": summary.to_dict()}, indent=2) + "\n")
+                                         "peak_bytes": report.peak_bytes, "run_peak_bytes": report.run_peak_bytes,
+                                         "plan": summary.to_dict()}, indent=2) + "\n")
         else:
             shape = "x".join(map(str, report.input_shapes[0])) if report.input_shapes else ""
-            sys.stdout.write(f"{report.model} {shape}: peak {fmt_bytes(report.peak_bytes)} without checkpoints\n\n")
+            sys.stdout.write(f"{report.model} {shape}: run peak {fmt_bytes(report.run_peak_bytes)} without checkpoints "
+                             f"(first step {fmt_bytes(report.peak_bytes)})\n\n")
             sys.stdout.write(render_plan(summary, top=args.top))
         return plan_status(summary)
 

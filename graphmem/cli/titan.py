@@ -35,7 +35,8 @@ def job_report(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     ranks (graphmem/titan_api.py ``highest``)."""
     import sys
 
-    from graphmem.api import report_of
+    from graphmem.api import parse_overheads, report_of
+    from graphmem.cli.options import overheads_of
     from graphmem.titan import load_job
     from graphmem.titan_api import highest
 
@@ -50,7 +51,7 @@ def job_report(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     if len(peaks) > 1:
         print("graphmem: later steps' peak by rank: " + "; ".join(f"rank {r}: {p:,} B" for r, p in peaks),
               file=sys.stderr)
-    return report_of(measured)
+    return report_of(measured, parse_overheads(overheads_of(args)))
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -63,14 +64,14 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def require_model(args: argparse.Namespace, overrides: Optional[Sequence[str]]) -> None:
-    """Without --torchtitan, MODEL and --input-shape are required as before."""
+    """Without --torchtitan, MODEL is required, and --input-shape unless --training-args (its Trainer's batch)."""
     if overrides:
         raise UsageError("arguments after -- are torchtitan's overrides: give --torchtitan CONFIG")
     if args.model is None:
         raise UsageError("give MODEL (a model file, preset or Hugging Face id) or --torchtitan CONFIG")
-    if args.input_shape is None:
-        raise UsageError("--input-shape is required for MODEL (e.g. --input-shape 32x1024); only --torchtitan takes "
-                         "its batch from the job (see `graphmem analyze --help`)")
+    if args.input_shape is None and not args.training_args:  # a Trainer draws its batch from --train-dataset
+        raise UsageError("--input-shape is required for MODEL (e.g. --input-shape 32x1024); only --torchtitan and "
+                         "--training-args with --train-dataset take their batch from the job (see `graphmem analyze --help`)")
 
 
 __all__ = ["add_job_arguments", "job_report", "require_model", "split_overrides"]

@@ -23,6 +23,13 @@ class FitAnswer:
     captured_at_value: Optional[int]  # confirmation captures at the full depth
     captured_above: Optional[int]  # None when the model itself refuses value + 1
     limit: str = ""  # set when the model, not the memory, bounds the answer
+    # the run's figure the memory was compared with (passes/run_memory.py; "" when the formula's
+    # first-step peak answered alone), captured at ``value`` and one above; ``tensors_value``: the
+    # largest value the formula's first-step peak alone allows
+    figure: str = ""
+    figure_bytes: Optional[int] = None
+    figure_above: Optional[int] = None
+    tensors_value: Optional[int] = None
 
 
 def largest_fitting(coeffs: AnyCoefficients, sampler: Sampler, memory: int, variable: str,

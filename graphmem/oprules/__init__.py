@@ -8,8 +8,9 @@ workspace and scratch; cuDNN's note) · flash_attention.py (CPU flash attention,
 flash backward) · efficient_attention.py (the CUDA target's memory-efficient attention) ·
 layer_norm.py · embedding.py · scalars.py (a Scalar made a tensor inside
 add/sub/mul/div and their foreach forms) · dropout.py (the fused CPU dropout compiled mode calls) · conv.py
-with conv_gemm.py, conv_dw.py, conv_jit.py (oneDNN's convolution; cuDNN's note) · collectives.py
-(gloo's scratch, ``wait_tensor``) · symm_mem.py (AsyncTP's fused all-gather/reduce-scatter matmuls on
+with conv_gemm.py, conv_dw.py, conv_jit.py, conv_brgemm.py (oneDNN's convolution; cuDNN's note; which
+oneDNN kernels run, AVX-512 or AVX2: isa.py) · collectives.py
+(gloo's scratch, ``wait_tensor``) · optim.py (torch.optim's fused SGD, which has no fake kernel) · symm_mem.py (AsyncTP's fused all-gather/reduce-scatter matmuls on
 CUDA, the symmetric-memory workspace) · bnb.py (bitsandbytes' 4-bit matmul and optimizers: loaded
 with the first bitsandbytes op, so bitsandbytes is never imported for models without one).
 """
@@ -26,6 +27,7 @@ from graphmem.oprules import (  # noqa: F401  (each registers its family's rules
     flash_attention,
     layer_norm,
     matmul,
+    optim,
     rnn,
     scalars,
     symm_mem,

@@ -44,21 +44,23 @@ from typing import Any
 
 import torch
 
+import graphmem.oprules.isa as isa
+
 ALIGN = 128  # memory_tracking.hpp default_alignment
 
 
 def avx512() -> bool:
-    """Whether oneDNN runs its AVX-512 kernels here: ``torch.backends.cpu.get_cpu_capability()``
-    (ATen's dispatch level, which reads the same CPUID flags as oneDNN's ``mayiuse``); an AVX2-only
-    CPU runs oneDNN's AVX2 kernels, whose blocks are 8 fp32 wide (checked with
-    ``torch.backends.mkldnn.verbose``: ``nChw8c``, ``Goihw8g``, ``jit_dw:avx2``)."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    """Whether oneDNN runs its AVX-512 kernels in this process (graphmem/oprules/isa.py: the CPU's
+    flags capped by ``ONEDNN_MAX_CPU_ISA``); an AVX2 CPU (or one capped at AVX2) runs oneDNN's AVX2
+    kernels, whose blocks are 8 fp32 wide (checked with ``torch.backends.mkldnn.verbose``:
+    ``nChw8c``, ``Goihw8g``, ``jit_dw:avx2``)."""
+    return isa.onednn_isa() == isa.AVX512
 
 
 def onednn_x64() -> bool:
-    """The CPUs these rules were derived and checked on: AVX-512 or AVX2 x86-64 (another capability,
-    e.g. an Arm CPU's, runs other kernels: the rules decline there and the report's note stays)."""
-    return avx512() or torch.backends.cpu.get_cpu_capability() == "AVX2"
+    """The CPUs these rules were derived and checked on: AVX-512 or AVX2 x86-64 (another CPU, e.g.
+    an Arm one, runs other kernels: the rules decline there and the report's note stays)."""
+    return isa.onednn_isa() in (isa.AVX512, isa.AVX2)
 
 
 def simd_w() -> int:

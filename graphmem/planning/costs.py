@@ -189,7 +189,7 @@ def measure(report: Analysis, policy: Any = None) -> tuple[ChainCosts, int]:
     source = report.source
     if source is None:
         raise PlanError("this report has no model to re-run (no tensor inputs); checkpoint plans need one")
-    if getattr(report.target, "mode", "eager") == "compiled":
+    if getattr(report.target, "mode", "eager") != "eager":
         raise PlanError("checkpoint plans are made for eager steps: under torch.compile the partitioner already "
                         "chooses what to recompute (the report lists it); to trade recompute for memory there, sweep "
                         "its activation memory budget (`memory_budget=1,0.8,0.5,0.2`), or plan with `mode='eager'`")

@@ -3,6 +3,7 @@ program of passes/checkpoint_program.py over the chain costs graphmem/planning/c
 measures), and the summary ``--plan`` prints."""
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -59,6 +60,12 @@ class CheckpointPlan:
     # how the peak was checked: a capture of the step with the plan applied (graphmem/planning/verify.py);
     # when present, ``peak_bytes`` and ``activation_bytes`` are the captured ones
     verification: Optional[Verification] = None
+    # the figure of the run the budget was compared with (graphmem/planning/figures.py) and its bytes
+    figure: str = ""
+    figure_bytes: Optional[int] = None
+
+    def __str__(self) -> str:  # the text view (graphmem/render/plan.py, a layer above: loaded by name)
+        return str(importlib.import_module("graphmem.render.plan").render_chosen(self))
 
     @property
     def overhead(self) -> float:
@@ -103,7 +110,8 @@ class CheckpointPlan:
                 "recompute_flops": self.recompute_flops, "overhead": self.overhead, "budget": self.budget,
                 "max_overhead": self.max_overhead,
                 "verification": self.verification.to_dict() if self.verification is not None else None,
-                **({"policies": [p.name if p is not None else None for p in self.policies]} if self.policies else {})}
+                **({"policies": [p.name if p is not None else None for p in self.policies]} if self.policies else {}),
+                **({"figure": self.figure, "figure_bytes": self.figure_bytes} if self.figure else {})}
 
 
 def _policy_code(plan: CheckpointPlan) -> str:
@@ -210,16 +218,16 @@ class Planner:
             e = self._optimal(budget)
             if self.exact:
                 if e is None:
-                    raise PlanError(f"no checkpoint plan fits {_gib(budget)}: the smallest peak any plan of "
-                                    f"{self.costs.chain} reaches is {_gib(self.minimum_peak())}; raise the "
+                    raise PlanError(f"no checkpoint plan fits {fmt_bytes(budget)}: the smallest peak any plan of "
+                                    f"{self.costs.chain} reaches is {fmt_bytes(self.minimum_peak())}; raise the "
                                     "budget or shrink the batch")
                 if self.verifier.measure(e)[0] == e.peak_bytes:  # the capture confirms the program
                     return self._verified("graphmem", e, budget, True)
             got, _ = search(self.verifier, self._candidates(), lambda peak, c: peak <= budget, e, self._optimal, budget)
             if got is None:
-                raise PlanError(f"no checkpoint plan fits {_gib(budget)}: the smallest peak of the "
+                raise PlanError(f"no checkpoint plan fits {fmt_bytes(budget)}: the smallest peak of the "
                                 f"{len(self.verifier.seen)} plans of {self.costs.chain} graphmem captured is "
-                                f"{_gib(self._smallest_captured())}; raise the budget or shrink the batch")
+                                f"{fmt_bytes(self._smallest_captured())}; raise the budget or shrink the batch")
             return self._verified("graphmem", got, budget, False)
         assert max_overhead is not None
         if max_overhead < 0:
@@ -344,10 +352,6 @@ def parse_limits(budget: Any, max_overhead: Any, required: bool = True) -> tuple
     return (parse_bytes(budget) if budget is not None else None), fraction
 
 
-def _gib(n: int) -> str:
-    return fmt_bytes(n)
-
-
 @dataclass(frozen=True)
 class PlanSummary:
     """What ``--plan`` shows: the chosen plan (when a budget or an overhead cap was given),
@@ -366,6 +370,9 @@ class PlanSummary:
     selective: Any = None  # graphmem.planning.selective.Levels: the ops each selective level keeps
     exact: bool = True  # the chain's pieces compose: the program's plans are optimal
     inexact_because: str = ""  # otherwise, what disagreed (plans are then the best of those captured)
+
+    def __str__(self) -> str:  # as ``--plan`` prints it (graphmem/render/plan.py, a layer above: loaded by name)
+        return str(importlib.import_module("graphmem.render.plan").render_plan(self))
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -2,10 +2,14 @@
 (kept in its graphmem.recapture.Recapture) and the plans they choose."""
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Optional
 
 from graphmem.analysis import Analysis
 from graphmem.errors import UsageError, no_source
+from graphmem.noise import quiet  # third-party notes on the captures these answers run (graphmem/noise.py)
+from graphmem.planning.figures import figure_of, plan_within
+from graphmem.planning.pieces import PlanError
 from graphmem.planning.planner import CheckpointPlan, Planner, PlanSummary, parse_limits, summarize
 from graphmem.planning.selective import LEVELS, SelectivePlanner
 
@@ -28,11 +32,27 @@ def planner(report: Analysis, selective: Any = False) -> Planner:
     return kept[key]
 
 
-def plan(report: Analysis, budget: Any = None, max_overhead: Any = None, selective: Any = False) -> CheckpointPlan:
-    return planner(report, selective).plan(*parse_limits(budget, max_overhead))
+@quiet
+def plan(report: Analysis, budget: Any = None, max_overhead: Any = None, selective: Any = False,
+         figure: Optional[str] = None) -> CheckpointPlan:
+    """The plan for ``budget``, judged on ``figure`` of the run (graphmem/planning/figures.py)."""
+    limit, cap = parse_limits(budget, max_overhead)
+    p = planner(report, selective)
+    if limit is None:
+        return p.plan(limit, cap)
+    return plan_within(report, p, limit, figure_of(report, figure))[0]
 
 
+@quiet
 def plans(report: Analysis, budget: Any = None, max_overhead: Any = None, points: int = 50,
-          selective: Any = False) -> PlanSummary:
-    limits = parse_limits(budget, max_overhead, required=False)
-    return summarize(planner(report, selective), *limits, points=points)
+          selective: Any = False, figure: Optional[str] = None) -> PlanSummary:
+    limit, cap = parse_limits(budget, max_overhead, required=False)
+    p = planner(report, selective)
+    if limit is None:
+        return summarize(p, limit, cap, points=points)
+    name = figure_of(report, figure)
+    try:
+        chosen, inner = plan_within(report, p, limit, name)
+    except PlanError as e:
+        return dataclasses.replace(summarize(p, None, None, points=points), problem=str(e))
+    return dataclasses.replace(summarize(p, inner, None, points=points), chosen=chosen)

@@ -26,7 +26,7 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _title(b: Any) -> str:
+def budget_title(b: Any) -> str:
     t = b.training
     parts = []
     if t.train.optimizer:
@@ -44,10 +44,10 @@ def _title(b: Any) -> str:
     return "Training step · " + " · ".join(parts)
 
 
-def render_budget(b: Any) -> str:
-    """The budget table (one rank; all ranks hold the same) and the peak's explanation."""
+def budget_table(b: Any) -> tuple[list[str], list[list[str]]]:
+    """The budget table's headers and rows (one rank; all ranks hold the same), bytes in human
+    units: what the text and Markdown views both show."""
     r, single = b.rank, b.single
-    p = b.layout
     headers = ["", "one device"] if single is not None else [""]
     headers += ["per rank" if single is not None else "size", "live at the peak", ""]
     rows = []
@@ -64,12 +64,28 @@ def render_budget(b: Any) -> str:
         if row.name == "temporaries":
             note = "at the peak: inputs, outputs, backward and optimizer intermediates"
         rows.append(line + [fmt_bytes(row.size), fmt_bytes(row.at_peak), note])
-    peak = ["peak (first step)"] + ([fmt_bytes(single.peak_bytes)] if single is not None else [])
-    rows.append(peak + [fmt_bytes(r.peak_bytes), "", f"op {r.peak_index} ({r.peak_phase}, {r.peak_op})"])
-    later = ["peak (later steps)"] + ([fmt_bytes(single.later_peak_bytes)] if single is not None else [])
-    rows.append(later + [fmt_bytes(r.later_peak_bytes), "", f"op {r.later_peak_index} ({r.later_peak_phase}); "
-                         "optimizer states live from the start"])
-    lines = [_title(b), tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)]
+    # the step's peaks, one row each: (name, one device's, this rank's, where)
+    peaks = [("peak (first step)", single.peak_bytes if single is not None else None, r.peak_bytes,
+              f"op {r.peak_index} ({r.peak_phase}, {r.peak_op})"),
+             ("peak (later steps)", single.later_peak_bytes if single is not None else None, r.later_peak_bytes,
+              f"op {r.later_peak_index} ({r.later_peak_phase}); optimizer states live from the start")]
+    for name, one, mine, where in peaks:
+        rows.append([name] + ([fmt_bytes(one or 0)] if single is not None else []) + [fmt_bytes(mine), "", where])
+    return headers, rows
+
+
+def render_budget(b: Any) -> str:
+    """The budget table (one rank; all ranks hold the same) and the peak's explanation."""
+    headers, rows = budget_table(b)
+    lines = [budget_title(b), tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)]
+    return "\n".join(lines + budget_notes(b)) + "\n"
+
+
+def budget_notes(b: Any) -> list[str]:
+    """The lines under the table: model states per parameter, offloading, LoRA, 4-bit weights, why
+    the peak is where it is (its detail lines indented by two spaces), tensor parallel, micro-steps."""
+    r, p = b.rank, b.layout
+    lines = []
     psi = r.parameters
     states = r.model_state_bytes - r.step_counter_bytes
     per = f"{states / psi:.2f} B per parameter" if psi else ""
@@ -88,7 +104,7 @@ def render_budget(b: Any) -> str:
     if b.quantized is not None:
         q = b.quantized
         lines.append(f"4-bit: {q.layers} linear layers, {_count(q.weights)} weights held as {fmt_bytes(q.packed_bytes)} "
-                     f"packed (2 per byte; the parameter counts above count a packed byte as one) + "
+                     f"packed (2 per byte; counted above as {_count(q.weights)} parameters) + "
                      f"{fmt_bytes(q.state_bytes)} of block scales and codes (in buffers); each matmul dequantizes its "
                      "weight to the compute dtype inside bitsandbytes' gemm_4bit (its scratch, in temporaries)")
     lines += _why_peak(b)
@@ -100,7 +116,7 @@ def render_budget(b: Any) -> str:
         lines.append(f"micro-steps 3..{k} repeat micro-step 2 (same live tensors), so 2 are traced" if traced == 2 else
                      f"micro-steps 3..{k - 1} repeat micro-step 2 (same live tensors), so {traced} are traced: the last "
                      "one reduce-scatters the accumulated gradients (set_requires_gradient_sync)")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _why_peak(b: Any) -> list[str]:

@@ -37,19 +37,33 @@ def _saved_table(title: str, groups: tuple[SavedGroup, ...], top: int) -> list[s
             tabulate(rows, headers=headers, tablefmt="simple", colalign=("left",) * 5 + ("right",) * (len(headers) - 5))]
 
 
-def render_comparison(c: Comparison, top: int = 10) -> str:
-    lines = [f"graphmem compare · {c.before} → {c.after}",
-             " · ".join(f"{what} {a}" if a == b else f"{what} {a} → {b}" for what, a, b in c.context)]
-    rows = [[t.name, fmt_bytes(t.before), fmt_bytes(t.after), *_change(t.before, t.after)] for t in c.totals]
+def _setup(c: Comparison) -> list[str]:
+    """How the two steps were set up: what both share on one line, what differs in a table."""
+    same = " · ".join(f"{what} {a}" for what, a, b in c.context if a == b)
+    differ = [[what, a, b] for what, a, b in c.context if a != b]
+    lines = [same] if same else []
+    if differ:
+        lines += ["", tabulate(differ, headers=["set up differently", c.before, c.after], tablefmt="simple",
+                               disable_numparse=True)]
+    return lines
+
+
+def render_comparison(c: Comparison, top: int = 10, depth: int = 3) -> str:
+    """``depth``: the module table's depth, as ``graphmem analyze --depth`` (the root and the
+    changed modules above it)."""
+    lines = [f"graphmem compare · {c.before} → {c.after}"] + _setup(c)
+    rows = [[t.name, fmt_bytes(t.before) if t.shown[0] else "-", fmt_bytes(t.after) if t.shown[1] else "-",
+             *(_change(t.before, t.after) if all(t.shown) else ["", ""])] for t in c.totals]
     lines += ["", tabulate(rows, headers=["", c.before, c.after, "change", "exact change"], tablefmt="simple",
                            colalign=("left", "right", "right", "right", "left"))]
     lines.append(f"peak at: {c.peak_at[0]}" if c.peak_at[0] == c.peak_at[1]
                  else f"peak at: {c.peak_at[0]} → {c.peak_at[1]}")
 
-    if c.modules:
+    shown = [m for m in c.modules if not m.name or m.name.count(".") < depth]
+    if shown:
         rows = [["  " * (m.name.count(".") + 1 if m.name else 0) + (m.name or ROOT), fmt_bytes(m.before),
-                 fmt_bytes(m.after), _signed(m.delta)] for m in c.modules]
-        lines += ["", f"Saved for backward by module ({len(c.modules)} changed)",
+                 fmt_bytes(m.after), _signed(m.delta)] for m in shown]
+        lines += ["", f"Saved for backward by module ({len(c.modules)} changed; depth ≤ {depth})",
                   tabulate(rows, headers=["module", c.before, c.after, "change"], tablefmt="simple",
                            colalign=("left", "right", "right", "right"), preserve_whitespace=True)]
     else:

@@ -6,6 +6,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from graphmem.passes.run_memory import FIGURE_NAMES
 from graphmem.units import fmt_bytes
 
 
@@ -85,6 +86,14 @@ def render_fit(a: Any) -> str:
              "does not fit" if a.peak_above > a.memory else "fits, but the model refuses it"]]
     head = (f"Largest {what} that fits in {fmt_bytes(a.memory)}" + (f" ({fixed})" if fixed else "") + f": {a.value}")
     head += f" ({a.limit})" if a.limit else ""
+    if a.figure:
+        above = fmt_bytes(a.figure_above) if a.figure_above is not None else "model refuses"
+        at = fmt_bytes(a.figure_bytes) if a.figure_bytes is not None else "-"
+        head = (f"Largest {what} whose {FIGURE_NAMES[a.figure]} fits in {fmt_bytes(a.memory)}"
+                + (f" ({fixed})" if fixed else "") + f": {a.value} (compared: the {FIGURE_NAMES[a.figure]}, "
+                f"captured: {at} at {a.variable}={a.value}, {above} at {a.variable}={a.value + 1})\n"
+                f"the first step's tensors alone (the formula) would allow {a.variable}={a.tensors_value}")
+        head += f" ({a.limit})" if a.limit else ""
     return head + "\n\n" + tabulate(rows, headers=["", "predicted peak", "captured peak", ""], tablefmt="simple") + "\n"
 
 

@@ -28,6 +28,11 @@ LABELS = {
 COLORS = {"parameters": "#4e79a7", "gradients": "#59a14f", "optimizer": "#b07aa1", "activations": "#f28e2c",
           "communication": "#76b7b2", "workspace": "#e15759", "other": "#bab0ab"}
 OVERLAY = "#c0392b"
+# the most steps drawn across the plot: fewer than the axes' pixel columns (about 1,000 at 13 in x 110
+# dpi), so every step is at least a pixel wide. A step narrower than a pixel is antialiased away:
+# a one-op spike (the peak of torchtitan's llama3 8B FSDP rank, 15,378 ops) drew its top a GiB and
+# more below the peak marker, which sat at the right height above a curve that did not reach it
+COLUMNS = 800
 INSTALL = "pip install 'graphmem[plot]'"
 
 
@@ -54,10 +59,22 @@ def _unit(nbytes: int) -> tuple[str, int]:
     return _BINARY[k], 1024 ** k
 
 
-def _steps(values: tuple[int, ...], scale: int) -> list[float]:
-    """Op i covers [i, i + 1): one more point so the last op has a width."""
-    ys = [v / scale for v in values]
+def _steps(values: tuple[int, ...], picks: list[int], scale: int) -> list[float]:
+    """The values of the ops ``picks`` chose, one step each: one more point so the last has a width."""
+    ys = [values[i] / scale for i in picks]
     return ys + ys[-1:]
+
+
+def _columns(totals: tuple[int, ...], columns: int = COLUMNS) -> tuple[list[int], list[int]]:
+    """(xs, picks): the ops in runs of equal length, at most ``columns`` runs, each drawn as the op
+    with the most live bytes in it (its categories as they are at that op), from the run's first op
+    to the next run's (xs, one more to close the last). The upper envelope keeps every op's
+    maximum, the peak's included; one op a run when the step has no more ops than ``columns``."""
+    n = len(totals)
+    k = max(1, -(-n // columns))  # ceil(n / columns) ops a run
+    starts = list(range(0, n, k))
+    picks = [max(range(s, min(s + k, n)), key=totals.__getitem__) for s in starts]
+    return starts + [n], picks
 
 
 def _peak_x(report: Report) -> float:
@@ -135,9 +152,9 @@ def timeline_figure(report: Report, other: Optional[Report] = None, labels: Opti
     fig = Figure(figsize=(13, 6), dpi=110, layout="constrained")
     ax, side = fig.subplots(1, 2, width_ratios=[3, 1])
     n = report.num_ops
-    xs = list(range(n + 1))
+    xs, picks = _columns(tuple(sum(v) for v in zip(*tl.by_category.values())))
     shown = [c for c in CATEGORIES if c not in ("optimizer", "communication", "workspace") or any(tl.by_category[c])]  # when present
-    ax.stackplot(xs, *[_steps(tl.by_category[c], scale) for c in shown], step="post",
+    ax.stackplot(xs, *[_steps(tl.by_category[c], picks, scale) for c in shown], step="post",
                  colors=[COLORS[c] for c in shown], labels=[LABELS[c] for c in shown],
                  linewidth=0, zorder=2)
     ax.plot([_peak_x(report)], [report.peak_bytes / scale], marker="v", color="black", ms=8, zorder=5)
@@ -145,8 +162,9 @@ def timeline_figure(report: Report, other: Optional[Report] = None, labels: Opti
                 xytext=(0, 9), textcoords="offset points", ha="center", fontsize=9, zorder=5,
                 bbox={"fc": "white", "ec": "none", "pad": 1, "alpha": 0.85})
     if other is not None and other_tl is not None:
-        totals = [sum(v) for v in zip(*other_tl.by_category.values())]
-        ax.step(list(range(other.num_ops + 1)), _steps(tuple(totals), scale), where="post", color=OVERLAY,
+        totals = tuple(sum(v) for v in zip(*other_tl.by_category.values()))
+        other_xs, other_picks = _columns(totals)
+        ax.step(other_xs, _steps(totals, other_picks, scale), where="post", color=OVERLAY,
                 lw=1.6, zorder=4, label=f"{other_name}: total (peak {fmt_bytes(other.peak_bytes)})")
         ax.plot([_peak_x(other)], [other.peak_bytes / scale], marker="v", color=OVERLAY, ms=8, zorder=5)
         n = max(n, other.num_ops)

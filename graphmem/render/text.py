@@ -69,21 +69,14 @@ def render_text(report: Report, depth: int = 3, top: int = 10, expand: bool = Fa
     if report.attention_backends:
         lines.append("SDPA kernels: " + ", ".join(f"{k} × {v}" for k, v in report.attention_backends.items()))
     cats = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in report.by_category.items() if v)
-    summary = [
+    summary: list[list[str]] = [
         ["parameters", fmt_bytes(report.parameter_bytes), ""],
         ["buffers", fmt_bytes(report.buffer_bytes), ""],
         ["inputs", fmt_bytes(report.input_bytes), ""],
         ["gradients", fmt_bytes(report.gradient_bytes), "after backward"],
         ["activations", fmt_bytes(report.activation_bytes), f"saved for backward: {cats}" if cats else "nothing saved"],
-        ["peak", fmt_bytes(report.peak_bytes),
-         f"op {report.peak_index} ({report.peak_phase}, {report.peak_op}, {_module(report.peak_module)})"
-         + _scratch(report) if report.peak_index >= 0 else "before the step"],
     ]
-    if report.cuda_allocator is not None:
-        a = report.cuda_allocator
-        summary.append(["CUDA allocator", fmt_bytes(a.max_allocated),
-                        f"max_memory_allocated; reserved {fmt_bytes(a.max_reserved)}, fragmentation at the peak "
-                        f"{fmt_bytes(a.fragmentation)} (caching allocator model)"])
+    summary += run_rows(report)
     lines += ["", tabulate(summary, tablefmt="plain"),
               f"ops recorded: {report.num_ops} ({op_counts(report.phase_start, report.num_ops)})"]
 
@@ -117,6 +110,31 @@ def render_text(report: Report, depth: int = 3, top: int = 10, expand: bool = Fa
     if report.notes:
         lines += ["", "Notes"] + [f"- {n}" for n in report.notes]
     return "\n".join(lines) + "\n"
+
+
+def run_rows(report: Report) -> list[list[str]]:
+    """The headline: the run's max allocated with the first step beside it; on the CUDA target the
+    run's max reserved and the device total with its rows (passes/run_memory.py)."""
+    where = (f"op {report.peak_index} ({report.peak_phase}, {report.peak_op}, {_module(report.peak_module)})"
+             + _scratch(report) if report.peak_index >= 0 else "before the step")
+    m = report.memory
+    if m is None:  # a report written before the run's figures
+        return [["peak", fmt_bytes(report.peak_bytes), where]]
+    cuda = report.device == "cuda" or bool(m.rows)
+    first = f"first step {fmt_bytes(m.first_allocated)} at {where}"
+    rows = [["peak (run)", fmt_bytes(m.run_max_allocated),
+             ("max_memory_allocated after a few steps: later steps (optimizer states from the start); " + first
+              if m.later_allocated > m.first_allocated else "first and later steps alike: " + where)]]
+    if cuda:
+        a = report.cuda_allocator
+        frag = f", fragmentation at the first step's peak {fmt_bytes(a.fragmentation)}" if a is not None else ""
+        rows.append(["reserved (run)", fmt_bytes(m.run_max_reserved),
+                     f"max_memory_reserved after a few steps; first step {fmt_bytes(m.first_reserved)}{frag} "
+                     + ("(caching allocator model)" if m.reserved_from.startswith("the caching") else f"({m.reserved_from})")])
+        parts = ", ".join(f"{r.name} {fmt_bytes(r.bytes)}" + (" (estimate)" if r.estimate else "")
+                          + (" (given)" if r.overridden else "") for r in m.rows if r.bytes)
+        rows.append(["device total", fmt_bytes(m.device_total), f"what nvidia-smi shows: reserved + {parts}"])
+    return rows
 
 
 def _scratch(report: Report) -> str:

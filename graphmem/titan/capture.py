@@ -44,6 +44,7 @@ from graphmem.capture.target import Target
 from graphmem.distributed.fsdp import local, watching
 from graphmem.distributed.pipeline import _works_hold_tensors
 from graphmem.errors import GraphmemError, UsageError
+from graphmem.fake_group import kept_excepthook
 from graphmem.stepgraph import StepGraph
 from graphmem.titan.compiled import attributed, compiled_regions, hooks_standing_aside
 from graphmem.titan.job import on_cpu, prepared, synthetic_batches
@@ -65,15 +66,16 @@ def capture_job(config: Any, world_size: int, rank: int, target: Target) -> Step
                          "in a fake process group of its own: call analyze outside the distributed job")
     cfg = prepared(config)
     _unique_counts()
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        with on_cpu(), _compiled_eagerly(target):
-            return _capture(cfg, target)
-    finally:
-        dist.destroy_process_group()
-        from graphmem.distributed.process_group import _forget_meshes
+    with kept_excepthook():  # init_process_group's [rank r] traceback prefix, not left behind
+        dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+        try:
+            with on_cpu(), _compiled_eagerly(target):
+                return _capture(cfg, target)
+        finally:
+            dist.destroy_process_group()
+            from graphmem.distributed.process_group import _forget_meshes
 
-        _forget_meshes()
+            _forget_meshes()
 
 
 def _capture(cfg: Any, target: Target) -> StepGraph:
@@ -112,7 +114,7 @@ def _built(cfg: Any, cap: _Recorder, fake_mode: _Mode, job: type, seeded: Callab
     import torchtitan.distributed.utils as dist_utils
 
     determinism = dist_utils.set_determinism
-    with fake_mode, _masks_paused(cap):
+    with fake_mode, _masks_paused(cap), _no_peak_flops():
         cap.real_bookkeeping = True  # the meshes, the seed broadcast: real tensors, run for real
         try:
             dist_utils.set_determinism = seeded
@@ -172,6 +174,22 @@ def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batche
         cap.closed = True
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def _no_peak_flops() -> Iterator[None]:
+    """The Trainer's MFU figure, which it only logs, without its lookup: torchtitan's
+    ``get_peak_flops`` runs ``lspci`` (its stderr straight to the terminal where lspci cannot read
+    the PCI bus) and warns about the device name (torchtitan/tools/utils.py); the A100 figure it
+    falls back to is returned."""
+    import torchtitan.tools.utils as titan_utils
+
+    lookup = titan_utils.get_peak_flops
+    titan_utils.get_peak_flops = lambda device_name: 312e12  # its fallback (torchtitan/tools/utils.py)
+    try:
+        yield
+    finally:
+        titan_utils.get_peak_flops = lookup
 
 
 @contextlib.contextmanager

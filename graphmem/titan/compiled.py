@@ -24,38 +24,12 @@ import torch
 
 from graphmem.capture.aot_settings import partition_config, unlogged
 from graphmem.capture.compiled import _Backend
-from graphmem.capture.compiled_blocks import _JobBackend, hooks_standing_aside
-from graphmem.capture.compiled_cuda import example_values_ruled, graphs_unruled
+from graphmem.capture.compiled_blocks import _JobBackend, attributed, compiles_unrecorded, hooks_standing_aside
+from graphmem.capture.compiled_cuda import example_values_ruled
 from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
 from graphmem.titan.async_tp import async_tp_state, graph_pass, runs_pass
-
-
-def attributed(root: Any, backend: "_Backend | None", cap: _Recorder, target: Target) -> None:
-    """Each compiled block of ``root`` runs between graphmem's module hooks (its own hooks are
-    inside its compiled call, traced, never run), on the CUDA target with the eager CUDA rules
-    lifted (its graphs carry them: graphmem/capture/compiled_cuda.py), and the backend learns
-    the blocks' inner names."""
-    if backend is None:
-        return
-    blocks = [m for m in root.modules() if getattr(m, "_compiled_call_impl", None) is not None]
-    backend.names = frozenset(name for m in blocks for name, _ in m.named_modules())
-    for m in blocks:
-        m._compiled_call_impl = _between_hooks(m, m._compiled_call_impl, cap, target.device == "cuda")
-
-
-def _between_hooks(module: Any, call: Any, cap: _Recorder, cuda: bool) -> Any:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        cap.pre_hook(module, args)
-        out = None
-        try:
-            with graphs_unruled() if cuda else contextlib.nullcontext():
-                out = call(*args, **kwargs)
-            return out
-        finally:
-            cap.post_hook(module, args, out)
-    return run
 
 
 def compiles_model(cfg: Any) -> bool:
@@ -72,8 +46,6 @@ def compiled_regions(cfg: Any, cap: _Recorder, target: Target, backends: dict[st
     if not compiles_model(cfg):
         yield None
         return
-    from torch._dynamo import convert_frame
-
     kept_backend = cfg.compile.backend
     # the job's backend decides the partition: Inductor's (its decompositions and joint-graph passes,
     # graphmem/capture/inductor_partition.py) or aot_eager's; any other is refused where the job names it
@@ -87,20 +59,13 @@ def compiled_regions(cfg: Any, cap: _Recorder, target: Target, backends: dict[st
     backend = _JobBackend(frozenset(), dataclasses.replace(target, compile_backend=named), backends)
     backend.recorder, backend.replaying = cap, True  # one pass: each graph runs on the step's fake tensors
     backend.graph_pass = graph_pass(cfg)  # AsyncTP with Inductor: its micro-pipeline pass (async_tp.py)
-    kept_compile = convert_frame._compile
     cfg.compile.backend = backend  # torchtitan passes it to ``module.compile(backend=...)``
-
-    def compile_unrecorded(*args: Any, **kwargs: Any) -> Any:
-        with cap.paused():
-            return kept_compile(*args, **kwargs)
-
-    convert_frame._compile = compile_unrecorded
     try:
-        with partition_config(target.memory_budget), unlogged(), example_values_ruled(target), \
-                flex_regions_decided(named, backend), async_tp_state():
+        with compiles_unrecorded(cap), partition_config(target.memory_budget), unlogged(), \
+                example_values_ruled(target), flex_regions_decided(named, backend), async_tp_state():
             yield backend
     finally:
-        cfg.compile.backend, convert_frame._compile = kept_backend, kept_compile
+        cfg.compile.backend = kept_backend
         torch._dynamo.reset()  # the job's compiled code, guarded on this capture's objects, goes with it
 
 

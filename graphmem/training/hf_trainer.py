@@ -33,7 +33,8 @@ backend asked for (``inductor``: graphmem/capture/inductor_partition.py).
 
 Known limitations: no DeepSpeed or FSDP (DDP: one rank of N, graphmem/training/hf_trainer_ddp.py);
 ``torch_compile`` with ``COMPILE_BACKENDS``, default mode, CPU target only; callbacks and
-``include_num_input_tokens_seen`` are not run (no tensors); ``optimizers=``' scheduler is ``args.lr_scheduler_type``'s.
+``include_num_input_tokens_seen`` are not run (no tensors); ``optimizers=``' scheduler is ``args.lr_scheduler_type``'s;
+within an epoch the real loop keeps the previous step's gradient norm and last loss (4 B each) into the next.
 """
 from __future__ import annotations
 
@@ -308,8 +309,7 @@ class TrainerRunner:
         """Clipping, the optimizer and scheduler steps, ``model.zero_grad()`` (1937-1954)."""
         t, model = self.trainer, self.model
         grad_norm = t._clip_grad_norm(model) if t.args.max_grad_norm > 0 else None
-        grad_norm = t._get_grad_norm(model, grad_norm=grad_norm)  # a Python float: the norm's tensor dies here
-        del grad_norm
+        _norm = t._get_grad_norm(model, grad_norm=grad_norm)  # a 0-dim tensor, held to the step's end (1937-1958)
         t.optimizer.step()
         mark_states(mark, model, _inner(t.optimizer), self.cuda)
         if not t.accelerator.optimizer_step_was_skipped and \

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn as nn
@@ -33,6 +33,28 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+class HeadOutside(nn.Module):
+    """A wrapper that holds its model's output head outside the model (graphmem/losses.py's
+    chunked heads). LoRA adapts the whole model, as a user adapts it before wrapping it: the head
+    is put back (``whole``), the model adapted (peft for a Hugging Face model), and wrapped again
+    (``around``), its head taken out where this wrapper's was (an adapted head stays adapted)."""
+
+    model: nn.Module
+
+    def whole(self) -> nn.Module:
+        """``model`` with its head back in place; this wrapper is spent (call it on a copy)."""
+        raise NotImplementedError
+
+    def around(self, model: nn.Module) -> "HeadOutside":
+        """A wrapper of this kind around ``model`` (its head taken out as this one's was)."""
+        raise NotImplementedError
+
+
+def adapted_model(module: nn.Module) -> nn.Module:
+    """The model LoRA adapts: a ``HeadOutside`` wrapper's model, else ``module`` itself."""
+    return module.model if isinstance(module, HeadOutside) else module
 
 
 @dataclass(frozen=True)
@@ -83,7 +105,12 @@ def meta_copy(module: nn.Module) -> nn.Module:
 def apply_lora(module: nn.Module, lora: LoRA, inplace: bool = False) -> tuple[nn.Module, tuple[str, ...]]:
     """The module with LoRA on every nn.Linear whose name contains a target (``all-linear``:
     every one), and the wrapped names. Everything but the adapters is frozen. A Hugging Face
-    model gets peft's own adapters instead (graphmem/training/peft_lora.py)."""
+    model gets peft's own adapters instead (graphmem/training/peft_lora.py); a ``HeadOutside``
+    wrapper's model is adapted whole, its head included, and wrapped again."""
+    if isinstance(module, HeadOutside):
+        wrapper = module if inplace else cast(HeadOutside, meta_copy(module))
+        model, names = apply_lora(wrapper.whole(), lora, inplace=True)
+        return module.around(model), names
     if is_hf_model(module):
         return apply_peft(module if inplace else meta_copy(module), lora)
     model = module if inplace else meta_copy(module)

@@ -193,6 +193,14 @@ class Quantized:
                 "quant_state_bytes": self.state_bytes}
 
 
+def packed_surplus(model: nn.Module) -> int:
+    """How many more parameters the 4-bit weights of ``model`` stand for than their storage has
+    elements: a ``Params4bit`` holds two 4-bit weights per uint8 element (or more per element of a
+    wider ``quant_storage``), its QuantState keeps the weight's own shape (bitsandbytes/nn/modules.py
+    ``Params4bit._quantize``, bitsandbytes/functional.py ``quantize_4bit``)."""
+    return sum(prod(qs.shape) - p.numel() for p in model.parameters() if (qs := quant_state_of(p)) is not None)
+
+
 def quantized_summary(model: nn.Module) -> Optional[Quantized]:
     """The 4-bit weights of ``model`` (None without any)."""
     packed = {id(p): p for p in model.parameters() if quant_state_of(p) is not None}

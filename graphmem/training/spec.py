@@ -3,8 +3,11 @@ master weights; graphmem/training/lora.py; passes/budget.py: ZeRO/FSDP/tensor pa
 for ``graphmem.analyze``, and the budget it reports as ``report.budget``."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union, cast
 
 import torch
 import torch.nn as nn
@@ -15,7 +18,7 @@ from graphmem.passes.budget import Budget, Parallel, budget
 from graphmem.passes.spike import Temporaries, temporaries_at
 from graphmem.training.loop import TrainStep, make_train_step
 from graphmem.training.loop_options import host_bytes_of
-from graphmem.training.lora import LoRA, apply_lora, make_lora, meta_copy
+from graphmem.training.lora import HeadOutside, LoRA, adapted_model, apply_lora, make_lora, meta_copy
 from graphmem.training.optim import resolved_impl
 from graphmem.training.peft_lora import is_hf_model
 from graphmem.training.qlora import (
@@ -23,6 +26,7 @@ from graphmem.training.qlora import (
     Quantized,
     check_quantization,
     make_quantization,
+    packed_surplus,
     quantize,
     quantized_summary,
 )
@@ -45,7 +49,7 @@ class Training:
     def keeps_dtypes(self, module: nn.Module) -> bool:
         """``prepare(module, self, ...)`` holds its final dtypes (4-bit weights, block scales, peft's
         fp32 adapters): the capture casts nothing."""
-        return self.quantization is not None or (self.lora is not None and is_hf_model(module))
+        return self.quantization is not None or (self.lora is not None and is_hf_model(adapted_model(module)))
 
 
 def make_training(dtype: Optional[str] = None, optimizer: Optional[str] = None, optimizer_impl: str = "auto",
@@ -64,26 +68,59 @@ def make_training(dtype: Optional[str] = None, optimizer: Optional[str] = None, 
     return Training(train, lora, quant)
 
 
+_PREPARED: ContextVar[Optional[dict[tuple, tuple[nn.Module, tuple[nn.Module, tuple[str, ...]]]]]] = \
+    ContextVar("graphmem_prepared", default=None)
+
+
+@contextlib.contextmanager
+def preparing_once() -> Iterator[None]:
+    """Within it, ``prepare`` of the same module with the same LoRA (no quantization) and dtype returns
+    the module it made the first time: advise captures one adapted model once per lever, and peft's
+    ``get_peft_model`` on a 8B model's meta copy takes seconds. Captures do not change the module
+    they capture (the fake parameters are swapped in and out; the sharded ones wrap a fake copy)."""
+    token = _PREPARED.set({})
+    try:
+        yield
+    finally:
+        _PREPARED.reset(token)
+
+
 def prepare(module: nn.Module, training: Training,
             dtype: Optional[torch.dtype] = None) -> tuple[nn.Module, tuple[str, ...]]:
     """The module to capture: with LoRA, a meta copy with adapters (the given one untouched);
     with quantization, that copy's linear layers in 4 bits first, the rest in ``dtype``."""
     if training.lora is None:
         return module, ()
+    memo = _PREPARED.get() if training.quantization is None else None  # 4-bit weights: made afresh, as before
+    key = (id(module), training.lora, dtype)
+    if memo is not None and key in memo:  # the module is held in the memo: its id is not reused meanwhile
+        return memo[key][1]
+    made = _prepared(module, training, dtype)
+    if memo is not None:
+        memo[key] = (module, made)
+    return made
+
+
+def _prepared(module: nn.Module, training: Training, dtype: Optional[torch.dtype]) -> tuple[nn.Module, tuple[str, ...]]:
+    lora = training.lora
+    assert lora is not None  # prepare() returned the module as it is without LoRA
+    if isinstance(module, HeadOutside):  # the whole model adapted (and quantized), its head taken out again
+        model, names = prepare(cast(HeadOutside, meta_copy(module)).whole(), training, dtype)
+        return module.around(model), names
     if training.quantization is None:
         if dtype is None or not is_hf_model(module):
-            return apply_lora(module, training.lora)
+            return apply_lora(module, lora)
         # peft's get_peft_model(autocast_adapter_dtype=True) makes the adapters of a 16-bit model
         # fp32 (peft/peft_model.py, PeftModel.__init__ -> _cast_adapter_dtype): cast first, as
         # from_pretrained(dtype=...) does, then adapt
         model = meta_copy(module).to(dtype)
-        return apply_lora(model, training.lora, inplace=True)
+        return apply_lora(model, lora, inplace=True)
     if not is_hf_model(module):
         raise UsageError(f"`qlora` runs the QLoRA recipe (transformers' bitsandbytes integration, peft's adapters) on a "
                          f"Hugging Face model; {type(module).__name__} is a plain nn.Module: drop `qlora`")
     model = meta_copy(module)
     quantize(model, training.quantization, dtype)
-    return apply_lora(model, training.lora, inplace=True)
+    return apply_lora(model, lora, inplace=True)
 
 
 def units_of(module: nn.Module) -> tuple[str, ...]:
@@ -164,6 +201,10 @@ def step_budget(g: Any, lv: Any, sv: Any, training: Training, module: nn.Module,
     units = units_of(module)
     rank = budget(g, lv, sv, layout, units)
     single = budget(g, lv, sv, Parallel(), units) if layout != Parallel() else None
+    surplus = packed_surplus(module)  # the graph counts a 4-bit weight's packed elements; count its weights
+    if surplus:
+        rank = dataclasses.replace(rank, parameters=rank.parameters + surplus)
+        single = dataclasses.replace(single, parameters=single.parameters + surplus) if single is not None else None
     device = g.target.device if g.target is not None else g.device
     spike = temporaries_at(g, lv, rank.peak_index, frozenset(t.sid for t in sv.tensors)) if rank.peak_index >= 0 else ()
     quantized = quantized_summary(module)  # --qlora's, or a model quantized by the user's own script

@@ -1,7 +1,8 @@
 """Ground truth from a REAL run of the same training step (graphmem/training/step.py) on the CPU.
 
 - Saved bytes: ``saved_tensors_hooks`` on the real forward and loss, deduplicated by storage,
-  parameters and buffers excluded — the definition of activation bytes.
+  parameters and buffers excluded — the definition of activation bytes; what selective
+  checkpointing keeps passes through them too (graphmem/capture/sac.py).
 - Model state: parameters, buffers and a 4-bit model's bitsandbytes quant states
   (graphmem/training/qlora.py), which live beside the packed weights.
 - Peak: the CPU allocator's own events, read from ``torch.profiler`` with
@@ -23,6 +24,7 @@ import torch.nn as nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from graphmem.capture.sac import through_hooks
 from graphmem.training.batch import as_batch
 from graphmem.training.loop import Session, TrainStep
 from graphmem.training.qlora import quant_state_tensors
@@ -82,7 +84,7 @@ def measure_saved(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = Non
 
     model.train()
     model.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), through_hooks():  # SAC's kept tensors too
         context = forward_context or _autocast(amp)
         if runner is None:
             run_step(model, inputs, loss_fn, set_phase, context)

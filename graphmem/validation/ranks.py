@@ -49,6 +49,7 @@ import graphmem.validation.measure as measure
 from graphmem.api import analyze
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import load
+from graphmem.capture.sac import through_hooks
 from graphmem.capture.target import DTYPES, Target
 from graphmem.distributed.fsdp import local
 from graphmem.distributed.spec import Sharding, make_sharding
@@ -334,7 +335,7 @@ def profiled(saves: _Saves, pack: Any = None) -> Iterator[Any]:
     its pack hook wrapped), garbage collection held off."""
     with measure._quiet_gc(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                      profile_memory=True) as prof, \
-            torch.autograd.graph.saved_tensors_hooks(pack or saves.pack, lambda t: t):
+            torch.autograd.graph.saved_tensors_hooks(pack or saves.pack, lambda t: t), through_hooks():
         yield prof
 
 

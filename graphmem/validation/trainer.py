@@ -10,7 +10,7 @@ import torch
 from graphmem.api import analyze
 from graphmem.errors import UsageError
 from graphmem.spec import shape_of
-from graphmem.trainer_api import check_ranks, trainer_batch
+from graphmem.trainer_api import check_ranks, trainer_inputs
 from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer import TrainerRunner, check_trainer
 from graphmem.validation.measure import measure_peak
@@ -43,12 +43,13 @@ def trainer_on_cuda(refusal: str) -> None:
 
 def validate_trainer(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None,
                      tolerance: Optional[float] = None, world_size: int = 1, rank: Optional[int] = None,
-                     device: Any = "cpu") -> Any:
+                     device: Any = "cpu", trainer_batch: str = "first") -> Any:
     """``graphmem.validate(trainer)``: the prediction beside the Trainer's step run for real on the CPU by
     the same runner (first step, then a later one whose optimizer states exist before it). The model
     must be real (not on the meta device); its weights change (the real steps are optimizer steps).
     ``world_size`` > 1: each rank's (or ``rank``'s) step of the DDP job, beside a real gloo job of
     ``world_size`` CPU processes (graphmem/validation/trainer_ranks.py); the model is left as it was.
+    No ``inputs``: the batch ``train()`` draws (``trainer_batch``, at ``input_shape`` when given), as analyze takes it.
     ``device="cuda"``: refused in one line (no GPU here: ``NO_GPU``; the real CUDA step is not run yet)."""
     if str(device).startswith("cuda"):
         trainer_on_cuda("validate runs a Trainer's step for real on the CPU only yet: drop `device='cuda'` "
@@ -60,11 +61,11 @@ def validate_trainer(trainer: Any, inputs: Any = None, input_shape: Union[str, t
     if trainer.args.device.type != "cpu":
         raise UsageError("validate runs the Trainer's step on the CPU: set use_cpu=True in its TrainingArguments")
     tol = checked_tolerance(tolerance)
-    if inputs is None:
-        if input_shape is None:
-            raise UsageError("no inputs: pass inputs= (a batch dict) or input_shape=(batch, seq) for the Trainer")
-        torch.manual_seed(0)
-        inputs = trainer_batch(trainer, shape_of(input_shape))
+    if inputs is None:  # the batch train() draws, as analyze takes it (graphmem/trainer_api.py trainer_inputs)
+        shape = shape_of(input_shape) if input_shape is not None else None
+        if trainer.train_dataset is None and shape is not None:
+            torch.manual_seed(0)  # the token samples made for the model
+        inputs, _ = trainer_inputs(trainer, None, shape, trainer_batch, world_size, rank or 0)
     if world_size > 1:
         from graphmem.validation.trainer_ranks import validate_trainer_ranks
 

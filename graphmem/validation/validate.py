@@ -36,10 +36,11 @@ from graphmem.api import analyze
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import Loaded, load, parse_shape
 from graphmem.capture.target import DTYPES, GPUS, Target
-from graphmem.errors import UsageError
+from graphmem.errors import UsageError, check_keywords
+from graphmem.noise import quiet
 from graphmem.passes.allocator import allocator
 from graphmem.report import Report
-from graphmem.spec import shape_of
+from graphmem.spec import shape_of, spec_keywords
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.hf_trainer import is_trainer
 from graphmem.training.spec import Training
@@ -56,6 +57,7 @@ GPU_SHARE = 0.9  # of the free device memory: an OOM there is an exception, not 
 
 
 
+@quiet  # third-party warnings about graphmem's own work, not the user's step (graphmem/noise.py)
 def validate(
     model: Union[nn.Module, str, "os.PathLike[str]"],
     inputs: Any = None,
@@ -94,7 +96,7 @@ def validate(
     if is_trainer(model):  # a transformers Trainer: its own step, real on the CPU (graphmem/trainer_api.py)
         from graphmem.validation.trainer import validate_trainer
 
-        unknown = sorted(set(options) - {"world_size", "rank"})
+        unknown = sorted(set(options) - {"world_size", "rank", "trainer_batch"})
         if unknown:
             raise UsageError(f"a Trainer's step is set by its TrainingArguments, not {', '.join(f'`{k}`' for k in unknown)}"
                              ": drop it (`world_size`/`rank` validate its DDP ranks)")
@@ -108,8 +110,8 @@ def validate(
                              "(and `trainer_class`) only")
         return validate_fsdp_ranks(model, options["training_args"], inputs, input_shape, tolerance,
                                    options.get("world_size", 1), options.get("rank"), options.get("trainer_class"))
-    dev = _device(device)
-    tol = checked_tolerance(tolerance)
+    check_keywords(options, spec_keywords() | {"tolerance"}, "graphmem.validate")
+    dev, tol = _device(device), checked_tolerance(tolerance)
     if inputs is None and input_shape is None:
         raise UsageError("no inputs: pass example inputs or `input_shape='32x1024'`")
     shape = _shape(input_shape) if inputs is None else None
