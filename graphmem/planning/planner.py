@@ -57,12 +57,10 @@ class CheckpointPlan:
     policies: tuple[Any, ...] = ()  # per segment: its selective policy (graphmem.planning.OpPolicy) or None
     max_overhead: Optional[float] = None  # the recompute cap it was chosen under (instead of a budget)
     block_paths: tuple[str, ...] = ()  # module path of each block (chains over several holders)
-    # how the peak was checked: a capture of the step with the plan applied (graphmem/planning/verify.py);
-    # when present, ``peak_bytes`` and ``activation_bytes`` are the captured ones
+    # how the peak was checked (a capture with the plan applied, graphmem/planning/verify.py): then peaks are captured
     verification: Optional[Verification] = None
-    # the figure of the run the budget was compared with (graphmem/planning/figures.py) and its bytes
-    figure: str = ""
-    figure_bytes: Optional[int] = None
+    figure: str = ""  # the figure of the run the budget was compared with (graphmem/planning/figures.py)
+    figure_bytes: Optional[int] = None  # and its bytes
 
     def __str__(self) -> str:  # the text view (graphmem/render/plan.py, a layer above: loaded by name)
         return str(importlib.import_module("graphmem.render.plan").render_chosen(self))
