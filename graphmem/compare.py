@@ -26,8 +26,11 @@ Figure = Callable[[Report], Optional[int]]
 # even when equal); a figure that is None on one side counts as 0 there
 TOTALS: tuple[tuple[str, Figure, bool], ...] = (
     ("activations", lambda r: r.activation_bytes, True),
-    ("peak", lambda r: r.peak_bytes, True),
+    ("peak (run)", lambda r: r.run_peak_bytes, True),
+    ("peak (first step)", lambda r: r.peak_bytes, False),
     ("peak (later steps)", lambda r: r.budget.rank.later_peak_bytes if r.budget is not None else None, False),
+    ("reserved (run)", lambda r: r.memory.run_max_reserved if r.memory is not None and r.memory.rows else None, False),
+    ("device total", lambda r: r.memory.device_total if r.memory is not None and r.memory.rows else None, False),
     ("CUDA max allocated", lambda r: r.cuda_allocator.max_allocated if r.cuda_allocator is not None else None, False),
     ("CUDA max reserved", lambda r: r.cuda_allocator.max_reserved if r.cuda_allocator is not None else None, False),
     ("parameters", lambda r: r.parameter_bytes, True),

@@ -54,7 +54,7 @@ def test_gelu_to_relu_mlp_from_the_command_line(capsys: pytest.CaptureFixture[st
     # logits 128, net.0's bias grad 128, net.2's 16, loss 4 and its grad 4.
     gelu_peak = params + 512 + 1024 + 1024 + 1024 + 512 + 128 + 128 + 16 + 4 + 4
     relu_peak = params + 2048 + 1024 + 512 + 512 + 128 + 128 + 16 + 4 + 4
-    assert (totals["peak"].before, totals["peak"].after) == (gelu_peak, relu_peak) == (7080, 7080)
+    assert (totals["peak (run)"].before, totals["peak (run)"].after) == (gelu_peak, relu_peak) == (7080, 7080)
     assert c.peak_at == ("op 20 (backward, aten.sum.dim_IntList, net.2)", "op 30 (backward, aten.sum.dim_IntList, net.0)")
     assert [(m.name, m.delta) for m in c.modules] == [("", -act), ("net", -act), ("net.0", -act)]
     assert c.removed == (SavedGroup("aten.addmm.default", "net.0", (8, 32), "float32", "activation", act, 1),
@@ -116,7 +116,7 @@ def test_explicit_attention_to_sdpa_on_tiny_gpt2() -> None:
     # the peak is in layer 1's MLP backward, while both layers' masks are still saved, and so is
     # the 8 B double each layer's `* (1.0 / math.sqrt(hd))` wraps its Python float into
     # (MulBackward0 keeps it: graphmem/capture/wrapped_numbers.py); SDPA takes its scale as a float
-    assert totals["peak"] == -(layers * block * block + layers * s * s + layers * 8) == -2576
+    assert totals["peak (run)"] == -(layers * block * block + layers * s * s + layers * 8) == -2576
     assert totals["parameters"] == totals["gradients"] == 0
     # the same dropout tensors (noise and output, (b, h, s, s) each) move from the attn_dropout
     # module into SDPA's decomposition inside attn; attn's subtree loses only the mask

@@ -15,6 +15,7 @@ import graphmem
 from graphmem import cli
 from graphmem.errors import UsageError
 from graphmem.report import Report
+from graphmem.units import fmt_bytes
 
 MLP_FILE = Path(__file__).resolve().parent.parent / "models" / "mlp.py"
 
@@ -120,3 +121,25 @@ def test_peak_marker_sits_on_the_curve_of_a_long_step() -> None:
     fig.canvas.draw()
     pixels = ax.transData.transform([(steps[0], 0), (steps[1], 0)])
     assert len(steps) <= COLUMNS + 1 and pixels[1][0] - pixels[0][0] >= 1.0  # every step a pixel or wider
+
+
+def test_the_runs_peak_is_drawn_when_later_steps_hold_more() -> None:
+    """GIVEN an MLP stepped by AdamW, whose later steps hold the states from their start
+    WHEN it is plotted THEN a dotted line sits at the run's peak (report.run_peak_bytes, held equal
+    to a real second step in tests/test_run_memory.py), above the first step's marker."""
+    pytest.importorskip("matplotlib")
+    from graphmem.render.plot import timeline_figure
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    r = graphmem.analyze(net, (torch.randn(512, 16),), optimizer="adamw")
+    assert r.run_peak_bytes > r.peak_bytes
+    fig = timeline_figure(r)
+    ax = fig.axes[0]
+    dotted = [line for line in ax.lines if line.get_linestyle() == ":"]
+    assert len(dotted) == 1
+    scale = r.run_peak_bytes / dotted[0].get_ydata()[0]
+    assert scale in (1, 1024, 1024 ** 2, 1024 ** 3)  # the axis' unit
+    assert any(t.get_text().startswith(f"peak (run) {fmt_bytes(r.run_peak_bytes)}")
+               for t in fig.legends[0].texts)
+    assert ax.get_ylim()[1] >= r.run_peak_bytes / scale

@@ -84,7 +84,8 @@ def test_markdown_nested_by_hand() -> None:
     md = render_markdown(analyze("nested"))
     assert "| parameters      |      4.58 KiB |  4,688 B |" in md  # (16+16+512+32+512+16+64+4) * 4
     assert "| **activations** |  **3.56 KiB** |  3,648 B |" in md  # 1088 + 1024 + 1024 + 512
-    assert "| **peak**        | **11.73 KiB** | 12,008 B | op 44 (backward, `aten.sum.dim_IntList`, block.fc)" in md
+    assert ("| **peak (run)**  | **11.73 KiB** | 12,008 B | first and later steps alike: op 44 (backward, "
+            "aten.sum.dim_IntList, block.fc) |") in md  # no optimizer: the first step is the run's
     assert "| block.ln   | 1.06 KiB |   29.8% |         4 |" in md
     assert md.count("\n|:") == 4  # four pipe tables, each with its alignment row
 

@@ -12,7 +12,7 @@ from graphmem.render.collapse import each, label
 from graphmem.render.compiled import render_modes
 from graphmem.render.formula import render_coefficients
 from graphmem.render.memory_budget import render_memory_budgets
-from graphmem.render.text import _lifetime, _module, _scope, _scratch, _shapes, _shown_modules, op_counts
+from graphmem.render.text import _lifetime, _module, _scope, _scratch, _shapes, _shown_modules, op_counts, run_rows
 from graphmem.report import Report
 from graphmem.units import fmt_bytes, fmt_share
 
@@ -44,8 +44,13 @@ def _summary(report: Report) -> list[list[str]]:
         ["gradients", fmt_bytes(report.gradient_bytes), _exact(report.gradient_bytes), "after backward"],
         ["**activations**", f"**{fmt_bytes(report.activation_bytes)}**", _exact(report.activation_bytes),
          f"saved for backward: {cats}" if cats else "nothing saved"],
-        ["**peak**", f"**{fmt_bytes(report.peak_bytes)}**", _exact(report.peak_bytes), peak],
     ]
+    m = report.memory
+    values = [report.peak_bytes] if m is None else [m.run_max_allocated, m.run_max_reserved, m.device_total]
+    for (name, shown, detail), n in zip(run_rows(report), values):  # the text view's headline, bold
+        rows.append([f"**{name}**", f"**{shown}**", _exact(n), detail])
+    if m is not None and m.run_max_allocated != report.peak_bytes:
+        rows.append(["peak (first step)", fmt_bytes(report.peak_bytes), _exact(report.peak_bytes), peak])
     if report.cuda_allocator is not None:
         a = report.cuda_allocator
         rows.append(["CUDA allocator", fmt_bytes(a.max_allocated), _exact(a.max_allocated),

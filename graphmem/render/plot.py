@@ -147,7 +147,8 @@ def timeline_figure(report: Report, other: Optional[Report] = None, labels: Opti
     tl = report_timeline(report)
     other_tl = report_timeline(other) if other is not None else None
     name, other_name = labels or (report.model, other.model if other is not None else "")
-    unit, scale = _unit(max(report.peak_bytes, other.peak_bytes if other is not None else 0))
+    top_bytes = max(report.run_peak_bytes, other.run_peak_bytes if other is not None else 0)
+    unit, scale = _unit(top_bytes)
 
     fig = Figure(figsize=(13, 6), dpi=110, layout="constrained")
     ax, side = fig.subplots(1, 2, width_ratios=[3, 1])
@@ -161,6 +162,9 @@ def timeline_figure(report: Report, other: Optional[Report] = None, labels: Opti
     ax.annotate(f"peak {fmt_bytes(report.peak_bytes)}", (_peak_x(report), report.peak_bytes / scale),
                 xytext=(0, 9), textcoords="offset points", ha="center", fontsize=9, zorder=5,
                 bbox={"fc": "white", "ec": "none", "pad": 1, "alpha": 0.85})
+    if report.run_peak_bytes > report.peak_bytes:  # later steps hold the optimizer states from their start
+        ax.axhline(report.run_peak_bytes / scale, color="black", ls=":", lw=1, zorder=3,
+                   label=f"peak (run) {fmt_bytes(report.run_peak_bytes)}: later steps, states from the start")
     if other is not None and other_tl is not None:
         totals = tuple(sum(v) for v in zip(*other_tl.by_category.values()))
         other_xs, other_picks = _columns(totals)
@@ -170,7 +174,7 @@ def timeline_figure(report: Report, other: Optional[Report] = None, labels: Opti
         n = max(n, other.num_ops)
     _phases(ax, report)
     ax.set_xlim(0, max(n, 1))
-    ax.set_ylim(0, max(report.peak_bytes, other.peak_bytes if other is not None else 0) / scale * 1.15 or 1)
+    ax.set_ylim(0, top_bytes / scale * 1.15 or 1)
     ax.set_xlabel("op index (execution order)")
     ax.set_ylabel(f"live memory ({unit})")
     ax.grid(axis="y", color="0.88", zorder=0)
