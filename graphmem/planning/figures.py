@@ -44,12 +44,21 @@ def plan_memory(report: Analysis, plan: Any) -> RunMemory:
 def plan_within(report: Analysis, planner: Any, budget: int, figure: str) -> tuple[Any, int]:
     """The planner's plan whose ``figure`` (captured) fits ``budget``, and the allocated budget the
     planner was given for it."""
-    room = headroom(report, figure)
+    room, lowest_tried = headroom(report, figure), False
     for _ in range(ROUNDS):
         inner = budget - room
         if inner <= 0:
             break
-        plan = planner.plan(inner, None)
+        try:
+            plan = planner.plan(inner, None)
+        except PlanError:
+            # the headroom was measured on the step without checkpoints, whose cached segments grow with
+            # its activations: the lowest-peak plan, judged by its own capture, may still fit
+            lowest = planner.minimum_peak() if planner.exact else planner._smallest_captured()
+            if lowest_tried or lowest >= budget:
+                raise
+            lowest_tried, inner = True, lowest
+            plan = planner.plan(inner, None)
         value = plan_memory(report, plan).figure(figure)
         if value <= budget:
             return dataclasses.replace(plan, budget=budget, figure=figure, figure_bytes=value), inner
