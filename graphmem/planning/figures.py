@@ -53,12 +53,12 @@ def plan_within(report: Analysis, planner: Any, budget: int, figure: str) -> tup
             plan = planner.plan(inner, None)
         except PlanError:
             # the headroom was measured on the step without checkpoints, whose cached segments grow with
-            # its activations: the lowest-peak plan, judged by its own capture, may still fit
-            lowest = planner.minimum_peak() if planner.exact else planner._smallest_captured()
-            if lowest_tried or lowest >= budget:
+            # its activations: the cheapest plan under the budget itself, judged by its own capture, may
+            # still fit (a PlanError here: not even the plans' tensors fit)
+            if lowest_tried:
                 raise
-            lowest_tried, inner = True, lowest
-            plan = planner.plan(inner, None)
+            lowest_tried, room = True, 0
+            plan = planner.plan(budget, None)
         value = plan_memory(report, plan).figure(figure)
         if value <= budget:
             return dataclasses.replace(plan, budget=budget, figure=figure, figure_bytes=value), inner
