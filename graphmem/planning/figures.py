@@ -43,28 +43,34 @@ def plan_memory(report: Analysis, plan: Any) -> RunMemory:
 
 def plan_within(report: Analysis, planner: Any, budget: int, figure: str) -> tuple[Any, int]:
     """The planner's plan whose ``figure`` (captured) fits ``budget``, and the allocated budget the
-    planner was given for it."""
-    room, lowest_tried = headroom(report, figure), False
-    for _ in range(ROUNDS):
-        inner = budget - room
-        if inner <= 0:
-            break
-        try:
-            plan = planner.plan(inner, None)
-        except PlanError:
-            # the headroom was measured on the step without checkpoints, whose cached segments grow with
-            # its activations: the cheapest plan under the budget itself, judged by its own capture, may
-            # still fit (a PlanError here: not even the plans' tensors fit)
-            if lowest_tried:
-                raise
-            lowest_tried, room = True, 0
-            plan = planner.plan(budget, None)
+    planner was given for it. The first guess lowers the budget by the unplanned step's headroom; when
+    that plan is over, or out of reach (the cached segments shrink with the activations), the
+    planner's budget is bisected between its lowest-peak plan and ``budget``, each plan captured."""
+    inner = budget - headroom(report, figure)
+    lowest = planner.plan(None, 1.0)  # recompute is at most the forward: every plan is within 100 %
+    if lowest.peak_bytes > budget:
+        planner.plan(budget, None)  # raises: not even the plans' tensors fit (the planner's own words)
+    if inner >= lowest.peak_bytes:
+        plan = planner.plan(inner, None)
         value = plan_memory(report, plan).figure(figure)
         if value <= budget:
             return dataclasses.replace(plan, budget=budget, figure=figure, figure_bytes=value), inner
-        room += value - budget
-    raise PlanError(f"no plan's {FIGURE_NAMES[figure]} fits {fmt_bytes(budget)} (outside the step's tensors: "
-                    f"{fmt_bytes(headroom(report, figure))}); give figure='allocated' to judge the tensors alone")
+    value = plan_memory(report, lowest).figure(figure)
+    if value > budget:
+        raise PlanError(f"no plan's {FIGURE_NAMES[figure]} fits {fmt_bytes(budget)}: the lowest-peak plan's is "
+                        f"{fmt_bytes(value)} (outside the step's tensors: {fmt_bytes(value - lowest.peak_bytes)}); "
+                        "give figure='allocated' to judge the tensors alone")
+    best, lo, hi = (lowest, value, lowest.peak_bytes), lowest.peak_bytes, budget
+    for _ in range(ROUNDS):
+        mid = (lo + hi) // 2
+        plan = planner.plan(mid, None)
+        value = plan_memory(report, plan).figure(figure)
+        if value <= budget:
+            best, lo = (plan, value, mid), mid
+        else:
+            hi = mid
+    plan, value, given = best
+    return dataclasses.replace(plan, budget=budget, figure=figure, figure_bytes=value), given
 
 
 __all__ = ["figure_of", "headroom", "plan_memory", "plan_within"]
