@@ -173,3 +173,20 @@ def test_fit_cli_takes_the_step_options_and_names_the_figure(capsys) -> None:
     assert plain["figure"] == adamw["figure"] == "allocated"
     assert adamw["value"] < plain["value"]  # AdamW's states (2 x the parameters) take room from the batch
     assert 0 < adamw["value"] and adamw["figure_bytes"] <= 64 * 2 ** 20 < adamw["figure_above"]
+
+
+@pytest.mark.slow
+def test_a_plan_is_found_when_the_headroom_guess_is_below_every_plan() -> None:
+    """GIVEN a tiny GPT-2 on the CUDA target, whose device total is mostly the 512 MiB context, so the
+    budget lowered by the unplanned step's headroom is below every plan's peak
+    WHEN the budget is the device total of its lowest-peak plan (captured with the plan applied)
+    THEN a plan is still found (graphmem/planning/figures.py bisects the planner's budget), at or under it."""
+    from graphmem.planning.figures import headroom, plan_memory
+
+    module, _, loss = _model("gpt2")
+    r = graphmem.analyze(module, input_shape="32x128", loss=loss, device="cuda", optimizer="adamw")
+    lowest = r.plan(max_overhead=1.0)  # recompute is at most the forward: the lowest-peak plan
+    budget = plan_memory(r, lowest).device_total
+    assert budget - headroom(r, "device") < lowest.peak_bytes  # the guess alone finds nothing
+    plan = r.plan(budget=budget)
+    assert plan.figure == "device" and plan.figure_bytes is not None and plan.figure_bytes <= budget
