@@ -41,6 +41,15 @@ def plan_memory(report: Analysis, plan: Any) -> RunMemory:
     return step_memory(g, report.memory.rows, source.parallel)
 
 
+def _plan(planner: Any, budget: int) -> Any:
+    """The planner's plan for ``budget``, None where none fits (an inexact chain's program estimates
+    its plans' peaks; its captures may then find none under the budget)."""
+    try:
+        return planner.plan(budget, None)
+    except PlanError:
+        return None
+
+
 def plan_within(report: Analysis, planner: Any, budget: int, figure: str) -> tuple[Any, int]:
     """The planner's plan whose ``figure`` (captured) fits ``budget``, and the allocated budget the
     planner was given for it. The first guess lowers the budget by the unplanned step's headroom; when
@@ -50,11 +59,11 @@ def plan_within(report: Analysis, planner: Any, budget: int, figure: str) -> tup
     lowest = planner.plan(None, 1.0)  # recompute is at most the forward: every plan is within 100 %
     if lowest.peak_bytes > budget:
         planner.plan(budget, None)  # raises: not even the plans' tensors fit (the planner's own words)
-    if inner >= lowest.peak_bytes:
-        plan = planner.plan(inner, None)
-        value = plan_memory(report, plan).figure(figure)
+    guess = _plan(planner, inner) if inner >= lowest.peak_bytes else None
+    if guess is not None:
+        value = plan_memory(report, guess).figure(figure)
         if value <= budget:
-            return dataclasses.replace(plan, budget=budget, figure=figure, figure_bytes=value), inner
+            return dataclasses.replace(guess, budget=budget, figure=figure, figure_bytes=value), inner
     value = plan_memory(report, lowest).figure(figure)
     if value > budget:
         raise PlanError(f"no plan's {FIGURE_NAMES[figure]} fits {fmt_bytes(budget)}: the lowest-peak plan's is "
@@ -63,9 +72,9 @@ def plan_within(report: Analysis, planner: Any, budget: int, figure: str) -> tup
     best, lo, hi = (lowest, value, lowest.peak_bytes), lowest.peak_bytes, budget
     for _ in range(ROUNDS):
         mid = (lo + hi) // 2
-        plan = planner.plan(mid, None)
-        value = plan_memory(report, plan).figure(figure)
-        if value <= budget:
+        plan = _plan(planner, mid)
+        value = plan_memory(report, plan).figure(figure) if plan is not None else budget + 1
+        if plan is not None and value <= budget:
             best, lo = (plan, value, mid), mid
         else:
             hi = mid
