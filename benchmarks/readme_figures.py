@@ -108,14 +108,13 @@ FIGURES = (
            (Quote(r"At `1x4096` the smallest peak is (\d+\.\d+ \w+)", r"^\s+peak without checkpoints .* (\d+\.\d+ \S+)$"),),
            exit=1),
     Figure("l4-lora-3072", L4[:3] + ("1x3072",) + L4[4:], None,
-           (Quote(r"`Chosen plan \(budget [^)]*\): peak (\d+\.\d+ \w+) \.\.\.", r"^Chosen plan \([^)]*\): peak (\S+ \S+),"),
-            Quote(r"\+(\S+)% of the step's FLOPs`", r"\(\+(\S+)% of the step's FLOPs\)"),
-            Quote(r"`verified: captured peak (\d+\.\d+ \w+) = predicted", r"verified: captured peak (\S+ \S+) ="))),
+           (Quote(r"at `1x3072` the lowest-peak plan's device total is (\d+\.\d+ \w+)",
+                  r"the lowest-peak plan's is (\S+ \S+) \("),), exit=1),
     Figure("l4-qlora", L4[:8] + ("--qlora",) + L4[8:],
-           Pick((r"^Chosen plan", r"^\s+checkpointed segments", r"^\s+verified:")),
+           Pick((r"^\s+peak without checkpoints", r"^No plan chosen")),
            (Quote(r"the weights take (\d+\.\d+ \w+) instead", r"^parameters\s+(\d+\.\d+ \S+)$"),
             Quote(r"without\s+checkpoints every step after the first peaks at (\d+\.\d+ \w+)",
-                  r"^\s+peak without checkpoints (\d+\.\d+ \S+);"))),
+                  r"^\s+peak without checkpoints (\d+\.\d+ \S+);")), exit=1),
 )
 
 
