@@ -55,11 +55,17 @@ def plan_within(report: Analysis, planner: Any, budget: int, figure: str) -> tup
     planner was given for it. The first guess lowers the budget by the unplanned step's headroom; when
     that plan is over, or out of reach (the cached segments shrink with the activations), the
     planner's budget is bisected between its lowest-peak plan and ``budget``, each plan captured."""
-    inner = budget - headroom(report, figure)
+    room = headroom(report, figure)
+    inner = budget - room
+    if room == 0:  # the tensors alone (the CPU target's figures): the planner's own answer, or its error
+        plan = planner.plan(budget, None)
+        value = plan_memory(report, plan).figure(figure)
+        if value <= budget:
+            return dataclasses.replace(plan, budget=budget, figure=figure, figure_bytes=value), inner
     lowest = planner.plan(None, 1.0)  # recompute is at most the forward: every plan is within 100 %
     if lowest.peak_bytes > budget:
         planner.plan(budget, None)  # raises: not even the plans' tensors fit (the planner's own words)
-    guess = _plan(planner, inner) if inner >= lowest.peak_bytes else None
+    guess = _plan(planner, inner) if room > 0 and inner >= lowest.peak_bytes else None
     if guess is not None:
         value = plan_memory(report, guess).figure(figure)
         if value <= budget:
