@@ -3,8 +3,8 @@
 exact live bytes in later steps; the figure adds the caching allocator's rounding and cached
 segments and the rows outside it. So the budget the planner gets is lowered by that headroom,
 measured on the report's own step, and each chosen plan is captured with the plan applied and its
-figure computed from the capture; a plan over the budget lowers the planner's budget by the
-excess and plans again (a few rounds)."""
+figure computed from the capture; when that guess is over the budget or out of reach, the planner's
+budget is bisected (``ROUNDS`` captures) between its lowest-peak plan and the budget."""
 from __future__ import annotations
 
 import dataclasses
