@@ -10,11 +10,12 @@ import graphmem.advise.levers as L
 from graphmem.advise.levers import COST_RANK, Change, LeftOut
 from graphmem.advise.setting import Measurer
 from graphmem.analysis import Analysis
+from graphmem.capture.target import memory_limit
 from graphmem.errors import GraphmemError
 from graphmem.passes.budget import later_steps_peak
 from graphmem.spec import StepSpec
 from graphmem.training.spec import preparing_once
-from graphmem.units import fmt_bytes, parse_bytes
+from graphmem.units import fmt_bytes
 
 COSTS_NOTE = ("costs are graphmem's measures (recompute FLOPs from the recorded ops, bytes moved by collectives) "
               "or a stated trade-off, not times")
@@ -102,7 +103,7 @@ def advise(report: Analysis, memory: Any, ranks: int = 8, lora_rank: int = 16,
     """The levers of ``report``'s step, each captured, ranked, and the best few combined (when no
     single lever fits, or ``combine``)."""
     with preparing_once():  # one adapted (LoRA, QLoRA) model for every lever that keeps the model
-        return _advise(report, parse_bytes(memory), memory if isinstance(memory, str) else None, ranks, lora_rank,
+        return _advise(report, memory_limit(memory, report.target), memory if isinstance(memory, str) else None, ranks, lora_rank,
                        tick, combine)
 
 

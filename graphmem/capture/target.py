@@ -12,19 +12,47 @@ aten op, so its saved tensors are the kernel's; autocast follows CUDA's cast lis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from graphmem.errors import UsageError
+from graphmem.units import parse_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ATTENTION = ("auto", "flash", "efficient", "cudnn", "math", "eager")  # eager: HF models' own softmax attention
 MODES = ("eager", "compiled", "compiled-blocks")
 BLOCKS = "compiled-blocks"  # each block of the chain and the loss compiled, the loop eager (compiled_per_block.py)
 # compute capability of the GPUs users name (NVIDIA's tables)
-GPUS = {"v100": (7, 0), "t4": (7, 5), "a100": (8, 0), "a10": (8, 6), "l4": (8, 9), "h100": (9, 0), "h200": (9, 0),
-        "b200": (10, 0)}
+GPUS = {"v100": (7, 0), "v100-32gb": (7, 0), "t4": (7, 5), "a100": (8, 0), "a100-40gb": (8, 0), "a10": (8, 6),
+        "l4": (8, 9), "h100": (9, 0), "h200": (9, 0), "b200": (10, 0)}
+# Each card's memory as CUDA reports it: cudaMemGetInfo's total, which is
+# torch.cuda.get_device_properties(0).total_memory, the OOM message's "total capacity" and deviceQuery's
+# "Total amount of global memory"; nvidia-smi's Total less its Reserved (the driver's share). The
+# caching allocator and everything outside it (the device total's rows) share this. It moves a little
+# with the driver (H100 SXM: 79.11 GiB on driver 535, 79.21 GiB on 565): ``--memory`` with a number
+# overrides it. Each figure as a public log printed it:
+CAPACITY: dict[str, tuple[int, str]] = {
+    "v100": (16160 * 2**20, "Tesla V100-SXM2-16GB, nvidia-smi 16160MiB on driver 440 (before the Reserved row): "
+             "github.com/4paradigm/k8s-vgpu-scheduler/issues/7"),
+    "v100-32gb": (round(31.74 * 2**30), "V100 32GB, OOM message \"31.74 GiB total capacity\": "
+                  "github.com/liucongg/ChatGLM-Finetuning/issues/73"),
+    "t4": (round(14.56 * 2**30), "Tesla T4 (GCP), OOM message \"total capacity of 14.56 GiB\": "
+           "github.com/Zheng-Chong/CatVTON/issues/133"),
+    "a100": (85_100_068_864, "A100-SXM4-80GB, deviceQuery on driver 555.42.02: github.com/thamada/nvidia-smi "
+             "gls/A100SXMx4_deviceQuery.py"),
+    "a100-40gb": (42_298_834_944, "A100-SXM4-40GB, deviceQuery: github.com/bottlerocket-os/bottlerocket/pull/3873"),
+    "a10": (23_609_475_072, "NVIDIA A10, deviceQuery: github.com/aalanwyr/face2cuda step2cuda/README.md"),
+    "l4": (23_570_219_008, "NVIDIA L4, deviceQuery on driver 550.90.07: github.com/thamada/nvidia-smi "
+           "gls/L4_deviceQuery.py"),
+    "h100": (85_045_477_376, "H100 80GB HBM3 (SXM), deviceQuery on driver 565.57.01: github.com/thamada/nvidia-smi "
+             "nvsim/H100SXMx8_deviceQuery.py (79.11 GiB on driver 535: github.com/vllm-project/vllm/issues/27508)"),
+    "h200": (143156 * 2**20, "NVIDIA H200, _CudaDeviceProperties total_memory=143156MB: github.com/ai-bot-pro/achatbot "
+             "deploy/modal/src/llm/vllm/vlm/skywork_r1v.py"),
+    "b200": (182642 * 2**20, "NVIDIA B200, _CudaDeviceProperties total_memory=182642MB: github.com/ai-bot-pro/achatbot "
+             "deploy/modal/src/llm/vllm/vlm/skywork_r1v.py"),
+}
+CARD = "gpu"  # a memory size that names the target card's capacity: ``--memory gpu``, ``budget="gpu"``
 
 
 @dataclass(frozen=True)
@@ -55,6 +83,11 @@ class Target:
     @property
     def capability(self) -> tuple[int, int]:
         return GPUS[self.gpu]
+
+    @property
+    def capacity(self) -> int:
+        """The card's memory as CUDA reports it (``CAPACITY``)."""
+        return CAPACITY[self.gpu][0]
 
     def describe(self) -> str:
         parts = [self.device + (" (CUDA rules on fake CPU tensors)" if self.device == "cuda" else "")]
@@ -128,3 +161,14 @@ def check_device(device: str) -> None:
             f"`device='cuda'` needs a CUDA build of PyTorch (it runs without a GPU); this is torch "
             f"{torch.__version__} without CUDA: pip install torch==2.14.1 (the default PyPI wheel is a CUDA build)"
         )
+
+
+def memory_limit(memory: Any, target: Optional[Target], what: str = "memory") -> int:
+    """A budget in bytes: ``memory`` as ``parse_bytes`` reads it, or the CUDA target's card
+    (``"gpu"``, or None where a budget is required) at its capacity as CUDA reports it (``CAPACITY``)."""
+    if memory is None or (isinstance(memory, str) and memory.strip().lower() == CARD):
+        if target is None or target.device != "cuda":
+            raise UsageError(f"give a {what} size, e.g. 24GiB: the CPU target has no card whose capacity graphmem "
+                             "knows (`gpu` names the CUDA target's, with device='cuda')")
+        return target.capacity
+    return parse_bytes(memory)

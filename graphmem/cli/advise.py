@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from graphmem.cli.options import add_debug_argument, add_step_arguments, analyze_args
+from graphmem.cli.options import add_debug_argument, add_step_arguments, analyze_args, check_memory
 from graphmem.errors import UsageError
 
 
@@ -17,7 +17,8 @@ class Advise:
     def prepare_parser(self, p: argparse.ArgumentParser) -> None:
         add_step_arguments(p)
         g = p.add_argument_group("advice")
-        g.add_argument("--memory", required=True, metavar="MEM", help="the device's memory, e.g. 80GiB")
+        g.add_argument("--memory", metavar="MEM", help="the device's memory, e.g. 80GiB (default on --device cuda: the "
+                       "--gpu card's capacity as CUDA reports it, e.g. 21.95 GiB for the L4)")
         g.add_argument("--ranks", type=int, default=8, metavar="N",
                        help="GPUs the sharding levers (ZeRO, FSDP) split over (default 8)")
         g.add_argument("--advise-lora-rank", type=int, default=16, metavar="R",
@@ -30,9 +31,7 @@ class Advise:
     def run(self, args: argparse.Namespace) -> int:
         from graphmem.progress import Progress, quiet
         from graphmem.render.advise import advice_json, render_advice
-        from graphmem.units import parse_bytes
-
-        memory = parse_bytes(args.memory)  # a bad --memory fails before the analysis
+        check_memory(args, args.memory, "--memory")  # a bad --memory fails before the analysis
         for flag, value in (("--ranks", args.ranks), ("--advise-lora-rank", args.advise_lora_rank)):
             if value < 1:
                 raise UsageError(f"{flag} must be a positive integer, got {value}")
@@ -46,4 +45,4 @@ class Advise:
         else:
             shape = "x".join(map(str, report.input_shapes[0])) if report.input_shapes else ""
             sys.stdout.write(render_advice(advice, f"{report.model} {shape}: "))
-        return 0 if advice.base_peak <= memory or advice.choice is not None else 1
+        return 0 if advice.base_peak <= advice.memory or advice.choice is not None else 1

@@ -14,6 +14,7 @@ from graphmem.cli.options import (
     add_target_arguments,
     add_training_arguments,
     analyze_args,
+    check_memory,
 )
 from graphmem.errors import UsageError
 
@@ -62,7 +63,8 @@ class Fit:
         add_training_arguments(p)  # the step's loop and parallel setting, as analyze takes them
         p.add_argument("--json", action="store_true", help="JSON output")
         add_debug_argument(p)
-        p.add_argument("--memory", required=True, help="e.g. 80GiB, 40GB")
+        p.add_argument("--memory", help="e.g. 80GiB, 40GB (default on --device cuda: the --gpu card's capacity as CUDA "
+                       "reports it)")
         add_figure_argument(p)
         g = p.add_mutually_exclusive_group()
         g.add_argument("--seq", type=int, help="fixed sequence length: find the batch size")
@@ -106,9 +108,7 @@ def _formula(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace) -> int:
     from graphmem.capture.load import parse_shape
     from graphmem.render.formula import render_fit
-    from graphmem.units import parse_bytes
-
-    parse_bytes(args.memory)
+    check_memory(args, args.memory, "--memory")
     for name in ("seq", "batch"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name} must be a positive integer")

@@ -70,7 +70,9 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", default="auto", choices=ATTENTION,
                    help="SDPA backend (default auto: PyTorch's own choice for the target); a Hugging Face model runs "
                    "attn_implementation='sdpa' with it, or its own softmax attention with eager")
-    g.add_argument("--gpu", default="h100", help="GPU for the CUDA backend rules: h100, a100, l4, a10, t4, v100, ...")
+    g.add_argument("--gpu", default="h100", metavar="GPU",
+                   help="the card (default h100): its CUDA rules (compute capability) and its capacity (--memory gpu): "
+                   "v100, v100-32gb, t4, a100 (80GB), a100-40gb, a10, l4, h100, h200, b200")
     g.add_argument("--mode", default="eager", choices=MODES,
                    help="eager autograd (default), torch.compile's step (AOTAutograd, min-cut partition), shown beside eager, or "
                    "compiled-blocks: each block of the model's chain and the loss compiled, the loop eager (as torchtune compiles)")
@@ -171,8 +173,8 @@ def check_pipeline_arguments(args: argparse.Namespace) -> None:
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoint plans")
-    g.add_argument("--budget", metavar="MEM", help="memory budget for the step's peak, e.g. 40GiB: the plan with the "
-                   "fewest recompute FLOPs that fits")
+    g.add_argument("--budget", metavar="MEM", help="memory budget for the step's peak, e.g. 40GiB (gpu: the --gpu "
+                   "card's capacity, on --device cuda): the plan with the fewest recompute FLOPs that fits")
     g.add_argument("--max-overhead", metavar="PCT", help="recompute cap, e.g. 20%%: the plan with the lowest peak "
                    "whose recompute stays within it")
     g.add_argument("--selective", nargs="?", const=True, default=False, type=int, metavar="LEVELS",
@@ -198,9 +200,20 @@ def check_plan_arguments(args: argparse.Namespace, planning: bool) -> None:
     if args.budget is not None and args.max_overhead is not None:
         raise UsageError("give --budget or --max-overhead, not both")
     if args.budget is not None:
-        parse_bytes(args.budget)  # a bad size fails before the analysis
+        check_memory(args, args.budget, "--budget")  # a bad size fails before the analysis
     if args.points < 2:
         raise UsageError("--points must be at least 2")
+
+
+def check_memory(args: argparse.Namespace, value: Any, flag: str) -> None:
+    """``value`` is a size, or ``gpu`` (or nothing, for a required one) on ``--device cuda``: the card's capacity
+    (graphmem/capture/target.py ``CAPACITY``); a bad one fails before the analysis."""
+    if value is None or str(value).strip().lower() == "gpu":
+        if getattr(args, "device", "cpu") != "cuda":
+            raise UsageError(f"give {flag} a size, e.g. {flag} 24GiB (`{flag} gpu`, the card's capacity, needs "
+                             "--device cuda)")
+        return
+    parse_bytes(value)
 
 
 def target_of(args: argparse.Namespace) -> Any:

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Optional
 
 from graphmem.analysis import Analysis
+from graphmem.capture.target import memory_limit
 from graphmem.errors import GraphmemError, UsageError, no_source
 from graphmem.formula.coefficients import NotPolynomialError
 from graphmem.formula.fit import fit as fit_formula
@@ -15,7 +16,6 @@ from graphmem.formula.sweep import Sweep
 from graphmem.formula.sweep import sweep as sweep_formula
 from graphmem.noise import quiet  # third-party notes on the captures these answers run (graphmem/noise.py)
 from graphmem.passes.run_memory import figure_for, step_memory
-from graphmem.units import parse_bytes
 
 
 def _source(report: Analysis) -> Any:
@@ -55,7 +55,7 @@ def fit(report: Analysis, memory: Any, seq: Optional[int] = None, batch: Optiona
     source = _source(report)
     if seq is not None and batch is not None:
         raise UsageError("give seq= (to find the batch) or batch= (to find the sequence length), not both")
-    memory_bytes = parse_bytes(memory)
+    memory_bytes = memory_limit(memory, report.target)
     base = list(source.base_shape)
     if (seq is not None or batch is not None) and tuple(source.names[:2]) != ("b", "s"):
         raise UsageError(f"this model's input {tuple(base)} has no sequence dimension; use fit without seq/batch")

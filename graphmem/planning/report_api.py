@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Optional
 
 from graphmem.analysis import Analysis
+from graphmem.capture.target import CARD, memory_limit
 from graphmem.errors import UsageError, no_source
 from graphmem.noise import quiet  # third-party notes on the captures these answers run (graphmem/noise.py)
 from graphmem.planning.figures import figure_of, plan_within
@@ -32,11 +33,18 @@ def planner(report: Analysis, selective: Any = False) -> Planner:
     return kept[key]
 
 
+
+def card_budget(report: Analysis, budget: Any) -> Any:
+    """``budget="gpu"``: the CUDA target card's capacity in bytes (graphmem/capture/target.py ``CAPACITY``)."""
+    return memory_limit(budget, report.target, "budget") if isinstance(budget, str) and budget.strip().lower() == CARD \
+        else budget
+
+
 @quiet
 def plan(report: Analysis, budget: Any = None, max_overhead: Any = None, selective: Any = False,
          figure: Optional[str] = None) -> CheckpointPlan:
     """The plan for ``budget``, judged on ``figure`` of the run (graphmem/planning/figures.py)."""
-    limit, cap = parse_limits(budget, max_overhead)
+    limit, cap = parse_limits(card_budget(report, budget), max_overhead)
     p = planner(report, selective)
     if limit is None:
         return p.plan(limit, cap)
@@ -46,7 +54,7 @@ def plan(report: Analysis, budget: Any = None, max_overhead: Any = None, selecti
 @quiet
 def plans(report: Analysis, budget: Any = None, max_overhead: Any = None, points: int = 50,
           selective: Any = False, figure: Optional[str] = None) -> PlanSummary:
-    limit, cap = parse_limits(budget, max_overhead, required=False)
+    limit, cap = parse_limits(card_budget(report, budget), max_overhead, required=False)
     p = planner(report, selective)
     if limit is None:
         return summarize(p, limit, cap, points=points)

@@ -133,7 +133,11 @@ def run_rows(report: Report) -> list[list[str]]:
                      + ("(caching allocator model)" if m.reserved_from.startswith("the caching") else f"({m.reserved_from})")])
         parts = ", ".join(f"{r.name} {fmt_bytes(r.bytes)}" + (" (estimate)" if r.estimate else "")
                           + (" (given)" if r.overridden else "") for r in m.rows if r.bytes)
-        rows.append(["device total", fmt_bytes(m.device_total), f"what nvidia-smi shows: reserved + {parts}"])
+        card = report.target
+        fits = (f"; the {card.gpu}'s capacity {fmt_bytes(card.capacity)} (CUDA's total), "
+                + ("fits" if m.device_total <= card.capacity else "does not fit")) \
+            if card is not None and card.device == "cuda" else ""
+        rows.append(["device total", fmt_bytes(m.device_total), f"what nvidia-smi shows: reserved + {parts}{fits}"])
     return rows
 
 
