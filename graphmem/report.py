@@ -191,12 +191,16 @@ class Report:
 
         return planning_api.plans(self._live("plans()"), budget, max_overhead, points, selective, figure)
 
-    def advise(self, memory: Any, ranks: int = 8, lora_rank: int = 16, tick: Any = None, combine: bool = False) -> Any:
+    def advise(self, memory: Any, ranks: int = 8, lora_rank: int = 16, tick: Any = None, combine: bool = False,
+               figure: Optional[str] = None) -> Any:
         """What to change so the step's peak fits ``memory`` (bytes or "80GiB"): a
         graphmem.advise.Advice, its levers ranked, each lever's peak a capture of the changed
         step, and the cheapest lever or combination that fits (``advice.answer``). ``ranks``:
         the GPUs the sharding levers split over; ``lora_rank``: the LoRA lever's rank; the best
         levers are combined (each combination captured) when no single one fits, or ``combine``.
+        Each setting is judged on ``figure`` of its run (passes/run_memory.py: "allocated", "reserved"
+        or "device", the device total: the default on the CUDA target, "allocated" on the CPU's);
+        ``memory="gpu"`` is the CUDA target card's capacity (graphmem/capture/target.py ``CAPACITY``).
 
         >>> advice = report.advise(memory="80GiB")          # doctest: +SKIP
         >>> advice.answer, [(r.name, r.peak_bytes) for r in advice.levers]  # doctest: +SKIP
@@ -204,7 +208,7 @@ class Report:
 
         from graphmem.advise import advise  # captures again: loaded on use
 
-        return advise(self._live("advise()"), memory, ranks, lora_rank, tick, combine)
+        return advise(self._live("advise()"), memory, ranks, lora_rank, tick, combine, figure)
 
     def memory_budgets(self, values: Any, tick: Any = None) -> Any:
         """Compiled mode: the step at each value of torch.compile's activation memory budget

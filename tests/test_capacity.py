@@ -13,6 +13,7 @@ import graphmem
 from graphmem.capture.target import CAPACITY, GPUS, make_target, memory_limit
 from graphmem.cli.main import main
 from graphmem.errors import UsageError
+from graphmem.units import fmt_bytes
 
 
 def _net() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -60,3 +61,25 @@ def test_cli_fit_and_advise_default_to_the_card_on_cuda_and_refuse_no_size_on_cp
         assert main(command) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "needs --device cuda" in err, err
+
+
+def test_advise_on_cuda_judges_each_setting_on_its_device_total() -> None:
+    """Each lever's figure is what ``graphmem.analyze`` of that setting reports as its device total
+    (the caching allocator's reserved bytes plus the rows outside it: a sharding lever's NCCL
+    communicator included); the answer names the figure."""
+    torch.manual_seed(0)  # large enough for the states to move whole 2 MiB segments
+    net = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
+    inputs = (torch.randn(64, 1024),)
+    r = graphmem.analyze(net, inputs, device="cuda", optimizer="adamw")
+    advice = r.advise(memory=r.memory.device_total - 1)
+    assert advice.figure == "device" and advice.base_peak == r.memory.device_total
+    rows = {row.name: row.peak_bytes for row in advice.levers}
+    other = graphmem.analyze(net, inputs, device="cuda", optimizer="adafactor").memory
+    assert rows["adafactor instead of adamw"] == other.device_total
+    zero = graphmem.analyze(net, inputs, device="cuda", optimizer="adamw", world_size=8, zero=2).memory
+    assert any(x.name.startswith("nccl") for x in zero.rows)  # its communicator (294 MiB) outweighs the states here
+    assert f"ZeRO-2 over 8 ranks: the peak does not drop ({fmt_bytes(zero.device_total)})" in \
+        [x.why for x in advice.left_out]
+    assert "device total" in advice.answer
+    allocated = r.advise(memory=r.memory.device_total - 1, figure="allocated")
+    assert allocated.base_peak == r.memory.run_max_allocated and "the step already fits: peak" in allocated.answer

@@ -13,6 +13,8 @@ from graphmem.analysis import Analysis
 from graphmem.capture.target import memory_limit
 from graphmem.errors import GraphmemError
 from graphmem.passes.budget import later_steps_peak
+from graphmem.passes.run_memory import FIGURE_NAMES
+from graphmem.planning.figures import figure_of, plan_memory
 from graphmem.spec import StepSpec
 from graphmem.training.spec import preparing_once
 from graphmem.units import fmt_bytes
@@ -59,6 +61,13 @@ class Advice:
     left_out: tuple[LeftOut, ...]
     captures: int  # captures run for the advice (the report's own not counted)
     notes: tuple[str, ...] = field(default=(COSTS_NOTE, SHARDING_NOTE))
+    # the figure of each setting's run that "peak" names and ``memory`` is compared with (passes/run_memory.py):
+    # "allocated" (the CPU target's default), "reserved", or "device", the device total (the CUDA target's)
+    figure: str = "allocated"
+
+    @property
+    def figure_name(self) -> str:
+        return FIGURE_NAMES[self.figure]
 
     @property
     def choice(self) -> Optional[Lever]:
@@ -77,20 +86,21 @@ class Advice:
     @property
     def answer(self) -> str:
         memory = fmt_bytes(self.memory)
+        peak = "peak" if self.figure == "allocated" else self.figure_name
         if self.base_peak <= self.memory:
-            return f"the step already fits: peak {fmt_bytes(self.base_peak)} <= {memory}"
+            return f"the step already fits: {peak} {fmt_bytes(self.base_peak)} <= {memory}"
         choice = self.choice
         if choice is not None:
             what = "combination" if choice.parts else "lever"
-            return (f"cheapest {what} that fits {memory}: {choice.name} (peak {fmt_bytes(choice.peak_bytes)}; "
+            return (f"cheapest {what} that fits {memory}: {choice.name} ({peak} {fmt_bytes(choice.peak_bytes)}; "
                     f"cost: {choice.cost})")
         best = self.smallest
-        reached = f"; the smallest peak reached is {fmt_bytes(best.peak_bytes)} ({best.name})" if best else ""
+        reached = f"; the smallest {peak} reached is {fmt_bytes(best.peak_bytes)} ({best.name})" if best else ""
         return f"no lever or combination tried fits {memory}{reached}"
 
     def to_dict(self) -> dict[str, Any]:
         choice = self.choice
-        return {"memory": self.memory, "base_peak_bytes": self.base_peak, "answer": self.answer,
+        return {"memory": self.memory, "figure": self.figure, "base_peak_bytes": self.base_peak, "answer": self.answer,
                 "choice": choice.name if choice is not None else None,
                 "levers": [r.to_dict() for r in self.levers],
                 "combinations": [r.to_dict() for r in self.combinations],
@@ -99,19 +109,20 @@ class Advice:
 
 
 def advise(report: Analysis, memory: Any, ranks: int = 8, lora_rank: int = 16,
-           tick: Optional[Callable[[], None]] = None, combine: bool = False) -> Advice:
+           tick: Optional[Callable[[], None]] = None, combine: bool = False, figure: Optional[str] = None) -> Advice:
     """The levers of ``report``'s step, each captured, ranked, and the best few combined (when no
-    single lever fits, or ``combine``)."""
+    single lever fits, or ``combine``); every setting judged on ``figure`` of its run (the device
+    total on the CUDA target, allocated on the CPU's: graphmem/planning/figures.py)."""
     with preparing_once():  # one adapted (LoRA, QLoRA) model for every lever that keeps the model
         return _advise(report, memory_limit(memory, report.target), memory if isinstance(memory, str) else None, ranks, lora_rank,
-                       tick, combine)
+                       tick, combine, figure_of(report, figure))
 
 
 def _advise(report: Analysis, limit: int, budget: Optional[str], ranks: int, lora_rank: int,
-            tick: Optional[Callable[[], None]], combine: bool) -> Advice:
+            tick: Optional[Callable[[], None]], combine: bool, figure: str) -> Advice:
     measurer = Measurer(report, tick)
     base = measurer.base
-    base_peak = measurer.peak(base)
+    base_peak = measurer.figure(base, figure)
     changes: list[Change] = []
     left_out: list[LeftOut] = []
     levers: tuple[tuple[str, Callable[[], tuple[list[Change], list[LeftOut]]]], ...] = (
@@ -126,23 +137,23 @@ def _advise(report: Analysis, limit: int, budget: Optional[str], ranks: int, lor
             found, why = [], [LeftOut(kind, f"not applicable: {e}")]
         changes += found
         left_out += why
-    rows, measured = _singles(measurer, changes, base_peak, limit, left_out)
+    rows, measured = _singles(measurer, changes, base_peak, limit, left_out, figure)
     if base_peak > limit:
-        row, skipped = _batch_lever(report, measurer, limit, base_peak)
+        row, skipped = _batch_lever(report, measurer, limit, base_peak, figure)
         rows += [row] if row is not None else []
         left_out += [skipped] if skipped is not None else []
-    plan, skipped = _plan_lever(report, limit, budget or f"{limit}B", base_peak)
+    plan, skipped = _plan_lever(report, measurer, limit, budget or f"{limit}B", base_peak, figure)
     rows += [plan] if plan is not None else []
     left_out += [skipped] if skipped is not None else []
     # combinations only when no single lever fits: the answer needs them then, and each is a capture
     fits = base_peak <= limit or any(r.fits for r in rows)
-    combos = [] if fits and not combine else _combinations(measurer, base, measured, base_peak, limit, left_out)
+    combos = [] if fits and not combine else _combinations(measurer, base, measured, base_peak, limit, left_out, figure)
     rows.sort(key=lambda r: (r.peak_bytes, r.rank))
-    return Advice(limit, base_peak, tuple(rows), tuple(combos), tuple(left_out), measurer.captures)
+    return Advice(limit, base_peak, tuple(rows), tuple(combos), tuple(left_out), measurer.captures, figure=figure)
 
 
 def _singles(measurer: Measurer, changes: list[Change], base_peak: int, limit: int,
-             left_out: list[LeftOut]) -> tuple[list[Lever], dict[str, tuple[Change, int]]]:
+             left_out: list[LeftOut], figure: str) -> tuple[list[Lever], dict[str, tuple[Change, int]]]:
     """Each change captured (micro-batch counts: until one fits); one that fails or does not lower
     the peak goes to ``left_out`` with the reason."""
     base = measurer.base
@@ -154,7 +165,7 @@ def _singles(measurer: Measurer, changes: list[Change], base_peak: int, limit: i
             continue
         try:
             spec = change.apply(base)
-            peak = measurer.peak(spec)
+            peak = measurer.figure(spec, figure)
             cost, extent = change.cost, change.extent
             if change.cost_class == "recompute":  # the FLOPs the changed step records beyond the step's own
                 extent = max(0, measurer.flops(spec) - base_flops) / base_flops
@@ -176,7 +187,7 @@ def _row(kind: str, name: str, how: str, peak: int, base_peak: int, limit: int, 
     return Lever(kind, name, how, peak, base_peak - peak, cost, cost_class, peak <= limit, parts, extent)
 
 
-def _batch_lever(report: Analysis, measurer: Measurer, limit: int, base_peak: int,
+def _batch_lever(report: Analysis, measurer: Measurer, limit: int, base_peak: int, figure: str,
                  tries: int = 3) -> tuple[Optional[Lever], Optional[LeftOut]]:
     """The largest batch that fits: the exact formula's answer (``report.fit``, graphmem/formula;
     forward and backward), then captured with the whole step (a later step's optimizer states
@@ -186,7 +197,7 @@ def _batch_lever(report: Analysis, measurer: Measurer, limit: int, base_peak: in
     if b == 1:  # nothing smaller to try: no formula sampled, no capture
         return None, LeftOut("batch", f"even a batch of 1 does not fit {fmt_bytes(limit)}")
     try:
-        value = min(report.fit(memory=limit).value, b - 1)
+        value = min(report.fit(memory=limit, figure=figure).value, b - 1)
     except GraphmemError as e:
         return None, LeftOut("batch", f"no formula in the batch size: {e}")
     peak = base_peak
@@ -194,7 +205,7 @@ def _batch_lever(report: Analysis, measurer: Measurer, limit: int, base_peak: in
         if value < 1:
             break
         try:
-            peak = measurer.peak(base.at((value, *base.shape[1:])))
+            peak = measurer.figure(base.at((value, *base.shape[1:])), figure)
         except GraphmemError as e:
             return None, LeftOut("batch", f"batch {value}: not applicable: {e}")
         if peak <= limit:
@@ -210,23 +221,27 @@ def _batch_lever(report: Analysis, measurer: Measurer, limit: int, base_peak: in
                 "sample: micro-batches keep them)", "changes the run"), None
 
 
-def _plan_lever(report: Analysis, limit: int, budget: str, base_peak: int) -> tuple[Optional[Lever], Optional[LeftOut]]:
-    """The planner's cheapest plan that fits (else its lowest-peak plan), verified by a capture."""
+def _plan_lever(report: Analysis, measurer: Measurer, limit: int, budget: str, base_peak: int,
+                figure: str) -> tuple[Optional[Lever], Optional[LeftOut]]:
+    """The planner's cheapest plan whose ``figure`` fits (else its lowest-peak plan), verified by a capture."""
     one_device = later_steps_peak(report.step, report.liveness)  # what the planner plans: every step's peak
-    if base_peak != one_device:
-        return None, LeftOut("checkpoint", f"the step's peak is one rank's ({fmt_bytes(base_peak)}); the planner plans "
+    allocated = measurer.peak(measurer.base)
+    if allocated != one_device:
+        return None, LeftOut("checkpoint", f"the step's peak is one rank's ({fmt_bytes(allocated)}); the planner plans "
                              f"the step on one device ({fmt_bytes(one_device)}): run graphmem plan without the "
                              "sharding options to see its plans")
     try:
         try:
-            plan = report.plan(budget=limit)
+            plan = report.plan(budget=limit, figure=figure)
             call = f"report.plan(budget={budget!r})"
         except GraphmemError:  # none fits: the lowest peak any plan reaches (recompute at most the forward)
             plan = report.plan(max_overhead=1.0)
             call = "report.plan(max_overhead=1.0)"
     except GraphmemError as e:
         return None, LeftOut("checkpoint", f"no checkpoint plan: {e}")
-    if plan.peak_bytes >= base_peak or not plan.segments:
+    peak = plan.figure_bytes if plan.figure == figure and plan.figure_bytes is not None \
+        else plan_memory(report, plan).figure(figure)  # the lowest-peak plan, captured with it applied
+    if peak >= base_peak or not plan.segments:
         return None, LeftOut("checkpoint", f"no checkpoint plan of {plan.chain} lowers the peak (at {report.peak_op}, "
                              f"{report.peak_phase}): checkpoints free activations, not what is live there")
     segments = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in plan.segments) or "none"
@@ -234,12 +249,12 @@ def _plan_lever(report: Analysis, limit: int, budget: str, base_peak: int) -> tu
            f"{plan.chain} blocks {segments}")
     cost = f"recompute {plan.overhead:.1%} of the step's FLOPs"
     count = len(plan.segments)
-    return _row("checkpoint", f"checkpoint plan ({count} segment{'s' if count != 1 else ''})", how, plan.peak_bytes, base_peak,
+    return _row("checkpoint", f"checkpoint plan ({count} segment{'s' if count != 1 else ''})", how, peak, base_peak,
                 limit, cost, "recompute", extent=plan.overhead), None
 
 
 def _combinations(measurer: Measurer, base: StepSpec, measured: dict[str, tuple[Change, int]], base_peak: int,
-                  limit: int, left_out: list[LeftOut], most: int = 4) -> list[Lever]:
+                  limit: int, left_out: list[LeftOut], figure: str, most: int = 4) -> list[Lever]:
     """Greedy, each step captured: start from the best lever of the kind that saves most, add the
     best lever of each other kind (capture-only kinds first, sharding last: it needs more GPUs)
     while it lowers the peak, until the step fits or ``most`` levers are tried. A lever that cannot
@@ -263,7 +278,7 @@ def _combinations(measurer: Measurer, base: StepSpec, measured: dict[str, tuple[
         cost = "; ".join(c.cost for c in trying)
         try:  # a lever may refuse the others' setting (Adafactor on FSDP2's DTensor parameters): not this combination
             trial = change.apply(setting)
-            peak = measurer.peak(trial)
+            peak = measurer.figure(trial, figure)
             if cls == "recompute" and peak < peak_now:
                 extent = max(0, measurer.flops(trial) - measurer.flops(base)) / measurer.flops(base)
                 cost = f"recompute {extent:.1%} of the step's FLOPs; " + \

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from graphmem.cli.options import add_debug_argument, add_step_arguments, analyze_args, check_memory
+from graphmem.cli.options import add_debug_argument, add_figure_argument, add_step_arguments, analyze_args, check_memory
 from graphmem.errors import UsageError
 
 
@@ -25,6 +25,7 @@ class Advise:
                        help="rank of the LoRA lever (default 16; weighed when the step has an optimizer)")
         g.add_argument("--combine", action="store_true",
                        help="also combine the best levers when one alone fits (default: only when none does)")
+        add_figure_argument(g)
         p.add_argument("--json", action="store_true", help="JSON output (exact integers)")
         add_debug_argument(p)
 
@@ -39,7 +40,7 @@ class Advise:
             report = analyze_args(args)
             with Progress(desc="captures") as bar:
                 advice = report.advise(args.memory, ranks=args.ranks, lora_rank=args.advise_lora_rank, tick=bar.update,
-                                        combine=args.combine)
+                                        combine=args.combine, figure=args.figure)
         if args.json:
             sys.stdout.write(json.dumps(advice_json(report, advice), indent=2) + "\n")
         else:

@@ -18,11 +18,13 @@ def _rows(levers: tuple[Lever, ...]) -> list[list[object]]:
 
 
 def render_advice(advice: Advice, title: str = "") -> str:
-    head = ["#", "lever", "peak", "saving", "fits", "cost"]
-    out = [f"{title}peak {fmt_bytes(advice.base_peak)}; memory {fmt_bytes(advice.memory)}", "",
+    peak = "peak" if advice.figure == "allocated" else advice.figure_name
+    head = ["#", "lever", peak, "saving", "fits", "cost"]
+    compared = "" if advice.figure == "allocated" else f" (compared: the {advice.figure_name} of each setting's run)"
+    out = [f"{title}{peak} {fmt_bytes(advice.base_peak)}; memory {fmt_bytes(advice.memory)}{compared}", "",
            advice.answer, ""]
     if advice.levers:
-        out += ["Levers (each peak: a capture of the changed step)",
+        out += [f"Levers (each {peak}: a capture of the changed step)",
                 tabulate(_rows(advice.levers), head, disable_numparse=True), ""]
         out += ["How to make each change"] + [f"{i:>3}. {r.name}: {r.how}" for i, r in enumerate(advice.levers, 1)]
         out.append("")
