@@ -61,12 +61,13 @@ def _package_dirs() -> tuple[str, ...]:
 
 
 def is_noise(record: logging.LogRecord) -> bool:
-    """A third-party WARNING or ERROR record (by its logger's name, or, on the root logger, its file)."""
+    """A third-party WARNING or ERROR record (by its logger's name, lower-cased: DeepSpeed logs as
+    "DeepSpeed", to stdout; or by the file that logged: the root logger's, torchtitan's)."""
     if not logging.WARNING <= record.levelno < logging.CRITICAL:
         return False
-    if _MODULES.match(record.name):
+    if _MODULES.match(record.name.lower()):
         return True
-    return record.name == "root" and record.pathname.startswith(_package_dirs())
+    return record.pathname.startswith(_package_dirs())
 
 
 def _filtered(self: logging.Logger, record: logging.LogRecord) -> None:

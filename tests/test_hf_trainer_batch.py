@@ -193,3 +193,32 @@ def test_the_cli_draws_the_batch_from_its_train_dataset(tmp_path: Any, capsys: A
     assert len(err) == 1 and "--train-dataset" in err[0] and "--input-shape" in err[0]
     assert main(["analyze", str(tmp_path / "config.json"), "--input-shape", "2x8", "--train-dataset", str(data)]) == 2
     assert "give --training-args too" in capsys.readouterr().err
+
+
+def test_cli_validate_runs_the_batch_of_its_train_dataset(tmp_path: Any, capsys: Any) -> None:
+    """graphmem validate CONFIG --training-args args.json --train-dataset data.jsonl (no --input-shape): the
+    prediction for the first batch train() draws beside the Trainer's real steps on it, within tolerance;
+    the batch is the dataset's (its samples' length), and the flags' mistakes are one line each."""
+    import json
+
+    from graphmem.cli.main import main
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True, "report_to": [],
+                                "per_device_train_batch_size": 2, "max_grad_norm": 1.0}))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": list(range(i, i + 11)), "labels": list(range(i, i + 11))}) + "\n"
+                            for i in range(4)))
+    assert main(["validate", str(tmp_path / "config.json"), "--training-args", str(args), "--train-dataset", str(data),
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["validation"]
+    rows = {r["name"]: r for r in d["rows"]}
+    assert rows["saved for backward"]["predicted"] == rows["saved for backward"]["measured"] > 0
+    assert "2x11" in json.dumps(d) or [2, 11] in d.get("input_shapes", [[2, 11]])
+    assert main(["validate", str(tmp_path / "config.json"), "--train-dataset", str(data)]) == 2
+    assert "give --training-args too" in capsys.readouterr().err
+    assert main(["validate", str(tmp_path / "config.json")]) == 2
+    assert "--input-shape" in capsys.readouterr().err

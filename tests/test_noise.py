@@ -48,6 +48,19 @@ def test_torchtitans_root_logger_records_are_told_apart_by_file() -> None:
     assert not noise.is_noise(_record("torch", logging.CRITICAL))
 
 
+def test_deepspeeds_logger_is_told_apart_by_its_name_or_its_file() -> None:
+    # DeepSpeed logs as "DeepSpeed" to stdout (deepspeed/utils/logging.py): its "Setting accelerator to CPU"
+    # warning, on the first get_accelerator() (transformers and accelerate import deepspeed where it is
+    # installed), once broke the JSON that `graphmem validate --json` printed
+    import graphmem.noise as noise
+
+    assert noise.is_noise(_record("DeepSpeed", logging.WARNING, "/site-packages/deepspeed/accelerator/x.py"))
+    deepspeed = pytest.importorskip("deepspeed")
+    inside = os.path.join(os.path.dirname(deepspeed.__file__), "accelerator", "real_accelerator.py")
+    assert noise.is_noise(_record("ds_logger", logging.WARNING, inside))
+    assert not noise.is_noise(_record("user.code", logging.WARNING, "/home/user/train.py"))
+
+
 def test_warnings_from_libraries_are_silenced_and_the_users_kept() -> None:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

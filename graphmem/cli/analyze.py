@@ -13,6 +13,7 @@ from graphmem.cli.options import (
     add_pipeline_arguments,
     add_plan_arguments,
     add_step_arguments,
+    add_trainer_batch_arguments,
     analyze_args,
     check_pipeline_arguments,
     check_plan_arguments,
@@ -39,13 +40,7 @@ class Analyze:
                             "around the (Hugging Face) model runs (its optim, clipping, accumulation, bf16/fp16, "
                             "gradient checkpointing); with --world-size N [--rank R], rank R of its DDP job on N "
                             "processes")
-        p.add_argument("--train-dataset", metavar="PATH",
-                       help="with --training-args: the Trainer's train_dataset (a JSON Lines file of samples, or a "
-                            "directory saved by datasets' save_to_disk); without --input-shape the step runs the "
-                            "first batch train() draws from it")
-        p.add_argument("--trainer-batch", choices=["first", "longest"], default="first",
-                       help="with --train-dataset: the first batch train() draws (default), or the longest of the "
-                            "run's (a padding collator's worst case)")
+        add_trainer_batch_arguments(p)
         o = p.add_argument_group("output")
         o.add_argument("--json", action="store_true", help="print the report as JSON (exact integers); same as --format json")
         o.add_argument("--format", choices=["text", "json", "markdown"], help="output format (default text)")

@@ -164,6 +164,17 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
                    help="Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B (two stages per rank)")
 
 
+def add_trainer_batch_arguments(p: argparse.ArgumentParser) -> None:
+    """--train-dataset/--trainer-batch: the batch a Trainer's dataloader yields (with --training-args)."""
+    p.add_argument("--train-dataset", metavar="PATH",
+                   help="with --training-args: the Trainer's train_dataset (a JSON Lines file of samples, or a "
+                        "directory saved by datasets' save_to_disk); without --input-shape the step runs the "
+                        "first batch train() draws from it")
+    p.add_argument("--trainer-batch", choices=["first", "longest"], default="first",
+                   help="with --train-dataset: the first batch train() draws (default), or the longest of the "
+                        "run's (a padding collator's worst case)")
+
+
 def check_pipeline_arguments(args: argparse.Namespace) -> None:
     """The pipeline options with analyze's others (the Pipeline itself is checked where the spec is built)."""
     if args.pp > 1 and (args.plan or args.formula or args.memory_budget is not None):

@@ -16,6 +16,7 @@ from graphmem.cli.options import (
     add_loop_arguments,
     add_model_arguments,
     add_parallel_arguments,
+    add_trainer_batch_arguments,
     hf_of,
     loop_options,
     per_rank_options,
@@ -28,7 +29,7 @@ class Validate:
     help = "run one training step for real and compare it with the prediction"
 
     def prepare_parser(self, p: argparse.ArgumentParser) -> None:
-        add_model_arguments(p, real=True)
+        add_model_arguments(p, shape_required=False, real=True)  # --training-args with --train-dataset: the Trainer's
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run the real step (default cpu)")
         p.add_argument("--dtype", choices=DTYPES, help="parameter dtype of the real model (default: as built)")
         p.add_argument("--amp", choices=AMP, help="autocast with fp32 parameters")
@@ -40,6 +41,7 @@ class Validate:
                        help="a JSON or YAML file of transformers TrainingArguments: validate the step a Trainer "
                             "around the (Hugging Face) model runs, on the CPU; with --world-size N [--rank R], its DDP "
                             "ranks against a real job of N gloo processes")
+        add_trainer_batch_arguments(p)
         add_debug_argument(p)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -51,6 +53,11 @@ def _validate(args: argparse.Namespace) -> int:
     from graphmem.render.validate import render_validation
     from graphmem.validation.validate import validate
 
+    if args.train_dataset and not args.training_args:
+        raise UsageError("--train-dataset is the Trainer's: give --training-args too")
+    if args.input_shape is None and not args.train_dataset:
+        raise UsageError("give --input-shape (e.g. 2x128), or --training-args with --train-dataset: the batch the "
+                         "Trainer's dataloader yields")
     with quiet(args.json):
         if args.training_args:  # a transformers Trainer around the model, built for real on the CPU
             from graphmem.capture.load import load
@@ -66,10 +73,10 @@ def _validate(args: argparse.Namespace) -> int:
                 raise UsageError("--training-args validates the Trainer's own step, per rank as a DDP job (--world-size N "
                                  f"[--rank R]); drop {', '.join('--' + k.replace('_', '-') for k in split)}")
             module = load(args.model, device="cpu", options=hf_of(args)).module
-            trainer = trainer_from_file(module, args.training_args)
+            trainer = trainer_from_file(module, args.training_args, train_dataset=args.train_dataset)
             if is_trainer(trainer):
                 result = validate_trainer(trainer, input_shape=args.input_shape, tolerance=args.tolerance,
-                                          world_size=args.world_size, rank=args.rank)
+                                          world_size=args.world_size, rank=args.rank, trainer_batch=args.trainer_batch)
             else:  # FSDP arguments: the Trainer is built per rank (graphmem/validation/trainer_fsdp.py)
                 result = validate(module, input_shape=args.input_shape, tolerance=args.tolerance, training_args=trainer,
                                   world_size=args.world_size, rank=args.rank)
