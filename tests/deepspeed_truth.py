@@ -52,6 +52,10 @@ def held_bytes(kept: list) -> int:
 
 
 def _step(engine: Any, batch: dict, kept: list) -> dict[str, int]:
+    """One optimizer step as a user's loop runs it: ``gradient_accumulation_steps`` micro-steps of
+    ``out = engine(**batch); engine.backward(out.loss); engine.step()`` (DeepSpeed's engine steps the
+    optimizer on the last: deepspeed/runtime/engine.py ``is_gradient_accumulation_boundary``), the
+    previous micro-step's output held until the next one returns."""
     params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
     saved: dict[int, int] = {}
     on = [True]
@@ -65,10 +69,13 @@ def _step(engine: Any, batch: dict, kept: list) -> dict[str, int]:
 
     before = held_bytes(kept)
     with _profiled() as prof, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = engine(**batch)
-        on[0] = False
-        engine.backward(out.loss)
-        engine.step()
+        for _ in range(engine.gradient_accumulation_steps()):  # micro-steps: the optimizer steps on the last
+            on[0] = True
+            saved.clear()  # each micro-step saves the same: the last one's set is the step's
+            out = engine(**batch)
+            on[0] = False
+            engine.backward(out.loss)
+            engine.step()
     after = held_bytes(kept)
     held = addresses([t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.device.type != "meta"])
     kept.append(dict(out))

@@ -16,8 +16,10 @@ Patches (each undone on exit):
   rank 0's back: under the fake group the broadcast moves no data, and every rank holds the same lists.
 - Reads of a tensor's value (``.item()``, ``bool()``) are answered by the fake mode: a bool False (the
   overflow and non-finite-norm checks: deepspeed/runtime/utils.py ``is_invalid_grad_norm``,
-  ``CheckOverflow``; a real fp32/bf16 step has none), a float 1.0 (a norm that scales the clipping
-  coefficient, a Python number), an int 1. None decides a size.
+  ``CheckOverflow``; a real fp32/bf16 step has none), a uint8 0 (the ZeRO optimizers' overflow flag,
+  ``overflow_gpu[0].item()`` in ``has_overflow``: deepspeed/runtime/zero/stage_1_and_2.py and stage3.py,
+  read under bf16 where ``bf16.check_grad_overflow`` defaults to true, and under fp16), a float 1.0 (a
+  norm that scales the clipping coefficient, a Python number), any other int 1. None decides a size.
 
 Known limitations: DeepSpeed's pinned host buffers (CPU offload) and NVMe swapping are not run here
 (graphmem/deepspeed/config.py refuses them).
@@ -37,7 +39,7 @@ from graphmem.capture.recorder import _Mode
 
 
 def _answer(t: torch.Tensor) -> Any:
-    return False if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1
+    return False if t.dtype == torch.bool else 0 if t.dtype == torch.uint8 else 1.0 if t.is_floating_point() else 1
 
 
 @contextlib.contextmanager
