@@ -34,6 +34,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from graphmem.capture.recorder import _Mode
 
@@ -142,7 +143,10 @@ def held_tensors(engine: Any, limit: int = 40) -> list[tuple[str, torch.Tensor]]
         if isinstance(obj, torch.Tensor):
             if obj.device.type != "meta":  # (ZeRO-1/2's ``round_robin_bit16_meta``: shapes only, no memory)
                 out.append((path, obj))
-            children: Any = vars(obj).items() if hasattr(obj, "__dict__") else ()
+            # (ZeRO-3's ``param.ds_tensor``; not a fake tensor's ``constant``: the fake mode's real copy of a
+            # lifted constant, e.g. torch's AdamW ``step``, is its bookkeeping, not memory DeepSpeed holds)
+            children: Any = [(k, v) for k, v in vars(obj).items() if not (k == "constant" and isinstance(obj, FakeTensor))] \
+                if hasattr(obj, "__dict__") else ()
         elif isinstance(obj, dict):
             children = [(k if isinstance(k, (str, int)) else f"#{i}", v) for i, (k, v) in enumerate(obj.items())]
         elif isinstance(obj, (list, tuple)):
