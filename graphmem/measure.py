@@ -158,16 +158,18 @@ def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
     """Rank r of a DeepSpeed job through its own engine (graphmem/deepspeed/capture.py): the whole step's
     table over rank r's graph, DeepSpeed's held tensors by where it keeps them beside it."""
     from graphmem.deepspeed.capture import capture_engine
-    from graphmem.deepspeed.report import engine_lines, later_peak
+    from graphmem.deepspeed.report import engine_lines
     from graphmem.training.spec import step_budget
 
-    g, outputs = capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
+    g = capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
     lv, sv = liveness(g), saved(g)
     budget = step_budget(g, lv, sv, spec.training, spec.module, (), p.describe())
-    later, index = later_peak(g, lv, outputs)  # DeepSpeed's buffers kept across steps count from the start too
+    # the second step captured after an unrecorded first: what DeepSpeed keeps and frees across steps as it does
+    later = capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train, warm=True)
+    lv_later = liveness(later)
     budget = dataclasses.replace(budget, rank=dataclasses.replace(
-        budget.rank, later_peak_bytes=later, later_peak_index=index,
-        later_peak_phase=g.phase_of(index) if index >= 0 else "before the step"))
+        budget.rank, later_peak_bytes=lv_later.peak_bytes, later_peak_index=lv_later.peak_index,
+        later_peak_phase=lv_later.peak_phase if lv_later.peak_index >= 0 else "before the step"))
     step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
     return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv, p))
 

@@ -20,6 +20,7 @@ BUCKETS = {"reduce_bucket_size": 10000, "allgather_bucket_size": 10000}  # (Deep
     ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "scheduler": {"type": "WarmupLR",
       "params": {"warmup_num_steps": "auto"}}}, "\"auto\" for `scheduler.params.warmup_num_steps`"),
     ("/nonexistent/ds_config.json", "does not exist"),
+    ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, "`fp16.enabled`"),  # (this CPU: no oneDNN fp16)
 ])
 def test_bad_configs_are_one_line_errors(config: object, message: str) -> None:
     with pytest.raises(UsageError, match=None) as e:
@@ -33,44 +34,75 @@ def test_a_json_path_is_a_config(tmp_path: object) -> None:
     job = make_job(str(path), 4, 3)
     assert (job.stage, job.rank, job.world_size) == (1, 3, 4)
     assert "ZeRO-1 (fp32), rank 3 of 4" in job.describe()
+    job = make_job({"bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+                    "zero_optimization": {"stage": 2}}, 2, 1)
+    assert job.describe() == "DeepSpeed ZeRO-2 (bf16, 2 micro-steps, clipping 1), rank 1 of 2"
 
 
-def _analyzed(stage: int, rank: int, buckets: dict = BUCKETS) -> dict[str, int]:
+def _config(stage: int, buckets: dict = BUCKETS, **settings: object) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, **settings, "zero_optimization": {"stage": stage, **buckets}}
+
+
+def _analyzed(config: dict, rank: int) -> dict[str, int]:
     import graphmem
     from graphmem.passes import liveness
     from tests.deepspeed_truth import decoder
 
     model, batch = decoder()
-    r = graphmem.analyze(model, batch, deepspeed={"train_micro_batch_size_per_gpu": 2,
-                                                  "zero_optimization": {"stage": stage, **buckets}},
-                         world_size=2, rank=rank, optimizer="adamw")
+    r = graphmem.analyze(model, batch, deepspeed=config, world_size=2, rank=rank, optimizer="adamw")
     lv = liveness(r.step)
     return {"saved": r.activation_bytes, "before": lv.baseline_bytes, "after": lv.end_bytes, "peak": r.peak_bytes,
             "later": r.budget.rank.later_peak_bytes}
+
+
+def _match_real(configs: list[dict]) -> None:
+    """Real DeepSpeed on 2 gloo ranks, all ``configs`` in one measurement; graphmem's figures per rank:
+    saved bytes, bytes held before and after the first step and its peak equal to the byte; the later
+    steps' peak (graphmem's second step, captured after an unrecorded first) within 2 % and never above
+    (measured equal to the byte on every stage and setting here: docs/deepspeed.md)."""
+    pytest.importorskip("deepspeed")
+    from tests.deepspeed_truth import measure_ds_ranks
+
+    real = measure_ds_ranks(configs)
+    for config, ranks in zip(configs, real):
+        for rank, truth in enumerate(ranks):
+            got = _analyzed(config, rank)
+            first = truth["first"]
+            print(json.dumps({"config": config, "rank": rank, "graphmem": got, "real": truth}))  # (shown with -s)
+            assert truth["unsettled"] == 0
+            assert {k: got[k] for k in ("saved", "before", "after", "peak")} == \
+                {k: first[k] for k in ("saved", "before", "after", "peak")}, (config, rank)
+            assert truth["later"]["saved"] == got["saved"]
+            assert 0 <= truth["later"]["peak"] - got["later"] <= 0.02 * truth["later"]["peak"], (config, rank, got, truth)
 
 
 @pytest.mark.slow
 def test_zero_stages_match_real_deepspeed_on_two_gloo_ranks() -> None:
     """GIVEN a tiny transformers Llama (2 layers, hidden 64), fp32, torch's AdamW, buckets of 10k elements
     WHEN real DeepSpeed runs ZeRO-1, 2 and 3 on 2 gloo processes and graphmem captures each rank on fake tensors
-    THEN saved bytes, bytes held before and after the first step and its peak are equal to the byte; the
-    later steps' peak is within 2 % and never above (graphmem captures the first step only; the second
-    step's own extra allocations are not seen: 32,768 B on ZeRO-1, 16,384 B on ZeRO-3 measured)."""
-    pytest.importorskip("deepspeed")
-    from tests.deepspeed_truth import measure_ds_ranks
+    THEN the figures match (``_match_real``)."""
+    _match_real([_config(s) for s in (1, 2, 3)])
 
-    stages = (1, 2, 3)
-    real = measure_ds_ranks([{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": s, **BUCKETS}}
-                             for s in stages])
-    for stage, ranks in zip(stages, real):
-        for rank, truth in enumerate(ranks):
-            got = _analyzed(stage, rank)
-            first = truth["first"]
-            assert truth["unsettled"] == 0
-            assert {k: got[k] for k in ("saved", "before", "after", "peak")} == \
-                {k: first[k] for k in ("saved", "before", "after", "peak")}, (stage, rank)
-            assert truth["later"]["saved"] == got["saved"]
-            assert 0 <= truth["later"]["peak"] - got["later"] <= 0.02 * truth["later"]["peak"], (stage, rank, got, truth)
+
+@pytest.mark.slow
+def test_bf16_zero_stages_match_real_deepspeed() -> None:
+    """GIVEN the same decoder with ``bf16: {enabled: true}`` (DeepSpeed casts the module to bf16 and keeps
+    fp32 master partitions; its overflow check reads a flag byte: graphmem/deepspeed/engine.py)
+    WHEN real DeepSpeed runs ZeRO-1, 2 and 3 on its CPU accelerator, 2 gloo processes
+    THEN the figures match (``_match_real``)."""
+    _match_real([_config(s, bf16={"enabled": True}) for s in (1, 2, 3)])
+
+
+@pytest.mark.slow
+def test_zero2_settings_match_real_deepspeed() -> None:
+    """GIVEN ZeRO-2 with ``gradient_clipping`` 1.0, with ``gradient_accumulation_steps`` 2 (2 micro-steps of the
+    batch each, the optimizer stepping on the second), with ``overlap_comm`` true, with ``contiguous_gradients``
+    false, and with both
+    WHEN real DeepSpeed runs each on 2 gloo processes
+    THEN the figures match (``_match_real``): rank 1's first peak under accumulation is its own (1,624,080 B)."""
+    _match_real([_config(2, gradient_clipping=1.0), _config(2, gradient_accumulation_steps=2, gradient_clipping=1.0),
+                 _config(2, BUCKETS | {"overlap_comm": True}), _config(2, BUCKETS | {"contiguous_gradients": False}),
+                 _config(2, BUCKETS | {"overlap_comm": True, "contiguous_gradients": False})])
 
 
 @pytest.mark.slow
@@ -79,7 +111,7 @@ def test_default_buckets_allocate_two_gigabytes_on_zero2() -> None:
     above what it holds before (the contiguous reduce bucket, ``ipg_buffer``, 5e8 fp32 elements), on
     fake tensors: nothing real is allocated."""
     pytest.importorskip("deepspeed")
-    got = _analyzed(2, 0, {})
+    got = _analyzed(_config(2, {}), 0)
     assert got["peak"] - got["before"] == ABOVE
 
 

@@ -7,23 +7,24 @@ values resolved: graphmem/deepspeed/config.py); DeepSpeed's engine flattens, par
 parameters as on rank r (its ZeRO optimizer reads the fake group's rank and size). What the engine
 holds then is the step's baseline, each tensor named by where DeepSpeed keeps it
 (graphmem/deepspeed/engine.py ``held_tensors``). The step is the user's:
-``loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()``, recorded as a rank's step
-(graphmem/distributed/capture.py: the same placeholders, hooks, recording context and graph).
+``loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()``, ``gradient_accumulation_steps`` times,
+recorded as a rank's step (graphmem/distributed/capture.py: the same placeholders, hooks, recording context
+and graph). The later steps' peak is a second capture's, whose first step runs unrecorded (``warm``).
 
-Known limitations: eager mode, the CPU target's gloo rules or the CUDA target's, one step (the first);
+Known limitations: eager mode, the CPU target's gloo rules or the CUDA target's;
 DeepSpeed's patches to run on fake tensors are listed in graphmem/deepspeed/engine.py.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
 
 from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
 from graphmem.capture.capture import marker, recorder_for
-from graphmem.capture.fakes import forward_context
+from graphmem.capture.fakes import fake_batch, forward_context
 from graphmem.capture.recorder import _Mode, _Recorder
 from graphmem.capture.target import Target
 from graphmem.deepspeed.config import DeepSpeedJob, resolved
@@ -33,7 +34,7 @@ from graphmem.distributed.fsdp import fake_copy
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
 from graphmem.training.batch import as_batch
-from graphmem.training.loop import TrainStep
+from graphmem.training.loop import TrainStep, relabel_accumulation
 from graphmem.training.optim import make_optimizer
 from graphmem.training.step import LossFn, default_loss
 
@@ -50,9 +51,10 @@ def kind_of(path: str) -> str:
 
 
 def capture_engine(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target, job: DeepSpeedJob,
-                   train: TrainStep) -> tuple[StepGraph, frozenset[int]]:
-    """Record rank ``job.rank``'s first step of ``module`` under DeepSpeed's engine (the module docstring);
-    the graph and the storage ids of the step's output and loss (what a loop drops before the next step)."""
+                   train: TrainStep, warm: bool = False) -> StepGraph:
+    """Record rank ``job.rank``'s first step of ``module`` under DeepSpeed's engine (the module docstring),
+    or with ``warm`` its second: the first then runs unrecorded (``_warm_step``), and what the engine holds
+    after it is the second's baseline."""
     _unique_counts()  # calibrate before entering the fake mode
     with launched(job.rank, job.world_size), fake_group(job.rank, job.world_size):
         backends: dict[str, int] = {}
@@ -67,12 +69,24 @@ def capture_engine(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], ta
                                        "cpu") if train.optimizer is not None else None
             with staying(wrapped):
                 engine, *_ = deepspeed.initialize(model=wrapped, optimizer=optimizer, config=config)
+            if warm:
+                _warm_step(engine, inputs, loss_fn, target, fake_mode)
             held = held_tensors(engine)
             for path, t in held:
                 if t.untyped_storage().nbytes():
                     cap.preexisting(t, kind_of(path), path)
             param_sid, fake_inputs = rank_placeholders(cap, fake_mode, engine.module, inputs, target)
         return _run(cap, fake_mode, engine, fake_inputs, loss_fn, target, backends, param_sid, train)
+
+
+def _warm_step(engine: Any, inputs: Any, loss_fn: Optional[LossFn], target: Target, fake_mode: _Mode) -> None:
+    """The job's first step (``_micro_steps``), run on fake tensors and not recorded; its output and loss
+    dropped, as a loop drops them. What DeepSpeed keeps from it (the optimizer states, ZeRO-3's persistent
+    parameters gathered again after the step: deepspeed/runtime/zero/stage3.py ``_post_step``) is what the
+    next step starts with."""
+    batch = fake_batch(inputs() if callable(inputs) else inputs, fake_mode, torch.device("cpu"), target.param_dtype,
+                       fake_mode.values)  # (the SDPA backends it picks are counted in the recorded step)
+    _micro_steps(engine, batch, loss_fn, forward_context(target, {}), lambda name: None, lambda: None)
 
 
 def _micro_batch(inputs: Any) -> int:
@@ -83,7 +97,7 @@ def _micro_batch(inputs: Any) -> int:
 
 
 def _run(cap: _Recorder, fake_mode: _Mode, engine: Any, fake_inputs: Any, loss_fn: Optional[LossFn], target: Target,
-         backends: dict[str, int], param_sid: dict[str, int], train: TrainStep) -> tuple[StepGraph, frozenset[int]]:
+         backends: dict[str, int], param_sid: dict[str, int], train: TrainStep) -> StepGraph:
     module = engine.module
     gathered = nn.modules.module.register_module_forward_hook(lambda m, a, o: _gathered(cap, m))
     with hooked(cap), _removed(gathered):
@@ -91,25 +105,41 @@ def _run(cap: _Recorder, fake_mode: _Mode, engine: Any, fake_inputs: Any, loss_f
             cap.recording = True
             marked: dict[str, list[int]] = {}
             mark = marker(cap, param_sid, marked)
-            batch = as_batch(fake_inputs)
-            with forward_context(target, backends, cap.clearing_cache)():
-                cap.set_phase("forward")
-                out = batch.call(engine)
-                cap.set_phase("loss")
-                loss = (loss_fn or default_loss)(out, batch.given)
-                _tag_grad_fns(loss, "")  # the loss's nodes belong to the root
-            cap.set_phase("backward")
-            engine.backward(loss)
-            mark("gradient", [(p, t) for p, t in held_tensors(engine) if kind_of(p) == "gradient"])
-            cap.set_phase("optimizer")
-            engine.step()
+            out = _micro_steps(engine, as_batch(fake_inputs), loss_fn,  # (alive until the step ends, as in a loop)
+                               lambda: forward_context(target, backends, cap.clearing_cache)(), cap.set_phase,
+                               lambda: mark("gradient", [(p, t) for p, t in held_tensors(engine)
+                                                         if kind_of(p) == "gradient"]))
+            relabel_accumulation(cap.ops, cap.saves, cap.phase_start)  # the last micro-step's saves are the step's
             states = engine.optimizer.optimizer.state if hasattr(engine.optimizer, "optimizer") else {}
             mark("optimizer state", [(f"{i}:{k}", v) for i, s in enumerate(states.values()) for k, v in s.items()
                                      if isinstance(v, torch.Tensor)])
-            gradients = marked.get("gradient", [])
-            outputs = frozenset(cap.live[t.untyped_storage()._cdata].sid for t in as_batch((out, loss)).tensors()
-                                if t.untyped_storage()._cdata in cap.live)
-        return rank_graph(cap, module, target, backends, gradients, train), outputs
+        graph = rank_graph(cap, module, target, backends, marked.get("gradient", []), train)
+    del out  # freed after ``cap`` is closed (``hooked``): the output and loss are alive when the step ends
+    return graph
+
+
+def _micro_steps(engine: Any, batch: Any, loss_fn: Optional[LossFn], context: Callable[[], Any],
+                 phase: Callable[[str], None], reduced: Callable[[], None]) -> tuple[Any, Any]:
+    """One optimizer step as a user's loop runs it: the config's ``gradient_accumulation_steps`` micro-steps of
+    ``out = engine(batch); loss = loss_fn(out); engine.backward(loss); engine.step()``, the engine stepping
+    the optimizer on the last (deepspeed/runtime/engine.py ``is_gradient_accumulation_boundary``); the
+    previous micro-step's output held until the next one returns. ``phase`` names each part; ``reduced``
+    runs after the last backward (the gradients are then DeepSpeed's partitions). The last output and loss."""
+    k = int(engine.gradient_accumulation_steps())
+    for i in range(k):
+        with context():
+            phase("forward")
+            out = batch.call(engine)
+            phase("loss")
+            loss = (loss_fn or default_loss)(out, batch.given)
+            _tag_grad_fns(loss, "")  # the loss's nodes belong to the root
+        phase("backward")
+        engine.backward(loss)
+        if i == k - 1:
+            reduced()
+            phase("optimizer")
+        engine.step()
+    return out, loss
 
 
 def _gathered(cap: _Recorder, m: nn.Module) -> None:

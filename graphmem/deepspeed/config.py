@@ -4,8 +4,8 @@ takes it), checked once where it is built, and the rank analyzed.
 Checked here, each a one-line error naming the fix: a config file that does not exist or is not JSON, a
 top-level key DeepSpeed does not know (DeepSpeed itself ignores one; a typo would silently change the
 job), a ZeRO stage other than 0-3, a ``zero_optimization`` key DeepSpeed's own pydantic model refuses
-(deepspeed/runtime/zero/config.py ``DeepSpeedZeroConfig``, ``extra="forbid"``), NVMe offload, and CPU
-offload (not captured yet).
+(deepspeed/runtime/zero/config.py ``DeepSpeedZeroConfig``, ``extra="forbid"``), NVMe offload, CPU
+offload (not captured yet), and fp16 (``_check_fp16``).
 
 ``"auto"`` values are resolved as transformers' ``HfTrainerDeepSpeedConfig`` resolves them
 (transformers/integrations/deepspeed.py ``trainer_config_process`` and ``trainer_config_finalize``)
@@ -72,7 +72,11 @@ class DeepSpeedJob:
         c = self.config
         dtype = "bf16" if c.get("bf16", {}).get("enabled") is True else "fp16" \
             if c.get("fp16", {}).get("enabled") is True else "fp32"
-        return f"DeepSpeed ZeRO-{self.stage} ({dtype}), rank {self.rank} of {self.world_size}"
+        gas, clip = c.get("gradient_accumulation_steps"), c.get("gradient_clipping")
+        clip = _TRAINING_ARGS["gradient_clipping"] if clip == "auto" else clip
+        parts = [dtype] + ([f"{gas} micro-steps"] if isinstance(gas, int) and gas > 1 else []) \
+            + ([f"clipping {clip:g}"] if isinstance(clip, (int, float)) and clip > 0 else [])
+        return f"DeepSpeed ZeRO-{self.stage} ({', '.join(parts)}), rank {self.rank} of {self.world_size}"
 
     def check(self, spec: Any) -> None:
         """What of graphmem's own loop does not combine with DeepSpeed's (its config says it)."""
@@ -144,6 +148,19 @@ def _check_zero_model(zero: dict[str, Any]) -> None:
         raise UsageError(f"DeepSpeed refuses `zero_optimization.{where}`: {first['msg']}"
                          + (f" (did you mean {close[0]!r}?)" if close else "")) from None
 
+def _check_fp16(c: dict[str, Any]) -> None:
+    """fp16 runs only where DeepSpeed's CPU accelerator says it does: ``CPU_Accelerator.is_fp16_supported``
+    (deepspeed/accelerator/cpu_accelerator.py) asks oneDNN (``torch.ops.mkldnn._is_mkldnn_fp16_supported``),
+    and ``DeepSpeedEngine._do_sanity_check`` (deepspeed/runtime/engine.py) raises "Type fp16 is not supported
+    on your device." where it is not; where it is, fp16 and its loss scaler are not checked against a real run yet."""
+    if not isinstance(c.get("fp16"), dict) or c["fp16"].get("enabled") is not True:
+        return
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    why = "is not checked against a real run yet" if CPU_Accelerator().is_fp16_supported() else \
+        "does not run on DeepSpeed's CPU accelerator here (oneDNN has no fp16 on this CPU: its is_fp16_supported() is false)"
+    raise UsageError(f"DeepSpeed's `fp16.enabled` {why}: use `bf16` ({{\"bf16\": {{\"enabled\": true}}}}) or fp32")
+
 def _autos(c: Any, prefix: str = "") -> list[str]:
     if isinstance(c, dict):
         return [k for key, v in c.items() for k in _autos(v, f"{prefix}{key}.")]
@@ -159,6 +176,7 @@ def make_job(config: Any, world_size: int = 2, rank: Optional[int] = None) -> De
     c = _load(config)
     _check_keys(c)
     _check_zero_model(c.get("zero_optimization", {}))
+    _check_fp16(c)
     left = [k for k in _autos(c) if k not in _BATCH and k not in _TRAINING_ARGS and k not in _HIDDEN]
     if left:
         raise UsageError(f"DeepSpeed config value \"auto\" for `{left[0]}` is not resolved here (only what "

@@ -16,8 +16,10 @@ Patches (each undone on exit):
   rank 0's back: under the fake group the broadcast moves no data, and every rank holds the same lists.
 - Reads of a tensor's value (``.item()``, ``bool()``) are answered by the fake mode: a bool False (the
   overflow and non-finite-norm checks: deepspeed/runtime/utils.py ``is_invalid_grad_norm``,
-  ``CheckOverflow``; a real fp32/bf16 step has none), a float 1.0 (a norm that scales the clipping
-  coefficient, a Python number), an int 1. None decides a size.
+  ``CheckOverflow``; a real fp32/bf16 step has none), a uint8 0 (the ZeRO optimizers' overflow flag,
+  ``overflow_gpu[0].item()`` in ``has_overflow``: deepspeed/runtime/zero/stage_1_and_2.py and stage3.py,
+  read under bf16 where ``bf16.check_grad_overflow`` defaults to true, and under fp16), a float 1.0 (a
+  norm that scales the clipping coefficient, a Python number), any other int 1. None decides a size.
 
 Known limitations: DeepSpeed's pinned host buffers (CPU offload) and NVMe swapping are not run here
 (graphmem/deepspeed/config.py refuses them).
@@ -32,12 +34,13 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from graphmem.capture.recorder import _Mode
 
 
 def _answer(t: torch.Tensor) -> Any:
-    return False if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1
+    return False if t.dtype == torch.bool else 0 if t.dtype == torch.uint8 else 1.0 if t.is_floating_point() else 1
 
 
 @contextlib.contextmanager
@@ -140,7 +143,10 @@ def held_tensors(engine: Any, limit: int = 40) -> list[tuple[str, torch.Tensor]]
         if isinstance(obj, torch.Tensor):
             if obj.device.type != "meta":  # (ZeRO-1/2's ``round_robin_bit16_meta``: shapes only, no memory)
                 out.append((path, obj))
-            children: Any = vars(obj).items() if hasattr(obj, "__dict__") else ()
+            # (ZeRO-3's ``param.ds_tensor``; not a fake tensor's ``constant``: the fake mode's real copy of a
+            # lifted constant, e.g. torch's AdamW ``step``, is its bookkeeping, not memory DeepSpeed holds)
+            children: Any = [(k, v) for k, v in vars(obj).items() if not (k == "constant" and isinstance(obj, FakeTensor))] \
+                if hasattr(obj, "__dict__") else ()
         elif isinstance(obj, dict):
             children = [(k if isinstance(k, (str, int)) else f"#{i}", v) for i, (k, v) in enumerate(obj.items())]
         elif isinstance(obj, (list, tuple)):

@@ -35,25 +35,6 @@ def made_in_step(g: StepGraph, kind: str) -> dict[str, int]:
     return out
 
 
-def later_peak(g: StepGraph, lv: Liveness, outputs: frozenset[int]) -> tuple[int, int]:
-    """(bytes, op) of the peak of every step after the first: what the first step makes and leaves
-    alive, but its output and loss (``outputs``), exists from the start of the next one. The optimizer
-    states, and also DeepSpeed's buffers kept across steps (a ZeRO stage's reduce bucket, a gradient
-    partition it holds until the next step), which the single-device rule (states only,
-    passes/later_steps.py) would leave out."""
-    kept = [s for s in g.storages.values() if s.created >= 0 and s.freed is None and s.sid not in outputs]
-    extra = [0] * (len(lv.timeline) + 1)
-    for s in kept:  # present from the start until the op that makes it in the first step
-        extra[0] += s.nbytes
-        extra[s.created] -= s.nbytes
-    best, at, running = lv.baseline_bytes + extra[0], -1, 0
-    for i, live in enumerate(lv.timeline):
-        running += extra[i]
-        if live + running > best:
-            best, at = live + running, i
-    return best, at
-
-
 def engine_lines(g: StepGraph, lv: Liveness, job: DeepSpeedJob) -> tuple[str, ...]:
     """The lines of the module docstring."""
     held = held_by_origin(g)
@@ -67,4 +48,4 @@ def engine_lines(g: StepGraph, lv: Liveness, job: DeepSpeedJob) -> tuple[str, ..
     return tuple(lines)
 
 
-__all__ = ["engine_lines", "held_by_origin", "later_peak", "made_in_step", "origin"]
+__all__ = ["engine_lines", "held_by_origin", "made_in_step", "origin"]
