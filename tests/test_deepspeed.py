@@ -119,3 +119,26 @@ def test_default_buckets_allocate_two_gigabytes_on_zero2() -> None:
 # rank 0 held 543,168 B before the step and peaked at 2,001,238,480 B (both ranks); issue 38 measured
 # 2,000,677,328 B above the baseline for its own tiny 2-layer hidden-64 decoder
 ABOVE = 2_001_238_480 - 543_168
+
+
+@pytest.mark.slow  # ~20 s: a ZeRO-3 engine on fake tensors
+def test_zero3_leaves_torch_as_it_found_it() -> None:
+    """ZeRO-3's ``Init`` replaces ``torch.nn.functional.linear`` for the process ("This will persist unless
+    manually reset": deepspeed/runtime/zero/partition_parameters.py) and wraps torch's constructors; after
+    graphmem's capture every one is back, and a plain step records the same ops as before it (a full
+    suite once recorded fewer ops in every later report of the worker that had run ZeRO-3)."""
+    pytest.importorskip("deepspeed")
+    import torch
+
+    import graphmem
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = (torch.randn(2, 8),)
+    before = graphmem.analyze(net, x).num_ops
+    kept = (torch.nn.functional.linear, torch.empty, torch.zeros, vars(torch.nn.Module).get("__init_subclass__"),
+            vars(torch.nn.Module)["apply"], vars(torch.Tensor).get("__new__"))
+    got = _analyzed({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, **BUCKETS}}, 0)
+    assert got["saved"] > 0
+    assert (torch.nn.functional.linear, torch.empty, torch.zeros, vars(torch.nn.Module).get("__init_subclass__"),
+            vars(torch.nn.Module)["apply"], vars(torch.Tensor).get("__new__")) == kept
+    assert graphmem.analyze(net, x).num_ops == before

@@ -80,6 +80,18 @@ def _list_broadcast(lst: list[int]) -> list[int]:
     return list(lst)
 
 
+# What DeepSpeed patches process-wide and leaves patched (deepspeed/runtime/zero/partition_parameters.py):
+# ZeRO-3's ``Init`` swaps ``torch.nn.functional.linear`` for its memory-efficient ``zero3_linear_wrap``
+# ("This will persist unless manually reset", ``_enable_mem_efficient_linear``), and ``patch_init_and_builtins``
+# wraps Module's ``__init_subclass__`` and ``apply``, ``Tensor.__new__`` and torch's tensor constructors. In
+# the job's own process that is DeepSpeed's step; after graphmem's capture it would change every later step
+# the process records (another linear's ops), so ``launched`` puts each one back.
+_PATCHED = ((torch.nn.functional, "linear"), (torch.nn.functional, "embedding"), (nn.Module, "__init_subclass__"),
+            (nn.Module, "apply"), (torch.Tensor, "__new__"),
+            *((torch, f) for f in ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")))
+_MISSING = object()
+
+
 @contextlib.contextmanager
 def launched(rank: int, world_size: int) -> Iterator[None]:
     """Rank ``rank``'s launcher environment (``LOCAL_RANK``, which ``DeepSpeedEngine._do_args_sanity_check``
@@ -94,6 +106,7 @@ def launched(rank: int, world_size: int) -> Iterator[None]:
     kept = {k: v for k, v in vars(groups).items() if k.startswith("_") and k.endswith(("_GROUP", "_GROUP_RANKS", "_RANK",
                                                                                         "_WORLD_SIZE"))}
     kept["mesh_device"] = groups.mesh_device
+    patched = {(owner, name): vars(owner).get(name, _MISSING) for owner, name in _PATCHED}  # the raw descriptors
     env = dict(os.environ)
     os.environ.update(torchrun_env(rank, world_size, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -113,6 +126,11 @@ def launched(rank: int, world_size: int) -> Iterator[None]:
             setattr(groups, k, v.copy() if isinstance(v, dict) else v)
         os.environ.clear()
         os.environ.update(env)
+        for (owner, name), value in patched.items():  # DeepSpeed's process-wide patches, as they were
+            if value is _MISSING and name in vars(owner):
+                delattr(owner, name)
+            elif value is not _MISSING and vars(owner).get(name) is not value:
+                setattr(owner, name, value)
 
 
 @contextlib.contextmanager
