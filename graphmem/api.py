@@ -11,12 +11,10 @@ import torch.nn as nn
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
 from graphmem.errors import UsageError, check_keywords
-from graphmem.measure import Measured, measure, process_groups
+from graphmem.measure import Measured, measure
 from graphmem.noise import quiet
 from graphmem.passes import allocator, compare_modes, saved
-from graphmem.passes.device_rows import NAMES, check_overrides, device_rows
-from graphmem.passes.later_steps import later_steps_peak
-from graphmem.passes.run_memory import RunMemory, run_memory
+from graphmem.passes.device_rows import NAMES, check_overrides
 from graphmem.recapture import Recapture
 from graphmem.report import Report
 from graphmem.spec import ModelLike, StepSpec, make_spec, spec_keywords
@@ -156,19 +154,6 @@ def parse_overheads(overheads: Optional[dict[str, Any]]) -> dict[str, int]:
     return out
 
 
-def memory_of(m: Measured, overrides: Optional[dict[str, int]] = None, first: Any = None) -> RunMemory:
-    """The run's memory of a measured step (passes/run_memory.py): the exact first and later peaks
-    (the per-rank table's when the step has one), on the CUDA target the allocator model's and the
-    device rows for the job's process groups."""
-    step = m.step
-    g, b = step.graph, step.budget
-    first_bytes = b.rank.peak_bytes if b is not None else step.liveness.peak_bytes
-    later_bytes = b.rank.later_peak_bytes if b is not None else later_steps_peak(g, step.liveness)
-    rows = device_rows(step.target.capability, process_groups(m.spec.parallel), overrides) \
-        if step.target.device == "cuda" else ()
-    return run_memory(g, first_bytes, later_bytes, rows, first, m.by_formula)
-
-
 def report_of(m: Measured, overrides: Optional[dict[str, int]] = None) -> Report:
     """The Report of a measured step: the passes' results, the spec it came from (``source``:
     what plans, formulas and fits capture again) and, in compiled mode, eager beside it."""
@@ -182,7 +167,7 @@ def report_of(m: Measured, overrides: Optional[dict[str, int]] = None) -> Report
         source = Recapture(spec, step, probe)
     alloc = allocator(g) if step.target.device == "cuda" else None  # the caching allocator's view of the step
     report = Report.build(g, step.liveness, step.saved, spec.name, shapes, m.loss_name, m.notes, source, alloc,
-                          budget=step.budget, sharding=m.scope, memory=memory_of(m, overrides, alloc))
+                          budget=step.budget, sharding=m.scope, memory=m.memory(overrides, alloc))
     if spec.inputs.settings:  # the choices in a batch graphmem made for an input shape (graphmem/capture/hf_batch.py)
         report = dataclasses.replace(report, batch=dict(spec.inputs.settings))
     if spec.target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed

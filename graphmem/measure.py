@@ -23,6 +23,9 @@ from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.tensor_parallel import tp_engine
 from graphmem.distributed.view import rank_view
 from graphmem.passes import liveness, notes, saved
+from graphmem.passes.device_rows import device_rows
+from graphmem.passes.later_steps import later_steps_peak
+from graphmem.passes.run_memory import RunMemory, run_memory
 from graphmem.recapture import Captured, capture_rank_step, capture_stage_step, capture_step
 from graphmem.spec import Formula, Job, Ranks, Single, Stages, StepSpec
 from graphmem.training.hf_trainer_fsdp import TrainerShards
@@ -57,6 +60,19 @@ class Measured:
     def by_formula(self) -> bool:
         """The per-rank figures are the formulas' over the single-device step (no rank captured)."""
         return isinstance(self.spec.parallel, Formula)
+
+    def memory(self, overrides: Optional[dict[str, int]] = None, first: Any = None) -> RunMemory:
+        """The run's memory of the step (passes/run_memory.py): the exact first and later peaks (the
+        per-rank table's when the step has one), on the CUDA target the allocator model's and the
+        device rows for the job's process groups. ``first``: the first step's allocator result, when
+        already computed."""
+        step = self.step
+        g, b = step.graph, step.budget
+        first_bytes = b.rank.peak_bytes if b is not None else step.liveness.peak_bytes
+        later_bytes = b.rank.later_peak_bytes if b is not None else later_steps_peak(g, step.liveness)
+        rows = device_rows(step.target.capability, process_groups(self.spec.parallel), overrides) \
+            if step.target.device == "cuda" else ()
+        return run_memory(g, first_bytes, later_bytes, rows, first, self.by_formula)
 
     @property
     def recapturable(self) -> bool:

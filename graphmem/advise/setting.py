@@ -12,12 +12,10 @@ from typing import Callable, Optional
 
 from graphmem.analysis import Analysis, captured
 from graphmem.errors import no_source
-from graphmem.measure import measure_ranks, process_groups
+from graphmem.measure import Measured, measure_ranks
 from graphmem.passes import saved
 from graphmem.passes.budget import Parallel
-from graphmem.passes.device_rows import device_rows
-from graphmem.passes.later_steps import later_steps_peak
-from graphmem.passes.run_memory import RunMemory, run_memory
+from graphmem.passes.run_memory import RunMemory
 from graphmem.planning.planner import step_flops
 from graphmem.recapture import Captured
 from graphmem.spec import Single, StepSpec
@@ -76,23 +74,14 @@ class Measurer:
 
     def figure(self, spec: StepSpec, name: str) -> int:
         """``name`` of the run of ``spec`` (passes/run_memory.py: "allocated", "reserved" or "device"),
-        as ``graphmem.analyze`` gives it for that setting (graphmem/api.py ``memory_of``): its rank's
-        exact peaks, on the CUDA target the caching-allocator model's and the device rows for the
-        setting's process groups (a sharding lever's communicators); a pipeline's highest rank."""
+        as ``graphmem.analyze`` gives it for that setting (graphmem/measure.py ``Measured.memory``); a
+        pipeline's highest rank."""
         c = self.captured(spec)
         steps = self._cache[_key(spec)] if len(self._cache[_key(spec)]) > 1 else [c]
-        return max(self._run_memory(spec, i, c).figure(name) for i, c in enumerate(steps))
-
-    def _run_memory(self, spec: StepSpec, index: int, c: Captured) -> RunMemory:
-        if (spec, index) not in self._memory:
-            b = c.budget
-            first = b.rank.peak_bytes if b is not None else c.liveness.peak_bytes
-            later = b.rank.later_peak_bytes if b is not None else later_steps_peak(c.graph, c.liveness)
-            rows = device_rows(c.target.capability, process_groups(spec.parallel), self.overrides) \
-                if c.target.device == "cuda" else ()
-            self._memory[(spec, index)] = run_memory(c.graph, first, later, rows,
-                                                     per_rank_formula=spec.parallel.formula != Parallel())
-        return self._memory[(spec, index)]
+        for i, step in enumerate(steps):
+            if (spec, i) not in self._memory:
+                self._memory[(spec, i)] = Measured(spec, step).memory(self.overrides)
+        return max(self._memory[(spec, i)].figure(name) for i in range(len(steps)))
 
     def flops(self, spec: StepSpec) -> int:
         """FLOPs of the step's recorded ops (planning/planner.py's ``step_flops``), counted once a step."""
