@@ -163,6 +163,19 @@ def test_without_a_dataset_or_a_batch_is_one_line() -> None:
         assert "\n" not in str(e.value)
 
 
+def _cli_files(tmp_path: Any) -> tuple[Any, Any]:
+    """A tiny Llama's config.json and a TrainingArguments file (2 samples a batch, clipping) in ``tmp_path``."""
+    import json
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True, "report_to": [],
+                                "per_device_train_batch_size": 2, "max_grad_norm": 1.0}))
+    return cfg, args
+
+
 @pytest.mark.slow  # ~20 s: the CLI's analysis and the library's
 def test_the_cli_draws_the_batch_from_its_train_dataset(tmp_path: Any, capsys: Any) -> None:
     """graphmem analyze CONFIG --training-args args.json --train-dataset data.jsonl (no --input-shape): the
@@ -173,12 +186,7 @@ def test_the_cli_draws_the_batch_from_its_train_dataset(tmp_path: Any, capsys: A
     from graphmem.cli.main import main
     from graphmem.trainer_api import trainer_from_file
 
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    cfg.to_json_file(str(tmp_path / "config.json"))
-    args = tmp_path / "args.json"
-    args.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True, "report_to": [],
-                                "per_device_train_batch_size": 2, "max_grad_norm": 1.0}))
+    cfg, args = _cli_files(tmp_path)
     data = tmp_path / "data.jsonl"  # the CLI's Trainer collates with default_data_collator: samples of one length
     data.write_text("".join(json.dumps({"input_ids": list(range(i, i + 12)), "labels": list(range(i, i + 12))}) + "\n"
                             for i in range(5)))
@@ -203,12 +211,7 @@ def test_cli_validate_runs_the_batch_of_its_train_dataset(tmp_path: Any, capsys:
 
     from graphmem.cli.main import main
 
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    cfg.to_json_file(str(tmp_path / "config.json"))
-    args = tmp_path / "args.json"
-    args.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True, "report_to": [],
-                                "per_device_train_batch_size": 2, "max_grad_norm": 1.0}))
+    cfg, args = _cli_files(tmp_path)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"input_ids": list(range(i, i + 11)), "labels": list(range(i, i + 11))}) + "\n"
                             for i in range(4)))
