@@ -177,11 +177,13 @@ def test_attention_lever_on_the_cuda_target() -> None:
     module = gpt2.build(gpt2.GPTConfig(vocab_size=101, block_size=256, n_layer=2, n_head=2, n_embd=32, attention="sdpa"))
     inputs, loss = (torch.randint(0, 101, (2, 256)),), gpt2.loss  # long enough for math's (s, s) matrix to matter
     forced = graphmem.analyze(module, inputs, loss=loss, device="cuda", amp="bf16", attention="math")
-    advice = forced.advise(memory=forced.peak_bytes - 1)
-    row = next(r for r in advice.levers if r.kind == "attention")
     auto = graphmem.analyze(module, inputs, loss=loss, device="cuda", amp="bf16")
-    assert row.peak_bytes == auto.peak_bytes < forced.peak_bytes and "math" not in auto.attention_backends
-    left = {x.kind: x.why for x in auto.advise(memory=auto.peak_bytes - 1).left_out}
+    assert auto.peak_bytes < forced.peak_bytes and "math" not in auto.attention_backends
+    for figure, of in (("device", lambda r: r.memory.device_total), ("allocated", lambda r: r.memory.run_max_allocated)):
+        advice = forced.advise(memory=of(forced) - 1, figure=figure)  # "device": the CUDA target's default
+        row = next(r for r in advice.levers if r.kind == "attention")
+        assert advice.figure == figure and row.peak_bytes == of(auto) < of(forced)
+    left = {x.kind: x.why for x in auto.advise(memory=auto.memory.device_total - 1).left_out}
     assert "already runs" in left["attention"]
 
 
