@@ -40,7 +40,17 @@ if PINNED_ISA:
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
-import torch  # noqa: E402  (after the ISA settings above)
+# Each pytest-xdist worker gets its share of the CPU's cores for torch's intra-op threads (2 workers on
+# 2 cores: one thread each), not every core: two workers each running one OpenMP thread per core spin
+# against each other (measured on 2 AVX2 cores, 123 tests of test_checkpoint_plans/test_budget/test_api:
+# 283 s with two threads per worker, 251 s with one). graphmem's CPU scratch rules read the thread count
+# the step runs with (graphmem/oprules/registry.py), so the predictions follow; tests that need another
+# count set it in torch_settings(...). OMP_NUM_THREADS set by the user wins.
+_WORKERS = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+if _WORKERS and _WORKERS.isdigit() and int(_WORKERS) > 0:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(_WORKERS))))
+
+import torch  # noqa: E402  (after the ISA and thread settings above)
 
 import graphmem.oprules.isa as isa  # noqa: E402
 
