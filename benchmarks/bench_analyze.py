@@ -408,7 +408,7 @@ def compiled_phases(module: torch.nn.Module, shape: tuple[int, ...], loss_fn: Ca
     import graphmem.api as api
     import graphmem.capture.compiled as compiled
     import graphmem.capture.reuse_compiled as reuse_compiled
-    import graphmem.recapture as recapture
+    import graphmem.step.recapture as recapture
 
     spots = [(recapture, "capture", "captures: compiled at depth 6 (or every block), the eager check's at 5 and 6"),
              (compiled.CompiledStep, "trace", ". the compiled trace (dynamo, AOTAutograd, the forward on fake tensors)"),

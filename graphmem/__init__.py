@@ -28,18 +28,18 @@ if TYPE_CHECKING:
     from graphmem.capture.load import parse_shape
     from graphmem.ci import assert_activation_bytes, assert_peak_bytes
     from graphmem.report import Report
-    from graphmem.spec import StepSpec, make_spec
+    from graphmem.step.spec import StepSpec, make_spec
     from graphmem.stepgraph import StepGraph
     from graphmem.validation.validate import validate
 
 _LAZY = {"analyze": "graphmem.api", "parse_shape": "graphmem.capture.load",
          "assert_activation_bytes": "graphmem.ci", "assert_peak_bytes": "graphmem.ci", "Report": "graphmem.report", "StepGraph": "graphmem.stepgraph",
-         "validate": "graphmem.validation.validate", "StepSpec": "graphmem.spec", "make_spec": "graphmem.spec"}
+         "validate": "graphmem.validation.validate", "StepSpec": "graphmem.step.spec", "make_spec": "graphmem.step.spec"}
 
 __all__ = ["analyze", "capture", "parse_shape", "Report", "StepGraph", "GraphmemError", "UsageError",
            "ModelLoadError", "CaptureError", "DataDependentError", "UnsupportedOpError", "PassError",
            "assert_activation_bytes", "assert_peak_bytes", "validate", "StepSpec", "make_spec"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 
 def __getattr__(name: str) -> Any:

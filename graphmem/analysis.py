@@ -1,9 +1,9 @@
-"""``Analysis``: what the layers below graphmem/report.py (formula, planning, advise) read of a
+"""``Analysis``: what the layers below graphmem/report/__init__.py (formula, planning, advise) read of a
 Report, as a Protocol, so that they take a typed value without importing graphmem.report
 (tests/test_layout.py: the report layer sits above them). graphmem.report.Report satisfies it.
 
 ``step``, ``liveness`` and ``source`` are the live capture: the step graph, its liveness and the
-graphmem/recapture.py Recapture that captures the same step again (at other sizes, with a plan
+graphmem/step/recapture.py Recapture that captures the same step again (at other sizes, with a plan
 applied); a report read back from JSON has none of them.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Analysis(Protocol):
     def liveness(self) -> Optional[Liveness]: ...
 
     @property
-    def source(self) -> Any: ...  # graphmem.recapture.Recapture (recapture sits above formula and planning)
+    def source(self) -> Any: ...  # graphmem.step.recapture.Recapture (recapture sits above formula and planning)
 
     def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None,
             figure: Optional[str] = None) -> Any:

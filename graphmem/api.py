@@ -11,13 +11,13 @@ import torch.nn as nn
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
 from graphmem.errors import UsageError, check_keywords
-from graphmem.measure import Measured, measure
 from graphmem.noise import quiet
 from graphmem.passes import allocator, compare_modes, saved
 from graphmem.passes.device_rows import NAMES, check_overrides
-from graphmem.recapture import Recapture
 from graphmem.report import Report
-from graphmem.spec import ModelLike, StepSpec, make_spec, spec_keywords
+from graphmem.step.measure import Measured, measure
+from graphmem.step.recapture import Recapture
+from graphmem.step.spec import ModelLike, StepSpec, make_spec, spec_keywords
 from graphmem.stepgraph import StepGraph
 from graphmem.titan.job import is_job_config
 from graphmem.training.hf_trainer import is_trainer
@@ -31,7 +31,7 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, *, overheads:
             **options: Any) -> Report:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
-    ``model`` is a transformers ``Trainer`` (its own step: graphmem/trainer_api.py; the batch its
+    ``model`` is a transformers ``Trainer`` (its own step: graphmem/frontends/trainer.py; the batch its
     dataloader yields, ``trainer_batch="longest"`` for the run's largest, or ``inputs`` or ``input_shape``, ``device="cuda"`` for its step on the CUDA target, and ``world_size``/``rank`` for one rank of its DDP job; a Hugging Face model with
     ``training_args=`` TrainingArguments that ask for FSDP, ``world_size`` and ``rank``: that rank of the
     Trainer's job, accelerate's own FSDP2 wrapping it, graphmem/training/hf_trainer_fsdp.py), an nn.Module (real, or built under ``torch.device("meta")``; an fx.GraphModule
@@ -75,7 +75,7 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, *, overheads:
     ``report.sharding`` puts the formula beside it.
 
     The keyword options are a convenience: they build the step as one frozen value, a ``StepSpec``
-    (graphmem/spec.py: ``make_spec(model, inputs, **options)``), checked once, which
+    (graphmem/step/spec.py: ``make_spec(model, inputs, **options)``), checked once, which
     ``graphmem.analyze(spec)`` also takes directly; ``target=``, ``training=`` and ``parallel=``
     take built objects instead of their options. Options: ``input_shape``, ``loss``, ``device``,
     ``dtype``, ``amp``, ``attention``, ``gpu``, ``mode``, ``memory_budget``, ``reuse``, ``optimizer``,
@@ -98,8 +98,8 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, *, overheads:
     1536
     """
     given = parse_overheads(overheads)
-    if is_trainer(model):  # a transformers Trainer: its own step (graphmem/trainer_api.py)
-        from graphmem.trainer_api import trainer_spec
+    if is_trainer(model):  # a transformers Trainer: its own step (graphmem/frontends/trainer.py)
+        from graphmem.frontends.trainer import trainer_spec
 
         extra = sorted(set(options) - {"input_shape", "world_size", "rank", "device", "trainer_batch"})
         if extra:
@@ -109,7 +109,7 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, *, overheads:
                                               options.get("rank"), options.get("device"),
                                               options.get("trainer_batch", "first"))), given)
     if "training_args" in options:  # a Trainer built per rank: FSDP (graphmem/training/hf_trainer_fsdp.py)
-        from graphmem.trainer_api import fsdp_trainer_spec
+        from graphmem.frontends.trainer import fsdp_trainer_spec
 
         extra = sorted(set(options) - {"training_args", "input_shape", "world_size", "rank", "trainer_class"})
         if extra:
@@ -119,7 +119,7 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, *, overheads:
                                                    options.get("world_size", 1), options.get("rank"),
                                                    options.get("trainer_class"))), given)
     if is_job_config(model):  # a torchtitan Trainer.Config: the job's own code per rank (graphmem/titan/)
-        from graphmem.titan_api import OPTIONS, job_spec
+        from graphmem.frontends.titan_job import OPTIONS, job_spec
 
         extra = sorted(set(options) - OPTIONS)
         if extra or inputs is not None:

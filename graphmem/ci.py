@@ -15,11 +15,11 @@ import torch
 from tabulate import tabulate
 
 from graphmem.api import ModelLike, analyze
-from graphmem.compare import compare, load_json_report
 from graphmem.errors import UsageError
 from graphmem.render.compare import render_comparison
 from graphmem.render.text import _module
 from graphmem.report import Report
+from graphmem.report.compare import compare, load_json_report
 from graphmem.training.step import LossFn
 from graphmem.units import fmt_bytes, fmt_share, parse_bytes
 

@@ -2,7 +2,7 @@
 its bytes, its source and whether it is an estimate (a figure that depends on the GPU, the driver
 or the topology and cannot be derived from source). Pure: it reads no device and no environment.
 
-Rows (graphmem/report.py's device total is the run's max reserved plus these):
+Rows (graphmem/report/__init__.py's device total is the run's max reserved plus these):
 
 - ``cuda_context``: the CUDA context with torch's kernels loaded. Not derivable from source (the
   driver, the GPU and which kernels a run touches decide it): an estimate, overridable.

@@ -262,8 +262,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow = pytest.mark.slow
-    for item in items:
-        if item.nodeid in SLOW_ON_TWO_CORES:
+    for item in items:  # a heavy case (pyproject.toml) is slow too: the quick command leaves it out
+        if item.nodeid in SLOW_ON_TWO_CORES or item.get_closest_marker("heavy") is not None:
             item.add_marker(slow)
     kernels = isa.onednn_isa()
     bf16_gemm = torch.ops.mkldnn._is_mkldnn_bf16_supported()

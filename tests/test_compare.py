@@ -11,9 +11,9 @@ from conftest import check_golden
 
 import graphmem
 from graphmem import cli
-from graphmem.compare import SavedGroup, compare
 from graphmem.render import fmt_bytes, render_json
 from graphmem.render.compare import render_comparison
+from graphmem.report.compare import SavedGroup, compare
 
 GOLDEN = Path(__file__).parent / "golden"
 MLP_MODEL = """\
@@ -170,8 +170,8 @@ def test_bad_report_files(capsys: pytest.CaptureFixture[str], tmp_path: Path, co
 def test_compare_reads_saved_reports_through_from_dict(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """``graphmem compare a.json b.json`` reads each file back as the Report it was
     (``Report.from_dict``): the same comparison and text as the two live reports give."""
-    from graphmem.compare import load_json_report
     from graphmem.report import Report
+    from graphmem.report.compare import load_json_report
 
     torch.manual_seed(0)
     live = [graphmem.analyze(tiny_gpt(2, attention), input_shape=(2, 16)) for attention in ("explicit", "sdpa")]

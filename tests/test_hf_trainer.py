@@ -23,8 +23,8 @@ import torch
 
 import graphmem
 from graphmem.errors import GraphmemError
+from graphmem.frontends.trainer import trainer_batch
 from graphmem.render import render_json, render_text
-from graphmem.trainer_api import trainer_batch
 from graphmem.validation.trainer import measure_trainer
 
 transformers = pytest.importorskip("transformers")

@@ -22,7 +22,7 @@ import torch
 
 import graphmem
 from graphmem.errors import GraphmemError
-from graphmem.trainer_api import trainer_inputs
+from graphmem.frontends.trainer import trainer_inputs
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -184,7 +184,7 @@ def test_the_cli_draws_the_batch_from_its_train_dataset(tmp_path: Any, capsys: A
     import json
 
     from graphmem.cli.main import main
-    from graphmem.trainer_api import trainer_from_file
+    from graphmem.frontends.trainer import trainer_from_file
 
     cfg, args = _cli_files(tmp_path)
     data = tmp_path / "data.jsonl"  # the CLI's Trainer collates with default_data_collator: samples of one length

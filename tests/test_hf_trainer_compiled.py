@@ -37,8 +37,8 @@ import pytest
 import torch
 
 import graphmem
+from graphmem.frontends.trainer import trainer_batch
 from graphmem.render import render_json, render_text
-from graphmem.trainer_api import trainer_batch
 from graphmem.validation.trainer import measure_trainer
 from tests.test_hf_trainer import _gpt2, _llama, _lora_llama  # the same tiny configs as the eager Trainer's checks
 

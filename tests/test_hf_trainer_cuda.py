@@ -30,7 +30,7 @@ import torch
 import graphmem
 from graphmem.cli.main import main
 from graphmem.errors import GraphmemError, UsageError
-from graphmem.trainer_api import trainer_batch
+from graphmem.frontends.trainer import trainer_batch
 from graphmem.validation.result import NO_GPU
 from tests.test_hf_trainer import _gpt2, _llama
 

@@ -132,7 +132,9 @@ def test_gpt2_fsdp_ranks_in_bf16_against_a_real_gloo_job(tmp_path: Any) -> None:
 
 
 @pytest.mark.slow  # ~2.5 min each: a real 2-process gloo job, each rank compiling first
-@pytest.mark.parametrize("backend,bf16", [("aot_eager", False), ("aot_eager", True), ("inductor", False)])
+# heavy (pyproject.toml): 2 to 5.5 minutes each; CI runs the bf16 aot_eager case
+@pytest.mark.parametrize("backend,bf16", [pytest.param("aot_eager", False, marks=pytest.mark.heavy), ("aot_eager", True),
+                                          pytest.param("inductor", False, marks=pytest.mark.heavy)])
 def test_tiny_llama_fsdp_ranks_compiled_against_a_real_gloo_job(tmp_path: Any, backend: str, bf16: bool) -> None:
     """``torch_compile``: accelerate's ``_prepare_fsdp2`` compiles the model, then fully_shard's it; dynamo
     breaks at FSDP2's disabled hooks on both sides (graphmem/distributed/trainer_fsdp_compiled.py). Every

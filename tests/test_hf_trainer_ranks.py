@@ -13,8 +13,8 @@ import torch
 
 import graphmem
 from graphmem.errors import UsageError
+from graphmem.frontends.trainer import trainer_batch
 from graphmem.render import render_text
-from graphmem.trainer_api import trainer_batch
 from graphmem.training.hf_trainer_ddp import BUCKET
 from tests.test_hf_trainer import _gpt2, _llama  # the one-process Trainer tests' tiny models
 

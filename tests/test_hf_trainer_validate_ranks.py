@@ -14,8 +14,8 @@ import torch
 import graphmem
 from graphmem.cli.main import main
 from graphmem.errors import UsageError
+from graphmem.frontends.trainer import trainer_batch
 from graphmem.render.validate import render_validation
-from graphmem.trainer_api import trainer_batch
 from tests.test_hf_trainer import _llama
 from tests.test_hf_trainer_ranks import llama_trainer
 

@@ -15,7 +15,7 @@ PACKAGES = {"graphmem": ROOT / "graphmem", "graphmem.passes": ROOT / "passes", "
 # what each layer may import (besides itself); the top-level modules are named by file
 LAYERS: dict[str, set[str]] = {
     "errors": set(), "units": {"errors"}, "stepgraph": {"errors"}, "chains": set(),
-    "jsondata": {"errors"}, "analysis": {"errors", "stepgraph", "passes"},
+    "analysis": {"errors", "stepgraph", "passes"},
     "fake_group": {"errors"},  # torch's fake process group, opened by training/ (DDP) and distributed/
     "training": {"errors", "units", "stepgraph", "chains", "passes", "fake_group"},
     "oprules": set(),  # per-op rules (graphmem/oprules/): below the capture and the passes that read them
@@ -24,34 +24,30 @@ LAYERS: dict[str, set[str]] = {
     "capture": {"errors", "units", "stepgraph", "chains", "training", "models", "oprules"},
     "distributed": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "models", "fake_group"},
     "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "analysis", "noise"},
-    "recapture": {"errors", "stepgraph", "capture", "formula", "training", "passes", "distributed", "spec"},
-    "spec": {"errors", "capture", "distributed", "passes", "training", "deepspeed"},
     "titan": {"errors", "capture", "distributed", "stepgraph", "training", "fake_group"},  # a torchtitan job's rank, captured
     "deepspeed": {"errors", "capture", "distributed", "stepgraph", "training", "passes", "fake_group", "units"},
-    "measure": {"capture", "distributed", "passes", "recapture", "spec", "training", "titan", "deepspeed"},
-    "titan_api": {"errors", "capture", "spec", "training", "titan", "measure"},  # a torchtitan job as a StepSpec
+    # the step as a value (spec), its capture (measure) and its captures at other settings (recapture)
+    "step": {"errors", "stepgraph", "capture", "formula", "training", "passes", "distributed", "titan", "deepspeed"},
+    # what a user hands graphmem, as a StepSpec: a Trainer, a torchtitan job
+    "frontends": {"errors", "capture", "step", "training", "titan"},
     "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula", "analysis",
                  "noise"},
     "losses": {"capture", "training"},  # training/lora.py: the head-outside wrapper LoRA adapts whole
-    "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "recapture",
-               "losses", "models", "distributed", "chains", "spec", "measure", "analysis"},
-    "report": {"errors", "stepgraph", "passes", "formula", "planning", "advise", "capture", "training", "jsondata"},
-    "compare": {"errors", "report"},
-    "render": {"errors", "units", "stepgraph", "passes", "report", "compare", "planning", "formula", "training",
+    "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "step",
+               "losses", "models", "distributed", "chains", "analysis"},
+    # the Report, its JSON and compare
+    "report": {"errors", "stepgraph", "passes", "formula", "planning", "advise", "capture", "training"},
+    "render": {"errors", "units", "stepgraph", "passes", "report", "planning", "formula", "training",
                "validation", "advise"},
-    "trainer_api": {"errors", "capture", "spec", "training"},
-    "api": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "recapture", "report",
-            "distributed", "spec", "measure", "trainer_api", "titan", "titan_api", "noise"},
-    "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api", "spec", "trainer_api",
+    "api": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "report",
+            "distributed", "step", "frontends", "titan", "noise"},
+    "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api", "step", "frontends",
                    "distributed", "noise"},  # per-rank validate runs the same wrappers for real (graphmem/validation/ranks.py)
-    "ci": {"errors", "units", "api", "report", "compare", "render", "training", "capture"},
-    "progress": set(),
+    "ci": {"errors", "units", "api", "report", "render", "training", "capture"},
     "noise": set(),  # third-party warnings and logs silenced at the front doors (api, validation, cli)
-    "checkpointing": {"planning"}, "selective": {"planning"},  # compatibility names for printed plan code
-    "cli": {"errors", "units", "api", "report", "compare", "render", "capture", "training", "formula", "planning",
-            "validation", "progress", "models", "advise", "distributed", "spec", "trainer_api", "titan", "titan_api",
-            "noise"},
-    "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation", "spec"},
+    "cli": {"errors", "units", "api", "report", "render", "capture", "training", "formula", "planning",
+            "validation", "models", "advise", "distributed", "step", "frontends", "titan", "noise"},
+    "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation", "step"},
 }
 
 
@@ -139,7 +135,7 @@ def test_every_package_is_installed() -> None:
     assert folders | {"graphmem", "graphmem.passes", "graphmem.models"} == listed
 
 
-PARALLEL = {"Single", "Formula", "Ranks", "Stages", "Job", "DeepSpeedJob"}  # graphmem/spec.py's parallel settings
+PARALLEL = {"Single", "Formula", "Ranks", "Stages", "Job", "DeepSpeedJob"}  # graphmem/step/spec.py's parallel settings
 
 
 def _dispatches(tree: ast.AST) -> bool:
@@ -154,9 +150,9 @@ def _dispatches(tree: ast.AST) -> bool:
 
 
 def test_one_module_dispatches_on_the_parallel_setting() -> None:
-    """graphmem/measure.py is the only module that asks which parallel setting a step has."""
+    """graphmem/step/measure.py is the only module that asks which parallel setting a step has."""
     found = sorted(name for name, path in _modules().items() if _dispatches(ast.parse(path.read_text())))
-    assert found == ["graphmem.measure"], f"modules that dispatch on the parallel setting: {found}"
+    assert found == ["graphmem.step.measure"], f"modules that dispatch on the parallel setting: {found}"
 
 
 def _report_any(tree: ast.AST) -> list[str]:
@@ -269,3 +265,36 @@ def test_the_real_runs_use_none_of_graphmems_wrappers() -> None:
     wrappers = {m: files for m, files in found.items()
                 if m.split(".")[0] == "graphmem" and not m.startswith("graphmem.models")}
     assert wrappers == {}, f"the real runs must wrap and step the model themselves, not with {sorted(wrappers)}"
+
+
+def _layout_rows() -> list[tuple[str, str]]:
+    """docs/design.md's Layout table: (where, the whole row) for each row."""
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    section = text[text.index("## Layout"):]
+    section = section[: section.index("\n## ", 4)] if "\n## " in section[4:] else section
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [(line.split("|")[1], line) for line in rows]
+
+
+def test_every_module_is_in_the_design_layout_table() -> None:
+    """Each module file is named in docs/design.md's Layout table, in the row of its folder (or by its path)."""
+    rows = _layout_rows()
+    missing = []
+    for folder in ("graphmem", "passes", "models"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            parent = path.parent.relative_to(ROOT).as_posix() + "/"
+            if path.name == "__init__.py":  # a package: its folder has a row
+                found = any(f"`{parent}`" in where for where, _ in rows) or folder == "graphmem" == parent[:-1]
+            else:
+                found = any(f"`{rel}`" in where or (f"`{parent}`" in where and re.search(rf"\b{path.name}\b", row))
+                            or (parent == "graphmem/" and f"`{path.name}`" in where) for where, row in rows)
+            if not found:
+                missing.append(rel)
+    assert not missing, "modules missing from docs/design.md's Layout table:\n" + "\n".join(missing)
+
+
+def test_the_top_level_stays_small() -> None:
+    """At most 12 modules sit directly in graphmem/ (the rest live in the package of their layer)."""
+    top = sorted(p.name for p in (ROOT / "graphmem").glob("*.py"))
+    assert len(top) <= 12, top

@@ -1,11 +1,11 @@
-"""graphmem.progress: a tqdm bar on a terminal's stderr, silence everywhere else."""
+"""graphmem.cli.progress: a tqdm bar on a terminal's stderr, silence everywhere else."""
 from __future__ import annotations
 
 import io
 
 import pytest
 
-from graphmem.progress import Progress, progress, quiet
+from graphmem.cli.progress import Progress, progress, quiet
 
 
 class FakeTTY(io.StringIO):

@@ -14,10 +14,10 @@ from report_cases import CASES
 
 import graphmem
 from graphmem.errors import GraphmemError, UsageError
-from graphmem.jsondata import from_json, to_json
 from graphmem.passes.saved import ModuleSaved
 from graphmem.render import render_markdown, render_text
 from graphmem.report import Report
+from graphmem.report.jsondata import from_json, to_json
 
 
 def _through_json(report: Report) -> Report:
@@ -80,7 +80,7 @@ def test_from_dict_refuses_other_json() -> None:
         Report.from_dict({"model": "x"})
 
 
-# -- the codec (graphmem/jsondata.py) on its own
+# -- the codec (graphmem/report/jsondata.py) on its own
 def test_codec_rebuilds_declared_types() -> None:
     hint: Any = dict[int, tuple[tuple[int, int], ...]]
     value = {3: ((1, 2),), 7: ()}

@@ -26,6 +26,8 @@ from graphmem.models import gpt2, llama
 from graphmem.passes import liveness, saved
 from graphmem.passes.modes import recomputed
 
+HEAVY = pytest.mark.heavy  # pyproject.toml: the larger twins of cases CI runs
+
 pytestmark = pytest.mark.slow
 
 
@@ -95,7 +97,9 @@ def _assert_same(widened: Any, full: Any) -> None:
     assert recomputed(widened.compiled) == recomputed(full.compiled)  # in the same order
 
 
-@pytest.mark.parametrize("build", [_bundled_gpt2, _bundled_llama, _hf("gpt2"), _hf("llama")],
+# heavy (pyproject.toml): the bundled models and the HF Llama take 2.5 to 7 minutes each; CI runs the HF GPT-2
+@pytest.mark.parametrize("build", [pytest.param(_bundled_gpt2, marks=HEAVY), pytest.param(_bundled_llama, marks=HEAVY),
+                                   _hf("gpt2"), pytest.param(_hf("llama"), marks=HEAVY)],
                          ids=["gpt2", "llama", "hf_gpt2", "hf_llama"])
 def test_widened_compiled_step_is_the_full_compiled_capture(build: Callable, compiled_depths: list[int]) -> None:
     # GIVEN a 16-block model compiled at the default budget (1: one min cut, block by block)

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import graphmem
-import graphmem.recapture as recapture
+import graphmem.step.recapture as recapture
 from graphmem.capture.reuse import signature
 from graphmem.capture.target import Target, make_target
 from graphmem.capture.widen import widen

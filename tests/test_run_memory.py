@@ -126,7 +126,7 @@ def _model(name: str) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "llama", "hf_llama"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.heavy), "hf_llama"])  # heavy: ~70 s
 def test_plan_and_fit_never_exceed_the_budget_on_the_device_total(name: str) -> None:
     """On the CUDA target the budget is compared with the device total (the default), captured with
     the plan applied / at the batch found: never above the budget, and the answer names the figure.

@@ -1,5 +1,5 @@
-"""The step as one value: a StepSpec built once (graphmem/spec.py), measured by one function
-(graphmem/measure.py), taken by ``graphmem.analyze`` directly, built by the CLI from its arguments,
+"""The step as one value: a StepSpec built once (graphmem/step/spec.py), measured by one function
+(graphmem/step/measure.py), taken by ``graphmem.analyze`` directly, built by the CLI from its arguments,
 and changed by ``dataclasses.replace``."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from graphmem.cli import options
 from graphmem.cli.main import parser
 from graphmem.errors import UsageError
 from graphmem.passes.budget import Parallel
-from graphmem.spec import Formula, Ranks, Single, Stages, StepSpec, make_parallelism, make_spec
+from graphmem.step.spec import Formula, Ranks, Single, Stages, StepSpec, make_parallelism, make_spec
 
 
 def _gpt() -> tuple[torch.nn.Module, tuple]:

@@ -13,8 +13,8 @@ pytest.importorskip("torchtitan")
 import graphmem  # noqa: E402
 from graphmem.cli.main import main  # noqa: E402
 from graphmem.errors import UsageError  # noqa: E402
+from graphmem.frontends.titan_job import job_spec, stage_ranks  # noqa: E402
 from graphmem.titan import load_job, with_sdpa  # noqa: E402
-from graphmem.titan_api import job_spec, stage_ranks  # noqa: E402
 
 SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "64"]
 

@@ -97,7 +97,7 @@ def test_scaled_mm_on_the_cuda_target(torchao: Any, recipe: str) -> None:
     plain = graphmem.analyze(_cuda_job(recipe, False), world_size=2, rank=0, device="cuda", gpu="h100")
     g = report.step
     gemms = [op for op in g.ops if op.target is torch.ops.aten._scaled_mm.default]
-    model = graphmem.titan_api._meta_model(_cuda_job(recipe, True))
+    model = graphmem.frontends.titan_job._meta_model(_cuda_job(recipe, True))
     linears = [m for m in model.modules() if isinstance(m, Float8Linear)]
     # each call of torchao's function saves its input and weight (ctx.save_for_backward(input_hp, weight_hp_t));
     # the lm_head runs once per chunk of torchtitan's chunked loss

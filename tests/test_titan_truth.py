@@ -94,7 +94,7 @@ def test_fsdp_selective_ac() -> None:
     assert kept and all(t.category == "activation" for t in kept)  # SAC's mm outputs: activations, not temporaries
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", [pytest.param("aot_eager", marks=pytest.mark.heavy), "inductor"])  # heavy: ~1 min
 def test_compiled_blocks(backend: str) -> None:
     """Each transformer block compiled by torchtitan (``compile.enable``, components ``model``)
     under FSDP2: graphmem compiles the blocks with its own backend (AOTAutograd's min-cut
@@ -165,7 +165,7 @@ def test_fsdp_pp() -> None:
     _as_pipelined(overrides, ranks, (0, 2))
 
 
-@pytest.mark.parametrize("backend", ["spmd_types", "full_dtensor"])
+@pytest.mark.parametrize("backend", [pytest.param("spmd_types", marks=pytest.mark.heavy), "full_dtensor"])  # heavy: ~2 min
 def test_tp_pp(backend: str) -> None:
     """Tensor parallel inside each of two stages (4 ranks), under torchtitan's default SPMD backend
     (``spmd_types``, whose FSDP storage mesh is sliced while the job is built: graphmem/titan/

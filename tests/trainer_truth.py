@@ -109,7 +109,7 @@ def _step(trainer: Any, model: Any, batch: dict, saved: Optional[dict[int, Any]]
 
 def _run(make: Callable[[str], Any], kept: list) -> dict[str, int]:
     """One real job's figures on this rank, in bytes (the held ones with the parameters, buffers and batch)."""
-    from graphmem.trainer_api import trainer_batch
+    from graphmem.frontends.trainer import trainer_batch
 
     with tempfile.TemporaryDirectory() as out:
         trainer = make(out)

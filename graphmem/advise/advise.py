@@ -15,7 +15,7 @@ from graphmem.errors import GraphmemError
 from graphmem.passes.budget import later_steps_peak
 from graphmem.passes.run_memory import FIGURE_NAMES
 from graphmem.planning.figures import figure_of, plan_memory
-from graphmem.spec import StepSpec
+from graphmem.step.spec import StepSpec
 from graphmem.training.spec import preparing_once
 from graphmem.units import fmt_bytes
 

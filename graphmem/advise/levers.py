@@ -19,7 +19,7 @@ from graphmem.distributed.pipeline import Pipeline
 from graphmem.distributed.spec import Sharding
 from graphmem.models import gpt2, llama
 from graphmem.passes.budget import make_parallel
-from graphmem.spec import Formula, Ranks, Single, Stages, StepSpec
+from graphmem.step.spec import Formula, Ranks, Single, Stages, StepSpec
 from graphmem.training.lora import make_lora, meta_copy
 from graphmem.training.optim import resolved_impl
 from graphmem.training.peft_lora import is_hf_model

@@ -1,6 +1,6 @@
-"""A step's setting is its StepSpec (graphmem/spec.py), and the captures of its changes: every
+"""A step's setting is its StepSpec (graphmem/step/spec.py), and the captures of its changes: every
 lever is ``dataclasses.replace`` on the report's spec, and every lever's peak is the changed spec
-measured (graphmem/measure.py, what ``graphmem.analyze`` runs), never an estimate.
+measured (graphmem/step/measure.py, what ``graphmem.analyze`` runs), never an estimate.
 
 Captures are cached by the spec. The formulas' parallel layout (``Formula``: ZeRO over ranks) is
 not part of the key: passes/budget.py turns one captured step into a per-rank budget, so a ZeRO
@@ -12,13 +12,13 @@ from typing import Callable, Optional
 
 from graphmem.analysis import Analysis, captured
 from graphmem.errors import no_source
-from graphmem.measure import Measured, measure_ranks
 from graphmem.passes import saved
 from graphmem.passes.budget import Parallel
 from graphmem.passes.run_memory import RunMemory
 from graphmem.planning.planner import step_flops
-from graphmem.recapture import Captured
-from graphmem.spec import Single, StepSpec
+from graphmem.step.measure import Measured, measure_ranks
+from graphmem.step.recapture import Captured
+from graphmem.step.spec import Single, StepSpec
 from graphmem.training.spec import step_budget
 
 
@@ -74,7 +74,7 @@ class Measurer:
 
     def figure(self, spec: StepSpec, name: str) -> int:
         """``name`` of the run of ``spec`` (passes/run_memory.py: "allocated", "reserved" or "device"),
-        as ``graphmem.analyze`` gives it for that setting (graphmem/measure.py ``Measured.memory``); a
+        as ``graphmem.analyze`` gives it for that setting (graphmem/step/measure.py ``Measured.memory``); a
         pipeline's highest rank."""
         c = self.captured(spec)
         steps = self._cache[_key(spec)] if len(self._cache[_key(spec)]) > 1 else [c]

@@ -30,7 +30,7 @@ class Advise:
         add_debug_argument(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from graphmem.progress import Progress, quiet
+        from graphmem.cli.progress import Progress, quiet
         from graphmem.render.advise import advice_json, render_advice
         check_memory(args, args.memory, "--memory")  # a bad --memory fails before the analysis
         for flag, value in (("--ranks", args.ranks), ("--advise-lora-rank", args.advise_lora_rank)):

@@ -59,7 +59,7 @@ class Analyze:
         add_debug_argument(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from graphmem.progress import Progress, quiet
+        from graphmem.cli.progress import Progress, quiet
 
         fmt = output_format(args)  # flag mistakes and a missing matplotlib fail before the analysis
         check_plan_arguments(args, args.plan)
@@ -88,13 +88,13 @@ class Analyze:
 
 
 def trainer_report(args: argparse.Namespace) -> Any:
-    """``--training-args``: a transformers Trainer around the loaded model (graphmem/trainer_api.py);
+    """``--training-args``: a transformers Trainer around the loaded model (graphmem/frontends/trainer.py);
     with ``--world-size N [--rank R]``, rank R of the DDP job it runs on N processes; ``--device cuda``:
     its step on the CUDA target."""
     from graphmem.api import analyze
     from graphmem.capture.load import load
     from graphmem.cli.options import hf_of, target_of
-    from graphmem.trainer_api import trainer_from_file
+    from graphmem.frontends.trainer import trainer_from_file
     from graphmem.training.hf_trainer import is_trainer
 
     if args.plan or args.formula:

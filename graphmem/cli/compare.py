@@ -19,8 +19,8 @@ class Compare:
         add_debug_argument(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from graphmem.compare import compare, load_json_report
         from graphmem.render.compare import render_comparison
+        from graphmem.report.compare import compare, load_json_report
 
         before, after = load_json_report(args.before), load_json_report(args.after)
         c = compare(before, after, (args.before, args.after))

@@ -89,14 +89,14 @@ class Sweep:
 
 def _report(args: argparse.Namespace, shape: str) -> Any:
     """The analyzed step; with --tp, on tp ranks (no data parallelism), so the formulas are one rank's."""
-    from graphmem.spec import make_parallelism
+    from graphmem.step.spec import make_parallelism
     from graphmem.training.spec import make_training
 
     return analyze_args(args, shape, make_training(args.dtype), make_parallelism(args.tp, tp=args.tp, sp=args.sp))
 
 
 def _formula(args: argparse.Namespace) -> int:
-    from graphmem.progress import Progress, quiet
+    from graphmem.cli.progress import Progress, quiet
     from graphmem.render.formula import render_coefficients
 
     with quiet(args.json), Progress(desc="captures") as bar:
@@ -118,7 +118,7 @@ def _fit(args: argparse.Namespace) -> int:
             raise UsageError("give --seq (to find the batch size), --batch (to find the sequence length) or --input-shape")
         shape = f"{args.batch or 1}x{args.seq or 128}"
     parse_shape(shape)
-    from graphmem.progress import Progress, quiet
+    from graphmem.cli.progress import Progress, quiet
 
     with quiet(args.json), Progress(desc="captures") as bar:
         a = analyze_args(args, shape).fit(args.memory, seq=args.seq, batch=args.batch, tick=bar.update,
@@ -140,7 +140,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     batches, seqs = _ints(args.batch), _ints(args.seq)
     shape = args.input_shape or f"{max(batches)}x{max(seqs)}"
-    from graphmem.progress import Progress, quiet
+    from graphmem.cli.progress import Progress, quiet
 
     with quiet(args.json), Progress(desc="captures") as bar:
         sw = _report(args, shape).sweep(batches, seqs, tick=bar.update)

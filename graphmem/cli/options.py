@@ -271,9 +271,9 @@ def training_of(args: argparse.Namespace) -> Any:
 
 
 def parallel_of(args: argparse.Namespace, training: Any) -> Any:
-    """The parallel setting the options name (graphmem/spec.py ``make_parallelism`` decides which:
+    """The parallel setting the options name (graphmem/step/spec.py ``make_parallelism`` decides which:
     a pipeline stage, rank r through the wrappers, or the per-rank formulas)."""
-    from graphmem.spec import make_parallelism
+    from graphmem.step.spec import make_parallelism
 
     piped = vars(args)  # --pp and --schedule belong to analyze alone
     return make_parallelism(args.world_size, args.zero, args.fsdp, args.tp, args.sp, piped.get("pp", 1),
@@ -291,10 +291,10 @@ def hf_of(args: argparse.Namespace) -> Any:
 
 
 def spec_of(args: argparse.Namespace, input_shape: Any = None, training: Any = None, parallel: Any = None) -> Any:
-    """The command's StepSpec (graphmem/spec.py), built once from its arguments: its model, target,
+    """The command's StepSpec (graphmem/step/spec.py), built once from its arguments: its model, target,
     loop and parallel setting (or the given ``training``/``parallel``, for commands without those
     options)."""
-    from graphmem.spec import make_spec
+    from graphmem.step.spec import make_spec
 
     training = training_of(args) if training is None else training
     return make_spec(args.model, input_shape=args.input_shape if input_shape is None else input_shape,

@@ -32,13 +32,13 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def job_report(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     """The report of the job's rank ``--rank``; without it, the highest of the pipeline stages' first
-    ranks (graphmem/titan_api.py ``highest``)."""
+    ranks (graphmem/frontends/titan_job.py ``highest``)."""
     import sys
 
     from graphmem.api import parse_overheads, report_of
     from graphmem.cli.options import overheads_of
+    from graphmem.frontends.titan_job import highest
     from graphmem.titan import load_job
-    from graphmem.titan_api import highest
 
     _check(args)
     job = load_job(args.torchtitan, list(overrides), gpu=args.gpu if args.device == "cuda" else None)

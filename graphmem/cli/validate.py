@@ -49,7 +49,7 @@ class Validate:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from graphmem.progress import quiet
+    from graphmem.cli.progress import quiet
     from graphmem.render.validate import render_validation
     from graphmem.validation.validate import validate
 
@@ -61,7 +61,7 @@ def _validate(args: argparse.Namespace) -> int:
     with quiet(args.json):
         if args.training_args:  # a transformers Trainer around the model, built for real on the CPU
             from graphmem.capture.load import load
-            from graphmem.trainer_api import trainer_from_file
+            from graphmem.frontends.trainer import trainer_from_file
             from graphmem.training.hf_trainer import is_trainer
             from graphmem.validation.trainer import trainer_on_cuda, validate_trainer
 

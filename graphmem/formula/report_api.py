@@ -1,5 +1,5 @@
 """What ``Report.formula``, ``.coefficients``, ``.fit`` and ``.sweep`` run: the report's
-model captured again at other input sizes (through its graphmem.recapture.Recapture)."""
+model captured again at other input sizes (through its graphmem.step.recapture.Recapture)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,5 @@
 """What ``Report.planner``, ``.plan`` and ``.plans`` run: planners measured once per report
-(kept in its graphmem.recapture.Recapture) and the plans they choose."""
+(kept in its graphmem.step.recapture.Recapture) and the plans they choose."""
 from __future__ import annotations
 
 import dataclasses

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from graphmem.compare import Comparison, SavedGroup
 from graphmem.render.text import ROOT
+from graphmem.report.compare import Comparison, SavedGroup
 from graphmem.units import fmt_bytes
 
 

@@ -35,7 +35,7 @@ from graphmem.training.qlora import (
 @dataclass(frozen=True)
 class Training:
     """The loop around forward and backward (how the step is split over ranks is the StepSpec's
-    ``parallel``, graphmem/spec.py)."""
+    ``parallel``, graphmem/step/spec.py)."""
 
     train: TrainStep  # micro-batches, optimizer and its implementation, fp32 master weights
     lora: Optional[LoRA]  # adapters on the named linear layers, the rest frozen
@@ -141,7 +141,7 @@ class StepBudget:
     training: Training
     device: str
     lora_layers: tuple[str, ...]
-    layout: Parallel  # the per-rank formulas' layout (Parallel(): none; graphmem/spec.py Formula)
+    layout: Parallel  # the per-rank formulas' layout (Parallel(): none; graphmem/step/spec.py Formula)
     rank: Budget
     single: Optional[Budget]
     spike: tuple[Temporaries, ...] = ()  # the temporaries live at rank's peak, made -> freed (passes/spike.py)

@@ -55,7 +55,7 @@ from graphmem.distributed.fsdp import local
 from graphmem.distributed.spec import Sharding, make_sharding
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.report import Report
-from graphmem.spec import Ranks, StepSpec, make_spec
+from graphmem.step.spec import Ranks, StepSpec, make_spec
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.loop import Session
 from graphmem.training.spec import Training

@@ -9,8 +9,8 @@ import torch
 
 from graphmem.api import analyze
 from graphmem.errors import UsageError
-from graphmem.spec import shape_of
-from graphmem.trainer_api import check_ranks, trainer_inputs
+from graphmem.frontends.trainer import check_ranks, trainer_inputs
+from graphmem.step.spec import shape_of
 from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer import TrainerRunner, check_trainer
 from graphmem.validation.measure import measure_peak
@@ -61,7 +61,7 @@ def validate_trainer(trainer: Any, inputs: Any = None, input_shape: Union[str, t
     if trainer.args.device.type != "cpu":
         raise UsageError("validate runs the Trainer's step on the CPU: set use_cpu=True in its TrainingArguments")
     tol = checked_tolerance(tolerance)
-    if inputs is None:  # the batch train() draws, as analyze takes it (graphmem/trainer_api.py trainer_inputs)
+    if inputs is None:  # the batch train() draws, as analyze takes it (graphmem/frontends/trainer.py trainer_inputs)
         shape = shape_of(input_shape) if input_shape is not None else None
         if trainer.train_dataset is None and shape is not None:
             torch.manual_seed(0)  # the token samples made for the model

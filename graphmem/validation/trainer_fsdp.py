@@ -36,7 +36,7 @@ def validate_fsdp_ranks(model: Any, training_args: Any, inputs: Any = None, inpu
     """Each rank's (``rank``, else all ``world_size``) prediction beside the real gloo job; rows carry their rank.
     The model must be real (on the CPU); it is left as it was (each rank shards its own pickled copy)."""
     from graphmem.api import analyze
-    from graphmem.trainer_api import fsdp_trainer_spec
+    from graphmem.frontends.trainer import fsdp_trainer_spec
     from graphmem.validation.ranks import _check_budget, _pickled
     from graphmem.validation.trainer_ranks import TrainerJob, _args_class, _importable, _rows, run_trainer_ranks
 

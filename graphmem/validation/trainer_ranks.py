@@ -110,7 +110,7 @@ def _importable(cls: type) -> Optional[tuple[str, str]]:
 
 
 def _args_class(args: Any) -> Optional[tuple[str, str]]:
-    """The arguments' class, or the nearest importable base with the same fields (graphmem/trainer_api.py's
+    """The arguments' class, or the nearest importable base with the same fields (graphmem/frontends/trainer.py's
     ``InPlace`` only overrides ``place_model_on_device``, which a model built on the CPU does not need)."""
     fields = [f.name for f in dataclasses.fields(args)]
     for cls in type(args).__mro__:

@@ -40,7 +40,7 @@ from graphmem.errors import UsageError, check_keywords
 from graphmem.noise import quiet
 from graphmem.passes.allocator import allocator
 from graphmem.report import Report
-from graphmem.spec import shape_of, spec_keywords
+from graphmem.step.spec import shape_of, spec_keywords
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.hf_trainer import is_trainer
 from graphmem.training.spec import Training
@@ -93,7 +93,7 @@ def validate(
     (True, 0)
     """
 
-    if is_trainer(model):  # a transformers Trainer: its own step, real on the CPU (graphmem/trainer_api.py)
+    if is_trainer(model):  # a transformers Trainer: its own step, real on the CPU (graphmem/frontends/trainer.py)
         from graphmem.validation.trainer import validate_trainer
 
         unknown = sorted(set(options) - {"world_size", "rank", "trainer_batch"})

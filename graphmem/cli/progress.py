@@ -4,7 +4,7 @@ It draws on stderr only when stderr is a terminal and the CLI is not printing JS
 else (pipes, files, CI logs, pytest, JSON mode) it is silent, so it never mixes into output
 that a program reads. The bar's line is cleared when the work ends.
 
-    from graphmem.progress import progress, Progress
+    from graphmem.cli.progress import progress, Progress
 
     for shape in progress(shapes, desc="fitting"):       # wraps an iterable (len() used if it has one)
         ...

@@ -8,7 +8,6 @@ from typing import Any, Optional, Protocol
 
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
-from graphmem.jsondata import field_types, from_json, to_json
 from graphmem.passes import Liveness, LiveTensor, ModuleSaved, SavedSet, SavedTensor
 from graphmem.passes.allocator import AllocatorResult
 from graphmem.passes.memory_budget import BudgetSweep
@@ -17,11 +16,12 @@ from graphmem.passes.run_memory import FIGURE_NAMES, RunMemory, figure_for  # no
 from graphmem.planning import memory_budget as memory_budget_api
 from graphmem.planning import report_api as planning_api
 from graphmem.planning.planner import PlanSummary
+from graphmem.report.jsondata import field_types, from_json, to_json
 from graphmem.stepgraph import StepGraph
 from graphmem.training.spec import StepBudget
 
 # the fields whose JSON under their own key is a view (derived numbers, names): to_dict writes them
-# once more, exactly, under "exact" (graphmem/jsondata.py), so that from_dict gives them back
+# once more, exactly, under "exact" (graphmem/report/jsondata.py), so that from_dict gives them back
 EXACT = ("device", "target", "cuda_allocator", "memory", "budget", "compiled", "sharding", "known_coefficients",
          "known_plans", "known_memory_budgets")
 
@@ -79,7 +79,7 @@ class Report:
     batch: dict[str, str] = field(default_factory=dict)  # choices in the batch graphmem made (hf_batch.settings)
     step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
     liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
-    source: Any = field(default=None, repr=False, compare=False)  # graphmem.recapture.Recapture: capture again
+    source: Any = field(default=None, repr=False, compare=False)  # graphmem.step.recapture.Recapture: capture again
 
     def __str__(self) -> str:
         """The text view, as ``graphmem analyze`` prints it (graphmem/render/text.py), with the plans

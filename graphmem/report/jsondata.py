@@ -1,6 +1,6 @@
 """One typed codec between graphmem's frozen dataclasses and JSON: ``to_json(value, hint)`` and
 ``from_json(hint, data)``, with ``from_json(T, to_json(x, T)) == x`` for the values a Report holds
-(graphmem/report.py ``Report.from_dict``).
+(graphmem/report/__init__.py ``Report.from_dict``).
 
 The declared field types drive the way back: a ``tuple[int, ...]`` field comes back a tuple, a
 ``dict[int, ...]`` one with integer keys, a nested dataclass as that class. Where the declared type

@@ -18,7 +18,7 @@ import torch
 from graphmem.capture.hf import batch as hf_batch
 from graphmem.capture.target import Target, check_device
 from graphmem.errors import UsageError
-from graphmem.spec import Inputs, Single, StepSpec, shape_of
+from graphmem.step.spec import Inputs, Single, StepSpec, shape_of
 from graphmem.training.batch import as_batch, resizer
 from graphmem.training.hf_trainer import check_trainer, trainer_step
 from graphmem.training.hf_trainer_batch import collator_name, drawn_batch, fit_to_shape

@@ -30,7 +30,7 @@ from graphmem.training.step import LossFn
 
 if TYPE_CHECKING:
     from graphmem.formula.sampler import Sampler
-    from graphmem.spec import StepSpec
+    from graphmem.step.spec import StepSpec
 
 
 def variables_of(example: tuple) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -78,7 +78,7 @@ def capture_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: T
                  reuse: bool = True, formula: Parallel = Parallel()) -> Captured:
     """Capture one training step of ``module`` (LoRA applied from ``training``) and run the
     passes, with the per-rank budget of ``formula`` (passes/budget.py) over it: a StepSpec's
-    ``Single`` or ``Formula`` step (graphmem/measure.py)."""
+    ``Single`` or ``Formula`` step (graphmem/step/measure.py)."""
     prepared, lora_layers = prepare(module, training, target.param_dtype)
     if training.keeps_dtypes(module):  # 4-bit weights, peft's fp32 adapters (graphmem/training/spec.py)
         target = dataclasses.replace(target, dtype=None)

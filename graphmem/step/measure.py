@@ -1,8 +1,8 @@
-"""``measure(spec)``: the one function that captures a StepSpec's step (graphmem/spec.py), and the
+"""``measure(spec)``: the one function that captures a StepSpec's step (graphmem/step/spec.py), and the
 only place that dispatches on its parallel setting. ``graphmem.analyze``, advise's levers and the
 re-captures behind plans, formulas and fits all come through here.
 
-- ``Single`` / ``Formula``: the single-device step (graphmem/recapture.py ``capture_step``); the
+- ``Single`` / ``Formula``: the single-device step (graphmem/step/recapture.py ``capture_step``); the
   formulas' per-rank budget over it (passes/budget.py);
 - ``Ranks``: rank r through PyTorch's wrappers (``capture_rank_step``), with the per-rank formula
   over the single-device step beside it (graphmem/distributed/view.py);
@@ -26,8 +26,8 @@ from graphmem.passes import liveness, notes, saved
 from graphmem.passes.device_rows import device_rows
 from graphmem.passes.later_steps import later_steps_peak
 from graphmem.passes.run_memory import RunMemory, run_memory
-from graphmem.recapture import Captured, capture_rank_step, capture_stage_step, capture_step
-from graphmem.spec import Formula, Job, Ranks, Single, Stages, StepSpec
+from graphmem.step.recapture import Captured, capture_rank_step, capture_stage_step, capture_step
+from graphmem.step.spec import Formula, Job, Ranks, Single, Stages, StepSpec
 from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.spec import units_of
 
@@ -39,7 +39,7 @@ class Measured:
     spec: StepSpec
     step: Captured
     notes: tuple[str, ...] = ()  # the setting's own lines (depth reuse not taken, the rank's view)
-    scope: Any = None  # the rank a per-rank or pipeline-stage step is (graphmem/report.py's RankScope)
+    scope: Any = None  # the rank a per-rank or pipeline-stage step is (graphmem/report/__init__.py's RankScope)
     split: Optional[Layout] = None  # a pipeline's split, probed once and passed on to the other ranks
 
     @property

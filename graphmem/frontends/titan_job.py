@@ -1,5 +1,5 @@
 """``graphmem.analyze(job_config, world_size=N, rank=r)``: a torchtitan job's rank as a StepSpec
-(graphmem/spec.py ``Job``), measured by graphmem/measure.py through graphmem/titan/capture.py.
+(graphmem/step/spec.py ``Job``), measured by graphmem/step/measure.py through graphmem/titan/capture.py.
 
 >>> from graphmem.titan import load_job                       # doctest: +SKIP
 >>> job = load_job("llama3_8b", ["--parallelism.data_parallel_shard_degree", "8"])  # doctest: +SKIP
@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from graphmem.capture.target import make_target
 from graphmem.errors import UsageError
-from graphmem.spec import Inputs, Job, StepSpec
+from graphmem.step.spec import Inputs, Job, StepSpec
 from graphmem.titan.float8 import check_target, describe
 from graphmem.titan.job import _torchtitan, on_cpu, synthetic_batches, with_sdpa
 from graphmem.training.loop import TrainStep
@@ -88,10 +88,10 @@ def stage_ranks(config: Any, world_size: int) -> list[int]:
 
 def highest(config: Any, world_size: Optional[int] = None, rank: Optional[int] = None, **options: Any
             ) -> tuple[Any, list[tuple[int, int]]]:
-    """The measured step (graphmem/measure.py) of rank ``rank``, or (``rank=None``) of the rank with
+    """The measured step (graphmem/step/measure.py) of rank ``rank``, or (``rank=None``) of the rank with
     the highest later-steps peak among the pipeline stages' first ranks, and every analyzed rank's
     later-steps peak. ``graphmem.api.report_of`` makes its report."""
-    from graphmem.measure import measure
+    from graphmem.step.measure import measure
 
     world = world_size or _degrees(config)
     ranks = [rank] if rank is not None else stage_ranks(config, world)

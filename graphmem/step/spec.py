@@ -1,7 +1,7 @@
 """The step as one value: ``StepSpec``, everything one training step is made from, frozen and
 checked where it is built. ``graphmem.analyze(model, inputs, **options)``, the CLI (once, from its
 arguments) and advise's levers (``dataclasses.replace`` on a spec) all build one;
-graphmem/measure.py's ``measure`` is the one function that captures it.
+graphmem/step/measure.py's ``measure`` is the one function that captures it.
 
 The parallel setting is one sum type, ``Parallelism``:
 
@@ -15,7 +15,7 @@ The parallel setting is one sum type, ``Parallelism``:
   own code (graphmem/titan/).
 
 >>> import torch, graphmem
->>> from graphmem.spec import make_spec
+>>> from graphmem.step.spec import make_spec
 >>> net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 >>> spec = make_spec(net, (torch.randn(8, 16),), optimizer="adamw")
 >>> graphmem.analyze(spec).activation_bytes

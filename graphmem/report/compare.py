@@ -192,7 +192,7 @@ def compare(before: ReportLike, after: ReportLike, labels: tuple[str, str] = ("b
     """Compare two reports (Report objects or their JSON dicts).
 
     >>> import torch, graphmem
-    >>> from graphmem.compare import compare
+    >>> from graphmem.report.compare import compare
     >>> def net(act): return torch.nn.Sequential(torch.nn.Linear(16, 32), act, torch.nn.Linear(32, 4))
     >>> x = (torch.randn(8, 16),)
     >>> c = compare(graphmem.analyze(net(torch.nn.GELU()), x), graphmem.analyze(net(torch.nn.ReLU()), x))
