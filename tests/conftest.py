@@ -238,6 +238,69 @@ SLOW_ON_TWO_CORES = (
     "tests/test_checkpoint_plans.py::test_plans_with_the_optimizer_step_equal_recaptured_peaks",  # 14 s
     "tests/test_checkpoint_plans.py::test_plan_peaks_equal_recaptured_peaks[gpt2]",  # 13 s
     "tests/test_compiled_training.py::test_transformers_models_compiled_with_adamw_are_real_steps[gpt2_sdpa]",  # 13 s
+    # measured 2026-11-29 (1,002 quick tests in 17 min 2 s on two shared AVX2 cores): the slowest quick tests
+    "tests/test_advise.py::test_the_batch_lever_is_the_largest_batch_whose_captured_step_fits[opts1]",  # 42 s
+    "tests/test_advise_truth.py::test_the_batch_lever_is_a_real_step[opts1]",  # 32 s
+    "tests/test_compiled_training.py::test_transformers_models_compiled_with_adamw_are_real_steps[llama_gqa]",  # 31 s
+    "tests/test_korthikanti.py::test_megatron_block_fp16_cuda_alpha_34_beta_5[False]",  # 26 s
+    "tests/test_checkpoint_plans.py::test_plans_that_are_not_made_say_so_in_one_line",  # 25 s
+    "tests/test_advise_truth.py::test_the_batch_lever_is_a_real_step[opts0]",  # 25 s
+    "tests/test_advise.py::test_the_batch_lever_is_the_largest_batch_whose_captured_step_fits[opts0]",  # 25 s
+    "tests/test_checkpoint_plans.py::test_cli_plan_mistakes_are_one_line",  # 21 s
+    "tests/test_compiled.py::test_compiled_saved_bytes_exact[resnet_small]",  # 21 s
+    "tests/test_hf_trainer_compiled.py::test_aot_eager_compiled_trainer_step_without_an_attention_mask_saves_what_a_real_one_saves",  # 20 s
+    "tests/test_hf_trainer_compiled.py::test_aot_eager_compiled_trainer_step_matches_a_real_one",  # 19 s
+    "tests/test_hf_trainer_compiled_ranks.py::test_compiled_training_args_with_world_size_from_the_cli",  # 17 s
+    "tests/test_gpu_truth.py::test_gpu_run_plumbing",  # 17 s
+    "tests/test_properties.py::test_random_models_match_a_real_cpu_step",  # 17 s
+    "tests/test_coefficients.py::test_gpt2_sdpa_without_attention_dropout_has_beta_zero_on_cpu",  # 16 s
+    "tests/test_report_roundtrip.py::test_kept_answers_round_trip_and_render",  # 15 s
+    "tests/test_compiled.py::test_compiled_saved_bytes_exact[llama_sdpa]",  # 14 s
+    "tests/test_compiled_training.py::test_a_compiled_step_with_its_optimizer_is_a_real_one[gpt2-adamw-foreach-3mb]",  # 14 s
+    "tests/test_checkpoint_plans.py::test_identical_blocks_are_measured_at_depth_4_exactly[llama]",  # 14 s
+    "tests/test_compiled_training.py::test_a_compiled_step_with_its_optimizer_is_a_real_one[llama-adam-foreach]",  # 13 s
+    "tests/test_checkpoint_plans.py::test_program_equals_brute_force_on_random_chains[0]",  # 13 s
+    "tests/test_compiled.py::test_compiled_peak_matches_a_real_compiled_step[gpt2_explicit]",  # 13 s
+    "tests/test_compiled.py::test_compiled_peak_matches_a_real_compiled_step[llama_sdpa]",  # 13 s
+    "tests/test_no_allocation.py::test_gpt2_xl_32x1024_analyzed_in_under_2_gb_rss",  # 12 s
+    "tests/test_run_memory.py::test_device_total_rows_for_a_per_rank_nccl_job",  # 12 s
+    "tests/test_checkpoint_plans.py::test_apply_refuses_bad_segments",  # 12 s
+    "tests/test_zoo_plans.py::test_pieces_that_compose_without_the_kv_cache_give_a_proven_plan",  # 12 s
+    "tests/test_compiled_cuda.py::test_compiled_amp_opens_transformers_maybe_autocast_regions",  # 12 s
+    "tests/test_errors.py::test_console_script_exit_code_and_single_stderr_line",  # 12 s
+    "tests/test_compiled_budget.py::test_nonmonotonic_peak_on_gpt2_is_reported",  # 11 s
+    "tests/test_distributed_capture.py::test_each_rank_holds_its_padded_shards[8-llama_gqa]",  # 11 s
+    "tests/test_checkpoint_plans.py::test_autocast_plan_cli_prints_a_plan",  # 11 s
+    "tests/test_titan_float8.py::test_scaled_mm_on_the_cuda_target[rowwise]",  # 11 s
+    "tests/test_pipeline.py::test_1f1b_holds_min_m_p_minus_r_micro_batches_gpipe_all[4-8-gpt2]",  # 11 s
+    "tests/test_hygiene.py::test_leaked_thread_count_fails_the_test_that_leaked_it",  # 11 s
+    "tests/test_selective.py::test_selective_plans_beat_plain_checkpointing[gpt2]",  # 11 s
+    "tests/test_selective.py::test_selective_plan_peaks_equal_recaptured_peaks[gpt2]",  # 11 s
+    "tests/test_checkpoint_plans.py::test_a_plan_fits_every_step_not_only_the_first[adam]",  # 11 s
+    "tests/test_bnb_optim.py::test_8bit_adamw_stepped_in_backward[gpt2_explicit]",  # 10 s
+    "tests/test_distributed_capture.py::test_reshard_after_forward_frees_gathered_blocks_and_the_formula_is_beside_it",  # 10 s
+    "tests/test_distributed_capture.py::test_rank_optimizer_states_are_the_zero3_formulas_row[llama_gqa]",  # 10 s
+    "tests/test_compiled_cuda.py::test_compiled_amp_saved_set_is_the_eager_cuda_autocast[timm_vit-bf16]",  # 10 s
+    "tests/test_capacity.py::test_advise_on_cuda_judges_each_setting_on_its_device_total",  # 10 s
+    "tests/test_selective.py::test_cli_selective",  # 10 s
+    "tests/test_compiled.py::test_compiled_saved_bytes_exact[gpt2_explicit]",  # 10 s
+    "tests/test_checkpoint_plans.py::test_apply_is_real_checkpointing_and_remove_restores",  # 10 s
+    "tests/test_distributed_capture.py::test_rank_lora_holds_half_the_adapters_and_their_states[llama_gqa-q_proj,v_proj]",  # 10 s
+    "tests/test_hf_trainer.py::test_bitsandbytes_8bit_adamw_matches_a_real_step[adamw_bnb_8bit]",  # 9 s
+    "tests/test_checkpoint_plans.py::test_autocast_plans_match_real_cpu_autocast_runs[llama-cpu]",  # 9 s
+    "tests/test_advise_robust.py::test_a_combination_that_cannot_run_is_left_out_with_its_reason_and_the_rest_ranked",  # 9 s
+    "tests/test_compiled_training.py::test_a_compiled_step_with_its_optimizer_is_a_real_one[gpt2-adamw]",  # 9 s
+    "tests/test_hf_trainer.py::test_trainer_step_matches_a_real_trainer_step[llama-lora]",  # 9 s
+    "tests/test_distributed_capture.py::test_each_rank_holds_its_padded_shards[2-llama_gqa]",  # 9 s
+    "tests/test_compiled.py::test_recomputed_ops_are_the_real_partitioners",  # 9 s
+    "tests/test_checkpoint_plans.py::test_plan_limits_are_checked",  # 9 s
+    "tests/test_reuse_distributed.py::test_widened_rank_is_the_full_capture[fsdp_x_tp_sp_cuda]",  # 9 s
+    "tests/test_checkpoint_plans.py::test_identical_blocks_are_measured_at_depth_4_exactly[gpt2]",  # 9 s
+    "tests/test_loop_options.py::test_cli_flags",  # 9 s
+    "tests/test_compiled.py::test_formula_in_compiled_mode_matches_a_real_run",  # 8 s
+    "tests/test_loop_options.py::test_options_change_the_peak_as_real_steps_do[hf_llama]",  # 8 s
+    "tests/test_checkpoint_plans.py::test_plan_peaks_match_real_cpu_runs[llama]",  # 8 s
+    "tests/test_hf_trainer.py::test_trainer_step_matches_a_real_trainer_step[bert-classifier]",  # 8 s
 )
 
 
