@@ -10,17 +10,16 @@ import torch.nn as nn
 
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
-from graphmem.errors import UsageError, check_keywords
+from graphmem.errors import UsageError
+from graphmem.frontends.door import spec_for
 from graphmem.noise import quiet
 from graphmem.passes import allocator, compare_modes, saved
 from graphmem.passes.device_rows import NAMES, check_overrides
 from graphmem.report import Report
 from graphmem.step.measure import Measured, measure
 from graphmem.step.recapture import Recapture
-from graphmem.step.spec import ModelLike, StepSpec, make_spec, spec_keywords
+from graphmem.step.spec import ModelLike, StepSpec
 from graphmem.stepgraph import StepGraph
-from graphmem.titan.job import is_job_config
-from graphmem.training.hf_trainer import is_trainer
 from graphmem.training.loop import TrainStep
 from graphmem.training.step import LossFn
 from graphmem.units import parse_bytes
@@ -98,39 +97,7 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, *, overheads:
     1536
     """
     given = parse_overheads(overheads)
-    if is_trainer(model):  # a transformers Trainer: its own step (graphmem/frontends/trainer.py)
-        from graphmem.frontends.trainer import trainer_spec
-
-        extra = sorted(set(options) - {"input_shape", "world_size", "rank", "device", "trainer_batch"})
-        if extra:
-            raise UsageError(f"a Trainer's step comes from its TrainingArguments (and `world_size`/`rank` for a DDP "
-                             f"job's rank, `device` for its target); drop {', '.join(extra)}")
-        return report_of(measure(trainer_spec(model, inputs, options.get("input_shape"), options.get("world_size", 1),
-                                              options.get("rank"), options.get("device"),
-                                              options.get("trainer_batch", "first"))), given)
-    if "training_args" in options:  # a Trainer built per rank: FSDP (graphmem/training/hf_trainer_fsdp.py)
-        from graphmem.frontends.trainer import fsdp_trainer_spec
-
-        extra = sorted(set(options) - {"training_args", "input_shape", "world_size", "rank", "trainer_class"})
-        if extra:
-            raise UsageError(f"a Trainer's step comes from its TrainingArguments (and `world_size`/`rank`); drop "
-                             f"{', '.join(extra)}")
-        return report_of(measure(fsdp_trainer_spec(model, options["training_args"], inputs, options.get("input_shape"),
-                                                   options.get("world_size", 1), options.get("rank"),
-                                                   options.get("trainer_class"))), given)
-    if is_job_config(model):  # a torchtitan Trainer.Config: the job's own code per rank (graphmem/titan/)
-        from graphmem.frontends.titan_job import OPTIONS, job_spec
-
-        extra = sorted(set(options) - OPTIONS)
-        if extra or inputs is not None:
-            raise UsageError(f"a torchtitan job's step comes from its config; drop {', '.join(extra) or 'inputs'} "
-                             f"(options: {', '.join(sorted(OPTIONS))})")
-        return report_of(measure(job_spec(model, **options)), given)
-    check_keywords(options, spec_keywords(), "graphmem.analyze")
-    spec = model if isinstance(model, StepSpec) else make_spec(model, inputs, **options)
-    if isinstance(model, StepSpec) and (inputs is not None or options):
-        raise UsageError("analyze(spec) takes the StepSpec alone: change it with dataclasses.replace")
-    return report_of(measure(spec), given)
+    return report_of(measure(spec_for(model, inputs, **options)), given)
 
 
 def parse_overheads(overheads: Optional[dict[str, Any]]) -> dict[str, int]:

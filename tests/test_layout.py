@@ -47,7 +47,7 @@ LAYERS: dict[str, set[str]] = {
     "noise": set(),  # third-party warnings and logs silenced at the front doors (api, validation, cli)
     "cli": {"errors", "units", "api", "report", "render", "capture", "training", "formula", "planning",
             "validation", "models", "advise", "distributed", "step", "frontends", "titan", "noise"},
-    "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation", "step"},
+    "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation", "step", "frontends"},
 }
 
 
@@ -135,7 +135,7 @@ def test_every_package_is_installed() -> None:
     assert folders | {"graphmem", "graphmem.passes", "graphmem.models"} == listed
 
 
-PARALLEL = {"Single", "Formula", "Ranks", "Stages", "Job", "DeepSpeedJob"}  # graphmem/step/spec.py's parallel settings
+PARALLEL = {"Single", "Formula", "Ranks", "Stages", "Job", "DeepSpeedJob", "TrainerShards"}  # graphmem/step/spec.py's parallel settings
 
 
 def _dispatches(tree: ast.AST) -> bool:
@@ -298,3 +298,17 @@ def test_the_top_level_stays_small() -> None:
     """At most 12 modules sit directly in graphmem/ (the rest live in the package of their layer)."""
     top = sorted(p.name for p in (ROOT / "graphmem").glob("*.py"))
     assert len(top) <= 12, top
+
+
+def test_every_parallel_setting_is_a_parallelism_variant() -> None:
+    """Each way a step is split is in graphmem/step/spec.py's ``Parallelism`` union (typed, so no
+    ``type: ignore`` where a StepSpec takes one or a Parallelism is read)."""
+    import typing
+
+    from graphmem.step.spec import Parallelism
+
+    assert {c.__name__ for c in typing.get_args(Parallelism)} == PARALLEL
+    ignored = sorted(f"{path.relative_to(ROOT)}:{n}" for path in (ROOT / "graphmem").rglob("*.py")
+                     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                     if "type: ignore" in line and re.search(r"\bparallel\b|StepSpec\(|\bshards\b", line.split("#")[0]))
+    assert not ignored, f"type: ignore on a Parallelism: {ignored}"

@@ -89,3 +89,26 @@ def test_the_cli_builds_one_spec_from_its_arguments() -> None:
     assert spec.training.train.micro_batches == 2 and spec.parallel.formula == Parallel()
     args = parser().parse_args(["analyze", "models/llama.py", "--input-shape", "2x64", "--world-size", "4", "--zero", "3"])
     assert options.spec_of(args).parallel == Formula(Parallel(4, 3))
+
+
+def test_the_front_door_recognizes_each_kind_of_subject(tmp_path) -> None:
+    """graphmem.spec_for (graphmem/frontends/door.py): a module, a StepSpec and a transformers Trainer each
+    become the StepSpec that graphmem.analyze measures; what a kind of subject does not take is one line."""
+    transformers = pytest.importorskip("transformers")
+    model, x = _gpt()
+    spec = graphmem.spec_for(model, x, optimizer="adamw")
+    assert spec == make_spec(model, x, optimizer="adamw") and graphmem.spec_for(spec) is spec
+    with pytest.raises(UsageError, match=r"spec_for\(spec\) takes the StepSpec alone"):
+        graphmem.spec_for(spec, x, caller="graphmem.spec_for")
+    with pytest.raises(UsageError, match="optimiser.*optimizer"):  # a misspelt keyword names the close match
+        graphmem.spec_for(model, x, optimiser="adamw")
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1,
+                                                              n_head=2))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, optim="sgd")
+    trainer = transformers.Trainer(model=hf, args=args)
+    batch = {"input_ids": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8))}
+    by_trainer = graphmem.spec_for(trainer, batch)
+    assert by_trainer.module is hf and by_trainer.training.train.trainer is not None and by_trainer.shape == (2, 8)
+    assert graphmem.analyze(trainer, batch).activation_bytes == graphmem.analyze(by_trainer).activation_bytes
+    with pytest.raises(UsageError, match="a Trainer's step comes from its TrainingArguments.*drop optimizer"):
+        graphmem.spec_for(trainer, batch, optimizer="adamw")

@@ -266,7 +266,7 @@ def fsdp_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
         step = dataclasses.replace(step, precision=f"{step.precision.split()[0]} MixedPrecisionPolicy (fp32 shards)")
     first = batch.tensors()[0]
     return StepSpec(type(model).__name__, model, Inputs(resizer(batch), tuple(first.shape), batch), None,
-                    Target("cpu"), Training(step, None), shards, reuse=False)  # type: ignore[arg-type]  # (duck-typed: check_spec)
+                    Target("cpu"), Training(step, None), shards, reuse=False)
 
 
 __all__ = ["check_ranks", "dataset_from_file", "fsdp_trainer_spec", "trainer_batch", "trainer_from_file", "trainer_inputs", "trainer_spec"]

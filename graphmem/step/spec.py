@@ -44,6 +44,7 @@ from graphmem.distributed.spec import Sharding, check_training, make_sharding, w
 from graphmem.errors import UsageError, check_keywords
 from graphmem.passes.budget import Parallel, make_parallel
 from graphmem.training.batch import as_batch, resizer
+from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.peft_lora import is_hf_model
 from graphmem.training.spec import Training, make_training
 from graphmem.training.step import LossFn
@@ -156,7 +157,9 @@ class Job:
                              "`device='cuda'`")
 
 
-Parallelism = Union[Single, Formula, Ranks, Stages, Job, DeepSpeedJob]
+# every way a step is split: a Trainer's FSDP2 rank (TrainerShards, graphmem/training/hf_trainer_fsdp.py) and a
+# DeepSpeed engine's rank (DeepSpeedJob, graphmem/deepspeed/config.py) are variants too
+Parallelism = Union[Single, Formula, Ranks, Stages, Job, DeepSpeedJob, TrainerShards]
 
 
 @dataclass(frozen=True)

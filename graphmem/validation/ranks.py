@@ -112,7 +112,7 @@ def validate_ranks(model: Any, given: Optional[Batch], shape: Optional[tuple[int
     ranks = [options["rank"]] if options.get("rank") is not None else list(range(sharding.world_size))
     reports = {r: analyze(spec.replace(parallel=Ranks(dataclasses.replace(sharding, rank=r)))) for r in ranks}
     _check_budget(reports, sharding.world_size)
-    job = _job(spec, model, given, loss, hf, reports[ranks[0]])
+    job = _job(spec, sharding, model, given, loss, hf, reports[ranks[0]])
     measured = run_ranks(job, sharding.world_size)  # (each rank drops kineto's log lines itself)
     rows: list[Row] = []
     for r, report in reports.items():
@@ -168,7 +168,7 @@ def _pickled(what: Any, name: str) -> bytes:
     return buf.getvalue()
 
 
-def _job(spec: StepSpec, model: Any, given: Optional[Batch], loss: Optional[LossFn], hf: Optional[HFOptions],
+def _job(spec: StepSpec, sharding: Sharding, model: Any, given: Optional[Batch], loss: Optional[LossFn], hf: Optional[HFOptions],
          report: Report) -> RankJob:
     batch: Optional[Batch] = given
     if isinstance(model, nn.Module):
@@ -184,7 +184,7 @@ def _job(spec: StepSpec, model: Any, given: Optional[Batch], loss: Optional[Loss
         _pickled(loss, "`loss`")
     built = report.step.target if report.step is not None else None
     return RankJob(source, hf, built, None if batch is None else _pickled(batch, "the inputs"), spec.shape, loss,
-                   spec.training, spec.target, spec.parallel.sharding, torch.get_num_threads())  # type: ignore[union-attr]
+                   spec.training, spec.target, sharding, torch.get_num_threads())
 
 
 def run_ranks(job: RankJob, world_size: int) -> list[dict[str, int]]:
