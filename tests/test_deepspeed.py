@@ -142,3 +142,41 @@ def test_zero3_leaves_torch_as_it_found_it() -> None:
     assert (torch.nn.functional.linear, torch.empty, torch.zeros, vars(torch.nn.Module).get("__init_subclass__"),
             vars(torch.nn.Module)["apply"], vars(torch.Tensor).get("__new__")) == kept
     assert graphmem.analyze(net, x).num_ops == before
+
+
+@pytest.mark.parametrize("stage, bf16", [(1, True), (2, True), (3, True), (1, False)])
+def test_the_zero_papers_model_states_beside_the_engines(stage: int, bf16: bool) -> None:
+    """The report's cross-check line (graphmem/deepspeed/report.py ``zero_paper``): the paper's per-rank
+    model states (2Ψ/4Ψ parameters, split at stage 3; the fp32 master 4Ψ/N_d; Adam 8Ψ/N_d) beside what
+    DeepSpeed's engine holds; the differences are DeepSpeed's padding, by its own rules (stage 1 and 2:
+    each group's flat buffer to a multiple of 2 N_d elements, stage_1_and_2.py "aligned_numel"; stage 3:
+    each parameter to a multiple of N_d, partition_parameters.py ``_padding_size``) and the step counter."""
+    import math
+
+    import torch
+
+    import graphmem
+    from graphmem.deepspeed.report import held_by_origin, zero_paper
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))  # Ψ = 29: padded
+    n, numels = 2, [p.numel() for p in model.parameters()]
+    psi, e = sum(numels), 2 if bf16 else 4
+    config = _config(stage, {"reduce_bucket_size": 1000, "allgather_bucket_size": 1000},
+                     **({"bf16": {"enabled": True}} if bf16 else {}))
+    config["train_micro_batch_size_per_gpu"] = 4
+    r = graphmem.analyze(model, (torch.randn(4, 6),), deepspeed=config, world_size=n, rank=0, optimizer="adamw")
+    states = next(row.size for row in r.budget.rank.rows if row.name == "optimizer states")
+    rows = zero_paper(psi, r.source.spec.parallel, held_by_origin(r.step), states)
+    if stage < 3:
+        flat = math.ceil(psi / (2 * n)) * 2 * n  # the group's flat buffer, aligned
+        engine = (e * flat, 4 * flat // n, 8 * flat // n + 4)
+    else:
+        flat = sum(math.ceil(k / n) * n for k in numels)  # each parameter padded, then split
+        engine = (e * flat // n, 4 * flat // n, 8 * flat // n + 4)
+    paper = (e * psi // n if stage == 3 else e * psi, 4 * psi // n if bf16 else 0, 8 * psi // n)
+    # (in fp32 training DeepSpeed keeps an fp32 partition the paper's fp32 accounting has no row for: paper 0 B)
+    assert [(x.paper, x.engine) for x in rows] == list(zip(paper, engine))
+    assert all(x.difference > 0 for x in rows)  # Ψ = 29 is never aligned
+    line = next(x for x in r.notes if x.startswith("the ZeRO paper's model states"))
+    assert f"paper {rows[0].paper} B, DeepSpeed {rows[0].engine} B" in line and "alignment padding" in line
