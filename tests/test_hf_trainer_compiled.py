@@ -170,7 +170,7 @@ def test_inductor_compiled_trainer_step_saves_what_a_real_one_saves() -> None:
     assert later.difference > 0  # the graphs run op by op, unfused: above Inductor's (module docstring)
 
 
-@pytest.mark.slow  # ~90 s: GPT-2's graph breaks compile several Inductor graphs
+@pytest.mark.heavy  # ~90-110 s: GPT-2's graph breaks compile several Inductor graphs; CI runs the fp32 case
 def test_inductor_compiled_trainer_step_under_bf16() -> None:
     v = _inductor_validates(_gpt2(), bf16=True)
     assert v.row("saved for backward").measured == 172_564  # aot_eager's partition saves 205,704 B here

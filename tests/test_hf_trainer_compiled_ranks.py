@@ -101,7 +101,7 @@ def test_the_compiled_rank_is_split_at_ddp_buckets() -> None:
 
 @pytest.mark.slow  # ~90 s each: a real 2-process gloo job of compiled Trainers, 3 per rank
 @pytest.mark.parametrize("make,pieces", [(llama_trainer, 2), pytest.param(unsplit_llama_trainer, 1, marks=pytest.mark.heavy),
-                                       (bert_trainer, 2)],  # heavy (pyproject.toml): ~90 s
+                                       pytest.param(bert_trainer, 2, marks=pytest.mark.heavy)],  # heavy: ~90 s each
                          ids=["llama", "llama-optimize_ddp-off", "bert-classifier"])
 def test_compiled_ranks_match_a_real_two_process_trainer(make: Any, pieces: int) -> None:
     from tests.trainer_truth import real_trainer_ranks

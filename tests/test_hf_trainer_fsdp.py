@@ -105,7 +105,7 @@ def _exact(v: Any, gap: int = 0) -> None:
 
 
 @pytest.mark.slow  # ~120 s each: a real 2-process gloo job
-@pytest.mark.parametrize("accumulation", [2, 4])
+@pytest.mark.parametrize("accumulation", [2, pytest.param(4, marks=pytest.mark.heavy)])  # heavy: ~55 s
 def test_tiny_llama_fsdp_ranks_against_a_real_gloo_job(tmp_path: Any, accumulation: int) -> None:
     """Every row exact on both ranks; with 4 micro-batches accelerate's ``no_sync`` (FSDP2's
     ``set_requires_gradient_sync(False)``) keeps the unsharded gradients between them, traced as the

@@ -40,7 +40,7 @@ def test_sliding_window_formula_is_two_exact_pieces(report: graphmem.Report) -> 
     assert c.to_dict()["piecewise"]["breakpoint"] == W
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # ~2.5 min; CI runs the formula's two exact pieces on the same report
 def test_sliding_window_sweep_and_fit_across_the_window(report: graphmem.Report) -> None:
     sw = report.sweep([1, 2], [4, W, 16])
     for b, s, act, peak, _, _ in sw.rows:

@@ -93,7 +93,7 @@ SCALAR_GAP = {"adamw": 0, "momentum": 0}
 
 @pytest.mark.slow
 @pytest.mark.parametrize("build,optimizer", [(bundled_gpt2, "adamw"), pytest.param(bundled_gpt2, "momentum", marks=HEAVY),
-                                               (hf_llama, "adamw")],
+                                               pytest.param(hf_llama, "adamw", marks=HEAVY)],
                          ids=["gpt2-adamw", "gpt2-momentum", "hf-llama-adamw"])
 def test_each_rank_steps_its_own_stage_optimizer_as_a_real_gloo_rank(build, optimizer: str, tmp_path) -> None:
     """The stage's optimizer after the schedule (torch.optim over the stage's own parameters,

@@ -44,7 +44,8 @@ def _float8_ran(report: Any) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("degree", ["data_parallel_shard_degree", "tensor_parallel_degree"])
+@pytest.mark.parametrize("degree", ["data_parallel_shard_degree",
+                                    pytest.param("tensor_parallel_degree", marks=pytest.mark.heavy)])  # heavy: ~60 s
 def test_emulated_against_gloo(torchao: Any, degree: str) -> None:
     """FSDP2 and TP over 2 gloo ranks, float8 emulated: 1,531,176 B (FSDP2) and 856,456 B (TP2)
     saved on each rank, the same as the job with plain linears (torchao saves the high-precision

@@ -62,7 +62,7 @@ def _consistent(ranks: list[dict[str, int]]) -> None:
         assert r["unsettled"] == 0, r  # every collective's work was released on the rank's thread
 
 
-@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("degree", [2, pytest.param(4, marks=pytest.mark.heavy)])  # heavy: 4 ranks, ~70 s
 def test_fsdp(degree: int) -> None:
     overrides = {"parallelism.data_parallel_shard_degree": degree}
     ranks = real_titan(small_llama3, degree, overrides)
