@@ -112,3 +112,8 @@ def test_the_front_door_recognizes_each_kind_of_subject(tmp_path) -> None:
     assert graphmem.analyze(trainer, batch).activation_bytes == graphmem.analyze(by_trainer).activation_bytes
     with pytest.raises(UsageError, match="a Trainer's step comes from its TrainingArguments.*drop optimizer"):
         graphmem.spec_for(trainer, batch, optimizer="adamw")
+    # validate takes the door's option sets for a Trainer (less its own parameters), refused before any real run
+    with pytest.raises(UsageError, match="not `optimizer`: drop it"):
+        graphmem.validate(trainer, batch, optimizer="adamw")
+    with pytest.raises(UsageError, match="give `training_args`, `world_size`, `rank`"):
+        graphmem.validate(hf, batch, training_args=args, optimizer="adamw")

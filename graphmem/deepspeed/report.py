@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.nn as nn
 
 from graphmem.deepspeed.config import DeepSpeedJob
 from graphmem.passes.liveness import Liveness
@@ -96,6 +99,17 @@ def zero_paper(psi: int, job: DeepSpeedJob, held: dict[str, int], states: int) -
                      "the step counters (4 B a parameter group) and " + _PADDING))
 
 
+def paper_check(module: nn.Module, job: DeepSpeedJob, g: StepGraph, optimizer: Optional[str], rows: Any
+                ) -> tuple[str, ...]:
+    """The report's cross-check line for rank r's step ``g`` (``rows``: its budget's rows), where the paper's
+    accounting applies: Adam over every parameter of ``module`` under ZeRO 1-3; else none."""
+    params = list(module.parameters())
+    if job.stage == 0 or optimizer not in ("adam", "adamw") or not all(q.requires_grad for q in params):
+        return ()
+    states = next((r.size for r in rows if r.name == "optimizer states"), 0)
+    return paper_lines(zero_paper(sum(q.numel() for q in params), job, held_by_origin(g), states))
+
+
 def paper_lines(rows: tuple[PaperRow, ...]) -> tuple[str, ...]:
     """One line: each state as the paper's bytes and the engine's, the difference named."""
     def one(r: PaperRow) -> str:
@@ -106,4 +120,5 @@ def paper_lines(rows: tuple[PaperRow, ...]) -> tuple[str, ...]:
             + "; ".join(one(r) for r in rows),)
 
 
-__all__ = ["PaperRow", "engine_lines", "held_by_origin", "made_in_step", "origin", "paper_lines", "zero_paper"]
+__all__ = ["PaperRow", "engine_lines", "held_by_origin", "made_in_step", "origin", "paper_check", "paper_lines",
+           "zero_paper"]

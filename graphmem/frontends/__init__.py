@@ -1,3 +1,4 @@
-"""What a user hands graphmem, turned into a StepSpec: ``trainer`` (a Hugging Face Trainer or its
-TrainingArguments) and ``titan_job`` (a torchtitan job). A plain module, an HF id or config and an
-exported program are read by graphmem/capture/load.py and graphmem/api.py."""
+"""What a user hands graphmem, turned into a StepSpec: the front door, ``door.spec_for``, which recognizes
+each kind of subject; ``trainer`` (a Hugging Face Trainer or its TrainingArguments) and ``titan_job`` (a
+torchtitan job). A plain module, an HF id or config and an exported program go through
+graphmem/step/spec.py ``make_spec`` (which loads them with graphmem/capture/load.py)."""

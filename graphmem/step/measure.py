@@ -28,7 +28,6 @@ from graphmem.passes.later_steps import later_steps_peak
 from graphmem.passes.run_memory import RunMemory, run_memory
 from graphmem.step.recapture import Captured, capture_rank_step, capture_stage_step, capture_step
 from graphmem.step.spec import Formula, Job, Ranks, Single, Stages, StepSpec
-from graphmem.stepgraph import StepGraph
 from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.spec import units_of
 
@@ -175,7 +174,7 @@ def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
     """Rank r of a DeepSpeed job through its own engine (graphmem/deepspeed/capture.py): the whole step's
     table over rank r's graph, DeepSpeed's held tensors by where it keeps them beside it."""
     from graphmem.deepspeed.capture import capture_engine
-    from graphmem.deepspeed.report import engine_lines
+    from graphmem.deepspeed.report import engine_lines, paper_check
     from graphmem.training.spec import step_budget
 
     g = capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
@@ -188,20 +187,8 @@ def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
         budget.rank, later_peak_bytes=lv_later.peak_bytes, later_peak_index=lv_later.peak_index,
         later_peak_phase=lv_later.peak_phase if lv_later.peak_index >= 0 else "before the step"))
     step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
-    return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv, p) + _paper(spec, p, g, budget))
-
-
-def _paper(spec: StepSpec, p: DeepSpeedJob, g: StepGraph, budget: Any) -> tuple[str, ...]:
-    """The ZeRO paper's model states beside the engine's (graphmem/deepspeed/report.py ``zero_paper``): for
-    Adam over every parameter under ZeRO 1-3, where the paper's accounting applies."""
-    from graphmem.deepspeed.report import held_by_origin, paper_lines, zero_paper
-
-    params = list(spec.module.parameters())
-    if p.stage == 0 or spec.training.train.optimizer not in ("adam", "adamw") \
-            or not all(q.requires_grad for q in params):
-        return ()
-    states = next((r.size for r in budget.rank.rows if r.name == "optimizer states"), 0)
-    return paper_lines(zero_paper(sum(q.numel() for q in params), p, held_by_origin(g), states))
+    return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv, p)
+                    + paper_check(spec.module, p, g, spec.training.train.optimizer, budget.rank.rows))
 
 
 def process_groups(parallel: Any) -> tuple[tuple[str, int], ...]:

@@ -37,6 +37,7 @@ from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import Loaded, load, parse_shape
 from graphmem.capture.target import DTYPES, GPUS, Target
 from graphmem.errors import UsageError, check_keywords
+from graphmem.frontends.door import FSDP_TRAINER, TRAINER
 from graphmem.noise import quiet
 from graphmem.passes.allocator import allocator
 from graphmem.report import Report
@@ -96,7 +97,7 @@ def validate(
     if is_trainer(model):  # a transformers Trainer: its own step, real on the CPU (graphmem/frontends/trainer.py)
         from graphmem.validation.trainer import validate_trainer
 
-        unknown = sorted(set(options) - {"world_size", "rank", "trainer_batch"})
+        unknown = sorted(set(options) - (TRAINER - {"input_shape", "device"}))  # (validate's own parameters)
         if unknown:
             raise UsageError(f"a Trainer's step is set by its TrainingArguments, not {', '.join(f'`{k}`' for k in unknown)}"
                              ": drop it (`world_size`/`rank` validate its DDP ranks)")
@@ -104,7 +105,7 @@ def validate(
     if "training_args" in options:  # a Trainer with FSDP arguments, built per rank (graphmem/validation/trainer_fsdp.py)
         from graphmem.validation.trainer_fsdp import validate_fsdp_ranks
 
-        unknown = sorted(set(options) - {"training_args", "world_size", "rank", "trainer_class"})
+        unknown = sorted(set(options) - (FSDP_TRAINER - {"input_shape"}))
         if unknown or loss is not None or hf is not None:
             raise UsageError("a Trainer's step is set by its TrainingArguments: give `training_args`, `world_size`, `rank` "
                              "(and `trainer_class`) only")
