@@ -94,23 +94,8 @@ def validate(
     (True, 0)
     """
 
-    if is_trainer(model):  # a transformers Trainer: its own step, real on the CPU (graphmem/frontends/trainer.py)
-        from graphmem.validation.trainer import validate_trainer
-
-        unknown = sorted(set(options) - (TRAINER - {"input_shape", "device"}))  # (validate's own parameters)
-        if unknown:
-            raise UsageError(f"a Trainer's step is set by its TrainingArguments, not {', '.join(f'`{k}`' for k in unknown)}"
-                             ": drop it (`world_size`/`rank` validate its DDP ranks)")
-        return validate_trainer(model, inputs, input_shape, tolerance, device=device, **options)  # type: ignore[no-any-return]
-    if "training_args" in options:  # a Trainer with FSDP arguments, built per rank (graphmem/validation/trainer_fsdp.py)
-        from graphmem.validation.trainer_fsdp import validate_fsdp_ranks
-
-        unknown = sorted(set(options) - (FSDP_TRAINER - {"input_shape"}))
-        if unknown or loss is not None or hf is not None:
-            raise UsageError("a Trainer's step is set by its TrainingArguments: give `training_args`, `world_size`, `rank` "
-                             "(and `trainer_class`) only")
-        return validate_fsdp_ranks(model, options["training_args"], inputs, input_shape, tolerance,
-                                   options.get("world_size", 1), options.get("rank"), options.get("trainer_class"))
+    if is_trainer(model) or "training_args" in options:  # the Trainer's own step (graphmem/frontends/trainer.py)
+        return _trainer(model, inputs, input_shape, loss, device, tolerance, hf, options)
     check_keywords(options, spec_keywords() | {"tolerance"}, "graphmem.validate")
     dev, tol = _device(device), checked_tolerance(tolerance)
     if inputs is None and input_shape is None:
@@ -121,25 +106,68 @@ def validate(
         return _ranks(model, given, shape, loss, dev, tol, hf, options)
     _check_loop(options)
 
+    report, loaded, source = _predict(model, given, shape, loss, dev, hf, options)
+    measured, shapes = _real(report, loaded, given, shape, loss, dev, hf, source)
+    convs = report.step is not None and any("convolution" in str(op.target) for op in report.step.ops)
+    hint = " (CPU convnets need ~2.5 %, oneDNN scratch: --tolerance 2.5)" if dev.type == "cpu" and convs and tol < 2.5 else ""
+    rows, reason = judge(measured, tol, hint)
+    return Validation(report.model, str(dev), shapes, tol, rows, reason, report)
+
+
+def _trainer(model: Any, inputs: Any, input_shape: Union[str, tuple, list, None], loss: Optional[LossFn],
+             device: Union[str, torch.device], tolerance: Optional[float], hf: Optional[HFOptions],
+             options: dict[str, Any]) -> Validation:
+    """A transformers Trainer (its own step, real on the CPU: graphmem/validation/trainer.py), or a model with
+    FSDP ``training_args``, built per rank (graphmem/validation/trainer_fsdp.py)."""
+    if is_trainer(model):
+        from graphmem.validation.trainer import validate_trainer
+
+        unknown = sorted(set(options) - (TRAINER - {"input_shape", "device"}))  # (validate's own parameters)
+        if unknown:
+            raise UsageError(f"a Trainer's step is set by its TrainingArguments, not {', '.join(f'`{k}`' for k in unknown)}"
+                             ": drop it (`world_size`/`rank` validate its DDP ranks)")
+        return validate_trainer(model, inputs, input_shape, tolerance, device=device, **options)  # type: ignore[no-any-return]
+    from graphmem.validation.trainer_fsdp import validate_fsdp_ranks
+
+    unknown = sorted(set(options) - (FSDP_TRAINER - {"input_shape"}))
+    if unknown or loss is not None or hf is not None:
+        raise UsageError("a Trainer's step is set by its TrainingArguments: give `training_args`, `world_size`, `rank` "
+                         "(and `trainer_class`) only")
+    return validate_fsdp_ranks(model, options["training_args"], inputs, input_shape, tolerance,
+                               options.get("world_size", 1), options.get("rank"), options.get("trainer_class"))
+
+
+def _predict(model: Any, given: Optional[Batch], shape: Optional[tuple[int, ...]], loss: Optional[LossFn],
+             dev: torch.device, hf: Optional[HFOptions],
+             options: dict[str, Any]) -> tuple[Report, Optional[Loaded], Optional[str]]:
+    """The prediction, refused if it would not fit the real run's memory; the model as given (a real module) or
+    the file or preset to build once it fits."""
     if isinstance(model, nn.Module):
         _check_real(model, dev)
         report = analyze(model, given, input_shape=shape, loss=loss, **_target(dev), **options)
         _check_budget(report, dev, resident=report.parameter_bytes + report.buffer_bytes)
-        loaded: Optional[Loaded] = Loaded(type(model).__name__, model, None, None)
-    elif isinstance(model, (str, os.PathLike)):
-        spec = os.fspath(model)
-        report = analyze(spec, given, input_shape=shape, loss=loss, hf=hf, **_target(dev), **options)
+        return report, Loaded(type(model).__name__, model, None, None), None
+    if isinstance(model, (str, os.PathLike)):
+        source = os.fspath(model)
+        report = analyze(source, given, input_shape=shape, loss=loss, hf=hf, **_target(dev), **options)
         _check_budget(report, dev, resident=0)  # nothing real exists yet
-        loaded = None
-    else:
-        raise UsageError(f"model must be an nn.Module, a model file or a preset name, not {type(model).__name__}")
+        return report, None, source
+    raise UsageError(f"model must be an nn.Module, a model file or a preset name, not {type(model).__name__}")
+
+
+def _real(report: Report, loaded: Optional[Loaded], given: Optional[Batch], shape: Optional[tuple[int, ...]],
+          loss: Optional[LossFn], dev: torch.device, hf: Optional[HFOptions],
+          source: Optional[str]) -> tuple[Any, tuple[tuple[int, ...], ...]]:
+    """The real step beside the prediction: the model built (a file or preset, ``spec``) or used as given, the
+    same inputs, the same loop; what it measured and the input shapes."""
     assert report.source is not None  # one device's step
     training, target = report.source.spec.training, report.source.spec.target
 
     with _rng(dev):
         torch.manual_seed(0)  # deterministic weights and inputs (values never change the bytes)
         if loaded is None:
-            loaded = _build(spec, dev, report, hf)
+            assert source is not None
+            loaded = _build(source, dev, report, hf)
         real = given.map(lambda x: _to(x, dev)) if given is not None else _inputs(loaded, shape or (), dev)
         shapes = tuple(tuple(x.shape) for x in real.tensors())
         if shapes != tuple(report.input_shapes):
@@ -150,10 +178,7 @@ def validate(
             module = _prepared(loaded.module, training, target)
             measured = _cpu(report, module, real, loss_fn, training, target) if dev.type == "cpu" else \
                 _cuda(report, module, real, loss_fn, dev, training, target)
-    convs = report.step is not None and any("convolution" in str(op.target) for op in report.step.ops)
-    hint = " (CPU convnets need ~2.5 %, oneDNN scratch: --tolerance 2.5)" if dev.type == "cpu" and convs and tol < 2.5 else ""
-    rows, reason = judge(measured, tol, hint)
-    return Validation(report.model, str(dev), shapes, tol, rows, reason, report)
+    return measured, shapes
 
 
 # -- the real model and inputs ----------------------------------------------------------------
