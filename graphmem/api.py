@@ -15,7 +15,7 @@ from graphmem.frontends.door import spec_for
 from graphmem.noise import quiet
 from graphmem.passes import allocator, compare_modes, saved
 from graphmem.passes.device_rows import NAMES, check_overrides
-from graphmem.report import Report
+from graphmem.report.live import Analysis
 from graphmem.step.measure import Measured, measure
 from graphmem.step.recapture import Recapture
 from graphmem.step.spec import ModelLike, StepSpec
@@ -27,7 +27,7 @@ from graphmem.units import parse_bytes
 
 @quiet  # third-party warnings about graphmem's own work, not the user's step (graphmem/noise.py)
 def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, *, overheads: Optional[dict[str, Any]] = None,
-            **options: Any) -> Report:
+            **options: Any) -> Analysis:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
     ``model`` is a transformers ``Trainer`` (its own step: graphmem/frontends/trainer.py; the batch its
@@ -121,7 +121,7 @@ def parse_overheads(overheads: Optional[dict[str, Any]]) -> dict[str, int]:
     return out
 
 
-def report_of(m: Measured, overrides: Optional[dict[str, int]] = None) -> Report:
+def report_of(m: Measured, overrides: Optional[dict[str, int]] = None) -> Analysis:
     """The Report of a measured step: the passes' results, the spec it came from (``source``:
     what plans, formulas and fits capture again) and, in compiled mode, eager beside it."""
     spec, step = m.spec, m.step
@@ -133,7 +133,7 @@ def report_of(m: Measured, overrides: Optional[dict[str, int]] = None) -> Report
         probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
         source = Recapture(spec, step, probe)
     alloc = allocator(g) if step.target.device == "cuda" else None  # the caching allocator's view of the step
-    report = Report.build(g, step.liveness, step.saved, spec.name, shapes, m.loss_name, m.notes, source, alloc,
+    report = Analysis.build(g, step.liveness, step.saved, spec.name, shapes, m.loss_name, m.notes, source, alloc,
                           budget=step.budget, sharding=m.scope, memory=m.memory(overrides, alloc))
     if spec.inputs.settings:  # the choices in a batch graphmem made for an input shape (graphmem/capture/hf_batch.py)
         report = dataclasses.replace(report, batch=dict(spec.inputs.settings))
@@ -143,8 +143,8 @@ def report_of(m: Measured, overrides: Optional[dict[str, int]] = None) -> Report
     return report
 
 
-def _beside_eager(report: Report, model: nn.Module, inputs: Any, loss_fn: Optional[LossFn],
-                  eager: Optional[StepGraph] = None, train: Optional[TrainStep] = None) -> Report:
+def _beside_eager(report: Analysis, model: nn.Module, inputs: Any, loss_fn: Optional[LossFn],
+                  eager: Optional[StepGraph] = None, train: Optional[TrainStep] = None) -> Analysis:
     """``report`` (compiled mode) with ``compiled``: the same step captured eagerly, side by side
     (``eager``: already captured by compiled depth reuse's check, graphmem/capture/reuse_compiled.py;
     a trainer's step, ``train.runner()``: its own step, run eagerly)."""

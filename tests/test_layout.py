@@ -36,7 +36,8 @@ LAYERS: dict[str, set[str]] = {
     "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "step",
                "losses", "models", "distributed", "chains", "analysis"},
     # the Report, its JSON and compare
-    "report": {"errors", "stepgraph", "passes", "formula", "planning", "advise", "capture", "training"},
+    "report": {"errors", "stepgraph", "passes", "formula", "planning", "advise", "capture", "training", "step",
+               "noise", "analysis"},
     "render": {"errors", "units", "stepgraph", "passes", "report", "planning", "formula", "training",
                "validation", "advise"},
     "api": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "report",

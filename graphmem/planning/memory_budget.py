@@ -1,4 +1,4 @@
-"""What ``Report.memory_budgets`` runs: the report's compiled step captured again at each value
+"""What ``Analysis.memory_budgets`` runs: the report's compiled step captured again at each value
 of torch.compile's ``activation_memory_budget`` (the real min-cut partitioner each time,
 graphmem/capture/compiled.py), summarized by passes/memory_budget.py.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-from graphmem.analysis import Analysis
+from graphmem.analysis import AnalysisView
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse_compiled import compiled_reusing
 from graphmem.capture.target import check_memory_budget
@@ -40,7 +40,7 @@ def parse_budgets(values: Any) -> tuple[float, ...]:
     return tuple(dict.fromkeys(check_memory_budget(v) for v in items))
 
 
-def memory_budgets(report: Analysis, values: Any,
+def memory_budgets(report: AnalysisView, values: Any,
                    tick: Optional[Callable[[], Any]] = None) -> BudgetSweep:
     """One point per budget in ``values``: the report's own capture where its budget is one of
     them, a compiled capture at each other value."""

@@ -40,7 +40,7 @@ from graphmem.errors import UsageError, check_keywords
 from graphmem.frontends.door import FSDP_TRAINER, TRAINER
 from graphmem.noise import quiet
 from graphmem.passes.allocator import allocator
-from graphmem.report import Report
+from graphmem.report.live import Analysis
 from graphmem.step.spec import shape_of, spec_keywords
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.hf_trainer import is_trainer
@@ -139,7 +139,7 @@ def _trainer(model: Any, inputs: Any, input_shape: Union[str, tuple, list, None]
 
 def _predict(model: Any, given: Optional[Batch], shape: Optional[tuple[int, ...]], loss: Optional[LossFn],
              dev: torch.device, hf: Optional[HFOptions],
-             options: dict[str, Any]) -> tuple[Report, Optional[Loaded], Optional[str]]:
+             options: dict[str, Any]) -> tuple[Analysis, Optional[Loaded], Optional[str]]:
     """The prediction, refused if it would not fit the real run's memory; the model as given (a real module) or
     the file or preset to build once it fits."""
     if isinstance(model, nn.Module):
@@ -155,7 +155,7 @@ def _predict(model: Any, given: Optional[Batch], shape: Optional[tuple[int, ...]
     raise UsageError(f"model must be an nn.Module, a model file or a preset name, not {type(model).__name__}")
 
 
-def _real(report: Report, loaded: Optional[Loaded], given: Optional[Batch], shape: Optional[tuple[int, ...]],
+def _real(report: Analysis, loaded: Optional[Loaded], given: Optional[Batch], shape: Optional[tuple[int, ...]],
           loss: Optional[LossFn], dev: torch.device, hf: Optional[HFOptions],
           source: Optional[str]) -> tuple[Any, tuple[tuple[int, ...], ...]]:
     """The real step beside the prediction: the model built (a file or preset, ``spec``) or used as given, the
@@ -231,7 +231,7 @@ def _target(dev: torch.device) -> dict[str, Any]:
     return {"device": "cuda", "gpu": exact[0] if exact else known[-1][1] if known else "v100"}
 
 
-def _cuda_model(report: Report) -> Any:
+def _cuda_model(report: Analysis) -> Any:
     """The caching-allocator model's result for the predicted step (analyze computes it for the
     CUDA target)."""
 
@@ -253,7 +253,7 @@ def _check_real(module: nn.Module, dev: torch.device) -> None:
                              f".to({dev.type!r}) or validate with device={t.device.type!r}")
 
 
-def _build(spec: str, dev: torch.device, report: Optional[Report] = None, hf: Optional[HFOptions] = None) -> Loaded:
+def _build(spec: str, dev: torch.device, report: Optional[Analysis] = None, hf: Optional[HFOptions] = None) -> Loaded:
     """The model built for real on ``dev`` from its preset or model file.
 
     Why rebuild rather than ``load(spec).module.to_empty(device)`` and re-initialize: the
@@ -289,7 +289,7 @@ def _restored(module: nn.Module) -> Iterator[None]:
 
 # -- the memory budget ------------------------------------------------------------------------
 
-def _check_budget(report: Report, dev: torch.device, resident: int) -> None:
+def _check_budget(report: Analysis, dev: torch.device, resident: int) -> None:
     """Refuse (UsageError) a real step that could exhaust the machine. ``resident``: bytes that
     already exist (a real module's weights) and so need no new memory."""
     if dev.type == "cpu":
@@ -308,7 +308,7 @@ def _check_budget(report: Report, dev: torch.device, resident: int) -> None:
                      f"safety budget of {fmt_bytes(budget)} ({share:.0%} of the {fmt_bytes(free)} {what}); {hint}")
 
 
-def _smaller(report: Report) -> str:
+def _smaller(report: Analysis) -> str:
     dims = list(report.input_shapes[0]) if report.input_shapes else [1]
     i = 0 if dims[0] > 1 else len(dims) - 1
     dims[i] = max(1, dims[i] // 2)
@@ -317,7 +317,7 @@ def _smaller(report: Report) -> str:
 
 # -- the measurements -------------------------------------------------------------------------
 
-def _cpu(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn], training: Training,
+def _cpu(report: Analysis, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn], training: Training,
          target: Target) -> tuple[Row, ...]:
     train = training.train if training.train.active else None
     amp = DTYPES[target.amp] if target.amp else None
@@ -335,7 +335,7 @@ def _cpu(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[Los
                    Row("peak (later steps)", b.later_peak_bytes, later.peak_bytes, "tolerance", None))
 
 
-def _cuda(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn],
+def _cuda(report: Analysis, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn],
           dev: torch.device, training: Training, target: Target) -> tuple[Row, ...]:
     assert report.step is not None
     if training.train.active:
