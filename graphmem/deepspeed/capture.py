@@ -22,14 +22,16 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
-from graphmem.capture.capture import marker, recorder_for
+from graphmem.capture.autograd_tags import _tag_grad_fns
+from graphmem.capture.call_paths import module_order
+from graphmem.capture.capture import marker
 from graphmem.capture.fakes import fake_batch, forward_context
 from graphmem.capture.recorder import _Mode, _Recorder
+from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
 from graphmem.deepspeed.config import DeepSpeedJob, resolved
 from graphmem.deepspeed.engine import engine_on_fake, held_tensors, launched, staying
-from graphmem.distributed.capture import hooked, rank_graph, rank_placeholders, recording
+from graphmem.distributed.capture import rank_placeholders, rank_running
 from graphmem.distributed.fsdp import fake_copy
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
@@ -55,11 +57,9 @@ def capture_engine(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], ta
     """Record rank ``job.rank``'s first step of ``module`` under DeepSpeed's engine (the module docstring),
     or with ``warm`` its second: the first then runs unrecorded (``_warm_step``), and what the engine holds
     after it is the second's baseline."""
-    _unique_counts()  # calibrate before entering the fake mode
     with launched(job.rank, job.world_size), fake_group(job.rank, job.world_size):
-        backends: dict[str, int] = {}
-        cap = recorder_for(target, backends)
-        fake_mode = _Mode(cap)
+        rec = Recording(target)
+        cap, fake_mode = rec.cap, rec.mode
         import deepspeed
 
         with fake_mode, engine_on_fake(fake_mode):
@@ -76,7 +76,7 @@ def capture_engine(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], ta
                 if t.untyped_storage().nbytes():
                     cap.preexisting(t, kind_of(path), path)
             param_sid, fake_inputs = rank_placeholders(cap, fake_mode, engine.module, inputs, target)
-        return _run(cap, fake_mode, engine, fake_inputs, loss_fn, target, backends, param_sid, train)
+        return _run(rec, engine, fake_inputs, loss_fn, param_sid, train)
 
 
 def _warm_step(engine: Any, inputs: Any, loss_fn: Optional[LossFn], target: Target, fake_mode: _Mode) -> None:
@@ -96,13 +96,12 @@ def _micro_batch(inputs: Any) -> int:
     return int(first.shape[0]) if first is not None and first.dim() else 1
 
 
-def _run(cap: _Recorder, fake_mode: _Mode, engine: Any, fake_inputs: Any, loss_fn: Optional[LossFn], target: Target,
-         backends: dict[str, int], param_sid: dict[str, int], train: TrainStep) -> StepGraph:
-    module = engine.module
+def _run(rec: Recording, engine: Any, fake_inputs: Any, loss_fn: Optional[LossFn], param_sid: dict[str, int],
+         train: TrainStep) -> StepGraph:
+    module, cap, target, backends = engine.module, rec.cap, rec.target, rec.backends
     gathered = nn.modules.module.register_module_forward_hook(lambda m, a, o: _gathered(cap, m))
-    with hooked(cap), _removed(gathered):
-        with recording(cap, fake_mode, target, module), engine_on_fake(fake_mode):
-            cap.recording = True
+    with rec.hooks(), _removed(gathered):
+        with rank_running(rec, module, engine_on_fake(rec.mode)):
             marked: dict[str, list[int]] = {}
             mark = marker(cap, param_sid, marked)
             out = _micro_steps(engine, as_batch(fake_inputs), loss_fn,  # (alive until the step ends, as in a loop)
@@ -113,8 +112,8 @@ def _run(cap: _Recorder, fake_mode: _Mode, engine: Any, fake_inputs: Any, loss_f
             states = engine.optimizer.optimizer.state if hasattr(engine.optimizer, "optimizer") else {}
             mark("optimizer state", [(f"{i}:{k}", v) for i, s in enumerate(states.values()) for k, v in s.items()
                                      if isinstance(v, torch.Tensor)])
-        graph = rank_graph(cap, module, target, backends, marked.get("gradient", []), train)
-    del out  # freed after ``cap`` is closed (``hooked``): the output and loss are alive when the step ends
+        graph = rec.graph(type(module).__name__, module_order(module), marked.get("gradient", []), train=train)
+    del out  # freed after ``cap`` is closed (``rec.hooks``): the output and loss are alive when the step ends
     return graph
 
 
