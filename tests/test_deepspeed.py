@@ -221,7 +221,7 @@ def test_the_zero_papers_model_states_beside_the_engines(stage: int, bf16: bool)
     import torch
 
     import graphmem
-    from graphmem.deepspeed.report import held_by_origin, zero_paper
+    from graphmem.deepspeed.report import held_by_origin, padding, zero_paper
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))  # Ψ = 29: padded
@@ -245,3 +245,16 @@ def test_the_zero_papers_model_states_beside_the_engines(stage: int, bf16: bool)
     assert all(x.difference > 0 for x in rows)  # Ψ = 29 is never aligned
     line = next(x for x in r.notes if x.startswith("the ZeRO paper's model states"))
     assert f"paper {rows[0].paper} B, DeepSpeed {rows[0].engine} B" in line and "alignment padding" in line
+    # the residual states' padding per rank, by the same rules: the last rank's partitions hold it
+    last = make_job(config, n, n - 1)
+    if stage < 3:
+        mine = flat // n - (psi - (n - 1) * (flat // n))  # rank 1: 16 - 13 = 3 elements
+        expected = [(("16-bit flat buffer", e * (flat - psi)), ("fp32 partition", 0)),
+                    (("16-bit flat buffer", e * (flat - psi)), ("fp32 partition", 4 * mine))]
+    else:
+        mine = sum(-k % n for k in numels)  # Linear(6, 3)'s bias: 3 -> 4 elements
+        expected = [(("16-bit partitions", 0), ("fp32 partitions", 0)),
+                    (("16-bit partitions", e * mine), ("fp32 partitions", 4 * mine))]
+    assert [padding(model, r.source.spec.parallel), padding(model, last)] == expected
+    assert f"alignment padding {expected[0][0][0]} {expected[0][0][1]} B" in \
+        next(x for x in r.notes if x.startswith("DeepSpeed's residual states"))

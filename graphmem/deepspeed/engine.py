@@ -121,11 +121,12 @@ def name_host(cap: Any, engine: Any, pins: Pins) -> None:
     """End the name of each live storage of ``host_tensors(engine)`` with where DeepSpeed placed it,
     ``PINNED`` or ``PAGEABLE`` (``cap``: the recorder, its live storages by ``_cdata``)."""
     pinned = pinned_storages(pins)
-    for _, t in host_tensors(engine):
+    for path, t in host_tensors(engine):
         cd = t.untyped_storage()._cdata
         s = cap.live.get(cd)
         if s is not None and not s.name.endswith((PINNED, PAGEABLE)):
-            s.name += PINNED if cd in pinned else PAGEABLE
+            # (ZeRO-3's fp32 partitions' ``.grad``, which ``held_tensors`` does not walk: met first as an op's input)
+            s.name = (path if s.name.startswith("external_") else s.name) + (PINNED if cd in pinned else PAGEABLE)
 
 
 def host_tensors(engine: Any) -> list[tuple[str, torch.Tensor]]:

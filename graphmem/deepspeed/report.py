@@ -1,6 +1,10 @@
 """The report's lines for a DeepSpeed rank: what the engine holds before and after the step, by where
 DeepSpeed keeps it (its ZeRO optimizer's attributes: graphmem/deepspeed/capture.py names them), the
-flat partitions' padding, and the buffers the step makes (reduce buckets), at their largest.
+flat partitions' padding, and the buffers the step makes (reduce buckets), at their largest; under CPU
+offload the host (pinned) and host (pageable) bytes by owner (``host_bytes``); DeepSpeed's residual states in one
+line (``residual``: flat partitions, reduce buckets and collective outputs, ZeRO-3's all-gathered parameters,
+alignment padding, host bytes). They stay notes, not budget rows: the rows partition the peak by kind, and each of
+these is inside one of them (the reduce buckets are the communication buffers row).
 
 ``zero_paper``: the ZeRO paper's model states per rank (Rajbhandari et al., "ZeRO: Memory Optimizations
 Toward Training Trillion Parameter Models", SC20, section 5 and Figure 1: with Ψ parameters over N_d
@@ -183,7 +187,7 @@ def residual(g: StepGraph, lv: Liveness, module: nn.Module, job: DeepSpeedJob) -
     """Rank r's residual states (``Residual``) in its step ``g`` of ``module``."""
     flat: dict[str, int] = {}
     for s in g.storages.values():
-        if s.freed is None and origin(s.name).startswith(_FLAT):
+        if s.freed is None and origin(s.name) in _FLAT:  # (not the fp32 partitions' .grad)
             flat[origin(s.name)] = flat.get(origin(s.name), 0) + s.nbytes
     return Residual(tuple(flat.items()), *most_live(g, lv, "communication"), *most_live(g, lv, "gathered parameter"),
                     padding(module, job), host_bytes(g))
