@@ -83,7 +83,7 @@ def _analyzed(config: dict, rank: int) -> dict:
     host = {k: dict(zip(("pinned", "pageable"), v)) for k, v in (("before", res.host.before), ("after", res.host.after))}
     return {"saved": r.activation_bytes, "before": lv.baseline_bytes, "after": lv.end_bytes, "peak": r.peak_bytes,
             "later": r.budget.rank.later_peak_bytes, "host": host, "flat": sum(b for _, b in res.flat),
-            "padding": [b for _, b in res.padding], "notes": r.notes}
+            "padding": [b for _, b in res.padding], "buckets": res.buckets, "notes": r.notes}
 
 
 def _match_real(configs: list[dict], later: float = 0.02, residuals: bool = False) -> None:
@@ -178,6 +178,9 @@ def test_default_buckets_allocate_two_gigabytes_on_zero2() -> None:
     pytest.importorskip("deepspeed")
     got = _analyzed(_config(2, {}), 0)
     assert got["peak"] - got["before"] == ABOVE
+    # the residual states' reduce buckets: the one contiguous bucket of reduce_bucket_size fp32 elements (stage_1_and_2.py
+    # ``ipg_buckets[dtype].buffer``), named as DeepSpeed releases it (graphmem/deepspeed/engine.py ``naming_buckets``)
+    assert got["buckets"] == 500_000_000 * 4
 
 
 # real DeepSpeed 0.19.8, this decoder, 2 gloo CPU processes (tests/deepspeed_truth.py with the config above):

@@ -149,8 +149,9 @@ def _offloads(c: dict[str, Any], part: str) -> bool:
 def _check_offload(c: dict[str, Any], zero: dict[str, Any]) -> None:
     """CPU offload runs through DeepSpeed's engine with a torch optimizer stepping the host partitions; what
     does not, in one line: DeepSpeedCPUAdam (deepspeed/runtime/engine.py ``get_optimizer_configuration`` picks it
-    for a config optimizer under offload unless its params say ``torch_adam``; its C++ op reads raw memory, which
-    a fake tensor has not), ``offload_param`` below ZeRO-3 (stage3.py reads it), and the partial and Superchip
+    for a config optimizer under offload unless its params say ``torch_adam``; its step, deepspeed/ops/adam/
+    cpu_adam.py ``step`` -> ``ds_opt_adam.adam_update``, reads ``params.data_ptr()`` in its C++ op,
+    csrc/adam/cpu_adam_impl.cpp, which a fake tensor refuses; not built here), ``offload_param`` below ZeRO-3 (stage3.py reads it), and the partial and Superchip
     offloads (``ratio``, ``super_offload``: not checked against a real run)."""
     if _offloads(c, "offload_param") and zero.get("stage", 0) != 3:
         raise UsageError("`zero_optimization.offload_param` offloads ZeRO-3's parameter partitions: use it with "
