@@ -211,7 +211,7 @@ def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
     """Rank r of a DeepSpeed job through its own engine (graphmem/deepspeed/capture.py): the whole step's
     table over rank r's graph, DeepSpeed's held tensors by where it keeps them beside it."""
     from graphmem.deepspeed.capture import capture_engine
-    from graphmem.deepspeed.report import engine_lines, paper_check
+    from graphmem.deepspeed.report import engine_lines, paper_check, residual, residual_lines, with_own_notes
 
     g = capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
     first = passes_over(g, spec.training, spec.module, spec.target, (), p.describe())
@@ -221,10 +221,12 @@ def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
     later = capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train, warm=True)
     lv_later = liveness(later)
     budget = dataclasses.replace(budget, rank=dataclasses.replace(
-        budget.rank, later_peak_bytes=lv_later.peak_bytes, later_peak_index=lv_later.peak_index,
+        budget.rank, rows=with_own_notes(budget.rank.rows), later_peak_bytes=lv_later.peak_bytes,
+        later_peak_index=lv_later.peak_index,
         later_peak_phase=lv_later.peak_phase if lv_later.peak_index >= 0 else "before the step"))
     step = dataclasses.replace(first, budget=budget)
     return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv, p)
+                    + residual_lines(residual(g, lv, spec.module, p))
                     + paper_check(spec.module, p, g, spec.training.train.optimizer, budget.rank.rows))
 
 
