@@ -8,7 +8,8 @@ re-captures behind plans, formulas and fits all come through here.
   over the single-device step beside it (graphmem/distributed/view.py);
 - ``Stages``: pipeline rank r under torch's schedule (``capture_stage_step``);
 - ``Job``: rank r of a torchtitan job, built and stepped by the job's own code (graphmem/titan/);
-- ``DeepSpeedJob``: rank r of a DeepSpeed job through DeepSpeed's own engine (graphmem/deepspeed/).
+- ``DeepSpeedJob``: rank r of a DeepSpeed job through DeepSpeed's own engine (graphmem/deepspeed/);
+  ``TrainerDeepSpeed``: the same through a Trainer and accelerate (graphmem/deepspeed/trainer_measure.py).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from graphmem.passes.later_steps import later_steps_peak
 from graphmem.passes.run_memory import RunMemory, run_memory
 from graphmem.step.recapture import Captured, capture_rank_step, capture_stage_step, capture_step
 from graphmem.step.spec import Formula, Job, Ranks, Single, Stages, StepSpec
+from graphmem.training.hf_trainer_deepspeed import TrainerDeepSpeed
 from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.spec import units_of
 
@@ -102,6 +104,10 @@ def measure(spec: StepSpec) -> Measured:
         return _trainer_shards(spec, p)
     if isinstance(p, DeepSpeedJob):  # rank r through DeepSpeed's engine
         return _deepspeed(spec, p)
+    if isinstance(p, TrainerDeepSpeed):  # a Trainer's DeepSpeed rank, through accelerate (graphmem/deepspeed/trainer_capture.py)
+        from graphmem.deepspeed.trainer_measure import trainer_deepspeed
+
+        return Measured(spec, *trainer_deepspeed(spec, p))
     raise AssertionError(f"unknown parallel setting {p!r}")  # StepSpec refuses any other where it is built
 
 
@@ -205,7 +211,7 @@ def process_groups(parallel: Any) -> tuple[tuple[str, int], ...]:
         dims = _job_groups(parallel)
     elif isinstance(parallel, TrainerShards):
         dims = (("world", parallel.world_size),)
-    elif isinstance(parallel, DeepSpeedJob):
+    elif isinstance(parallel, (DeepSpeedJob, TrainerDeepSpeed)):
         dims = (("world", parallel.world_size),)
     return tuple((n, d) for n, d in dims if d > 1)
 

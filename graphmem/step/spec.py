@@ -44,6 +44,7 @@ from graphmem.distributed.spec import Sharding, check_training, make_sharding, w
 from graphmem.errors import UsageError, check_keywords
 from graphmem.passes.budget import Parallel, make_parallel
 from graphmem.training.batch import as_batch, resizer
+from graphmem.training.hf_trainer_deepspeed import TrainerDeepSpeed
 from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.peft_lora import is_hf_model
 from graphmem.training.spec import Training, make_training
@@ -159,7 +160,7 @@ class Job:
 
 # every way a step is split: a Trainer's FSDP2 rank (TrainerShards, graphmem/training/hf_trainer_fsdp.py) and a
 # DeepSpeed engine's rank (DeepSpeedJob, graphmem/deepspeed/config.py) are variants too
-Parallelism = Union[Single, Formula, Ranks, Stages, Job, DeepSpeedJob, TrainerShards]
+Parallelism = Union[Single, Formula, Ranks, Stages, Job, DeepSpeedJob, TrainerShards, TrainerDeepSpeed]
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ module ``prepare_model`` returns; the capture steps a stand-in (``CompiledModel`
 graphmem's compiled capture of the same model (graphmem/capture/compiled.py), with the partition of the
 backend asked for (``inductor``: graphmem/capture/inductor_partition.py).
 
-Known limitations: no DeepSpeed or FSDP (DDP: one rank of N, graphmem/training/hf_trainer_ddp.py);
+Known limitations: one rank of N for DDP (graphmem/training/hf_trainer_ddp.py), FSDP2 and DeepSpeed (hf_trainer_fsdp.py, hf_trainer_deepspeed.py);
 ``torch_compile`` with ``COMPILE_BACKENDS``, default mode, CPU target only; callbacks and
 ``include_num_input_tokens_seen`` are not run (no tensors); ``optimizers=``' scheduler is ``args.lr_scheduler_type``'s;
 within an epoch the real loop keeps the previous step's gradient norm and last loss (4 B each) into the next.
@@ -72,6 +72,7 @@ class TrainerStep(TrainStep):
     world_size: int = 1  # > 1: rank ``rank`` of a DDP job (graphmem/training/hf_trainer_ddp.py)
     rank: int = 0
     fsdp: bool = False  # the job is accelerate's FSDP2 (graphmem/training/hf_trainer_fsdp.py), not DDP
+    deepspeed: str = ""  # the job is accelerate's DeepSpeed, so named (graphmem/training/hf_trainer_deepspeed.py)
     # the transformers.Trainer whose step this is (a live object: not in the report's JSON)
     trainer: Any = field(default=None, compare=False, repr=False, metadata={"json": False})
 
@@ -95,8 +96,8 @@ class TrainerStep(TrainStep):
             parts.append(f"{self.scheduler} lr scheduler")
         if self.compiled:
             parts.append(f"torch.compile ({self.compiled})")
-        if self.world_size > 1:
-            wrapper = "FSDP2 (accelerate)" if self.fsdp else "DistributedDataParallel"
+        if self.world_size > 1 or self.deepspeed:
+            wrapper = self.deepspeed or ("FSDP2 (accelerate)" if self.fsdp else "DistributedDataParallel")
             parts.append(f"{wrapper}, rank {self.rank} of {self.world_size}")
         return ", ".join(parts)
 
@@ -105,8 +106,11 @@ class TrainerStep(TrainStep):
                 "master_weights": False, "micro_batches": self.micro_batches, "max_grad_norm": self.max_grad_norm,
                 "precision": self.precision, "gradient_checkpointing": self.checkpointing,
                 "lr_scheduler": self.scheduler, "torch_compile": self.compiled or None,
-                "ddp": {"world_size": self.world_size, "rank": self.rank} if self.world_size > 1 and not self.fsdp else None,
-                "fsdp2": {"world_size": self.world_size, "rank": self.rank} if self.fsdp else None}
+                "ddp": {"world_size": self.world_size, "rank": self.rank}
+                if self.world_size > 1 and not (self.fsdp or self.deepspeed) else None,
+                "fsdp2": {"world_size": self.world_size, "rank": self.rank} if self.fsdp else None,
+                **({"deepspeed": {"engine": self.deepspeed, "world_size": self.world_size, "rank": self.rank}}
+                   if self.deepspeed else {})}
 
 
 def trainer_step(trainer: Any, world_size: int = 1, rank: int = 0) -> TrainerStep:
@@ -142,7 +146,7 @@ def check_trainer(trainer: Any, launched: bool = False) -> None:
     if args.device.type not in ("cpu", "cuda"):
         raise UsageError(f"the Trainer runs on {args.device.type}; graphmem runs a Trainer's step on the CPU or CUDA "
                          "target: set use_cpu=True in its TrainingArguments, or analyze it with `device='cuda'`")
-    if trainer.is_deepspeed_enabled or ((trainer.is_fsdp_enabled or trainer.args.world_size > 1) and not launched):
+    if (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or trainer.args.world_size > 1) and not launched:
         raise UsageError("the Trainer is set up for several processes (DeepSpeed, FSDP or DDP); graphmem runs one "
                          "rank's step of a Trainer built in one process: pass `world_size`/`rank` for DDP, or analyze "
                          "the model with `fsdp`/`zero`/`rank` for per-rank memory")
@@ -295,7 +299,8 @@ class TrainerRunner:
         for i, inputs in enumerate(samples[:runs]):
             last = i == len(samples) - 1 or i == runs - 1
             t.accelerator.gradient_state._set_sync_gradients(last)
-            sync: Any = contextlib.nullcontext if last else self.ddp.no_sync if self.ddp is not None \
+            # (DeepSpeed's micro-steps never run under no_sync: trainer.py 1904; graphmem/training/hf_trainer_deepspeed.py)
+            sync: Any = contextlib.nullcontext if last or t.is_deepspeed_enabled else self.ddp.no_sync if self.ddp is not None \
                 else functools.partial(t.accelerator.no_sync, model=model)  # (accelerate's no_sync is DDP's on N processes)
             with sync():
                 tr_loss_step = t.training_step(model, inputs, num_items)
