@@ -75,17 +75,17 @@ def _worker(rank: int, world_size: int, init: str, config: dict, fields: dict, o
     unsettled = settle((*COLLECTIVES, "broadcast", "reduce", "all_reduce_coalesced", "reduce_scatter_tensor"))
     import accelerate.utils.deepspeed  # noqa: F401
     import deepspeed  # noqa: F401
-    import transformers
     import transformers.integrations.deepspeed  # noqa: F401
+    from transformers import Trainer
 
     from graphmem.training.hf_trainer_deepspeed import DeepSpeedRunner
 
     try:
         # what these imports leave alive (module-level tensors: 144 B here, two int64 scalars and two (16,) fp32
-        # tensors), made before any job and not the rank's memory, left out of the held bytes
+        # tensors, from transformers.trainer's imports), made before any job and not the rank's memory, left out of the held bytes
         kept: list = [[t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.device.type != "meta"]]
         model, batch = decoder()
-        trainer = transformers.Trainer(model=model, args=trainer_args(os.path.dirname(out), config, **fields))
+        trainer = Trainer(model=model, args=trainer_args(os.path.dirname(out), config, **fields))
         assert trainer.is_deepspeed_enabled
         runner = DeepSpeedRunner(trainer)
         with runner.session():

@@ -36,7 +36,7 @@ def _figures(report: Any) -> dict[str, int]:
 
 @pytest.mark.parametrize("config, fields, message", [
     ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, {}, "`fp16.enabled`"),
-    ({"zero_optimisation": {"stage": 2}}, {}, "did you mean 'zero_optimization'"),
+    ({"zero_optimization": {"stage": 2}, "bf17": {"enabled": True}}, {}, "did you mean 'bf16'"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, {}, "not captured yet"),
 ])
 def test_bad_deepspeed_trainer_inputs_are_one_line_errors(tmp_path: Any, config: dict, fields: dict,
@@ -88,8 +88,8 @@ def test_trainer_deepspeed_ranks_match_a_real_gloo_job(tmp_path: Any, stage: int
     """GIVEN the tiny Llama (2 layers, hidden 64), 2 x 32 tokens a rank, the Trainer's default AdamW, clipping 1.0
     WHEN the real Trainer runs ZeRO-``stage`` through accelerate on 2 gloo CPU processes and graphmem captures
     each rank through the same Trainer code on fake tensors
-    THEN saved bytes and the bytes held before and after the first step are equal to the byte, the first and
-    later steps' peaks within 1 % (measured equal: docs/deepspeed.md)."""
+    THEN saved bytes, the bytes held before and after the first step and both steps' peaks are equal to the byte
+    on both ranks (docs/deepspeed.md "Through the Trainer")."""
     import graphmem
     from tests.deepspeed_trainer_truth import measure_trainer_ranks, trainer_args
     from tests.deepspeed_truth import decoder
@@ -105,5 +105,4 @@ def test_trainer_deepspeed_ranks_match_a_real_gloo_job(tmp_path: Any, stage: int
         assert truth["unsettled"] == 0
         assert {k: got[k] for k in ("saved", "before", "after")} == {k: first[k] for k in ("saved", "before", "after")}
         assert later["saved"] == got["saved"]
-        assert abs(got["peak"] - first["peak"]) <= 0.01 * first["peak"], (rank, got, truth)
-        assert abs(got["later"] - later["peak"]) <= 0.01 * later["peak"], (rank, got, truth)
+        assert (got["peak"], got["later"]) == (first["peak"], later["peak"]), (rank, got, truth)

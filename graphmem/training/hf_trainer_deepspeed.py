@@ -137,8 +137,15 @@ class DeepSpeedRunner(TrainerRunner):
              mark: Mark, fake: bool, rules: Any) -> tuple[Any, torch.Tensor]:
         if self.engine is None:
             self.prepare()
-        with _stepping(self.engine, on_phase, mark):
-            return super()._run(forward, inputs, loss_fn, on_phase, mark, fake, rules)
+        now = [""]
+
+        def phase(name: str) -> None:  # (the optimizer phase begins in engine.step, not again after backward)
+            if name != now[0]:
+                now[0] = name
+                on_phase(name)
+
+        with _stepping(self.engine, phase, mark):
+            return super()._run(forward, inputs, loss_fn, phase, mark, fake, rules)
 
     def _optimizer_step(self, mark: Mark) -> None:
         """What ``_run_epoch`` runs after the boundary's backward (1937-1954), over the engine (``model`` there):
