@@ -25,7 +25,7 @@ def spec_for(subject: Union[ModelLike, StepSpec, Any], inputs: Any = None, *, ca
              **options: Any) -> StepSpec:
     """The StepSpec of ``subject`` with ``inputs`` and the keyword ``options`` (graphmem.analyze's);
     ``caller`` names the function in the errors. Options a kind of subject does not take are one line."""
-    if is_trainer(subject) and subject.args.deepspeed is not None:  # rank r rebuilt per rank, DeepSpeed through accelerate
+    if is_trainer(subject) and _names_deepspeed(subject):  # rank r rebuilt per rank, DeepSpeed through accelerate
         from graphmem.frontends.trainer_deepspeed import built_deepspeed_spec
 
         _only(options, TRAINER - {"trainer_batch"}, "a DeepSpeed Trainer's step comes from its TrainingArguments (and "
@@ -64,6 +64,11 @@ def spec_for(subject: Union[ModelLike, StepSpec, Any], inputs: Any = None, *, ca
                              "dataclasses.replace")
         return subject
     return make_spec(subject, inputs, **options)
+
+
+def _names_deepspeed(trainer: Any) -> bool:
+    """The Trainer's TrainingArguments name a DeepSpeed config (graphmem/frontends/trainer_deepspeed.py)."""
+    return trainer.args.deepspeed is not None
 
 
 def _only(options: dict[str, Any], allowed: frozenset[str], why: str) -> None:
