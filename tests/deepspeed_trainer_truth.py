@@ -1,7 +1,7 @@
 """Ground truth for a Trainer's DeepSpeed ranks: a REAL transformers Trainer with ``deepspeed=`` in its
 TrainingArguments on gloo in ``world_size`` processes (torch.multiprocessing.spawn, a file store, the torchrun
 environment, ``DS_ACCELERATOR=cpu``, ``use_cpu`` unset: it turns DeepSpeed off in accelerate). Each rank builds
-the Trainer as graphmem does (graphmem/training/hf_trainer_deepspeed.py ``build_ds_trainer``: the Trainer's
+the Trainer as graphmem does (graphmem/deepspeed/trainer.py ``build_ds_trainer``: the Trainer's
 own ``__init__``), prepares it by the Trainer's own ``_prepare_for_training`` (accelerate's ``_prepare_deepspeed``
 -> ``deepspeed.initialize`` on the real model) and steps it twice with the runner the capture runs
 (``DeepSpeedRunner``: ``training_step`` -> ``accelerator.backward`` -> ``engine.backward`` and ``engine.step``,
@@ -78,7 +78,7 @@ def _worker(rank: int, world_size: int, init: str, config: dict, fields: dict, o
     import transformers.integrations.deepspeed  # noqa: F401
     from transformers import Trainer
 
-    from graphmem.training.hf_trainer_deepspeed import DeepSpeedRunner
+    from graphmem.deepspeed.trainer import DeepSpeedRunner
 
     try:
         # what these imports leave alive (module-level tensors: 144 B here, two int64 scalars and two (16,) fp32

@@ -1,7 +1,7 @@
 """A Trainer whose TrainingArguments name ``deepspeed``, per rank: the Trainer built per rank and stepped by its
 own code, accelerate running DeepSpeed (``_prepare_deepspeed`` -> ``deepspeed.initialize``; ``accelerator.backward``
 -> ``engine.backward`` and ``engine.step``) on fake tensors under the fake process group
-(graphmem/training/hf_trainer_deepspeed.py, graphmem/deepspeed/trainer_capture.py), against the real Trainer
+(graphmem/deepspeed/trainer.py, graphmem/deepspeed/trainer_capture.py), against the real Trainer
 on 2 gloo CPU processes (tests/deepspeed_trainer_truth.py). Measured rows: docs/deepspeed.md "Through the Trainer"."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ BUCKETS = {"reduce_bucket_size": 10000, "allgather_bucket_size": 10000}  # (Deep
 
 def ds_config(stage: int, **settings: Any) -> dict:
     """What a Trainer user writes: the batch sizes, accumulation and clipping left to the Trainer ("auto"), no
-    ``train_batch_size`` (accelerate on CPUs counts one process: see graphmem/training/hf_trainer_deepspeed.py)."""
+    ``train_batch_size`` (accelerate on CPUs counts one process: see graphmem/deepspeed/trainer.py)."""
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "gradient_clipping": "auto", **settings, "zero_optimization": {"stage": stage, **BUCKETS}}
 

@@ -1,7 +1,7 @@
 """Rank r's step of a Trainer whose TrainingArguments name ``deepspeed``, on fake tensors.
 
 In rank r's launcher environment, inside graphmem's fake process group, the Trainer is built around a fake
-copy of the model (graphmem/training/hf_trainer_deepspeed.py ``build_ds_trainer``) and its own
+copy of the model (graphmem/deepspeed/trainer.py ``build_ds_trainer``) and its own
 ``_prepare_for_training`` runs accelerate's ``_prepare_deepspeed`` -> ``deepspeed.initialize`` under the patches
 that let DeepSpeed's engine run on fake tensors (graphmem/deepspeed/engine.py ``engine_on_fake``, ``staying``).
 What the engine then holds is the step's baseline, each tensor named by where DeepSpeed keeps it (as
@@ -24,11 +24,11 @@ from graphmem.capture.recorder import _Mode, _Recorder
 from graphmem.capture.target import Target
 from graphmem.deepspeed.capture import _gathered, kind_of
 from graphmem.deepspeed.engine import engine_on_fake, held_tensors, staying
+from graphmem.deepspeed.trainer import DeepSpeedRunner, TrainerDeepSpeed, build_ds_trainer, deepspeed_rank
 from graphmem.distributed.capture import hooked, rank_graph, rank_placeholders, recording
 from graphmem.distributed.fsdp import fake_copy
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
-from graphmem.training.hf_trainer_deepspeed import DeepSpeedRunner, TrainerDeepSpeed, build_ds_trainer, deepspeed_rank
 from graphmem.training.loop import relabel_accumulation
 
 

@@ -164,7 +164,7 @@ def trainer_from_file(model: Any, path: str, target: Optional[Target] = None, tr
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"training_args {path!r} is not readable as TrainingArguments: {first}") from None
     if args.fsdp or args.deepspeed:  # Trainer.__init__ raises "Using fsdp only works in distributed training." in one
-        if train_dataset is not None:  # process; a DeepSpeed Trainer is built per rank too (hf_trainer_deepspeed.py)
+        if train_dataset is not None:  # process; a DeepSpeed Trainer is built per rank too (graphmem/deepspeed/trainer.py)
             raise UsageError("`train_dataset` with FSDP or DeepSpeed arguments is not run yet: give `input_shape` for "
                              "the rank's batch")
         return args  # the Trainer is built per rank (graphmem/distributed/trainer_fsdp.py)

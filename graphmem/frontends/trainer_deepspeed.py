@@ -1,5 +1,5 @@
 """``graphmem.analyze`` of a Trainer whose TrainingArguments name ``deepspeed``: rank r of the job, the Trainer
-built per rank and stepped by its own code through accelerate's DeepSpeed (graphmem/training/hf_trainer_deepspeed.py,
+built per rank and stepped by its own code through accelerate's DeepSpeed (graphmem/deepspeed/trainer.py,
 captured by graphmem/deepspeed/trainer_capture.py). Three doors lead here: a built Trainer
 (``graphmem.analyze(trainer, world_size=N, rank=r)``), a model with the arguments
 (``graphmem.analyze(model, inputs, training_args=args, world_size=N, rank=r)``) and the CLI's
@@ -31,9 +31,9 @@ def deepspeed_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     from graphmem.capture.hf import batch as hf_batch
+    from graphmem.deepspeed.trainer import deepspeed_of
     from graphmem.frontends.trainer import check_ranks
     from graphmem.training.hf_trainer import trainer_step
-    from graphmem.training.hf_trainer_deepspeed import deepspeed_of
     from graphmem.training.peft_lora import is_hf_model
 
     if not isinstance(training_args, TrainingArguments):

@@ -9,17 +9,18 @@ re-captures behind plans, formulas and fits all come through here.
 - ``Stages``: pipeline rank r under torch's schedule (``capture_stage_step``);
 - ``Job``: rank r of a torchtitan job, built and stepped by the job's own code (graphmem/titan/);
 - ``DeepSpeedJob``: rank r of a DeepSpeed job through DeepSpeed's own engine (graphmem/deepspeed/);
-  ``TrainerDeepSpeed``: the same through a Trainer and accelerate (graphmem/deepspeed/trainer_measure.py).
+  ``TrainerDeepSpeed``: the same through a Trainer and accelerate (graphmem/deepspeed/trainer_capture.py).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing
 from graphmem.deepspeed.config import DeepSpeedJob
+from graphmem.deepspeed.trainer import TrainerDeepSpeed
 from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.tensor_parallel import tp_engine
 from graphmem.distributed.view import rank_view
@@ -29,7 +30,6 @@ from graphmem.passes.later_steps import later_steps_peak
 from graphmem.passes.run_memory import RunMemory, run_memory
 from graphmem.step.recapture import Captured, capture_rank_step, capture_stage_step, capture_step
 from graphmem.step.spec import Formula, Job, Ranks, Single, Stages, StepSpec
-from graphmem.training.hf_trainer_deepspeed import TrainerDeepSpeed
 from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.spec import units_of
 
@@ -105,9 +105,7 @@ def measure(spec: StepSpec) -> Measured:
     if isinstance(p, DeepSpeedJob):  # rank r through DeepSpeed's engine
         return _deepspeed(spec, p)
     if isinstance(p, TrainerDeepSpeed):  # a Trainer's DeepSpeed rank, through accelerate (graphmem/deepspeed/trainer_capture.py)
-        from graphmem.deepspeed.trainer_measure import trainer_deepspeed
-
-        return Measured(spec, *trainer_deepspeed(spec, p))
+        return _deepspeed(spec, p)
     raise AssertionError(f"unknown parallel setting {p!r}")  # StepSpec refuses any other where it is built
 
 
@@ -176,25 +174,34 @@ def _trainer_shards(spec: StepSpec, p: TrainerShards) -> Measured:
     return Measured(spec, step, notes(g))
 
 
-def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
-    """Rank r of a DeepSpeed job through its own engine (graphmem/deepspeed/capture.py): the whole step's
-    table over rank r's graph, DeepSpeed's held tensors by where it keeps them beside it."""
+def _deepspeed(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Measured:
+    """Rank r of a DeepSpeed job through its own engine (graphmem/deepspeed/capture.py), or through a Trainer
+    and accelerate (``TrainerDeepSpeed``: graphmem/deepspeed/trainer_capture.py): the whole step's table over
+    rank r's graph, DeepSpeed's held tensors by where it keeps them beside it."""
     from graphmem.deepspeed.capture import capture_engine
     from graphmem.deepspeed.report import engine_lines, paper_check
+    from graphmem.deepspeed.trainer_capture import capture_trainer_engine
     from graphmem.training.spec import step_budget
 
-    g = capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
+    def captured(warm: bool) -> Any:
+        if isinstance(p, TrainerDeepSpeed):
+            return capture_trainer_engine(spec.module, spec.inputs.captured, spec.target, p, warm=warm)
+        return capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train, warm=warm)
+
+    g = captured(False)
+    g.train = spec.training.train
     lv, sv = liveness(g), saved(g)
     budget = step_budget(g, lv, sv, spec.training, spec.module, (), p.describe())
     # the second step captured after an unrecorded first: what DeepSpeed keeps and frees across steps as it does
-    later = capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train, warm=True)
+    later = captured(True)
     lv_later = liveness(later)
     budget = dataclasses.replace(budget, rank=dataclasses.replace(
         budget.rank, later_peak_bytes=lv_later.peak_bytes, later_peak_index=lv_later.peak_index,
         later_peak_phase=lv_later.peak_phase if lv_later.peak_index >= 0 else "before the step"))
     step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
-    return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv, p)
-                    + paper_check(spec.module, p, g, spec.training.train.optimizer, budget.rank.rows))
+    paper = paper_check(spec.module, p, g, spec.training.train.optimizer, budget.rank.rows) \
+        if isinstance(p, DeepSpeedJob) else ()
+    return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv, p) + paper)  # type: ignore[arg-type]
 
 
 def process_groups(parallel: Any) -> tuple[tuple[str, int], ...]:

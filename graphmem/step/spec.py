@@ -38,13 +38,13 @@ from graphmem.capture.hf_batch import settings as hf_settings
 from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
 from graphmem.capture.target import Target, make_target
 from graphmem.deepspeed.config import DeepSpeedJob, make_job
+from graphmem.deepspeed.trainer import TrainerDeepSpeed
 from graphmem.distributed.pipeline import Pipeline, make_pipeline
 from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.spec import Sharding, check_training, make_sharding, wants_wrappers
 from graphmem.errors import UsageError, check_keywords
 from graphmem.passes.budget import Parallel, make_parallel
 from graphmem.training.batch import as_batch, resizer
-from graphmem.training.hf_trainer_deepspeed import TrainerDeepSpeed
 from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.peft_lora import is_hf_model
 from graphmem.training.spec import Training, make_training
