@@ -106,3 +106,28 @@ def test_trainer_deepspeed_ranks_match_a_real_gloo_job(tmp_path: Any, stage: int
         assert {k: got[k] for k in ("saved", "before", "after")} == {k: first[k] for k in ("saved", "before", "after")}
         assert later["saved"] == got["saved"]
         assert (got["peak"], got["later"]) == (first["peak"], later["peak"]), (rank, got, truth)
+
+
+def test_a_built_trainer_and_the_cli_file_reach_the_same_rank(tmp_path: Any, monkeypatch: Any) -> None:
+    """A Trainer built in this process with ``deepspeed`` in its arguments (accelerate's Accelerator sets
+    ``ACCELERATE_USE_DEEPSPEED`` for the process: put back after) is analyzed as rank r of the job, rebuilt per
+    rank; so is a ``--training-args`` file naming ``deepspeed`` (the CLI hands the arguments over)."""
+    from graphmem.deepspeed.trainer import TrainerDeepSpeed
+    from graphmem.frontends.door import spec_for
+    from graphmem.frontends.trainer import trainer_from_file
+    from tests.deepspeed_trainer_truth import trainer_args
+    from tests.deepspeed_truth import decoder
+
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    model, batch = decoder()
+    trainer = transformers.Trainer(model=model, args=trainer_args(str(tmp_path), ds_config(2)))
+    spec = spec_for(trainer, batch, world_size=2, rank=1)
+    assert isinstance(spec.parallel, TrainerDeepSpeed) and spec.parallel.describe() == \
+        "DeepSpeed ZeRO-2 (accelerate), rank 1 of 2"
+    assert spec.training.train.describe().endswith("DeepSpeed ZeRO-2 (accelerate), rank 1 of 2")
+    with pytest.raises(UsageError, match="drop trainer_batch"):
+        spec_for(trainer, batch, world_size=2, trainer_batch="longest")
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"output_dir": str(tmp_path), "report_to": [], "deepspeed": ds_config(3)}))
+    args = trainer_from_file(model, str(path))
+    assert isinstance(spec_for(model, batch, training_args=args, world_size=2).parallel, TrainerDeepSpeed)
