@@ -82,7 +82,7 @@ def test_cli_training_args_with_deepspeed_refuses_in_one_line(tmp_path: Any, cap
     assert len(ours) == 1 and "nvme" in ours[0] and "Traceback" not in err, err
 
 
-@pytest.mark.slow  # ~2 min each on 2 shared cores: a real 2-process gloo job and 4 captures
+@pytest.mark.slow  # a real 2-process gloo job and 4 captures each: both 7 min 51 s on 2 cores shared at load ~20
 @pytest.mark.parametrize("stage", [2, 3])
 def test_trainer_deepspeed_ranks_match_a_real_gloo_job(tmp_path: Any, stage: int) -> None:
     """GIVEN the tiny Llama (2 layers, hidden 64), 2 x 32 tokens a rank, the Trainer's default AdamW, clipping 1.0
