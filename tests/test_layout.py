@@ -29,7 +29,7 @@ LAYERS: dict[str, set[str]] = {
     # the step as a value (spec), its capture (measure) and its captures at other settings (recapture)
     "step": {"errors", "stepgraph", "capture", "formula", "training", "passes", "distributed", "titan", "deepspeed"},
     # what a user hands graphmem, as a StepSpec: a Trainer, a torchtitan job
-    "frontends": {"errors", "capture", "step", "training", "titan"},
+    "frontends": {"errors", "capture", "step", "training", "titan", "deepspeed"},  # (a DeepSpeed Trainer's rank)
     "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula", "analysis",
                  "noise"},
     "losses": {"capture", "training"},  # training/lora.py: the head-outside wrapper LoRA adapts whole
@@ -136,7 +136,7 @@ def test_every_package_is_installed() -> None:
     assert folders | {"graphmem", "graphmem.passes", "graphmem.models"} == listed
 
 
-PARALLEL = {"Single", "Formula", "Ranks", "Stages", "Job", "DeepSpeedJob", "TrainerShards"}  # graphmem/step/spec.py's parallel settings
+PARALLEL = {"Single", "Formula", "Ranks", "Stages", "Job", "DeepSpeedJob", "TrainerShards", "TrainerDeepSpeed"}  # graphmem/step/spec.py's parallel settings
 
 
 def _dispatches(tree: ast.AST) -> bool:

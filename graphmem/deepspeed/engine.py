@@ -20,6 +20,10 @@ Patches (each undone on exit):
   ``overflow_gpu[0].item()`` in ``has_overflow``: deepspeed/runtime/zero/stage_1_and_2.py and stage3.py,
   read under bf16 where ``bf16.check_grad_overflow`` defaults to true, and under fp16), a float 1.0 (a
   norm that scales the clipping coefficient, a Python number), any other int 1. None decides a size.
+  A read of a tensor whose values the capture knows (the batch's and what is computed from it, as
+  transformers' ``padding_mask.all()`` in its causal-mask check: graphmem/capture/values.py) gets the real
+  answer first: answered False there, a model run without a KV cache (the Trainer sets ``use_cache`` to
+  its arguments' False) built a (b, 1, s, s) mask and repeated the keys and values the real run never makes.
 
 - DeepSpeed's accelerator ``pin_memory`` (on its CPU accelerator a no-op that returns the tensor:
   deepspeed/accelerator/cpu_accelerator.py ``CPU_Accelerator.pin_memory``) is wrapped to record what it returns:
@@ -66,6 +70,14 @@ def _answer(t: torch.Tensor) -> Any:
 Pins = list[tuple["weakref.ref[torch.Tensor]", int]]  # what DeepSpeed's pin_memory returned, with its storage
 
 
+def _known_first(mode: _Mode, t: torch.Tensor) -> Any:
+    """The real answer where ``mode`` knows ``t``'s values (the module docstring), else ``_answer``'s."""
+    from graphmem.capture.values import NO_ANSWER
+
+    real = mode.values.read(torch.ops.aten._local_scalar_dense.default, (t,), {})
+    return _answer(t) if real is NO_ANSWER else real
+
+
 @contextlib.contextmanager
 def engine_on_fake(mode: _Mode, pins: Optional[Pins] = None) -> Iterator[None]:
     """The patches of the module docstring around DeepSpeed's initialize and step; what DeepSpeed pins is
@@ -80,7 +92,7 @@ def engine_on_fake(mode: _Mode, pins: Optional[Pins] = None) -> Iterator[None]:
     accelerator = get_accelerator()
     pin, own = accelerator.pin_memory, dict(vars(accelerator))
     comm.build_shm_op = lambda: None
-    mode.scalar_answer = _answer
+    mode.scalar_answer = lambda t: _known_first(mode, t)
     zero_utils.assert_lst_len_same_as_other_ranks, zero_utils.get_lst_from_rank0 = _length_broadcast, _list_broadcast
     accelerator.pin_memory = lambda t, *a, **k: _pinned(pin(t, *a, **k), pins if pins is not None else [])
     try:

@@ -62,7 +62,7 @@ def with_own_notes(rows: tuple[Any, ...]) -> tuple[Any, ...]:
                  if r.name == COMMUNICATION else r for r in rows)
 
 
-def engine_lines(g: StepGraph, lv: Liveness, job: DeepSpeedJob) -> tuple[str, ...]:
+def engine_lines(g: StepGraph, lv: Liveness) -> tuple[str, ...]:
     """The lines of the module docstring."""
     held = held_by_origin(g)
     lines = [f"DeepSpeed holds before the step {fmt_bytes(lv.baseline_bytes)} (with the batch): "

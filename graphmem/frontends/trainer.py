@@ -163,9 +163,10 @@ def trainer_from_file(model: Any, path: str, target: Optional[Target] = None, tr
     except Exception as e:  # a malformed file, an unknown field, a value TrainingArguments refuses
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"training_args {path!r} is not readable as TrainingArguments: {first}") from None
-    if args.fsdp:  # Trainer.__init__ raises "Using fsdp only works in distributed training." in one process:
-        if train_dataset is not None:
-            raise UsageError("`train_dataset` with FSDP arguments is not run yet: give `input_shape` for the rank's batch")
+    if args.fsdp or args.deepspeed:  # Trainer.__init__ raises "Using fsdp only works in distributed training." in one
+        if train_dataset is not None:  # process; a DeepSpeed Trainer is built per rank too (graphmem/deepspeed/trainer.py)
+            raise UsageError("`train_dataset` with FSDP or DeepSpeed arguments is not run yet: give `input_shape` for "
+                             "the rank's batch")
         return args  # the Trainer is built per rank (graphmem/distributed/trainer_fsdp.py)
     data = dataset_from_file(train_dataset) if train_dataset is not None else None
     return Trainer(model=model, args=args, train_dataset=data)

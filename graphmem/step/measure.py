@@ -8,13 +8,14 @@ re-captures behind plans, formulas and fits all come through here.
   over the single-device step beside it (graphmem/distributed/view.py);
 - ``Stages``: pipeline rank r under torch's schedule (``capture_stage_step``);
 - ``Job``: rank r of a torchtitan job, built and stepped by the job's own code (graphmem/titan/);
-- ``DeepSpeedJob``: rank r of a DeepSpeed job through DeepSpeed's own engine (graphmem/deepspeed/).
+- ``DeepSpeedJob``: rank r of a DeepSpeed job through DeepSpeed's own engine (graphmem/deepspeed/);
+  ``TrainerDeepSpeed``: the same through a Trainer and accelerate (graphmem/deepspeed/trainer_capture.py).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch.nn as nn
 
@@ -22,6 +23,7 @@ from graphmem.capture.capture import StepRunner, capture
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.reuse_compiled import CompiledReused, compiled_reusing
 from graphmem.deepspeed.config import DeepSpeedJob
+from graphmem.deepspeed.trainer import TrainerDeepSpeed
 from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.tensor_parallel import tp_engine
 from graphmem.distributed.view import rank_view
@@ -107,6 +109,8 @@ def measure(spec: StepSpec) -> Measured:
     if isinstance(p, TrainerShards):  # a Trainer's FSDP2 rank, wrapped by accelerate's own code
         return _trainer_shards(spec, p)
     if isinstance(p, DeepSpeedJob):  # rank r through DeepSpeed's engine
+        return _deepspeed(spec, p)
+    if isinstance(p, TrainerDeepSpeed):  # a Trainer's DeepSpeed rank, through accelerate (graphmem/deepspeed/trainer_capture.py)
         return _deepspeed(spec, p)
     raise AssertionError(f"unknown parallel setting {p!r}")  # StepSpec refuses any other where it is built
 
@@ -207,27 +211,36 @@ def _trainer_shards(spec: StepSpec, p: TrainerShards) -> Measured:
     return Measured(spec, passes_over(g, training, spec.module, spec.target, (), p.describe()), notes(g))
 
 
-def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
-    """Rank r of a DeepSpeed job through its own engine (graphmem/deepspeed/capture.py): the whole step's
-    table over rank r's graph, DeepSpeed's held tensors by where it keeps them beside it."""
+def _deepspeed(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Measured:
+    """Rank r of a DeepSpeed job through its own engine (graphmem/deepspeed/capture.py), or through a Trainer
+    and accelerate (``TrainerDeepSpeed``: graphmem/deepspeed/trainer_capture.py): the whole step's table over
+    rank r's graph, DeepSpeed's held tensors by where it keeps them beside it."""
     from graphmem.deepspeed.capture import capture_engine
     from graphmem.deepspeed.report import engine_lines, paper_check, residual, residual_lines, with_own_notes
+    from graphmem.deepspeed.trainer_capture import capture_trainer_engine
 
-    g = capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
+    def captured(warm: bool) -> StepGraph:
+        if isinstance(p, TrainerDeepSpeed):
+            return capture_trainer_engine(spec.module, spec.inputs.captured, spec.target, p, warm=warm)
+        return capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train, warm=warm)
+
+    g = captured(False)
+    g.train = spec.training.train
     first = passes_over(g, spec.training, spec.module, spec.target, (), p.describe())
     lv, budget = first.liveness, first.budget
     assert budget is not None  # (a training spec was given)
     # the second step captured after an unrecorded first: what DeepSpeed keeps and frees across steps as it does
-    later = capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train, warm=True)
+    later = captured(True)
     lv_later = liveness(later)
     budget = dataclasses.replace(budget, rank=dataclasses.replace(
         budget.rank, rows=with_own_notes(budget.rank.rows), later_peak_bytes=lv_later.peak_bytes,
         later_peak_index=lv_later.peak_index,
         later_peak_phase=lv_later.peak_phase if lv_later.peak_index >= 0 else "before the step"))
     step = dataclasses.replace(first, budget=budget)
-    return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv, p)
-                    + residual_lines(residual(g, lv, spec.module, p))
-                    + paper_check(spec.module, p, g, spec.training.train.optimizer, budget.rank.rows))
+    # the residual states and the ZeRO paper's cross-check read the job's config (a Trainer's is its arguments')
+    own = residual_lines(residual(g, lv, spec.module, p)) + paper_check(
+        spec.module, p, g, spec.training.train.optimizer, budget.rank.rows) if isinstance(p, DeepSpeedJob) else ()
+    return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv) + own)
 
 
 def process_groups(parallel: Any) -> tuple[tuple[str, int], ...]:
@@ -244,7 +257,7 @@ def process_groups(parallel: Any) -> tuple[tuple[str, int], ...]:
         dims = _job_groups(parallel)
     elif isinstance(parallel, TrainerShards):
         dims = (("world", parallel.world_size),)
-    elif isinstance(parallel, DeepSpeedJob):
+    elif isinstance(parallel, (DeepSpeedJob, TrainerDeepSpeed)):
         dims = (("world", parallel.world_size),)
     return tuple((n, d) for n, d in dims if d > 1)
 

@@ -38,6 +38,7 @@ from graphmem.capture.hf_batch import settings as hf_settings
 from graphmem.capture.load import Loaded, from_exported, load, make_inputs, parse_shape
 from graphmem.capture.target import Target, make_target
 from graphmem.deepspeed.config import DeepSpeedJob, make_job
+from graphmem.deepspeed.trainer import TrainerDeepSpeed
 from graphmem.distributed.pipeline import Pipeline, make_pipeline
 from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.spec import Sharding, check_training, make_sharding, wants_wrappers
@@ -159,7 +160,7 @@ class Job:
 
 # every way a step is split: a Trainer's FSDP2 rank (TrainerShards, graphmem/training/hf_trainer_fsdp.py) and a
 # DeepSpeed engine's rank (DeepSpeedJob, graphmem/deepspeed/config.py) are variants too
-Parallelism = Union[Single, Formula, Ranks, Stages, Job, DeepSpeedJob, TrainerShards]
+Parallelism = Union[Single, Formula, Ranks, Stages, Job, DeepSpeedJob, TrainerShards, TrainerDeepSpeed]
 
 
 @dataclass(frozen=True)

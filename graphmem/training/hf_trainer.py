@@ -31,10 +31,10 @@ module ``prepare_model`` returns; the capture steps a stand-in (``CompiledModel`
 graphmem's compiled capture of the same model (graphmem/capture/compiled.py), with the partition of the
 backend asked for (``inductor``: graphmem/capture/inductor_partition.py).
 
-Known limitations: no DeepSpeed or FSDP (DDP: one rank of N, graphmem/training/hf_trainer_ddp.py);
-``torch_compile`` with ``COMPILE_BACKENDS``, default mode, CPU target only; callbacks and
-``include_num_input_tokens_seen`` are not run (no tensors); ``optimizers=``' scheduler is ``args.lr_scheduler_type``'s;
-within an epoch the real loop keeps the previous step's gradient norm and last loss (4 B each) into the next.
+Known limitations: a DDP, FSDP2 or DeepSpeed job one rank at a time; ``torch_compile`` with ``COMPILE_BACKENDS``,
+default mode, CPU target only; callbacks and ``include_num_input_tokens_seen`` are not run; ``optimizers=``' scheduler
+is ``args.lr_scheduler_type``'s; within an epoch the real loop keeps the previous step's gradient norm and last loss (4
+B each) into the next.
 """
 from __future__ import annotations
 
@@ -72,6 +72,7 @@ class TrainerStep(TrainStep):
     world_size: int = 1  # > 1: rank ``rank`` of a DDP job (graphmem/training/hf_trainer_ddp.py)
     rank: int = 0
     fsdp: bool = False  # the job is accelerate's FSDP2 (graphmem/training/hf_trainer_fsdp.py), not DDP
+    deepspeed: str = ""  # the job is accelerate's DeepSpeed, so named (graphmem/deepspeed/trainer.py)
     # the transformers.Trainer whose step this is (a live object: not in the report's JSON)
     trainer: Any = field(default=None, compare=False, repr=False, metadata={"json": False})
 
@@ -95,18 +96,18 @@ class TrainerStep(TrainStep):
             parts.append(f"{self.scheduler} lr scheduler")
         if self.compiled:
             parts.append(f"torch.compile ({self.compiled})")
-        if self.world_size > 1:
-            wrapper = "FSDP2 (accelerate)" if self.fsdp else "DistributedDataParallel"
+        if self.world_size > 1 or self.deepspeed:
+            wrapper = self.deepspeed or ("FSDP2 (accelerate)" if self.fsdp else "DistributedDataParallel")
             parts.append(f"{wrapper}, rank {self.rank} of {self.world_size}")
         return ", ".join(parts)
 
     def to_dict(self, device: str = "cpu") -> dict[str, Any]:
-        return {"loop": "transformers.Trainer", "optimizer": self.optimizer, "impl": None,
-                "master_weights": False, "micro_batches": self.micro_batches, "max_grad_norm": self.max_grad_norm,
-                "precision": self.precision, "gradient_checkpointing": self.checkpointing,
-                "lr_scheduler": self.scheduler, "torch_compile": self.compiled or None,
-                "ddp": {"world_size": self.world_size, "rank": self.rank} if self.world_size > 1 and not self.fsdp else None,
-                "fsdp2": {"world_size": self.world_size, "rank": self.rank} if self.fsdp else None}
+        job = {"world_size": self.world_size, "rank": self.rank}
+        return {"loop": "transformers.Trainer", "optimizer": self.optimizer, "impl": None, "master_weights": False,
+                "micro_batches": self.micro_batches, "max_grad_norm": self.max_grad_norm, "precision": self.precision,
+                "gradient_checkpointing": self.checkpointing, "lr_scheduler": self.scheduler, "torch_compile":
+                self.compiled or None, "ddp": job if self.world_size > 1 and not (self.fsdp or self.deepspeed) else None,
+                "fsdp2": job if self.fsdp else None, **({"deepspeed": {"engine": self.deepspeed, **job}} if self.deepspeed else {})}
 
 
 def trainer_step(trainer: Any, world_size: int = 1, rank: int = 0) -> TrainerStep:
@@ -142,10 +143,9 @@ def check_trainer(trainer: Any, launched: bool = False) -> None:
     if args.device.type not in ("cpu", "cuda"):
         raise UsageError(f"the Trainer runs on {args.device.type}; graphmem runs a Trainer's step on the CPU or CUDA "
                          "target: set use_cpu=True in its TrainingArguments, or analyze it with `device='cuda'`")
-    if trainer.is_deepspeed_enabled or ((trainer.is_fsdp_enabled or trainer.args.world_size > 1) and not launched):
-        raise UsageError("the Trainer is set up for several processes (DeepSpeed, FSDP or DDP); graphmem runs one "
-                         "rank's step of a Trainer built in one process: pass `world_size`/`rank` for DDP, or analyze "
-                         "the model with `fsdp`/`zero`/`rank` for per-rank memory")
+    if (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or trainer.args.world_size > 1) and not launched:
+        raise UsageError("the Trainer is set up for several processes (DeepSpeed, FSDP or DDP): pass `world_size`/"
+                         "`rank` for one rank's step, or analyze the model with `fsdp`/`zero`/`rank` for per-rank memory")
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:
@@ -288,14 +288,14 @@ class TrainerRunner:
         return None, loss
 
     def _micro_steps(self, model: nn.Module, samples: list, num_items: Any, runs: int, fake: bool) -> torch.Tensor:
-        """_run_epoch's inner loop (1892-1935), over ``model`` (the compiled one with ``torch_compile``)."""
+        """_run_epoch's inner loop (1892-1935) over ``model`` (compiled with ``torch_compile``; DeepSpeed: no no_sync, 1904)."""
         t = self.trainer
         assert self.tr_loss is not None
         tr_loss_step: Any = None
         for i, inputs in enumerate(samples[:runs]):
             last = i == len(samples) - 1 or i == runs - 1
             t.accelerator.gradient_state._set_sync_gradients(last)
-            sync: Any = contextlib.nullcontext if last else self.ddp.no_sync if self.ddp is not None \
+            sync: Any = contextlib.nullcontext if last or t.is_deepspeed_enabled else self.ddp.no_sync if self.ddp is not None \
                 else functools.partial(t.accelerator.no_sync, model=model)  # (accelerate's no_sync is DDP's on N processes)
             with sync():
                 tr_loss_step = t.training_step(model, inputs, num_items)

@@ -1,0 +1,133 @@
+"""A Trainer whose TrainingArguments name ``deepspeed``, per rank: the Trainer built per rank and stepped by its
+own code, accelerate running DeepSpeed (``_prepare_deepspeed`` -> ``deepspeed.initialize``; ``accelerator.backward``
+-> ``engine.backward`` and ``engine.step``) on fake tensors under the fake process group
+(graphmem/deepspeed/trainer.py, graphmem/deepspeed/trainer_capture.py), against the real Trainer
+on 2 gloo CPU processes (tests/deepspeed_trainer_truth.py). Measured rows: docs/deepspeed.md "Through the Trainer"."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from graphmem.cli.main import main
+from graphmem.errors import UsageError
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("deepspeed")
+
+BUCKETS = {"reduce_bucket_size": 10000, "allgather_bucket_size": 10000}  # (DeepSpeed's 5e8 default: 2 GB on ZeRO-2)
+
+
+def ds_config(stage: int, **settings: Any) -> dict:
+    """What a Trainer user writes: the batch sizes, accumulation and clipping left to the Trainer ("auto"), no
+    ``train_batch_size`` (accelerate on CPUs counts one process: see graphmem/deepspeed/trainer.py)."""
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", **settings, "zero_optimization": {"stage": stage, **BUCKETS}}
+
+
+def _figures(report: Any) -> dict[str, int]:
+    from graphmem.passes import liveness
+
+    lv = liveness(report.step)
+    return {"saved": report.activation_bytes, "before": lv.baseline_bytes, "after": lv.end_bytes,
+            "peak": report.peak_bytes, "later": report.budget.rank.later_peak_bytes}
+
+
+@pytest.mark.parametrize("config, fields, message", [
+    ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, {}, "`fp16.enabled`"),
+    ({"zero_optimization": {"stage": 2}, "bf17": {"enabled": True}}, {}, "did you mean 'bf16'"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, {}, "not captured yet"),
+])
+def test_bad_deepspeed_trainer_inputs_are_one_line_errors(tmp_path: Any, config: dict, fields: dict,
+                                                          message: str) -> None:
+    import graphmem
+    from tests.deepspeed_trainer_truth import trainer_args
+    from tests.deepspeed_truth import decoder
+
+    model, batch = decoder()
+    with pytest.raises(UsageError) as e:
+        graphmem.analyze(model, batch, training_args=trainer_args(str(tmp_path), config, **fields), world_size=2)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_use_cpu_and_options_are_refused(tmp_path: Any) -> None:
+    """``use_cpu`` turns DeepSpeed off in accelerate (its AcceleratorState picks DeepSpeed only where not cpu):
+    refused in one line rather than analyzed as a one-process step; so are graphmem's own loop options."""
+    import graphmem
+    from tests.deepspeed_trainer_truth import trainer_args
+    from tests.deepspeed_truth import decoder
+
+    model, batch = decoder()
+    with pytest.raises(UsageError, match="use_cpu") as e:
+        graphmem.analyze(model, batch, training_args=trainer_args(str(tmp_path), ds_config(2), use_cpu=True),
+                         world_size=2)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UsageError, match="drop optimizer"):
+        graphmem.analyze(model, batch, training_args=trainer_args(str(tmp_path), ds_config(2)), world_size=2,
+                         optimizer="sgd")
+
+
+def test_cli_training_args_with_deepspeed_refuses_in_one_line(tmp_path: Any, capsys: Any) -> None:
+    from tests.deepspeed_truth import decoder
+
+    decoder()[0].config.to_json_file(str(tmp_path / "config.json"))
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"output_dir": str(tmp_path), "report_to": [], "per_device_train_batch_size": 2,
+                                "deepspeed": {"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme"}}}}))
+    assert main(["analyze", str(tmp_path / "config.json"), "--input-shape", "2x32", "--training-args", str(args),
+                 "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    ours = [line for line in err.splitlines() if line.startswith("graphmem")]
+    assert len(ours) == 1 and "nvme" in ours[0] and "Traceback" not in err, err
+
+
+@pytest.mark.slow  # a real 2-process gloo job and 4 captures each: both 7 min 51 s on 2 cores shared at load ~20
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_deepspeed_ranks_match_a_real_gloo_job(tmp_path: Any, stage: int) -> None:
+    """GIVEN the tiny Llama (2 layers, hidden 64), 2 x 32 tokens a rank, the Trainer's default AdamW, clipping 1.0
+    WHEN the real Trainer runs ZeRO-``stage`` through accelerate on 2 gloo CPU processes and graphmem captures
+    each rank through the same Trainer code on fake tensors
+    THEN saved bytes, the bytes held before and after the first step and both steps' peaks are equal to the byte
+    on both ranks (docs/deepspeed.md "Through the Trainer")."""
+    import graphmem
+    from tests.deepspeed_trainer_truth import measure_trainer_ranks, trainer_args
+    from tests.deepspeed_truth import decoder
+
+    config = ds_config(stage)
+    real = measure_trainer_ranks(config, {})
+    model, batch = decoder()
+    for rank, truth in enumerate(real):
+        got = _figures(graphmem.analyze(model, batch, training_args=trainer_args(str(tmp_path), config),
+                                        world_size=2, rank=rank))
+        first, later = truth["first"], truth["later"]
+        print(json.dumps({"stage": stage, "rank": rank, "graphmem": got, "real": truth}))  # (shown with -s)
+        assert truth["unsettled"] == 0
+        assert {k: got[k] for k in ("saved", "before", "after")} == {k: first[k] for k in ("saved", "before", "after")}
+        assert later["saved"] == got["saved"]
+        assert (got["peak"], got["later"]) == (first["peak"], later["peak"]), (rank, got, truth)
+
+
+def test_a_built_trainer_and_the_cli_file_reach_the_same_rank(tmp_path: Any, monkeypatch: Any) -> None:
+    """A Trainer built in this process with ``deepspeed`` in its arguments (accelerate's Accelerator sets
+    ``ACCELERATE_USE_DEEPSPEED`` for the process: put back after) is analyzed as rank r of the job, rebuilt per
+    rank; so is a ``--training-args`` file naming ``deepspeed`` (the CLI hands the arguments over)."""
+    from graphmem.deepspeed.trainer import TrainerDeepSpeed
+    from graphmem.frontends.door import spec_for
+    from graphmem.frontends.trainer import trainer_from_file
+    from tests.deepspeed_trainer_truth import trainer_args
+    from tests.deepspeed_truth import decoder
+
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    model, batch = decoder()
+    trainer = transformers.Trainer(model=model, args=trainer_args(str(tmp_path), ds_config(2)))
+    spec = spec_for(trainer, batch, world_size=2, rank=1)
+    assert isinstance(spec.parallel, TrainerDeepSpeed) and spec.parallel.describe() == \
+        "DeepSpeed ZeRO-2 (accelerate), rank 1 of 2"
+    assert spec.training.train.describe().endswith("DeepSpeed ZeRO-2 (accelerate), rank 1 of 2")
+    with pytest.raises(UsageError, match="drop trainer_batch"):
+        spec_for(trainer, batch, world_size=2, trainer_batch="longest")
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"output_dir": str(tmp_path), "report_to": [], "deepspeed": ds_config(3)}))
+    args = trainer_from_file(model, str(path))
+    assert isinstance(spec_for(model, batch, training_args=args, world_size=2).parallel, TrainerDeepSpeed)
