@@ -72,6 +72,12 @@ def deepspeed_of(trainer_class: type, args: Any, world_size: int, rank: Optional
         raise UsageError("fp16 with DeepSpeed (`fp16=True` in the TrainingArguments) is not run on DeepSpeed's CPU "
                          "accelerator: use bf16=True or fp32")
     job = make_job(args.deepspeed, world_size, rank)
+    zero = job.config.get("zero_optimization", {})
+    offloaded = [k for k in ("offload_optimizer", "offload_param") if isinstance(zero.get(k), dict)
+                 and zero[k].get("device", "none") != "none"]
+    if offloaded:  # (the direct engine path runs it, checked against real DeepSpeed: docs/deepspeed.md)
+        raise UsageError(f"a Trainer's DeepSpeed rank with `zero_optimization.{offloaded[0]}` is not checked against a "
+                         "real Trainer job yet: analyze the model with `deepspeed=` and a torch optimizer instead")
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
     return TrainerDeepSpeed(trainer_class, type(args), fields, world_size, job.rank, job.stage)
 
