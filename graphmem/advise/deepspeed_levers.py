@@ -146,7 +146,7 @@ def buckets(base: StepSpec) -> Levers:
         return [], [LeftOut("buckets", "ZeRO stage 0 has no reduce or all-gather buckets")]
     zero = job.config.get("zero_optimization", {})
     size, why = _hidden(base.module)
-    keys = ("reduce_bucket_size", "allgather_bucket_size")
+    keys: tuple[str, ...] = ("reduce_bucket_size", "allgather_bucket_size")
     if job.stage == 3:
         keys += ("stage3_prefetch_bucket_size", "stage3_max_live_parameters")
     defaults = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000}
@@ -203,15 +203,25 @@ def optimizer(base: StepSpec) -> Levers:
             out.append(Change("optimizer", f"{train.optimizer} {other}",
                               f"--optimizer-impl {other}: torch.optim ... ({flag}) passed to deepspeed.initialize",
                               "memory vs speed trade-off: kernels per parameter group", "trade-off",
-                              lambda s, o=other: s.with_train(impl=o)))
+                              _then(lambda s: s, impl=other)))
     untested = _configured(lambda c: c.update(zero_allow_untested_optimizer=True))
     for alt in ALTERNATIVES.get(train.optimizer, ()):
         out.append(Change("optimizer", f"{alt} instead of {train.optimizer}",
                           f"--optimizer {alt} and DeepSpeed config {{\"zero_allow_untested_optimizer\": true}} "
                           "(DeepSpeed refuses a torch.optim class outside its ZeRO-tested list without it)",
                           "memory vs speed trade-off: fewer optimizer states, a different convergence to check",
-                          "trade-off", lambda s, a=alt: untested(s.with_train(optimizer=a, impl="auto"))))
+                          "trade-off", _then(untested, optimizer=alt, impl="auto")))
     return out, []
+
+
+def _then(apply: Callable[[StepSpec], StepSpec], **train: Any) -> Callable[[StepSpec], StepSpec]:
+    """The loop's options changed (graphmem/training/loop.py TrainStep), then ``apply``."""
+    return lambda s: apply(s.with_train(**train))
+
+
+def _resized(apply: Callable[[StepSpec], StepSpec], shape: tuple[int, ...]) -> Callable[[StepSpec], StepSpec]:
+    """The batch at ``shape``, then ``apply``."""
+    return lambda s: apply(s.at(shape))
 
 
 def micro_batches(base: StepSpec) -> Levers:
@@ -240,7 +250,7 @@ def micro_batches(base: StepSpec) -> Levers:
                           f"\"gradient_accumulation_steps\": {steps * k}}}: the engine accumulates {steps * k} "
                           "micro-steps, then one optimizer step",
                           f"none in FLOPs; {k} sequential micro-steps of smaller kernels", "trade-off",
-                          lambda s, f=change, at=shape: f(s.at(at)), extent=k))
+                          _resized(change, shape), extent=k))
     return out, []
 
 
