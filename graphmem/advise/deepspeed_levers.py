@@ -28,11 +28,12 @@ formula (both plan the single-device step).
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from graphmem.advise.levers import _FUSED, ALTERNATIVES, Change, LeftOut, loss
 from graphmem.analysis import Analysis
 from graphmem.deepspeed.config import DeepSpeedJob, make_job
+from graphmem.step.measure import deepspeed_job as job_of
 from graphmem.step.spec import StepSpec
 from graphmem.training.optim import resolved_impl
 from graphmem.units import fmt_bytes
@@ -43,10 +44,6 @@ NOTE = ("DeepSpeed rows: each is the job with its config changed, run again thro
         "tensors (what graphmem analyze --deepspeed prints for that config); communication: ring collectives, "
         "(N-1)/N of each buffer")
 _DEFAULT_BUCKET = 500_000_000  # DeepSpeedZeroConfig's reduce_bucket_size and allgather_bucket_size
-
-
-def job_of(spec: StepSpec) -> Optional[DeepSpeedJob]:
-    return spec.parallel if isinstance(spec.parallel, DeepSpeedJob) else None
 
 
 def _configured(edit: Callable[[dict[str, Any]], None]) -> Callable[[StepSpec], StepSpec]:
