@@ -34,7 +34,7 @@ LAYERS: dict[str, set[str]] = {
                  "noise"},
     "losses": {"capture", "training"},  # training/lora.py: the head-outside wrapper LoRA adapts whole
     "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "step",
-               "losses", "models", "distributed", "chains", "analysis"},
+               "losses", "models", "distributed", "chains", "analysis", "deepspeed"},
     # the Report, its JSON and compare
     "report": {"errors", "stepgraph", "passes", "formula", "planning", "advise", "capture", "training", "step",
                "noise", "analysis"},

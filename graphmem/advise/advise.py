@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import graphmem.advise.levers as L
+from graphmem.advise.deepspeed_levers import NOTE as DEEPSPEED_NOTE
+from graphmem.advise.deepspeed_levers import deepspeed_levers, job_of
 from graphmem.advise.levers import COST_RANK, Change, LeftOut
 from graphmem.advise.setting import Measurer
 from graphmem.analysis import AnalysisView
@@ -129,7 +131,8 @@ def _advise(report: AnalysisView, limit: int, budget: Optional[str], ranks: int,
         ("loss", lambda: L.loss(report, base, measurer.source.make)), ("attention", lambda: L.attention(report, base)),
         ("precision", lambda: L.precision(report, base)), ("optimizer", lambda: L.optimizer(report, base)),
         ("micro-batches", lambda: L.micro_batches(report, base)), ("sharding", lambda: L.sharding(report, base, ranks)),
-        ("pipeline", lambda: L.pipeline(report, base, ranks)), ("lora", lambda: L.lora(report, base, lora_rank)))
+        ("pipeline", lambda: L.pipeline(report, base, ranks)), ("lora", lambda: L.lora(report, base, lora_rank))) \
+        if job_of(base) is None else deepspeed_levers(report, base, measurer.source.make)  # its config's levers
     for kind, levers_of in levers:
         try:  # a lever that cannot be set up on this step is a row of its own, the others still weighed
             found, why = levers_of()
@@ -138,6 +141,19 @@ def _advise(report: AnalysisView, limit: int, budget: Optional[str], ranks: int,
         changes += found
         left_out += why
     rows, measured = _singles(measurer, changes, base_peak, limit, left_out, figure)
+    if job_of(base) is None:  # (a DeepSpeed job's rows say why the planner and the batch formula do not apply)
+        rows, left_out = _formula_levers(report, measurer, limit, budget, base_peak, figure, rows, left_out)
+    # combinations only when no single lever fits: the answer needs them then, and each is a capture
+    fits = base_peak <= limit or any(r.fits for r in rows)
+    combos = [] if fits and not combine else _combinations(measurer, base, measured, base_peak, limit, left_out, figure)
+    rows.sort(key=lambda r: (r.peak_bytes, r.rank))
+    notes = (COSTS_NOTE, SHARDING_NOTE) if job_of(base) is None else (COSTS_NOTE, DEEPSPEED_NOTE)
+    return Advice(limit, base_peak, tuple(rows), tuple(combos), tuple(left_out), measurer.captures, notes, figure)
+
+
+def _formula_levers(report: AnalysisView, measurer: Measurer, limit: int, budget: Optional[str], base_peak: int,
+                    figure: str, rows: list[Lever], left_out: list[LeftOut]) -> tuple[list[Lever], list[LeftOut]]:
+    """The batch (when the step does not fit) and the checkpoint plan: the fit's formula and the planner."""
     if base_peak > limit:
         row, skipped = _batch_lever(report, measurer, limit, base_peak, figure)
         rows += [row] if row is not None else []
@@ -145,11 +161,7 @@ def _advise(report: AnalysisView, limit: int, budget: Optional[str], ranks: int,
     plan, skipped = _plan_lever(report, measurer, limit, budget or f"{limit}B", base_peak, figure)
     rows += [plan] if plan is not None else []
     left_out += [skipped] if skipped is not None else []
-    # combinations only when no single lever fits: the answer needs them then, and each is a capture
-    fits = base_peak <= limit or any(r.fits for r in rows)
-    combos = [] if fits and not combine else _combinations(measurer, base, measured, base_peak, limit, left_out, figure)
-    rows.sort(key=lambda r: (r.peak_bytes, r.rank))
-    return Advice(limit, base_peak, tuple(rows), tuple(combos), tuple(left_out), measurer.captures, figure=figure)
+    return rows, left_out
 
 
 def _singles(measurer: Measurer, changes: list[Change], base_peak: int, limit: int,

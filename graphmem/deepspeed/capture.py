@@ -33,6 +33,7 @@ from graphmem.deepspeed.config import DeepSpeedJob, resolved
 from graphmem.deepspeed.engine import Pins, engine_on_fake, held_tensors, launched, name_host, naming_buckets, staying
 from graphmem.distributed.capture import rank_placeholders, rank_running
 from graphmem.distributed.fsdp import fake_copy
+from graphmem.errors import UsageError, one_line
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
 from graphmem.training.batch import as_batch
@@ -69,7 +70,7 @@ def capture_engine(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], ta
             optimizer = make_optimizer(train.optimizer, train.impl, [p for p in wrapped.parameters() if p.requires_grad],
                                        "cpu") if train.optimizer is not None else None
             with staying(wrapped):
-                engine, *_ = deepspeed.initialize(model=wrapped, optimizer=optimizer, config=config)
+                engine = _initialized(deepspeed, wrapped, optimizer, config)
             if warm:
                 _warm_step(engine, inputs, loss_fn, target, fake_mode)
             held = held_tensors(engine)
@@ -79,6 +80,16 @@ def capture_engine(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], ta
             param_sid, fake_inputs = rank_placeholders(cap, fake_mode, engine.module, inputs, target)
             name_host(cap, engine, pins)
         return _run(rec, engine, fake_inputs, loss_fn, param_sid, train, pins)
+
+
+def _initialized(deepspeed: Any, model: nn.Module, optimizer: Any, config: dict[str, Any]) -> Any:
+    """``deepspeed.initialize``'s engine; DeepSpeed's own refusal of the job (its config checks raise
+    AssertionError or ValueError, e.g. an optimizer outside its ZeRO-tested list) as one line."""
+    try:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    except (AssertionError, ValueError) as e:
+        raise UsageError(f"DeepSpeed's initialize refuses this job: {one_line(e) or type(e).__name__}") from None
+    return engine
 
 
 def _warm_step(engine: Any, inputs: Any, loss_fn: Optional[LossFn], target: Target, fake_mode: _Mode) -> None:

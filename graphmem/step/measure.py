@@ -243,6 +243,12 @@ def _deepspeed(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Meas
     return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv) + own)
 
 
+def deepspeed_job(spec: StepSpec) -> Optional[DeepSpeedJob]:
+    """The DeepSpeed job whose rank ``spec``'s step is, if it is one (advise's config levers:
+    graphmem/advise/deepspeed_levers.py)."""
+    return spec.parallel if isinstance(spec.parallel, DeepSpeedJob) else None
+
+
 def process_groups(parallel: Any) -> tuple[tuple[str, int], ...]:
     """The process groups a rank of the job creates, (name, ranks) each: each gets an NCCL
     communicator on its first collective (passes/device_rows.py). A one-dimensional job uses the
@@ -278,4 +284,4 @@ def _job_groups(job: Job) -> tuple[tuple[str, int], ...]:
     return tuple(dims) + ((("dp_shard", shard),) if shard > 1 else ())
 
 
-__all__ = ["Measured", "measure", "measure_ranks", "process_groups"]
+__all__ = ["Measured", "deepspeed_job", "measure", "measure_ranks", "process_groups"]
