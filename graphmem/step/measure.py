@@ -173,15 +173,14 @@ def _trainer_shards(spec: StepSpec, p: TrainerShards) -> Measured:
 def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
     """Rank r of a DeepSpeed job through its own engine (graphmem/deepspeed/capture.py): the whole step's
     table over rank r's graph, DeepSpeed's held tensors by where it keeps them beside it."""
-    from graphmem.deepspeed.capture import capture_engine
+    from graphmem.deepspeed.capture import capture_engine_steps
     from graphmem.deepspeed.report import engine_lines, paper_check
     from graphmem.training.spec import step_budget
 
-    g = capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
+    # the second step recorded after the first, from the same engine: what DeepSpeed keeps and frees across steps as it does
+    g, later = capture_engine_steps(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
     lv, sv = liveness(g), saved(g)
     budget = step_budget(g, lv, sv, spec.training, spec.module, (), p.describe())
-    # the second step captured after an unrecorded first: what DeepSpeed keeps and frees across steps as it does
-    later = capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train, warm=True)
     lv_later = liveness(later)
     budget = dataclasses.replace(budget, rank=dataclasses.replace(
         budget.rank, later_peak_bytes=lv_later.peak_bytes, later_peak_index=lv_later.peak_index,
