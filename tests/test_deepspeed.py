@@ -226,6 +226,8 @@ def test_one_engine_records_both_steps_as_two_engines_do(config: dict) -> None:
     assert all(b == "" and a in {op.meta["module"] for op in first.ops} for a, b in relabelled), relabelled
     for a, b in zip(later.ops, warm.ops):
         a.meta["module"] = b.meta["module"]
+    for st in later.storages.values():  # (ZeRO-2's reduce buckets, made in such a hook)
+        st.module = warm.ops[st.created].meta["module"] if st.created >= 0 else st.module
     assert signature(_by_order(later)) == signature(_by_order(warm))
     assert len(later.ops) > 0 and later.placeholders != first.placeholders
 

@@ -81,8 +81,10 @@ def capture_engine_steps(module: nn.Module, inputs: Any, loss_fn: Optional[LossF
                          job: DeepSpeedJob, train: TrainStep) -> tuple[StepGraph, StepGraph]:
     """The first step and the second, recorded one after the other from one engine: the second's recorder
     starts from what the engine holds after the first, as ``capture_engine(warm=True)`` starts from what it
-    holds after an unrecorded first step (tests/test_deepspeed.py checks the two equal, op for op), for one
-    ``deepspeed.initialize`` and two steps instead of two and three."""
+    holds after an unrecorded first step (tests/test_deepspeed.py checks the two equal, op for op; the ops
+    DeepSpeed's gradient hooks run on the AccumulateGrad nodes it keeps are named by the module, as in the first
+    step, where an unrecorded first step left them the root's ""), for one ``deepspeed.initialize`` and two
+    steps instead of two and three."""
     first, later = _engine_steps(module, inputs, loss_fn, target, job, train, (True, True))
     return first, later
 
@@ -139,7 +141,8 @@ def _forget() -> None:
     to the next recorder, a tensor the last step made and DeepSpeed keeps without ``held_tensors`` finding
     it is one made outside its step, as the same tensor made by an unrecorded step is (``_Recorder._arg``)."""
     for o in gc.get_objects():
-        if isinstance(o, FakeTensor) and _NODE in vars(o):
+        # (by type: isinstance reads an object's __class__, and torch.distributed.reduce_op's warns it is deprecated)
+        if issubclass(type(o), FakeTensor) and _NODE in vars(o):
             delattr(o, _NODE)
 
 
