@@ -29,16 +29,18 @@ if TYPE_CHECKING:
     from graphmem.ci import assert_activation_bytes, assert_peak_bytes
     from graphmem.frontends.door import spec_for
     from graphmem.report import Report
+    from graphmem.report.live import Analysis
     from graphmem.step.spec import StepSpec, make_spec
     from graphmem.stepgraph import StepGraph
     from graphmem.validation.validate import validate
 
 _LAZY = {"analyze": "graphmem.api", "parse_shape": "graphmem.capture.load",
-         "assert_activation_bytes": "graphmem.ci", "assert_peak_bytes": "graphmem.ci", "Report": "graphmem.report", "StepGraph": "graphmem.stepgraph",
+         "assert_activation_bytes": "graphmem.ci", "assert_peak_bytes": "graphmem.ci", "Report": "graphmem.report", "Analysis": "graphmem.report.live",
+         "StepGraph": "graphmem.stepgraph",
          "validate": "graphmem.validation.validate", "StepSpec": "graphmem.step.spec", "make_spec": "graphmem.step.spec",
          "spec_for": "graphmem.frontends.door"}
 
-__all__ = ["analyze", "capture", "parse_shape", "Report", "StepGraph", "GraphmemError", "UsageError",
+__all__ = ["analyze", "capture", "parse_shape", "Report", "Analysis", "StepGraph", "GraphmemError", "UsageError",
            "ModelLoadError", "CaptureError", "DataDependentError", "UnsupportedOpError", "PassError",
            "assert_activation_bytes", "assert_peak_bytes", "validate", "StepSpec", "make_spec", "spec_for"]
 __version__ = "0.3.0"

@@ -1,6 +1,6 @@
-"""``Analysis``: what the layers below graphmem/report/__init__.py (formula, planning, advise) read of a
-Report, as a Protocol, so that they take a typed value without importing graphmem.report
-(tests/test_layout.py: the report layer sits above them). graphmem.report.Report satisfies it.
+"""``AnalysisView``: what the layers below graphmem/report/ (formula, planning, advise) read of a live
+analysis, as a Protocol, so that they take a typed value without importing graphmem.report
+(tests/test_layout.py: the report layer sits above them). graphmem/report/live.py ``Analysis`` satisfies it.
 
 ``step``, ``liveness`` and ``source`` are the live capture: the step graph, its liveness and the
 graphmem/step/recapture.py Recapture that captures the same step again (at other sizes, with a plan
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from graphmem.stepgraph import StepGraph
 
 
-class Analysis(Protocol):
+class AnalysisView(Protocol):
     @property
     def model(self) -> str: ...
 
@@ -68,16 +68,16 @@ class Analysis(Protocol):
 
     def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None,
             figure: Optional[str] = None) -> Any:
-        """graphmem.formula.FitAnswer (Report.fit)."""
+        """graphmem.formula.FitAnswer (Analysis.fit)."""
         ...
 
     def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False,
              figure: Optional[str] = None) -> Any:
-        """graphmem.planning.CheckpointPlan (Report.plan)."""
+        """graphmem.planning.CheckpointPlan (Analysis.plan)."""
         ...
 
 
-def captured(report: Analysis) -> tuple[StepGraph, Liveness]:
+def captured(report: AnalysisView) -> tuple[StepGraph, Liveness]:
     """The report's step graph and its liveness; a report read back from JSON has neither."""
     if report.step is None or report.liveness is None:
         raise UsageError("this report was loaded from JSON (Report.from_dict) and holds no captured step: "
@@ -85,4 +85,4 @@ def captured(report: Analysis) -> tuple[StepGraph, Liveness]:
     return report.step, report.liveness
 
 
-__all__ = ["Analysis", "captured"]
+__all__ = ["AnalysisView", "captured"]

@@ -1,33 +1,27 @@
 """The public entry point: ``graphmem.analyze``."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Optional, Union
 
 import torch
-import torch.nn as nn
 
-from graphmem.capture.capture import capture
-from graphmem.capture.reuse import capture_reusing
 from graphmem.errors import UsageError
 from graphmem.frontends.door import spec_for
 from graphmem.noise import quiet
 from graphmem.passes import allocator, compare_modes, saved
 from graphmem.passes.device_rows import NAMES, check_overrides
-from graphmem.report import Report
-from graphmem.step.measure import Measured, measure
+from graphmem.report.live import Analysis
+from graphmem.step.measure import Measured, measure, step_graph
 from graphmem.step.recapture import Recapture
-from graphmem.step.spec import ModelLike, StepSpec
+from graphmem.step.spec import ModelLike, Single, StepSpec
 from graphmem.stepgraph import StepGraph
-from graphmem.training.loop import TrainStep
-from graphmem.training.step import LossFn
 from graphmem.units import parse_bytes
 
 
 @quiet  # third-party warnings about graphmem's own work, not the user's step (graphmem/noise.py)
 def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, *, overheads: Optional[dict[str, Any]] = None,
-            **options: Any) -> Report:
+            **options: Any) -> Analysis:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
     ``model`` is a transformers ``Trainer`` (its own step: graphmem/frontends/trainer.py; the batch its
@@ -50,40 +44,10 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, *, overheads:
     also repeat at full depth; if not, every block is compiled and a note says why);
     ``reuse=False`` captures every block.
 
-    The whole training step (graphmem/training/loop.py), reported as ``report.budget``: ``optimizer``
-    ("sgd", "momentum", "adam", "adamw", "adafactor"; torch.optim, or bitsandbytes' 8-bit Adam
-    "adam8bit", "adamw8bit", "paged_adamw8bit"; run after backward, then ``zero_grad``) with ``optimizer_impl`` ("auto", "foreach", "forloop", "fused"),
-    ``master_weights`` (fp32 masters of 16-bit parameters), ``micro_batches`` (gradient
-    accumulation), ``lora_rank``/``lora_targets`` (adapters on the named linear layers, the rest
-    frozen), ``qlora`` (a Hugging Face model's linear layers in 4-bit NF4 with double quantization
-    and bf16 compute through bitsandbytes, LoRA adapters through peft: graphmem/training/qlora.py),
-    and per-rank budgets for ``world_size`` ranks with ``zero`` (1-3) or ``fsdp``
-    ("full", "grad-op") and ``tp`` (tensor parallel, ``sp`` sequence parallel). ``pp`` > 1: the
-    step of pipeline rank ``rank`` under torch.distributed.pipelining's ``schedule`` ("1f1b",
-    "gpipe", "interleaved") with ``micro_batches`` micro-batches (graphmem/distributed/pipeline.py); docs/pipeline.md.
-
-    Rank ``rank``'s step as PyTorch's own wrappers run it (graphmem/distributed/, docs/distributed.md):
-    give ``rank`` or ``fsdp="fully_shard"``. ``fully_shard`` (FSDP2) wraps each block of the
-    model's chain and the root over ``world_size // tp`` ranks, with ``reshard_after_forward``,
-    ``fsdp_param_dtype``/``fsdp_reduce_dtype`` (MixedPrecisionPolicy) and ``fsdp_offload``
-    (CPUOffloadPolicy), and ``fsdp_no_sync`` (with ``micro_batches``: ``set_requires_gradient_sync(False)``
-    for all micro-batches but the last); ``tp``/``sp`` run DTensor's ``parallelize_module``; ``loss_parallel``
-    leaves the LM head's logits split over the vocabulary into ``loss_parallel()``'s cross-entropy. ``optimizer``
-    runs torch.optim over the wrapped DTensor parameters and ``micro_batches`` accumulate, as on one device. The report is that
-    rank's (local shards; collective buffers in the "communication" category) and
-    ``report.sharding`` puts the formula beside it.
-
-    The keyword options are a convenience: they build the step as one frozen value, a ``StepSpec``
-    (graphmem/step/spec.py: ``make_spec(model, inputs, **options)``), checked once, which
-    ``graphmem.analyze(spec)`` also takes directly; ``target=``, ``training=`` and ``parallel=``
-    take built objects instead of their options. Options: ``input_shape``, ``loss``, ``device``,
-    ``dtype``, ``amp``, ``attention``, ``gpu``, ``mode``, ``memory_budget``, ``reuse``, ``optimizer``,
-    ``optimizer_impl``, ``master_weights``, ``micro_batches``, ``lora_rank``, ``lora_targets``,
-    ``lora_alpha``, ``qlora``, ``world_size``, ``zero``, ``fsdp``, ``tp``, ``sp``, ``pp``, ``schedule``,
-    ``rank``, ``reshard_after_forward``, ``fsdp_param_dtype``, ``fsdp_reduce_dtype``, ``fsdp_offload``,
-    ``fsdp_no_sync``, ``loss_parallel``, ``hf`` (graphmem/capture/hf.py HFOptions), ``deepspeed`` (a DeepSpeed
-    config dict or JSON path: rank ``rank`` of ``world_size`` through ``deepspeed.initialize``'s engine,
-    graphmem/deepspeed/, docs/deepspeed.md).
+    The training loop (optimizer, micro-batches, LoRA/QLoRA), the per-rank budgets (ZeRO, FSDP, tensor,
+    sequence and pipeline parallel) and rank r's step through PyTorch's own wrappers or DeepSpeed's engine
+    are keyword options too (docs/spec.md, "Options"): they build the step as one frozen value, a ``StepSpec``
+    (graphmem/step/spec.py ``make_spec``), checked once, which ``graphmem.analyze(spec)`` also takes directly.
 
     ``report.memory`` is the run's (passes/run_memory.py): the first and later steps' max allocated
     and reserved, the run's maximum and, on the CUDA target, the device total with the rows outside
@@ -121,7 +85,7 @@ def parse_overheads(overheads: Optional[dict[str, Any]]) -> dict[str, int]:
     return out
 
 
-def report_of(m: Measured, overrides: Optional[dict[str, int]] = None) -> Report:
+def report_of(m: Measured, overrides: Optional[dict[str, int]] = None) -> Analysis:
     """The Report of a measured step: the passes' results, the spec it came from (``source``:
     what plans, formulas and fits capture again) and, in compiled mode, eager beside it."""
     spec, step = m.spec, m.step
@@ -133,27 +97,26 @@ def report_of(m: Measured, overrides: Optional[dict[str, int]] = None) -> Report
         probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
         source = Recapture(spec, step, probe)
     alloc = allocator(g) if step.target.device == "cuda" else None  # the caching allocator's view of the step
-    report = Report.build(g, step.liveness, step.saved, spec.name, shapes, m.loss_name, m.notes, source, alloc,
+    report = Analysis.build(g, step.liveness, step.saved, spec.name, shapes, m.loss_name, m.notes, source, alloc,
                           budget=step.budget, sharding=m.scope, memory=m.memory(overrides, alloc))
     if spec.inputs.settings:  # the choices in a batch graphmem made for an input shape (graphmem/capture/hf_batch.py)
         report = dataclasses.replace(report, batch=dict(spec.inputs.settings))
     if spec.target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
-        report = _beside_eager(report, spec.module, spec.inputs.captured, spec.loss, step.eager if step.module is spec.module else None,
-                               spec.training.train)
+        report = _beside_eager(report, spec, step.eager if step.module is spec.module else None)
     return report
 
 
-def _beside_eager(report: Report, model: nn.Module, inputs: Any, loss_fn: Optional[LossFn],
-                  eager: Optional[StepGraph] = None, train: Optional[TrainStep] = None) -> Report:
+def _beside_eager(report: Analysis, spec: StepSpec, eager: Optional[StepGraph] = None) -> Analysis:
     """``report`` (compiled mode) with ``compiled``: the same step captured eagerly, side by side
     (``eager``: already captured by compiled depth reuse's check, graphmem/capture/reuse_compiled.py;
     a trainer's step, ``train.runner()``: its own step, run eagerly)."""
     g = report.step
     assert g is not None  # analyze keeps the step graph
-    eager_target = dataclasses.replace(g.target, mode="eager", compile_backend="aot_eager")
-    with train.runner(eager_target) if train is not None else contextlib.nullcontext(None) as runner:
+    twin = spec.replace(parallel=Single(), target=dataclasses.replace(g.target, mode="eager", compile_backend="aot_eager"))
+    train = spec.training.train
+    with train.runner(twin.target) as runner:
         if eager is None and runner is not None:  # a transformers Trainer's step (graphmem/training/hf_trainer.py)
-            eager = capture(model, inputs, loss_fn, eager_target, runner=runner.run)
+            eager = step_graph(twin, runner=runner.run).graph
     if eager is None:
-        eager = capture_reusing(model, lambda: capture(model, inputs, loss_fn, eager_target)).graph
+        eager = step_graph(twin, reuse=True).graph
     return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager)))

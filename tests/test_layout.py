@@ -36,7 +36,8 @@ LAYERS: dict[str, set[str]] = {
     "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "step",
                "losses", "models", "distributed", "chains", "analysis"},
     # the Report, its JSON and compare
-    "report": {"errors", "stepgraph", "passes", "formula", "planning", "advise", "capture", "training"},
+    "report": {"errors", "stepgraph", "passes", "formula", "planning", "advise", "capture", "training", "step",
+               "noise", "analysis"},
     "render": {"errors", "units", "stepgraph", "passes", "report", "planning", "formula", "training",
                "validation", "advise"},
     "api": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "report",
@@ -312,3 +313,41 @@ def test_every_parallel_setting_is_a_parallelism_variant() -> None:
                      for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
                      if "type: ignore" in line and re.search(r"\bparallel\b|StepSpec\(|\bshards\b", line.split("#")[0]))
     assert not ignored, f"type: ignore on a Parallelism: {ignored}"
+
+
+def _calls(tree: ast.AST, name: str) -> list[int]:
+    """Lines that call ``name`` by its plain name or as an attribute (``x.name(...)``)."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Name) and node.func.id == name)
+        or (isinstance(node.func, ast.Attribute) and node.func.attr == name))]
+
+
+def test_one_module_builds_the_recorder() -> None:
+    """Every engine (one device, compiled, fully_shard/TP ranks, pipeline stages, a Trainer's FSDP rank, a
+    torchtitan job, a DeepSpeed engine) records through one session type, graphmem/capture/session.py's
+    ``Recording``, the only place that builds a ``_Recorder``."""
+    found = sorted(f"{name}:{line}" for name, path in _modules().items()
+                   for line in _calls(ast.parse(path.read_text()), "_Recorder"))
+    assert [f.split(":")[0] for f in found] == ["graphmem.capture.session"], f"modules that build a _Recorder: {found}"
+
+
+def _capture_function_used(tree: ast.AST) -> list[int]:
+    """Lines that import graphmem/capture/capture.py's ``capture`` or call a plain ``capture(...)``."""
+    lines = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Name) and node.func.id == "capture"]
+    return lines + [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and node.module == "graphmem.capture.capture" and any(a.name == "capture" for a in node.names)]
+
+
+# graphmem.capture, the package, stays callable as the capture function it was (its public face)
+CAPTURE_CALLERS = {"graphmem.step.measure", "graphmem.capture"}
+
+
+def test_measure_is_the_only_capture() -> None:
+    """graphmem/step/measure.py is the only module that captures a step (``capture(`` on one device;
+    the ranks' engines through their own ``capture_*``): plans, formulas, sweeps, memory budgets and
+    compiled mode's eager twin ask for a changed StepSpec (``spec.at(shape)``, ``spec.with_target(...)``)
+    measured there (``step_graph``; graphmem/step/recapture.py ``Recapture.measure``)."""
+    found = sorted(f"{name}:{line}" for name, path in _modules().items() if name not in CAPTURE_CALLERS
+                   for line in _capture_function_used(ast.parse(path.read_text())))
+    assert not found, f"modules that capture a step outside graphmem/step/measure.py: {found}"

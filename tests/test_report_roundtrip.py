@@ -18,6 +18,7 @@ from graphmem.passes.saved import ModuleSaved
 from graphmem.render import render_markdown, render_text
 from graphmem.report import Report
 from graphmem.report.jsondata import from_json, to_json
+from graphmem.report.live import Analysis
 
 
 def _through_json(report: Report) -> Report:
@@ -37,7 +38,8 @@ def test_report_round_trips_through_json(name: str) -> None:
     back = _through_json(report)
     _same(report, back)
     assert back.to_dict() == report.to_dict()
-    assert back.step is None and back.liveness is None and back.source is None
+    # the data only: a Report, not the live Analysis (no step graph, nothing that captures again)
+    assert type(back) is Report and isinstance(report, Analysis) and not hasattr(back, "step")
     assert render_text(back) == render_text(report)
     assert render_markdown(back) == render_markdown(report)
 
@@ -98,3 +100,17 @@ def test_codec_imports_only_graphmem() -> None:
         from_json(Any, {"__type__": "os:system"})
     with pytest.raises(UsageError, match="not a polynomial"):
         from_json(Any, {"__sympy__": "__import__('os')"})
+
+
+def test_a_report_is_data_and_the_analysis_is_live() -> None:
+    """Report's own methods never capture: every question that captures again is the live Analysis's
+    (graphmem/report/live.py), and no Report field is typed Any."""
+    import dataclasses
+    import typing
+
+    live = {name for name, v in vars(Analysis).items() if callable(v) or isinstance(v, property)}
+    for name in ("plan", "plans", "planner", "formula", "coefficients", "fit", "max_batch", "sweep", "advise",
+                 "memory_budgets"):
+        assert name in live and name not in vars(Report), name
+    hints = typing.get_type_hints(Report)
+    assert not [f.name for f in dataclasses.fields(Report) if "Any" in str(hints[f.name])]

@@ -1,5 +1,5 @@
 """The run's memory (passes/run_memory.py, passes/device_rows.py) and the verdicts judged on one of its
-figures (graphmem/planning/figures.py, graphmem/formula/report_api.py ``judged``).
+figures (graphmem/planning/figures.py, graphmem/report/live.py ``Analysis._judged``).
 
 GIVEN a real CPU step with an optimizer, the run's max allocated is the real SECOND step's peak (the
 states live from its start), to the byte; on the CUDA target the device total carries one row per

@@ -33,7 +33,6 @@ from graphmem.passes.selective import (
 )
 from graphmem.planning.apply import apply_segments
 from graphmem.planning.planner import op_flops
-from graphmem.planning.report_api import planner as selective_planner
 from graphmem.planning.selective import OpPolicy, block_ops
 from graphmem.validation.measure import measure_peak
 
@@ -135,7 +134,7 @@ LEVELS = 2  # levels measured in these tests (the default is 3; each costs a few
 def sac(request: pytest.FixtureRequest) -> tuple:
     model, x, loss = MODELS[request.param]()
     report = graphmem.analyze(model, x, loss=loss)
-    return request.param, model, x, loss, report, selective_planner(report, LEVELS)
+    return request.param, model, x, loss, report, report.planner_for(LEVELS)
 
 
 def _policies(planner: object, segments: tuple) -> tuple[list, list]:
@@ -166,7 +165,7 @@ def test_selective_plans_under_autocast_equal_recaptured_peaks() -> None:
     # recompute ends) and a selective planner over LLaMA
     model, x, loss = MODELS["llama"]()
     report = graphmem.analyze(model, x, loss=loss, amp="bf16")
-    planner = selective_planner(report, LEVELS)
+    planner = report.planner_for(LEVELS)
     r = random.Random(4)
     plans = r.sample(list(all_modal_plans(6, LEVELS + 1)), 3) + [tuple((i, i, 2) for i in range(6))]
     for segments in plans:
@@ -182,7 +181,7 @@ def test_selective_plans_over_micro_batches_equal_recaptured_peaks() -> None:
 
     model, x, loss = MODELS["gpt2"]()
     report = graphmem.analyze(model, x, loss=loss, micro_batches=2)
-    planner = selective_planner(report, LEVELS)
+    planner = report.planner_for(LEVELS)
     assert planner.modes.plain.later is not None
     r = random.Random(6)
     for segments in r.sample(list(all_modal_plans(6, LEVELS + 1)), 3) + [tuple((i, i, 3) for i in range(6))]:
@@ -320,7 +319,7 @@ def test_ops_that_cannot_be_kept_are_named() -> None:
     assert ops["b addmm#1"].why_not == "" and ops["b addmm#1"].flops == 2 * 8 * 8 * 8
     # and the knapsack keeps only what can be kept
     report = graphmem.analyze(model, x, device="cuda")
-    planner = selective_planner(report, 2)
+    planner = report.planner_for(2)
     kept = set().union(*(p.keep for p in planner.levels.policies))
     assert kept == {plain_sdpa.key, ops["b addmm#1"].key}
     # and a plan keeping what the CPU can keep runs for real with the unchecked step's gradients

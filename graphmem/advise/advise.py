@@ -1,4 +1,4 @@
-"""``Report.advise``: what to change so the step fits in ``memory``, ranked. Every row's peak is a
+"""``Analysis.advise``: what to change so the step fits in ``memory``, ranked. Every row's peak is a
 capture of the changed step (graphmem/advise/setting.py), the checkpoint plan's is the planner's
 verified plan (graphmem/planning), the batch's the fit's confirmation capture (graphmem/formula)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import graphmem.advise.levers as L
 from graphmem.advise.levers import COST_RANK, Change, LeftOut
 from graphmem.advise.setting import Measurer
-from graphmem.analysis import Analysis
+from graphmem.analysis import AnalysisView
 from graphmem.capture.target import memory_limit
 from graphmem.errors import GraphmemError
 from graphmem.passes.budget import later_steps_peak
@@ -108,7 +108,7 @@ class Advice:
                 "captures": self.captures, "notes": list(self.notes)}
 
 
-def advise(report: Analysis, memory: Any, ranks: int = 8, lora_rank: int = 16,
+def advise(report: AnalysisView, memory: Any, ranks: int = 8, lora_rank: int = 16,
            tick: Optional[Callable[[], None]] = None, combine: bool = False, figure: Optional[str] = None) -> Advice:
     """The levers of ``report``'s step, each captured, ranked, and the best few combined (when no
     single lever fits, or ``combine``); every setting judged on ``figure`` of its run (the device
@@ -118,7 +118,7 @@ def advise(report: Analysis, memory: Any, ranks: int = 8, lora_rank: int = 16,
                        tick, combine, figure_of(report, figure))
 
 
-def _advise(report: Analysis, limit: int, budget: Optional[str], ranks: int, lora_rank: int,
+def _advise(report: AnalysisView, limit: int, budget: Optional[str], ranks: int, lora_rank: int,
             tick: Optional[Callable[[], None]], combine: bool, figure: str) -> Advice:
     measurer = Measurer(report, tick)
     base = measurer.base
@@ -187,7 +187,7 @@ def _row(kind: str, name: str, how: str, peak: int, base_peak: int, limit: int, 
     return Lever(kind, name, how, peak, base_peak - peak, cost, cost_class, peak <= limit, parts, extent)
 
 
-def _batch_lever(report: Analysis, measurer: Measurer, limit: int, base_peak: int, figure: str,
+def _batch_lever(report: AnalysisView, measurer: Measurer, limit: int, base_peak: int, figure: str,
                  tries: int = 3) -> tuple[Optional[Lever], Optional[LeftOut]]:
     """The largest batch that fits: the exact formula's answer (``report.fit``, graphmem/formula;
     forward and backward), then captured with the whole step (a later step's optimizer states
@@ -221,7 +221,7 @@ def _batch_lever(report: Analysis, measurer: Measurer, limit: int, base_peak: in
                 "sample: micro-batches keep them)", "changes the run"), None
 
 
-def _plan_lever(report: Analysis, measurer: Measurer, limit: int, budget: str, base_peak: int,
+def _plan_lever(report: AnalysisView, measurer: Measurer, limit: int, budget: str, base_peak: int,
                 figure: str) -> tuple[Optional[Lever], Optional[LeftOut]]:
     """The planner's cheapest plan whose ``figure`` fits (else its lowest-peak plan), verified by a capture."""
     one_device = later_steps_peak(report.step, report.liveness)  # what the planner plans: every step's peak

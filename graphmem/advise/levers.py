@@ -13,7 +13,7 @@ from typing import Any, Callable, cast
 import torch
 
 from graphmem import losses
-from graphmem.analysis import Analysis
+from graphmem.analysis import AnalysisView
 from graphmem.chains import find_chain
 from graphmem.distributed.pipeline import Pipeline
 from graphmem.distributed.spec import Sharding
@@ -99,7 +99,7 @@ def _bundled_loss(fn: Any) -> Any:
     return None
 
 
-def loss(report: Analysis, base: StepSpec, make: Callable[[tuple[int, ...]], Any]) -> tuple[list[Change], list[LeftOut]]:
+def loss(report: AnalysisView, base: StepSpec, make: Callable[[tuple[int, ...]], Any]) -> tuple[list[Change], list[LeftOut]]:
     """The LM head and cross-entropy in chunks (graphmem/losses.py): the (tokens, vocab) logits and
     their fp32 log-softmax are never whole. Weighed for graphmem's bundled language models and
     Hugging Face causal LMs trained on their own loss; other losses are the user's code."""
@@ -128,7 +128,7 @@ def loss(report: Analysis, base: StepSpec, make: Callable[[tuple[int, ...]], Any
                    _module(wrapped))], []
 
 
-def attention(report: Analysis, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
+def attention(report: AnalysisView, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
     """SDPA's math kernel keeps the (b, h, s, s) attention matrix; flash and efficient do not."""
     kernels = dict(report.attention_backends)
     if base.target.device != "cuda":
@@ -151,7 +151,7 @@ def attention(report: Analysis, base: StepSpec) -> tuple[list[Change], list[Left
                    _target(attention="auto"))], []
 
 
-def precision(report: Analysis, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
+def precision(report: AnalysisView, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
     t, train = base.target, base.training.train
     if t.amp is not None or t.dtype in ("bf16", "fp16"):
         what = f"autocast {t.amp}" if t.amp is not None else f"{t.dtype} parameters"
@@ -176,7 +176,7 @@ ALTERNATIVES = {"adam": ("adafactor", "momentum"), "adamw": ("adafactor", "momen
 _FUSED = ("adam", "adamw", "sgd", "momentum")
 
 
-def optimizer(report: Analysis, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
+def optimizer(report: AnalysisView, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
     train = base.training.train
     if train.optimizer is None:
         return [], [LeftOut("optimizer", "no optimizer in the step: add --optimizer adamw (or another) to weigh "
@@ -209,7 +209,7 @@ def _code(name: str) -> str:
             "sgd": "torch.optim.SGD(params, lr)"}[name]
 
 
-def micro_batches(report: Analysis, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
+def micro_batches(report: AnalysisView, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
     """k micro-batches of b/k: the same samples per optimizer step (k divides b)."""
     b = base.shape[0]
     ks = [k for k in (2, 4, 8) if b % k == 0]
@@ -228,7 +228,7 @@ def micro_batches(report: Analysis, base: StepSpec) -> tuple[list[Change], list[
     return out, []
 
 
-def sharding(report: Analysis, base: StepSpec, ranks: int) -> tuple[list[Change], list[LeftOut]]:
+def sharding(report: AnalysisView, base: StepSpec, ranks: int) -> tuple[list[Change], list[LeftOut]]:
     """Data parallel over ``ranks`` ranks, per rank. FSDP2 (``fully_shard`` on each block of the
     chain, then the root, with and without ``reshard_after_forward``): rank 0's step captured
     through torch.distributed's own code under a fake process group (every rank holds shards
@@ -264,7 +264,7 @@ def sharding(report: Analysis, base: StepSpec, ranks: int) -> tuple[list[Change]
     return out, []
 
 
-def pipeline(report: Analysis, base: StepSpec, ranks: int) -> tuple[list[Change], list[LeftOut]]:
+def pipeline(report: AnalysisView, base: StepSpec, ranks: int) -> tuple[list[Change], list[LeftOut]]:
     """Pipeline stages over ``ranks`` ranks: torch.distributed.pipelining's 1F1B schedule over the
     model's chain split evenly, each rank's step captured with its own stage's optimizer
     (graphmem/distributed/pipeline.py); the row is the highest rank's peak. Micro-batches: the
@@ -297,7 +297,7 @@ def pipeline(report: Analysis, base: StepSpec, ranks: int) -> tuple[list[Change]
                    _piped(Pipeline(ranks, 0, "1f1b", m)), volume)], []
 
 
-def lora(report: Analysis, base: StepSpec, rank: int = 16) -> tuple[list[Change], list[LeftOut]]:
+def lora(report: AnalysisView, base: StepSpec, rank: int = 16) -> tuple[list[Change], list[LeftOut]]:
     """Fine-tuning with LoRA adapters: the frozen weights keep no gradient or optimizer state."""
     if base.training.lora is not None:
         return [], [LeftOut("lora", f"the step already trains {base.training.lora.describe()}")]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-from graphmem.analysis import Analysis, captured
+from graphmem.analysis import AnalysisView, captured
 from graphmem.errors import no_source
 from graphmem.passes import saved
 from graphmem.passes.budget import Parallel
@@ -30,7 +30,7 @@ def _key(spec: StepSpec) -> StepSpec:
 class Measurer:
     """Measures specs (once each), starting from the report's own capture."""
 
-    def __init__(self, report: Analysis, tick: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, report: AnalysisView, tick: Optional[Callable[[], None]] = None) -> None:
         self.source = report.source
         if self.source is None:
             raise no_source(report.sharding)

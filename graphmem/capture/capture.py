@@ -16,26 +16,25 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
+from graphmem.capture.autograd_tags import _tag_grad_fns
 from graphmem.capture.call_paths import module_names, module_order
 from graphmem.capture.compiled import CompiledStep, compiled_context
 from graphmem.capture.compiled_blocks import hooks_standing_aside
 from graphmem.capture.compiled_per_block import compiling_blocks
-from graphmem.capture.cuda_rules import CudaRules
-from graphmem.capture.fakes import Inputs, fake_batch, fake_state, forward_context, translate_error
+from graphmem.capture.fakes import Inputs, fake_batch, fake_state, forward_context
 from graphmem.capture.hand_back import hand_back_in_order
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recompute import segment_scope
 from graphmem.capture.recorder import _Mode, _Recorder
-from graphmem.capture.rng_states import rng_states
+from graphmem.capture.session import Recording
 from graphmem.capture.target import BLOCKS, Target
-from graphmem.errors import GraphmemError, UsageError
+from graphmem.errors import UsageError
 from graphmem.stepgraph import StepGraph
 from graphmem.training.batch import Batch
 from graphmem.training.loop import Session, TrainStep, relabel_accumulation
@@ -44,24 +43,6 @@ from graphmem.training.optim import HOST_STATE, resolved_impl
 from graphmem.training.step import LossFn, default_loss, run_step
 
 StepRunner = Callable[..., Any]  # Session.run's signature: (forward, batch, loss_fn, on_phase, context, mark, fake=)
-
-
-@contextlib.contextmanager
-def _cache_clears(cap: _Recorder) -> Iterator[None]:
-    """Mark what CPU autocast's cache clears free (``torch.autocast.__exit__`` calls
-    ``torch.clear_autocast_cache`` when the outermost context exits, in forward and in a
-    checkpoint's recompute)."""
-    clear = torch.clear_autocast_cache
-
-    def marked() -> None:
-        with cap.clearing_cache():
-            clear()
-
-    torch.clear_autocast_cache = marked  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.clear_autocast_cache = clear  # type: ignore[assignment]
 
 
 def capture(
@@ -88,51 +69,28 @@ def capture(
     if target.mode == "compiled" and train is not None and train.loop_options:
         raise UsageError(f"{', '.join(train.loop_options)} run around compiled blocks, as torchtune compiles: use "
                          "mode='compiled-blocks' (each block and the loss compiled), or mode='eager'")
-    backends: dict[str, int] = {}
-    _unique_counts()  # calibrate before entering the fake mode
-    cap = recorder_for(target, backends, module_names(model))
-    fake_mode = _Mode(cap)
+    rec = Recording(target, module_names(model))
     training = [(m, m.training) for m in model.modules()]
-    handles = []
     compiled: Optional[CompiledStep] = None
     try:
         for m in model.modules():  # train mode (set directly: an exported module refuses .train())
             m.training = True
         if target.mode == "compiled":  # torch.compile's step, traced once on its own fake tensors
-            compiled = CompiledStep.trace(model, inputs, loss_fn, target, backends, runner)
-        step = _prepare(model, inputs, target, train, cap, fake_mode)  # before the step swaps the fake parameters in
-        # compiled blocks: the hooks stand aside while dynamo traces a block (its graphs' nodes name its modules)
-        hook = hooks_standing_aside if target.mode == BLOCKS else lambda h: h
-        handles = [] if compiled is not None else [  # compiled: modules come from the graphs' node metadata
-            nn.modules.module.register_module_forward_pre_hook(hook(cap.pre_hook)),
-            nn.modules.module.register_module_forward_hook(hook(cap.post_hook), always_call=True),  # also when a recompute stops early
-        ]
-        with compiling_blocks(model, loss_fn, cap, target, backends) if target.mode == BLOCKS \
-                else contextlib.nullcontext(loss_fn) as step_loss:
-            # ``kept``: the step's output, loss and context, alive (as the fake state) until the recorder closes
-            gradient_sids, kept = _run(model, step_loss, target, runner, cap, fake_mode, compiled, step, backends)
-        return _step_graph(model, target, train, cap, compiled, step, gradient_sids, backends)
+            compiled = CompiledStep.trace(model, inputs, loss_fn, target, rec.backends, runner)
+        step = _prepare(model, inputs, target, train, rec.cap, rec.mode)  # before the step swaps the fake parameters in
+        # compiled blocks: the hooks stand aside while dynamo traces a block (its graphs' nodes name its modules);
+        # compiled: no module hooks, modules come from the graphs' node metadata
+        with rec.hooks(hooks_standing_aside if target.mode == BLOCKS else lambda h: h, install=compiled is None):
+            with compiling_blocks(model, loss_fn, rec.cap, target, rec.backends) if target.mode == BLOCKS \
+                    else contextlib.nullcontext(loss_fn) as step_loss:
+                # ``kept``: the step's output, loss and context, alive (as the fake state) until the recorder closes
+                gradient_sids, kept = _run(model, step_loss, rec, runner, compiled, step)
+            return _step_graph(model, train, rec, compiled, step, gradient_sids)
     finally:
-        cap.closed = True  # before out/loss/state die with this frame: those frees are after the step
         if compiled is not None:
             compiled.close()
-        for h in handles:
-            h.remove()
         for m, was in training:
             m.training = was
-
-
-def recorder_for(target: Target, backends: dict[str, int], paths: Optional[dict[int, tuple[str, ...]]] = None
-                 ) -> _Recorder:
-    """The recorder for ``target``: its device and GPU pick the kernel rules; the CUDA target's
-    recomputes run under CUDA's rules, and its LayerNorm keeps fp32 statistics. ``paths``: the
-    module names (call_paths.module_names), when the module is known already."""
-    cap = _Recorder(paths or {})
-    cap.device, cap.gpu = target.device, target.gpu
-    if target.device == "cuda":
-        cap.recompute_rules = lambda: CudaRules(target, backends, cap.clearing_cache)
-        cap.fp32_norm_stats = True
-    return cap
 
 
 @dataclass
@@ -168,12 +126,13 @@ def _prepare(model: nn.Module, inputs: Inputs, target: Target, train: Optional[T
     return _Prepared(state, seen, fake_inputs, session, mark, marked)
 
 
-def _run(model: nn.Module, loss_fn: Optional[LossFn], target: Target, runner: Optional[StepRunner], cap: _Recorder,
-         fake_mode: _Mode, compiled: Optional[CompiledStep], step: _Prepared,
-         backends: dict[str, int]) -> tuple[list[int], tuple[Any, ...]]:
+def _run(model: nn.Module, loss_fn: Optional[LossFn], rec: Recording, runner: Optional[StepRunner],
+         compiled: Optional[CompiledStep], step: _Prepared) -> tuple[list[int], tuple[Any, ...]]:
     """Run the step under the fake mode, recording it: the storage ids of the gradients it leaves,
     and what the caller keeps until the recorder closes (the output, the loss and the context: their
     frees come after the step)."""
+    cap, target = rec.cap, rec.target
+
     def forward(*args: Any, **kwargs: Any) -> Any:
         if compiled is not None:
             return compiled.replay(cap, args, kwargs)
@@ -186,50 +145,40 @@ def _run(model: nn.Module, loss_fn: Optional[LossFn], target: Target, runner: Op
         return loss
 
     session, mark = step.session, step.mark
-    try:
-        # the fake parameters stay in the module through backward: checkpointed
-        # segments (torch.utils.checkpoint) run their forward again there
-        with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
-                _reparametrize_module(model, step.state, tie_weights=True, strict=False, stack_weights=True), \
-                rng_states(cap, target.device == "cpu"), _cache_clears(cap), \
-                segment_scope(cap.recompute_scope), \
-                real_paths(fake_mode.values) if compiled is None else contextlib.nullcontext():
-            cap.recording = True
-            context = forward_context(target, backends, cap.clearing_cache) if compiled is None \
-                else compiled_context(target, cap.clearing_cache)
-            if runner is not None:  # a trainer's own step (graphmem/training/hf_trainer.py)
-                out, loss = runner(forward, step.inputs, tagged_loss, cap.set_phase, context, mark, fake=True)
-            elif session is not None:  # graphmem's loop (graphmem/training/loop.py)
-                out, loss = session.run(forward, step.inputs, tagged_loss, cap.set_phase, context, mark, fake=True,
-                                        observe=(cap.pack_as, cap.unpack))
-            else:
-                out, loss = run_step(forward, step.inputs, tagged_loss, cap.set_phase, context)
-            if runner is not None or session is not None:
-                relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
-            gradient_sids = list(dict.fromkeys(step.marked.get("gradient", []) + [
-                _gradient(cap, p) for p in step.seen.values() if p.grad is not None]))
-            for sid in gradient_sids:  # the op that made it stays its name; it lives on as a .grad
-                cap.storages[sid].kind = "gradient"
-    except GraphmemError:
-        raise
-    except Exception as e:  # translate into a one-line error that names the fix
-        raise translate_error(e, cap, type(model).__name__) from e
+    # the fake parameters stay in the module through backward: checkpointed
+    # segments (torch.utils.checkpoint) run their forward again there
+    with rec.running(type(model).__name__,
+                     _reparametrize_module(model, step.state, tie_weights=True, strict=False, stack_weights=True),
+                     segment_scope(cap.recompute_scope),
+                     real_paths(rec.mode.values) if compiled is None else contextlib.nullcontext()):
+        context = forward_context(target, rec.backends, cap.clearing_cache) if compiled is None \
+            else compiled_context(target, cap.clearing_cache)
+        if runner is not None:  # a trainer's own step (graphmem/training/hf_trainer.py)
+            out, loss = runner(forward, step.inputs, tagged_loss, cap.set_phase, context, mark, fake=True)
+        elif session is not None:  # graphmem's loop (graphmem/training/loop.py)
+            out, loss = session.run(forward, step.inputs, tagged_loss, cap.set_phase, context, mark, fake=True,
+                                    observe=(cap.pack_as, cap.unpack))
+        else:
+            out, loss = run_step(forward, step.inputs, tagged_loss, cap.set_phase, context)
+        if runner is not None or session is not None:
+            relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
+        gradient_sids = list(dict.fromkeys(step.marked.get("gradient", []) + [
+            _gradient(cap, p) for p in step.seen.values() if p.grad is not None]))
+        for sid in gradient_sids:  # the op that made it stays its name; it lives on as a .grad
+            cap.storages[sid].kind = "gradient"
     return gradient_sids, (out, loss, context)
 
 
-def _step_graph(model: nn.Module, target: Target, train: Optional[TrainStep], cap: _Recorder,
-                compiled: Optional[CompiledStep], step: _Prepared, gradient_sids: list[int],
-                backends: dict[str, int]) -> StepGraph:
-    phase_start = dict(cap.phase_start)
-    phase_start["end"] = len(cap.ops)
+def _step_graph(model: nn.Module, train: Optional[TrainStep], rec: Recording, compiled: Optional[CompiledStep],
+                step: _Prepared, gradient_sids: list[int]) -> StepGraph:
+    cap = rec.cap
     if compiled is not None:
         compiled.check_replayed()
         hand_back_in_order(cap.ops, cap.storages, cap.saves, gradient_sids)
-    return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
-                     gradient_sids, type(model).__name__, module_order(model),
-                     compiled.module_inputs if compiled is not None else cap.module_inputs, target, backends,
+    return rec.graph(type(model).__name__, module_order(model), gradient_sids,
+                     module_inputs=compiled.module_inputs if compiled is not None else cap.module_inputs,
                      compiled=compiled.summary() if compiled is not None else None,
-                     train=train if step.session is not None else None, micro_steps=tuple(cap.micro_steps))
+                     train=train if step.session is not None else None)
 
 
 def _gradient(cap: _Recorder, p: torch.Tensor) -> int:

@@ -53,10 +53,9 @@ from graphmem.capture.autograd_tags import _DONE, _tensors, node_metadata
 from graphmem.capture.compiled_cuda import compiled_context as cuda_context
 from graphmem.capture.compiled_cuda import cuda_graph, example_values_ruled, graphs_unruled
 from graphmem.capture.dynamo_cache import cache_entries, cache_sizes, compiled_codes, guard_failure
-from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_error
+from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_in
 from graphmem.capture.inductor_partition import inductor_partition
 from graphmem.capture.partition_record import Partition, recording
-from graphmem.capture.recorder import _Recorder
 from graphmem.capture.target import Target
 from graphmem.capture.widen_map import block_copies, rename
 from graphmem.errors import CaptureError, GraphmemError
@@ -366,9 +365,7 @@ def _translate(e: Exception, phase: str, root: str) -> GraphmemError:
         inner = inner.__cause__
     if isinstance(inner, GraphmemError):
         return inner
-    rec = _Recorder({})
-    rec.phase = phase
-    err = translate_error(inner if isinstance(inner, Exception) else e, rec, root)
+    err = translate_in(inner if isinstance(inner, Exception) else e, phase, root)
     if isinstance(err, CaptureError) and type(err) is CaptureError:
         msg = str(inner).strip().splitlines()[0] if str(inner).strip() else type(inner).__name__
         return CaptureError(f"torch.compile of {root} failed on fake tensors in the {phase}: {type(inner).__name__}: "

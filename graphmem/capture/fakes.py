@@ -112,10 +112,17 @@ def forward_context(target: Target, used: dict[str, int],
 
 
 def translate_error(e: Exception, cap: _Recorder, root: str) -> GraphmemError:
-    where = f"module {cap.stack[-1]!r}" if cap.stack and cap.stack[-1] else f"{root}.forward"
-    if cap.phase == "backward":
+    """What failed while ``cap`` recorded ``root``'s step, as a one-line error naming the fix."""
+    return translate_in(e, cap.phase, root, cap.stack[-1] if cap.stack else "")
+
+
+def translate_in(e: Exception, phase: str, root: str, module: str = "") -> GraphmemError:
+    """What failed in ``phase`` of ``root``'s step (in ``module``, a path, when known), as a
+    one-line error naming the fix."""
+    where = f"module {module!r}" if module else f"{root}.forward"
+    if phase == "backward":
         where = "backward"
-    elif cap.phase == "loss":
+    elif phase == "loss":
         where = "the loss"
     if isinstance(e, DataDependentOutputException):
         return DataDependentError(
@@ -143,6 +150,6 @@ def translate_error(e: Exception, cap: _Recorder, root: str) -> GraphmemError:
             "returning an empty tensor of the output's shape"
         )
     return CaptureError(
-        f"{where} raised {type(e).__name__}: {msg} (while running the {cap.phase} on fake "
+        f"{where} raised {type(e).__name__}: {msg} (while running the {phase} on fake "
         "tensors); check that the input shape fits the model, or rerun with `debug` for the traceback"
     )

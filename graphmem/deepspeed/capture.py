@@ -25,14 +25,16 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
-from graphmem.capture.capture import marker, recorder_for
+from graphmem.capture.autograd_tags import _tag_grad_fns
+from graphmem.capture.call_paths import module_order
+from graphmem.capture.capture import marker
 from graphmem.capture.fakes import fake_batch, forward_context
 from graphmem.capture.recorder import _NODE, _Mode, _Recorder
+from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
 from graphmem.deepspeed.config import DeepSpeedJob, resolved
 from graphmem.deepspeed.engine import engine_on_fake, held_tensors, launched, staying
-from graphmem.distributed.capture import hooked, rank_graph, rank_placeholders, recording
+from graphmem.distributed.capture import rank_placeholders, rank_running
 from graphmem.distributed.fsdp import fake_copy
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
@@ -93,14 +95,12 @@ def _engine_steps(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], tar
                   train: TrainStep, recorded: tuple[bool, ...]) -> list[StepGraph]:
     """One engine, then a step per entry of ``recorded``: a StepGraph for each True (a recorder of its own),
     the step run unrecorded for each False."""
-    _unique_counts()  # calibrate before entering the fake mode
     graphs: list[StepGraph] = []
     with launched(job.rank, job.world_size), fake_group(job.rank, job.world_size):
-        backends: dict[str, int] = {}
-        cap = recorder_for(target, backends)
         import deepspeed
 
-        fake_mode = _EngineMode(cap)
+        rec = Recording(target)
+        fake_mode = rec.mode = _EngineMode(rec.cap)
         with fake_mode, engine_on_fake(fake_mode):
             wrapped = fake_copy(module, None)  # DeepSpeed casts to bf16/fp16 itself (its config)
             config = resolved(job, module, _micro_batch(inputs))
@@ -114,26 +114,26 @@ def _engine_steps(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], tar
                 with fake_mode, engine_on_fake(fake_mode):
                     _warm_step(engine, inputs, loss_fn, target, fake_mode)
                 continue
-            if graphs:  # a fresh recorder; the tensors the last one named are unnamed (``_forget``)
-                backends = {}
-                cap = fake_mode.rec = recorder_for(target, backends)
+            if graphs:  # a fresh recorder on the same fake mode; the tensors the last one named are unnamed (``_forget``)
+                rec = Recording(target)
+                rec.mode, fake_mode.rec = fake_mode, rec.cap
                 _forget()
-            graphs.append(_recorded(cap, fake_mode, engine, inputs, loss_fn, target, backends, train))
+            graphs.append(_recorded(rec, engine, inputs, loss_fn, train))
     return graphs
 
 
-def _recorded(cap: _Recorder, fake_mode: _Mode, engine: Any, inputs: Any, loss_fn: Optional[LossFn], target: Target,
-              backends: dict[str, int], train: TrainStep) -> StepGraph:
+def _recorded(rec: Recording, engine: Any, inputs: Any, loss_fn: Optional[LossFn], train: TrainStep) -> StepGraph:
     """The step recorded from what the engine holds now: its held tensors, each named by where DeepSpeed keeps
     it, are the baseline (``held_tensors``), then the parameters and the batch."""
+    cap, fake_mode = rec.cap, rec.mode
     with fake_mode, engine_on_fake(fake_mode):
         held = held_tensors(engine)
         for path, t in held:
             if t.untyped_storage().nbytes():
                 cap.preexisting(t, kind_of(path), path)
         del held
-        param_sid, fake_inputs = rank_placeholders(cap, fake_mode, engine.module, inputs, target)
-    return _run(cap, fake_mode, engine, fake_inputs, loss_fn, target, backends, param_sid, train)
+        param_sid, fake_inputs = rank_placeholders(cap, fake_mode, engine.module, inputs, rec.target)
+    return _run(rec, engine, fake_inputs, loss_fn, param_sid, train)
 
 
 def _forget() -> None:
@@ -163,13 +163,12 @@ def _micro_batch(inputs: Any) -> int:
     return int(first.shape[0]) if first is not None and first.dim() else 1
 
 
-def _run(cap: _Recorder, fake_mode: _Mode, engine: Any, fake_inputs: Any, loss_fn: Optional[LossFn], target: Target,
-         backends: dict[str, int], param_sid: dict[str, int], train: TrainStep) -> StepGraph:
-    module = engine.module
+def _run(rec: Recording, engine: Any, fake_inputs: Any, loss_fn: Optional[LossFn], param_sid: dict[str, int],
+         train: TrainStep) -> StepGraph:
+    module, cap, target, backends = engine.module, rec.cap, rec.target, rec.backends
     gathered = nn.modules.module.register_module_forward_hook(lambda m, a, o: _gathered(cap, m))
-    with hooked(cap), _removed(gathered):
-        with recording(cap, fake_mode, target, module), engine_on_fake(fake_mode):
-            cap.recording = True
+    with rec.hooks(), _removed(gathered):
+        with rank_running(rec, module, engine_on_fake(rec.mode)):
             marked: dict[str, list[int]] = {}
             mark = marker(cap, param_sid, marked)
             out = _micro_steps(engine, as_batch(fake_inputs), loss_fn,  # (alive until the step ends, as in a loop)
@@ -180,8 +179,8 @@ def _run(cap: _Recorder, fake_mode: _Mode, engine: Any, fake_inputs: Any, loss_f
             states = engine.optimizer.optimizer.state if hasattr(engine.optimizer, "optimizer") else {}
             mark("optimizer state", [(f"{i}:{k}", v) for i, s in enumerate(states.values()) for k, v in s.items()
                                      if isinstance(v, torch.Tensor)])
-        graph = rank_graph(cap, module, target, backends, marked.get("gradient", []), train)
-    del out  # freed after ``cap`` is closed (``hooked``): the output and loss are alive when the step ends
+        graph = rec.graph(type(module).__name__, module_order(module), marked.get("gradient", []), train=train)
+    del out  # freed after ``cap`` is closed (``rec.hooks``): the output and loss are alive when the step ends
     return graph
 
 

@@ -24,27 +24,25 @@ and Adafactor do not run on DTensors (refused by graphmem/distributed/spec.py ma
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.nn as nn
 
-from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
+from graphmem.capture.autograd_tags import _tag_grad_fns
 from graphmem.capture.call_paths import module_names, module_order
-from graphmem.capture.capture import _cache_clears, marker, recorder_for
-from graphmem.capture.fakes import Inputs, fake_batch, forward_context, translate_error
+from graphmem.capture.capture import marker
+from graphmem.capture.fakes import Inputs, fake_batch, forward_context
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recorder import _Mode, _Recorder
-from graphmem.capture.rng_states import rng_states
+from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
 from graphmem.distributed.fsdp import fake_copy, local, unsharded_grads, watching
 from graphmem.distributed.process_group import fake_process_group
 from graphmem.distributed.spec import Sharding
 from graphmem.distributed.tensor_parallel import step_context
 from graphmem.distributed.wrappers import apply_wrappers
-from graphmem.errors import GraphmemError
 from graphmem.stepgraph import StepGraph
 from graphmem.training.loop import Session, TrainStep, relabel_accumulation
 from graphmem.training.optim import resolved_impl
@@ -65,37 +63,34 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
     >>> g.storages[g.placeholders[0].meta["storage"]].shape   # rank 1's shard of the first weight
     (16, 64)
     """
-    _unique_counts()  # calibrate before entering the fake mode
     with fake_process_group(sharding.rank, sharding.world_size, sharding.tp, sharding.fsdp) as meshes:
-        backends: dict[str, int] = {}
-        cap = recorder_for(target, backends)
-        fake_mode = _Mode(cap)
-        with fake_mode:
+        rec = Recording(target)
+        cap = rec.cap
+        with rec.mode:
             wrapped = fake_copy(model, target.param_dtype)
             cap.real_bookkeeping = True  # the meshes' own tensors are real
             apply_wrappers(wrapped, sharding, meshes, fake=True)  # the same call as validate's real ranks
             cap.real_bookkeeping = False
-            param_sid, fake_inputs = rank_placeholders(cap, fake_mode, wrapped, inputs, target)
+            param_sid, fake_inputs = rank_placeholders(cap, rec.mode, wrapped, inputs, target)
             # torch.optim over the DTensor parameters (its states are made by the step, lazily)
             session = Session(traced(train, sharding), dict(wrapped.named_parameters()), target.device) \
                 if train is not None and train.active else None
-        return _run(cap, fake_mode, wrapped, fake_inputs, loss_fn, target, backends, param_sid, session, sharding)
+        return _run(rec, wrapped, fake_inputs, loss_fn, param_sid, session, sharding)
 
 
-def _run(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, fake_inputs: Any, loss_fn: Optional[LossFn],
-         target: Target, backends: dict[str, int], param_sid: dict[str, int], session: Optional[Session],
-         sharding: Sharding) -> StepGraph:
+def _run(rec: Recording, wrapped: nn.Module, fake_inputs: Any, loss_fn: Optional[LossFn], param_sid: dict[str, int],
+         session: Optional[Session], sharding: Sharding) -> StepGraph:
     def tagged_loss(out: Any, inputs: Any) -> torch.Tensor:
         loss = (loss_fn or default_loss)(out, inputs)
         if isinstance(loss, torch.Tensor):
             _tag_grad_fns(loss, "")  # the loss's nodes belong to the root
         return loss
 
-    with hooked(cap):
-        with recording(cap, fake_mode, target, wrapped), \
-                step_context(sharding):  # loss_parallel() around loss and backward when the logits stay split
-            cap.recording = True
-            context = forward_context(target, backends, cap.clearing_cache)
+    cap, target = rec.cap, rec.target
+    with rec.hooks():
+        # loss_parallel() around loss and backward when the logits stay split
+        with rank_running(rec, wrapped, step_context(sharding)):
+            context = forward_context(target, rec.backends, cap.clearing_cache)
             marked: dict[str, list[int]] = {}
             # the CUDA target keeps torch.optim's for-loop/foreach step counters on the host
             host_steps = session is not None and target.device == "cuda" and \
@@ -110,7 +105,8 @@ def _run(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, fake_inputs: Any,
                                         micro_step=_gradient_sync(cap, wrapped, sharding))
                 relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
             gradients = marked.get("gradient", [])
-        return rank_graph(cap, wrapped, target, backends, gradients, session.step if session is not None else None)
+        return rec.graph(type(wrapped).__name__, module_order(wrapped), gradients,
+                         train=session.step if session is not None else None)
 
 
 def rank_placeholders(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, inputs: Any,
@@ -131,47 +127,12 @@ def rank_placeholders(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, inpu
     return sids, fake_inputs
 
 
-@contextlib.contextmanager
-def hooked(cap: _Recorder, wrap: Callable[[Any], Any] = lambda hook: hook) -> Iterator[None]:
-    """Within: ``cap``'s module hooks (through ``wrap``) on every module; after, ``cap`` closed (before the
-    fake tensors die with the caller's frame: those frees are after the step). Around a rank's capture and its graph."""
-    handles = [nn.modules.module.register_module_forward_pre_hook(wrap(cap.pre_hook)),
-               nn.modules.module.register_module_forward_hook(wrap(cap.post_hook), always_call=True)]
-    try:
-        yield
-    finally:
-        cap.closed = True
-        for h in handles:
-            h.remove()
-
-
-@contextlib.contextmanager
-def recording(cap: _Recorder, fake_mode: _Mode, target: Target, wrapped: nn.Module,
-              hooks: Optional[tuple[Any, Any]] = None) -> Iterator[None]:
-    """What a rank's step runs under (here and graphmem/distributed/trainer_fsdp.py): the fake mode,
-    ``cap``'s saved_tensors_hooks (or ``hooks``: (pack, unpack)), the RNG states, autocast's cache clears,
-    transformers' real paths and FSDP's watched collectives; what fails inside is translated into a
-    one-line error naming the fix."""
-    pack, unpack = hooks if hooks is not None else (cap.pack, cap.unpack)
-    try:
-        with fake_mode, torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
-                rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(fake_mode.values), watching(cap):
-            yield
-    except GraphmemError:
-        raise
-    except Exception as e:
-        raise translate_error(e, cap, type(wrapped).__name__) from e
-
-
-def rank_graph(cap: _Recorder, wrapped: nn.Module, target: Target, backends: dict[str, int], gradients: list[int],
-               train: Optional[TrainStep] = None) -> StepGraph:
-    """The StepGraph of a rank's recorded step (``gradients``: the storage ids of its gradients)."""
-    phase_start = dict(cap.phase_start)
-    phase_start["end"] = len(cap.ops)
-    return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
-                     list(dict.fromkeys(gradients)), type(wrapped).__name__,
-                     module_order(wrapped), cap.module_inputs, target, backends,
-                     train=train, micro_steps=tuple(cap.micro_steps))
+def rank_running(rec: Recording, wrapped: nn.Module, *more: ContextManager[Any],
+                 saved: Optional[tuple[Any, Any]] = None) -> ContextManager[None]:
+    """What a rank's step runs under (here, graphmem/distributed/trainer_fsdp.py and graphmem/deepspeed/capture.py):
+    the recording's own (graphmem/capture/session.py; ``saved``: other (pack, unpack) hooks), then transformers'
+    real paths, FSDP's watched collectives and the engine's ``more``."""
+    return rec.running(type(wrapped).__name__, real_paths(rec.mode.values), watching(rec.cap), *more, saved=saved)
 
 
 def traced(train: TrainStep, sharding: Sharding) -> TrainStep:

@@ -32,13 +32,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from graphmem.capture.autograd_tags import _tag_grad_fns, _tensors, _unique_counts
+from graphmem.capture.autograd_tags import _tag_grad_fns, _tensors
 from graphmem.capture.call_paths import module_names, module_order
-from graphmem.capture.capture import _cache_clears, marker
-from graphmem.capture.fakes import _fake_like, fake_batch, fake_state, forward_context, translate_error
+from graphmem.capture.capture import marker
+from graphmem.capture.fakes import _fake_like, fake_batch, fake_state, forward_context
 from graphmem.capture.hf_paths import real_paths
-from graphmem.capture.recorder import _Mode, _Recorder
-from graphmem.capture.rng_states import rng_states
+from graphmem.capture.recorder import _Recorder
+from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
 from graphmem.distributed.pipeline_stages import (
     Layout,
@@ -51,7 +51,6 @@ from graphmem.distributed.pipeline_stages import (
     run_schedule,
     stage_loss,
 )
-from graphmem.errors import GraphmemError
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
 from graphmem.training.batch import as_batch
@@ -163,66 +162,87 @@ def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target:
     """Record rank ``plan.rank``'s step of the pipeline on fake tensors (see the module docstring);
     with ``train``'s optimizer, torch.optim's step over the stage's own parameters after the
     schedule (each rank steps its own stage's optimizer, as torchtitan does)."""
-    device = torch.device("cpu")  # the CUDA target runs on fake CPU tensors (graphmem/capture/target.py)
     context = forward_context(target, {}, contextlib.nullcontext)
     if layout is None:  # (the same for every rank of the pipeline: a caller capturing several passes it on)
         layout = probe(model, inputs, plan.micro_batches, target.param_dtype, context)
-    _unique_counts()
-    cap = _Recorder(module_names(model))
-    cap.device, cap.gpu = target.device, target.gpu
-    mode = _Mode(cap)
+    # (a stage's recorder has never taken the CUDA target's recompute rules and fp32 norm statistics)
+    rec = Recording(target, module_names(model), cuda_recorder_rules=False)
     segments: list[Segment] = []
     training = [(m, m.training) for m in model.modules()]
-    handles: list[Any] = []
     try:
         for m in model.modules():
             m.training = True
         with fake_group(plan.rank, plan.pp), _works_hold_tensors():
-            with mode:
-                batch = as_batch(fake_batch(inputs, mode, device, target.param_dtype, mode.values).given).tensors()[0]
-                consts = _consts(model, layout, batch, plan, target.param_dtype, context, mode.values)
-                for i, t in enumerate(_tensors(consts)):  # held by the stage from before the step
-                    cap.preexisting(t, "external", f"stage constant {i} (the first block's inputs)")
-                schedule, stages = build_schedule(model, layout, plan, stage_loss(model, loss), device, consts,
-                                                  batch.tensor_split(plan.micro_batches)[0])
-                own = nn.ModuleList([s.submod for s in stages])
-                for s in stages:
-                    cap.paths[id(s.submod)] = ("",)
-                state, fakes, param_sid = _stage_state(model, own, cap, device, target.param_dtype)
-                # the stage's optimizer, made before the step (its states are made by the step, lazily)
-                session = Session(dataclasses.replace(train, micro_batches=1), fakes, target.device) \
-                    if train is not None and train.optimizer is not None else None
-                root_state = {name: state[f"{k}.{attr}"] for k, s in enumerate(stages)  # the model's code reads them
-                              for attr, name in s.submod.parent_tensors.items()}
-                if any(s.is_first or s.is_last for s in stages):
-                    cap.preexisting(batch, "input", "input")
-            _phases(cap, schedule, stages, segments, forward_context(target, {}, cap.clearing_cache))
-            handles = [nn.modules.module.register_module_forward_pre_hook(cap.pre_hook),
-                       nn.modules.module.register_module_forward_hook(cap.post_hook, always_call=True)]
-            try:
-                with mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
-                        _reparametrize_module(own, state, tie_weights=True, strict=False, stack_weights=True), \
-                        _reparametrize_module(model, root_state, strict=False, stack_weights=True), \
-                        rng_states(cap, target.device == "cpu"), _cache_clears(cap), real_paths(mode.values):
-                    cap.recording = True
-                    out = run_schedule(schedule, stages, batch)
-                    mark, grads = _mark_gradients(cap, param_sid, fakes, session, target)
-                    del out
-                    if session is not None:
-                        opt_start = len(cap.ops)
-                        session.optimizer_step(cap.set_phase, mark, fake=True)
-            except GraphmemError:
-                raise
-            except Exception as e:
-                raise translate_error(e, cap, type(model).__name__) from e
-        g = _stage_graph(cap, segments, model, target, grads, session, opt_start if session is not None else None)
+            stage = _built(model, inputs, loss, plan, train, layout, rec, context)  # (held until the recorder closes)
+            _phases(rec.cap, stage.schedule, stage.stages, segments, forward_context(target, {}, rec.cap.clearing_cache))
+            with rec.hooks():
+                grads, opt_start = _run_stage(rec, model, stage)
+                g = _stage_graph(rec, segments, model, grads, stage.session, opt_start)
         return g, tuple(segments), layout
     finally:
-        cap.closed = True
-        for h in handles:
-            h.remove()
         for m, was in training:
             m.training = was
+
+
+@dataclass
+class _Stage:
+    """What rank r's stages run on, made before the step: the schedule and its stages, the stages' fake
+    state (``state``; the parameters by name: ``fakes``, their storage ids: ``param_sid``), the model's own
+    tensors its code reads (``root_state``), the stage's optimizer session and the batch."""
+
+    schedule: Any
+    stages: list[Any]
+    own: nn.ModuleList
+    state: dict[str, Any]
+    fakes: dict[str, torch.Tensor]
+    param_sid: dict[str, int]
+    session: Optional[Session]
+    root_state: dict[str, Any]
+    batch: torch.Tensor
+    consts: tuple[tuple, dict]
+
+
+def _built(model: nn.Module, inputs: Any, loss: Optional[LossFn], plan: Pipeline, train: Optional[TrainStep],
+           layout: Layout, rec: Recording, context: Callable[[], Any]) -> _Stage:
+    """The schedule and the stages' fake state, under the recording's fake mode (not recorded)."""
+    cap, mode, target = rec.cap, rec.mode, rec.target
+    device = torch.device("cpu")  # the CUDA target runs on fake CPU tensors (graphmem/capture/target.py)
+    with mode:
+        batch = as_batch(fake_batch(inputs, mode, device, target.param_dtype, mode.values).given).tensors()[0]
+        consts = _consts(model, layout, batch, plan, target.param_dtype, context, mode.values)
+        for i, t in enumerate(_tensors(consts)):  # held by the stage from before the step
+            cap.preexisting(t, "external", f"stage constant {i} (the first block's inputs)")
+        schedule, stages = build_schedule(model, layout, plan, stage_loss(model, loss), device, consts,
+                                          batch.tensor_split(plan.micro_batches)[0])
+        own = nn.ModuleList([s.submod for s in stages])
+        for s in stages:
+            cap.paths[id(s.submod)] = ("",)
+        state, fakes, param_sid = _stage_state(model, own, cap, device, target.param_dtype)
+        # the stage's optimizer, made before the step (its states are made by the step, lazily)
+        session = Session(dataclasses.replace(train, micro_batches=1), fakes, target.device) \
+            if train is not None and train.optimizer is not None else None
+        root_state = {name: state[f"{k}.{attr}"] for k, s in enumerate(stages)  # the model's code reads them
+                      for attr, name in s.submod.parent_tensors.items()}
+        if any(s.is_first or s.is_last for s in stages):
+            cap.preexisting(batch, "input", "input")
+    return _Stage(schedule, stages, own, state, fakes, param_sid, session, root_state, batch, consts)
+
+
+def _run_stage(rec: Recording, model: nn.Module, stage: _Stage) -> tuple[list[int], Optional[int]]:
+    """The schedule's step, then the stage's optimizer step if it has one, recorded: the gradients'
+    storage ids and the first op of the optimizer step (None without one)."""
+    opt_start = None
+    with rec.running(type(model).__name__,
+                     _reparametrize_module(stage.own, stage.state, tie_weights=True, strict=False, stack_weights=True),
+                     _reparametrize_module(model, stage.root_state, strict=False, stack_weights=True),
+                     real_paths(rec.mode.values)):
+        out = run_schedule(stage.schedule, stage.stages, stage.batch)
+        mark, grads = _mark_gradients(rec.cap, stage.param_sid, stage.fakes, stage.session, rec.target)
+        del out
+        if stage.session is not None:
+            opt_start = len(rec.cap.ops)
+            stage.session.optimizer_step(rec.cap.set_phase, mark, fake=True)
+    return grads, opt_start
 
 
 def _stage_state(model: nn.Module, own: nn.ModuleList, cap: _Recorder, device: torch.device,
@@ -258,18 +278,20 @@ def _mark_gradients(cap: _Recorder, param_sid: dict[str, int], fakes: dict[str, 
     return mark, list(dict.fromkeys(marked.get("gradient", [])))
 
 
-def _stage_graph(cap: _Recorder, segments: list[Segment], model: nn.Module, target: Target, grads: list[int],
+def _stage_graph(rec: Recording, segments: list[Segment], model: nn.Module, grads: list[int],
                  session: Optional[Session], opt_start: Optional[int]) -> StageGraph:
     """The recorded stage step as a graph; ``opt_start``: the first op of the optimizer step, if it ran."""
     # micro-batches' forwards and backwards interleave: each op keeps its own phase (StageGraph.phase_of);
     # phase_start says where the first backward begins
-    first_bwd = next((seg.first_op for seg in segments if seg.kind == "backward"), len(cap.ops))
-    starts = {"forward": 0, "loss": first_bwd, "backward": first_bwd, "end": len(cap.ops)}
+    n = len(rec.cap.ops)
+    first_bwd = next((seg.first_op for seg in segments if seg.kind == "backward"), n)
+    starts = {"forward": 0, "loss": first_bwd, "backward": first_bwd, "end": n}
     if opt_start is not None:  # (the optimizer step ran)
         starts = {**starts, "optimizer": opt_start}
-    return StageGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, starts, target.device, grads,
-                      type(model).__name__, module_order(model), cap.module_inputs, target,
-                      train=session.step if session is not None else None)
+    g = rec.graph(type(model).__name__, module_order(model), grads, StageGraph, starts, micro_steps=(),
+                  train=session.step if session is not None else None)
+    assert isinstance(g, StageGraph)
+    return g
 
 
 def _consts(model: nn.Module, layout: Layout, batch: torch.Tensor, plan: Pipeline, dtype: Optional[torch.dtype],

@@ -208,12 +208,8 @@ def probe(model: nn.Module, batch: Any, micro_batches: int, dtype: Optional[torc
         finally:
             h1.remove()
             h2.remove()
-    logits = out if isinstance(out, torch.Tensor) else out["logits"] if isinstance(out, dict) else _first(out)
-    if tuple(y.shape) != tuple(logits.shape):
-        raise UsageError(f"pipeline split: the modules after {chain.path} ({', '.join(epilogue) or 'none'}) applied in "
-                         f"order give shape {tuple(y.shape)}, the model's output is {tuple(logits.shape)}; "
-                         "the model runs other code there, which a stage split cannot see")
-    b = logits.shape[0]
+    _check_epilogue(chain.path, epilogue, y, out)
+    b = y.shape[0]
     if b % micro_batches:
         raise UsageError(f"the batch ({b}) must split evenly into `micro_batches={micro_batches}`")
 
@@ -222,6 +218,16 @@ def probe(model: nn.Module, batch: Any, micro_batches: int, dtype: Optional[torc
 
     return Layout(chain, tuple(_outermost([p for w, p in order if w == "before"])), parents, tuple(epilogue),
                   per_mb(seen["hidden"]), per_mb(y))
+
+
+def _check_epilogue(chain: str, epilogue: list[str], y: torch.Tensor, out: Any) -> None:
+    """The modules after the chain, applied in order to its output, must give the model's output: else the
+    model runs other code there, which a stage split cannot see."""
+    logits = out if isinstance(out, torch.Tensor) else out["logits"] if isinstance(out, dict) else _first(out)
+    if tuple(y.shape) != tuple(logits.shape):
+        raise UsageError(f"pipeline split: the modules after {chain} ({', '.join(epilogue) or 'none'}) applied in "
+                         f"order give shape {tuple(y.shape)}, the model's output is {tuple(logits.shape)}; "
+                         "the model runs other code there, which a stage split cannot see")
 
 
 def _outermost(paths: list[str]) -> list[str]:

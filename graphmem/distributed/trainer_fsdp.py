@@ -21,12 +21,14 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
-from graphmem.capture.capture import marker, recorder_for
+from graphmem.capture.autograd_tags import _tag_grad_fns
+from graphmem.capture.call_paths import module_order
+from graphmem.capture.capture import marker
 from graphmem.capture.compiled_blocks import hooks_standing_aside
-from graphmem.capture.recorder import _Mode, _Recorder
+from graphmem.capture.recorder import _Recorder
+from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
-from graphmem.distributed.capture import hooked, rank_graph, rank_placeholders, recording
+from graphmem.distributed.capture import rank_placeholders, rank_running
 from graphmem.distributed.fsdp import fake_copy, local, unsharded_grads
 from graphmem.distributed.trainer_fsdp_compiled import compiled_as_accelerate, hooks_unseen, named_within, units_entered
 from graphmem.fake_group import fake_group
@@ -38,24 +40,22 @@ from graphmem.training.loop import relabel_accumulation
 
 def capture_trainer_rank(module: nn.Module, inputs: Any, target: Target, p: TrainerShards) -> StepGraph:
     """Record rank ``p.rank``'s first Trainer step (the module docstring); the graph's storages are rank r's."""
-    _unique_counts()  # calibrate before entering the fake mode
     with launched_here(p.rank, p.world_size), fake_group(p.rank, p.world_size):
-        backends: dict[str, int] = {}
-        cap = recorder_for(target, backends)
-        fake_mode = _Mode(cap)
+        rec = Recording(target)
+        cap, fake_mode = rec.cap, rec.mode
         try:
             with fake_mode:
                 wrapped = fake_copy(module, target.param_dtype)
                 cap.real_bookkeeping = True  # the meshes' own tensors are real
                 trainer = build_trainer(p.trainer_class, wrapped, p.args_class, p.fields, place=False)
             runner = FsdpRunner(trainer, trace_micro_steps=3)  # (under no_sync: the first, a middle, the last)
-            with runner.session(), compiled_as_accelerate(trainer.args, cap, target, backends) as compiled:
+            with runner.session(), compiled_as_accelerate(trainer.args, cap, target, rec.backends) as compiled:
                 with fake_mode, _real_meshes():
                     runner.prepare()  # accelerate's _prepare_fsdp2 (graphmem/training/hf_trainer_fsdp.py)
                     cap.real_bookkeeping = False
                     param_sid, fake_inputs = rank_placeholders(cap, fake_mode, wrapped, inputs, target)
                     named_within(compiled, wrapped, runner.compiled, cap)  # (torch_compile: trainer_fsdp_compiled.py)
-                return _run(cap, fake_mode, runner, wrapped, fake_inputs, target, backends, param_sid)
+                return _run(rec, runner, wrapped, fake_inputs, param_sid)
         finally:
             cap.real_bookkeeping = False
             from graphmem.distributed.process_group import _forget_meshes
@@ -63,26 +63,25 @@ def capture_trainer_rank(module: nn.Module, inputs: Any, target: Target, p: Trai
             _forget_meshes()
 
 
-def _run(cap: _Recorder, fake_mode: _Mode, runner: FsdpRunner, wrapped: nn.Module, fake_inputs: Any, target: Target,
-         backends: dict[str, int], param_sid: dict[str, int]) -> StepGraph:
+def _run(rec: Recording, runner: FsdpRunner, wrapped: nn.Module, fake_inputs: Any, param_sid: dict[str, int]) -> StepGraph:
     def tagged_loss(out: Any, inputs: Any) -> Any:
         if isinstance(out, torch.Tensor):
             _tag_grad_fns(out, "")  # the loss's nodes belong to the root
         return out
 
+    cap = rec.cap
     # (graphmem/distributed/capture.py: a rank's recording, as capture_rank's; the hooks standing aside
     # while dynamo traces through a module under torch_compile: graphmem/distributed/trainer_fsdp_compiled.py)
-    with hooked(cap, hooks_standing_aside):
-        with recording(cap, fake_mode, target, wrapped, hooks_unseen(cap, runner.compiled)), \
-                _on_cpu(runner.trainer), copied_inputs(runner.trainer), _named_unsharded(cap, runner.trainer), \
-                units_entered(cap, runner.compiled is not None):
-            cap.recording = True
+    with rec.hooks(hooks_standing_aside):
+        with rank_running(rec, wrapped, _on_cpu(runner.trainer), copied_inputs(runner.trainer),
+                          _named_unsharded(cap, runner.trainer), units_entered(cap, runner.compiled is not None),
+                          saved=hooks_unseen(cap, runner.compiled)):
             marked: dict[str, list[int]] = {}
             mark = marker(cap, param_sid, marked, False, local)  # rank r's shards (DTensors' local tensors)
             runner.run(wrapped, fake_inputs, tagged_loss, cap.set_phase, lambda: _null(), mark, fake=True)
             relabel_accumulation(cap.ops, cap.saves, cap.phase_start)
             gradients = marked.get("gradient", [])
-        return rank_graph(cap, wrapped, target, backends, gradients)
+        return rec.graph(type(wrapped).__name__, module_order(wrapped), gradients)
 
 
 @contextlib.contextmanager

@@ -79,13 +79,7 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
     held = _held_out(base_point, steps, grids, checks, bounds or {})
     measured = {p: sampler(p) for p in held}
     _check_held_out(activation, symbols, names, measured)
-    if None in peak_degrees:
-        peak, peak_note = None, "the live bytes of some op are not a polynomial in the input size; use captures"
-    else:
-        peak, peak_note = peak_model(sampler, [g[: cast(int, d) + 1] for g, d in zip(grids, peak_degrees)], symbols, measured)
-    peak_terms = None
-    if peak is not None:
-        peak_terms = terms(peak.polynomial(peak.at(base_point)[1]), symbols)
+    peak, peak_note, peak_terms = _peak(sampler, grids, peak_degrees, symbols, measured, base_point)
 
     # 4. per-block split
     coeffs = dict(
@@ -113,6 +107,16 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
     if h is None:
         h, note = 1, "n_heads not found in the attention shapes: beta is per b*s**2 (pass --heads)"
     return Coefficients(**coeffs, d_model=d, n_heads=h, split=split_block(block_terms, d, h, gamma), note=note)
+
+
+def _peak(sampler: Sampler, grids: list[list[int]], peak_degrees: list[Optional[int]], symbols: list[sympy.Symbol],
+          measured: dict, base_point: tuple[int, ...]) -> tuple[Any, str, Any]:
+    """The peak's model (``peak_model`` below), its note, and its terms at the base point's piece; none where
+    some op's live bytes are not a polynomial in the input size."""
+    if None in peak_degrees:
+        return None, "the live bytes of some op are not a polynomial in the input size; use captures", None
+    peak, note = peak_model(sampler, [g[: cast(int, d) + 1] for g, d in zip(grids, peak_degrees)], symbols, measured)
+    return peak, note, None if peak is None else terms(peak.polynomial(peak.at(base_point)[1]), symbols)
 
 
 def _degrees(sampler: Sampler, names: tuple[str, ...], base_point: tuple[int, ...], depth: Optional[int]

@@ -10,13 +10,10 @@ from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
-from graphmem.capture.capture import capture
-from graphmem.capture.reuse import capture_reusing
-from graphmem.capture.target import Target
 from graphmem.chains import find_chain, truncated
 from graphmem.passes import liveness, saved
 from graphmem.passes.budget import Parallel, budget
-from graphmem.training.step import LossFn
+from graphmem.stepgraph import StepGraph
 
 
 @dataclass(frozen=True)
@@ -30,12 +27,15 @@ class Sample:
 
 
 class Sampler:
-    """Captures the step at given sizes (and chain depths), with a cache."""
+    """Captures the step at given sizes (and chain depths), with a cache. ``graph_at(shape, reuse)``
+    captures ``model``'s step at a first-input shape (``reuse``: a deep chain captured at depth 5 and
+    widened, graphmem/capture/reuse.py): the report's StepSpec at that shape, measured
+    (graphmem/step/recapture.py ``Recapture.sampler_for``)."""
 
-    def __init__(self, model: nn.Module, make_inputs: Callable[[tuple[int, ...]], Any],
-                 loss: Optional[LossFn], base: tuple[int, ...], dims: tuple[int, ...], device: Target,
+    def __init__(self, model: nn.Module, graph_at: Callable[[tuple[int, ...], bool], StepGraph],
+                 base: tuple[int, ...], dims: tuple[int, ...],
                  tick: Callable[[], None] = lambda: None, parallel: Parallel = Parallel()) -> None:
-        self.model, self.make_inputs, self.loss, self.base, self.dims, self.device = model, make_inputs, loss, base, dims, device
+        self.model, self.graph_at, self.base, self.dims = model, graph_at, base, dims
         self.parallel = parallel  # with tensor parallelism, every number is one rank's
         self.chain = find_chain(model)
         self.cache: dict[tuple[tuple[int, ...], Optional[int]], Sample] = {}
@@ -52,13 +52,8 @@ class Sampler:
         if key not in self.cache:
             shape = self.shape(point)
             with truncated(self.model, self.chain, depth):
-                def at() -> Any:
-                    return capture(self.model, lambda: self.make_inputs(shape), self.loss, self.device)
                 full = depth is None or (self.chain is not None and depth >= self.chain.length)
-                if full:
-                    g = capture_reusing(self.model, at)[0]  # a deep chain: 5 blocks captured, checked
-                else:
-                    g = at()
+                g = self.graph_at(shape, full)  # at full depth, a deep chain: 5 blocks captured, checked
             sv = saved(g)
             block = 0
             if self.chain is not None:

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch.nn as nn
 
-from graphmem.analysis import Analysis, captured
+from graphmem.analysis import AnalysisView, captured
 from graphmem.chains import Chain, find_chain, truncated
 from graphmem.errors import GraphmemError, PassError
 from graphmem.passes.budget import later_steps_peak, made_states
@@ -183,7 +183,7 @@ def stage_chain(model: nn.Module) -> Optional[Chain]:
     return best
 
 
-def measure(report: Analysis, policy: Any = None) -> tuple[ChainCosts, int]:
+def measure(report: AnalysisView, policy: Any = None) -> tuple[ChainCosts, int]:
     """The chain costs of a report's model (captures at depth 4 when the blocks are identical,
     else at full depth) and the depth captured; checkpointed segments run under ``policy``."""
     source = report.source

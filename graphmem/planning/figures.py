@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from graphmem.analysis import Analysis, captured
+from graphmem.analysis import AnalysisView, captured
 from graphmem.passes.later_steps import later_steps_peak
 from graphmem.passes.run_memory import FIGURE_NAMES, RunMemory, figure_for, step_memory
 from graphmem.planning.apply import apply_segments
@@ -20,12 +20,12 @@ from graphmem.units import fmt_bytes
 ROUNDS = 4
 
 
-def figure_of(report: Analysis, figure: Optional[str]) -> str:
+def figure_of(report: AnalysisView, figure: Optional[str]) -> str:
     """``figure`` checked, or the target's default."""
     return figure_for(report.target.device if report.target is not None else "cpu", figure)
 
 
-def headroom(report: Analysis, figure: str) -> int:
+def headroom(report: AnalysisView, figure: str) -> int:
     """The figure minus the exact later-steps peak, on the report's own step."""
     g, lv = captured(report)
     memory: RunMemory = report.memory
@@ -33,7 +33,7 @@ def headroom(report: Analysis, figure: str) -> int:
     return max(0, memory.figure(figure) - exact)
 
 
-def plan_memory(report: Analysis, plan: Any) -> RunMemory:
+def plan_memory(report: AnalysisView, plan: Any) -> RunMemory:
     """The run memory of the report's step captured with ``plan`` applied."""
     source = report.source
     with apply_segments(source.module, plan.chain, plan.segments, plan.policies or None):
@@ -50,7 +50,7 @@ def _plan(planner: Any, budget: int) -> Any:
         return None
 
 
-def plan_within(report: Analysis, planner: Any, budget: int, figure: str) -> tuple[Any, int]:
+def plan_within(report: AnalysisView, planner: Any, budget: int, figure: str) -> tuple[Any, int]:
     """The planner's plan whose ``figure`` (captured) fits ``budget``, and the allocated budget the
     planner was given for it. The first guess lowers the budget by the unplanned step's headroom; when
     that plan is over, or out of reach (the cached segments shrink with the activations), the

@@ -1,4 +1,4 @@
-"""What ``Report.memory_budgets`` runs: the report's compiled step captured again at each value
+"""What ``Analysis.memory_budgets`` runs: the report's compiled step captured again at each value
 of torch.compile's ``activation_memory_budget`` (the real min-cut partitioner each time,
 graphmem/capture/compiled.py), summarized by passes/memory_budget.py.
 
@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-from graphmem.analysis import Analysis
-from graphmem.capture.capture import capture
-from graphmem.capture.reuse_compiled import compiled_reusing
+from graphmem.analysis import AnalysisView
 from graphmem.capture.target import check_memory_budget
 from graphmem.errors import UsageError, no_source
 from graphmem.passes.liveness import liveness
@@ -40,7 +38,7 @@ def parse_budgets(values: Any) -> tuple[float, ...]:
     return tuple(dict.fromkeys(check_memory_budget(v) for v in items))
 
 
-def memory_budgets(report: Analysis, values: Any,
+def memory_budgets(report: AnalysisView, values: Any,
                    tick: Optional[Callable[[], Any]] = None) -> BudgetSweep:
     """One point per budget in ``values``: the report's own capture where its budget is one of
     them, a compiled capture at each other value."""
@@ -74,14 +72,7 @@ def _capture_at(source: Any, budget: float) -> tuple[StepGraph, str]:
     """The report's step compiled at ``budget``: a deep chain compiled at depth 6 (budget 1 or 0)
     or at 5 and 6 (other values) and widened where the partition repeats block by block
     (graphmem/capture/reuse_compiled.py); why not, if not."""
-    target = dataclasses.replace(source.target, memory_budget=budget)
-
-    def at() -> StepGraph:
-        return capture(source.module, lambda: source.make(source.base_shape), source.loss, target)
-    if not source.reuse:
-        return at(), ""
-    reused = compiled_reusing(source.module, lambda t: capture(source.module, lambda: source.make(source.base_shape),
-                                                               source.loss, t), target)
+    reused = source.measure(source.base.at(source.base_shape).with_target(memory_budget=budget), reuse=source.reuse)
     return reused.graph, reused.why
 
 

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from graphmem.analysis import Analysis, captured
+from graphmem.analysis import AnalysisView, captured
 from graphmem.errors import UsageError
 from graphmem.passes.budget import later_steps_peak
 from graphmem.passes.checkpoint import (
@@ -147,7 +147,7 @@ def step_flops(g: Any) -> int:
 class Planner:
     """Plans for one report: the optimum under a budget or an overhead cap, baselines, frontier."""
 
-    def __init__(self, report: Analysis, measured: Optional[tuple[ChainCosts, int]] = None) -> None:
+    def __init__(self, report: AnalysisView, measured: Optional[tuple[ChainCosts, int]] = None) -> None:
         self.report = report
         self.costs, self.depth = measured or measure(report)
         self.tables = tables(self.costs)

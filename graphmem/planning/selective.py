@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from graphmem.analysis import Analysis, captured
+from graphmem.analysis import AnalysisView, captured
 from graphmem.chains import find_chain
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.passes import selective as sel
@@ -213,7 +213,7 @@ class SelectivePlanner(Planner):
     """Plans whose checkpointed segments each run plainly or under one of ``count`` selective
     levels, every level measured from captures like plain checkpointing."""
 
-    def __init__(self, report: Analysis, plain: Planner, count: int = LEVELS) -> None:
+    def __init__(self, report: AnalysisView, plain: Planner, count: int = LEVELS) -> None:
         """``plain``: the report's plain planner, whose measured costs this one shares."""
         if count < 1:
             raise UsageError("the number of selective levels must be at least 1")

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from graphmem.analysis import Analysis
+from graphmem.analysis import AnalysisView
 from graphmem.errors import GraphmemError
 from graphmem.passes import liveness, saved
 from graphmem.passes.budget import later_steps_peak
@@ -67,7 +67,7 @@ Key = tuple[Any, ...]
 class Verifier:
     """Captures of a report's step with plans applied, each plan captured once."""
 
-    def __init__(self, report: Analysis, chain: str, policies: Callable[[Evaluated], tuple[Any, ...]]) -> None:
+    def __init__(self, report: AnalysisView, chain: str, policies: Callable[[Evaluated], tuple[Any, ...]]) -> None:
         self.report, self.chain, self.policies = report, chain, policies
         self.seen: dict[Key, tuple[int, int, int]] = {}  # plan -> (captured peak, saved bytes, kept bytes)
         self.plans: dict[Key, Evaluated] = {}  # the plans captured
@@ -87,7 +87,7 @@ class Verifier:
         return self.seen[k]
 
 
-def capture_plan(report: Analysis, chain: str, segments: Sequence[tuple[int, int]],
+def capture_plan(report: AnalysisView, chain: str, segments: Sequence[tuple[int, int]],
                  policies: Optional[Sequence[Any]] = None) -> tuple[int, int, int]:
     """(peak, saved bytes, bytes live when the forward ends) of the report's step on fake
     tensors with the segments of ``chain`` checkpointed (as ``plan.apply`` does), at the

@@ -14,6 +14,7 @@ from graphmem.errors import UsageError
 from graphmem.passes.timeline import CATEGORIES, CategoryTimeline, category_timeline
 from graphmem.render.text import _module, _shapes
 from graphmem.report import Report
+from graphmem.report.live import Analysis
 from graphmem.units import _BINARY, fmt_bytes
 
 LABELS = {
@@ -45,8 +46,8 @@ def require_matplotlib() -> None:
 
 
 def report_timeline(report: Report, purpose: str = "to plot it") -> CategoryTimeline:
-    """The category timeline of a report made by ``graphmem.analyze`` (which keeps its step graph)."""
-    if report.step is None or report.liveness is None:
+    """The category timeline of a report made by ``graphmem.analyze`` (an Analysis: it keeps its step graph)."""
+    if not isinstance(report, Analysis):
         raise UsageError("this report has no step graph (it was not made by graphmem.analyze); "
                          f"analyze the model again {purpose}")
     return category_timeline(report.step, report.liveness, report.saved)

@@ -28,6 +28,7 @@ from typing import Any
 
 from graphmem.render.plot import report_timeline
 from graphmem.report import Report
+from graphmem.report.live import Analysis
 from graphmem.stepgraph import Storage
 
 BASE_ADDRESS = 0x7F0000000000
@@ -57,8 +58,8 @@ def memory_snapshot(report: Report) -> dict[str, Any]:
     ['device_traces', 'segments']
     """
     category_of = report_timeline(report, "to write a memory snapshot").category_of
+    assert isinstance(report, Analysis)  # report_timeline checked
     g, lv = report.step, report.liveness
-    assert g is not None and lv is not None  # report_timeline checked
     # storages live during the step, in allocation order (before the step first); empty ones get no block
     order = sorted((g.storages[sid] for sid in lv.intervals if g.storages[sid].nbytes > 0),
                    key=lambda s: (s.created, s.sid))

@@ -1,29 +1,39 @@
-"""Report: the frozen result of one analysis (pass results + what was analyzed)."""
+"""Report: the frozen result of one analysis (pass results + what was analyzed), data only: nothing in it
+captures again. ``graphmem.analyze`` returns its live subclass, graphmem/report/live.py ``Analysis`` (the captured
+step, and the questions that capture it again: plans, formulas, fits, advise, memory budgets); ``from_dict``
+gives a Report back."""
 from __future__ import annotations
 
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Self
 
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
-from graphmem.passes import Liveness, LiveTensor, ModuleSaved, SavedSet, SavedTensor
+from graphmem.formula import AnyCoefficients
+from graphmem.passes import LiveTensor, ModuleSaved, SavedTensor
 from graphmem.passes.allocator import AllocatorResult
 from graphmem.passes.memory_budget import BudgetSweep
 from graphmem.passes.modes import ModeComparison
 from graphmem.passes.run_memory import FIGURE_NAMES, RunMemory, figure_for  # noqa: F401 (graphmem/ci.py)
-from graphmem.planning import memory_budget as memory_budget_api
-from graphmem.planning import report_api as planning_api
 from graphmem.planning.planner import PlanSummary
 from graphmem.report.jsondata import field_types, from_json, to_json
-from graphmem.stepgraph import StepGraph
 from graphmem.training.spec import StepBudget
 
 # the fields whose JSON under their own key is a view (derived numbers, names): to_dict writes them
 # once more, exactly, under "exact" (graphmem/report/jsondata.py), so that from_dict gives them back
 EXACT = ("device", "target", "cuda_allocator", "memory", "budget", "compiled", "sharding", "known_coefficients",
          "known_plans", "known_memory_budgets")
+
+# what only a live analysis has (graphmem/report/live.py): its capture, and the questions that capture again
+LIVE = frozenset({"step", "liveness", "source", "recapture", "answers", "coefficients", "formula", "fit", "max_batch",
+                  "sweep", "planner", "planner_for", "plan", "plans", "advise", "memory_budgets"})
+
+
+class NotLive(UsageError, AttributeError):
+    """A Report read back from JSON asked what only a live Analysis answers (``getattr(r, name, None)`` and
+    ``hasattr`` still see it as missing)."""
 
 
 class RankScope(Protocol):
@@ -73,13 +83,26 @@ class Report:
     sharding: Optional[RankScope] = None  # the rank this report is (a per-rank or pipeline-stage capture)
     memory: Optional[RunMemory] = None  # the run: first and later steps, allocated, reserved, device total
     # answers asked for and kept with the report (``keeping``): renderers and to_dict show them
-    known_coefficients: Any = None  # graphmem.formula Coefficients or PiecewiseCoefficients
+    known_coefficients: Optional[AnyCoefficients] = None
     known_plans: Optional[PlanSummary] = None
     known_memory_budgets: Optional[BudgetSweep] = None
     batch: dict[str, str] = field(default_factory=dict)  # choices in the batch graphmem made (hf_batch.settings)
-    step: Optional[StepGraph] = field(default=None, repr=False, compare=False)
-    liveness: Optional[Liveness] = field(default=None, repr=False, compare=False)
-    source: Any = field(default=None, repr=False, compare=False)  # graphmem.step.recapture.Recapture: capture again
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field, over the Report's own fields: a report read back from JSON equals the live
+        Analysis it was written from (graphmem/report/live.py adds the captured step, which is not data)."""
+        if not isinstance(other, Report):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(Report))
+
+    if not TYPE_CHECKING:  # (at run time only: to a type checker a Report has its fields and methods, no more)
+        def __getattr__(self, name: str) -> Any:
+            """A question that captures again (``plan``, ``formula``, ``fit``, ``advise``, ...), asked of a Report
+            read back from JSON: it holds no captured step (graphmem/report/live.py ``Analysis`` does)."""
+            if name in LIVE:
+                raise NotLive(f"this report was loaded from JSON (Report.from_dict) and holds no captured step to "
+                              f"answer {name}: analyze the model again with graphmem.analyze")
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __str__(self) -> str:
         """The text view, as ``graphmem analyze`` prints it (graphmem/render/text.py), with the plans
@@ -107,124 +130,8 @@ class Report:
         after a few steps (the allocator model's block bytes on the CUDA target)."""
         return self.memory.run_max_allocated if self.memory is not None else self.peak_bytes
 
-    # -- questions that capture again: a thin facade over graphmem/formula and graphmem/planning
-    def _live(self, question: str) -> "Report":
-        """This report, when it holds its captured step; a report read back from JSON
-        (``from_dict``) has none, and ``question`` (what was asked) needs one."""
-        if self.step is None:
-            raise UsageError(f"this report was loaded from JSON (Report.from_dict) and holds no captured step to "
-                             f"answer {question}: analyze the model again with graphmem.analyze")
-        return self
-
-    @property
-    def coefficients(self) -> Any:
-        """Exact formulas (graphmem.formula.Coefficients): ``.activation`` / ``.peak`` polynomials
-        in the input's dimensions and, for a block chain, ``.alpha``, ``.beta``, ``.gamma``."""
-        if self.known_coefficients is not None:
-            return self.known_coefficients
-        from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
-
-        return formula_api.coefficients(self._live("its formulas"))
-
-    def formula(self, d_model: Optional[int] = None, n_heads: Optional[int] = None, checks: int = 5,
-                tick: Any = None) -> Any:
-        """Fit the exact formulas (see ``coefficients``), with overrides; ``report.keeping(coefficients=...)``
-        keeps them with the report (renderers and JSON show them)."""
-
-        from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
-
-        return formula_api.formula(self._live("formula()"), d_model, n_heads, checks, tick)
-
-    def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None,
-            figure: Optional[str] = None) -> Any:
-        """The largest batch (at sequence length ``seq``, default: this report's) or, given
-        ``batch``, the largest sequence length whose peak fits in ``memory`` (bytes or a string
-        like "80GiB"): a graphmem.formula.FitAnswer, exact from the peak formula and confirmed
-        by captures at the answer and one above; then judged on ``figure`` of the run
-        (passes/run_memory.py: "allocated", "reserved" or "device", the device total, default on the
-        CUDA target; "allocated" on the CPU's), the whole step captured at each value tried."""
-
-        from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
-
-        return formula_api.fit(self._live("fit()"), memory, seq, batch, tick, figure)
-
-    def max_batch(self, memory: Any, seq: Optional[int] = None) -> int:
-        """Largest batch size whose predicted peak fits in ``memory``, e.g. ``max_batch("80GiB", seq=1024)``."""
-        return int(self.fit(memory, seq=seq).value)
-
-    def sweep(self, batches: Any, seqs: Any, tick: Any = None) -> Any:
-        """Activation and peak bytes over a grid of (batch, seq) from the exact formulas, with
-        the first point spot-checked by a capture: a graphmem.formula.Sweep."""
-
-        from graphmem.formula import report_api as formula_api  # sympy only when formulas are asked for
-
-        return formula_api.sweep(self._live("sweep()"), batches, seqs, tick)
-
-    @property
-    def planner(self) -> Any:
-        """graphmem.planning.Planner for the model's chain of blocks (measured once, a few captures)."""
-
-        return planning_api.planner(self._live("its planner"), False)
-
-    def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False,
-             figure: Optional[str] = None) -> Any:
-        """The checkpoint plan (graphmem.planning.CheckpointPlan) with the fewest recompute FLOPs
-        whose predicted peak fits ``budget`` (bytes or "40GiB"), or the lowest-peak plan whose
-        recompute stays within ``max_overhead`` of the step's FLOPs (0.2 or "20%").
-        ``selective=True`` (or a number of levels) also lets each checkpointed segment keep
-        some ops' outputs (graphmem/planning/selective.py). The budget is compared with ``figure`` of
-        the run (passes/run_memory.py): "allocated", "reserved" or "device" (the device total; the
-        default on the CUDA target, "allocated" on the CPU's), captured with the plan applied.
-
-        >>> plan = report.plan(budget="40GiB")            # doctest: +SKIP
-        >>> plan.segments, plan.peak_bytes, plan.overhead  # doctest: +SKIP
-        >>> handle = plan.apply(model)                     # torch.utils.checkpoint; handle.remove() undoes
-        """
-
-        return planning_api.plan(self._live("plan()"), budget, max_overhead, selective, figure)
-
-    def plans(self, budget: Any = None, max_overhead: Any = None, points: int = 50, selective: Any = False,
-              figure: Optional[str] = None) -> Any:
-        """graphmem.planning.PlanSummary: the chosen plan (if a limit is given), the baselines beside
-        graphmem's plan at their own peak, and the Pareto frontier; ``report.keeping(plans=...)``
-        keeps it with the report (renderers and JSON show it)."""
-
-        return planning_api.plans(self._live("plans()"), budget, max_overhead, points, selective, figure)
-
-    def advise(self, memory: Any, ranks: int = 8, lora_rank: int = 16, tick: Any = None, combine: bool = False,
-               figure: Optional[str] = None) -> Any:
-        """What to change so the step's peak fits ``memory`` (bytes or "80GiB"): a
-        graphmem.advise.Advice, its levers ranked, each lever's peak a capture of the changed
-        step, and the cheapest lever or combination that fits (``advice.answer``). ``ranks``:
-        the GPUs the sharding levers split over; ``lora_rank``: the LoRA lever's rank; the best
-        levers are combined (each combination captured) when no single one fits, or ``combine``.
-        Each setting is judged on ``figure`` of its run (passes/run_memory.py: "allocated", "reserved"
-        or "device", the device total: the default on the CUDA target, "allocated" on the CPU's);
-        ``memory="gpu"`` is the CUDA target card's capacity (graphmem/capture/target.py ``CAPACITY``).
-
-        >>> advice = report.advise(memory="80GiB")          # doctest: +SKIP
-        >>> advice.answer, [(r.name, r.peak_bytes) for r in advice.levers]  # doctest: +SKIP
-        """
-
-        from graphmem.advise import advise  # captures again: loaded on use
-
-        return advise(self._live("advise()"), memory, ranks, lora_rank, tick, combine, figure)
-
-    def memory_budgets(self, values: Any, tick: Any = None) -> Any:
-        """Compiled mode: the step at each value of torch.compile's activation memory budget
-        (``torch._functorch.config.activation_memory_budget``, 0 to 1), each partitioned by the
-        real min-cut partitioner: a graphmem.passes.memory_budget.BudgetSweep (saved bytes, peak,
-        recompute FLOPs per value, and where the peak is not monotonic). ``report.keeping(memory_budgets=...)``
-        keeps it with the report (renderers and JSON show it).
-
-        >>> sweep = report.memory_budgets([1, 0.8, 0.5, 0.2])  # doctest: +SKIP
-        >>> [(p.budget, p.peak_bytes) for p in sweep.points], sweep.rises  # doctest: +SKIP
-        """
-
-        return memory_budget_api.memory_budgets(self._live("memory_budgets()"), values, tick)
-
-    def keeping(self, coefficients: Any = None, plans: Optional[PlanSummary] = None,
-                memory_budgets: Optional[BudgetSweep] = None) -> "Report":
+    def keeping(self, coefficients: Optional[AnyCoefficients] = None, plans: Optional[PlanSummary] = None,
+                memory_budgets: Optional[BudgetSweep] = None) -> Self:
         """This report with answers kept beside it (formulas, a plan summary, a budget sweep), which
         renderers and ``to_dict`` then show; the ones not given stay as they were.
 
@@ -234,32 +141,6 @@ class Report:
             self, known_coefficients=coefficients if coefficients is not None else self.known_coefficients,
             known_plans=plans if plans is not None else self.known_plans,
             known_memory_budgets=memory_budgets if memory_budgets is not None else self.known_memory_budgets)
-
-    @staticmethod
-    def build(g: StepGraph, lv: Liveness, sv: SavedSet, model: str, input_shapes: tuple, loss: str,
-              notes: tuple[str, ...] = (), source: Any = None, cuda_allocator: Optional[AllocatorResult] = None,
-              budget: Optional[StepBudget] = None, sharding: Optional[RankScope] = None,
-              memory: Optional[RunMemory] = None) -> "Report":
-        kinds: dict[str, int] = {}
-        for s in g.storages.values():
-            if s.created < 0:
-                kinds[s.kind] = kinds.get(s.kind, 0) + s.nbytes
-        node = g.ops[lv.peak_index] if lv.peak_index >= 0 else None
-        return Report(
-            model=model, device=g.device, input_shapes=input_shapes, loss=loss,
-            parameter_bytes=kinds.get("parameter", 0), buffer_bytes=kinds.get("buffer", 0),
-            input_bytes=kinds.get("input", 0),
-            gradient_bytes=sum(g.storages[s].nbytes for s in g.gradients),
-            activation_bytes=sv.activation_bytes, by_category=dict(sv.by_category),
-            peak_bytes=lv.peak_bytes, peak_index=lv.peak_index, peak_phase=lv.peak_phase,
-            peak_op=str(node.target) if node is not None else "(before the step)",
-            peak_module=node.meta["module"] if node is not None else "",
-            live_at_peak=lv.live_at_peak, baseline_bytes=lv.baseline_bytes,
-            saved=sv.tensors, modules=sv.modules, num_ops=g.num_ops,
-            phase_start=dict(g.phase_start), notes=notes, target=g.target,
-            attention_backends=dict(g.attention_backends), cuda_allocator=cuda_allocator, budget=budget, step=g, liveness=lv, source=source,
-            sharding=sharding, memory=memory,
-        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: exact integers, no units."""

@@ -2,9 +2,9 @@
 only place that dispatches on its parallel setting. ``graphmem.analyze``, advise's levers and the
 re-captures behind plans, formulas and fits all come through here.
 
-- ``Single`` / ``Formula``: the single-device step (graphmem/step/recapture.py ``capture_step``); the
-  formulas' per-rank budget over it (passes/budget.py);
-- ``Ranks``: rank r through PyTorch's wrappers (``capture_rank_step``), with the per-rank formula
+- ``Single`` / ``Formula``: the single-device step (``capture_step`` through ``step_graph``, which the
+  re-captures also ask, each for a changed spec); the formulas' per-rank budget over it (passes/budget.py);
+- ``Ranks``: rank r through PyTorch's wrappers (graphmem/step/captured.py ``capture_rank_step``), with the per-rank formula
   over the single-device step beside it (graphmem/distributed/view.py);
 - ``Stages``: pipeline rank r under torch's schedule (``capture_stage_step``);
 - ``Job``: rank r of a torchtitan job, built and stepped by the job's own code (graphmem/titan/);
@@ -16,20 +16,26 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from graphmem.capture.capture import capture
+import torch.nn as nn
+
+from graphmem.capture.capture import StepRunner, capture
 from graphmem.capture.reuse import capture_reusing
+from graphmem.capture.reuse_compiled import CompiledReused, compiled_reusing
 from graphmem.deepspeed.config import DeepSpeedJob
 from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.tensor_parallel import tp_engine
 from graphmem.distributed.view import rank_view
 from graphmem.passes import liveness, notes, saved
+from graphmem.passes.budget import Parallel
 from graphmem.passes.device_rows import device_rows
 from graphmem.passes.later_steps import later_steps_peak
 from graphmem.passes.run_memory import RunMemory, run_memory
-from graphmem.step.recapture import Captured, capture_rank_step, capture_stage_step, capture_step
+from graphmem.step.captured import Captured, capture_rank_step, capture_stage_step, passes_over
 from graphmem.step.spec import Formula, Job, Ranks, Single, Stages, StepSpec
+from graphmem.stepgraph import StepGraph
 from graphmem.training.hf_trainer_fsdp import TrainerShards
-from graphmem.training.spec import units_of
+from graphmem.training.loop import TrainStep
+from graphmem.training.spec import prepare, units_of
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,7 @@ def measure(spec: StepSpec) -> Measured:
     p = spec.parallel
     make = spec.inputs.captured
     if isinstance(p, (Single, Formula)):
-        step = capture_step(spec.module, make, spec.loss, spec.target, spec.training, spec.reuse, p.formula)
+        step = capture_step(spec, p.formula)
         slow = (f"depth reuse not taken ({step.reuse_note}): every block was compiled and captured",) \
             if step.reuse_note and spec.target.mode == "compiled" else ()
         return Measured(spec, step, notes(step.graph) + slow)
@@ -103,6 +109,44 @@ def measure(spec: StepSpec) -> Measured:
     if isinstance(p, DeepSpeedJob):  # rank r through DeepSpeed's engine
         return _deepspeed(spec, p)
     raise AssertionError(f"unknown parallel setting {p!r}")  # StepSpec refuses any other where it is built
+
+
+def step_graph(spec: StepSpec, module: Optional[nn.Module] = None, train: Optional[TrainStep] = None,
+               runner: Optional[StepRunner] = None, reuse: bool = False, one_compilation: bool = True) -> CompiledReused:
+    """``spec``'s step on one device captured as a StepGraph, without the passes: what ``measure`` and the
+    captures again behind plans, formulas, fits, memory budgets and the eager twin ask, each a changed spec
+    (``spec.at(shape)``, ``spec.with_target(...)``). ``module``: the module run (default ``spec.module``; a
+    capture again runs the one the first capture ran, LoRA applied); ``train``: graphmem's loop
+    (graphmem/training/loop.py); ``runner``: a trainer's own step in its place. ``reuse``: a deep chain
+    captured at depth 5 and widened (graphmem/capture/reuse.py), in compiled mode from one compilation
+    (graphmem/capture/reuse_compiled.py) unless not ``one_compilation``; the answer says why not, if not."""
+    m = spec.module if module is None else module
+    make, loss, target = spec.inputs.captured, spec.loss, spec.target
+
+    def at() -> StepGraph:
+        return capture(m, make, loss, target, train=train, runner=runner)
+    if not reuse:
+        return CompiledReused(at(), False)
+    if target.mode == "compiled" and one_compilation:  # (the loop's phases are not block-shaped: no train here)
+        return compiled_reusing(m, lambda t: capture(m, make, loss, t), target)
+    return CompiledReused(*capture_reusing(m, at))
+
+
+def capture_step(spec: StepSpec, formula: Parallel = Parallel()) -> Captured:
+    """Capture one training step of ``spec``'s module (LoRA applied from its training) and run the
+    passes, with the per-rank budget of ``formula`` (passes/budget.py) over it: a ``Single`` or
+    ``Formula`` step."""
+    training, target = spec.training, spec.target
+    prepared, lora_layers = prepare(spec.module, training, target.param_dtype)
+    if training.keeps_dtypes(spec.module):  # 4-bit weights, peft's fp32 adapters (graphmem/training/spec.py)
+        spec = spec.with_target(dtype=None)
+    with training.train.runner(spec.target) as runner:  # a trainer's own step, or None: graphmem's loop
+        # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6), in
+        # eager and compiled mode; not the training step's accumulate/optimizer phases (not block-shaped)
+        reused = step_graph(spec, prepared, None if runner is not None else training.train,
+                            runner.run if runner is not None else None, spec.reuse and not training.train.active)
+    return passes_over(reused.graph, training if training.requested or formula != Parallel() else None, prepared,
+                       spec.target, lora_layers, layout=formula, reuse_note=reused.why, eager=reused.eager)
 
 
 def measure_ranks(spec: StepSpec) -> list[Measured]:
@@ -125,8 +169,9 @@ def _rank(spec: StepSpec, p: Ranks, make: Any) -> Measured:
     g, module = step.graph, step.module
     slow = (f"depth reuse not taken ({step.reuse_note}): every block was captured",) if step.reuse_note else ()
     train = spec.training.train if spec.training.train.active else None
-    single_at: Any = lambda: capture(module, make, spec.loss, step.target, train=train)  # noqa: E731
-    single = capture_reusing(module, single_at)[0] if spec.reuse and train is None else single_at()
+    # the same step on one device (the module the rank ran, LoRA applied)
+    single = step_graph(spec.replace(parallel=Single(), target=step.target), module, train,
+                        reuse=spec.reuse and train is None).graph
     view = rank_view(g, step.liveness, step.saved, p.sharding, (single, liveness(single), saved(single)),
                      units_of(module), tp_engine(module))
     if step.budget is not None:
@@ -138,13 +183,9 @@ def _job(spec: StepSpec, p: Job) -> Measured:
     """Rank r of a torchtitan job, built and stepped by the job's own code (graphmem/titan/capture.py);
     the whole step's table over rank r's graph (its shards, its optimizer states)."""
     from graphmem.titan.capture import capture_job
-    from graphmem.training.spec import step_budget
-
     g = capture_job(p.config, p.world_size, p.rank, spec.target)
     g.train = spec.training.train
-    lv, sv = liveness(g), saved(g)
-    budget = step_budget(g, lv, sv, spec.training, spec.module, (), p.describe())
-    step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
+    step = passes_over(g, spec.training, spec.module, spec.target, (), p.describe())
     routing = ("expert parallel: each rank's routed tokens read as split evenly over the expert-parallel ranks "
                "(balanced routing, graphmem/titan/moe.py); ranks that receive more under uneven routing hold more",) \
         if getattr(p.config.parallelism, "expert_parallel_degree", 1) > 1 else ()
@@ -159,15 +200,11 @@ def _trainer_shards(spec: StepSpec, p: TrainerShards) -> Measured:
     """A Trainer's FSDP2 rank, wrapped by accelerate's own code (graphmem/distributed/trainer_fsdp.py): the passes and the whole step's
     table over rank r's own graph (its shards, its optimizer states)."""
     from graphmem.distributed.trainer_fsdp import capture_trainer_rank
-    from graphmem.training.spec import step_budget
 
     g = capture_trainer_rank(spec.module, spec.inputs.captured, spec.target, p)
     g.train = spec.training.train
-    lv, sv = liveness(g), saved(g)
     training = dataclasses.replace(spec.training, train=g.train)
-    budget = step_budget(g, lv, sv, training, spec.module, (), p.describe())
-    step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
-    return Measured(spec, step, notes(g))
+    return Measured(spec, passes_over(g, training, spec.module, spec.target, (), p.describe()), notes(g))
 
 
 def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
@@ -175,17 +212,17 @@ def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
     table over rank r's graph, DeepSpeed's held tensors by where it keeps them beside it."""
     from graphmem.deepspeed.capture import capture_engine_steps
     from graphmem.deepspeed.report import engine_lines, paper_check
-    from graphmem.training.spec import step_budget
 
     # the second step recorded after the first, from the same engine: what DeepSpeed keeps and frees across steps as it does
     g, later = capture_engine_steps(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
-    lv, sv = liveness(g), saved(g)
-    budget = step_budget(g, lv, sv, spec.training, spec.module, (), p.describe())
+    first = passes_over(g, spec.training, spec.module, spec.target, (), p.describe())
+    lv, budget = first.liveness, first.budget
+    assert budget is not None  # (a training spec was given)
     lv_later = liveness(later)
     budget = dataclasses.replace(budget, rank=dataclasses.replace(
         budget.rank, later_peak_bytes=lv_later.peak_bytes, later_peak_index=lv_later.peak_index,
         later_peak_phase=lv_later.peak_phase if lv_later.peak_index >= 0 else "before the step"))
-    step = Captured(g, lv, sv, budget, spec.module, (), spec.target)
+    step = dataclasses.replace(first, budget=budget)
     return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv, p)
                     + paper_check(spec.module, p, g, spec.training.train.optimizer, budget.rank.rows))
 

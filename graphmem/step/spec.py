@@ -322,8 +322,15 @@ def make_spec(model: ModelLike, inputs: Any = None, *, input_shape: Union[str, t
               loss: Optional[LossFn] = None, target: Optional[Target] = None, training: Optional[Training] = None,
               parallel: Optional[Parallelism] = None, reuse: bool = True, hf: Optional[HFOptions] = None,
               **options: Any) -> StepSpec:
-    """A StepSpec from ``graphmem.analyze``'s keyword options (see its docstring), checked once.
-    ``target``, ``training`` and ``parallel`` may be given as built objects instead of their options."""
+    """A StepSpec from ``graphmem.analyze``'s keyword options, checked once: the model, inputs and target as
+    its docstring says; the training loop, the per-rank budgets and rank r's step as docs/spec.md's "Options"
+    says. ``target=``, ``training=`` and ``parallel=`` take built objects instead of their options. Options:
+    ``input_shape``, ``loss``, ``device``, ``dtype``, ``amp``, ``attention``, ``gpu``, ``mode``, ``memory_budget``,
+    ``reuse``, ``optimizer``, ``optimizer_impl``, ``master_weights``, ``micro_batches``, ``lora_rank``,
+    ``lora_targets``, ``lora_alpha``, ``qlora``, ``world_size``, ``zero``, ``fsdp``, ``tp``, ``sp``, ``pp``,
+    ``schedule``, ``rank``, ``reshard_after_forward``, ``fsdp_param_dtype``, ``fsdp_reduce_dtype``,
+    ``fsdp_offload``, ``fsdp_no_sync``, ``loss_parallel``, ``hf`` (graphmem/capture/hf.py HFOptions),
+    ``deepspeed`` (graphmem/deepspeed/, docs/deepspeed.md)."""
     check_keywords(options, spec_keywords(), "graphmem.make_spec")
     t_opts = {k: options.pop(k) for k in TARGET_OPTIONS if k in options}
     p_opts = {k: options.pop(k) for k in PARALLEL_OPTIONS if k in options}

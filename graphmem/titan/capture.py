@@ -35,11 +35,10 @@ from torch._subclasses.fake_tensor import is_fake
 
 from graphmem.capture.autograd_tags import _tag_grad_fns, _unique_counts
 from graphmem.capture.call_paths import module_names, module_order
-from graphmem.capture.capture import _cache_clears, marker, recorder_for
+from graphmem.capture.capture import marker
 from graphmem.capture.cuda_rules import CudaRules
-from graphmem.capture.fakes import translate_error
 from graphmem.capture.recorder import _Mode, _Recorder
-from graphmem.capture.rng_states import rng_states
+from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
 from graphmem.distributed.fsdp import local, watching
 from graphmem.distributed.pipeline import _works_hold_tensors
@@ -99,13 +98,11 @@ def _capture(cfg: Any, target: Target) -> StepGraph:
         with unset_fake_temporarily():
             return determinism(*args, **kwargs)
 
-    backends: dict[str, int] = {}
-    cap = recorder_for(target, backends)
-    fake_mode = _Mode(cap)
-    with static_stages(cfg, cap), compiled_regions(cfg, cap, target, backends) as compiled:
-        trainer, root, batches, param_sid = _built(cfg, cap, fake_mode, Job, seeded)
-        attributed(root, compiled, cap, target)
-        return _run(cap, fake_mode, trainer, root, batches, param_sid, target, backends)
+    rec = Recording(target)
+    with static_stages(cfg, rec.cap), compiled_regions(cfg, rec.cap, target, rec.backends) as compiled:
+        trainer, root, batches, param_sid = _built(cfg, rec.cap, rec.mode, Job, seeded)
+        attributed(root, compiled, rec.cap, target)
+        return _run(rec, trainer, root, batches, param_sid)
 
 
 def _built(cfg: Any, cap: _Recorder, fake_mode: _Mode, job: type, seeded: Callable) -> tuple:
@@ -143,37 +140,18 @@ def _built(cfg: Any, cap: _Recorder, fake_mode: _Mode, job: type, seeded: Callab
     return trainer, root, batches, param_sid
 
 
-def _run(cap: _Recorder, fake_mode: _Mode, trainer: Any, root: nn.Module, batches: list, param_sid: dict[str, int],
-         target: Target, backends: dict[str, int]) -> StepGraph:
-    handles = [nn.modules.module.register_module_forward_pre_hook(hooks_standing_aside(cap.pre_hook)),
-               nn.modules.module.register_module_forward_hook(hooks_standing_aside(cap.post_hook), always_call=True)]
-    marked: dict[str, list[int]] = {}
-    mark = marker(cap, param_sid, marked, False, local)
-    try:
-        try:
-            with fake_mode, torch.autograd.graph.saved_tensors_hooks(cap.pack, cap.unpack), \
-                    rng_states(cap, target.device == "cpu"), _cache_clears(cap), watching(cap), \
-                    _observed(trainer, root, cap, mark), stage_phases(trainer, cap), _works_hold_tensors(), \
-                    balanced_routing(), \
-                    _target_rules(target, backends, cap), _masks_paused(cap):
-                cap.recording = True
-                cap.set_phase("forward")
-                with _step_reads(fake_mode):  # the token count and loss it reads scale arithmetic and logs only
-                    trainer.train_step(iter(batches))
-        except GraphmemError:
-            raise
-        except Exception as e:
-            raise translate_error(e, cap, "the torchtitan job") from e
-        phase_start = dict(cap.phase_start)
-        phase_start["end"] = len(cap.ops)
-        return StepGraph(cap.placeholders, cap.ops, cap.storages, cap.saves, phase_start, target.device,
-                         list(dict.fromkeys(marked.get("gradient", []))), "torchtitan job", module_order(root),
-                         cap.module_inputs, target, backends, micro_steps=tuple(cap.micro_steps),
-                         first_step_only=cap.first_step_only)
-    finally:
-        cap.closed = True
-        for h in handles:
-            h.remove()
+def _run(rec: Recording, trainer: Any, root: nn.Module, batches: list, param_sid: dict[str, int]) -> StepGraph:
+    cap = rec.cap
+    with rec.hooks(hooks_standing_aside):
+        marked: dict[str, list[int]] = {}
+        mark = marker(cap, param_sid, marked, False, local)
+        with rec.running("the torchtitan job", watching(cap), _observed(trainer, root, cap, mark),
+                         stage_phases(trainer, cap), _works_hold_tensors(), balanced_routing(),
+                         _target_rules(rec.target, rec.backends, cap), _masks_paused(cap)):
+            cap.set_phase("forward")
+            with _step_reads(rec.mode):  # the token count and loss it reads scale arithmetic and logs only
+                trainer.train_step(iter(batches))
+        return rec.graph("torchtitan job", module_order(root), marked.get("gradient", []))
 
 
 @contextlib.contextmanager

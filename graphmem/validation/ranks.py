@@ -54,7 +54,7 @@ from graphmem.capture.target import DTYPES, Target
 from graphmem.distributed.fsdp import local
 from graphmem.distributed.spec import Sharding, make_sharding
 from graphmem.errors import GraphmemError, UsageError
-from graphmem.report import Report
+from graphmem.report.live import Analysis
 from graphmem.step.spec import Ranks, StepSpec, make_spec
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.loop import Session
@@ -136,7 +136,7 @@ def _set(value: Any, default: Any) -> bool:
     return type(value) is not type(default) or value != default
 
 
-def _rows(report: Report, m: dict[str, int], rank: int) -> list[Row]:
+def _rows(report: Analysis, m: dict[str, int], rank: int) -> list[Row]:
     rows = [Row("saved for backward", report.activation_bytes, m["saved"], "exact", None, rank),
             Row("before the step", report.baseline_bytes, m["baseline"], "exact", None, rank),
             Row("peak", report.peak_bytes, m["peak"], "tolerance", None, rank)]
@@ -147,7 +147,7 @@ def _rows(report: Report, m: dict[str, int], rank: int) -> list[Row]:
     return rows
 
 
-def _check_budget(reports: dict[int, Report], world_size: int) -> None:
+def _check_budget(reports: dict[int, Analysis], world_size: int) -> None:
     """All ranks run on this machine: refuse a job whose predicted peaks exceed half the available RAM."""
     per_rank = max(max(r.peak_bytes, r.budget.rank.later_peak_bytes if r.budget is not None else 0)
                    for r in reports.values())
@@ -169,7 +169,7 @@ def _pickled(what: Any, name: str) -> bytes:
 
 
 def _job(spec: StepSpec, sharding: Sharding, model: Any, given: Optional[Batch], loss: Optional[LossFn], hf: Optional[HFOptions],
-         report: Report) -> RankJob:
+         report: Analysis) -> RankJob:
     batch: Optional[Batch] = given
     if isinstance(model, nn.Module):
         source: Union[str, bytes] = _pickled(model, "the model")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from graphmem.errors import GraphmemError, UsageError
-from graphmem.report import Report
+from graphmem.report.live import Analysis
 
 DEFAULT_TOLERANCE = 1.0  # percent of the measured peak
 NO_GPU = "no GPU on this machine; validate --device cpu here, or run on a GPU host"
@@ -64,7 +64,7 @@ class Validation:
     tolerance: float  # percent
     rows: tuple[Row, ...]
     reason: str
-    report: Optional[Report] = field(default=None, repr=False, compare=False)
+    report: Optional[Analysis] = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:

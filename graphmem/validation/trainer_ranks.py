@@ -45,7 +45,7 @@ import torch
 
 from graphmem.api import analyze
 from graphmem.errors import GraphmemError, UsageError
-from graphmem.report import Report
+from graphmem.report.live import Analysis
 from graphmem.training.batch import as_batch
 from graphmem.validation.profiler_log import without_profiler_log
 from graphmem.validation.ranks import TRAINER_REPEATS, _check_budget, _pickled
@@ -84,7 +84,7 @@ def validate_trainer_ranks(trainer: Any, inputs: Any, world_size: int, rank: Opt
     return Validation(reports[ranks[0]].model, "cpu", shapes, tol, judged, reason, reports[ranks[0]])
 
 
-def _rows(report: Report, m: dict[str, int], rank: int, peak: str = "tolerance") -> list[Row]:
+def _rows(report: Analysis, m: dict[str, int], rank: int, peak: str = "tolerance") -> list[Row]:
     """The one-process Trainer validation's rows (graphmem/validation/trainer.py), for one rank."""
     budget = report.budget
     assert budget is not None

@@ -40,7 +40,7 @@ from graphmem.errors import UsageError, check_keywords
 from graphmem.frontends.door import FSDP_TRAINER, TRAINER
 from graphmem.noise import quiet
 from graphmem.passes.allocator import allocator
-from graphmem.report import Report
+from graphmem.report.live import Analysis
 from graphmem.step.spec import shape_of, spec_keywords
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.hf_trainer import is_trainer
@@ -94,23 +94,8 @@ def validate(
     (True, 0)
     """
 
-    if is_trainer(model):  # a transformers Trainer: its own step, real on the CPU (graphmem/frontends/trainer.py)
-        from graphmem.validation.trainer import validate_trainer
-
-        unknown = sorted(set(options) - (TRAINER - {"input_shape", "device"}))  # (validate's own parameters)
-        if unknown:
-            raise UsageError(f"a Trainer's step is set by its TrainingArguments, not {', '.join(f'`{k}`' for k in unknown)}"
-                             ": drop it (`world_size`/`rank` validate its DDP ranks)")
-        return validate_trainer(model, inputs, input_shape, tolerance, device=device, **options)  # type: ignore[no-any-return]
-    if "training_args" in options:  # a Trainer with FSDP arguments, built per rank (graphmem/validation/trainer_fsdp.py)
-        from graphmem.validation.trainer_fsdp import validate_fsdp_ranks
-
-        unknown = sorted(set(options) - (FSDP_TRAINER - {"input_shape"}))
-        if unknown or loss is not None or hf is not None:
-            raise UsageError("a Trainer's step is set by its TrainingArguments: give `training_args`, `world_size`, `rank` "
-                             "(and `trainer_class`) only")
-        return validate_fsdp_ranks(model, options["training_args"], inputs, input_shape, tolerance,
-                                   options.get("world_size", 1), options.get("rank"), options.get("trainer_class"))
+    if is_trainer(model) or "training_args" in options:  # the Trainer's own step (graphmem/frontends/trainer.py)
+        return _trainer(model, inputs, input_shape, loss, device, tolerance, hf, options)
     check_keywords(options, spec_keywords() | {"tolerance"}, "graphmem.validate")
     dev, tol = _device(device), checked_tolerance(tolerance)
     if inputs is None and input_shape is None:
@@ -121,25 +106,68 @@ def validate(
         return _ranks(model, given, shape, loss, dev, tol, hf, options)
     _check_loop(options)
 
+    report, loaded, source = _predict(model, given, shape, loss, dev, hf, options)
+    measured, shapes = _real(report, loaded, given, shape, loss, dev, hf, source)
+    convs = report.step is not None and any("convolution" in str(op.target) for op in report.step.ops)
+    hint = " (CPU convnets need ~2.5 %, oneDNN scratch: --tolerance 2.5)" if dev.type == "cpu" and convs and tol < 2.5 else ""
+    rows, reason = judge(measured, tol, hint)
+    return Validation(report.model, str(dev), shapes, tol, rows, reason, report)
+
+
+def _trainer(model: Any, inputs: Any, input_shape: Union[str, tuple, list, None], loss: Optional[LossFn],
+             device: Union[str, torch.device], tolerance: Optional[float], hf: Optional[HFOptions],
+             options: dict[str, Any]) -> Validation:
+    """A transformers Trainer (its own step, real on the CPU: graphmem/validation/trainer.py), or a model with
+    FSDP ``training_args``, built per rank (graphmem/validation/trainer_fsdp.py)."""
+    if is_trainer(model):
+        from graphmem.validation.trainer import validate_trainer
+
+        unknown = sorted(set(options) - (TRAINER - {"input_shape", "device"}))  # (validate's own parameters)
+        if unknown:
+            raise UsageError(f"a Trainer's step is set by its TrainingArguments, not {', '.join(f'`{k}`' for k in unknown)}"
+                             ": drop it (`world_size`/`rank` validate its DDP ranks)")
+        return validate_trainer(model, inputs, input_shape, tolerance, device=device, **options)  # type: ignore[no-any-return]
+    from graphmem.validation.trainer_fsdp import validate_fsdp_ranks
+
+    unknown = sorted(set(options) - (FSDP_TRAINER - {"input_shape"}))
+    if unknown or loss is not None or hf is not None:
+        raise UsageError("a Trainer's step is set by its TrainingArguments: give `training_args`, `world_size`, `rank` "
+                         "(and `trainer_class`) only")
+    return validate_fsdp_ranks(model, options["training_args"], inputs, input_shape, tolerance,
+                               options.get("world_size", 1), options.get("rank"), options.get("trainer_class"))
+
+
+def _predict(model: Any, given: Optional[Batch], shape: Optional[tuple[int, ...]], loss: Optional[LossFn],
+             dev: torch.device, hf: Optional[HFOptions],
+             options: dict[str, Any]) -> tuple[Analysis, Optional[Loaded], Optional[str]]:
+    """The prediction, refused if it would not fit the real run's memory; the model as given (a real module) or
+    the file or preset to build once it fits."""
     if isinstance(model, nn.Module):
         _check_real(model, dev)
         report = analyze(model, given, input_shape=shape, loss=loss, **_target(dev), **options)
         _check_budget(report, dev, resident=report.parameter_bytes + report.buffer_bytes)
-        loaded: Optional[Loaded] = Loaded(type(model).__name__, model, None, None)
-    elif isinstance(model, (str, os.PathLike)):
-        spec = os.fspath(model)
-        report = analyze(spec, given, input_shape=shape, loss=loss, hf=hf, **_target(dev), **options)
+        return report, Loaded(type(model).__name__, model, None, None), None
+    if isinstance(model, (str, os.PathLike)):
+        source = os.fspath(model)
+        report = analyze(source, given, input_shape=shape, loss=loss, hf=hf, **_target(dev), **options)
         _check_budget(report, dev, resident=0)  # nothing real exists yet
-        loaded = None
-    else:
-        raise UsageError(f"model must be an nn.Module, a model file or a preset name, not {type(model).__name__}")
+        return report, None, source
+    raise UsageError(f"model must be an nn.Module, a model file or a preset name, not {type(model).__name__}")
+
+
+def _real(report: Analysis, loaded: Optional[Loaded], given: Optional[Batch], shape: Optional[tuple[int, ...]],
+          loss: Optional[LossFn], dev: torch.device, hf: Optional[HFOptions],
+          source: Optional[str]) -> tuple[Any, tuple[tuple[int, ...], ...]]:
+    """The real step beside the prediction: the model built (a file or preset, ``spec``) or used as given, the
+    same inputs, the same loop; what it measured and the input shapes."""
     assert report.source is not None  # one device's step
     training, target = report.source.spec.training, report.source.spec.target
 
     with _rng(dev):
         torch.manual_seed(0)  # deterministic weights and inputs (values never change the bytes)
         if loaded is None:
-            loaded = _build(spec, dev, report, hf)
+            assert source is not None
+            loaded = _build(source, dev, report, hf)
         real = given.map(lambda x: _to(x, dev)) if given is not None else _inputs(loaded, shape or (), dev)
         shapes = tuple(tuple(x.shape) for x in real.tensors())
         if shapes != tuple(report.input_shapes):
@@ -150,10 +178,7 @@ def validate(
             module = _prepared(loaded.module, training, target)
             measured = _cpu(report, module, real, loss_fn, training, target) if dev.type == "cpu" else \
                 _cuda(report, module, real, loss_fn, dev, training, target)
-    convs = report.step is not None and any("convolution" in str(op.target) for op in report.step.ops)
-    hint = " (CPU convnets need ~2.5 %, oneDNN scratch: --tolerance 2.5)" if dev.type == "cpu" and convs and tol < 2.5 else ""
-    rows, reason = judge(measured, tol, hint)
-    return Validation(report.model, str(dev), shapes, tol, rows, reason, report)
+    return measured, shapes
 
 
 # -- the real model and inputs ----------------------------------------------------------------
@@ -206,7 +231,7 @@ def _target(dev: torch.device) -> dict[str, Any]:
     return {"device": "cuda", "gpu": exact[0] if exact else known[-1][1] if known else "v100"}
 
 
-def _cuda_model(report: Report) -> Any:
+def _cuda_model(report: Analysis) -> Any:
     """The caching-allocator model's result for the predicted step (analyze computes it for the
     CUDA target)."""
 
@@ -228,7 +253,7 @@ def _check_real(module: nn.Module, dev: torch.device) -> None:
                              f".to({dev.type!r}) or validate with device={t.device.type!r}")
 
 
-def _build(spec: str, dev: torch.device, report: Optional[Report] = None, hf: Optional[HFOptions] = None) -> Loaded:
+def _build(spec: str, dev: torch.device, report: Optional[Analysis] = None, hf: Optional[HFOptions] = None) -> Loaded:
     """The model built for real on ``dev`` from its preset or model file.
 
     Why rebuild rather than ``load(spec).module.to_empty(device)`` and re-initialize: the
@@ -264,7 +289,7 @@ def _restored(module: nn.Module) -> Iterator[None]:
 
 # -- the memory budget ------------------------------------------------------------------------
 
-def _check_budget(report: Report, dev: torch.device, resident: int) -> None:
+def _check_budget(report: Analysis, dev: torch.device, resident: int) -> None:
     """Refuse (UsageError) a real step that could exhaust the machine. ``resident``: bytes that
     already exist (a real module's weights) and so need no new memory."""
     if dev.type == "cpu":
@@ -283,7 +308,7 @@ def _check_budget(report: Report, dev: torch.device, resident: int) -> None:
                      f"safety budget of {fmt_bytes(budget)} ({share:.0%} of the {fmt_bytes(free)} {what}); {hint}")
 
 
-def _smaller(report: Report) -> str:
+def _smaller(report: Analysis) -> str:
     dims = list(report.input_shapes[0]) if report.input_shapes else [1]
     i = 0 if dims[0] > 1 else len(dims) - 1
     dims[i] = max(1, dims[i] // 2)
@@ -292,7 +317,7 @@ def _smaller(report: Report) -> str:
 
 # -- the measurements -------------------------------------------------------------------------
 
-def _cpu(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn], training: Training,
+def _cpu(report: Analysis, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn], training: Training,
          target: Target) -> tuple[Row, ...]:
     train = training.train if training.train.active else None
     amp = DTYPES[target.amp] if target.amp else None
@@ -310,7 +335,7 @@ def _cpu(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[Los
                    Row("peak (later steps)", b.later_peak_bytes, later.peak_bytes, "tolerance", None))
 
 
-def _cuda(report: Report, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn],
+def _cuda(report: Analysis, module: nn.Module, inputs: Batch, loss_fn: Optional[LossFn],
           dev: torch.device, training: Training, target: Target) -> tuple[Row, ...]:
     assert report.step is not None
     if training.train.active:
