@@ -8,13 +8,17 @@ measures, per step, what tests/dist_truth.py measures:
 - held before and after the step: the bytes of the distinct storages of every tensor alive in the
   process (``gc.get_objects()``; meta tensors have none), so nothing DeepSpeed keeps is missed;
 - the peak: the held bytes before the step plus the highest running sum of the CPU allocator's
-  events under torch.profiler, gloo's collectives settled (tests/settle.py).
+  events under torch.profiler, gloo's collectives settled (tests/settle.py);
+- with CPU offload, the host bytes before and after the first step (``host_bytes``): the buffers DeepSpeed
+  places on its offload device, found by the attributes its ZeRO optimizers keep them in, each "pinned"
+  when DeepSpeed passed it through its accelerator's ``pin_memory`` (recorded as it runs), else "pageable".
 """
 from __future__ import annotations
 
 import gc
 import os
 import tempfile
+import weakref
 from typing import Any
 
 import torch
@@ -95,6 +99,82 @@ def _step(engine: Any, batch: dict, kept: list) -> dict[str, int]:
     return {"saved": sum(saved.values()), "before": before, "after": after, "peak": before + high(prof, held)}
 
 
+# where DeepSpeed 0.19.8 keeps what it places on the offload device: ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py
+# ``DeepSpeedZeroOptimizer.__init__``: ``self.device = 'cpu'`` under ``cpu_offload``) makes its fp32 partitions
+# (their ``.grad``: ``initialize_optimizer_states``), the 16-bit copies of them and the gradient staging buffer there;
+# ZeRO-3 (stage3.py ``DeepSpeedZeroOptimizer_Stage3``: ``self.device = OffloadDeviceEnum.cpu`` under
+# ``offload_optimizer``) its fp32 partitions and the flat gradient partitions, and under ``offload_param`` the
+# 16-bit partitions (``_create_param_groups_fp16_flat_cpu_memory``); the torch optimizer's states follow its
+# parameters (the fp32 partitions) there
+_OFFLOADED = ("single_partition_of_fp32_groups", "param_buffer_of_bit16_for_cpu_offload_groups",
+              "temp_grad_buffer_for_cpu_offload", "accumulated_grads_in_cpu", "fp32_partitioned_groups_flat",
+              "grad_partitions_flat_buffer")
+_PARAM_OFFLOADED = ("param_groups_fp16_flat_cpu_memory",)
+
+
+def _attr(obj: Any, name: str) -> Any:
+    value = getattr(obj, name, None)
+    return [] if value is None else value
+
+
+def host_bytes(engine: Any, pinned: list) -> dict[str, int]:
+    """The bytes of the distinct storages DeepSpeed keeps on its offload device (``_OFFLOADED``, the inner
+    optimizer's states; ``_PARAM_OFFLOADED`` and the parameters' ``ds_tensor`` under ``offload_param``), split
+    into "pinned" (a storage DeepSpeed's accelerator ``pin_memory`` returned and that still holds it) and
+    "pageable"."""
+    opt, zero = engine.optimizer, engine.zero_optimization()
+    found: list[torch.Tensor] = []
+    if engine.zero_cpu_offload():
+        for name in _OFFLOADED:
+            found += _tensors(_attr(opt, name))
+        found += [t.grad for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+                  for t in _attr(opt, name) if t.grad is not None]
+        found += [v for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    if zero and engine.zero_offload_param() is not None and engine.zero_offload_param().device == "cpu":
+        found += _tensors(_attr(opt, _PARAM_OFFLOADED[0]))
+        found += [p.ds_tensor for p in engine.module.parameters() if hasattr(p, "ds_tensor")]
+    pins = {ptr for ref, ptr in pinned if ref() is not None and ref().untyped_storage().data_ptr() == ptr}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
+    storages.pop(0, None)
+    return {"pinned": sum(b for p, b in storages.items() if p in pins),
+            "pageable": sum(b for p, b in storages.items() if p not in pins)}
+
+
+_FLAT = ("bit16_groups_flat", "single_partition_of_fp32_groups", "lp_param_buffer", "fp16_partitioned_groups_flat",
+         "param_groups_fp16_flat_cpu_memory", "fp32_partitioned_groups_flat", "grad_partitions_flat_buffer")
+
+
+def residuals(engine: Any) -> dict[str, int]:
+    """DeepSpeed's own figures of its residual states on this rank: the bytes of the distinct storages of its
+    flat partitions (``_FLAT``, the attributes of its ZeRO optimizers) and its alignment padding in elements:
+    ``flat_padding`` of the 16-bit flat buffer (stage 1/2: its length less the group's parameters'),
+    ``padding`` of this rank's partitions (``groups_padding``, stage_1_and_2.py and stage3.py)."""
+    opt = engine.optimizer
+    found = [t for name in _FLAT for t in _tensors(_attr(opt, name))]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
+    storages.pop(0, None)
+    flat = getattr(opt, "bit16_groups_flat", None)
+    return {"flat": sum(storages.values()),
+            "flat_padding": sum(f.numel() - sum(p.numel() for p in g) for f, g in zip(flat, opt.bit16_groups))
+            if flat is not None else 0,
+            "padding": sum(sum(p) if isinstance(p, list) else p for p in getattr(opt, "groups_padding", []))}
+
+
+def _recording_pins(pinned: list) -> None:
+    """Wrap DeepSpeed's accelerator ``pin_memory`` (on its CPU accelerator a no-op returning the tensor:
+    deepspeed/accelerator/cpu_accelerator.py) to record what it returns, with its storage's address."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    pin = acc.pin_memory
+
+    def recorded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = pin(tensor, *args, **kwargs)
+        pinned.append((weakref.ref(out), out.untyped_storage().data_ptr()))
+        return out
+    acc.pin_memory = recorded
+
+
 def _worker(rank: int, world_size: int, init: str, cases: list[dict], out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
@@ -103,6 +183,8 @@ def _worker(rank: int, world_size: int, init: str, cases: list[dict], out: str) 
     unsettled = settle((*COLLECTIVES, "broadcast", "reduce", "all_reduce_coalesced", "reduce_scatter_tensor"))
     import deepspeed
 
+    pinned: list = []
+    _recording_pins(pinned)
     try:
         results = []
         for config in cases:
@@ -110,8 +192,12 @@ def _worker(rank: int, world_size: int, init: str, cases: list[dict], out: str) 
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
             kept: list = []
-            steps = [_step(engine, batch, kept) for _ in range(2)]
-            results.append({"first": steps[0], "later": steps[1], "unsettled": unsettled[0]})
+            host = [host_bytes(engine, pinned)]
+            steps = [_step(engine, batch, kept)]
+            host.append(host_bytes(engine, pinned))
+            steps.append(_step(engine, batch, kept))
+            results.append({"first": steps[0], "later": steps[1], "unsettled": unsettled[0],
+                            "host": {"before": host[0], "after": host[1]}, "residual": residuals(engine)})
             del engine, optimizer, model, kept
         torch.save(results, f"{out}.{rank}")
     finally:

@@ -136,8 +136,9 @@ def add_parallel_arguments(p: argparse.ArgumentParser, g: Any) -> None:
     d.add_argument("--fsdp-no-sync", action="store_true", help="with --micro-batches: set_requires_gradient_sync(False) for "
                    "all but the last micro-batch (unsharded gradients accumulate; one reduce-scatter per step)")
     d.add_argument("--deepspeed", metavar="DS_CONFIG", help="a DeepSpeed config (JSON): rank --rank of --world-size "
-                   "through DeepSpeed's own engine (deepspeed.initialize, engine.backward, engine.step) on fake tensors "
-                   "(docs/deepspeed.md)")
+                   "through DeepSpeed's own engine (deepspeed.initialize, engine.backward, engine.step) on fake tensors; "
+                   "with offload_optimizer/offload_param to \"cpu\" (and zero_force_ds_cpu_optimizer false) the notes give "
+                   "its host (pinned) and host (pageable) bytes (docs/deepspeed.md)")
     d.add_argument("--loss-parallel", action="store_true", help="with --tp: the LM head's logits stay split over the "
                    "vocabulary into torch's loss_parallel() cross-entropy (torchtitan's default), not gathered whole")
 

@@ -33,7 +33,7 @@ from graphmem.capture.recorder import _NODE, _Mode, _Recorder
 from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
 from graphmem.deepspeed.config import DeepSpeedJob, resolved
-from graphmem.deepspeed.engine import engine_on_fake, held_tensors, launched, staying
+from graphmem.deepspeed.engine import Pins, engine_on_fake, held_tensors, launched, name_host, naming_buckets, staying
 from graphmem.distributed.capture import rank_placeholders, rank_running
 from graphmem.distributed.fsdp import fake_copy
 from graphmem.fake_group import fake_group
@@ -101,7 +101,8 @@ def _engine_steps(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], tar
 
         rec = Recording(target)
         fake_mode = rec.mode = _EngineMode(rec.cap)
-        with fake_mode, engine_on_fake(fake_mode):
+        pins: Pins = []  # what DeepSpeed pins (graphmem/deepspeed/engine.py)
+        with fake_mode, engine_on_fake(fake_mode, pins):
             wrapped = fake_copy(module, None)  # DeepSpeed casts to bf16/fp16 itself (its config)
             config = resolved(job, module, _micro_batch(inputs))
             optimizer = make_optimizer(train.optimizer, train.impl, [p for p in wrapped.parameters() if p.requires_grad],
@@ -111,29 +112,32 @@ def _engine_steps(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], tar
         del wrapped, optimizer  # (the engine holds them)
         for record in recorded:
             if not record:
-                with fake_mode, engine_on_fake(fake_mode):
+                with fake_mode, engine_on_fake(fake_mode, pins):
                     _warm_step(engine, inputs, loss_fn, target, fake_mode)
                 continue
             if graphs:  # a fresh recorder on the same fake mode; the tensors the last one named are unnamed (``_forget``)
                 rec = Recording(target)
                 rec.mode, fake_mode.rec = fake_mode, rec.cap
                 _forget()
-            graphs.append(_recorded(rec, engine, inputs, loss_fn, train))
+            graphs.append(_recorded(rec, engine, inputs, loss_fn, train, pins))
     return graphs
 
 
-def _recorded(rec: Recording, engine: Any, inputs: Any, loss_fn: Optional[LossFn], train: TrainStep) -> StepGraph:
+def _recorded(rec: Recording, engine: Any, inputs: Any, loss_fn: Optional[LossFn], train: TrainStep,
+              pins: Pins) -> StepGraph:
     """The step recorded from what the engine holds now: its held tensors, each named by where DeepSpeed keeps
-    it, are the baseline (``held_tensors``), then the parameters and the batch."""
+    it, are the baseline (``held_tensors``), then the parameters and the batch, and what DeepSpeed keeps on the host
+    (``name_host``)."""
     cap, fake_mode = rec.cap, rec.mode
-    with fake_mode, engine_on_fake(fake_mode):
+    with fake_mode, engine_on_fake(fake_mode, pins):
         held = held_tensors(engine)
         for path, t in held:
             if t.untyped_storage().nbytes():
                 cap.preexisting(t, kind_of(path), path)
         del held
         param_sid, fake_inputs = rank_placeholders(cap, fake_mode, engine.module, inputs, rec.target)
-    return _run(rec, engine, fake_inputs, loss_fn, param_sid, train)
+        name_host(cap, engine, pins)
+    return _run(rec, engine, fake_inputs, loss_fn, param_sid, train, pins)
 
 
 def _forget() -> None:
@@ -164,11 +168,11 @@ def _micro_batch(inputs: Any) -> int:
 
 
 def _run(rec: Recording, engine: Any, fake_inputs: Any, loss_fn: Optional[LossFn], param_sid: dict[str, int],
-         train: TrainStep) -> StepGraph:
+         train: TrainStep, pins: Pins) -> StepGraph:
     module, cap, target, backends = engine.module, rec.cap, rec.target, rec.backends
     gathered = nn.modules.module.register_module_forward_hook(lambda m, a, o: _gathered(cap, m))
     with rec.hooks(), _removed(gathered):
-        with rank_running(rec, module, engine_on_fake(rec.mode)):
+        with rank_running(rec, module, engine_on_fake(rec.mode, pins)), naming_buckets(cap, engine):
             marked: dict[str, list[int]] = {}
             mark = marker(cap, param_sid, marked)
             out = _micro_steps(engine, as_batch(fake_inputs), loss_fn,  # (alive until the step ends, as in a loop)
@@ -179,6 +183,7 @@ def _run(rec: Recording, engine: Any, fake_inputs: Any, loss_fn: Optional[LossFn
             states = engine.optimizer.optimizer.state if hasattr(engine.optimizer, "optimizer") else {}
             mark("optimizer state", [(f"{i}:{k}", v) for i, s in enumerate(states.values()) for k, v in s.items()
                                      if isinstance(v, torch.Tensor)])
+            name_host(cap, engine, pins)  # (CPU offload: what DeepSpeed keeps on the host, after the step)
         graph = rec.graph(type(module).__name__, module_order(module), marked.get("gradient", []), train=train)
     del out  # freed after ``cap`` is closed (``rec.hooks``): the output and loss are alive when the step ends
     return graph

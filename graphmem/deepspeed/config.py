@@ -4,8 +4,9 @@ takes it), checked once where it is built, and the rank analyzed.
 Checked here, each a one-line error naming the fix: a config file that does not exist or is not JSON, a
 top-level key DeepSpeed does not know (DeepSpeed itself ignores one; a typo would silently change the
 job), a ZeRO stage other than 0-3, a ``zero_optimization`` key DeepSpeed's own pydantic model refuses
-(deepspeed/runtime/zero/config.py ``DeepSpeedZeroConfig``, ``extra="forbid"``), NVMe offload, CPU
-offload (not captured yet), and fp16 (``_check_fp16``).
+(deepspeed/runtime/zero/config.py ``DeepSpeedZeroConfig``, ``extra="forbid"``), NVMe offload, what of CPU
+offload does not run on fake tensors (``_check_offload``: DeepSpeedCPUAdam; a torch optimizer needs
+``zero_force_ds_cpu_optimizer: false``, as DeepSpeed itself says), and fp16 (``_check_fp16``).
 
 ``"auto"`` values are resolved as transformers' ``HfTrainerDeepSpeedConfig`` resolves them
 (transformers/integrations/deepspeed.py ``trainer_config_process`` and ``trainer_config_finalize``)
@@ -76,6 +77,10 @@ class DeepSpeedJob:
         clip = _TRAINING_ARGS["gradient_clipping"] if clip == "auto" else clip
         parts = [dtype] + ([f"{gas} micro-steps"] if isinstance(gas, int) and gas > 1 else []) \
             + ([f"clipping {clip:g}"] if isinstance(clip, (int, float)) and clip > 0 else [])
+        for part, what in (("offload_optimizer", "optimizer"), ("offload_param", "parameters")):
+            if _offloads(c, part):  # (pin_memory: DeepSpeed's default true, deepspeed/runtime/zero/offload_config.py)
+                parts.append(f"{what} on the host" + (" (pinned)" if c["zero_optimization"][part].get("pin_memory", True)
+                                                       else ""))
         return f"DeepSpeed ZeRO-{self.stage} ({', '.join(parts)}), rank {self.rank} of {self.world_size}"
 
     def check(self, spec: Any) -> None:
@@ -94,6 +99,11 @@ class DeepSpeedJob:
                              "`optimizer='adamw'` (a torch.optim class passed to deepspeed.initialize)")
         if train.optimizer is not None and "optimizer" in self.config:
             raise UsageError("the DeepSpeed config names an optimizer and so does `optimizer`: give one")
+        if train.optimizer is not None and _offloads(self.config, "offload_optimizer") \
+                and self.config.get("zero_force_ds_cpu_optimizer", True) is not False:
+            raise UsageError("DeepSpeed refuses a torch optimizer with CPU offload unless the config sets "
+                             "`\"zero_force_ds_cpu_optimizer\": false` (its DeepSpeedCPUAdam, a C++ op, does not run "
+                             "on fake tensors): add it")
 
 def _load(config: Any) -> dict[str, Any]:
     if isinstance(config, dict):
@@ -129,9 +139,34 @@ def _check_keys(c: dict[str, Any]) -> None:
         if device == "nvme":
             raise UsageError(f"`zero_optimization.{part}.device` \"nvme\" (ZeRO-Infinity) is not analyzed: its "
                              "buffers live in files and pinned host memory outside torch's allocator; use \"cpu\" or none")
-        if device not in ("none", None):
-            raise UsageError(f"`zero_optimization.{part}` to the CPU is not captured yet: drop it (its pinned host "
-                             "copies are not modelled)")
+    _check_offload(c, zero)
+
+
+def _offloads(c: dict[str, Any], part: str) -> bool:
+    return (c.get("zero_optimization", {}).get(part) or {}).get("device") == "cpu"
+
+
+def _check_offload(c: dict[str, Any], zero: dict[str, Any]) -> None:
+    """CPU offload runs through DeepSpeed's engine with a torch optimizer stepping the host partitions; what
+    does not, in one line: DeepSpeedCPUAdam (deepspeed/runtime/engine.py ``get_optimizer_configuration`` picks it
+    for a config optimizer under offload unless its params say ``torch_adam``; its step, deepspeed/ops/adam/
+    cpu_adam.py ``step`` -> ``ds_opt_adam.adam_update``, reads ``params.data_ptr()`` in its C++ op,
+    csrc/adam/cpu_adam_impl.cpp, which a fake tensor refuses; not built here), ``offload_param`` below ZeRO-3 (stage3.py reads it), and the partial and Superchip
+    offloads (``ratio``, ``super_offload``: not checked against a real run)."""
+    if _offloads(c, "offload_param") and zero.get("stage", 0) != 3:
+        raise UsageError("`zero_optimization.offload_param` offloads ZeRO-3's parameter partitions: use it with "
+                         "`\"stage\": 3` (or `offload_optimizer` on stage 1/2)")
+    if not _offloads(c, "offload_optimizer"):
+        return
+    opt = zero["offload_optimizer"]
+    if opt.get("ratio", 1.0) != 1.0 or opt.get("super_offload"):
+        raise UsageError("`zero_optimization.offload_optimizer.ratio` below 1 and `super_offload` are not checked "
+                         "against a real run yet: offload the whole optimizer (drop them)")
+    optimizer = c.get("optimizer")
+    if isinstance(optimizer, dict) and not (optimizer.get("params") or {}).get("torch_adam"):
+        raise UsageError("CPU offload steps a config optimizer with DeepSpeedCPUAdam, a C++ op that fake tensors "
+                         "cannot run: set `\"zero_force_ds_cpu_optimizer\": false` with a torch optimizer "
+                         "(`optimizer='adamw'`), or `\"torch_adam\": true` in the optimizer's params")
 
 def _check_zero_model(zero: dict[str, Any]) -> None:
     """DeepSpeed's own check of the ZeRO section (pydantic, unknown keys forbidden), in one line."""

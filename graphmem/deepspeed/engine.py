@@ -21,16 +21,36 @@ Patches (each undone on exit):
   read under bf16 where ``bf16.check_grad_overflow`` defaults to true, and under fp16), a float 1.0 (a
   norm that scales the clipping coefficient, a Python number), any other int 1. None decides a size.
 
-Known limitations: DeepSpeed's pinned host buffers (CPU offload) and NVMe swapping are not run here
-(graphmem/deepspeed/config.py refuses them).
+- DeepSpeed's accelerator ``pin_memory`` (on its CPU accelerator a no-op that returns the tensor:
+  deepspeed/accelerator/cpu_accelerator.py ``CPU_Accelerator.pin_memory``) is wrapped to record what it returns:
+  the buffers DeepSpeed pins on the host (CUDA's accelerator pins each with ``tensor.pin_memory()``).
+
+CPU offload (``host_tensors``): DeepSpeed places its optimizer side on the host under
+``offload_optimizer.device: cpu``. ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py
+``DeepSpeedZeroOptimizer.__init__``, ``self.device = 'cpu'`` under ``cpu_offload``): the fp32 partitions
+``single_partition_of_fp32_groups`` and their gradients (``initialize_optimizer_states``, reached through
+``offload_gradient_dict``), the 16-bit staging copies ``param_buffer_of_bit16_for_cpu_offload_groups``, the
+gradient staging buffer ``temp_grad_buffer_for_cpu_offload`` and ``accumulated_grads_in_cpu`` (gradient
+accumulation); ``temp_grad_buffer_for_gpu_offload`` stays on the accelerator. ZeRO-3 (stage3.py
+``DeepSpeedZeroOptimizer_Stage3``, ``self.device = OffloadDeviceEnum.cpu`` under ``offload_optimizer``): the fp32
+partitions ``fp32_partitioned_groups_flat`` (never pinned) and their gradients, ``grad_partitions_flat_buffer``;
+under ``offload_param.device: cpu`` the 16-bit partitions in ``param_groups_fp16_flat_cpu_memory``
+(``_create_param_groups_fp16_flat_cpu_memory``, pinned whatever ``pin_memory`` says) that each parameter's
+``ds_tensor`` and ``fp16_partitioned_groups_flat`` view. The torch optimizer's states are made beside its
+parameters, the fp32 partitions: on the host, pageable. Which are pinned is what DeepSpeed passes through
+``pin_memory`` (each ``if ...pin_memory:`` in the code above), recorded as it runs.
+
+Known limitations: NVMe swapping is not run here (graphmem/deepspeed/config.py refuses it); DeepSpeedCPUAdam
+(a C++ op) is not run: a torch optimizer steps the host partitions (``zero_force_ds_cpu_optimizer: false``).
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
+import weakref
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -43,23 +63,109 @@ def _answer(t: torch.Tensor) -> Any:
     return False if t.dtype == torch.bool else 0 if t.dtype == torch.uint8 else 1.0 if t.is_floating_point() else 1
 
 
+Pins = list[tuple["weakref.ref[torch.Tensor]", int]]  # what DeepSpeed's pin_memory returned, with its storage
+
+
 @contextlib.contextmanager
-def engine_on_fake(mode: _Mode) -> Iterator[None]:
-    """The patches of the module docstring around DeepSpeed's initialize and step."""
+def engine_on_fake(mode: _Mode, pins: Optional[Pins] = None) -> Iterator[None]:
+    """The patches of the module docstring around DeepSpeed's initialize and step; what DeepSpeed pins is
+    appended to ``pins``."""
     import deepspeed  # noqa: F401  (deepspeed.comm.torch imported with it)
     import deepspeed.runtime.zero.utils as zero_utils
+    from deepspeed.accelerator import get_accelerator
 
     comm: Any = sys.modules["deepspeed.comm.torch"]  # (``deepspeed.comm.torch`` as an attribute is torch itself)
     built, answer = comm.build_shm_op, mode.scalar_answer
     checks = zero_utils.assert_lst_len_same_as_other_ranks, zero_utils.get_lst_from_rank0
+    accelerator = get_accelerator()
+    pin, own = accelerator.pin_memory, dict(vars(accelerator))
     comm.build_shm_op = lambda: None
     mode.scalar_answer = _answer
     zero_utils.assert_lst_len_same_as_other_ranks, zero_utils.get_lst_from_rank0 = _length_broadcast, _list_broadcast
+    accelerator.pin_memory = lambda t, *a, **k: _pinned(pin(t, *a, **k), pins if pins is not None else [])
     try:
         yield
     finally:
         comm.build_shm_op, mode.scalar_answer = built, answer
         zero_utils.assert_lst_len_same_as_other_ranks, zero_utils.get_lst_from_rank0 = checks
+        if "pin_memory" in own:
+            accelerator.pin_memory = own["pin_memory"]
+        else:
+            del accelerator.pin_memory  # (the class's method again)
+
+
+def _pinned(t: torch.Tensor, pins: Pins) -> torch.Tensor:
+    pins.append((weakref.ref(t), t.untyped_storage()._cdata))
+    return t
+
+
+def pinned_storages(pins: Pins) -> set[int]:
+    """The storages (``_cdata``) DeepSpeed pinned that a tensor it pinned still holds (ZeRO-3 moves a pinned
+    ``ds_tensor`` into a flat buffer: ``src.data = dest.data``, stage3.py ``_move_to_flat_buffer``)."""
+    return {cd for ref, cd in pins if (t := ref()) is not None and t.untyped_storage()._cdata == cd}
+
+
+# where DeepSpeed keeps what it places on the host (the module docstring): optimizer offload, parameter offload
+_OFFLOADED = ("optimizer.single_partition_of_fp32_groups", "optimizer.offload_gradient_dict",
+              "optimizer.param_buffer_of_bit16_for_cpu_offload_groups", "optimizer.temp_grad_buffer_for_cpu_offload",
+              "optimizer.accumulated_grads_in_cpu", "optimizer.fp32_partitioned_groups_flat",
+              "optimizer.grad_partitions_flat_buffer")
+_MASTERS = ("optimizer.single_partition_of_fp32_groups", "optimizer.fp32_partitioned_groups_flat")  # (their .grad)
+_PARAM_OFFLOADED = ("optimizer.param_groups_fp16_flat_cpu_memory", "optimizer.fp16_partitioned_groups_flat")
+
+
+PINNED, PAGEABLE = " (host, pinned)", " (host, pageable)"  # how a host storage's name ends
+
+
+def name_host(cap: Any, engine: Any, pins: Pins) -> None:
+    """End the name of each live storage of ``host_tensors(engine)`` with where DeepSpeed placed it,
+    ``PINNED`` or ``PAGEABLE`` (``cap``: the recorder, its live storages by ``_cdata``)."""
+    pinned = pinned_storages(pins)
+    for path, t in host_tensors(engine):
+        cd = t.untyped_storage()._cdata
+        s = cap.live.get(cd)
+        if s is not None and not s.name.endswith((PINNED, PAGEABLE)):
+            # (ZeRO-3's fp32 partitions' ``.grad``, which ``held_tensors`` does not walk: met first as an op's input)
+            s.name = (path if s.name.startswith("external_") else s.name) + (PINNED if cd in pinned else PAGEABLE)
+
+
+def host_tensors(engine: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors DeepSpeed's ``engine`` keeps on the host under CPU offload (the module docstring), by path."""
+    offload_param = engine.zero_offload_param()
+    keys = (_OFFLOADED if engine.zero_cpu_offload() else ()) \
+        + (_PARAM_OFFLOADED if offload_param is not None and offload_param.device == "cpu" else ())
+    if not keys:
+        return []
+    out = [(p, t) for p, t in held_tensors(engine) if p.startswith(keys)
+           or (keys[-1] == _PARAM_OFFLOADED[-1] and p.endswith(".ds_tensor"))]
+    grads = [(f"{p}.grad", t.grad) for p, t in out if p.startswith(_MASTERS) and isinstance(t.grad, torch.Tensor)]
+    inner = getattr(engine.optimizer, "optimizer", None) if engine.zero_cpu_offload() else None
+    states = [(f"optimizer.optimizer.state[{i}].{k}", v) for i, st in enumerate(getattr(inner, "state", {}).values())
+              for k, v in st.items() if isinstance(v, torch.Tensor)]  # (beside the fp32 partitions they step)
+    return out + grads + states
+
+
+@contextlib.contextmanager
+def naming_buckets(cap: Any, engine: Any) -> Iterator[None]:
+    """ZeRO-1/2's reduce buckets (``ipg_buckets[dtype].buffer``: made as backward starts, released at its end by
+    ``_release_ipg_buffers``, deepspeed/runtime/zero/stage_1_and_2.py) named "communication" (the budget's
+    communication buffers row) just before DeepSpeed releases them. ZeRO-3's exist before the step, named by path."""
+    opt = engine.optimizer
+    release = getattr(opt, "_release_ipg_buffers", None)
+    if release is None or not hasattr(opt, "ipg_buckets"):
+        yield
+        return
+
+    def named() -> Any:
+        for dtype, bucket in opt.ipg_buckets.items():
+            for i, t in enumerate(bucket.buffer):
+                cap.relabel(t, "communication", f"optimizer.ipg_buckets[{dtype}].buffer[{i}] (reduce bucket)")
+        return release()
+    opt._release_ipg_buffers = named
+    try:
+        yield
+    finally:
+        del opt._release_ipg_buffers
 
 
 def _broadcast(values: Any) -> torch.Tensor:
@@ -183,4 +289,4 @@ def held_tensors(engine: Any, limit: int = 40) -> list[tuple[str, torch.Tensor]]
     return out
 
 
-__all__ = ["engine_on_fake", "held_tensors", "launched", "staying"]
+__all__ = ["PAGEABLE", "PINNED", "Pins", "engine_on_fake", "held_tensors", "host_tensors", "launched", "name_host", "naming_buckets", "pinned_storages", "staying"]

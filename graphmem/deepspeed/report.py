@@ -1,6 +1,10 @@
 """The report's lines for a DeepSpeed rank: what the engine holds before and after the step, by where
 DeepSpeed keeps it (its ZeRO optimizer's attributes: graphmem/deepspeed/capture.py names them), the
-flat partitions' padding, and the buffers the step makes (reduce buckets), at their largest.
+flat partitions' padding, and the buffers the step makes (reduce buckets), at their largest; under CPU
+offload the host (pinned) and host (pageable) bytes by owner (``host_bytes``); DeepSpeed's residual states in one
+line (``residual``: flat partitions, reduce buckets and collective outputs, ZeRO-3's all-gathered parameters,
+alignment padding, host bytes). They stay notes, not budget rows: the rows partition the peak by kind, and each of
+these is inside one of them (the reduce buckets are the communication buffers row).
 
 ``zero_paper``: the ZeRO paper's model states per rank (Rajbhandari et al., "ZeRO: Memory Optimizations
 Toward Training Trillion Parameter Models", SC20, section 5 and Figure 1: with Ψ parameters over N_d
@@ -11,6 +15,7 @@ cross-check, not the answer. With fp32 training the parameters and gradients are
 an fp32 partition besides its fp32 parameters (the paper's fp32 case has none)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -18,14 +23,18 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from graphmem.deepspeed.config import DeepSpeedJob
+from graphmem.deepspeed.engine import PAGEABLE, PINNED
+from graphmem.passes.budget import COMMUNICATION
 from graphmem.passes.liveness import Liveness
 from graphmem.stepgraph import StepGraph
 from graphmem.units import fmt_bytes
 
 
 def origin(name: str) -> str:
-    """A held tensor's origin without its indices: ``optimizer.bit16_groups_flat[0]`` ->
-    ``optimizer.bit16_groups_flat``; a parameter's own name stays."""
+    """A held tensor's origin without its indices and its host placement: ``optimizer.bit16_groups_flat[0]``
+    -> ``optimizer.bit16_groups_flat``; a parameter's own name stays."""
+    for end in (PINNED, PAGEABLE):
+        name = name[:-len(end)] if name.endswith(end) else name
     return re.sub(r"\[[^\]]*\]", "", name)
 
 
@@ -47,6 +56,12 @@ def made_in_step(g: StepGraph, kind: str) -> dict[str, int]:
     return out
 
 
+def with_own_notes(rows: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The budget's rows with the communication row's note saying what DeepSpeed's buffers are."""
+    return tuple(dataclasses.replace(r, note="DeepSpeed's reduce buckets (ipg_buckets) and collective outputs, at the peak")
+                 if r.name == COMMUNICATION else r for r in rows)
+
+
 def engine_lines(g: StepGraph, lv: Liveness, job: DeepSpeedJob) -> tuple[str, ...]:
     """The lines of the module docstring."""
     held = held_by_origin(g)
@@ -57,7 +72,142 @@ def engine_lines(g: StepGraph, lv: Liveness, job: DeepSpeedJob) -> tuple[str, ..
     if comm:
         lines.append("buffers DeepSpeed makes in the step (communication buffers row): "
                      + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in comm.items()))
-    return tuple(lines)
+    return tuple(lines) + host_lines(g, lv)
+
+
+@dataclass(frozen=True)
+class HostBytes:
+    """What DeepSpeed keeps on the host under CPU offload (graphmem/deepspeed/engine.py ``host_tensors``:
+    its offload device, pinned or pageable as DeepSpeed's ``pin_memory`` calls say), before and after the step."""
+
+    before: tuple[int, int]  # (pinned, pageable) bytes held before the step
+    after: tuple[int, int]  # (pinned, pageable) bytes held when the step ends
+    owners: tuple[tuple[str, str, int], ...]  # (origin, "pinned" | "pageable", bytes) held when the step ends
+
+    @property
+    def total_after(self) -> int:
+        return sum(self.after)
+
+
+def host_bytes(g: StepGraph) -> HostBytes:
+    """The host bytes of rank r's step ``g`` (its storages named by graphmem/deepspeed/engine.py ``name_host``)."""
+    before, after = [0, 0], [0, 0]
+    owners: dict[tuple[str, str], int] = {}
+    for s in g.storages.values():
+        where = 0 if s.name.endswith(PINNED) else 1 if s.name.endswith(PAGEABLE) else None
+        if where is None:
+            continue
+        if s.created < 0:
+            before[where] += s.nbytes
+        if s.freed is None:
+            after[where] += s.nbytes
+            key = (origin(s.name), ("pinned", "pageable")[where])
+            owners[key] = owners.get(key, 0) + s.nbytes
+    return HostBytes((before[0], before[1]), (after[0], after[1]),
+                     tuple((o, w, b) for (o, w), b in sorted(owners.items(), key=lambda kv: -kv[1])))
+
+
+def host_lines(g: StepGraph, lv: Liveness) -> tuple[str, ...]:
+    """One line where the job offloads to the CPU: host (pinned) and host (pageable) bytes before and after the
+    step, their owners, and the rest (the accelerator's)."""
+    h = host_bytes(g)
+    if not any(h.before + h.after):
+        return ()
+    owners = ", ".join(f"{o} {fmt_bytes(b)} ({w})" for o, w, b in h.owners)
+    return (f"host memory (DeepSpeed's CPU offload; inside the figures above, which count the CPU's bytes alike): "
+            f"before the step host (pinned) {fmt_bytes(h.before[0])}, host (pageable) {fmt_bytes(h.before[1])}, "
+            f"the rest {fmt_bytes(lv.baseline_bytes - sum(h.before))} (with the batch); when it ends host (pinned) "
+            f"{fmt_bytes(h.after[0])}, host (pageable) {fmt_bytes(h.after[1])}, the rest "
+            f"{fmt_bytes(lv.end_bytes - h.total_after)}; on the host: {owners}",)
+
+
+# DeepSpeed's flat partitions (stage_1_and_2.py: the 16-bit flat buffer and this rank's fp32 partition; stage3.py:
+# the 16-bit partitions, on the host under offload_param, the fp32 partitions and the flat gradient partitions)
+_FLAT = ("optimizer.bit16_groups_flat", "optimizer.single_partition_of_fp32_groups", "optimizer.lp_param_buffer",
+         "optimizer.fp16_partitioned_groups_flat", "optimizer.param_groups_fp16_flat_cpu_memory",
+         "optimizer.fp32_partitioned_groups_flat", "optimizer.grad_partitions_flat_buffer")
+
+
+@dataclass(frozen=True)
+class Residual:
+    """DeepSpeed's residual states on rank r (what its engine keeps or makes beside the model states' tensors
+    as the paper counts them): its flat partitions, its reduce buckets and collective outputs and ZeRO-3's
+    all-gathered parameters (the most live at once, and at the peak), its alignment padding, its host bytes."""
+
+    flat: tuple[tuple[str, int], ...]  # the flat partitions held when the step ends, by origin
+    buckets: int  # kind "communication": the most bytes live at once
+    buckets_at_peak: int
+    gathered: int  # kind "gathered parameter" (ZeRO-3's all-gathered parameters, prefetched ones too)
+    gathered_at_peak: int
+    padding: tuple[tuple[str, int], ...]  # DeepSpeed's alignment padding on this rank (``padding``): (what, bytes)
+    host: HostBytes
+
+
+def most_live(g: StepGraph, lv: Liveness, kind: str) -> tuple[int, int]:
+    """The most bytes of storages of ``kind`` live during any op of the step (or before it), and at the peak."""
+    diff = [0] * (g.num_ops + 1)
+    before = 0
+    for sid, (a, b) in lv.intervals.items():
+        s = g.storages[sid]
+        if s.kind == kind:
+            diff[a] += s.nbytes
+            diff[b + 1] -= s.nbytes
+            before += s.nbytes if s.created < 0 else 0
+    live, most, at_peak = 0, before, 0
+    for i in range(g.num_ops):
+        live += diff[i]
+        most = max(most, live)
+        at_peak = live if i == lv.peak_index else at_peak
+    return most, at_peak
+
+
+def padding(module: nn.Module, job: DeepSpeedJob) -> tuple[tuple[str, int], ...]:
+    """DeepSpeed's alignment padding on rank r, by its own rules, for one parameter group of every trained
+    parameter of ``module``: stage 1 and 2 pad the group's flat buffer to a multiple of 2 N_d elements
+    (deepspeed/runtime/zero/stage_1_and_2.py, ``nccl_start_alignment_factor`` 2 x the world size; every rank holds
+    the whole 16-bit flat buffer) and the padding falls in the last partitions (``groups_padding``: this rank's part
+    of it, which its fp32 partition holds too); stage 3 pads each parameter to a multiple of N_d on the last rank
+    (partition_parameters.py ``_padding_size``; stage3.py ``groups_padding``: only ``rank == partition_count - 1``).
+    (What, bytes) each: the 16-bit parameters' and the fp32 partition's."""
+    numels = [p.numel() for p in module.parameters() if p.requires_grad]
+    n, r, psi = job.world_size, job.rank, sum(numels)
+    e = 2 if job.config.get("bf16", {}).get("enabled") is True else 4
+    if job.stage in (1, 2):
+        flat = -(-psi // (2 * n)) * 2 * n
+        part = flat // n
+        mine = part if psi <= r * part else max(0, (r + 1) * part - psi)  # stage_1_and_2.py's three cases
+        return (("16-bit flat buffer", e * (flat - psi)), ("fp32 partition", 4 * mine))
+    if job.stage == 3:
+        mine = sum((n - k % n) % n for k in numels) if r == n - 1 else 0
+        return (("16-bit partitions", e * mine), ("fp32 partitions", 4 * mine))
+    return ()
+
+
+def residual(g: StepGraph, lv: Liveness, module: nn.Module, job: DeepSpeedJob) -> Residual:
+    """Rank r's residual states (``Residual``) in its step ``g`` of ``module``."""
+    flat: dict[str, int] = {}
+    for s in g.storages.values():
+        if s.freed is None and origin(s.name) in _FLAT:  # (not the fp32 partitions' .grad)
+            flat[origin(s.name)] = flat.get(origin(s.name), 0) + s.nbytes
+    return Residual(tuple(flat.items()), *most_live(g, lv, "communication"), *most_live(g, lv, "gathered parameter"),
+                    padding(module, job), host_bytes(g))
+
+
+def residual_lines(r: Residual) -> tuple[str, ...]:
+    """One line: the residual states, each by what DeepSpeed keeps it as."""
+    parts = [f"flat partitions {fmt_bytes(sum(b for _, b in r.flat))} ("
+             + ", ".join(f"{k} {fmt_bytes(b)}" for k, b in r.flat) + ")"] if r.flat else []
+    parts.append(f"reduce buckets and collective outputs {fmt_bytes(r.buckets)} at most at once "
+                 f"({fmt_bytes(r.buckets_at_peak)} at the peak)")
+    if r.gathered:
+        parts.append(f"all-gathered parameters (prefetched ones too) {fmt_bytes(r.gathered)} at most at once "
+                     f"({fmt_bytes(r.gathered_at_peak)} at the peak)")
+    if r.padding:
+        parts.append("alignment padding " + ", ".join(f"{k} {fmt_bytes(b)}" for k, b in r.padding))
+    if any(r.host.after):
+        parts.append(f"host (pinned) {fmt_bytes(r.host.after[0])}, host (pageable) {fmt_bytes(r.host.after[1])} "
+                     "when the step ends")
+    return ("DeepSpeed's residual states on this rank (inside the rows above): " + "; ".join(parts),)
 
 
 @dataclass(frozen=True)
@@ -120,5 +270,5 @@ def paper_lines(rows: tuple[PaperRow, ...]) -> tuple[str, ...]:
             + "; ".join(one(r) for r in rows),)
 
 
-__all__ = ["PaperRow", "engine_lines", "held_by_origin", "made_in_step", "origin", "paper_check", "paper_lines",
+__all__ = ["HostBytes", "PaperRow", "Residual", "engine_lines", "host_bytes", "host_lines", "most_live", "padding", "residual", "residual_lines", "with_own_notes", "held_by_origin", "made_in_step", "origin", "paper_check", "paper_lines",
            "zero_paper"]

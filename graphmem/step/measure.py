@@ -211,7 +211,7 @@ def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
     """Rank r of a DeepSpeed job through its own engine (graphmem/deepspeed/capture.py): the whole step's
     table over rank r's graph, DeepSpeed's held tensors by where it keeps them beside it."""
     from graphmem.deepspeed.capture import capture_engine_steps
-    from graphmem.deepspeed.report import engine_lines, paper_check
+    from graphmem.deepspeed.report import engine_lines, paper_check, residual, residual_lines, with_own_notes
 
     # the second step recorded after the first, from the same engine: what DeepSpeed keeps and frees across steps as it does
     g, later = capture_engine_steps(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
@@ -220,10 +220,12 @@ def _deepspeed(spec: StepSpec, p: DeepSpeedJob) -> Measured:
     assert budget is not None  # (a training spec was given)
     lv_later = liveness(later)
     budget = dataclasses.replace(budget, rank=dataclasses.replace(
-        budget.rank, later_peak_bytes=lv_later.peak_bytes, later_peak_index=lv_later.peak_index,
+        budget.rank, rows=with_own_notes(budget.rank.rows), later_peak_bytes=lv_later.peak_bytes,
+        later_peak_index=lv_later.peak_index,
         later_peak_phase=lv_later.peak_phase if lv_later.peak_index >= 0 else "before the step"))
     step = dataclasses.replace(first, budget=budget)
     return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv, p)
+                    + residual_lines(residual(g, lv, spec.module, p))
                     + paper_check(spec.module, p, g, spec.training.train.optimizer, budget.rank.rows))
 
 

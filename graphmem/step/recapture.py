@@ -59,7 +59,6 @@ class Recapture:
         self.parallel: Parallel = spec.parallel.formula  # formulas are one rank's under tensor parallelism
         self.names, self.dims = variables_of(example)
         self._sampler: Optional[Sampler] = None
-        self.cache: dict[str, Any] = {}  # answers computed once: planners, the default formulas
 
     @property
     def train(self) -> Optional[TrainStep]:
