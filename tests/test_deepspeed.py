@@ -8,6 +8,7 @@ import pytest
 
 from graphmem.deepspeed import make_job
 from graphmem.errors import UsageError
+from graphmem.stepgraph import StepGraph
 
 BUCKETS = {"reduce_bucket_size": 10000, "allgather_bucket_size": 10000}  # (DeepSpeed's 5e8 default: 2 GB on ZeRO-2)
 
@@ -70,14 +71,14 @@ def _config(stage: int, buckets: dict = BUCKETS, **settings: object) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, **settings, "zero_optimization": {"stage": stage, **buckets}}
 
 
-def _analyzed(config: dict, rank: int) -> dict:
+def _analyzed(config: dict, rank: int, world_size: int = 2) -> dict:
     import graphmem
     from graphmem.deepspeed.report import residual
     from graphmem.passes import liveness
     from tests.deepspeed_truth import decoder
 
     model, batch = decoder()
-    r = graphmem.analyze(model, batch, deepspeed=config, world_size=2, rank=rank, optimizer="adamw")
+    r = graphmem.analyze(model, batch, deepspeed=config, world_size=world_size, rank=rank, optimizer="adamw")
     lv = liveness(r.step)
     res = residual(r.step, lv, model, r.source.spec.parallel)
     host = {k: dict(zip(("pinned", "pageable"), v)) for k, v in (("before", res.host.before), ("after", res.host.after))}
@@ -86,18 +87,18 @@ def _analyzed(config: dict, rank: int) -> dict:
             "padding": [b for _, b in res.padding], "buckets": res.buckets, "notes": r.notes}
 
 
-def _match_real(configs: list[dict], later: float = 0.02, residuals: bool = False) -> None:
-    """Real DeepSpeed on 2 gloo ranks, all ``configs`` in one measurement; graphmem's figures per rank:
+def _match_real(configs: list[dict], later: float = 0.02, residuals: bool = False, world_size: int = 2) -> None:
+    """Real DeepSpeed on ``world_size`` gloo ranks, all ``configs`` in one measurement; graphmem's figures per rank:
     saved bytes, bytes held before and after the first step and its peak equal to the byte; the later
     steps' peak (graphmem's second step, captured after an unrecorded first) within 2 % and never above
     (measured equal to the byte on every stage and setting here: docs/deepspeed.md)."""
     pytest.importorskip("deepspeed")
     from tests.deepspeed_truth import measure_ds_ranks
 
-    real = measure_ds_ranks(configs)
+    real = measure_ds_ranks(configs, world_size)
     for config, ranks in zip(configs, real):
         for rank, truth in enumerate(ranks):
-            got = _analyzed(config, rank)
+            got = _analyzed(config, rank, world_size)
             first = truth["first"]
             print(json.dumps({"config": config, "rank": rank, "graphmem": {k: v for k, v in got.items() if k != "notes"},
                               "real": truth}))  # (shown with -s)
@@ -136,6 +137,16 @@ def test_bf16_zero_stages_match_real_deepspeed() -> None:
     WHEN real DeepSpeed runs ZeRO-1, 2 and 3 on its CPU accelerator, 2 gloo processes
     THEN the figures match (``_match_real``)."""
     _match_real([_config(s, bf16={"enabled": True}) for s in (1, 2, 3)])
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # 4 DeepSpeed processes and 12 ranks captured (its 2-rank twins above run in CI)
+def test_zero_stages_match_real_deepspeed_on_four_gloo_ranks() -> None:
+    """GIVEN the same decoder, buckets of 10k elements: ZeRO-1 fp32, ZeRO-2 bf16, ZeRO-3 fp32 (4 ranks: stage 1
+    and 2 align each flat buffer to 2 x 4 elements, stage 3 pads each parameter to a multiple of 4)
+    WHEN real DeepSpeed runs each on 4 gloo processes and graphmem captures each of the 4 ranks on fake tensors
+    THEN the figures match (``_match_real``)."""
+    _match_real([_config(1), _config(2, bf16={"enabled": True}), _config(3)], world_size=4)
 
 
 @pytest.mark.slow
@@ -261,3 +272,77 @@ def test_the_zero_papers_model_states_beside_the_engines(stage: int, bf16: bool)
     assert [padding(model, r.source.spec.parallel), padding(model, last)] == expected
     assert f"alignment padding {expected[0][0][0]} {expected[0][0][1]} B" in \
         next(x for x in r.notes if x.startswith("DeepSpeed's residual states"))
+
+
+@pytest.mark.slow  # ~1 min: three engines and five steps of the decoder on fake tensors
+@pytest.mark.parametrize("config", [_config(3, bf16={"enabled": True}),
+                                    _config(2, BUCKETS | {"overlap_comm": True}, gradient_accumulation_steps=2)])
+def test_one_engine_records_both_steps_as_two_engines_do(config: dict) -> None:
+    """GIVEN the decoder under ZeRO-3 bf16, and ZeRO-2 with overlapped buckets and 2 micro-steps
+    WHEN the first and second steps are recorded from one engine (``capture_engine_steps``, what analyze runs)
+    THEN each graph equals, field by field (graphmem/capture/reuse.py ``signature``: every op, storage, save and
+    phase), the one recorded from an engine of its own: the first step's (``capture_engine``) and the second
+    step's after an unrecorded first (``capture_engine(warm=True)``), but the module path of ops in DeepSpeed's
+    gradient hooks (below)."""
+    pytest.importorskip("deepspeed")
+    import graphmem
+    from graphmem.capture.reuse import signature
+    from graphmem.deepspeed.capture import capture_engine, capture_engine_steps
+    from tests.deepspeed_truth import decoder
+
+    model, batch = decoder()
+    spec = graphmem.spec_for(model, batch, deepspeed=config, world_size=2, rank=1, optimizer="adamw")
+    args = (spec.module, spec.inputs.captured, spec.loss, spec.target, spec.parallel, spec.training.train)
+    first, later = capture_engine_steps(*args)
+    alone = capture_engine(*args)
+    assert signature(_by_order(first)) == signature(_by_order(alone))
+    del alone
+    warm = capture_engine(*args, warm=True)
+    # but where the second step's ops run in gradient hooks on the AccumulateGrad nodes DeepSpeed keeps
+    # (stage_1_and_2.py ``grad_accs``): those carry the tag of the step before, the module's path from a recorded
+    # first step (as the first step's graph names them), the root's "" from an unrecorded one
+    # (``_micro_steps`` tags the loss's nodes with the root, graphmem/capture/autograd_tags.py ``_tag_grad_fns``)
+    relabelled = [(a.meta["module"], b.meta["module"]) for a, b in zip(later.ops, warm.ops)
+                  if a.meta["module"] != b.meta["module"]]
+    assert all(b == "" and a in {op.meta["module"] for op in first.ops} for a, b in relabelled), relabelled
+    for a, b in zip(later.ops, warm.ops):
+        a.meta["module"] = b.meta["module"]
+    for st in later.storages.values():  # (ZeRO-2's reduce buckets, made in such a hook)
+        st.module = warm.ops[st.created].meta["module"] if st.created >= 0 else st.module
+    assert signature(_by_order(later)) == signature(_by_order(warm))
+    assert len(later.ops) > 0 and later.placeholders != first.placeholders
+
+
+def _by_order(g: StepGraph) -> StepGraph:
+    """``g`` with DeepSpeed's parameter ids in its placeholders' names numbered by first appearance: ZeRO's
+    ``param_id_to_grad_partition[i]`` takes ``i`` from a counter of the process (deepspeed/runtime/zero/
+    partition_parameters.py gives each parameter a ``ds_id``), so each engine's names start where the last
+    one's ended (4 parameters: [0..3], then [4..7]) though the tensors are the same."""
+    import re
+
+    ids: dict[str, int] = {}
+    for p in g.placeholders:
+        p.target = re.sub(r"(param_id_to_\w+)\[(\d+)\]",
+                          lambda m: f"{m.group(1)}[{ids.setdefault(m.group(2), len(ids))}]", p.target)
+    return g
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # minutes of CPU: Llama-2-70B's 80 layers through ZeRO-3's hooks, twice (benchmarks/bench_deepspeed.py times it)
+def test_llama2_70b_zero3_at_64_ranks_stays_under_one_and_a_half_gigabytes() -> None:
+    """GIVEN Llama-2-70B (the bundled preset, built on the meta device), ZeRO-3 bf16, AdamW, batch 1 x 4096
+    WHEN rank 0 of 64 is analyzed in a fresh process (``import deepspeed`` included)
+    THEN that process's peak RSS (``resource.getrusage``) stays at or under 1.5 GB: nothing of the model's
+    140 GB is materialized, and the rank's figures are DeepSpeed's (the ZeRO paper's model states beside them)."""
+    pytest.importorskip("deepspeed")
+    import subprocess
+    import sys
+
+    code = ("import resource, graphmem\\n"
+            "cfg = {'train_micro_batch_size_per_gpu': 'auto', 'bf16': {'enabled': True}, 'zero_optimization': {'stage': 3}}\\n"
+            "r = graphmem.analyze('llama-2-70b', input_shape='1x4096', deepspeed=cfg, world_size=64, rank=0, optimizer='adamw')\\n"
+            "print(r.budget.rank.later_peak_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    later, rss = int(out[-2]), int(out[-1])
+    assert later > 0
+    assert rss <= 1.5e9, rss

@@ -9,7 +9,8 @@ holds then is the step's baseline, each tensor named by where DeepSpeed keeps it
 (graphmem/deepspeed/engine.py ``held_tensors``). The step is the user's:
 ``loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()``, ``gradient_accumulation_steps`` times,
 recorded as a rank's step (graphmem/distributed/capture.py: the same placeholders, hooks, recording context
-and graph). The later steps' peak is a second capture's, whose first step runs unrecorded (``warm``).
+and graph). The later steps' peak is the second step's, recorded from the same engine by a recorder of its own
+(``capture_engine_steps``): one ``initialize`` for both.
 
 Known limitations: eager mode, the CPU target's gloo rules or the CUDA target's;
 DeepSpeed's patches to run on fake tensors are listed in graphmem/deepspeed/engine.py.
@@ -17,16 +18,18 @@ DeepSpeed's patches to run on fake tensors are listed in graphmem/deepspeed/engi
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from graphmem.capture.autograd_tags import _tag_grad_fns
 from graphmem.capture.call_paths import module_order
 from graphmem.capture.capture import marker
 from graphmem.capture.fakes import fake_batch, forward_context
-from graphmem.capture.recorder import _Mode, _Recorder
+from graphmem.capture.recorder import _NODE, _Mode, _Recorder
 from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
 from graphmem.deepspeed.config import DeepSpeedJob, resolved
@@ -48,6 +51,22 @@ _KINDS = (("optimizer.state", "optimizer state"), ("fp32", "master"), ("ipg", "c
           ("ds_tensor", "parameter"), ("module.", "parameter"))
 
 
+class _EngineMode(_Mode):
+    """The recording fake mode, asking whether CUDA is available once: ``import deepspeed`` sets
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (deepspeed/__init__.py), after which each ``torch.cuda.is_available()``
+    loads NVML again (a ctypes ``dlopen``: torch/cuda/__init__.py ``_raw_device_count_nvml``), and
+    FakeTensorMode asks it on each entry and each op its cache misses (``avoid_device_init``): 23,002
+    loads, 4-5 % of a Llama-2-7B ZeRO-3 analysis. The answer does not change within a capture."""
+
+    def __init__(self, rec: _Recorder) -> None:
+        super().__init__(rec)
+        self._avoid = bool(_Mode.avoid_device_init.fget(self))  # type: ignore[attr-defined]
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return self._avoid
+
+
 def kind_of(path: str) -> str:
     """The kind of a held tensor by the path DeepSpeed keeps it at (``_KINDS``), else "buffer"."""
     return next((kind for key, kind in _KINDS if key in path), "buffer")
@@ -57,12 +76,32 @@ def capture_engine(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], ta
                    train: TrainStep, warm: bool = False) -> StepGraph:
     """Record rank ``job.rank``'s first step of ``module`` under DeepSpeed's engine (the module docstring),
     or with ``warm`` its second: the first then runs unrecorded (``_warm_step``), and what the engine holds
-    after it is the second's baseline."""
+    after it is the second's baseline. (``capture_engine_steps`` records both from one engine.)"""
+    return _engine_steps(module, inputs, loss_fn, target, job, train, (False, True) if warm else (True,))[0]
+
+
+def capture_engine_steps(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target,
+                         job: DeepSpeedJob, train: TrainStep) -> tuple[StepGraph, StepGraph]:
+    """The first step and the second, recorded one after the other from one engine: the second's recorder
+    starts from what the engine holds after the first, as ``capture_engine(warm=True)`` starts from what it
+    holds after an unrecorded first step (tests/test_deepspeed.py checks the two equal, op for op; the ops
+    DeepSpeed's gradient hooks run on the AccumulateGrad nodes it keeps are named by the module, as in the first
+    step, where an unrecorded first step left them the root's ""), for one ``deepspeed.initialize`` and two
+    steps instead of two and three."""
+    first, later = _engine_steps(module, inputs, loss_fn, target, job, train, (True, True))
+    return first, later
+
+
+def _engine_steps(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target, job: DeepSpeedJob,
+                  train: TrainStep, recorded: tuple[bool, ...]) -> list[StepGraph]:
+    """One engine, then a step per entry of ``recorded``: a StepGraph for each True (a recorder of its own),
+    the step run unrecorded for each False."""
+    graphs: list[StepGraph] = []
     with launched(job.rank, job.world_size), fake_group(job.rank, job.world_size):
-        rec = Recording(target)
-        cap, fake_mode = rec.cap, rec.mode
         import deepspeed
 
+        rec = Recording(target)
+        fake_mode = rec.mode = _EngineMode(rec.cap)
         pins: Pins = []  # what DeepSpeed pins (graphmem/deepspeed/engine.py)
         with fake_mode, engine_on_fake(fake_mode, pins):
             wrapped = fake_copy(module, None)  # DeepSpeed casts to bf16/fp16 itself (its config)
@@ -71,15 +110,45 @@ def capture_engine(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], ta
                                        "cpu") if train.optimizer is not None else None
             with staying(wrapped):
                 engine = _initialized(deepspeed, wrapped, optimizer, config)
-            if warm:
-                _warm_step(engine, inputs, loss_fn, target, fake_mode)
-            held = held_tensors(engine)
-            for path, t in held:
-                if t.untyped_storage().nbytes():
-                    cap.preexisting(t, kind_of(path), path)
-            param_sid, fake_inputs = rank_placeholders(cap, fake_mode, engine.module, inputs, target)
-            name_host(cap, engine, pins)
-        return _run(rec, engine, fake_inputs, loss_fn, param_sid, train, pins)
+        del wrapped, optimizer  # (the engine holds them)
+        for record in recorded:
+            if not record:
+                with fake_mode, engine_on_fake(fake_mode, pins):
+                    _warm_step(engine, inputs, loss_fn, target, fake_mode)
+                continue
+            if graphs:  # a fresh recorder on the same fake mode; the tensors the last one named are unnamed (``_forget``)
+                rec = Recording(target)
+                rec.mode, fake_mode.rec = fake_mode, rec.cap
+                _forget()
+            graphs.append(_recorded(rec, engine, inputs, loss_fn, train, pins))
+    return graphs
+
+
+def _recorded(rec: Recording, engine: Any, inputs: Any, loss_fn: Optional[LossFn], train: TrainStep,
+              pins: Pins) -> StepGraph:
+    """The step recorded from what the engine holds now: its held tensors, each named by where DeepSpeed keeps
+    it, are the baseline (``held_tensors``), then the parameters and the batch, and what DeepSpeed keeps on the host
+    (``name_host``)."""
+    cap, fake_mode = rec.cap, rec.mode
+    with fake_mode, engine_on_fake(fake_mode, pins):
+        held = held_tensors(engine)
+        for path, t in held:
+            if t.untyped_storage().nbytes():
+                cap.preexisting(t, kind_of(path), path)
+        del held
+        param_sid, fake_inputs = rank_placeholders(cap, fake_mode, engine.module, inputs, rec.target)
+        name_host(cap, engine, pins)
+    return _run(rec, engine, fake_inputs, loss_fn, param_sid, train, pins)
+
+
+def _forget() -> None:
+    """The recorder's name of every fake tensor alive (``_NODE``, the op or placeholder that made it) taken off:
+    to the next recorder, a tensor the last step made and DeepSpeed keeps without ``held_tensors`` finding
+    it is one made outside its step, as the same tensor made by an unrecorded step is (``_Recorder._arg``)."""
+    for o in gc.get_objects():
+        # (by type: isinstance reads an object's __class__, and torch.distributed.reduce_op's warns it is deprecated)
+        if issubclass(type(o), FakeTensor) and _NODE in vars(o):
+            delattr(o, _NODE)
 
 
 def _initialized(deepspeed: Any, model: nn.Module, optimizer: Any, config: dict[str, Any]) -> Any:
@@ -173,4 +242,4 @@ def _removed(handle: Any) -> Iterator[None]:
         handle.remove()
 
 
-__all__ = ["capture_engine", "kind_of"]
+__all__ = ["capture_engine", "capture_engine_steps", "kind_of"]

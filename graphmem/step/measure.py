@@ -215,22 +215,21 @@ def _deepspeed(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Meas
     """Rank r of a DeepSpeed job through its own engine (graphmem/deepspeed/capture.py), or through a Trainer
     and accelerate (``TrainerDeepSpeed``: graphmem/deepspeed/trainer_capture.py): the whole step's table over
     rank r's graph, DeepSpeed's held tensors by where it keeps them beside it."""
-    from graphmem.deepspeed.capture import capture_engine
+    from graphmem.deepspeed.capture import capture_engine_steps
     from graphmem.deepspeed.report import engine_lines, paper_check, residual, residual_lines, with_own_notes
     from graphmem.deepspeed.trainer_capture import capture_trainer_engine
 
-    def captured(warm: bool) -> StepGraph:
-        if isinstance(p, TrainerDeepSpeed):
-            return capture_trainer_engine(spec.module, spec.inputs.captured, spec.target, p, warm=warm)
-        return capture_engine(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train, warm=warm)
-
-    g = captured(False)
+    # the second step recorded after the first: what DeepSpeed keeps and frees across steps as it does (one engine
+    # records both; a Trainer's second is recorded after an unrecorded first)
+    if isinstance(p, TrainerDeepSpeed):
+        g = capture_trainer_engine(spec.module, spec.inputs.captured, spec.target, p)
+        later = capture_trainer_engine(spec.module, spec.inputs.captured, spec.target, p, warm=True)
+    else:
+        g, later = capture_engine_steps(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
     g.train = spec.training.train
     first = passes_over(g, spec.training, spec.module, spec.target, (), p.describe())
     lv, budget = first.liveness, first.budget
     assert budget is not None  # (a training spec was given)
-    # the second step captured after an unrecorded first: what DeepSpeed keeps and frees across steps as it does
-    later = captured(True)
     lv_later = liveness(later)
     budget = dataclasses.replace(budget, rank=dataclasses.replace(
         budget.rank, rows=with_own_notes(budget.rank.rows), later_peak_bytes=lv_later.peak_bytes,
