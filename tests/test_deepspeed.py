@@ -275,6 +275,7 @@ def test_the_zero_papers_model_states_beside_the_engines(stage: int, bf16: bool)
 
 
 @pytest.mark.slow  # ~1 min: three engines and five steps of the decoder on fake tensors
+@pytest.mark.heavy  # (pyproject.toml) a check of the capture's refactor; the real-DeepSpeed tests hold its figures in CI
 @pytest.mark.parametrize("config", [_config(3, bf16={"enabled": True}),
                                     _config(2, BUCKETS | {"overlap_comm": True}, gradient_accumulation_steps=2)])
 def test_one_engine_records_both_steps_as_two_engines_do(config: dict) -> None:
