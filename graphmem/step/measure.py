@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from graphmem.capture.capture import capture
-from graphmem.capture.reuse import capture_reusing
+from graphmem.capture.reuse import capture_reusing, reuses
 from graphmem.deepspeed.config import DeepSpeedJob
 from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.tensor_parallel import tp_engine
@@ -126,7 +126,7 @@ def _rank(spec: StepSpec, p: Ranks, make: Any) -> Measured:
     slow = (f"depth reuse not taken ({step.reuse_note}): every block was captured",) if step.reuse_note else ()
     train = spec.training.train if spec.training.train.active else None
     single_at: Any = lambda: capture(module, make, spec.loss, step.target, train=train)  # noqa: E731
-    single = capture_reusing(module, single_at)[0] if spec.reuse and train is None else single_at()
+    single = capture_reusing(module, single_at)[0] if spec.reuse and reuses(train) else single_at()
     view = rank_view(g, step.liveness, step.saved, p.sharding, (single, liveness(single), saved(single)),
                      units_of(module), tp_engine(module))
     if step.budget is not None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from graphmem.capture.capture import capture
-from graphmem.capture.reuse import capture_reusing
+from graphmem.capture.reuse import capture_reusing, reuses
 from graphmem.capture.reuse_compiled import CompiledReused, compiled_reusing
 from graphmem.capture.target import Target
 from graphmem.distributed import Sharding, capture_rank
@@ -86,12 +86,13 @@ def capture_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: T
         own = runner.run if runner is not None else None
         train = None if runner is not None else training.train
         # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6), in
-        # eager and compiled mode; not the training step's accumulate/optimizer phases (not block-shaped)
+        # eager and compiled mode; in eager mode with the optimizer step too, not micro-batches (reuse.py reuses)
         capture_at: Any = lambda: capture(prepared, make, loss, target, train=train, runner=own)  # noqa: E731
         reused: Any = None
-        if reuse and not training.train.active:  # compiled: one compilation where the partition is block by block
-            reused = compiled_reusing(prepared, lambda t: capture(prepared, make, loss, t), target) \
-                if target.mode == "compiled" else capture_reusing(prepared, capture_at)
+        if reuse and not training.train.active and target.mode == "compiled":  # one compilation, block by block
+            reused = compiled_reusing(prepared, lambda t: capture(prepared, make, loss, t), target)
+        elif reuse and target.mode != "compiled" and (not training.train.active or (own is None and reuses(train))):
+            reused = capture_reusing(prepared, capture_at)
         g = reused.graph if reused is not None else capture_at()
     lv, sv = liveness(g), saved(g)
     plan = step_budget(g, lv, sv, training, prepared, lora_layers, layout=formula) \
@@ -112,8 +113,8 @@ def capture_rank_step(module: nn.Module, make: Any, loss: Optional[LossFn], targ
         target = dataclasses.replace(target, dtype=None)
     train = training.train if training.train.active else None
     at: Any = lambda: capture_rank(prepared, make, loss, target, sharding, train)  # noqa: E731
-    # a deep chain: 5 blocks captured, checked at 6; not the optimizer/micro-batch phases (as on one device)
-    reused = capture_reusing(prepared, at) if reuse and train is None else None
+    # a deep chain: 5 blocks captured, checked at 6; the optimizer step too, not micro-batches (as on one device)
+    reused = capture_reusing(prepared, at) if reuse and reuses(train) else None
     g = reused.graph if reused is not None else at()
     lv, sv = liveness(g), saved(g)
     # the whole step's table (optimizer states, later steps' peak) over rank r's own graph
