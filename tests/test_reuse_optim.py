@@ -154,3 +154,22 @@ def test_reports_with_the_optimizer_are_equal_with_and_without_reuse(name: str, 
     assert used == [True]
     assert a == b
 
+
+
+@pytest.mark.slow
+def test_a_chunked_loss_with_adamw_is_widened_exactly() -> None:
+    # GIVEN a 16-block GPT-2 whose head and loss run checkpointed in chunks (advise's loss lever), with AdamW
+    from graphmem import losses
+
+    model, x, _ = _gpt2(16)
+    wrapped = losses.ChunkedNextToken(model, "lm_head")
+    train = make_training(optimizer="adamw").train
+    at = lambda: capture(wrapped, x, None, _target(CUDA), train=train)  # noqa: E731
+    # WHEN it is captured with depth reuse (the recompute is in the loss, outside the blocks) and without
+    reused = capture_reusing(wrapped, at)
+    full = at()
+    # THEN reuse was taken and the step is the full capture's
+    assert reused.used
+    assert signature(reused.graph) == signature(full)
+    a, b = liveness(reused.graph), liveness(full)
+    assert a.timeline == b.timeline and later_steps_peak(reused.graph, a) == later_steps_peak(full, b)

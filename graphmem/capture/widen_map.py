@@ -26,8 +26,8 @@ class Regions:
         self.prefix, self.k = prefix, k
         back = g.phase_start.get("backward", g.num_ops)
         labels = [self.block_of(op.meta.get("module", "")) for op in g.ops]
-        if any(op.meta.get("recompute") for op in g.ops):
-            raise NotReusable("checkpointed")
+        if any(op.meta.get("recompute") and labels[i] is not None for i, op in enumerate(g.ops)):
+            raise NotReusable("checkpointed")  # (a checkpointed head or loss, outside the blocks, is copied once)
         fwd = [i for i in range(back) if labels[i] is not None]
         bwd = [i for i in range(back, g.num_ops) if labels[i] is not None]
         if not fwd or not bwd:
