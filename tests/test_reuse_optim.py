@@ -40,7 +40,8 @@ def _gpt2(n: int = N) -> tuple[nn.Module, tuple, Any]:
 
 
 def _hf(classes: str, n: int = N, lora: bool = False) -> tuple[nn.Module, tuple, Any]:
-    from tests.zoo import _GPT2, _SMALL, _hf as hf
+    from tests.zoo import _GPT2, _SMALL
+    from tests.zoo import _hf as hf
 
     if classes.startswith("GPT2"):
         config = {**_GPT2, "n_layer": n}
