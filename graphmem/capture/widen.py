@@ -164,7 +164,9 @@ class _Copier(Widen):
         if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], OpNode):
             o = other[0] if isinstance(other, tuple) and len(other) == 2 else None
             return (self.arg(a[0], ctx_b, ctx_j, o), self.spans.position(a[0], a[1], ctx_b))
-        if isinstance(a, list) and ctx_j is None:  # outside the blocks: a list over blocks widens with them
+        if isinstance(a, list) and ctx_j is None and (self.spans.over_blocks(a) or
+                                                      (self.guide is not None and self.spans.over_blocks(self.guide))):
+            # outside the blocks: a list over the blocks widens with them (the foreach optimizer step's)
             return [self.arg(x, b, j) for x, b, j in self.spans.widened(a, self.guide)]
         if isinstance(a, list):
             others = other if isinstance(other, list) and len(other) == len(a) else [None] * len(a)

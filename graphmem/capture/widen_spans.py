@@ -24,9 +24,10 @@ class Spans:
         self.pos: dict[tuple[int, int, Optional[int]], int] = {}
         self._rank: dict[tuple[int, Optional[int]], int] = {}
         self._extra: dict[int, int] = {}
-        for u, (_, j, _) in enumerate(r.where):
+        start = g.phase_start.get("optimizer", g.num_ops)  # (the glue elsewhere is cut block by block: glue.py)
+        for u in range(start, g.num_ops):
             outs = g.ops[u].meta["outputs"]
-            if j is not None or len(outs) < 2 or all(self.owner(g.storages[x]) is None for _, _, x in outs):
+            if r.where[u][1] is not None or len(outs) < 2 or all(self.owner(g.storages[x]) is None for _, _, x in outs):
                 continue
             self._widen_outputs(u, outs)
 
@@ -71,6 +72,10 @@ class Spans:
             for b in (reversed(blocks) if down else blocks):
                 out += [(it, b, j) for it in run]
         return out
+
+    def over_blocks(self, a: list) -> bool:
+        """Whether a list refers to a block that stands for several (else it is copied as it is)."""
+        return any(len(self.copies(self._block_of_item(x))) > 1 for x in a)
 
     def widened(self, a: list, guide: Optional[list] = None) -> Expanded:
         """A list argument of an op outside the blocks, widened; a list of numbers as long as the
