@@ -14,7 +14,7 @@ shared machine the CPU time is the steadier of the two. The goal is analyze + ad
 
     python benchmarks/bench_advise.py
     python benchmarks/bench_advise.py --case gpt2:8x1024 --memory 8GiB
-    python benchmarks/bench_advise.py --optimizer adamw     # the optimizer levers too (no depth reuse)
+    python benchmarks/bench_advise.py --optimizer adamw     # the optimizer levers too (depth reuse with the optimizer step)
     python benchmarks/bench_advise.py --l4-lora             # Llama-3.1-8B LoRA at 1x8192 on a 24 GB L4 (goal 60 s)
 
 ``--l4-lora`` is ``graphmem advise llama-3.1-8b --input-shape 1x8192 --device cuda --gpu l4 --lora-rank 16

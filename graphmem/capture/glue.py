@@ -48,12 +48,13 @@ def _users(g: StepGraph, first: int, last: int) -> dict[int, list[int]]:
 
 
 def cut(g: StepGraph, name: str, first: int, last: int, block_at: list[Optional[int]], labels: list[Optional[int]],
-        block_of: Callable[[str], Optional[int]]) -> tuple[list[Region], dict[str, int]]:
+        block_of: Callable[[str], Optional[int]], final: bool = False) -> tuple[list[Region], dict[str, int]]:
     """Ops first..last cut into plain stretches (copied once) and sections (each block's run of
     glue, blocks in order (+1) or reversed (-1)). ``block_at``: the block of each op so far
     (None outside the blocks), filled in for the glue; ``labels``: the block of each op's
-    module (a backward graph's recomputed forward ops carry their block's). Returns the
-    regions in order and each section's direction."""
+    module (a backward graph's recomputed forward ops carry their block's); ``final``: the labels
+    are every op's block already (the optimizer step's: graphmem/capture/widen_optim.py). Returns
+    the regions in order and each section's direction."""
     def owner_of(a: OpNode) -> Optional[int]:
         if a.op == "placeholder":
             return block_of(a.target) if isinstance(a.target, str) else None
@@ -62,8 +63,8 @@ def cut(g: StepGraph, name: str, first: int, last: int, block_at: list[Optional[
     users = _users(g, first, last)
     runs: list[list[Any]] = []  # [block, first, last]
     for i in range(first, last + 1):
-        j = labels[i] if labels[i] is not None else _owner(g.ops[i], owner_of)
-        if j is None and not any(_ref(a) for a in g.ops[i].args):  # made from nothing (zeros) for one block's use
+        j = labels[i] if labels[i] is not None or final else _owner(g.ops[i], owner_of)
+        if j is None and not final and not any(_ref(a) for a in g.ops[i].args):  # made from nothing (zeros) for one block's use
             seen = {block_at[u] for u in users.get(i, ())}
             j = seen.pop() if len(seen) == 1 else None
         block_at[i] = j

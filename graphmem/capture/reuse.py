@@ -112,6 +112,18 @@ def blocks_alike(model: nn.Module, chain: Chain) -> bool:
     return True
 
 
+def reuses(train: Any) -> bool:
+    """Whether depth reuse covers ``train``'s loop (graphmem/training/loop.py ``TrainStep``; None: no
+    loop): graphmem's own loop of one micro-batch, its optimizer step included (each block's
+    parameters' ops copied with the block, the foreach ops over every parameter widened:
+    graphmem/capture/widen_optim.py). Not micro-batches (the blocks run once per micro-step), an
+    optimizer stepped inside backward or activations offloaded by saved-tensor hooks."""
+    if train is None:
+        return True
+    return train.external is None and train.micro_batches == 1 and not train.optimizer_in_backward \
+        and not train.offload_activations
+
+
 class Reused(NamedTuple):
     graph: StepGraph
     used: bool  # widened from the capture at depth 5

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Optional
 
 from graphmem.capture.widen_map import NotReusable, Regions, Widen, rename
+from graphmem.capture.widen_spans import Spans
 from graphmem.chains import Chain
 from graphmem.stepgraph import OpNode, SaveEvent, StepGraph, Storage
 
@@ -29,8 +30,12 @@ def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> Ste
     ops = w.ops()
     phase_start = {p: (w.index(i, None, None) or 0 if i < g.num_ops else w.total) for p, i in g.phase_start.items()}
     compiled = dataclasses.replace(g.compiled, widened=(w.prefix, k, n)) if g.compiled is not None else None
+    at = lambda i: w.index(i, None, None) or 0 if i < g.num_ops else w.total  # noqa: E731
     return StepGraph(placeholders, ops, storages, w.saves(), phase_start, g.device, w.gradients(), g.root, modules,
-                     w.module_inputs(), g.target, dict(g.attention_backends), compiled=compiled)
+                     w.module_inputs(), g.target, dict(g.attention_backends), compiled=compiled, train=g.train,
+                     micro_steps=tuple((at(a), at(b)) for a, b in g.micro_steps),
+                     first_step_only=None if g.first_step_only is None else
+                     (at(g.first_step_only[0]), at(g.first_step_only[1])))
 
 
 class _Copier(Widen):
@@ -54,20 +59,26 @@ class _Copier(Widen):
         self.sid_of: dict[tuple[int, Optional[int]], int] = {}
         for p, b, _ in self.planned:
             self.sid_of.setdefault((p.meta["storage"], b), len(self.sid_of))
-        made = sorted(((self.index(st.created, b, j), st.sid, -1 if b is None else b, st, b, j)
+        self.made_for = r.optim_blocks.made_for  # storages an op over several blocks made, one per block
+        self.spans = Spans(g, r, self.copies, self.owner)
+        made = sorted(((self.index(st.created, b, j), *self.spans.rank(st.sid, b), st, b, j)
                        for st in g.storages.values() if st.created >= 0
-                       for j in [self.owner_of_index(st.created)] for b in self.copies(j)), key=lambda x: x[:3])
+                       for j in [self.owner(st)] for b in self.copies(j)), key=lambda x: x[:3])
         for *_, st, b, _ in made:
             self.sid_of[(st.sid, b)] = len(self.sid_of)
         self.by_name = {st.name: st.sid for st in g.storages.values() if st.created < 0}
         self.ph_of: dict[tuple[str, Optional[int]], OpNode] = {}  # (template name, block) -> placeholder
         self.new_ops: list[OpNode] = [None] * self.total  # type: ignore[list-item]
+        self.guide: Optional[list] = None  # the op's first list of tensors: its lists of numbers widen alike
 
     def owner_of_index(self, u: int) -> Optional[int]:
         return self.r.where[u][1] if 0 <= u < self.nops else None
 
     def owner(self, st: Storage) -> Optional[int]:
-        """The captured block a storage belongs to: a block's parameter, or made by its op."""
+        """The captured block a storage belongs to: a block's parameter, or made by its op (or for
+        it, by an op over several blocks: a foreach optimizer step's)."""
+        if st.sid in self.made_for:
+            return self.made_for[st.sid]
         return self.r.block_of(st.name) if st.created < 0 else self.owner_of_index(st.created)
 
     def same_storage(self, tsid: int, j: int, b: int) -> int:
@@ -106,7 +117,7 @@ class _Copier(Widen):
             j = self.owner(st)
             out[new] = Storage(
                 new, st.nbytes, st.kind, self.index(st.created, b, j), self.index(st.freed, b, j),  # type: ignore[arg-type]
-                rename(st.module, prefix, j, b), rename(st.name, prefix, j, b) if st.created < 0 else st.name,
+                rename(st.module, prefix, j, b), rename(st.name, prefix, j, b) if st.created < 0 or st.owner is not None else st.name,
                 st.dtype, st.shape, self.sid(st.source, b, j) if st.source is not None else None,
                 self.sid(st.owner, b, j) if st.owner is not None else None,
                 tuple(self.sid(o, b, j) for o in st.owners), st.cache_freed, st.stream)
@@ -152,7 +163,11 @@ class _Copier(Widen):
             return self.new_ops[self.index(a.meta["index"], ctx_b, ctx_j)]  # type: ignore[index]
         if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], OpNode):
             o = other[0] if isinstance(other, tuple) and len(other) == 2 else None
-            return (self.arg(a[0], ctx_b, ctx_j, o), a[1])
+            return (self.arg(a[0], ctx_b, ctx_j, o), self.spans.position(a[0], a[1], ctx_b))
+        if isinstance(a, list) and ctx_j is None and (self.spans.over_blocks(a) or
+                                                      (self.guide is not None and self.spans.over_blocks(self.guide))):
+            # outside the blocks: a list over the blocks widens with them (the foreach optimizer step's)
+            return [self.arg(x, b, j) for x, b, j in self.spans.widened(a, self.guide)]
         if isinstance(a, list):
             others = other if isinstance(other, list) and len(other) == len(a) else [None] * len(a)
             return [self.arg(x, ctx_b, ctx_j, y) for x, y in zip(a, others)]
@@ -167,6 +182,8 @@ class _Copier(Widen):
                 op = g.ops[u]
                 i = base + u - s
                 tw = self.twin(kind, t, u - s)
+                self.guide = next((a for a in op.args if isinstance(a, list) and any(isinstance(x, OpNode) or isinstance(x, tuple)
+                                                                                   for x in a)), None)
                 targs = tw.args if tw is not None and len(tw.args) == len(op.args) else (None,) * len(op.args)
                 node = OpNode(op.op, op.target, tuple(self.arg(a, b, t, o) for a, o in zip(op.args, targs)),
                               {key: self.arg(v, b, t, tw.kwargs.get(key) if tw is not None else None)
@@ -174,7 +191,12 @@ class _Copier(Widen):
                 meta = dict(op.meta)
                 meta["index"] = i
                 meta["module"] = rename(op.meta.get("module", ""), self.prefix, t, b)
-                meta["outputs"] = tuple((shape, dtype, self.sid(x, b, t)) for shape, dtype, x in op.meta["outputs"])
+                if t is None and u in self.spans.outputs:  # an op over several blocks: its outputs widen too
+                    meta["outputs"] = tuple((shape, dtype, self.sid(x, b2, j2))
+                                            for (shape, dtype, x), b2, j2 in self.spans.outputs[u])
+                    meta["bytes"] = op.meta["bytes"] + self.spans.extra_bytes(u)
+                else:
+                    meta["outputs"] = tuple((shape, dtype, self.sid(x, b, t)) for shape, dtype, x in op.meta["outputs"])
                 if "storage" in meta:
                     meta["storage"] = meta["outputs"][0][2]
                 node.meta = meta

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from graphmem.capture.glue import NotBlockByBlock, Region, absorb, cut, expand
+from graphmem.capture.widen_optim import OptimizerBlocks
 from graphmem.chains import Chain
 from graphmem.stepgraph import StepGraph
 
@@ -25,8 +26,8 @@ class Regions:
         self.prefix, self.k = prefix, k
         back = g.phase_start.get("backward", g.num_ops)
         labels = [self.block_of(op.meta.get("module", "")) for op in g.ops]
-        if any(op.meta.get("recompute") for op in g.ops):
-            raise NotReusable("checkpointed")
+        if any(op.meta.get("recompute") and labels[i] is not None for i, op in enumerate(g.ops)):
+            raise NotReusable("checkpointed")  # (a checkpointed head or loss, outside the blocks, is copied once)
         fwd = [i for i in range(back) if labels[i] is not None]
         bwd = [i for i in range(back, g.num_ops) if labels[i] is not None]
         if not fwd or not bwd:
@@ -52,7 +53,10 @@ class Regions:
         if [r[0] for r in runs] != list(reversed(range(k))):
             raise NotReusable("backward not block by block")
         self.regions += [("B", b, s, e) for b, s, e in runs]
-        tail = ("tail", None, bwd[-1] + 1, g.num_ops - 1)
+        opt = g.phase_start.get("optimizer", g.num_ops)  # the optimizer step: cut by the blocks its tensors are
+        if opt <= bwd[-1]:
+            raise NotReusable("the optimizer steps inside backward")
+        tail = ("tail", None, bwd[-1] + 1, opt - 1)
         # the glue around the blocks, cut block by block (graphmem/capture/glue.py): compiled mode's
         # outputs for backward and hand-back; FSDP2's lazy init viewing every block's shards (prefix),
         # its final callback viewing every block's gradients (tail)
@@ -62,8 +66,12 @@ class Regions:
         self.prefix_regions, d0 = cut(g, "prefix", 0, fwd[0] - 1, block_at, labels, self.block_of)
         self.head, d1 = cut(g, "head", head[2], head[3], block_at, labels, self.block_of)
         self.tail, d2 = cut(g, "tail", tail[2], tail[3], block_at, labels, self.block_of)
-        self.directions: dict[str, int] = {**d0, **d1, **d2}
-        self.regions += self.prefix_regions + self.head + self.tail
+        self.optim_blocks = OptimizerBlocks(g, opt, block_at, self.block_of)
+        for i, label in self.optim_blocks.labels.items():
+            labels[i] = label
+        self.optim, d3 = cut(g, "optim", opt, g.num_ops - 1, block_at, labels, self.block_of, final=True)
+        self.directions: dict[str, int] = {**d0, **d1, **d2, **d3}
+        self.regions += self.prefix_regions + self.head + self.tail + self.optim
         self.blocks = {(kind, blk): (s, e) for kind, blk, s, e in self.regions}
         self.where: list[tuple[str, Optional[int], int]] = [("", None, 0)] * g.num_ops  # op -> (kind, block, pos)
         for kind, blk, s, e in self.regions:
@@ -103,6 +111,7 @@ class Widen:
         order += self.glue(r.head)
         order += [("B", b, self.template(b)) for b in reversed(range(n))]
         order += self.glue(r.tail)
+        order += self.glue(r.optim)
         self.order = order
         self.start: dict[tuple[str, Optional[int]], int] = {}
         pos = 0

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from graphmem.capture.reuse import capture_reusing
+from graphmem.capture.reuse import capture_reusing, reuses
 from graphmem.capture.target import Target
 from graphmem.distributed import Sharding, capture_rank
 from graphmem.distributed.pipeline import Pipeline, analyze_stage
@@ -61,14 +61,14 @@ def capture_rank_step(module: nn.Module, make: Any, loss: Optional[LossFn], targ
     parallelize_module under the fake process group: graphmem/distributed/capture.py), LoRA
     applied first as users do with FSDP2, and the passes; the budget table is over the rank's
     own graph (its shards, its optimizer states: nothing divided). What ``graphmem.analyze`` runs for ``--rank``/``--fsdp`` and what
-    ``Report.advise``'s FSDP2 levers capture."""
+    ``Analysis.advise``'s FSDP2 levers capture."""
     prepared, lora_layers = prepare(module, training, target.param_dtype)
     if training.keeps_dtypes(module):  # peft's fp32 adapters on a 16-bit model (graphmem/training/spec.py)
         target = dataclasses.replace(target, dtype=None)
     train = training.train if training.train.active else None
     at: Any = lambda: capture_rank(prepared, make, loss, target, sharding, train)  # noqa: E731
-    # a deep chain: 5 blocks captured, checked at 6; not the optimizer/micro-batch phases (as on one device)
-    reused = capture_reusing(prepared, at) if reuse and train is None else None
+    # a deep chain: 5 blocks captured, checked at 6; the optimizer step too, not micro-batches (as on one device)
+    reused = capture_reusing(prepared, at) if reuse and reuses(train) else None
     g = reused.graph if reused is not None else at()
     # the whole step's table (optimizer states, later steps' peak) over rank r's own graph
     traced = dataclasses.replace(training, train=g.train) if g.train is not None else training  # its micro-steps
@@ -81,7 +81,7 @@ def capture_stage_step(module: nn.Module, make: Any, loss: Optional[LossFn], tar
     """Pipeline rank ``plan.rank``'s step under torch.distributed.pipelining's schedule
     (graphmem/distributed/pipeline.py), with the optimizer step over its stage's parameters when
     ``training`` has one, and the passes; its notes (stage, micro-batches in flight). What
-    ``graphmem.analyze --pp`` and ``Report.advise``'s pipeline lever run (``layout``: the split
+    ``graphmem.analyze --pp`` and ``Analysis.advise``'s pipeline lever run (``layout``: the split
     another rank's capture probed, passed on so every rank does not probe it again)."""
     train = training.train if training.train.optimizer is not None else None
     st = analyze_stage(module, make, loss, target, plan, train, layout)

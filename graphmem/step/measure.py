@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 import torch.nn as nn
 
 from graphmem.capture.capture import StepRunner, capture
-from graphmem.capture.reuse import capture_reusing
+from graphmem.capture.reuse import capture_reusing, reuses
 from graphmem.capture.reuse_compiled import CompiledReused, compiled_reusing
 from graphmem.deepspeed.config import DeepSpeedJob
 from graphmem.deepspeed.trainer import TrainerDeepSpeed
@@ -146,9 +146,11 @@ def capture_step(spec: StepSpec, formula: Parallel = Parallel()) -> Captured:
         spec = spec.with_target(dtype=None)
     with training.train.runner(spec.target) as runner:  # a trainer's own step, or None: graphmem's loop
         # a deep chain of identical blocks is captured at depth 5 and widened (checked at depth 6), in
-        # eager and compiled mode; not the training step's accumulate/optimizer phases (not block-shaped)
+        # eager and compiled mode; in eager mode with the optimizer step too, not micro-batches (reuse.py reuses)
+        reuse = spec.reuse and (not training.train.active or (
+            spec.target.mode != "compiled" and runner is None and reuses(training.train)))
         reused = step_graph(spec, prepared, None if runner is not None else training.train,
-                            runner.run if runner is not None else None, spec.reuse and not training.train.active)
+                            runner.run if runner is not None else None, reuse)
     return passes_over(reused.graph, training if training.requested or formula != Parallel() else None, prepared,
                        spec.target, lora_layers, layout=formula, reuse_note=reused.why, eager=reused.eager)
 
@@ -175,7 +177,7 @@ def _rank(spec: StepSpec, p: Ranks, make: Any) -> Measured:
     train = spec.training.train if spec.training.train.active else None
     # the same step on one device (the module the rank ran, LoRA applied)
     single = step_graph(spec.replace(parallel=Single(), target=step.target), module, train,
-                        reuse=spec.reuse and train is None).graph
+                        reuse=spec.reuse and (train is None or (step.target.mode != "compiled" and reuses(train)))).graph
     view = rank_view(g, step.liveness, step.saved, p.sharding, (single, liveness(single), saved(single)),
                      units_of(module), tp_engine(module))
     if step.budget is not None:
