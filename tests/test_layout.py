@@ -351,3 +351,15 @@ def test_measure_is_the_only_capture() -> None:
     found = sorted(f"{name}:{line}" for name, path in _modules().items() if name not in CAPTURE_CALLERS
                    for line in _capture_function_used(ast.parse(path.read_text())))
     assert not found, f"modules that capture a step outside graphmem/step/measure.py: {found}"
+
+
+def test_no_function_is_over_sixty_lines() -> None:
+    """DESIGN.md's style: functions of at most 60 lines (docstring included), in graphmem/, passes/ and models/."""
+    long = []
+    for folder in PACKAGES.values():
+        for path in folder.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None \
+                        and node.end_lineno - node.lineno + 1 > 60:
+                    long.append(f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, f"functions over 60 lines: {long}"
