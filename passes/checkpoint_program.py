@@ -188,7 +188,7 @@ def program(modes: Sequence[Tables], n: int, budget: int) -> Optional[list[tuple
         b, size = end - 1, offsets[-1]
         pv, mv, kv = P[:size], M[:size], K[:size]
         lo = offsets[b]
-        parts = []
+        parts: list[tuple[np.ndarray, ...]] = []
         for k, tk in enumerate(modes, 1):  # checkpoint a..b from a state at a
             if track:  # (the entry tensors are live in its backward if the first segment is checkpointed)
                 g_new = G[:size] | (pv == 0)
@@ -201,16 +201,7 @@ def program(modes: Sequence[Tables], n: int, budget: int) -> Optional[list[tuple
             parts.append((idx, M[idx] + tk.fnet_by_end[b][src], K[idx] + tk.knet_by_end[b][src] if track else idx,
                           np.ones(len(idx), dtype=np.int64) if track else idx, g_new[idx] if track else idx,
                           C[idx] + tk.flops_by_end[b][src], src * ways + k))
-        if track:  # store block b alone (the shared tensors are dead by its backward unless f, the entry ones unless g)
-            fv, gv = F[lo:size], G[lo:size]
-            ok = (mv[lo:] <= room - t.stored_need_b[b] + x * (1 - fv) + x0 * (1 - gv)) & \
-                (mv[lo:] + kv[lo:] <= room - t.stored_need_f[b])
-        else:
-            ok = mv[lo:] <= room - t.stored_need[b]
-        sidx = np.nonzero(ok)[0] + lo
-        parts.append((sidx, M[sidx] + t.stored_net[b], K[sidx] + t.stored_knet[b] if track else sidx,
-                      F[sidx] if track else sidx, G[sidx] if track else sidx, C[sidx],
-                      np.full(len(sidx), b * ways, dtype=np.int64)))
+        parts.append(_stored(t, b, room, track, x, x0, lo, size, (M, K, F, G, C), ways))
         both, cm, ck, cf, cg, cc, ccode = (np.concatenate([p[i] for p in parts]) for i in range(7))
         if end == n:  # (untracked, ck, cf and cg hold placeholders: all are 0)
             fits = _fits_end(t, room, track, cm, ck, cf, cg)
@@ -228,6 +219,22 @@ def program(modes: Sequence[Tables], n: int, budget: int) -> Optional[list[tuple
         parent[size:size + k], code[size:size + k] = both[keep], ccode[keep]
         offsets.append(size + k)
     return _backtrack(M, C, parent, code, offsets[n], offsets[n + 1], n, ways)
+
+def _stored(t: Tables, b: int, room: int, track: bool, x: int, x0: int, lo: int, size: int,
+            states: tuple[np.ndarray, ...], ways: int) -> tuple[np.ndarray, ...]:
+    """``program``'s states that store block ``b`` alone, from the states at ``b`` (``lo`` to ``size``): the shared
+    tensors are dead by its backward unless f, the entry ones unless g."""
+    M, K, F, G, C = states
+    mv, kv = M[lo:size], K[lo:size]
+    if track:
+        fv, gv = F[lo:size], G[lo:size]
+        ok = (mv <= room - t.stored_need_b[b] + x * (1 - fv) + x0 * (1 - gv)) & (mv + kv <= room - t.stored_need_f[b])
+    else:
+        ok = mv <= room - t.stored_need[b]
+    sidx = np.nonzero(ok)[0] + lo
+    return (sidx, M[sidx] + t.stored_net[b], K[sidx] + t.stored_knet[b] if track else sidx,
+            F[sidx] if track else sidx, G[sidx] if track else sidx, C[sidx], np.full(len(sidx), b * ways, dtype=np.int64))
+
 
 
 def _fits_end(t: Tables, room: int, track: bool, cm: np.ndarray, ck: np.ndarray, cf: np.ndarray,
