@@ -38,8 +38,8 @@ def test_each_deepspeed_lever_is_the_changed_job_analyzed(advised: Any) -> None:
     """GIVEN ZeRO-2 with DeepSpeed's default buckets, rank 0 of 2, on a tiny transformers Llama
     WHEN advise weighs the job's config levers
     THEN each row's peak is ``graphmem.analyze`` of the job with that config change, to the byte (ZeRO-3, which
-    keeps the default bucket, is left out with its peak); what cannot apply is a row with its reason (CPU
-    offload: graphmem/deepspeed/config.py's own line)."""
+    keeps the default bucket, is left out with its peak); what cannot apply is a row with its reason; CPU
+    offload is the job with its torch optimizer on the host."""
     import graphmem
     from graphmem.units import fmt_bytes
     from tests.deepspeed_truth import decoder
@@ -57,15 +57,24 @@ def test_each_deepspeed_lever_is_the_changed_job_analyzed(advised: Any) -> None:
             batch = {"input_ids": ids, "labels": ids}  # (one tensor, as decoder()'s and graphmem's resized batch)
         r = graphmem.analyze(model, batch, deepspeed=config, world_size=2, rank=0, optimizer="adamw")
         assert rows[name].peak_bytes == r.memory.figure("allocated"), name
-        key = next(k for k in ("stage", "reduce_bucket_size", "bf16", "gradient_accumulation_steps") if k in rows[name].how)
+        key = next(k for k in ("stage", "reduce_bucket_size", "bf16", "gradient_accumulation_steps", "offload_optimizer")
+                   if k in rows[name].how)
         assert rows[name].how.startswith("DeepSpeed config") and key in rows[name].how
     why = {x.kind: x.why for x in advice.left_out}
     # ZeRO-3 keeps DeepSpeed's default 5e8-element reduce bucket: captured, and left out as its peak does not drop
     zero3 = graphmem.analyze(*decoder(), deepspeed=_changed(stage=3), world_size=2, rank=0, optimizer="adamw")
     assert why["zero stage"] == f"ZeRO-3 instead of ZeRO-2: the peak does not drop " \
         f"({fmt_bytes(zero3.memory.figure('allocated'))})"
-    assert "offload_optimizer` to the CPU is not captured yet" in why["offload"] and "not applicable" in why["offload"]
     assert "not applicable" in why["sharding"] and "not applicable" in why["checkpoint"]
+    # CPU offload: the job with its torch optimizer on the host, captured (on the CPU target the host bytes are the
+    # allocator's too: a row where its peak drops, else left out with that peak)
+    offloaded = graphmem.analyze(*decoder(), deepspeed={**_changed(offload_optimizer={"device": "cpu", "pin_memory": True}),
+                                                       "zero_force_ds_cpu_optimizer": False},
+                                 world_size=2, rank=0, optimizer="adamw").memory.figure("allocated")
+    row = rows.get("optimizer offloaded to the CPU")
+    assert (row is not None and row.peak_bytes == offloaded and "offload_optimizer" in row.how) or \
+        why.get("offload") == f"optimizer offloaded to the CPU: the peak does not drop ({fmt_bytes(offloaded)})", \
+        why.get("offload")
     assert "overlap_comm is off" in why["overlap_comm"]
     assert any("DeepSpeed rows" in n for n in advice.notes)
 

@@ -4,8 +4,8 @@ peak is DeepSpeed's engine run again on fake tensors with that config (graphmem/
 ``graphmem.analyze(..., deepspeed=changed)`` prints, never a formula.
 
 - the ZeRO stage: each stage above the job's, up to 3 (``zero_optimization.stage``);
-- ``zero_optimization.offload_optimizer`` to the CPU: a row "not applicable" while graphmem/deepspeed/config.py
-  refuses CPU offload (its one line), captured once it does not;
+- ``zero_optimization.offload_optimizer`` to the CPU, the job's torch optimizer stepping on the host
+  (``zero_force_ds_cpu_optimizer: false``; a config's own optimizer, DeepSpeedCPUAdam, is config.py's one-line refusal);
 - smaller buckets: ``reduce_bucket_size`` and ``allgather_bucket_size`` set to h² elements for a model with a
   ``config.hidden_size`` h, what transformers' DeepSpeed integration sets for ``"auto"``
   (transformers/integrations/deepspeed.py ``HfTrainerDeepSpeedConfig.trainer_config_finalize``:
@@ -127,12 +127,15 @@ def offload(base: StepSpec) -> Levers:
     if job.stage == 0:
         return [], [LeftOut("offload", "offload_optimizer needs ZeRO 1-3 (zero_optimization.stage)")]
     setting = {"device": "cpu", "pin_memory": True}
+
+    def edit(c: dict[str, Any]) -> None:  # the job's torch optimizer steps on the host (DeepSpeed's own check)
+        _zero(offload_optimizer=setting)(c)
+        c.setdefault("zero_force_ds_cpu_optimizer", False)
     return [Change("offload", "optimizer offloaded to the CPU",
-                   f"DeepSpeed config {_keys(offload_optimizer=setting)}: zero_optimization.offload_optimizer.device="
-                   "\"cpu\" (DeepSpeedCPUAdam steps the fp32 partition in host memory)",
+                   f"DeepSpeed config {_keys(offload_optimizer=setting)} with \"zero_force_ds_cpu_optimizer\": false: "
+                   "the torch optimizer steps the fp32 partition in host memory",
                    "memory vs speed trade-off: gradients to host and parameters back every step; the optimizer "
-                   "steps on the CPU, its states in (pinned) host memory", "trade-off",
-                   _configured(_zero(offload_optimizer=setting)))], []
+                   "steps on the CPU, its states in (pinned) host memory", "trade-off", _configured(edit))], []
 
 
 def buckets(base: StepSpec) -> Levers:
