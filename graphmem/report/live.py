@@ -44,7 +44,7 @@ class Answers:
     planners: dict[int, Planner] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, eq=False, kw_only=True)
+@dataclass(frozen=True, eq=False, repr=False, kw_only=True)  # (Report's one-line repr and field equality)
 class Analysis(Report):
     step: StepGraph = field(repr=False, compare=False)
     liveness: Liveness = field(repr=False, compare=False)
