@@ -19,7 +19,7 @@ from graphmem.capture.hf import batch as hf_batch
 from graphmem.capture.target import Target, check_device
 from graphmem.errors import UsageError
 from graphmem.step.spec import Inputs, Single, StepSpec, shape_of
-from graphmem.training.batch import as_batch, resizer
+from graphmem.training.batch import Batch, as_batch, resizer
 from graphmem.training.hf_trainer import check_trainer, trainer_step
 from graphmem.training.hf_trainer_batch import collator_name, drawn_batch, fit_to_shape
 from graphmem.training.spec import Training
@@ -220,6 +220,23 @@ def _with_gpu_bf16(target: Optional[Target]) -> Iterator[None]:
         training_args.is_torch_bf16_gpu_available = kept
 
 
+def rank_batch(model: Any, inputs: Any, input_shape: Union[str, tuple, list, None]) -> Batch:
+    """A Trainer rank's micro-batch: ``inputs`` (a dict, as its dataloader yields), or ``input_shape``'s samples
+    made for the model (graphmem/capture/hf.py) through ``default_data_collator``."""
+    from transformers import default_data_collator
+
+    if inputs is None:
+        if input_shape is None:
+            raise UsageError("no inputs: pass inputs= (a batch dict) or `input_shape` (batch, seq) for the Trainer")
+        shape = shape_of(input_shape)
+        made = hf_batch(model, shape)
+        inputs = dict(default_data_collator([{k: v[i] for k, v in made.items()} for i in range(shape[0])]))
+    batch = as_batch(inputs)
+    if batch.form != "dict":
+        raise UsageError("a Trainer's batch is a dict of keyword inputs (as its dataloader yields): pass inputs={...}")
+    return batch
+
+
 def fsdp_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
                       input_shape: Union[str, tuple, list, None] = None, world_size: int = 1,
                       rank: Optional[int] = None, trainer_class: Any = None) -> StepSpec:
@@ -233,7 +250,7 @@ def fsdp_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
     >>> args = TrainingArguments("out", use_cpu=True, fsdp="full_shard auto_wrap")  # doctest: +SKIP
     >>> graphmem.analyze(model, training_args=args, world_size=8, rank=0, input_shape=(2, 512))  # doctest: +SKIP
     """
-    from transformers import Trainer, TrainingArguments, default_data_collator
+    from transformers import Trainer, TrainingArguments
 
     from graphmem.training.hf_trainer_fsdp import shards_of
     from graphmem.training.peft_lora import is_hf_model
@@ -251,15 +268,7 @@ def fsdp_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
     shards = shards_of(trainer_class or Trainer, model, training_args, world_size, rank)
     fake = type("Planned", (), {"args": training_args, "optimizer": None})()  # what trainer_step reads
     check_ranks(fake, world_size, rank)
-    if inputs is None:
-        if input_shape is None:
-            raise UsageError("no inputs: pass inputs= (a batch dict) or `input_shape` (batch, seq) for the Trainer")
-        shape = shape_of(input_shape)
-        made = hf_batch(model, shape)
-        inputs = dict(default_data_collator([{k: v[i] for k, v in made.items()} for i in range(shape[0])]))
-    batch = as_batch(inputs)
-    if batch.form != "dict":
-        raise UsageError("a Trainer's batch is a dict of keyword inputs (as its dataloader yields): pass inputs={...}")
+    batch = rank_batch(model, inputs, input_shape)
     step = dataclasses.replace(trainer_step(fake, world_size, rank or 0), fsdp=True, trainer=None)
     if step.micro_batches > 2:  # under no_sync: the first, a middle and the last micro-step traced (4..k repeat the middle)
         step = dataclasses.replace(step, trace_micro_steps=3)

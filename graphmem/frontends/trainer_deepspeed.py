@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
 from graphmem.step.spec import Inputs, StepSpec, shape_of
-from graphmem.training.batch import as_batch, resizer
+from graphmem.training.batch import resizer
 from graphmem.training.spec import Training
 
 
@@ -28,11 +28,10 @@ def deepspeed_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
     >>> args = TrainingArguments("out", deepspeed={"zero_optimization": {"stage": 2}})  # doctest: +SKIP
     >>> graphmem.analyze(model, batch, training_args=args, world_size=2, rank=1)  # doctest: +SKIP
     """
-    from transformers import Trainer, TrainingArguments, default_data_collator
+    from transformers import Trainer, TrainingArguments
 
-    from graphmem.capture.hf import batch as hf_batch
     from graphmem.deepspeed.trainer import deepspeed_of
-    from graphmem.frontends.trainer import check_ranks
+    from graphmem.frontends.trainer import check_ranks, rank_batch
     from graphmem.training.hf_trainer import trainer_step
     from graphmem.training.peft_lora import is_hf_model
 
@@ -47,15 +46,7 @@ def deepspeed_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
     fake = type("Planned", (), {"args": training_args, "optimizer": None})()  # what trainer_step reads
     check_ranks(fake, world_size, rank)
     job = deepspeed_of(trainer_class or Trainer, training_args, world_size, rank)
-    if inputs is None:
-        if input_shape is None:
-            raise UsageError("no inputs: pass inputs= (a batch dict) or `input_shape` (batch, seq) for the Trainer")
-        shape = shape_of(input_shape)
-        made = hf_batch(model, shape)
-        inputs = dict(default_data_collator([{k: v[i] for k, v in made.items()} for i in range(shape[0])]))
-    batch = as_batch(inputs)
-    if batch.form != "dict":
-        raise UsageError("a Trainer's batch is a dict of keyword inputs (as its dataloader yields): pass inputs={...}")
+    batch = rank_batch(model, inputs, input_shape)
     step = dataclasses.replace(trainer_step(fake, world_size, job.rank), trainer=None,
                                deepspeed=f"DeepSpeed ZeRO-{job.stage} (accelerate)",
                                precision="bf16 (DeepSpeed's bf16 engine)" if training_args.bf16 else "fp32")
