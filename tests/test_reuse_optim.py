@@ -88,7 +88,9 @@ def _same_step(widened: Any, full: Any, training: Any, module: nn.Module) -> Non
     assert ra == rb  # the budget's rows: parameters, gradients, optimizer states, activations, temporaries; peaks
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# the transformers and peft cases are slow (CI runs them); the bundled models' stay in the quick command
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith(("hf_", "peft_")) else n
+                                  for n in CASES])
 def test_widened_step_with_the_optimizer_is_the_full_capture(name: str) -> None:
     # GIVEN a model of 8 identical blocks and an optimizer stepped after backward
     build, target, optimizer, impl = CASES[name]
@@ -107,6 +109,7 @@ def test_widened_step_with_the_optimizer_is_the_full_capture(name: str) -> None:
     _same_step(widened, full, training, model)
 
 
+@pytest.mark.slow  # rank 1 of 4 through fully_shard, captured twice
 def test_widened_fsdp2_rank_with_adamw_is_the_full_capture() -> None:
     # GIVEN rank 1 of 4 through fully_shard on the CUDA target, AdamW's foreach step over its DTensor shards
     model, x, loss = _llama()
