@@ -151,14 +151,14 @@ class Analysis(Report):
         formula's first-step answer bounds it from above, bisected down by captures."""
         source, seen = self.recapture, {}
         assert self.memory is not None  # analyze gives every step its run's figures
+        rows = self.memory.rows
 
         def value_at(v: int) -> Optional[int]:
             if v not in seen:
                 shape = list(base)
                 shape[dim] = v
                 try:
-                    seen[v] = step_memory(source.capture(tuple(shape)), self.memory.rows,  # type: ignore[union-attr]
-                                          source.parallel).figure(figure)
+                    seen[v] = step_memory(source.capture(tuple(shape)), rows, source.parallel).figure(figure)
                 except GraphmemError:  # the model refuses the size
                     seen[v] = None
             return seen[v]
@@ -195,7 +195,8 @@ class Analysis(Report):
 
     def planner_for(self, selective: Any = False) -> Planner:
         """The planner for ``selective`` (False: plain; True: LEVELS levels; an int: that many), measured once."""
-        self.recapture  # noqa: B018 (one rank's step: say what to do before measuring)
+        if self.source is None:  # one rank's step: say what to do before measuring
+            raise no_source(self.sharding)
         if selective is False or selective is None:
             count = 0
         else:
