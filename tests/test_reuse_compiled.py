@@ -116,13 +116,13 @@ def test_widened_compiled_step_is_the_full_compiled_capture(build: Callable, com
 
 
 def test_the_compiled_report_is_the_full_one_and_its_eager_side_is_captured_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import graphmem.api as api
+    import graphmem.step.measure as measure
 
     # GIVEN a 16-block model analyzed in compiled mode, with eager beside it (report.compiled)
     model, x, loss = _bundled_gpt2()
     beside: list[int] = []
-    real = api.capture_reusing
-    monkeypatch.setattr(api, "capture_reusing", lambda *a, **k: beside.append(1) or real(*a, **k))
+    real = measure.capture_reusing
+    monkeypatch.setattr(measure, "capture_reusing", lambda *a, **k: beside.append(1) or real(*a, **k))
     # WHEN analyzed with depth reuse
     reused = graphmem.analyze(model, x, loss=loss, mode="compiled")
     # THEN the eager side is the eager check's step (not captured again), and the report is the full one

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import graphmem
-import graphmem.step.recapture as recapture
+import graphmem.step.captured as captured
 from graphmem.capture.reuse import signature
 from graphmem.capture.target import Target, make_target
 from graphmem.capture.widen import widen
@@ -80,13 +80,13 @@ def test_analyze_takes_the_fast_path_and_reports_what_the_full_capture_reports(m
     # GIVEN a 16-block Llama (deep enough for reuse) on FSDP 4 x TP 2 + SP, CUDA target
     model, x = _bundled(16)
     depths: list[int] = []
-    capture = recapture.capture_rank
+    capture = captured.capture_rank
 
     def counting(module: nn.Module, *args: object) -> object:
         depths.append(len(module.layers))
         return capture(module, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(recapture, "capture_rank", counting)
+    monkeypatch.setattr(captured, "capture_rank", counting)  # the rank engine (graphmem/step/captured.py)
     options = dict(world_size=8, rank=6, fsdp="fully_shard", tp=2, sp=True, device="cuda", dtype="bf16")
     # WHEN it is analyzed with depth reuse and without
     fast = graphmem.analyze(model, x, loss=llama.loss, **options)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import graphmem
-import graphmem.step.recapture as recapture
+import graphmem.step.measure as measure
 from graphmem.capture.capture import capture
 from graphmem.capture.reuse import capture_reusing, signature
 from graphmem.capture.target import Target, make_target
@@ -133,7 +133,7 @@ def _used(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         used.append(out.used)
         return out
 
-    monkeypatch.setattr(recapture, "capture_reusing", spy)
+    monkeypatch.setattr(measure, "capture_reusing", spy)  # the one capture (graphmem/step/measure.py)
     return used
 
 
