@@ -140,6 +140,7 @@ def test_validate_runs_the_real_compiled_ranks() -> None:
 
 
 @pytest.mark.slow  # several minutes: Inductor's C++ compile of the real step in each rank
+@pytest.mark.heavy  # (CI time) the aot_eager ranks above and the one-process Inductor Trainer step run in CI
 def test_inductor_compiled_ranks_save_what_the_real_ones_save() -> None:
     """Inductor (the Trainer's default backend): saved, before-step and state bytes exact on both ranks;
     the peaks are shown without a verdict (Inductor's fused kernels, graphmem/validation/trainer.py)."""
