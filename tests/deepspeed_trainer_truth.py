@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.deepspeed_truth import decoder, held_bytes
+from tests.deepspeed_truth import _recording_pins, decoder, held_bytes, host_bytes
 from tests.dist_truth import _profiled
 from tests.settle import COLLECTIVES, addresses, high, settle
 
@@ -33,11 +33,20 @@ EXTENSIONS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 
 def trainer_args(out: str, config: dict, **fields: Any) -> Any:
-    """The TrainingArguments of these jobs: DeepSpeed's ``config``, 2 rows a rank, the Trainer's default optimizer."""
+    """The TrainingArguments of these jobs: DeepSpeed's ``config``, 2 rows a rank, the Trainer's default optimizer.
+    With ``bf16=True`` they are built as on a GPU machine: transformers' check for a bf16 GPU
+    (training_args.py ``_validate_args``, ``is_torch_bf16_gpu_available``) answers yes while they are built, as
+    DeepSpeed's bf16 engine, not torch's autocast, runs the bf16 (and ``use_cpu`` would turn DeepSpeed off)."""
     import transformers
+    import transformers.training_args as training_args
 
-    return transformers.TrainingArguments(output_dir=out, report_to=[], deepspeed=config, per_device_train_batch_size=2,
-                                          save_strategy="no", **fields)
+    kept = training_args.is_torch_bf16_gpu_available
+    training_args.is_torch_bf16_gpu_available = lambda *a, **k: True
+    try:
+        return transformers.TrainingArguments(output_dir=out, report_to=[], deepspeed=config,
+                                              per_device_train_batch_size=2, save_strategy="no", **fields)
+    finally:
+        training_args.is_torch_bf16_gpu_available = kept
 
 
 def _step(runner: Any, batch: dict, kept: list) -> dict[str, int]:
@@ -84,20 +93,28 @@ def _worker(rank: int, world_size: int, init: str, config: dict, fields: dict, o
         # what these imports leave alive (module-level tensors: 144 B here, two int64 scalars and two (16,) fp32
         # tensors, from transformers.trainer's imports), made before any job and not the rank's memory, left out of the held bytes
         kept: list = [[t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.device.type != "meta"]]
+        pinned: list = []
+        _recording_pins(pinned)
         model, batch = decoder()
-        trainer = Trainer(model=model, args=trainer_args(os.path.dirname(out), config, **fields))
+        args = trainer_args(os.path.dirname(out), config, **fields)
+        trainer = Trainer(model=model, args=args)
         assert trainer.is_deepspeed_enabled
         runner = DeepSpeedRunner(trainer)
         with runner.session():
             runner.prepare()
-            steps = [_step(runner, batch, kept) for _ in range(2)]
-        torch.save({"first": steps[0], "later": steps[1], "unsettled": unsettled[0]}, f"{out}.{rank}")
+            host = [host_bytes(runner.engine, pinned)]
+            steps = [_step(runner, batch, kept)]
+            host.append(host_bytes(runner.engine, pinned))
+            steps.append(_step(runner, batch, kept))
+        torch.save({"first": steps[0], "later": steps[1], "unsettled": unsettled[0],
+                    "host": {"before": host[0], "after": host[1]}}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
 def measure_trainer_ranks(config: dict, fields: dict, world_size: int = 2) -> list[dict]:
-    """Each rank's {"first", "later": {"saved", "before", "after", "peak"}, "unsettled"}, one job."""
+    """Each rank's {"first", "later": {"saved", "before", "after", "peak"}, "unsettled", "host": {"before", "after":
+    {"pinned", "pageable"}}} (the host bytes under CPU offload, tests/deepspeed_truth.py ``host_bytes``), one job."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result")
         mp.spawn(_worker, args=(world_size, f"file://{os.path.join(tmp, 'store')}", config, fields, out),

@@ -26,18 +26,31 @@ def ds_config(stage: int, **settings: Any) -> dict:
             "gradient_clipping": "auto", **settings, "zero_optimization": {"stage": stage, **BUCKETS}}
 
 
-def _figures(report: Any) -> dict[str, int]:
+def _figures(report: Any) -> dict[str, Any]:
+    from graphmem.deepspeed.report import host_bytes
     from graphmem.passes import liveness
 
     lv = liveness(report.step)
+    host = host_bytes(report.step)
     return {"saved": report.activation_bytes, "before": lv.baseline_bytes, "after": lv.end_bytes,
-            "peak": report.peak_bytes, "later": report.budget.rank.later_peak_bytes}
+            "peak": report.peak_bytes, "later": report.budget.rank.later_peak_bytes,
+            "host": {k: dict(zip(("pinned", "pageable"), v)) for k, v in (("before", host.before), ("after", host.after))}}
+
+
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}}  # ZeRO-2's optimizer on the host (pinned: DeepSpeed's default)
+JOBS = {  # (ZeRO stage, the config's own settings, the zero_optimization settings, TrainingArguments fields)
+    "zero2": (2, {}, {}, {}),
+    "zero3": (3, {}, {}, {}),
+    "zero1-bf16-accumulation-overlap": (1, {}, {"overlap_comm": True, "contiguous_gradients": True},
+                                        {"bf16": True, "gradient_accumulation_steps": 2}),
+    "zero2-offload": (2, {"zero_force_ds_cpu_optimizer": False}, OFFLOAD, {}),  # the Trainer's torch AdamW on the host
+}
 
 
 @pytest.mark.parametrize("config, fields, message", [
     ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, {}, "`fp16.enabled`"),
     ({"zero_optimization": {"stage": 2}, "bf17": {"enabled": True}}, {}, "did you mean 'bf16'"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, {}, "not checked against a real Trainer"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, {}, "zero_force_ds_cpu_optimizer"),
 ])
 def test_bad_deepspeed_trainer_inputs_are_one_line_errors(tmp_path: Any, config: dict, fields: dict,
                                                           message: str) -> None:
@@ -82,30 +95,36 @@ def test_cli_training_args_with_deepspeed_refuses_in_one_line(tmp_path: Any, cap
     assert len(ours) == 1 and "nvme" in ours[0] and "Traceback" not in err, err
 
 
-@pytest.mark.slow  # a real 2-process gloo job and 4 captures each: both 7 min 51 s on 2 cores shared at load ~20
-@pytest.mark.parametrize("stage", [2, 3])
-def test_trainer_deepspeed_ranks_match_a_real_gloo_job(tmp_path: Any, stage: int) -> None:
-    """GIVEN the tiny Llama (2 layers, hidden 64), 2 x 32 tokens a rank, the Trainer's default AdamW, clipping 1.0
-    WHEN the real Trainer runs ZeRO-``stage`` through accelerate on 2 gloo CPU processes and graphmem captures
-    each rank through the same Trainer code on fake tensors
-    THEN saved bytes, the bytes held before and after the first step and both steps' peaks are equal to the byte
-    on both ranks (docs/deepspeed.md "Through the Trainer")."""
+@pytest.mark.slow  # a real 2-process gloo job and 4 captures each: 3-8 min each on 2 shared cores
+@pytest.mark.parametrize("job", [pytest.param("zero2"), pytest.param("zero3", marks=pytest.mark.heavy),  # (CI time)
+                                 pytest.param("zero1-bf16-accumulation-overlap"), pytest.param("zero2-offload")])
+def test_trainer_deepspeed_ranks_match_a_real_gloo_job(tmp_path: Any, job: str) -> None:
+    """GIVEN the tiny Llama (2 layers, hidden 64), 2 x 32 tokens a rank, the Trainer's default AdamW, clipping 1.0,
+    and ``job``'s DeepSpeed settings and TrainingArguments (bf16: DeepSpeed's bf16 engine; accumulation: the
+    Trainer's own micro-steps; offload: the optimizer's partitions on the host)
+    WHEN the real Trainer runs it through accelerate on 2 gloo CPU processes and graphmem captures each rank
+    through the same Trainer code on fake tensors
+    THEN saved bytes, the bytes held before and after the first step, both steps' peaks and the host bytes (pinned
+    and pageable, before and after) are equal to the byte on both ranks (docs/deepspeed.md "Through the Trainer")."""
     import graphmem
     from tests.deepspeed_trainer_truth import measure_trainer_ranks, trainer_args
     from tests.deepspeed_truth import decoder
 
-    config = ds_config(stage)
-    real = measure_trainer_ranks(config, {})
-    model, batch = decoder()
+    stage, own, zero, fields = JOBS[job]
+    config = ds_config(stage, **own)
+    config["zero_optimization"].update(zero)
+    real = measure_trainer_ranks(config, fields)
     for rank, truth in enumerate(real):
-        got = _figures(graphmem.analyze(model, batch, training_args=trainer_args(str(tmp_path), config),
+        model, batch = decoder()
+        got = _figures(graphmem.analyze(model, batch, training_args=trainer_args(str(tmp_path), config, **fields),
                                         world_size=2, rank=rank))
         first, later = truth["first"], truth["later"]
-        print(json.dumps({"stage": stage, "rank": rank, "graphmem": got, "real": truth}))  # (shown with -s)
+        print(json.dumps({"job": job, "rank": rank, "graphmem": got, "real": truth}))  # (shown with -s)
         assert truth["unsettled"] == 0
         assert {k: got[k] for k in ("saved", "before", "after")} == {k: first[k] for k in ("saved", "before", "after")}
         assert later["saved"] == got["saved"]
         assert (got["peak"], got["later"]) == (first["peak"], later["peak"]), (rank, got, truth)
+        assert got["host"] == truth["host"], (rank, got["host"], truth["host"])  # (0 B each without offload)
 
 
 def test_a_built_trainer_and_the_cli_file_reach_the_same_rank(tmp_path: Any, monkeypatch: Any) -> None:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from graphmem.deepspeed.config import DeepSpeedJob
 from graphmem.errors import UsageError
 from graphmem.passes.budget import Parallel
 from graphmem.training.hf_trainer import TrainerRunner
@@ -52,6 +53,7 @@ class TrainerDeepSpeed:
     world_size: int = 2
     rank: int = 0
     stage: int = 0  # the config's ZeRO stage
+    job: Optional[DeepSpeedJob] = field(default=None, compare=False, repr=False)  # its config as the arguments fill it
     formula = Parallel()  # DeepSpeed's engine splits the step itself: no formula over it
 
     def describe(self) -> str:
@@ -65,21 +67,26 @@ class TrainerDeepSpeed:
 
 def deepspeed_of(trainer_class: type, args: Any, world_size: int, rank: Optional[int]) -> TrainerDeepSpeed:
     """The per-rank Trainer's recipe, its DeepSpeed config checked as graphmem/deepspeed/config.py checks one
-    (one-line errors: offload, fp16 on this CPU, an unknown key, an ``"auto"`` nothing resolves)."""
-    from graphmem.deepspeed.config import make_job
+    (one-line errors: NVMe offload, fp16 on this CPU, an unknown key, an ``"auto"`` nothing resolves). CPU offload
+    runs as on the direct engine path (graphmem/deepspeed/engine.py ``host_tensors``): the Trainer's torch
+    optimizer steps the host partitions where the config sets ``zero_force_ds_cpu_optimizer: false``, else
+    DeepSpeed's own refusal is the one line."""
+    from graphmem.deepspeed.config import _offloads, make_job
 
     if args.fp16:  # TrainingArguments' fp16 sets the config's fp16.enabled (trainer_config_process)
         raise UsageError("fp16 with DeepSpeed (`fp16=True` in the TrainingArguments) is not run on DeepSpeed's CPU "
                          "accelerator: use bf16=True or fp32")
-    job = make_job(args.deepspeed, world_size, rank)
-    zero = job.config.get("zero_optimization", {})
-    offloaded = [k for k in ("offload_optimizer", "offload_param") if isinstance(zero.get(k), dict)
-                 and zero[k].get("device", "none") != "none"]
-    if offloaded:  # (the direct engine path runs it, checked against real DeepSpeed: docs/deepspeed.md)
-        raise UsageError(f"a Trainer's DeepSpeed rank with `zero_optimization.{offloaded[0]}` is not checked against a "
-                         "real Trainer job yet: analyze the model with `deepspeed=` and a torch optimizer instead")
+    # the config as TrainingArguments filled its "auto" values from themselves (trainer_config_process: bf16,
+    # batch sizes, accumulation, clipping); those of the model's hidden size stay "auto" until the engine is built
+    filled = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    job = make_job(filled if isinstance(filled, dict) else args.deepspeed, world_size, rank)
+    if _offloads(job.config, "offload_optimizer") and "optimizer" not in job.config \
+            and job.config.get("zero_force_ds_cpu_optimizer", True) is not False:  # the Trainer's torch AdamW
+        raise UsageError("DeepSpeed refuses the Trainer's torch optimizer with CPU offload unless the config sets "
+                         "`\"zero_force_ds_cpu_optimizer\": false` (its DeepSpeedCPUAdam, a C++ op, does not run on "
+                         "fake tensors): add it")
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
-    return TrainerDeepSpeed(trainer_class, type(args), fields, world_size, job.rank, job.stage)
+    return TrainerDeepSpeed(trainer_class, type(args), fields, world_size, job.rank, job.stage, job)
 
 
 @contextlib.contextmanager
@@ -104,11 +111,31 @@ def deepspeed_rank(rank: int, world_size: int) -> Iterator[None]:
 def build_ds_trainer(p: TrainerDeepSpeed, model: Any) -> Any:
     """The Trainer around ``model`` as rank ``p.rank`` builds it (fresh TrainingArguments: their device setup
     is cached per object), inside ``deepspeed_rank`` and the rank's process group."""
-    trainer = p.trainer_class(model=model, args=p.args_class(**p.fields))
+    with bf16_by_deepspeed():
+        trainer = p.trainer_class(model=model, args=p.args_class(**p.fields))
     if not trainer.is_deepspeed_enabled:
         raise UsageError(f"the Trainer's accelerator is {trainer.accelerator.distributed_type.value}, not DeepSpeed: "
                          "set `deepspeed` in its TrainingArguments and leave `use_cpu` unset (it turns DeepSpeed off)")
     return trainer
+
+
+@contextlib.contextmanager
+def bf16_by_deepspeed() -> Iterator[None]:
+    """TrainingArguments' bf16 check answered yes while a DeepSpeed job's arguments are built. The check
+    (transformers training_args.py ``_validate_args``: "Your setup doesn't support bf16/gpu" unless
+    ``is_torch_bf16_gpu_available()`` or ``use_cpu``) asks for a GPU for torch's autocast; a DeepSpeed job's bf16 is
+    DeepSpeed's bf16 engine instead (``bf16.enabled`` filled from ``args.bf16``: integrations/deepspeed.py
+    ``trainer_config_process``; the model cast and the optimizer wrapped by DeepSpeed), which DeepSpeed's CPU
+    accelerator runs (deepspeed/accelerator/cpu_accelerator.py ``is_bf16_supported``: True), and ``use_cpu``, the
+    check's way out, turns DeepSpeed off. The arguments were valid where the user built them (a GPU machine)."""
+    import transformers.training_args as training_args
+
+    kept = training_args.is_torch_bf16_gpu_available
+    training_args.is_torch_bf16_gpu_available = lambda *a, **k: True
+    try:
+        yield
+    finally:
+        training_args.is_torch_bf16_gpu_available = kept
 
 
 class DeepSpeedRunner(TrainerRunner):
@@ -199,5 +226,5 @@ def _stepping(engine: Any, on_phase: Callable[[str], None], mark: Mark) -> Itera
         del engine.step
 
 
-__all__ = ["DeepSpeedRunner", "TrainerDeepSpeed", "build_ds_trainer", "deepspeed_of", "deepspeed_rank",
+__all__ = ["DeepSpeedRunner", "TrainerDeepSpeed", "bf16_by_deepspeed", "build_ds_trainer", "deepspeed_of", "deepspeed_rank",
            "inner_optimizer"]

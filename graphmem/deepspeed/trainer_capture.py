@@ -24,7 +24,7 @@ from graphmem.capture.fakes import fake_batch
 from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
 from graphmem.deepspeed.capture import _gathered, kind_of
-from graphmem.deepspeed.engine import engine_on_fake, held_tensors, staying
+from graphmem.deepspeed.engine import Pins, engine_on_fake, held_tensors, name_host, naming_buckets, staying
 from graphmem.deepspeed.trainer import DeepSpeedRunner, TrainerDeepSpeed, build_ds_trainer, deepspeed_rank
 from graphmem.distributed.capture import rank_placeholders, rank_running
 from graphmem.distributed.fsdp import fake_copy
@@ -39,12 +39,13 @@ def capture_trainer_engine(module: nn.Module, inputs: Any, target: Target, p: Tr
     with deepspeed_rank(p.rank, p.world_size), fake_group(p.rank, p.world_size):
         rec = Recording(target)
         cap, fake_mode = rec.cap, rec.mode
-        with fake_mode, engine_on_fake(fake_mode):
+        pins: Pins = []  # what DeepSpeed pins under CPU offload (graphmem/deepspeed/engine.py)
+        with fake_mode, engine_on_fake(fake_mode, pins):
             wrapped = fake_copy(module, None)  # DeepSpeed casts to bf16 itself (its config)
             trainer = build_ds_trainer(p, wrapped)
         runner = DeepSpeedRunner(trainer)
         with runner.session():
-            with fake_mode, engine_on_fake(fake_mode):
+            with fake_mode, engine_on_fake(fake_mode, pins):
                 with staying(wrapped):
                     runner.prepare()
                 if warm:  # the first step, unrecorded; its loss dropped as the loop drops it
@@ -54,11 +55,12 @@ def capture_trainer_engine(module: nn.Module, inputs: Any, target: Target, p: Tr
                     if t.untyped_storage().nbytes():
                         cap.preexisting(t, kind_of(path), path)
                 param_sid, fake_inputs = rank_placeholders(cap, fake_mode, wrapped, inputs, target)
-            return _run(rec, runner, wrapped, fake_inputs, param_sid)
+                name_host(cap, runner.engine, pins)  # (CPU offload: what DeepSpeed keeps on the host)
+            return _run(rec, runner, wrapped, fake_inputs, param_sid, pins)
 
 
 def _run(rec: Recording, runner: DeepSpeedRunner, wrapped: nn.Module, fake_inputs: Any,
-         param_sid: dict[str, int]) -> StepGraph:
+         param_sid: dict[str, int], pins: Pins) -> StepGraph:
     cap = rec.cap
     def tagged_loss(out: Any, inputs: Any) -> Any:
         if isinstance(out, torch.Tensor):
@@ -68,11 +70,12 @@ def _run(rec: Recording, runner: DeepSpeedRunner, wrapped: nn.Module, fake_input
     gathered = nn.modules.module.register_module_forward_hook(lambda m, a, o: _gathered(cap, m))
     try:
         with rec.hooks():
-            with rank_running(rec, wrapped, engine_on_fake(rec.mode)):
+            with rank_running(rec, wrapped, engine_on_fake(rec.mode, pins)), naming_buckets(cap, runner.engine):
                 marked: dict[str, list[int]] = {}
                 runner.run(wrapped, fake_inputs, tagged_loss, cap.set_phase, lambda: _null(),
                            marker(cap, param_sid, marked), fake=True)
                 relabel_accumulation(cap.ops, cap.saves, cap.phase_start)  # the last micro-step's saves are the step's
+                name_host(cap, runner.engine, pins)  # (after the step, as on the direct engine path)
             return rec.graph(type(wrapped).__name__, module_order(wrapped), marked.get("gradient", []))
     finally:
         gathered.remove()

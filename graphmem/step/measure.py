@@ -236,11 +236,15 @@ def _deepspeed(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Meas
     budget = dataclasses.replace(budget, rank=dataclasses.replace(
         budget.rank, rows=with_own_notes(budget.rank.rows), later_peak_bytes=lv_later.peak_bytes,
         later_peak_index=lv_later.peak_index,
-        later_peak_phase=lv_later.peak_phase if lv_later.peak_index >= 0 else "before the step"))
+        later_peak_phase=lv_later.peak_phase if lv_later.peak_index >= 0 else "before the step",
+        # the model's parameters, not the flat buffers DeepSpeed keeps them in (whose gradients have no single owner)
+        parameters=sum(q.numel() for q in spec.module.parameters()),
+        trainable=sum(q.numel() for q in spec.module.parameters() if q.requires_grad)))
     step = dataclasses.replace(first, budget=budget)
     # the residual states and the ZeRO paper's cross-check read the job's config (a Trainer's is its arguments')
-    own = residual_lines(residual(g, lv, spec.module, p)) + paper_check(
-        spec.module, p, g, spec.training.train.optimizer, budget.rank.rows) if isinstance(p, DeepSpeedJob) else ()
+    job = p if isinstance(p, DeepSpeedJob) else p.job
+    own = residual_lines(residual(g, lv, spec.module, job)) + paper_check(
+        spec.module, job, g, spec.training.train.optimizer, budget.rank.rows) if job is not None else ()
     return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv) + own)
 
 
