@@ -150,3 +150,13 @@ def test_a_built_trainer_and_the_cli_file_reach_the_same_rank(tmp_path: Any, mon
     path.write_text(json.dumps({"output_dir": str(tmp_path), "report_to": [], "deepspeed": ds_config(3)}))
     args = trainer_from_file(model, str(path))
     assert isinstance(spec_for(model, batch, training_args=args, world_size=2).parallel, TrainerDeepSpeed)
+    # a GPU user's file with bf16, read on this machine without a GPU: DeepSpeed's bf16 engine runs it (its CPU
+    # accelerator), so transformers' bf16-GPU check is answered for it; without deepspeed the check stands
+    path.write_text(json.dumps({"output_dir": str(tmp_path), "report_to": [], "bf16": True,
+                                "deepspeed": ds_config(1, bf16={"enabled": "auto"})}))
+    spec = spec_for(model, batch, training_args=trainer_from_file(model, str(path)), world_size=2)
+    assert spec.parallel.job is not None and spec.parallel.job.config["bf16"]["enabled"] is True
+    assert spec.training.train.precision.startswith("bf16")
+    path.write_text(json.dumps({"output_dir": str(tmp_path), "report_to": [], "bf16": True}))
+    with pytest.raises(UsageError, match="bf16"):
+        trainer_from_file(model, str(path))

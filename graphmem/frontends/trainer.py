@@ -158,7 +158,7 @@ def trainer_from_file(model: Any, path: str, target: Optional[Target] = None, tr
         raise UsageError(f"training_args {path!r}: no such file; give a JSON or YAML file of TrainingArguments")
     parser = HfArgumentParser(InPlace)  # type: ignore[arg-type]
     try:
-        with _with_gpu_bf16(target):
+        with _names_deepspeed(path) or _with_gpu_bf16(target):
             (args,) = parser.parse_yaml_file(path) if path.endswith((".yaml", ".yml")) else parser.parse_json_file(path)
     except Exception as e:  # a malformed file, an unknown field, a value TrainingArguments refuses
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -200,6 +200,25 @@ def dataset_from_file(path: str) -> Any:
             if not isinstance(samples[-1], dict):
                 raise UsageError(f"train_dataset {path!r} line {n} is not a JSON object of the sample's fields")
     return samples
+
+
+def _names_deepspeed(path: str) -> Optional[contextlib.AbstractContextManager[None]]:
+    """For a file of arguments naming ``deepspeed``, the context its bf16 is read in: DeepSpeed's bf16 engine
+    (graphmem/deepspeed/trainer.py ``bf16_by_deepspeed``); else None (an unreadable file too: the parser says why)."""
+    import json
+
+    import yaml
+
+    try:
+        with open(path) as f:
+            fields = yaml.safe_load(f) if path.endswith((".yaml", ".yml")) else json.load(f)
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    if not isinstance(fields, dict) or not fields.get("deepspeed"):
+        return None
+    from graphmem.deepspeed.trainer import bf16_by_deepspeed
+
+    return bf16_by_deepspeed()
 
 
 @contextlib.contextmanager
