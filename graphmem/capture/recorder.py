@@ -85,8 +85,7 @@ class _Mode(FakeTensorMode):
         must stay in this mode, as FakeCopyMode keeps them (torch/_subclasses/fake_tensor.py)."""
         return self
 
-    def __torch_dispatch__(self, func: OpOverload | HigherOrderOperator, types: Sequence[type], args: Any = (),
-                           kwargs: Any = None) -> object:
+    def __torch_dispatch__(self, func: OpOverload | HigherOrderOperator, types: Sequence[type], args: Any = (), kwargs: Any = None) -> object:
         if func is _LOCAL_SCALAR and self.scalar_answer is not None:
             return self.scalar_answer(args[0])
         answer = self.values.read(func, args, kwargs)
@@ -98,8 +97,7 @@ class _Mode(FakeTensorMode):
         self.values.propagate(func, args, kwargs, out)
         return out
 
-    def _dispatch(self, func: OpOverload | HigherOrderOperator, types: Sequence[type], args: tuple = (),
-                  kwargs: Any = None) -> object:
+    def _dispatch(self, func: OpOverload | HigherOrderOperator, types: Sequence[type], args: tuple = (), kwargs: Any = None) -> object:
         rec = self.rec
         if rec.real_bookkeeping and all_real(args, kwargs):  # while wrappers are set up: ops on real tensors (a
             with unset_fake_temporarily():  # DeviceMesh's rank layout when FSDP composes with TP) run for real
@@ -246,8 +244,7 @@ class _Recorder:
             return node_metadata(fn).get(_TAG, "") if fn is not None else ""
         return self.stack[-1]
 
-    def record(self, call: Callable[[OpOverload, tuple, dict], Any], func: OpOverload, args: tuple,
-               kwargs: Optional[dict]) -> object:
+    def record(self, call: Callable[[OpOverload, tuple, dict], Any], func: OpOverload, args: tuple, kwargs: Optional[dict]) -> object:
         kwargs, phase = kwargs or {}, engine_phase(self.phase)
         if func is _ADD and phase == "backward" and not kwargs and self._accumulates_inplace(args):
             func = torch.ops.aten.add_.Tensor  # what eager does for real tensors (see below)

@@ -27,7 +27,7 @@ memory never holds it), and a compiled graph's backward keeps no autograd node p
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch._ops import OpOverload
@@ -35,10 +35,20 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import Node
 
 from graphmem.oprules.scalars import WRAPPED, cast_bytes
-from graphmem.stepgraph import Storage
+from graphmem.stepgraph import OpNode, Storage
 
-if TYPE_CHECKING:
-    from graphmem.capture.recorder import _Recorder
+
+class _Recording(Protocol):
+    """What of the recorder (graphmem/capture/recorder.py ``_Recorder``) the wrapped numbers read and add to."""
+
+    device: str
+    node_module: Optional[str]
+    storages: dict[int, Storage]
+    stream: Callable[[], str]
+    phase: str
+    stack: list[str]
+    closed: bool
+    ops: list[OpNode]
 
 
 def _numbers(func: OpOverload, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
@@ -79,7 +89,7 @@ def _saved(fn: Node, name: str) -> Optional[torch.Tensor]:
 class WrappedNumbers:
     """The recorder's wrapped numbers (the module docstring)."""
 
-    def __init__(self, rec: _Recorder) -> None:
+    def __init__(self, rec: _Recording) -> None:
         self.rec = rec
         # the last op's output, its numbers, and whether it ran in a checkpoint's recompute
         self.pending: Optional[tuple[weakref.ref[torch.Tensor], list[tuple[str, Storage]], bool]] = None
