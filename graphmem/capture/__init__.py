@@ -18,6 +18,7 @@ from graphmem.capture.recorder import _Mode
 from graphmem.capture.reuse import capture_reusing
 from graphmem.capture.sac import install
 from graphmem.capture.target import Target, make_target
+from graphmem.stepgraph import StepGraph
 
 install(_Mode)  # what selective checkpointing keeps, seen as saved while a step is recorded (sac.py)
 
@@ -29,7 +30,7 @@ class _CallablePackage(types.ModuleType):
     """``graphmem.capture(model, inputs)`` stays the capture function it was before this
     package existed: the package, called, captures."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> StepGraph:  # capture's own arguments
         return capture(*args, **kwargs)
 
 

@@ -8,10 +8,10 @@ for the duration of one compilation (not thread-safe, as torch's own ``config.pa
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import ContextManager, Iterator, Optional
 
 
-def partition_config(budget: Optional[float]) -> Any:
+def partition_config(budget: Optional[float]) -> ContextManager[object]:
     """AOTAutograd's settings while the step is compiled, restored after:
     ``activation_memory_budget`` set to ``budget`` (the partitioner reads it when it splits each
     joint graph; None keeps torch's), and the backward compiled with the forward."""
@@ -20,7 +20,7 @@ def partition_config(budget: Optional[float]) -> Any:
     # the backward is compiled with the forward: lazily, AOTAutograd deep-copies the backward graph
     # inside loss.backward(), under graphmem's fake mode, where copying a lifted constant (a real
     # tensor) fails; compiled eagerly, it copies it outside any fake mode (graph_compile.py)
-    changes: dict[str, Any] = {"force_non_lazy_backward_lowering": True}
+    changes: dict[str, bool | float] = {"force_non_lazy_backward_lowering": True}
     if budget is not None:
         changes["activation_memory_budget"] = budget
     return config.patch(changes)

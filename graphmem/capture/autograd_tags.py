@@ -9,9 +9,11 @@ of the engine's in-place accumulation, torch/csrc/autograd/input_buffer.cpp).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
+from torch._ops import OpOverload
+from torch.autograd.graph import Node
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _TAG = "graphmem_module"  # key in grad_fn.metadata: module path of the forward op
@@ -28,7 +30,7 @@ def engine_phase(phase: str) -> str:
     return phase
 
 
-def node_metadata(fn: Any) -> dict:
+def node_metadata(fn: Any) -> dict:  # a torch.autograd.graph.Node
     """An autograd node's metadata dict (a property; torch's stubs call it a method)."""
     return fn.metadata
 
@@ -43,7 +45,8 @@ _COUNTS: list[tuple[int, int]] = []
 class _Probe(TorchDispatchMode):
     """Reads the reference counts a uniquely held gradient shows inside a dispatch mode."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: OpOverload, types: Sequence[type], args: tuple = (),
+                           kwargs: Optional[dict] = None) -> object:
         fn = torch._C._current_autograd_node()
         if func is _ADD and fn is not None and node_metadata(fn).get(_DONE) and not _COUNTS:
             _COUNTS.append((args[0]._use_count(), torch._C._storage_Use_Count(args[0].untyped_storage()._cdata)))
@@ -65,7 +68,7 @@ def _unique_counts() -> tuple[int, int]:
     return _COUNTS[0]
 
 
-def _tag_grad_fns(output: Any, path: str, start: int = 0) -> None:
+def _tag_grad_fns(output: object, path: str, start: int = 0) -> None:
     """Label the autograd nodes a module created with its path (innermost module wins:
     inner modules finish, and tag, first; the walk passes through nodes already tagged,
     since the module's own ops may lie behind an inner module's (``x = self.a(x); x = x.exp();
@@ -74,7 +77,7 @@ def _tag_grad_fns(output: Any, path: str, start: int = 0) -> None:
     _accumulates_inplace): a node left untagged would also have no hook, and the engine's
     gradient sums after it would look like the model's adds."""
     todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
-    seen: set[Any] = set()
+    seen: set[Node] = set()
     while todo:
         fn = todo.pop()
         if fn in seen or fn._sequence_nr() < start:
@@ -97,7 +100,7 @@ def _tag_grad_fns(output: Any, path: str, start: int = 0) -> None:
                 todo.append(nxt)
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def _tensors(obj: object) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):

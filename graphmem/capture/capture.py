@@ -127,18 +127,18 @@ def _prepare(model: nn.Module, inputs: Inputs, target: Target, train: Optional[T
 
 
 def _run(model: nn.Module, loss_fn: Optional[LossFn], rec: Recording, runner: Optional[StepRunner],
-         compiled: Optional[CompiledStep], step: _Prepared) -> tuple[list[int], tuple[Any, ...]]:
+         compiled: Optional[CompiledStep], step: _Prepared) -> tuple[list[int], tuple[object, ...]]:
     """Run the step under the fake mode, recording it: the storage ids of the gradients it leaves,
     and what the caller keeps until the recorder closes (the output, the loss and the context: their
     frees come after the step)."""
     cap, target = rec.cap, rec.target
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: object, **kwargs: object) -> object:
         if compiled is not None:
             return compiled.replay(cap, args, kwargs)
         return model(*args, **kwargs)
 
-    def tagged_loss(out: Any, inputs: Any) -> torch.Tensor:
+    def tagged_loss(out: object, inputs: object) -> torch.Tensor:
         loss = (loss_fn or default_loss)(out, inputs)
         if isinstance(loss, torch.Tensor):
             _tag_grad_fns(loss, "")  # the loss's nodes (and any left untagged) belong to the root

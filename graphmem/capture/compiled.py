@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import re
+import types
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
 import torch
 import torch.fx as fx
@@ -53,13 +54,16 @@ from graphmem.capture.autograd_tags import _DONE, _tensors, node_metadata
 from graphmem.capture.compiled_cuda import compiled_context as cuda_context
 from graphmem.capture.compiled_cuda import cuda_graph, example_values_ruled, graphs_unruled
 from graphmem.capture.dynamo_cache import cache_entries, cache_sizes, compiled_codes, guard_failure
-from graphmem.capture.fakes import fake_batch, fake_state, forward_context, translate_in
+from graphmem.capture.fakes import Inputs, fake_batch, fake_state, forward_context, translate_in
 from graphmem.capture.inductor_partition import inductor_partition
 from graphmem.capture.partition_record import Partition, recording
 from graphmem.capture.target import Target
 from graphmem.capture.widen_map import block_copies, rename
 from graphmem.errors import CaptureError, GraphmemError
 from graphmem.training.step import LossFn, run_step
+
+if TYPE_CHECKING:
+    from graphmem.capture.recorder import _Recorder
 
 _INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 
@@ -84,16 +88,14 @@ def module_path(stack: Optional[dict], names: frozenset[str]) -> str:
 _ROOT = "graphmem_root"
 
 
-def _call(graphmem_root: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _call(graphmem_root: nn.Module, *args: object, **kwargs: object) -> object:
     """What gets compiled: a call of the model, as ``torch.compile(model)(*args, **kwargs)`` traces it."""
     return graphmem_root(*args, **kwargs)
 
 
-def _fresh_call() -> Callable[..., Any]:
+def _fresh_call() -> types.FunctionType:
     """``_call`` with a code object of its own: dynamo keeps compiled code on code objects, so
     each analysis compiles, replays and then drops its own entries without touching others."""
-    import types
-
     return types.FunctionType(_call.__code__.replace(), _call.__globals__, "graphmem_step")
 
 
@@ -144,7 +146,7 @@ class _Run(fx.Interpreter):
         super().__init__(graph.graph)
         self.cg, self.backend = graph, backend
 
-    def run_node(self, n: fx.Node) -> Any:
+    def run_node(self, n: fx.Node) -> object:
         rec = self.backend.recorder
         if rec is None or n.op in ("placeholder", "output"):
             return super().run_node(n)
@@ -169,7 +171,7 @@ class _Backend:
         self.recorder: Any = None  # graphmem's recorder during the replay
         self.replaying = False
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., object]:
         from torch._dynamo.backends.debugging import aot_eager
 
         if self.target is not None and self.target.device == "cuda":
@@ -179,8 +181,8 @@ class _Backend:
         return aot_eager(gm, example_inputs, fw_compiler=self._compiler("forward"),
                          bw_compiler=self._compiler("backward"))
 
-    def _compiler(self, kind: str) -> Callable[[fx.GraphModule, list], Callable[..., Any]]:
-        def compile(gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+    def _compiler(self, kind: str) -> Callable[[fx.GraphModule, list], Callable[[list], object]]:
+        def compile(gm: fx.GraphModule, example_inputs: list) -> Callable[[list], object]:
             key = "nn_module_stack" if kind == "forward" else "fwd_nn_module_stack"
             modules = {n: module_path(n.meta.get("nn_module_stack") or n.meta.get(key), self.names)
                        for n in gm.graph.nodes}
@@ -188,7 +190,7 @@ class _Backend:
             self.graphs.append(cg)
             interpreter = _Run(cg, self)
 
-            def run(args: list) -> Any:
+            def run(args: list) -> object:
                 if not self.replaying:  # the trace: its own code, no recorder to tell (faster than the interpreter)
                     cg.calls += 1
                     return gm(*args)
@@ -205,7 +207,7 @@ class _Backend:
         return compile
 
 
-def _unruled(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _unruled(compiled: Callable[..., object], *args: object, **kwargs: object) -> object:
     """The compiled call, with the CUDA target's rules for eager code lifted (their graphs carry them)."""
     with graphs_unruled():
         return compiled(*args, **kwargs)
@@ -224,7 +226,7 @@ def _stop_at_backward(phase: list[str], name: str) -> None:
 class CompiledStep:
     """One model compiled by torch.compile on fake tensors, ready to replay under capture."""
 
-    def __init__(self, model: nn.Module, backend: _Backend, call: Callable[..., Any], codes: dict[int, int],
+    def __init__(self, model: nn.Module, backend: _Backend, call: types.FunctionType, codes: dict[int, int],
                  breaks: tuple[str, ...], module_inputs: dict[str, tuple[int, ...]]) -> None:
         self.model, self.backend, self.call = model, backend, call
         self.forwards = 0  # replays of the model's call: one per micro-step of the traced training step
@@ -235,8 +237,8 @@ class CompiledStep:
         self.missed = ""  # the guard that failed first in the replay (dynamo_cache.guard_failure), if any
 
     @staticmethod
-    def trace(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn], target: Target,
-              used: Optional[dict[str, int]] = None, runner: Optional[Callable[..., Any]] = None) -> "CompiledStep":
+    def trace(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], target: Target,
+              used: Optional[dict[str, int]] = None, runner: Optional[Callable[..., object]] = None) -> "CompiledStep":
         """Compile and run one step of ``model`` on a plain fake mode (step 1 above); on the CUDA
         target ``used`` counts the SDPA backends the graphs run. ``runner`` (a trainer's own step, as
         the capture takes it: graphmem/training/hf_trainer.py) runs the step in graphmem's place, so
@@ -284,7 +286,7 @@ class CompiledStep:
                                "torch._dynamo.explain(model)(*inputs)")
         return step
 
-    def replay(self, rec: Any, args: tuple, kwargs: Any) -> Any:
+    def replay(self, rec: _Recorder, args: tuple, kwargs: dict[str, object]) -> object:
         """The forward, run from the compiled code on graphmem's fake tensors (step 2 above);
         the capture has put its fake parameters into the module."""
         self.backend.recorder, self.backend.replaying = rec, True
@@ -321,20 +323,21 @@ class CompiledStep:
                 reset_code(code)
 
 
-def compiled_context(target: Target, clearing: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], Any]:
+def compiled_context(target: Target, clearing: Callable[[], ContextManager[object]] = contextlib.nullcontext,
+                     ) -> Callable[[], ContextManager[object]]:
     """What wraps forward and loss in compiled mode: the CPU target's (autocast, SDPA backend
     choice; dynamo guards on them), or on the CUDA target the CUDA rules around the eager code,
     lifted off around the compiled call, whose graphs carry them (graphmem/capture/compiled_cuda.py)."""
     return forward_context(target, {}) if target.device == "cpu" else cuda_context(target, clearing)
 
 
-def _module_inputs(model: nn.Module, mode: FakeTensorMode, inputs: Any, target: Target) -> dict[str, tuple[int, ...]]:
+def _module_inputs(model: nn.Module, mode: FakeTensorMode, inputs: Inputs, target: Target) -> dict[str, tuple[int, ...]]:
     """First input shape of each module, from an eager forward without grad (graph code runs no
     module hooks; the shapes are the same either way)."""
     paths = {id(m): name for name, m in model.named_modules()}
     shapes: dict[str, tuple[int, ...]] = {}
 
-    def pre(module: nn.Module, args: Any) -> None:
+    def pre(module: nn.Module, args: tuple) -> None:
         path = paths.get(id(module))
         if path is not None and path not in shapes:
             first = next(iter(_tensors(args)), None)

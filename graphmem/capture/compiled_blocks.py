@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 from unittest import mock
 
 import torch
+import torch.fx as fx
+import torch.nn as nn
 
 from graphmem.capture.compiled import _Backend
 from graphmem.capture.compiled_cuda import graphs_unruled
@@ -27,20 +29,20 @@ class _JobBackend(_Backend):
     ``tagged_backward``: a backward graph's nodes are prefixed too, by the module its autograd node was
     tagged with in forward (the block whose forward graph it pairs with; graphmem/capture/autograd_tags.py)."""
 
-    graph_pass: Any = None
+    graph_pass: Optional[Callable[[fx.GraphModule], object]] = None
     tagged_backward = False
 
-    def _compiler(self, kind: str) -> Any:
+    def _compiler(self, kind: str) -> Callable[[fx.GraphModule, list], Callable[[list], object]]:
         inner = super()._compiler(kind)
 
-        def compile(gm: Any, example_inputs: list) -> Any:
+        def compile(gm: fx.GraphModule, example_inputs: list) -> Callable[[list], object]:
             if self.graph_pass is not None:
                 self.graph_pass(gm)
             run = inner(gm, example_inputs)
             cg = self.graphs[-1]
             relative = dict(cg.modules)  # node -> path inside the block ("": the block itself)
 
-            def prefixed(args: list) -> Any:
+            def prefixed(args: list) -> object:
                 block = self.recorder.stack[-1] if kind == "forward" else _tagged() if self.tagged_backward else None
                 # None in backward: the recorder's own attribution (recorder.py ``module_now``)
                 cg.modules = {n: (f"{block}.{p}" if block and p else p or block)  # type: ignore[misc]
@@ -51,7 +53,7 @@ class _JobBackend(_Backend):
         return compile
 
 
-def _tagged() -> Any:
+def _tagged() -> Optional[str]:
     """The module the running autograd node was tagged with in forward (None: untagged)."""
     from graphmem.capture.autograd_tags import _TAG, node_metadata
 
@@ -59,17 +61,17 @@ def _tagged() -> Any:
     return node_metadata(node).get(_TAG) if node is not None else None
 
 
-def hooks_standing_aside(hook: Any) -> Any:
+def hooks_standing_aside(hook: Callable[..., object]) -> Callable[..., object]:
     """A global module hook that does nothing while dynamo traces it (inside a compiled block the
     hooks of its submodules are traced, never run; the graph's nodes name their modules)."""
-    def call(*args: Any) -> Any:
+    def call(*args: object) -> object:
         if torch.compiler.is_compiling():
             return None
         return hook(*args)
     return call
 
 
-def attributed(root: Any, backend: "_Backend | None", cap: _Recorder, target: Target) -> None:
+def attributed(root: nn.Module, backend: "_Backend | None", cap: _Recorder, target: Target) -> None:
     """Each compiled block of ``root`` runs between graphmem's module hooks (its own hooks are
     inside its compiled call, traced, never run), on the CUDA target with the eager CUDA rules
     lifted (its graphs carry them: graphmem/capture/compiled_cuda.py), and the backend learns
@@ -82,8 +84,8 @@ def attributed(root: Any, backend: "_Backend | None", cap: _Recorder, target: Ta
         m._compiled_call_impl = _between_hooks(m, m._compiled_call_impl, cap, target.device == "cuda")
 
 
-def _between_hooks(module: Any, call: Any, cap: _Recorder, cuda: bool) -> Any:
-    def run(*args: Any, **kwargs: Any) -> Any:
+def _between_hooks(module: nn.Module, call: Any, cap: _Recorder, cuda: bool) -> Callable[..., object]:
+    def run(*args: object, **kwargs: object) -> object:
         cap.pre_hook(module, args)
         out = None
         try:
@@ -105,7 +107,7 @@ def compiles_unrecorded(cap: _Recorder, collect: bool = False) -> Iterator[None]
 
     kept_compile = convert_frame._compile
 
-    def compile_unrecorded(*args: Any, **kwargs: Any) -> Any:
+    def compile_unrecorded(*args: Any, **kwargs: Any) -> object:  # dynamo's own arguments, forwarded
         with cap.paused():
             try:
                 return kept_compile(*args, **kwargs)

@@ -24,13 +24,17 @@ the CUDA rules (real torch would cast it under autocast).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.target import Target
+
+if TYPE_CHECKING:
+    from torch._dynamo.output_graph import OutputGraph
 
 
 def cuda_graph(gm: fx.GraphModule, target: Target, used: dict[str, int]) -> None:
@@ -51,10 +55,10 @@ def cuda_graph(gm: fx.GraphModule, target: Target, used: dict[str, int]) -> None
     gm.recompile()
 
 
-def _ruled(rules: CudaRules, fn: Callable[..., Any], used: dict[str, int]) -> Callable[..., Any]:
+def _ruled(rules: CudaRules, fn: Callable[..., object], used: dict[str, int]) -> Callable[..., object]:
     last: dict[str, int] = {}  # the SDPA backends this node's previous run counted into ``used``
 
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(*args: object, **kwargs: object) -> object:
         rules.backends = {}
         with rules:
             out = fn(*args, **kwargs)
@@ -69,9 +73,9 @@ def _ruled(rules: CudaRules, fn: Callable[..., Any], used: dict[str, int]) -> Ca
     return run
 
 
-def _method(name: str) -> Callable[..., Any]:
+def _method(name: str) -> Callable[..., object]:
     """A ``call_method`` node's call as a function (what fx.Interpreter does for the node)."""
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def call(self: object, *args: object, **kwargs: object) -> object:
         return getattr(self, name)(*args, **kwargs)
     call.__name__ = name
     return call
@@ -91,7 +95,7 @@ def example_values_ruled(target: Target) -> Iterator[None]:
         return
     run_node, rules = utils.run_node, CudaRules(target, owns_state=False)
 
-    def ruled(tracer: Any, node: fx.Node, args: Any, kwargs: Any, nnmodule: Any) -> Any:
+    def ruled(tracer: OutputGraph, node: fx.Node, args: tuple, kwargs: dict, nnmodule: Optional[nn.Module]) -> object:
         if node.op not in ("call_function", "call_method"):
             return run_node(tracer, node, args, kwargs, nnmodule)
         with rules:
@@ -120,7 +124,8 @@ def graphs_unruled() -> Iterator[None]:
             torch._C._push_on_torch_function_stack(mode)
 
 
-def compiled_context(target: Target, clearing: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], Any]:
+def compiled_context(target: Target, clearing: Callable[[], ContextManager[object]] = contextlib.nullcontext,
+                     ) -> Callable[[], ContextManager[object]]:
     """What wraps forward and loss on the CUDA target in compiled mode: ``CudaRules`` for the eager
     code (the loss; ``clearing`` wraps its cast cache's emptying), lifted around the compiled
     call (``graphs_unruled``)."""

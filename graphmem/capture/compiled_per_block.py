@@ -37,7 +37,7 @@ in torch and here alike.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -62,7 +62,7 @@ def chain_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def blocks_compiled(model: nn.Module, loss_fn: Optional[LossFn], backend: Any = "aot_eager"
+def blocks_compiled(model: nn.Module, loss_fn: Optional[LossFn], backend: str | Callable[..., object] = "aot_eager"
                     ) -> Iterator[Optional[LossFn]]:
     """Each block of ``model``'s chain compiled with ``backend`` (``module.compile``, as torchtune does), and
     ``loss_fn`` (None: the model's own loss, run in its forward) compiled too; yields the loss to call.

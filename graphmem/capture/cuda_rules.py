@@ -29,7 +29,7 @@ import contextlib
 import math
 import sys
 from types import FunctionType
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,7 @@ PYTHON_MODULES = ("torch.nn.functional", "torch.functional")  # the torch functi
 CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")  # torch/overrides.py
 
 
-def _unchecked(*_: Any) -> bool:
+def _unchecked(*_: object) -> bool:
     return False
 
 
@@ -63,7 +63,7 @@ def _plain(t: type) -> bool:
         getattr(tf, "__func__", None) is torch.Tensor.__torch_function__.__func__  # type: ignore[attr-defined]
 
 
-def python_body(func: Callable, types: Any) -> Optional[Callable]:
+def python_body(func: Callable, types: Iterable[type]) -> Optional[Callable]:
     """``func`` past its own torch-function check, when it is a torch function written in Python that
     hands itself to the mode (``if has_torch_function(...): return handle_torch_function(...)``) and
     no argument overrides ``__torch_function__``: a copy of the function whose globals read the
@@ -168,7 +168,7 @@ _INIT = torch.amp.autocast_mode.autocast.__init__
 _OWNERS = [0]  # CudaRules contexts holding the CUDA autocast state, entered now
 
 
-def _translated_init(self: Any, device_type: str, dtype: Optional[torch.dtype] = None, enabled: bool = True,
+def _translated_init(self: torch.amp.autocast_mode.autocast, device_type: str, dtype: Optional[torch.dtype] = None, enabled: bool = True,
                      cache_enabled: Optional[bool] = None) -> None:
     """``torch.autocast.__init__`` while the CUDA target runs: a region for the fake tensors' device
     type is the CUDA region it stands for (models pass ``x.device.type``: "cuda" on the GPU); without
@@ -185,7 +185,7 @@ def _as_cuda(args: tuple) -> tuple:
     return tuple("cuda" if a == "cpu" else a for a in args)
 
 
-def _state_query(query: Callable[..., Any]) -> Callable[..., Any]:
+def _state_query(query: Callable[..., object]) -> Callable[..., Any]:  # (put in place of torch's own functions)
     """``torch.is_autocast_enabled`` / ``torch.get_autocast_dtype`` as the model sees them on the
     CUDA target: a question about the fake tensors' device type gets CUDA's answer, as the GPU run
     answers one about ``x.device.type`` (transformers' ``maybe_autocast(device_type,
@@ -193,11 +193,11 @@ def _state_query(query: Callable[..., Any]) -> Callable[..., Any]:
     transformers/utils/generic.py). torch's own callers (dynamo saving and restoring the global
     state, torch.utils.checkpoint, AOTAutograd) get the real state; dynamo, tracing the model's
     call, traces the translated one (``torch._dynamo.substitute_in_graph``, registered on first use)."""
-    def ask(*args: Any) -> Any:
+    def ask(*args: object) -> object:
         caller = sys._getframe(1).f_globals.get("__name__", "")
         return query(*(args if caller.split(".")[0] == "torch" else _as_cuda(args)))
 
-    def traced(*args: Any) -> Any:
+    def traced(*args: object) -> object:
         return query(*_as_cuda(args))
     ask.__name__ = traced.__name__ = query.__name__
     ask.traced = traced  # type: ignore[attr-defined]
@@ -251,7 +251,7 @@ class CudaRules(TorchFunctionMode):
     """Installs the rules above for one step (see the module docstring)."""
 
     def __init__(self, target: Target, backends: Optional[dict[str, int]] = None,
-                 clearing: Callable[[], ContextManager[Any]] = contextlib.nullcontext, owns_state: bool = True) -> None:
+                 clearing: Callable[[], ContextManager[object]] = contextlib.nullcontext, owns_state: bool = True) -> None:
         super().__init__()
         # entering sets CUDA's autocast state to ``amp`` (restored on exit) and translates the model's
         # regions; compiled mode's per-node contexts (graphmem/capture/compiled_cuda.py) only read it
@@ -263,7 +263,7 @@ class CudaRules(TorchFunctionMode):
         self.casts: dict[int, torch.Tensor] = {}  # id(parameter) -> its cached low-precision copy
         self.backends: dict[str, int] = {} if backends is None else backends  # SDPA backend -> calls
 
-    def _cast(self, x: Any, dtype: torch.dtype) -> Any:
+    def _cast(self, x: object, dtype: torch.dtype) -> object:
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype and x.dtype != torch.float64):
             return x
         if x.is_leaf and x.requires_grad:  # a parameter: one cached copy per forward
@@ -273,7 +273,7 @@ class CudaRules(TorchFunctionMode):
         return x.to(dtype)
 
     def _cast_all(self, args: tuple, kwargs: dict, dtype: torch.dtype, only_lower: bool = False) -> tuple[tuple, dict]:
-        def one(a: Any) -> Any:
+        def one(a: object) -> object:
             if isinstance(a, (list, tuple)):
                 return type(a)(one(x) for x in a)
             if only_lower and isinstance(a, torch.Tensor) and a.dtype not in (torch.float16, torch.bfloat16):
@@ -295,7 +295,7 @@ class CudaRules(TorchFunctionMode):
         with self.clearing():
             self.casts.clear()
 
-    def __exit__(self, *exc: Any) -> Any:
+    def __exit__(self, *exc: object) -> Optional[bool]:
         self.clear_casts()  # autocast empties its cast cache when its outermost context exits
         out = super().__exit__(*exc)
         if self.owns_state:
@@ -322,7 +322,8 @@ class CudaRules(TorchFunctionMode):
                 return self._cast_all(args, kwargs, torch.float32, only_lower=True)
         return args, kwargs
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(self, func: Callable, types: Sequence[type], args: tuple = (), kwargs: Optional[dict] = None,
+                           ) -> object:
         args, kwargs = self.autocast(func, args, kwargs or {})
         if func is F.scaled_dot_product_attention:
             return sdpa(self.target, self.backends, *args, **kwargs)
@@ -335,7 +336,7 @@ class CudaRules(TorchFunctionMode):
         return func(*args, **kwargs)
 
     @staticmethod
-    def _dropout(func: Callable, args: tuple, kwargs: dict) -> Any:
+    def _dropout(func: Callable, args: tuple, kwargs: dict) -> object:
         names = ("input", "p", "training", "inplace") if func is not torch.dropout else ("input", "p", "train")
         bound = dict(zip(names, args), **kwargs)
         x, p = bound["input"], float(bound.get("p", 0.5))

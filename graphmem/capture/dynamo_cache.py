@@ -2,10 +2,10 @@
 clears them after, so the user's own torch.compile cache is left as it was)."""
 from __future__ import annotations
 
-from typing import Any
+import types
 
 
-def compiled_codes() -> list[Any]:
+def compiled_codes() -> list[types.CodeType]:
     """The code objects dynamo has seen (converted frames, input and output)."""
     from torch._dynamo import convert_frame
 
@@ -18,7 +18,7 @@ def compiled_codes() -> list[Any]:
     return out
 
 
-def cache_entries(code: Any) -> int:
+def cache_entries(code: types.CodeType) -> int:
     """How many compiled entries dynamo caches for ``code``."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
@@ -29,7 +29,7 @@ def cache_sizes() -> dict[int, int]:
     return {id(code): cache_entries(code) for code in compiled_codes()}
 
 
-def guard_failure(code: Any, f_locals: dict[str, Any]) -> str:
+def guard_failure(code: types.CodeType, f_locals: dict[str, object]) -> str:
     """Why no cached entry of ``code`` runs for a frame with ``f_locals``: the first guard that fails
     in the newest entry (dynamo's own text: the guard and the source line it came from), or "" when
     one entry's guards pass or ``code`` has none. ``torch._dynamo.run`` runs a frame whose guards

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Callable, ContextManager, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -22,6 +22,9 @@ from graphmem.capture.values import Values
 from graphmem.errors import CaptureError, DataDependentError, GraphmemError, UnsupportedOpError
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.qlora import fake_quant_state, quant_state_of
+
+if TYPE_CHECKING:
+    from bitsandbytes.functional import QuantState
 
 Inputs = Union[tuple, dict, Batch, Callable[[], Any]]
 
@@ -53,7 +56,7 @@ def fake_state(model: nn.Module, device: torch.device, dtype: Optional[torch.dty
     return state, seen
 
 
-def _attach_quant_state(fake: torch.Tensor, qs: Any, name: str, device: torch.device, seen: dict[int, torch.Tensor],
+def _attach_quant_state(fake: torch.Tensor, qs: QuantState, name: str, device: torch.device, seen: dict[int, torch.Tensor],
                         on_new: Callable[[torch.Tensor, str, str], None]) -> None:
     """A bitsandbytes 4-bit weight (graphmem/training/qlora.py): its fake carries a QuantState of
     fake tensors in their own dtypes (fp32 and uint8 block scales), each reported as a buffer, so
@@ -89,14 +92,15 @@ def fake_batch(inputs: "Inputs", fake_mode: FakeTensorMode, device: torch.device
 
 
 def forward_context(target: Target, used: dict[str, int],
-                    clearing: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> Callable[[], Any]:
+                    clearing: Callable[[], ContextManager[object]] = contextlib.nullcontext,
+                    ) -> Callable[[], ContextManager[object]]:
     """What wraps forward and loss for the target: CPU autocast / SDPA backend, or CUDA rules
     (``clearing`` wraps their cast cache's emptying)."""
     if target.device == "cuda":
         rules = CudaRules(target, used, clearing)  # it counts the SDPA backends it picks into ``used``
         return lambda: rules
 
-    def cpu() -> Any:
+    def cpu() -> contextlib.ExitStack:
         from contextlib import ExitStack
 
         from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -22,7 +22,7 @@ class NotBlockByBlock(Exception):
     """The glue does not repeat block by block."""
 
 
-def _owner(op: OpNode, owner_of: Callable[[Any], Optional[int]]) -> Optional[int]:
+def _owner(op: OpNode, owner_of: Callable[[OpNode], Optional[int]]) -> Optional[int]:
     """The one block all of a zero-byte, module-less op's tensor arguments come from (None: none)."""
     if op.meta.get("module") or op.meta.get("bytes") or op.meta.get("scratch"):
         return None
@@ -31,7 +31,7 @@ def _owner(op: OpNode, owner_of: Callable[[Any], Optional[int]]) -> Optional[int
     return owners[0] if owners and owners[0] is not None and all(o == owners[0] for o in owners) else None
 
 
-def _ref(a: Any) -> Optional[OpNode]:
+def _ref(a: object) -> Optional[OpNode]:
     node = a[0] if isinstance(a, tuple) and len(a) == 2 else a
     return node if isinstance(node, OpNode) else None
 

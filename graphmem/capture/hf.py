@@ -31,9 +31,10 @@ import contextlib
 import json
 import os
 import socket
+import types
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -41,6 +42,9 @@ import torch.nn as nn
 from graphmem.capture.hf_batch import PADDINGS, batch  # noqa: F401  (hf.batch: the batch for an input shape)
 from graphmem.capture.target import DTYPES, Target
 from graphmem.errors import ModelLoadError, UsageError, one_line
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 EXTRA = "pip install 'graphmem[hf]'"
 AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
@@ -90,7 +94,7 @@ def quiet() -> Iterator[None]:
         transformers.logging.set_verbosity(level)
 
 
-def transformers_module() -> Any:
+def transformers_module() -> types.ModuleType:
     try:
         import transformers
     except ImportError:
@@ -154,7 +158,7 @@ def config_dict(spec: str, trust_remote_code: bool, bundled: Optional[dict] = No
                              "or pass `config=PATH`") from e
 
 
-def make_config(raw: dict, trust_remote_code: bool, name: str) -> Any:
+def make_config(raw: dict, trust_remote_code: bool, name: str) -> PretrainedConfig:
     """The PretrainedConfig for ``raw``; ``auto_map`` (repository code) only when trusted."""
     transformers = transformers_module()
     if raw.get("auto_map") and not trust_remote_code:
@@ -176,7 +180,7 @@ def make_config(raw: dict, trust_remote_code: bool, name: str) -> Any:
         raise ModelLoadError(f"{name}: not a valid {model_type} config ({one_line(e)}); fix the config.json") from e
 
 
-def model_class(config: Any, trust_remote_code: bool) -> Any:
+def model_class(config: PretrainedConfig, trust_remote_code: bool) -> Any:  # a model class or an Auto class
     transformers = transformers_module()
     for arch in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, arch, None)
@@ -192,7 +196,7 @@ def model_class(config: Any, trust_remote_code: bool) -> Any:
                          f"{getattr(config, 'architectures', None)}); build the model yourself and call graphmem.analyze(model, batch)")
 
 
-def param_dtype(config: Any, target: Target) -> torch.dtype:
+def param_dtype(config: PretrainedConfig, target: Target) -> torch.dtype:
     """--dtype, else fp32 under --amp (autocast casts fp32 weights), else the config's dtype."""
     if target.dtype is not None:
         return DTYPES[target.dtype]
@@ -204,7 +208,7 @@ def param_dtype(config: Any, target: Target) -> torch.dtype:
     return dtype if dtype in TORCH_DTYPES else torch.float32
 
 
-def attn_implementation(target: Target, cls: Any) -> str:
+def attn_implementation(target: Target, cls: type) -> str:
     """``eager`` when asked for, or when the class has no SDPA path (Gemma 2's soft-capping):
     transformers itself refuses ``sdpa`` there; else ``sdpa``."""
     if target.attention == "eager" or not getattr(cls, "_supports_sdpa", True):
@@ -212,7 +216,7 @@ def attn_implementation(target: Target, cls: Any) -> str:
     return "sdpa"
 
 
-def _concrete(cls: Any, config: Any) -> Any:
+def _concrete(cls: type, config: PretrainedConfig) -> type:
     mapping = getattr(cls, "_model_mapping", None)
     try:
         return mapping[type(config)] if mapping is not None else cls
@@ -220,13 +224,13 @@ def _concrete(cls: Any, config: Any) -> Any:
         return cls
 
 
-def build(config: Any, target: Target, trust_remote_code: bool, device: str = "meta") -> nn.Module:
+def build(config: PretrainedConfig, target: Target, trust_remote_code: bool, device: str = "meta") -> nn.Module:
     """The model on ``device`` as ``from_pretrained`` builds it (``use_cache`` as the config
     says: HFOptions.use_cache overrides it in the batch; graphmem's checkpoint plans pass no
     cache to a checkpointed block, graphmem/planning/apply.py)."""
     cls = model_class(config, trust_remote_code)
     dtype = param_dtype(config, target)
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation(target, _concrete(cls, config))}
+    kwargs: dict[str, object] = {"dtype": dtype, "attn_implementation": attn_implementation(target, _concrete(cls, config))}
     if trust_remote_code:
         kwargs["trust_remote_code"] = True
     try:

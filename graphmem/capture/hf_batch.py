@@ -27,12 +27,15 @@ takes the path the real step takes.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 import torch.nn as nn
 
 from graphmem.errors import UsageError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 PADDINGS = ("none", "first-token")
 
@@ -85,7 +88,7 @@ def settings(model: nn.Module, padding: str = "none", use_cache: Optional[bool] 
 
 
 def _text(model: nn.Module, shape: tuple[int, ...], decoder_length: Optional[int], padding: str,
-          params: Any) -> dict[str, Any]:
+          params: Mapping[str, inspect.Parameter]) -> dict[str, torch.Tensor | bool]:
     config: Any = model.config
     kind = type(model).__name__
     if len(shape) != 2:
@@ -108,7 +111,8 @@ def _text(model: nn.Module, shape: tuple[int, ...], decoder_length: Optional[int
     return out
 
 
-def _vision(config: Any, shape: tuple[int, ...], kind: str, params: Any) -> dict[str, Any]:
+def _vision(config: PretrainedConfig, shape: tuple[int, ...], kind: str, params: Mapping[str, inspect.Parameter],
+            ) -> dict[str, torch.Tensor | bool]:
     vision = getattr(config, "vision_config", None) or config
     b = shape[0]
     if len(shape) == 1:
@@ -117,16 +121,16 @@ def _vision(config: Any, shape: tuple[int, ...], kind: str, params: Any) -> dict
         shape = (b, int(getattr(vision, "num_channels", 3)), h, w)
     if len(shape) != 4:
         raise UsageError(f"{kind} takes images: give `input_shape=BATCH` or BATCHxCxHxW, e.g. 32x3x224x224")
-    out: dict[str, Any] = {"pixel_values": torch.randn(shape)}
+    out: dict[str, torch.Tensor | bool] = {"pixel_values": torch.randn(shape)}
     if "labels" in params:
         out["labels"] = torch.randint(0, max(int(getattr(config, "num_labels", 2)), 1), (b,))
     return out
 
 
-def _speech(config: Any, shape: tuple[int, ...], decoder_length: Optional[int], main: str, kind: str,
-            params: Any) -> dict[str, Any]:
+def _speech(config: PretrainedConfig, shape: tuple[int, ...], decoder_length: Optional[int], main: str, kind: str,
+            params: Mapping[str, inspect.Parameter]) -> dict[str, torch.Tensor | bool]:
     b = shape[0]
-    out: dict[str, Any] = {}
+    out: dict[str, torch.Tensor | bool] = {}
     if main == "input_features":
         frames = shape[1] if len(shape) == 2 else 2 * int(getattr(config, "max_source_positions", 1500))
         out[main] = torch.randn(b, int(getattr(config, "num_mel_bins", 80)), frames)

@@ -24,6 +24,7 @@ import contextlib
 import sys
 from typing import Any, Iterator, Optional
 
+import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from graphmem.capture.values import Values, knowing
@@ -41,7 +42,7 @@ def real_paths(values: Optional[Values] = None) -> Iterator[None]:
     masking: Any = sys.modules.get("transformers.masking_utils")
     original: Any = getattr(masking, "find_packed_sequence_indices", None) if masking is not None else None
 
-    def find_packed_sequence_indices(position_ids: Any) -> Any:
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
         if isinstance(position_ids, FakeTensor) and known.of(position_ids) is None:
             return None  # one sequence per row, as the real run finds for transformers' own position ids
         return original(position_ids)

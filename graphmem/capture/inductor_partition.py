@@ -34,7 +34,7 @@ Compiler = Callable[[fx.GraphModule, list], Callable[..., Any]]
 
 
 def inductor_partition(gm: fx.GraphModule, example_inputs: list, fw_compiler: Compiler,
-                       bw_compiler: Compiler) -> Callable[..., Any]:
+                       bw_compiler: Compiler) -> Callable[..., object]:
     """AOTAutograd as ``_compile_fx_main`` calls it (module docstring), with ``fw_compiler`` and
     ``bw_compiler`` given the split graphs."""
     from torch._dynamo.backends.common import aot_autograd

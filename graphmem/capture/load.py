@@ -13,7 +13,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,11 @@ from graphmem.errors import ModelLoadError, UsageError
 from graphmem.models import PRESETS, config_of, family_of, preset_names
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.step import LossFn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from graphmem.capture.fakes import Inputs
 
 _SHAPE = re.compile(r"^\d+(x\d+)*$")
 
@@ -49,9 +54,9 @@ class Loaded:
 
     name: str
     module: nn.Module
-    example_inputs: Optional[Callable[[tuple[int, ...]], Any]]  # a tuple, dict or (args, kwargs)
+    example_inputs: Optional[Callable[[tuple[int, ...]], Inputs]]  # a tuple, dict or (args, kwargs)
     loss: Optional[LossFn]
-    config: Any = None
+    config: Optional[PretrainedConfig] = None  # a Hugging Face model's
     dtype: Optional[str] = None  # the parameter dtype it was built in, when chosen by its config (HF)
     batch_settings: dict[str, str] = field(default_factory=dict)  # what example_inputs chose (hf_batch.settings)
 
@@ -145,7 +150,7 @@ def load_hf(spec: str, device: str, target: Target, options: HFOptions) -> Loade
                   dtype_name(module), hf_settings(module, options.padding, options.use_cache))
 
 
-def from_exported(ep: Any, name: str = "ExportedProgram") -> Loaded:
+def from_exported(ep: torch.export.ExportedProgram, name: str = "ExportedProgram") -> Loaded:
     """A torch.export.ExportedProgram: its unlifted module, analyzed like any module; inputs for
     another shape keep the exported example inputs' dtypes."""
     example = getattr(ep, "example_inputs", None)

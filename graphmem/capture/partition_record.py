@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+if TYPE_CHECKING:
+    import torch.fx as fx
+    from torch._functorch.partitioners import NodeInfo
+    from torch.utils._ordered_set import OrderedSet
 
 
 @dataclass(frozen=True)
@@ -34,18 +39,18 @@ def recording(out: list[Partition]) -> Iterator[None]:
     choose, solve, optimize = parts.choose_saved_values_set, parts.solve_min_cut, parts._optimize_runtime_with_given_memory
     open_: list[tuple[list[int], list[bool]]] = []
 
-    def solve_min_cut(*args: Any, **kwargs: Any) -> Any:
+    def solve_min_cut(*args: Any, **kwargs: Any) -> tuple[list[fx.Node], OrderedSet[fx.Node]]:  # its own arguments
         saved, banned = solve(*args, **kwargs)
         if open_:
             open_[-1][0].append(sum(map(parts._size_of, saved)))
         return saved, banned
 
-    def knapsack(*args: Any, **kwargs: Any) -> Any:
+    def knapsack(*args: Any, **kwargs: Any) -> tuple[float, list[int], list[int]]:  # its own arguments
         if open_:
             open_[-1][1].append(True)
         return optimize(*args, **kwargs)
 
-    def choose_saved_values_set(joint_graph: Any, node_info: Any, memory_budget: float = 1) -> Any:
+    def choose_saved_values_set(joint_graph: fx.Graph, node_info: NodeInfo, memory_budget: float = 1) -> list[fx.Node]:
         open_.append(([sum(map(parts._size_of, node_info.inputs))], []))
         try:
             return choose(joint_graph, node_info, memory_budget)

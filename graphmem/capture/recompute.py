@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
 _STATE = threading.local()
 
 
 @contextlib.contextmanager
-def segment_scope(scope: Callable[[], ContextManager[Any]]) -> Iterator[None]:
+def segment_scope(scope: Callable[[], ContextManager[object]]) -> Iterator[None]:
     """While active, every checkpointed segment's run (forward and recompute) is wrapped in
     ``scope()``: graphmem's capture uses it to give a recompute the context torch gives it."""
     was = getattr(_STATE, "scope", None)
@@ -22,6 +22,6 @@ def segment_scope(scope: Callable[[], ContextManager[Any]]) -> Iterator[None]:
         _STATE.scope = was
 
 
-def recompute_scope() -> Optional[Callable[[], ContextManager[Any]]]:
+def recompute_scope() -> Optional[Callable[[], ContextManager[object]]]:
     """The scope a segment's run enters now, if a capture set one."""
     return getattr(_STATE, "scope", None)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch._ops import HigherOrderOperator
+from torch._ops import HigherOrderOperator, OpOverload
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from graphmem.capture.autograd_tags import (
@@ -76,7 +76,7 @@ class _Mode(FakeTensorMode):
         # count or a loss that only scales arithmetic and logs: graphmem/titan/capture.py); in the
         # fake mode itself, not a mode above it, so dynamo still compiles inside (it skips frames
         # under a non-infra dispatch mode)
-        self.scalar_answer: Optional[Callable[[torch.Tensor], Any]] = None
+        self.scalar_answer: Optional[Callable[[torch.Tensor], object]] = None
 
     def __deepcopy__(self, memo: dict) -> "_Mode":
         """One mode per capture: ``copy.deepcopy`` of a module holding fake tensors (torch's
@@ -85,7 +85,7 @@ class _Mode(FakeTensorMode):
         must stay in this mode, as FakeCopyMode keeps them (torch/_subclasses/fake_tensor.py)."""
         return self
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: OpOverload | HigherOrderOperator, types: Sequence[type], args: Any = (), kwargs: Any = None) -> object:
         if func is _LOCAL_SCALAR and self.scalar_answer is not None:
             return self.scalar_answer(args[0])
         answer = self.values.read(func, args, kwargs)
@@ -97,7 +97,7 @@ class _Mode(FakeTensorMode):
         self.values.propagate(func, args, kwargs, out)
         return out
 
-    def _dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def _dispatch(self, func: OpOverload | HigherOrderOperator, types: Sequence[type], args: tuple = (), kwargs: Any = None) -> object:
         rec = self.rec
         if rec.real_bookkeeping and all_real(args, kwargs):  # while wrappers are set up: ops on real tensors (a
             with unset_fake_temporarily():  # DeviceMesh's rank layout when FSDP composes with TP) run for real
@@ -147,8 +147,8 @@ class _Recorder:
         self.phase = "forward"
         self.phase_start: dict[str, int] = {}
         self.closed = False
-        self.recompute_rules: Optional[Callable[[], Any]] = None  # CUDA target: rules for recomputes
-        self.recompute_ctx: Any = None
+        self.recompute_rules: Optional[Callable[[], ContextManager[object]]] = None  # CUDA target: rules for recomputes
+        self.recompute_ctx: Optional[ContextManager[object]] = None
         self.scoped = False  # recompute_ctx spans a whole checkpointed segment
         self.micro_steps: list[tuple[int, int]] = []  # (forward start, backward start) per micro-step
         self.first_step_only: Optional[tuple[int, int]] = None  # ops only the first step runs (StepGraph)
@@ -158,7 +158,7 @@ class _Recorder:
         self.device = "cpu"  # the target device: which kernel and scratch rules hold (graphmem/oprules/)
         self.gpu = "h100"  # the CUDA target's GPU (Target.gpu), for the scratch rules that depend on it
         self.real_bookkeeping = False  # (graphmem/distributed/capture.py, while fully_shard / parallelize_module set up)
-        self.on_op: Optional[Callable[[Any, tuple, dict, Any], None]] = None  # told of each recorded op (func, args, kwargs, out)
+        self.on_op: Optional[Callable[[OpOverload, tuple, dict, object], None]] = None  # told of each recorded op (func, args, kwargs, out)
         self.stream: Callable[[], str] = lambda: "default"  # the current stream's name (FSDP2's: distributed/fsdp.py)
         self.wrapped_numbers = WrappedNumbers(self)  # Python numbers taken as tensors (graphmem/capture/wrapped_numbers.py)
 
@@ -225,7 +225,7 @@ class _Recorder:
         setattr(t, _NODE, node)
 
     # -- ops ----------------------------------------------------------------------
-    def _arg(self, a: Any) -> Any:
+    def _arg(self, a: object) -> object:
         if isinstance(a, torch.Tensor):
             node = getattr(a, _NODE, None)
             if node is None:  # a tensor made outside the recorded step (e.g. a constant)
@@ -244,7 +244,7 @@ class _Recorder:
             return node_metadata(fn).get(_TAG, "") if fn is not None else ""
         return self.stack[-1]
 
-    def record(self, call: Callable[[Any, tuple, dict], Any], func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
+    def record(self, call: Callable[[OpOverload, tuple, dict], Any], func: OpOverload, args: tuple, kwargs: Optional[dict]) -> object:
         kwargs, phase = kwargs or {}, engine_phase(self.phase)
         if func is _ADD and phase == "backward" and not kwargs and self._accumulates_inplace(args):
             func = torch.ops.aten.add_.Tensor  # what eager does for real tensors (see below)
@@ -364,7 +364,7 @@ class _Recorder:
             self.recompute_ctx, self.scoped = None, False
             ctx.__exit__(None, None, None)
 
-    def pre_hook(self, module: nn.Module, args: Any) -> None:
+    def pre_hook(self, module: nn.Module, args: tuple) -> None:
         if self.phase == "backward" and len(self.stack) == 1 and self.recompute_rules is not None \
                 and self.recompute_ctx is None:
             # a checkpoint's recompute: on the CUDA target the device's rules (dropout kernel,
@@ -379,7 +379,7 @@ class _Recorder:
             self.module_inputs[path] = tuple(first.shape) if first is not None else ()
         self.seq_start.append(torch._C._autograd._get_sequence_nr())
 
-    def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def post_hook(self, module: nn.Module, args: tuple, output: object) -> None:
         path = self.stack.pop()
         start = self.seq_start.pop()
         if len(self.stack) == 1 and self.recompute_ctx is not None and not self.scoped:

@@ -22,26 +22,33 @@ block, with the default) then see SAC's cache as the default will have them see 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional, TypedDict
 
 import torch
 
 _ATTRIBUTE = "respect_saved_tensors_hooks"  # set by torch.utils.checkpoint.checkpoint on its caching mode
 _GIVEN = "_graphmem_respect_given"
-_STATE: dict[str, Any] = {"recording": None, "through": 0}
+
+
+class _State(TypedDict):
+    recording: Optional[type]  # the recorder's fake mode type
+    through: int  # ``through_hooks`` contexts open
+
+
+_STATE: _State = {"recording": None, "through": 0}
 
 
 class _Respect:
     """The caching mode's ``respect_saved_tensors_hooks``: as given, its default None read as True
     while saves are counted."""
 
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
+    def __get__(self, obj: Optional[object], owner: Optional[type] = None) -> _Respect | Optional[bool]:
         if obj is None:
             return self
         given: Optional[bool] = obj.__dict__.get(_GIVEN)
         return True if given is None and _counting() else given
 
-    def __set__(self, obj: Any, value: Optional[bool]) -> None:
+    def __set__(self, obj: object, value: Optional[bool]) -> None:
         obj.__dict__[_GIVEN] = value
 
 

@@ -87,7 +87,7 @@ class Recording:
                 h.remove()
 
     @contextlib.contextmanager
-    def running(self, root: str, *around: ContextManager[Any],
+    def running(self, root: str, *around: ContextManager[object],
                 saved: Optional[tuple[Hook, Hook]] = None) -> Iterator[None]:
         """What a recorded step runs under: the fake mode, the recorder's saved_tensors_hooks (or
         ``saved``: (pack, unpack)), the CPU target's RNG states, autocast's cache clears, then the
@@ -108,7 +108,7 @@ class Recording:
             raise translate_error(e, cap, root) from e
 
     def graph(self, root: str, modules: list[str], gradients: list[int], kind: type[StepGraph] = StepGraph,
-              phase_start: Optional[dict[str, int]] = None, **fields: Any) -> StepGraph:
+              phase_start: Optional[dict[str, int]] = None, **fields: Any) -> StepGraph:  # StepGraph's own fields
         """The StepGraph of the recorded step (``kind``: StepGraph or a subclass): ``root`` the
         model's name, ``modules`` its module paths, ``gradients`` the storage ids of its gradients;
         ``phase_start`` (default: where each phase began, and the end) and the graph's other

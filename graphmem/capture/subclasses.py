@@ -6,7 +6,7 @@ which is which, so the recorder records only what allocates on rank r.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -30,7 +30,7 @@ def all_real(args: tuple, kwargs: Optional[dict]) -> bool:
     return bool(tensors) and not any(isinstance(t, FakeTensor) or is_traceable_wrapper_subclass(t) for t in tensors)
 
 
-def wrapped(types: Any) -> bool:
+def wrapped(types: Iterable[type]) -> bool:
     """An op on a tensor subclass that wraps others (DTensor): the fake mode hands it back to the
     subclass (NotImplemented), whose ``__torch_dispatch__`` runs the op on its inner tensors,
     which come back here and are recorded; the wrapper itself allocates nothing."""

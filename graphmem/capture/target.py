@@ -12,7 +12,7 @@ aten op, so its saved tensors are the kernel's; autocast follows CUDA's cast lis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional, Union
 
 import torch
 
@@ -163,7 +163,7 @@ def check_device(device: str) -> None:
         )
 
 
-def memory_limit(memory: Any, target: Optional[Target], what: str = "memory") -> int:
+def memory_limit(memory: Union[str, int, None], target: Optional[Target], what: str = "memory") -> int:
     """A budget in bytes: ``memory`` as ``parse_bytes`` reads it, or the CUDA target's card
     (``"gpu"``, or None where a budget is required) at its capacity as CUDA reports it (``CAPACITY``)."""
     if memory is None or (isinstance(memory, str) and memory.strip().lower() == CARD):

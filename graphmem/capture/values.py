@@ -33,6 +33,7 @@ import sys
 from typing import Any, Iterator, Optional
 
 import torch
+from torch._ops import HigherOrderOperator, OpOverload
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -91,7 +92,7 @@ class Values:
             return None
         return value
 
-    def read(self, func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
+    def read(self, func: OpOverload | HigherOrderOperator, args: tuple, kwargs: Optional[dict]) -> object:
         """The real answer of a value read on tensors with values, else ``NO_ANSWER``."""
         if func not in _READS:
             return NO_ANSWER
@@ -101,7 +102,7 @@ class Values:
         with unset_fake_temporarily():
             return func(*real[0], **real[1])
 
-    def propagate(self, func: Any, args: tuple, kwargs: Optional[dict], out: Any) -> None:
+    def propagate(self, func: Any, args: tuple, kwargs: Optional[dict], out: object) -> None:  # func: an OpOverload or a HOP
         """Give ``out`` the values ``func`` makes from its inputs' values, when it can."""
         if not hasattr(func, "_schema"):  # a higher-order operator (FlexAttention's): its own ops carry values
             return
@@ -134,7 +135,7 @@ class Values:
             return None
         return tree_map(lambda x: self.of(x) if isinstance(x, torch.Tensor) else x, (tuple(args), dict(kwargs or {})))
 
-    def _drop_written(self, func: Any, args: tuple, kwargs: Optional[dict]) -> None:
+    def _drop_written(self, func: OpOverload, args: tuple, kwargs: Optional[dict]) -> None:
         schema = func._schema
         if not schema.is_mutable:
             return

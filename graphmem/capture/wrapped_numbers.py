@@ -27,16 +27,31 @@ memory never holds it), and a compiled graph's backward keeps no autograd node p
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
+from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.autograd.graph import Node
 
 from graphmem.oprules.scalars import WRAPPED, cast_bytes
-from graphmem.stepgraph import Storage
+from graphmem.stepgraph import OpNode, Storage
 
 
-def _numbers(func: Any, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+class _Recording(Protocol):
+    """What of the recorder (graphmem/capture/recorder.py ``_Recorder``) the wrapped numbers read and add to."""
+
+    device: str
+    node_module: Optional[str]
+    storages: dict[int, Storage]
+    stream: Callable[[], str]
+    phase: str
+    stack: list[str]
+    closed: bool
+    ops: list[OpNode]
+
+
+def _numbers(func: OpOverload, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
     """(argument name, value) of each Python number given where the schema takes a Tensor."""
     schema = getattr(func, "_schema", None)
     if schema is None:
@@ -49,7 +64,7 @@ def _numbers(func: Any, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
     return found
 
 
-def _cast(args: tuple, value: Any) -> int:
+def _cast(args: tuple, value: object) -> int:
     """Bytes of the wrapped number's cast to the op's common dtype: TensorIterator promotes its
     inputs by making copies in the common dtype (aten/src/ATen/TensorIterator.cpp
     ``compute_types``, ``promote_inputs_to_common_dtype_``, which the binary ops that take
@@ -60,7 +75,7 @@ def _cast(args: tuple, value: Any) -> int:
     return cast_bytes(tensor.dtype, value) if tensor is not None else 0
 
 
-def _saved(fn: Any, name: str) -> Optional[torch.Tensor]:
+def _saved(fn: Node, name: str) -> Optional[torch.Tensor]:
     """The wrapped number autograd node ``fn`` holds as argument ``name`` (None if it holds none)."""
     try:
         value = getattr(fn, f"_saved_{name}")
@@ -74,12 +89,12 @@ def _saved(fn: Any, name: str) -> Optional[torch.Tensor]:
 class WrappedNumbers:
     """The recorder's wrapped numbers (the module docstring)."""
 
-    def __init__(self, rec: Any) -> None:
+    def __init__(self, rec: _Recording) -> None:
         self.rec = rec
         # the last op's output, its numbers, and whether it ran in a checkpoint's recompute
-        self.pending: Optional[tuple[Any, list[tuple[str, Storage]], bool]] = None
+        self.pending: Optional[tuple[weakref.ref[torch.Tensor], list[tuple[str, Storage]], bool]] = None
 
-    def seen(self, func: Any, args: tuple, kwargs: dict, out: Any, index: int, module: str) -> None:
+    def seen(self, func: OpOverload, args: tuple, kwargs: dict, out: object, index: int, module: str) -> None:
         """Op ``index`` ran (outermost dispatch): its wrapped numbers, live for the op."""
         self.resolve()
         rec = self.rec
