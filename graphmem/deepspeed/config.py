@@ -183,7 +183,7 @@ def _check_offload(c: dict[str, Any], zero: dict[str, Any]) -> None:
                          "cannot run: set `\"zero_force_ds_cpu_optimizer\": false` with a torch optimizer "
                          "(`optimizer='adamw'`), or `\"torch_adam\": true` in the optimizer's params")
 
-def _check_zero_model(zero: dict[str, Any]) -> None:
+def _check_zero_model(zero: dict[str, JSON]) -> None:
     """DeepSpeed's own check of the ZeRO section (pydantic, unknown keys forbidden), in one line."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -198,12 +198,13 @@ def _check_zero_model(zero: dict[str, Any]) -> None:
         raise UsageError(f"DeepSpeed refuses `zero_optimization.{where}`: {first['msg']}"
                          + (f" (did you mean {close[0]!r}?)" if close else "")) from None
 
-def _check_fp16(c: dict[str, Any]) -> None:
+def _check_fp16(c: dict[str, JSON]) -> None:
     """fp16 runs only where DeepSpeed's CPU accelerator says it does: ``CPU_Accelerator.is_fp16_supported``
     (deepspeed/accelerator/cpu_accelerator.py) asks oneDNN (``torch.ops.mkldnn._is_mkldnn_fp16_supported``),
     and ``DeepSpeedEngine._do_sanity_check`` (deepspeed/runtime/engine.py) raises "Type fp16 is not supported
     on your device." where it is not; where it is, fp16 and its loss scaler are not checked against a real run yet."""
-    if not isinstance(c.get("fp16"), dict) or c["fp16"].get("enabled") is not True:
+    fp16 = c.get("fp16")
+    if not isinstance(fp16, dict) or fp16.get("enabled") is not True:
         return
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
