@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from graphmem.cli.options import (
     add_debug_argument,
@@ -25,6 +25,7 @@ from graphmem.errors import UsageError
 
 if TYPE_CHECKING:
     from graphmem.report import Report
+    from graphmem.report.live import Analysis
 
 
 class Analyze:
@@ -87,7 +88,7 @@ class Analyze:
         return plan_status(summary) if summary is not None else 0
 
 
-def trainer_report(args: argparse.Namespace) -> Any:
+def trainer_report(args: argparse.Namespace) -> Analysis:
     """``--training-args``: a transformers Trainer around the loaded model (graphmem/frontends/trainer.py);
     with ``--world-size N [--rank R]``, rank R of the DDP job it runs on N processes; ``--device cuda``:
     its step on the CUDA target."""

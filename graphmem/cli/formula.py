@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from graphmem.cli.options import (
     add_debug_argument,
@@ -17,6 +17,9 @@ from graphmem.cli.options import (
     check_memory,
 )
 from graphmem.errors import UsageError
+
+if TYPE_CHECKING:
+    from graphmem.report.live import Analysis
 
 
 def _ints(text: str) -> list[int]:
@@ -87,7 +90,7 @@ class Sweep:
         return _sweep(args)
 
 
-def _report(args: argparse.Namespace, shape: str) -> Any:
+def _report(args: argparse.Namespace, shape: str) -> Analysis:
     """The analyzed step; with --tp, on tp ranks (no data parallelism), so the formulas are one rank's."""
     from graphmem.step.spec import make_parallelism
     from graphmem.training.spec import make_training

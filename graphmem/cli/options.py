@@ -6,10 +6,20 @@ library takes: a Target (graphmem/capture/target.py) and a Training spec
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from graphmem.errors import UsageError
 from graphmem.units import parse_bytes
+
+if TYPE_CHECKING:  # (torch is imported only when an option object is built)
+    from graphmem.api import Analysis
+    from graphmem.capture.hf import HFOptions
+    from graphmem.capture.target import Target
+    from graphmem.step.spec import Parallelism, StepSpec
+    from graphmem.training.spec import Training
+
+# a parser or one of its argument groups: what ``add_argument`` is called on
+Arguments = argparse._ActionsContainer
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -56,7 +66,7 @@ def add_debug_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
-def add_depth_argument(p: Any) -> None:
+def add_depth_argument(p: Arguments) -> None:
     """--depth of the module table (analyze's, compare's): a parser or an argument group."""
     p.add_argument("--depth", type=int, default=3, help="module table depth (default 3)")
 
@@ -94,7 +104,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     add_parallel_arguments(p, g)
 
 
-def add_loop_arguments(p: argparse.ArgumentParser) -> Any:
+def add_loop_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The loop around forward and backward: optimizer, precision recipe, micro-batches, LoRA/QLoRA."""
     g = p.add_argument_group("training step (any of these adds the per-rank budget table)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, help="run this optimizer after backward, then zero_grad: torch.optim, or bitsandbytes' 8-bit Adam (adam8bit, adamw8bit, paged_adamw8bit)")
@@ -114,7 +124,7 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> Any:
     return g
 
 
-def add_parallel_arguments(p: argparse.ArgumentParser, g: Any) -> None:
+def add_parallel_arguments(p: argparse.ArgumentParser, g: Arguments) -> None:
     """How the step is split: the per-rank formulas (in group ``g``) and rank r through the wrappers."""
     g.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (data parallel x tensor parallel)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage over the data-parallel ranks")
@@ -143,7 +153,7 @@ def add_parallel_arguments(p: argparse.ArgumentParser, g: Any) -> None:
                    "vocabulary into torch's loss_parallel() cross-entropy (torchtitan's default), not gathered whole")
 
 
-def add_trainer_loop_arguments(g: Any) -> None:
+def add_trainer_loop_arguments(g: Arguments) -> None:
     """The loop options real trainers use (graphmem/training/loop_options.py, docs/loop.md)."""
     g.add_argument("--release-output", action="store_true", help="drop the model's output before backward, keep only "
                    "the loss (HF Trainer's compute_loss, torchtune's del logits)")
@@ -196,7 +206,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     add_figure_argument(g)
 
 
-def add_figure_argument(g: Any) -> None:
+def add_figure_argument(g: Arguments) -> None:
     """--figure: which of the run's figures a verdict compares with the memory given."""
     g.add_argument("--figure", choices=("allocated", "reserved", "device"),
                    help="the run's figure compared with the budget: allocated (max_memory_allocated), reserved "
@@ -217,7 +227,7 @@ def check_plan_arguments(args: argparse.Namespace, planning: bool) -> None:
         raise UsageError("--points must be at least 2")
 
 
-def check_memory(args: argparse.Namespace, value: Any, flag: str) -> None:
+def check_memory(args: argparse.Namespace, value: Optional[str], flag: str) -> None:
     """``value`` is a size, or ``gpu`` (or nothing, for a required one) on ``--device cuda``: the card's capacity
     (graphmem/capture/target.py ``CAPACITY``); a bad one fails before the analysis."""
     if value is None or str(value).strip().lower() == "gpu":
@@ -228,7 +238,7 @@ def check_memory(args: argparse.Namespace, value: Any, flag: str) -> None:
     parse_bytes(value)
 
 
-def target_of(args: argparse.Namespace) -> Any:
+def target_of(args: argparse.Namespace) -> Target:
     """The frozen Target the target options name (checked once, here)."""
     from graphmem.capture.target import make_target
 
@@ -246,7 +256,25 @@ def memory_budgets_of(args: argparse.Namespace) -> tuple[float, ...]:
     return parse_budgets(args.memory_budget)
 
 
-def loop_options(args: argparse.Namespace) -> dict[str, Any]:
+class LoopOptions(TypedDict):
+    """The loop's keyword options (graphmem/training/spec.py ``make_training``'s, ``graphmem.analyze``'s)."""
+
+    optimizer: Optional[str]
+    optimizer_impl: str
+    master_weights: bool
+    micro_batches: int
+    lora_rank: Optional[int]
+    lora_targets: Optional[str]
+    lora_alpha: Optional[float]
+    quantization: Optional[str]
+    release_output: bool
+    clip_grad_norm: Optional[float]
+    clip_foreach: bool
+    optimizer_in_backward: bool
+    offload_activations: bool
+
+
+def loop_options(args: argparse.Namespace) -> LoopOptions:
     """The loop options as ``graphmem.analyze``/``graphmem.validate`` keywords (checked where the spec is built)."""
     return dict(optimizer=args.optimizer, optimizer_impl=args.optimizer_impl, master_weights=args.master_weights,
                 micro_batches=args.micro_batches, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
@@ -255,7 +283,7 @@ def loop_options(args: argparse.Namespace) -> dict[str, Any]:
                 optimizer_in_backward=args.optimizer_in_backward, offload_activations=args.offload_activations)
 
 
-def per_rank_options(args: argparse.Namespace) -> dict[str, Any]:
+def per_rank_options(args: argparse.Namespace) -> dict[str, Any]:  # (those given: any of validate's keywords)
     """The parallel options given on the command line (left at their defaults: none), as
     ``graphmem.validate`` keywords: any of them runs the ranks for real (graphmem/validation/ranks.py)."""
     defaults = {"world_size": 1, "zero": 0, "fsdp": None, "tp": 1, "sp": False, "rank": None,
@@ -264,14 +292,14 @@ def per_rank_options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k, d in defaults.items() if getattr(args, k) != d}
 
 
-def training_of(args: argparse.Namespace) -> Any:
+def training_of(args: argparse.Namespace) -> Training:
     """The frozen Training spec (the loop) the training options name (checked once, here)."""
     from graphmem.training.spec import make_training
 
     return make_training(args.dtype, **loop_options(args))
 
 
-def parallel_of(args: argparse.Namespace, training: Any) -> Any:
+def parallel_of(args: argparse.Namespace, training: Training) -> Parallelism:
     """The parallel setting the options name (graphmem/step/spec.py ``make_parallelism`` decides which:
     a pipeline stage, rank r through the wrappers, or the per-rank formulas)."""
     from graphmem.step.spec import make_parallelism
@@ -283,7 +311,7 @@ def parallel_of(args: argparse.Namespace, training: Any) -> Any:
                             piped.get("deepspeed"))
 
 
-def hf_of(args: argparse.Namespace) -> Any:
+def hf_of(args: argparse.Namespace) -> HFOptions:
     """The frozen HFOptions (graphmem/capture/hf.py) the Hugging Face options name."""
     from graphmem.capture.hf import HFOptions
 
@@ -291,7 +319,8 @@ def hf_of(args: argparse.Namespace) -> Any:
                      {"config": None, "on": True, "off": False}[args.use_cache])
 
 
-def spec_of(args: argparse.Namespace, input_shape: Any = None, training: Any = None, parallel: Any = None) -> Any:
+def spec_of(args: argparse.Namespace, input_shape: Optional[str] = None, training: Optional[Training] = None,
+            parallel: Optional[Parallelism] = None) -> StepSpec:
     """The command's StepSpec (graphmem/step/spec.py), built once from its arguments: its model, target,
     loop and parallel setting (or the given ``training``/``parallel``, for commands without those
     options)."""
@@ -315,7 +344,8 @@ def overheads_of(args: argparse.Namespace) -> dict[str, str]:
     return out
 
 
-def analyze_args(args: argparse.Namespace, input_shape: Any = None, training: Any = None, parallel: Any = None) -> Any:
+def analyze_args(args: argparse.Namespace, input_shape: Optional[str] = None, training: Optional[Training] = None,
+                 parallel: Optional[Parallelism] = None) -> Analysis:
     """``graphmem.analyze`` of the command's StepSpec (``spec_of``)."""
     from graphmem.api import analyze
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from graphmem.cli.options import (
     add_debug_argument,
@@ -14,6 +14,9 @@ from graphmem.cli.options import (
     analyze_args,
     check_plan_arguments,
 )
+
+if TYPE_CHECKING:
+    from graphmem.planning.planner import PlanSummary
 
 
 class Plan:
@@ -47,7 +50,7 @@ class Plan:
         return plan_status(summary)
 
 
-def plan_status(summary: Any) -> int:
+def plan_status(summary: PlanSummary) -> int:
     """Exit status: 1 when a budget was given and no plan fits it (the output says why)."""
     if summary.problem is not None:
         print(f"graphmem: {summary.problem}", file=sys.stderr)

@@ -3,9 +3,12 @@ a torchtitan job's ranks (graphmem/titan/), the job's own command-line overrides
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from graphmem.errors import UsageError
+
+if TYPE_CHECKING:
+    from graphmem.report.live import Analysis
 
 # the step options a job takes from its own config: given with --torchtitan, they are refused
 _JOB_OWN = ("input_shape", "optimizer", "micro_batches", "dtype", "amp", "fsdp", "zero", "tp", "pp", "lora_rank", "qlora",
@@ -30,7 +33,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def job_report(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
+def job_report(args: argparse.Namespace, overrides: Sequence[str]) -> Analysis:
     """The report of the job's rank ``--rank``; without it, the highest of the pipeline stages' first
     ranks (graphmem/frontends/titan_job.py ``highest``)."""
     import sys

@@ -24,12 +24,17 @@ import difflib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch.nn as nn
 
 from graphmem.errors import UsageError
+from graphmem.jsontypes import JSON
 from graphmem.passes.budget import Parallel
+
+if TYPE_CHECKING:
+    from graphmem.capture.target import Target
+    from graphmem.training.spec import Training
 
 # top-level sections DeepSpeed 0.19 reads (deepspeed/runtime/config.py DeepSpeedConfig._initialize_params and the
 # string constants of deepspeed/runtime/constants.py, read at check time); these are read by other modules
@@ -45,11 +50,21 @@ _SECTIONS = {"zero_optimization", "optimizer", "scheduler", "fp16", "bf16", "amp
              "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "graph_harvesting",
              "use_data_before_expert_parallel_", "zenflow", "expert_data_topo_config", "mpu", "mics_shard_size"}
 _BATCH = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
-_TRAINING_ARGS = {"gradient_clipping": 1.0, "optimizer.params.lr": 5e-5, "optimizer.params.betas": [0.9, 0.999],
+_TRAINING_ARGS: dict[str, JSON] = {"gradient_clipping": 1.0, "optimizer.params.lr": 5e-5, "optimizer.params.betas": [0.9, 0.999],
                   "optimizer.params.eps": 1e-8, "optimizer.params.weight_decay": 0.0, "fp16.enabled": False,
                   "bf16.enabled": False}
 _HIDDEN = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
            "zero_optimization.stage3_param_persistence_threshold")
+
+class SpecView(Protocol):
+    """What a DeepSpeed setting's ``check`` reads of the step (graphmem/step/spec.py ``StepSpec``, a layer above)."""
+
+    @property
+    def target(self) -> Target: ...
+
+    @property
+    def training(self) -> Training: ...
+
 
 @dataclass(frozen=True)
 class DeepSpeedJob:
@@ -83,7 +98,7 @@ class DeepSpeedJob:
                                                        else ""))
         return f"DeepSpeed ZeRO-{self.stage} ({', '.join(parts)}), rank {self.rank} of {self.world_size}"
 
-    def check(self, spec: Any) -> None:
+    def check(self, spec: SpecView) -> None:
         """What of graphmem's own loop does not combine with DeepSpeed's (its config says it)."""
         tr = spec.training
         train = tr.train
@@ -105,7 +120,7 @@ class DeepSpeedJob:
                              "`\"zero_force_ds_cpu_optimizer\": false` (its DeepSpeedCPUAdam, a C++ op, does not run "
                              "on fake tensors): add it")
 
-def _load(config: Any) -> dict[str, Any]:
+def _load(config: object) -> dict[str, Any]:
     if isinstance(config, dict):
         return copy.deepcopy(config)
     if isinstance(config, (str, os.PathLike)):
@@ -168,7 +183,7 @@ def _check_offload(c: dict[str, Any], zero: dict[str, Any]) -> None:
                          "cannot run: set `\"zero_force_ds_cpu_optimizer\": false` with a torch optimizer "
                          "(`optimizer='adamw'`), or `\"torch_adam\": true` in the optimizer's params")
 
-def _check_zero_model(zero: dict[str, Any]) -> None:
+def _check_zero_model(zero: dict[str, JSON]) -> None:
     """DeepSpeed's own check of the ZeRO section (pydantic, unknown keys forbidden), in one line."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -183,12 +198,13 @@ def _check_zero_model(zero: dict[str, Any]) -> None:
         raise UsageError(f"DeepSpeed refuses `zero_optimization.{where}`: {first['msg']}"
                          + (f" (did you mean {close[0]!r}?)" if close else "")) from None
 
-def _check_fp16(c: dict[str, Any]) -> None:
+def _check_fp16(c: dict[str, JSON]) -> None:
     """fp16 runs only where DeepSpeed's CPU accelerator says it does: ``CPU_Accelerator.is_fp16_supported``
     (deepspeed/accelerator/cpu_accelerator.py) asks oneDNN (``torch.ops.mkldnn._is_mkldnn_fp16_supported``),
     and ``DeepSpeedEngine._do_sanity_check`` (deepspeed/runtime/engine.py) raises "Type fp16 is not supported
     on your device." where it is not; where it is, fp16 and its loss scaler are not checked against a real run yet."""
-    if not isinstance(c.get("fp16"), dict) or c["fp16"].get("enabled") is not True:
+    fp16 = c.get("fp16")
+    if not isinstance(fp16, dict) or fp16.get("enabled") is not True:
         return
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
@@ -196,12 +212,12 @@ def _check_fp16(c: dict[str, Any]) -> None:
         "does not run on DeepSpeed's CPU accelerator here (oneDNN has no fp16 on this CPU: its is_fp16_supported() is false)"
     raise UsageError(f"DeepSpeed's `fp16.enabled` {why}: use `bf16` ({{\"bf16\": {{\"enabled\": true}}}}) or fp32")
 
-def _autos(c: Any, prefix: str = "") -> list[str]:
+def _autos(c: JSON, prefix: str = "") -> list[str]:
     if isinstance(c, dict):
         return [k for key, v in c.items() for k in _autos(v, f"{prefix}{key}.")]
     return [prefix[:-1]] if c == "auto" else []
 
-def make_job(config: Any, world_size: int = 2, rank: Optional[int] = None) -> DeepSpeedJob:
+def make_job(config: object, world_size: int = 2, rank: Optional[int] = None) -> DeepSpeedJob:
     """The job of ``config`` (a dict or a JSON path) at ``rank`` of ``world_size``, checked."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"`world_size` must be a positive integer, got {world_size!r}")
@@ -219,7 +235,7 @@ def make_job(config: Any, world_size: int = 2, rank: Optional[int] = None) -> De
                          "and the model's hidden size): give a value")
     return DeepSpeedJob(json.dumps(c, sort_keys=True), world_size, r)
 
-def _set(c: dict[str, Any], dotted: str, value: Any) -> None:
+def _set(c: dict[str, Any], dotted: str, value: JSON) -> None:
     *path, last = dotted.split(".")
     for p in path:
         c = c.get(p, {})

@@ -18,13 +18,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch.nn as nn
 
 from graphmem.deepspeed.config import DeepSpeedJob
 from graphmem.deepspeed.engine import PAGEABLE, PINNED
-from graphmem.passes.budget import COMMUNICATION
+from graphmem.passes.budget import COMMUNICATION, BudgetRow
 from graphmem.passes.liveness import Liveness
 from graphmem.stepgraph import StepGraph
 from graphmem.units import fmt_bytes
@@ -56,7 +56,7 @@ def made_in_step(g: StepGraph, kind: str) -> dict[str, int]:
     return out
 
 
-def with_own_notes(rows: tuple[Any, ...]) -> tuple[Any, ...]:
+def with_own_notes(rows: tuple[BudgetRow, ...]) -> tuple[BudgetRow, ...]:
     """The budget's rows with the communication row's note saying what DeepSpeed's buffers are."""
     return tuple(dataclasses.replace(r, note="DeepSpeed's reduce buckets (ipg_buckets) and collective outputs, at the peak")
                  if r.name == COMMUNICATION else r for r in rows)
@@ -249,8 +249,8 @@ def zero_paper(psi: int, job: DeepSpeedJob, held: dict[str, int], states: int) -
                      "the step counters (4 B a parameter group) and " + _PADDING))
 
 
-def paper_check(module: nn.Module, job: DeepSpeedJob, g: StepGraph, optimizer: Optional[str], rows: Any
-                ) -> tuple[str, ...]:
+def paper_check(module: nn.Module, job: DeepSpeedJob, g: StepGraph, optimizer: Optional[str],
+                rows: tuple[BudgetRow, ...]) -> tuple[str, ...]:
     """The report's cross-check line for rank r's step ``g`` (``rows``: its budget's rows), where the paper's
     accounting applies: Adam over every parameter of ``module`` under ZeRO 1-3; else none."""
     params = list(module.parameters())

@@ -31,15 +31,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
 
 import torch
+import torch.nn as nn
 
-from graphmem.deepspeed.config import DeepSpeedJob
+from graphmem.deepspeed.config import DeepSpeedJob, SpecView
 from graphmem.errors import UsageError
 from graphmem.passes.budget import Parallel
 from graphmem.training.hf_trainer import TrainerRunner
 from graphmem.training.loop import Mark
+from graphmem.training.step import LossFn
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from transformers import Trainer, TrainingArguments
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class TrainerDeepSpeed:
 
     trainer_class: type = field(compare=False)
     args_class: type = field(compare=False)
-    fields: dict[str, Any] = field(compare=False, repr=False)
+    fields: dict[str, object] = field(compare=False, repr=False)
     world_size: int = 2
     rank: int = 0
     stage: int = 0  # the config's ZeRO stage
@@ -59,13 +65,13 @@ class TrainerDeepSpeed:
     def describe(self) -> str:
         return f"DeepSpeed ZeRO-{self.stage} (accelerate), rank {self.rank} of {self.world_size}"
 
-    def check(self, spec: Any) -> None:
+    def check(self, spec: SpecView) -> None:
         if spec.target.mode == "compiled" or spec.target.device != "cpu":
             raise UsageError("a Trainer's DeepSpeed rank runs on the CPU target in eager mode: drop `mode='compiled'` "
                              "and `device`")
 
 
-def deepspeed_of(trainer_class: type, args: Any, world_size: int, rank: Optional[int]) -> TrainerDeepSpeed:
+def deepspeed_of(trainer_class: type, args: TrainingArguments, world_size: int, rank: Optional[int]) -> TrainerDeepSpeed:
     """The per-rank Trainer's recipe, its DeepSpeed config checked as graphmem/deepspeed/config.py checks one
     (one-line errors: NVMe offload, fp16 on this CPU, an unknown key, an ``"auto"`` nothing resolves). CPU offload
     runs as on the direct engine path (graphmem/deepspeed/engine.py ``host_tensors``): the Trainer's torch
@@ -108,7 +114,7 @@ def deepspeed_rank(rank: int, world_size: int) -> Iterator[None]:
         hf_ds._hf_deepspeed_config_weak_ref = kept
 
 
-def build_ds_trainer(p: TrainerDeepSpeed, model: Any) -> Any:
+def build_ds_trainer(p: TrainerDeepSpeed, model: nn.Module) -> Trainer:
     """The Trainer around ``model`` as rank ``p.rank`` builds it (fresh TrainingArguments: their device setup
     is cached per object), inside ``deepspeed_rank`` and the rank's process group."""
     with bf16_by_deepspeed():
@@ -144,9 +150,9 @@ class DeepSpeedRunner(TrainerRunner):
     (inside ``accelerator.backward`` on the boundary) starts the optimizer phase: the gradients DeepSpeed
     holds then are marked, its optimizer's states after."""
 
-    def __init__(self, trainer: Any, trace_micro_steps: int = 2) -> None:
+    def __init__(self, trainer: Trainer, trace_micro_steps: int = 2) -> None:
         super().__init__(trainer, trace_micro_steps, launched=trainer.accelerator)  # (the process group is the caller's)
-        self.engine: Any = None
+        self.engine: Optional[DeepSpeedEngine] = None
 
     def prepare(self) -> None:
         """``Trainer._prepare_for_training`` (deepspeed_init, accelerator.prepare, create_scheduler), as train() calls it."""
@@ -159,15 +165,16 @@ class DeepSpeedRunner(TrainerRunner):
         """The torch optimizer inside DeepSpeed's ZeRO optimizer (over its flat fp32 partitions)."""
         return inner_optimizer(self.engine) if self.started else None
 
-    def _start(self, forward: Optional[Callable[..., Any]] = None) -> None:
+    def _start(self, forward: Optional[Callable[..., object]] = None) -> None:
         if self.engine is None:
             self.prepare()
         self.ddp = self.engine  # what the micro-steps call (trainer.model_wrapped)
         self.tr_loss = torch.tensor(0.0, device=self.trainer.args.device)  # _inner_training_loop 1645
         self.started = True
 
-    def _run(self, forward: Callable[..., Any], inputs: Any, loss_fn: Any, on_phase: Callable[[str], None],
-             mark: Mark, fake: bool, rules: Any) -> tuple[Any, torch.Tensor]:
+    def _run(self, forward: Callable[..., object], inputs: object, loss_fn: Optional[LossFn],
+             on_phase: Callable[[str], None], mark: Mark, fake: bool,
+             rules: Callable[[], ContextManager[object]]) -> tuple[object, torch.Tensor]:
         if self.engine is None:
             self.prepare()
         now = [""]
@@ -184,6 +191,7 @@ class DeepSpeedRunner(TrainerRunner):
         """What ``_run_epoch`` runs after the boundary's backward (1937-1954), over the engine (``model`` there):
         the engine's norm read, accelerate's no-op optimizer step, the scheduler, the engine's ``zero_grad``."""
         t, engine = self.trainer, self.engine
+        assert engine is not None  # (prepared in _run, before the first micro-step)
         grad_norm = t._clip_grad_norm(engine) if t.args.max_grad_norm > 0 else None
         t._get_grad_norm(engine, grad_norm=grad_norm)
         t.optimizer.step()
@@ -193,13 +201,13 @@ class DeepSpeedRunner(TrainerRunner):
         engine.zero_grad()
 
 
-def inner_optimizer(engine: Any) -> Any:
+def inner_optimizer(engine: DeepSpeedEngine) -> torch.optim.Optimizer:
     """The torch optimizer DeepSpeed's ZeRO optimizer steps (``engine.optimizer.optimizer``), else the engine's."""
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
 
 
 @contextlib.contextmanager
-def _stepping(engine: Any, on_phase: Callable[[str], None], mark: Mark) -> Iterator[None]:
+def _stepping(engine: DeepSpeedEngine, on_phase: Callable[[str], None], mark: Mark) -> Iterator[None]:
     """``engine.step`` on the accumulation boundary: the gradients DeepSpeed holds marked, the optimizer phase
     begun; the optimizer's states marked after (graphmem/deepspeed/capture.py names them the same way)."""
     from graphmem.deepspeed.capture import kind_of
@@ -207,7 +215,7 @@ def _stepping(engine: Any, on_phase: Callable[[str], None], mark: Mark) -> Itera
 
     step = engine.step
 
-    def stepped(*args: Any, **kwargs: Any) -> Any:
+    def stepped(*args: object, **kwargs: object) -> object:
         boundary = engine.is_gradient_accumulation_boundary()
         if boundary:
             mark("gradient", [(p, t) for p, t in held_tensors(engine) if kind_of(p) == "gradient"])

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Optional
+from typing import Optional, Union
 
 import sympy
 
 from graphmem.chains import Chain
 from graphmem.errors import GraphmemError
+from graphmem.jsontypes import JSON
 from graphmem.passes.coefficients import BlockSplit, PeakModel, evaluate
 
 MIN_SIZE = 3  # formulas are fitted and checked for sizes >= 3: PyTorch special-cases sizes 1 and 2
@@ -123,7 +124,7 @@ class Coefficients:
             raise NotPolynomialError(self.peak_note)
         return self.peak.at(self.point(shape))[0]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         q = _jsonable
         return {
             "variables": list(self.variables), "dims": list(self.dims), "steps": list(self.steps),
@@ -143,7 +144,7 @@ class Coefficients:
         }
 
 
-def _jsonable(x: Optional[Fraction]) -> Any:
+def _jsonable(x: Optional[Fraction]) -> Union[int, str, None]:
     if x is None:
         return None
     return int(x) if x.denominator == 1 else str(x)

@@ -17,13 +17,14 @@ off a fitted peak formula, is graphmem/formula/largest.py.
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Any, Callable, Optional, cast
+from typing import Callable, Optional, cast
 
 import sympy
 
 from graphmem.errors import UsageError
 from graphmem.formula.coefficients import MIN_SIZE, Coefficients, NotPolynomialError
 from graphmem.formula.sampler import Sample, Sampler
+from graphmem.passes import SavedTensor
 from graphmem.passes.budget import rank_share
 from graphmem.passes.coefficients import (
     PeakModel,
@@ -110,7 +111,8 @@ def fit(sampler: Sampler, names: tuple[str, ...], d_model: Optional[int] = None,
 
 
 def _peak(sampler: Sampler, grids: list[list[int]], peak_degrees: list[Optional[int]], symbols: list[sympy.Symbol],
-          measured: dict, base_point: tuple[int, ...]) -> tuple[Any, str, Any]:
+          measured: dict, base_point: tuple[int, ...]
+          ) -> tuple[Optional[PeakModel], str, Optional[dict[str, Fraction]]]:
     """The peak's model (``peak_model`` below), its note, and its terms at the base point's piece; none where
     some op's live bytes are not a polynomial in the input size."""
     if None in peak_degrees:
@@ -209,7 +211,7 @@ def _block_shapes(sampler: Sampler, depth: Optional[int], d_model: Optional[int]
                   - _not_d_per_token(list(fewer.tensors), d, rank_share(fg, sampler.parallel)))
 
 
-def _not_d_per_token(tensors: list[Any], d: int, share: Callable[[int], Fraction]) -> Fraction:
+def _not_d_per_token(tensors: list[SavedTensor], d: int, share: Callable[[int], Fraction]) -> Fraction:
     """Bytes per token (at b=11, s=13) of the saved tensors whose per-token element count is not
     a multiple of d_model (LayerNorm's mean/rstd, a logsumexp (b, h, s)); one rank's part
     (``share``: under sequence parallelism LayerNorm's statistics are split too)."""

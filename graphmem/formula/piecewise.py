@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import sympy
 import torch.nn as nn
@@ -24,6 +24,8 @@ import torch.nn as nn
 from graphmem.chains import Chain
 from graphmem.formula.coefficients import MIN_SIZE, Coefficients, NotPolynomialError, Piece
 from graphmem.formula.fit import PROBES, fit
+from graphmem.formula.sampler import Sampler
+from graphmem.jsontypes import JSON
 from graphmem.passes.coefficients import BlockSplit, PeakModel
 
 
@@ -165,7 +167,7 @@ class PiecewiseCoefficients:
     def peak_at(self, shape: tuple[int, ...]) -> int:
         return self.piece(shape).peak_at(shape)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         """The current piece's fields (as Coefficients.to_dict), its range, and every piece."""
         name = self.variables[self.index]
         return {**self.current.to_dict(), "piece": self.current_piece.range,
@@ -176,8 +178,9 @@ class PiecewiseCoefficients:
 AnyCoefficients = Union[Coefficients, PiecewiseCoefficients]
 
 
-def fit_windowed(sampler_for: Callable[[tuple[int, ...]], Any], names: tuple[str, ...], dims: tuple[int, ...],
-                 base: tuple[int, ...], window: int, checks: int = 5, **kwargs: Any) -> PiecewiseCoefficients:
+def fit_windowed(sampler_for: Callable[[tuple[int, ...]], Sampler], names: tuple[str, ...], dims: tuple[int, ...],
+                 base: tuple[int, ...], window: int, checks: int = 5, d_model: Optional[int] = None,
+                 n_heads: Optional[int] = None) -> PiecewiseCoefficients:
     """Fit the two pieces around a sliding window ``window`` in ``s`` (``sampler_for(base_shape)``
     makes a graphmem.formula.Sampler around another base shape, varying ``dims``)."""
     if "s" not in names:
@@ -194,8 +197,10 @@ def fit_windowed(sampler_for: Callable[[tuple[int, ...]], Any], names: tuple[str
     why = (f"sliding_window = {window} (the model's config): for s < {window} attention is causal over all "
            f"earlier tokens; from s = {window} on, through the window")
     try:
-        below = fit(sampler_for(tuple(low_base)), names, checks=checks, bounds={index: (MIN_SIZE, window - 1)}, **kwargs)
-        above = fit(sampler_for(tuple(high_base)), names, checks=checks, bounds={index: (window, None)}, **kwargs)
+        below = fit(sampler_for(tuple(low_base)), names, checks=checks, bounds={index: (MIN_SIZE, window - 1)},
+                    d_model=d_model, n_heads=n_heads)
+        above = fit(sampler_for(tuple(high_base)), names, checks=checks, bounds={index: (window, None)},
+                    d_model=d_model, n_heads=n_heads)
     except NotPolynomialError as e:
         raise NotPolynomialError(f"not one polynomial, nor one on each side of the sliding window ({window}): {e}") from e
     return PiecewiseCoefficients(names, dims, base, index, window, why, below, above)

@@ -6,12 +6,12 @@ sequence parallelism the stream too), so the fitted formulas and alpha/beta/gamm
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch.nn as nn
 
 from graphmem.chains import find_chain, truncated
-from graphmem.passes import liveness, saved
+from graphmem.passes import SavedSet, liveness, saved
 from graphmem.passes.budget import Parallel, budget
 from graphmem.stepgraph import StepGraph
 
@@ -22,8 +22,8 @@ class Sample:
     peak: int
     block: int  # bytes saved by block 1 of the chain (its subtree)
     timeline: tuple[int, ...]  # live bytes during each op
-    ops: tuple[Any, ...]  # the op sequence (targets)
-    step: Any
+    ops: tuple[object, ...]  # the op sequence (targets: OpOverloads, compared only)
+    step: tuple[StepGraph, SavedSet]  # the capture and its saved set
 
 
 class Sampler:

@@ -3,12 +3,31 @@ each side of a sliding window), the first point spot-checked by a capture."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Protocol
+
+import torch.nn as nn
 
 from graphmem.errors import UsageError
 from graphmem.formula.coefficients import NotPolynomialError
 from graphmem.formula.fit import fit
 from graphmem.formula.piecewise import AnyCoefficients, fit_windowed, window_of
+from graphmem.formula.sampler import Sampler
+
+
+class SweepSource(Protocol):
+    """What a sweep reads of the step's Recapture (graphmem/step/recapture.py, a layer above)."""
+
+    @property
+    def base_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def names(self) -> tuple[str, ...]: ...
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    def sampler_for(self, base: tuple[int, ...], dims: tuple[int, ...],
+                    tick: Optional[Callable[[], None]] = None) -> Sampler: ...
 
 
 @dataclass(frozen=True)
@@ -20,7 +39,7 @@ class Sweep:
     coefficients: AnyCoefficients
 
 
-def sweep(source: Any, batches: list[int], seqs: list[int], tick: Optional[Callable[[], None]] = None) -> Sweep:
+def sweep(source: SweepSource, batches: list[int], seqs: list[int], tick: Optional[Callable[[], None]] = None) -> Sweep:
     """Activation and peak over the grid from the exact formulas; the first point is captured."""
     if not batches or not seqs or min(batches + seqs) < 1:
         raise UsageError("sweep needs positive batch and sequence lists, e.g. `batch=1,8,32` `seq=512,1024`")
@@ -31,14 +50,14 @@ def sweep(source: Any, batches: list[int], seqs: list[int], tick: Optional[Calla
     base[0], base[1] = max(batches), max(seqs)
     sampler = source.sampler_for(tuple(base), (0, 1), tick)
     try:
-        coeffs: Any = fit(sampler, ("b", "s"), checks=2)
+        coeffs: AnyCoefficients = fit(sampler, ("b", "s"), checks=2)
     except NotPolynomialError:  # one polynomial on each side of a sliding window (graphmem/formula/piecewise.py)
         window = window_of(source.module)
         if window is None:
             raise
         coeffs = fit_windowed(lambda shape: source.sampler_for(shape, (0, 1), tick), ("b", "s"), (0, 1),
                               tuple(base), window, 2)
-    rows = []
+    rows: list[tuple[int, int, int, Optional[int], Optional[int], Optional[int]]] = []
     for i, (b, s) in enumerate((b, s) for b in batches for s in seqs):
         shape = tuple([b, s] + base[2:])
         if not coeffs.covers(shape):  # too small for the formula: the capture is the answer

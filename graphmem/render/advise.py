@@ -2,11 +2,10 @@
 the changed step, saving, cost), the exact change for each, the combinations, what was left out."""
 from __future__ import annotations
 
-from typing import Any
-
 from tabulate import tabulate
 
 from graphmem.advise import Advice, Lever
+from graphmem.jsontypes import JSON
 from graphmem.report import Report
 from graphmem.units import fmt_bytes
 
@@ -37,5 +36,5 @@ def render_advice(advice: Advice, title: str = "") -> str:
     return "\n".join(out) + "\n"
 
 
-def advice_json(report: Report, advice: Advice) -> dict[str, Any]:
+def advice_json(report: Report, advice: Advice) -> dict[str, JSON]:
     return {"model": report.model, "input_shapes": [list(s) for s in report.input_shapes], **advice.to_dict()}

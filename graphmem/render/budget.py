@@ -3,11 +3,14 @@ gradients, optimizer states, master copies, activations, temporaries, peak), and
 is where it is. Takes the budget, returns text; never prints."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
 from graphmem.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from graphmem.training.spec import StepBudget
 
 _WHY = {
     "optimizer": "the optimizer step: its states (made on the first step) and the intermediates of "
@@ -26,7 +29,7 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def budget_title(b: Any) -> str:
+def budget_title(b: StepBudget) -> str:
     t = b.training
     parts = []
     if t.train.optimizer:
@@ -44,7 +47,7 @@ def budget_title(b: Any) -> str:
     return "Training step · " + " · ".join(parts)
 
 
-def budget_table(b: Any) -> tuple[list[str], list[list[str]]]:
+def budget_table(b: StepBudget) -> tuple[list[str], list[list[str]]]:
     """The budget table's headers and rows (one rank; all ranks hold the same), bytes in human
     units: what the text and Markdown views both show."""
     r, single = b.rank, b.single
@@ -74,14 +77,14 @@ def budget_table(b: Any) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
-def render_budget(b: Any) -> str:
+def render_budget(b: StepBudget) -> str:
     """The budget table (one rank; all ranks hold the same) and the peak's explanation."""
     headers, rows = budget_table(b)
     lines = [budget_title(b), tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)]
     return "\n".join(lines + budget_notes(b)) + "\n"
 
 
-def budget_notes(b: Any) -> list[str]:
+def budget_notes(b: StepBudget) -> list[str]:
     """The lines under the table: model states per parameter, offloading, LoRA, 4-bit weights, why
     the peak is where it is (its detail lines indented by two spaces), tensor parallel, micro-steps."""
     r, p = b.rank, b.layout
@@ -119,7 +122,7 @@ def budget_notes(b: Any) -> list[str]:
     return lines
 
 
-def _why_peak(b: Any) -> list[str]:
+def _why_peak(b: StepBudget) -> list[str]:
     """Why the peak is where it is: the op and its phase, the rows live there, the largest
     temporaries, and the tensors that make the peak (none when the step has no ops)."""
     r = b.rank

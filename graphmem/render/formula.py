@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
+from graphmem.formula.piecewise import PiecewiseCoefficients
 from graphmem.passes.run_memory import FIGURE_NAMES
 from graphmem.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from graphmem.formula import AnyCoefficients, FitAnswer, Sweep
 
 
 def _q(x: Fraction) -> str:
@@ -26,8 +30,8 @@ def _poly(terms: dict[str, Fraction]) -> str:
     return text[2:] if text.startswith("+ ") else "-" + text[2:]
 
 
-def render_coefficients(c: Any) -> str:
-    if hasattr(c, "breakpoint"):  # graphmem.formula.piecewise.PiecewiseCoefficients
+def render_coefficients(c: AnyCoefficients) -> str:
+    if isinstance(c, PiecewiseCoefficients):
         name = c.variables[c.index]
         return (f"Piecewise in {name}, breakpoint {name} = {c.breakpoint}: {c.why}\n"
                 f"The input ({name} = {c.point(c.base_shape)[c.index]}) falls in [{c.current_piece.range}]; "
@@ -76,7 +80,7 @@ def _mono(name: str, b: int, s: int) -> int:
     return value
 
 
-def render_fit(a: Any) -> str:
+def render_fit(a: FitAnswer) -> str:
     fixed = ", ".join(f"{k}={v}" for k, v in a.fixed.items())
     what = "batch size" if a.variable == "b" else "sequence length"
     rows = [[f"{a.variable}={a.value}", fmt_bytes(a.peak_at_value) if a.peak_at_value is not None else "-",
@@ -97,7 +101,7 @@ def render_fit(a: Any) -> str:
     return head + "\n\n" + tabulate(rows, headers=["", "predicted peak", "captured peak", ""], tablefmt="simple") + "\n"
 
 
-def render_sweep(sw: Any) -> str:
+def render_sweep(sw: Sweep) -> str:
     rows = [[b, s, fmt_bytes(act), fmt_bytes(peak) if peak is not None else "-",
              ("captured: " + ("same" if (cact, cpeak) == (act, peak) else f"{cact} / {cpeak}")) if cact is not None else ""]
             for b, s, act, peak, cact, cpeak in sw.rows]

@@ -3,7 +3,7 @@ sections as pipe tables, for a pull-request comment or a CI job summary. Bytes a
 human units with the exact count beside the totals."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from tabulate import tabulate
 
@@ -15,6 +15,9 @@ from graphmem.render.memory_budget import render_memory_budgets
 from graphmem.render.text import _lifetime, _module, _scope, _scratch, _shapes, _shown_modules, op_counts, run_rows
 from graphmem.report import Report
 from graphmem.units import fmt_bytes, fmt_share
+
+if TYPE_CHECKING:
+    from graphmem.training.spec import StepBudget
 
 
 def _table(rows: Sequence[Sequence[object]], headers: list[str], align: str) -> str:
@@ -106,7 +109,7 @@ def _sections(report: Report, depth: int, top: int) -> list[str]:
     return [line for title, text in sections for line in ("", f"### {title}", "", "```", text.rstrip("\n"), "```")]
 
 
-def _budget(b: Any) -> list[str]:
+def _budget(b: StepBudget) -> list[str]:
     """The training-step table of the text view (graphmem/render/budget.py), as a pipe table, and
     the lines under it as a list (a detail line, indented in the text, nested under its line)."""
     headers, rows = budget_table(b)

@@ -8,7 +8,7 @@ smaller batch) can be compared on one figure.
 from __future__ import annotations
 
 import io
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from graphmem.errors import UsageError
 from graphmem.passes.timeline import CATEGORIES, CategoryTimeline, category_timeline
@@ -16,6 +16,10 @@ from graphmem.render.text import _module, _shapes
 from graphmem.report import Report
 from graphmem.report.live import Analysis
 from graphmem.units import _BINARY, fmt_bytes
+
+if TYPE_CHECKING:  # (matplotlib is optional: imported where a figure is drawn)
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 LABELS = {
     "parameters": "parameters + buffers",
@@ -101,7 +105,7 @@ def _peak_panel(report: Report, tl: CategoryTimeline, top: int) -> str:
                      + live)
 
 
-def _phases(ax: Any, report: Report) -> None:
+def _phases(ax: Axes, report: Report) -> None:
     import matplotlib.transforms as mtransforms
 
     top = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
@@ -140,7 +144,7 @@ def plot_timeline(report: Report, other: Optional[Report] = None, labels: Option
 
 
 def timeline_figure(report: Report, other: Optional[Report] = None, labels: Optional[tuple[str, str]] = None,
-                    top: int = 5) -> Any:
+                    top: int = 5) -> Figure:
     """The matplotlib Figure behind :func:`plot_timeline` (no pyplot state involved)."""
     require_matplotlib()
     from matplotlib.figure import Figure

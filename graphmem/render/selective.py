@@ -2,14 +2,17 @@
 keeping its output costs and saves, and which levels keep it (the rest is recomputed)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 from tabulate import tabulate
 
 from graphmem.units import fmt_bytes
 
+if TYPE_CHECKING:
+    from graphmem.planning.selective import Levels
 
-def render_levels(levels: Any, fmt_flops: Any) -> list[str]:
+
+def render_levels(levels: Levels, fmt_flops: Callable[[int], str]) -> list[str]:
     """Lines for a graphmem.planning.selective.Levels."""
     names = [p.name for p in levels.policies]
     rows = []

@@ -24,7 +24,7 @@ What the snapshot says, and how it maps the prediction:
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import TypedDict
 
 from graphmem.render.plot import report_timeline
 from graphmem.report import Report
@@ -33,7 +33,52 @@ from graphmem.stepgraph import Storage
 
 BASE_ADDRESS = 0x7F0000000000
 ALIGN = 512  # the CUDA caching allocator's block granularity
-Frame = dict[str, Any]
+
+
+class Frame(TypedDict):
+    filename: str
+    line: int
+    name: str
+
+
+class TraceEvent(TypedDict):
+    """One entry of ``device_traces`` (torch/cuda/_memory_viz.py reads these keys)."""
+
+    action: str  # alloc, free_requested, free_completed
+    addr: int
+    size: int
+    stream: int
+    frames: list[Frame]
+
+
+class Block(TypedDict):
+    address: int
+    size: int
+    requested_size: int
+    state: str  # active_allocated, inactive
+    frames: list[Frame]
+
+
+class Segment(TypedDict):
+    device: int
+    address: int
+    total_size: int
+    stream: int
+    segment_type: str
+    segment_pool_id: tuple[int, int]
+    is_expandable: bool
+    allocated_size: int
+    active_size: int
+    requested_size: int
+    frames: list[Frame]
+    blocks: list[Block]
+
+
+class Snapshot(TypedDict):
+    """What ``torch.cuda.memory._snapshot()`` returns (the keys its viewer reads)."""
+
+    segments: list[Segment]
+    device_traces: list[list[TraceEvent]]
 
 
 def _rounded(nbytes: int) -> int:
@@ -43,11 +88,11 @@ def _rounded(nbytes: int) -> int:
 def _frames(s: Storage, category: str, phase: str) -> list[Frame]:
     parts = s.module.split(".") if s.module else []
     modules = [".".join(parts[:i]) for i in range(len(parts), 0, -1)] + ["(model)"]  # innermost first
-    return ([{"filename": phase, "line": max(s.created, 0), "name": f"{s.name} [{category}]"}]
-            + [{"filename": m, "line": 0, "name": "forward"} for m in modules])
+    op = Frame(filename=phase, line=max(s.created, 0), name=f"{s.name} [{category}]")
+    return [op] + [Frame(filename=m, line=0, name="forward") for m in modules]
 
 
-def memory_snapshot(report: Report) -> dict[str, Any]:
+def memory_snapshot(report: Report) -> Snapshot:
     """The snapshot dict (``segments``, ``device_traces``) of the report's step.
 
     >>> import torch, graphmem
@@ -76,10 +121,10 @@ def memory_snapshot(report: Report) -> dict[str, Any]:
         if s.freed is not None:
             frees.setdefault(s.freed, []).append(s)
 
-    def event(action: str, s: Storage) -> dict[str, Any]:
+    def event(action: str, s: Storage) -> TraceEvent:
         return {"action": action, "addr": address[s.sid], "size": s.nbytes, "stream": 0, "frames": frames[s.sid]}
 
-    trace: list[dict[str, Any]] = []
+    trace: list[TraceEvent] = []
     for i in range(g.num_ops):
         trace += [event("alloc", s) for s in allocs.get(i, ())]
         for s in frees.get(i, ()):
@@ -88,11 +133,11 @@ def memory_snapshot(report: Report) -> dict[str, Any]:
 
 
 def _segments(order: list[Storage], address: dict[int, int], frames: dict[int, list[Frame]],
-              top: int) -> list[dict[str, Any]]:
+              top: int) -> list[Segment]:
     """One segment holding every block; what is live at the end of the step is allocated."""
     if top == BASE_ADDRESS:
         return []
-    blocks: list[dict[str, Any]] = []
+    blocks: list[Block] = []
     for s in order:
         size = _rounded(s.nbytes)
         if s.freed is None:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Self
+from typing import TYPE_CHECKING, Any, NoReturn, Optional, Protocol, Self
 
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
 from graphmem.formula import AnyCoefficients
+from graphmem.jsontypes import JSON
 from graphmem.passes import LiveTensor, ModuleSaved, SavedTensor
 from graphmem.passes.allocator import AllocatorResult
 from graphmem.passes.memory_budget import BudgetSweep
@@ -46,7 +47,7 @@ class RankScope(Protocol):
         """One line naming the rank and how the step is split (the first line of every view)."""
         ...
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         """JSON-ready, under the report's ``sharding`` key."""
         ...
 
@@ -96,7 +97,7 @@ class Report:
         return all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(Report))
 
     if not TYPE_CHECKING:  # (at run time only: to a type checker a Report has its fields and methods, no more)
-        def __getattr__(self, name: str) -> Any:
+        def __getattr__(self, name: str) -> NoReturn:
             """A question that captures again (``plan``, ``formula``, ``fit``, ``advise``, ...), asked of a Report
             read back from JSON: it holds no captured step (graphmem/report/live.py ``Analysis`` does)."""
             if name in LIVE:
@@ -142,7 +143,7 @@ class Report:
             known_plans=plans if plans is not None else self.known_plans,
             known_memory_budgets=memory_budgets if memory_budgets is not None else self.known_memory_budgets)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         """JSON-ready: exact integers, no units."""
         return {
             "model": self.model,
@@ -189,7 +190,7 @@ class Report:
         }
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "Report":
+    def from_dict(d: object) -> "Report":
         """The report ``to_dict`` wrote (``graphmem analyze --json``), equal to it field by field; it
         holds no captured step, so questions that capture again (plans, formulas, fits, advise)
         ask to analyze the model again."""

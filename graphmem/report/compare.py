@@ -13,13 +13,14 @@ import json
 import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
 from graphmem.errors import UsageError
+from graphmem.jsontypes import JSON
 from graphmem.report import Report
 
 REQUIRED = ("activation_bytes", "peak_bytes", "parameter_bytes", "gradient_bytes", "modules", "saved")
-ReportLike = Union[Report, Mapping[str, Any]]
+ReportLike = Union[Report, Mapping[str, JSON]]
 Figure = Callable[[Report], Optional[int]]
 
 # the figures compared, one line each: (name, the report's figure or None where it has none, shown
@@ -99,9 +100,9 @@ def load_json_report(path: Union[str, "os.PathLike[str]"]) -> Report:
         raise UsageError(f"{os.fspath(path)} is {str(e)[0].lower()}{str(e)[1:]}") from None
 
 
-def _checked(data: Any, label: str) -> dict[str, Any]:
+def _checked(data: object, label: str) -> dict[str, object]:
     missing = [k for k in REQUIRED if not isinstance(data, dict) or k not in data]
-    if missing:
+    if missing or not isinstance(data, dict):  # (not a dict: every key missing)
         raise UsageError(f"{label} is not a graphmem JSON report (no {', '.join(missing)}); write one with "
                          "json.dump(report.to_dict(), file) (`json` on the command line)")
     return data
@@ -116,9 +117,8 @@ def _as_report(r: ReportLike, label: str) -> Report:
         raise UsageError(f"{label} is {str(e)[0].lower()}{str(e)[1:]}") from None
 
 
-def _saved_counts(d: Mapping[str, Any]) -> Counter[tuple[str, str, tuple[int, ...], str, str, int]]:
-    return Counter((t["op"], t["module"], tuple(t["shape"]), t["dtype"], t["category"], t["bytes"])
-                   for t in d["saved"])
+def _saved_counts(r: Report) -> Counter[tuple[str, str, tuple[int, ...], str, str, int]]:
+    return Counter((t.op, t.module, tuple(t.shape), t.dtype, t.category, t.bytes) for t in r.saved)
 
 
 def _groups(counts: Counter[tuple[str, str, tuple[int, ...], str, str, int]]) -> tuple[SavedGroup, ...]:
@@ -126,11 +126,10 @@ def _groups(counts: Counter[tuple[str, str, tuple[int, ...], str, str, int]]) ->
     return tuple(sorted(groups, key=lambda g: (-g.total, -g.bytes, g.module, g.op)))
 
 
-def _peak_at(d: Mapping[str, Any]) -> str:
-    p = d.get("peak") or {}
-    if p.get("index", -1) < 0:
+def _peak_at(r: Report) -> str:
+    if r.peak_index < 0:
         return "before the step"
-    return f"op {p['index']} ({p.get('phase', '?')}, {p.get('op', '?')}, {p.get('module') or '(model)'})"
+    return f"op {r.peak_index} ({r.peak_phase}, {r.peak_op}, {r.peak_module or '(model)'})"
 
 
 def _target(r: Report) -> str:
@@ -200,14 +199,13 @@ def compare(before: ReportLike, after: ReportLike, labels: tuple[str, str] = ("b
     -1024
     """
     ra, rb = _as_report(before, labels[0]), _as_report(after, labels[1])
-    a, b = ra.to_dict(), rb.to_dict()
     totals = tuple(_change(name, figure(ra), figure(rb)) for name, figure, always in TOTALS
                    if (always or figure(ra) != figure(rb)) and (figure(ra) is not None or figure(rb) is not None))
-    mods_a = {m["path"]: int(m["activation_bytes"]) for m in a["modules"]}
-    mods_b = {m["path"]: int(m["activation_bytes"]) for m in b["modules"]}
+    mods_a = {m.path: m.activation_bytes for m in ra.modules}
+    mods_b = {m.path: m.activation_bytes for m in rb.modules}
     modules = tuple(Change(p, mods_a.get(p, 0), mods_b.get(p, 0)) for p in dict.fromkeys([*mods_a, *mods_b])
                     if mods_a.get(p, 0) != mods_b.get(p, 0))
-    saved_a, saved_b = _saved_counts(a), _saved_counts(b)
+    saved_a, saved_b = _saved_counts(ra), _saved_counts(rb)
     context = tuple((what, words(ra), words(rb)) for what, words in SETUP)
-    return Comparison(labels[0], labels[1], context, totals, (_peak_at(a), _peak_at(b)), modules,
+    return Comparison(labels[0], labels[1], context, totals, (_peak_at(ra), _peak_at(rb)), modules,
                       added=_groups(saved_b - saved_a), removed=_groups(saved_a - saved_b))

@@ -25,23 +25,27 @@ import sys
 import types
 import typing
 from fractions import Fraction
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from graphmem.errors import UsageError
+from graphmem.jsontypes import JSON
+
+if TYPE_CHECKING:
+    import sympy
 
 TYPE = "__type__"
 _SYMPY_TEXT = re.compile(r"^[\w\s*+\-/().]*$")  # a polynomial's text: names, numbers, + - * / ** ( )
 _CALL = re.compile(r"__|[A-Za-z_]\w*\s*\(")  # no dunder, no call: a polynomial calls nothing
 
 
-def to_json(value: Any, hint: Any = Any) -> Any:
+def to_json(value: object, hint: object = Any) -> JSON:
     """``value`` as JSON (dicts, lists, strings, numbers, None); ``hint``: its declared type."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, Fraction):
         return {"__fraction__": str(value)}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out: dict[str, Any] = {} if type(value) is _concrete(hint) else {TYPE: _name(type(value))}
+        out: dict[str, JSON] = {} if type(value) is _concrete(hint) else {TYPE: _name(type(value))}
         hints = _hints(type(value))
         for f in dataclasses.fields(value):
             if f.init and f.metadata.get("json", True):  # json=False: a live handle (a Trainer), left out
@@ -66,8 +70,9 @@ def to_json(value: Any, hint: Any = Any) -> Any:
     raise TypeError(f"no JSON form for {type(value).__name__}")
 
 
-def from_json(hint: Any, data: Any) -> Any:
-    """The value ``to_json(value, hint)`` wrote."""
+def from_json(hint: object, data: Any) -> Any:
+    """The value ``to_json(value, hint)`` wrote (``data``: JSON as read, unchecked: a malformed report fails here
+    with TypeError/KeyError, which ``Report.from_dict`` turns into one line; the value: what ``hint`` names)."""
     if isinstance(data, dict):
         tagged = _tagged(data)
         if tagged is not _UNTAGGED:
@@ -100,8 +105,8 @@ def from_json(hint: Any, data: Any) -> Any:
 _UNTAGGED = object()
 
 
-def _tagged(data: dict[str, Any]) -> Any:
-    """A tagged value's own decoding, or _UNTAGGED."""
+def _tagged(data: dict[str, Any]) -> object:
+    """A tagged value's own decoding, or _UNTAGGED (``data``: as read, unchecked, as ``from_json``'s)."""
     if TYPE in data:
         return _build(_resolve(data[TYPE]), data)
     if "__fraction__" in data:
@@ -115,20 +120,20 @@ def _tagged(data: dict[str, Any]) -> Any:
     if "__sympy__" in data:
         return _sympy(data["__sympy__"])
     if "__object__" in data:
-        obj: Any = object.__new__(_resolve(data["__object__"]))
+        obj: object = object.__new__(_resolve(data["__object__"]))
         obj.__dict__.update(from_json(dict[str, Any], data["state"]))
         return obj
     return _UNTAGGED
 
 
-def _build(cls: type, data: dict[str, Any]) -> Any:
+def _build(cls: type, data: dict[str, Any]) -> object:
     hints = _hints(cls)
     values = {f.name: from_json(hints.get(f.name, Any), data[f.name])
               for f in dataclasses.fields(cls) if f.init and f.name in data}
     return cls(**values)
 
 
-def _sympy(text: str) -> Any:
+def _sympy(text: str) -> sympy.Basic:
     import sympy  # only when a formula is read back
 
     if not _SYMPY_TEXT.match(text) or _CALL.search(text):
@@ -144,7 +149,7 @@ def _resolve(name: str) -> type:
     module, _, qual = str(name).partition(":")
     if not (module == "graphmem" or module.startswith("graphmem.")) or not qual:
         raise UsageError(f"a saved report names {name!r}, not a graphmem class; write it with Report.to_dict()")
-    obj: Any = importlib.import_module(module)
+    obj: object = importlib.import_module(module)
     for part in qual.split("."):
         obj = getattr(obj, part, None)
     if not isinstance(obj, type):
@@ -153,7 +158,7 @@ def _resolve(name: str) -> type:
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
+def _hints(cls: type) -> dict[str, object]:
     """The dataclass's field types, evaluated; a field whose type names what its module imports
     only for type checking is Any (its value carries its own ``__type__``)."""
     try:
@@ -161,7 +166,7 @@ def _hints(cls: type) -> dict[str, Any]:
     except (NameError, TypeError):
         pass
     space = {**vars(typing), **vars(sys.modules[cls.__module__])}
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for f in dataclasses.fields(cls):
         try:
             out[f.name] = eval(f.type, space) if isinstance(f.type, str) else f.type  # noqa: S307 (annotations)
@@ -170,7 +175,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return out
 
 
-def _concrete(hint: Any) -> Any:
+def _concrete(hint: object) -> object:
     """The one class a declared type names (Optional[X] -> X), else None."""
     if typing.get_origin(hint) in (Union, types.UnionType):
         kinds = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -178,26 +183,26 @@ def _concrete(hint: Any) -> Any:
     return hint if isinstance(hint, type) else None
 
 
-def _args(hint: Any, i: int) -> Any:
+def _args(hint: object, i: int) -> object:
     args = typing.get_args(_concrete_generic(hint))
     return args[i] if len(args) > i else Any
 
 
-def _element(hint: Any, i: int) -> Any:
+def _element(hint: object, i: int) -> object:
     args = typing.get_args(_concrete_generic(hint))
     if len(args) == 2 and args[1] is Ellipsis:
         return args[0]
     return args[i] if i < len(args) else (args[0] if len(args) == 1 else Any)
 
 
-def _concrete_generic(hint: Any) -> Any:
+def _concrete_generic(hint: object) -> object:
     if typing.get_origin(hint) in (Union, types.UnionType):
         kinds = [a for a in typing.get_args(hint) if a is not type(None)]
         return kinds[0] if len(kinds) == 1 else Any
     return hint
 
 
-def field_types(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, object]:
     """A dataclass's field types, evaluated (what ``from_json`` rebuilds its fields as)."""
     return dict(_hints(cls))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence, Union
 
 from graphmem.capture.target import CARD, memory_limit
 from graphmem.errors import GraphmemError, UsageError, no_source
@@ -32,7 +32,11 @@ from graphmem.step.recapture import Recapture
 from graphmem.stepgraph import StepGraph
 from graphmem.training.spec import StepBudget
 
-Tick = Optional[Callable[[], Any]]
+if TYPE_CHECKING:
+    from graphmem.advise import Advice
+
+Tick = Optional[Callable[[], None]]  # a progress callback, called once per capture
+Memory = Union[int, str, None]  # bytes, a size such as "80GiB", or "gpu" / None: the CUDA target card's capacity
 
 
 @dataclass
@@ -111,7 +115,7 @@ class Analysis(Report):
                                 source.base_shape, window, checks, d_model=d_model, n_heads=n_heads)
 
     @quiet
-    def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Tick = None,
+    def fit(self, memory: Memory, seq: Optional[int] = None, batch: Optional[int] = None, tick: Tick = None,
             figure: Optional[str] = None) -> FitAnswer:
         """The largest batch (at sequence length ``seq``, default: this report's) or, given
         ``batch``, the largest sequence length whose peak fits in ``memory`` (bytes or a string
@@ -177,12 +181,12 @@ class Analysis(Report):
         return dataclasses.replace(a, value=good, figure=figure, figure_bytes=value_at(good) if good else None,
                                    figure_above=value_at(good + 1), tensors_value=a.value)
 
-    def max_batch(self, memory: Any, seq: Optional[int] = None) -> int:
+    def max_batch(self, memory: Memory, seq: Optional[int] = None) -> int:
         """Largest batch size whose predicted peak fits in ``memory``, e.g. ``max_batch("80GiB", seq=1024)``."""
         return int(self.fit(memory, seq=seq).value)
 
     @quiet
-    def sweep(self, batches: Any, seqs: Any, tick: Tick = None) -> Sweep:
+    def sweep(self, batches: Iterable[int], seqs: Iterable[int], tick: Tick = None) -> Sweep:
         """Activation and peak bytes over a grid of (batch, seq) from the exact formulas, with
         the first point spot-checked by a capture: a graphmem.formula.Sweep."""
         return sweep_formula(self.recapture, list(batches), list(seqs), tick)
@@ -193,7 +197,7 @@ class Analysis(Report):
         """graphmem.planning.Planner for the model's chain of blocks (measured once, a few captures)."""
         return self.planner_for(False)
 
-    def planner_for(self, selective: Any = False) -> Planner:
+    def planner_for(self, selective: Union[bool, int, None] = False) -> Planner:
         """The planner for ``selective`` (False: plain; True: LEVELS levels; an int: that many), measured once."""
         if self.source is None:  # one rank's step: say what to do before measuring
             raise no_source(self.sharding)
@@ -207,13 +211,14 @@ class Analysis(Report):
             self.answers.planners[count] = Planner(self) if count == 0 else SelectivePlanner(self, self.planner, count)
         return self.answers.planners[count]
 
-    def _card(self, budget: Any) -> Any:
+    def _card(self, budget: Memory) -> Memory:
         """``budget="gpu"``: the CUDA target card's capacity in bytes (graphmem/capture/target.py ``CAPACITY``)."""
         return memory_limit(budget, self.target, "budget") if isinstance(budget, str) and \
             budget.strip().lower() == CARD else budget
 
     @quiet
-    def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False,
+    def plan(self, budget: Memory = None, max_overhead: Union[float, str, None] = None,
+             selective: Union[bool, int, None] = False,
              figure: Optional[str] = None) -> CheckpointPlan:
         """The checkpoint plan (graphmem.planning.CheckpointPlan) with the fewest recompute FLOPs
         whose predicted peak fits ``budget`` (bytes or "40GiB"), or the lowest-peak plan whose
@@ -234,7 +239,8 @@ class Analysis(Report):
         return plan_within(self, p, limit, figure_of(self, figure))[0]
 
     @quiet
-    def plans(self, budget: Any = None, max_overhead: Any = None, points: int = 50, selective: Any = False,
+    def plans(self, budget: Memory = None, max_overhead: Union[float, str, None] = None, points: int = 50,
+              selective: Union[bool, int, None] = False,
               figure: Optional[str] = None) -> PlanSummary:
         """graphmem.planning.PlanSummary: the chosen plan (if a limit is given), the baselines beside
         graphmem's plan at their own peak, and the Pareto frontier; ``report.keeping(plans=...)``
@@ -250,8 +256,8 @@ class Analysis(Report):
         return dataclasses.replace(summarize(p, inner, None, points=points), chosen=chosen)
 
     # -- what to change (graphmem/advise) and compiled mode's budget knob
-    def advise(self, memory: Any, ranks: int = 8, lora_rank: int = 16, tick: Tick = None, combine: bool = False,
-               figure: Optional[str] = None) -> Any:
+    def advise(self, memory: Memory, ranks: int = 8, lora_rank: int = 16, tick: Tick = None, combine: bool = False,
+               figure: Optional[str] = None) -> Advice:
         """What to change so the step's peak fits ``memory`` (bytes or "80GiB"): a
         graphmem.advise.Advice, its levers ranked, each lever's peak a capture of the changed
         step, and the cheapest lever or combination that fits (``advice.answer``). ``ranks``:
@@ -268,7 +274,7 @@ class Analysis(Report):
 
         return advise(self, memory, ranks, lora_rank, tick, combine, figure)
 
-    def memory_budgets(self, values: Any, tick: Tick = None) -> BudgetSweep:
+    def memory_budgets(self, values: Union[str, float, Sequence[float]], tick: Tick = None) -> BudgetSweep:
         """Compiled mode: the step at each value of torch.compile's activation memory budget
         (``torch._functorch.config.activation_memory_budget``, 0 to 1), each partitioned by the
         real min-cut partitioner: a graphmem.passes.memory_budget.BudgetSweep (saved bytes, peak,
