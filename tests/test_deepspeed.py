@@ -25,6 +25,9 @@ BUCKETS = {"reduce_bucket_size": 10000, "allgather_bucket_size": 10000}  # (Deep
       "params": {"warmup_num_steps": "auto"}}}, "\"auto\" for `scheduler.params.warmup_num_steps`"),
     ("/nonexistent/ds_config.json", "does not exist"),
     ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, "`fp16.enabled`"),  # (this CPU: no oneDNN fp16)
+    ({"bf16": True, "zero_optimization": {"stage": 2}}, "`bf16` must be an object"),
+    ({"optimizer": "adamw"}, "`optimizer` must be an object"),
+    ({"zero_optimization": {"stage": 3, "offload_param": "cpu"}}, "`zero_optimization.offload_param` must be an object"),
 ])
 def test_bad_configs_are_one_line_errors(config: object, message: str) -> None:
     with pytest.raises(UsageError, match=None) as e:

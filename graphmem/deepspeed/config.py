@@ -137,15 +137,24 @@ def _load(config: object) -> dict[str, Any]:
         return loaded
     raise UsageError(f"`deepspeed` takes a config dict or a JSON path, not {type(config).__name__}")
 
+_OBJECTS = (("zero_optimization", '{"stage": 2}'), ("bf16", '{"enabled": true}'), ("fp16", '{"enabled": true}'),
+            ("optimizer", '{"type": "AdamW", "params": {"lr": 1e-3}}'), ("scheduler", '{"type": "WarmupLR"}'),
+            ("activation_checkpointing", '{"partition_activations": false}'))
+
+
 def _check_keys(c: dict[str, Any]) -> None:
     for key in c:
         if key not in _SECTIONS:
             close = difflib.get_close_matches(key, sorted(_SECTIONS), n=1)
             raise UsageError(f"unknown DeepSpeed config key {key!r}" + (f": did you mean {close[0]!r}?" if close else
                              " (DeepSpeed would ignore it): remove it"))
+    for section, example in _OBJECTS:  # (DeepSpeed's pydantic models take these as objects only)
+        if section in c and not isinstance(c[section], dict):
+            raise UsageError(f"DeepSpeed's `{section}` must be an object, e.g. {example}, not {c[section]!r}")
+    for part in ("offload_optimizer", "offload_param"):
+        if not isinstance(c.get("zero_optimization", {}).get(part) or {}, dict):
+            raise UsageError(f"DeepSpeed's `zero_optimization.{part}` must be an object, e.g. {{\"device\": \"cpu\"}}")
     zero = c.get("zero_optimization", {})
-    if not isinstance(zero, dict):
-        raise UsageError("DeepSpeed's `zero_optimization` must be an object, e.g. {\"stage\": 2}")
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise UsageError(f"ZeRO stage {stage!r} does not exist: `zero_optimization.stage` is 0, 1, 2 or 3")
