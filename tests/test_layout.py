@@ -363,3 +363,31 @@ def test_no_function_is_over_sixty_lines() -> None:
                         and node.end_lineno - node.lineno + 1 > 60:
                     long.append(f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long, f"functions over 60 lines: {long}"
+
+
+def _mentions_any(annotation: ast.expr) -> bool:
+    return any((isinstance(n, ast.Name) and n.id == "Any") or (isinstance(n, ast.Attribute) and n.attr == "Any")
+               or (isinstance(n, ast.Constant) and isinstance(n.value, str) and re.search(r"\bAny\b", n.value))
+               for n in ast.walk(annotation))
+
+
+def test_any_annotations_stay_halved() -> None:
+    """Issue 37: the annotations that mention ``Any`` (a parameter's, a return's or a variable's, ``Any`` anywhere
+    in it: ``dict[str, Any]``, ``Callable[..., Any]``) in graphmem/, passes/ and models/ halved: 1,007 at 60cf9d6
+    by this count, at most 500 now. Where a type is not known, say what is: a Protocol, a TYPE_CHECKING import,
+    the JSON alias (graphmem/jsontypes.py)."""
+    total = with_any = 0
+    for folder in PACKAGES.values():
+        for path in folder.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                annotations: list[ast.expr] = []
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    a = node.args
+                    params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *(x for x in (a.vararg, a.kwarg) if x)]
+                    annotations = [p.annotation for p in params if p.annotation is not None]
+                    annotations += [node.returns] if node.returns is not None else []
+                elif isinstance(node, ast.AnnAssign):
+                    annotations = [node.annotation]
+                total += len(annotations)
+                with_any += sum(_mentions_any(x) for x in annotations)
+    assert with_any <= 500, f"{with_any} of {total} annotations mention Any (at most 500)"
