@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from graphmem.capture.values import Values
 from graphmem.distributed.pipeline_stages import (
     Layout,
     Pipeline,
+    StageModule,
     block_inputs,
     build_schedule,
     make_pipeline,
@@ -61,13 +62,11 @@ from graphmem.training.optim import resolved_impl
 from graphmem.training.step import LossFn
 
 if TYPE_CHECKING:
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
+    from graphmem.distributed.pipeline_stages import Schedule
     from graphmem.passes.liveness import Liveness
     from graphmem.passes.saved import SavedSet
-
-    Schedule = Union[PipelineScheduleSingle, PipelineScheduleMulti]  # what build_schedule makes
 
 
 class _Held:
@@ -202,7 +201,7 @@ class _Stage:
     tensors its code reads (``root_state``), the stage's optimizer session and the batch."""
 
     schedule: Schedule
-    stages: list[PipelineStage]
+    stages: list[_PipelineStageBase]
     own: nn.ModuleList
     state: dict[str, torch.Tensor]
     fakes: dict[str, torch.Tensor]
@@ -233,10 +232,17 @@ def _built(model: nn.Module, inputs: Inputs, loss: Optional[LossFn], plan: Pipel
         session = Session(dataclasses.replace(train, micro_batches=1), fakes, target.device) \
             if train is not None and train.optimizer is not None else None
         root_state = {name: state[f"{k}.{attr}"] for k, s in enumerate(stages)  # the model's code reads them
-                      for attr, name in s.submod.parent_tensors.items()}
+                      for attr, name in _parent_tensors(s).items()}
         if any(s.is_first or s.is_last for s in stages):
             cap.preexisting(batch, "input", "input")
     return _Stage(schedule, stages, own, state, fakes, param_sid, session, root_state, batch, consts)
+
+
+def _parent_tensors(stage: _PipelineStageBase) -> dict[str, str]:
+    """The stage's StageModule's ``parent_tensors`` (build_schedule's stages each run one)."""
+    mod = stage.submod
+    assert isinstance(mod, StageModule)
+    return mod.parent_tensors
 
 
 def _run_stage(rec: Recording, model: nn.Module, stage: _Stage) -> tuple[list[int], Optional[int]]:
@@ -338,13 +344,13 @@ def _phases(cap: _Recorder, schedule: Any, stages: list[Any], segments: list[Seg
     for st in stages:
         fwd, bwd = st.forward_one_chunk, st.backward_one_chunk
 
-        def forward_one_chunk(mb: int, *a: object, _f: Callable[..., object] = fwd, _s: PipelineStage = st,
+        def forward_one_chunk(mb: int, *a: object, _f: Callable[..., object] = fwd, _s: _PipelineStageBase = st,
                               **k: object) -> object:
             mark("forward", _s.stage_index, mb)
             with context():
                 return _f(mb, *a, **k)
 
-        def backward_one_chunk(mb: int, *a: object, _f: Callable[..., object] = bwd, _s: PipelineStage = st,
+        def backward_one_chunk(mb: int, *a: object, _f: Callable[..., object] = bwd, _s: _PipelineStageBase = st,
                                **k: object) -> object:
             mark("backward", _s.stage_index, mb)
             return _f(mb, *a, **k)
