@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from graphmem.jsontypes import JSON
 from graphmem.passes.saved import SavedSet
 from graphmem.stepgraph import StepGraph
 
@@ -51,7 +52,7 @@ class ModeComparison:
     def recomputed_flops(self) -> int:
         return sum(r.flops for r in self.recomputed)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         """JSON-ready: exact integers."""
         return {
             "eager_activation_bytes": self.eager_bytes,

@@ -14,18 +14,18 @@ PACKAGES = {"graphmem": ROOT / "graphmem", "graphmem.passes": ROOT / "passes", "
 
 # what each layer may import (besides itself); the top-level modules are named by file
 LAYERS: dict[str, set[str]] = {
-    "errors": set(), "units": {"errors"}, "stepgraph": {"errors"}, "chains": set(),
+    "errors": set(), "jsontypes": set(), "units": {"errors"}, "stepgraph": {"errors"}, "chains": set(),
     "analysis": {"errors", "stepgraph", "passes"},
     "fake_group": {"errors"},  # torch's fake process group, opened by training/ (DDP) and distributed/
     "training": {"errors", "units", "stepgraph", "chains", "passes", "fake_group"},
     "oprules": set(),  # per-op rules (graphmem/oprules/): below the capture and the passes that read them
-    "passes": {"errors", "stepgraph", "oprules"},
+    "passes": {"errors", "jsontypes", "stepgraph", "oprules"},
     "models": set(),
     "capture": {"errors", "units", "stepgraph", "chains", "training", "models", "oprules"},
-    "distributed": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "models", "fake_group"},
-    "formula": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "analysis", "noise"},
+    "distributed": {"errors", "jsontypes", "units", "stepgraph", "chains", "passes", "capture", "training", "models", "fake_group"},
+    "formula": {"errors", "jsontypes", "units", "stepgraph", "chains", "passes", "capture", "training", "analysis", "noise"},
     "titan": {"errors", "capture", "distributed", "stepgraph", "training", "fake_group"},  # a torchtitan job's rank, captured
-    "deepspeed": {"errors", "capture", "distributed", "stepgraph", "training", "passes", "fake_group", "units"},
+    "deepspeed": {"errors", "jsontypes", "capture", "distributed", "stepgraph", "training", "passes", "fake_group", "units"},
     # the step as a value (spec), its capture (measure) and its captures at other settings (recapture)
     "step": {"errors", "stepgraph", "capture", "formula", "training", "passes", "distributed", "titan", "deepspeed"},
     # what a user hands graphmem, as a StepSpec: a Trainer, a torchtitan job
@@ -36,9 +36,9 @@ LAYERS: dict[str, set[str]] = {
     "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "step",
                "losses", "models", "distributed", "chains", "analysis", "deepspeed"},
     # the Report, its JSON and compare
-    "report": {"errors", "stepgraph", "passes", "formula", "planning", "advise", "capture", "training", "step",
+    "report": {"errors", "jsontypes", "stepgraph", "passes", "formula", "planning", "advise", "capture", "training", "step",
                "noise", "analysis"},
-    "render": {"errors", "units", "stepgraph", "passes", "report", "planning", "formula", "training",
+    "render": {"errors", "jsontypes", "units", "stepgraph", "passes", "report", "planning", "formula", "training",
                "validation", "advise"},
     "api": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "report",
             "distributed", "step", "frontends", "titan", "noise"},
@@ -46,7 +46,7 @@ LAYERS: dict[str, set[str]] = {
                    "distributed", "noise"},  # per-rank validate runs the same wrappers for real (graphmem/validation/ranks.py)
     "ci": {"errors", "units", "api", "report", "render", "training", "capture"},
     "noise": set(),  # third-party warnings and logs silenced at the front doors (api, validation, cli)
-    "cli": {"errors", "units", "api", "report", "render", "capture", "training", "formula", "planning",
+    "cli": {"errors", "jsontypes", "units", "api", "report", "render", "capture", "training", "formula", "planning",
             "validation", "models", "advise", "distributed", "step", "frontends", "titan", "noise"},
     "__init__": {"api", "capture", "ci", "errors", "report", "stepgraph", "validation", "step", "frontends"},
 }

@@ -45,10 +45,10 @@ from graphmem.capture.values import Values
 from graphmem.distributed.pipeline_stages import (
     Layout,
     Pipeline,
-    StageModule,
     block_inputs,
     build_schedule,
     make_pipeline,
+    parent_tensors,
     probe,
     run_model,
     run_schedule,
@@ -232,17 +232,10 @@ def _built(model: nn.Module, inputs: Inputs, loss: Optional[LossFn], plan: Pipel
         session = Session(dataclasses.replace(train, micro_batches=1), fakes, target.device) \
             if train is not None and train.optimizer is not None else None
         root_state = {name: state[f"{k}.{attr}"] for k, s in enumerate(stages)  # the model's code reads them
-                      for attr, name in _parent_tensors(s).items()}
+                      for attr, name in parent_tensors(s).items()}
         if any(s.is_first or s.is_last for s in stages):
             cap.preexisting(batch, "input", "input")
     return _Stage(schedule, stages, own, state, fakes, param_sid, session, root_state, batch, consts)
-
-
-def _parent_tensors(stage: _PipelineStageBase) -> dict[str, str]:
-    """The stage's StageModule's ``parent_tensors`` (build_schedule's stages each run one)."""
-    mod = stage.submod
-    assert isinstance(mod, StageModule)
-    return mod.parent_tensors
 
 
 def _run_stage(rec: Recording, model: nn.Module, stage: _Stage) -> tuple[list[int], Optional[int]]:

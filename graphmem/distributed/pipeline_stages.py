@@ -20,6 +20,7 @@ from graphmem.capture.fakes import Inputs, fake_batch, fake_state
 from graphmem.capture.hf_paths import real_paths
 from graphmem.chains import Chain, find_chain
 from graphmem.errors import UsageError
+from graphmem.jsontypes import JSON
 from graphmem.training.step import LossFn, default_loss
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class Pipeline:
         """The report's scope: which rank, under which schedule (the first line of every view)."""
         return f"pipeline rank {self.rank} of {self.pp}, {self.schedule} schedule, {self.micro_batches} micro-batches"
 
-    def to_dict(self) -> dict[str, Union[str, int, list[int]]]:
+    def to_dict(self) -> dict[str, JSON]:
         return {"kind": "pipeline", "pp": self.pp, "rank": self.rank, "schedule": self.schedule,
                 "micro_batches": self.micro_batches, "stages": list(self.stages)}
 
@@ -163,6 +164,13 @@ class StageModule(nn.Module):
         for m in self.post:
             h = _first(m(h))
         return h
+
+
+def parent_tensors(stage: _PipelineStageBase) -> dict[str, str]:
+    """The stage's StageModule's ``parent_tensors`` (build_schedule's stages each run one)."""
+    mod = stage.submod
+    assert isinstance(mod, StageModule)
+    return mod.parent_tensors
 
 
 def probe(model: nn.Module, batch: Inputs, micro_batches: int, dtype: Optional[torch.dtype] = None,
