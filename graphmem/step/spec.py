@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     from torchtitan.trainer import Trainer as TitanTrainer
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
+# a batch as the user gives it: what graphmem/training/batch.py as_batch reads (a BatchEncoding is a Mapping)
+UserInputs = Union[torch.Tensor, tuple, list, Mapping[str, object], Batch]
 
 
 @dataclass(frozen=True)
@@ -298,7 +300,7 @@ def _loaded(model: object, target: Target, hf: Optional[HFOptions]) -> tuple[Loa
     return Loaded(type(model).__name__, model, hf_batch, None, batch_settings=settings), None
 
 
-def _inputs(loaded: Loaded, inputs: Optional[Batchlike], input_shape: Union[str, tuple, list, None]) -> Inputs:
+def _inputs(loaded: Loaded, inputs: Optional[UserInputs], input_shape: Union[str, tuple, list, None]) -> Inputs:
     if inputs is None:
         if input_shape is None:
             raise UsageError("no inputs: pass example inputs or `input_shape='32x1024'`")
@@ -324,7 +326,7 @@ def spec_keywords() -> frozenset[str]:
     return frozenset((*own, *TARGET_OPTIONS, *PARALLEL_OPTIONS, "qlora", *loop))
 
 
-def make_spec(model: ModelLike, inputs: Optional[Batchlike] = None, *, input_shape: Union[str, tuple, list, None] = None,
+def make_spec(model: ModelLike, inputs: Optional[UserInputs] = None, *, input_shape: Union[str, tuple, list, None] = None,
               loss: Optional[LossFn] = None, target: Optional[Target] = None, training: Optional[Training] = None,
               parallel: Optional[Parallelism] = None, reuse: bool = True, hf: Optional[HFOptions] = None,
               **options: Any) -> StepSpec:
