@@ -41,7 +41,6 @@ are one number, not split by unit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from graphmem.jsontypes import JSON
 from graphmem.passes.budget import Budget, later_steps_peak_at
@@ -103,7 +102,7 @@ def unit_of(path: str, units: tuple[str, ...]) -> str:
 def _arg_sids(op: OpNode) -> list[int]:
     out: list[int] = []
 
-    def walk(a: Any) -> None:
+    def walk(a: object) -> None:
         if isinstance(a, OpNode):
             out.append(a.meta["storage"] if "storage" in a.meta else -1)
         elif isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], OpNode):
