@@ -27,7 +27,7 @@ import dataclasses
 import inspect
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, TypedDict, Union
 
 import torch
 import torch.nn as nn
@@ -52,6 +52,8 @@ from graphmem.training.spec import Training, make_training
 from graphmem.training.step import LossFn
 
 if TYPE_CHECKING:
+    from typing import Unpack  # (Python 3.11; graphmem runs on 3.10)
+
     from torchtitan.trainer import Trainer as TitanTrainer
 
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
@@ -189,6 +191,19 @@ class Inputs:
         return Inputs(self.make, tuple(shape), settings=self.settings)
 
 
+class SpecChanges(TypedDict, total=False):
+    """StepSpec's fields, as ``StepSpec.replace`` takes them."""
+
+    name: str
+    module: nn.Module
+    inputs: Inputs
+    loss: Optional[LossFn]
+    target: Target
+    training: Training
+    parallel: Parallelism
+    reuse: bool
+
+
 @dataclass(frozen=True)
 class StepSpec:
     """One training step, as the user's loop runs it."""
@@ -209,7 +224,7 @@ class StepSpec:
     def shape(self) -> tuple[int, ...]:
         return self.inputs.shape
 
-    def replace(self, **changes: Any) -> "StepSpec":
+    def replace(self, **changes: Unpack[SpecChanges]) -> "StepSpec":
         return dataclasses.replace(self, **changes)
 
     def with_train(self, **changes: Any) -> "StepSpec":
