@@ -119,7 +119,7 @@ def units_entered(cap: _Recorder, compiled: bool) -> Iterator[None]:
         entered.append(fresh)
         return kept_pre(group, module, args, kwargs)
 
-    def post_forward(group: FSDPParamGroup, module: nn.Module, input: object, output: object) -> object:
+    def post_forward(group: FSDPParamGroup, module: nn.Module, input: tuple[object, ...], output: object) -> object:
         if entered.pop():  # (left before the reshard, as graphmem's post hook runs before FSDP2's)
             cap.post_hook(module, input, output)
         return kept_post(group, module, input, output)
