@@ -8,7 +8,7 @@ applied); a report read back from JSON has none of them.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
 from graphmem.errors import UsageError
 
@@ -66,13 +66,13 @@ class AnalysisView(Protocol):
     @property
     def source(self) -> Any: ...  # graphmem.step.recapture.Recapture (recapture sits above formula and planning)
 
-    def fit(self, memory: Any, seq: Optional[int] = None, batch: Optional[int] = None, tick: Any = None,
-            figure: Optional[str] = None) -> Any:
+    def fit(self, memory: Union[int, str, None], seq: Optional[int] = None, batch: Optional[int] = None,
+            tick: Optional[Callable[[], None]] = None, figure: Optional[str] = None) -> Any:
         """graphmem.formula.FitAnswer (Analysis.fit)."""
         ...
 
-    def plan(self, budget: Any = None, max_overhead: Any = None, selective: Any = False,
-             figure: Optional[str] = None) -> Any:
+    def plan(self, budget: Union[int, str, None] = None, max_overhead: Union[float, str, None] = None,
+             selective: Union[bool, int, None] = False, figure: Optional[str] = None) -> Any:
         """graphmem.planning.CheckpointPlan (Analysis.plan)."""
         ...
 

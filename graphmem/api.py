@@ -14,14 +14,14 @@ from graphmem.passes.device_rows import NAMES, check_overrides
 from graphmem.report.live import Analysis
 from graphmem.step.measure import Measured, measure, step_graph
 from graphmem.step.recapture import Recapture
-from graphmem.step.spec import ModelLike, Single, StepSpec
+from graphmem.step.spec import ModelLike, Single, StepSpec, UserInputs
 from graphmem.stepgraph import StepGraph
 from graphmem.units import parse_bytes
 
 
 @quiet  # third-party warnings about graphmem's own work, not the user's step (graphmem/noise.py)
-def analyze(model: Union[ModelLike, StepSpec], inputs: Any = None, *, overheads: Optional[dict[str, Any]] = None,
-            **options: Any) -> Analysis:
+def analyze(model: Union[ModelLike, StepSpec], inputs: Optional[UserInputs] = None, *,
+            overheads: Optional[dict[str, Any]] = None, **options: Any) -> Analysis:
     """Analyze one training step (forward, loss, backward) on fake tensors.
 
     ``model`` is a transformers ``Trainer`` (its own step: graphmem/frontends/trainer.py; the batch its

@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 import torch
 from tabulate import tabulate
 
-from graphmem.api import ModelLike, analyze
+from graphmem.api import ModelLike, UserInputs, analyze
 from graphmem.errors import UsageError
 from graphmem.render.compare import render_comparison
 from graphmem.render.text import _module
@@ -43,7 +43,7 @@ def _contributors(report: Report, top: int) -> list[str]:
 
 def assert_activation_bytes(
     model: ModelLike,
-    inputs: Any = None,
+    inputs: Optional[UserInputs] = None,
     *,
     max_bytes: Union[int, str],
     loss: Optional[LossFn] = None,
@@ -82,7 +82,7 @@ def assert_activation_bytes(
     raise AssertionError("\n".join(lines))
 
 
-def assert_peak_bytes(model: ModelLike, inputs: Any = None, *, max_bytes: Union[int, str], figure: Optional[str] = None,
+def assert_peak_bytes(model: ModelLike, inputs: Optional[UserInputs] = None, *, max_bytes: Union[int, str], figure: Optional[str] = None,
                       top: int = 5, **options: Any) -> Report:
     """Assert that the run's ``figure`` stays within ``max_bytes``: "allocated" (what
     ``torch.cuda.max_memory_allocated()`` reads after a few steps), "reserved" or "device" (the device

@@ -64,7 +64,7 @@ def chunked_head_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tens
 
 
 def _chunked(hidden: torch.Tensor, targets: torch.Tensor, chunk: int, ignore_index: int,
-             fn: Callable[..., torch.Tensor], *head: Any) -> torch.Tensor:
+             fn: Callable[..., torch.Tensor], *head: Optional[torch.Tensor]) -> torch.Tensor:
     """``fn(hidden chunk, *head, target chunk, ignore_index)`` summed over the chunks (each checkpointed), over the
     number of targets."""
     if chunk < 1:
@@ -104,7 +104,7 @@ class ChunkedCausalLM(HeadOutside):
         model.set_output_embeddings(nn.Identity())
         self.model = model
 
-    def forward(self, labels: torch.Tensor, **batch: Any) -> torch.Tensor:
+    def forward(self, labels: torch.Tensor, **batch: object) -> torch.Tensor:
         hidden = self.model(**batch).logits  # the identity head: (b, s, d) hidden states
         # transformers' ForCausalLMLoss (loss/loss_utils.py): pad the labels with ignore_index, shift by one
         shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]

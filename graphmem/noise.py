@@ -35,9 +35,10 @@ import re
 import sys
 import threading
 import warnings
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Callable, Iterator, ParamSpec, TypeVar
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # top-level packages whose warnings and logs are not about the user's step
 THIRD_PARTY = ("torch", "torchtitan", "torchao", "transformers", "peft", "accelerate", "bitsandbytes",
@@ -94,15 +95,15 @@ def quiet_third_party() -> Iterator[None]:
                 logging.Logger.callHandlers = _call_handlers  # type: ignore[method-assign]
 
 
-def quiet(fn: F) -> F:
+def quiet(fn: Callable[P, R]) -> Callable[P, R]:
     """``fn`` run inside ``quiet_third_party()``: for the library's front doors."""
 
     @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> R:
         with quiet_third_party():
             return fn(*args, **kwargs)
 
-    return wrapped  # type: ignore[return-value]
+    return wrapped
 
 
 __all__ = ["quiet", "quiet_third_party", "is_noise", "THIRD_PARTY"]

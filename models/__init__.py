@@ -8,17 +8,20 @@ package only indexes them so callers can write ``build("llama-2-7b")``.
 
 import dataclasses
 from types import ModuleType
-from typing import Any
+from typing import Any, Union
 
 import torch.nn as nn
 
 from graphmem.models import gpt2, llama, mlp, resnet
 
+# a family's config dataclass
+Config = Union[gpt2.GPTConfig, llama.LlamaConfig, mlp.MLPConfig, resnet.ResNetConfig]
+
 FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "mlp": mlp, "resnet": resnet}
 
 
-def _collect_presets() -> dict[str, tuple[str, Any]]:
-    presets: dict[str, tuple[str, Any]] = {}
+def _collect_presets() -> dict[str, tuple[str, Config]]:
+    presets: dict[str, tuple[str, Config]] = {}
     for family, module in FAMILIES.items():
         for name, config in module.PRESETS.items():
             if name in presets:  # a silent shadowing would make build() ambiguous
@@ -28,14 +31,14 @@ def _collect_presets() -> dict[str, tuple[str, Any]]:
 
 
 # preset name -> (family name, config)
-PRESETS: dict[str, tuple[str, Any]] = _collect_presets()
+PRESETS: dict[str, tuple[str, Config]] = _collect_presets()
 
 
 def preset_names() -> list[str]:
     return list(PRESETS)
 
 
-def _lookup(name: str) -> tuple[str, Any]:
+def _lookup(name: str) -> tuple[str, Config]:
     try:
         return PRESETS[name]
     except KeyError:
@@ -47,12 +50,12 @@ def family_of(name: str) -> ModuleType:
     return FAMILIES[_lookup(name)[0]]
 
 
-def config_of(name: str, **overrides: Any) -> Any:
+def config_of(name: str, **overrides: Any) -> Config:  # (the config's own fields)
     """The preset's config with ``overrides`` applied (the stored preset is not modified)."""
     return dataclasses.replace(_lookup(name)[1], **overrides)
 
 
-def build(name: str, **overrides: Any) -> nn.Module:
+def build(name: str, **overrides: object) -> nn.Module:
     """Construct preset ``name`` on the current default device, e.g. inside ``torch.device("meta")``."""
     return family_of(name).build(config_of(name, **overrides))
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from graphmem.errors import PassError
 from graphmem.stepgraph import StepGraph, Storage
@@ -64,7 +64,7 @@ _ADDRESS_SPACE = 1 << 50  # virtual size of an expandable segment: "bigger than 
 
 # ("alloc", id, nbytes) | ("alloc", id, nbytes, stream) | ("free", id, 0); an id is any hashable, a
 # stream any name ("default" when left out)
-Event = tuple[Any, ...]
+Event = Union[tuple[str, object, int], tuple[str, object, int, str]]  # (kind, id, nbytes[, stream])
 DEFAULT_STREAM = "default"
 _FREE, _USED, _UNMAPPED = 0, 1, 2
 
@@ -248,12 +248,12 @@ def simulate(events: Sequence[Event], expandable_segments: bool = False, preexis
     >>> r.max_allocated, r.max_reserved, r.timeline[-1]
     (1536, 2097152, (1024, 2097152))
     """
-    sims: dict[Any, _Allocator] = {}
-    live: dict[object, tuple[Optional[_Block], bool, Any]] = {}
+    sims: dict[str, _Allocator] = {}  # by stream
+    live: dict[object, tuple[Optional[_Block], bool, str]] = {}
     best = [0, 0, 0]  # max_allocated, reserved then, max_reserved
     total = [0, 0]  # allocated, reserved: summed over the streams
 
-    def alloc(key: object, nbytes: int, stream: Any) -> None:
+    def alloc(key: object, nbytes: int, stream: str) -> None:
         if key in live:
             raise PassError(f"allocator: id {key} allocated twice without a free in between")
         if nbytes < 0:

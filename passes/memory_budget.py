@@ -9,8 +9,9 @@ orders the points from the largest budget down (``budget_sweep``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
+from graphmem.jsontypes import JSON
 from graphmem.passes.liveness import Liveness
 from graphmem.passes.modes import recomputed
 from graphmem.passes.saved import SavedSet
@@ -53,7 +54,7 @@ class BudgetSweep:
         """The point with the lowest peak (the largest budget among ties: least recompute)."""
         return min(self.points, key=lambda p: (p.peak_bytes, -p.budget))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         return {"points": [{"budget": p.budget, "saved_bytes": p.saved_bytes, "peak_bytes": p.peak_bytes,
                             "peak_phase": p.peak_phase, "recomputed_ops": p.recomputed_ops,
                             "recomputed_bytes": p.recomputed_bytes, "recompute_flops": p.recompute_flops}

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from graphmem.jsontypes import JSON
 from graphmem.passes.saved import SavedSet
 from graphmem.stepgraph import StepGraph
 
@@ -51,7 +52,7 @@ class ModeComparison:
     def recomputed_flops(self) -> int:
         return sum(r.flops for r in self.recomputed)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         """JSON-ready: exact integers."""
         return {
             "eager_activation_bytes": self.eager_bytes,
@@ -69,7 +70,26 @@ class ModeComparison:
         }
 
 
-def _bytes(val: Any) -> int:
+class _Graph(Protocol):
+    """One compiled graph: graphmem/capture/compiled.py CompiledGraph."""
+
+    @property
+    def graph(self) -> torch.fx.GraphModule: ...
+
+    @property
+    def modules(self) -> dict[torch.fx.Node, str]: ...
+
+
+class CompiledSteps(Protocol):
+    """What ``recomputed`` reads of graphmem/capture/compiled.py CompiledGraphs (a StepGraph's ``compiled``)."""
+
+    @property
+    def backward(self) -> Sequence[_Graph]: ...
+
+    def paths(self, path: str) -> Iterable[str]: ...
+
+
+def _bytes(val: object) -> int:
     if isinstance(val, torch.Tensor):
         return val.numel() * val.element_size()
     if isinstance(val, (list, tuple)):
@@ -77,13 +97,13 @@ def _bytes(val: Any) -> int:
     return 0
 
 
-def _first(val: Any) -> Any:
+def _first(val: object) -> Optional[torch.Tensor]:
     if isinstance(val, (list, tuple)):
         return next((v for v in val if isinstance(v, torch.Tensor)), None)
     return val if isinstance(val, torch.Tensor) else None
 
 
-def _is_view(n: Any) -> bool:
+def _is_view(n: torch.fx.Node) -> bool:
     """The op's output aliases an input: by its schema, or (``_unsafe_view``) by its storage."""
     schema = getattr(n.target, "_schema", None)
     if schema is not None and any(r.alias_info is not None for r in schema.returns):
@@ -105,7 +125,7 @@ _SAME_AS = {
 }
 
 
-def node_flops(n: Any) -> int:
+def node_flops(n: torch.fx.Node) -> int:
     """FLOPs of one fx node by torch.utils.flop_counter's formulas, from its inputs' and output's
     fake values (``meta["val"]``); 0 when the op has no formula."""
     packet = getattr(n.target, "overloadpacket", None)
@@ -120,7 +140,7 @@ def node_flops(n: Any) -> int:
     return int(formula(*val(n.args), **{k: val(v) for k, v in n.kwargs.items()}, out_val=n.meta.get("val")))
 
 
-def recomputed(compiled: Any) -> tuple[Recomputed, ...]:
+def recomputed(compiled: CompiledSteps) -> tuple[Recomputed, ...]:
     """Forward ops the partitioner placed in the backward graphs of ``compiled``
     (graphmem.capture.compiled.CompiledGraphs), largest output first."""
     out = []

@@ -41,8 +41,8 @@ are one number, not split by unit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from graphmem.jsontypes import JSON
 from graphmem.passes.budget import Budget, later_steps_peak_at
 from graphmem.passes.liveness import Liveness
 from graphmem.passes.saved import SavedSet
@@ -83,7 +83,7 @@ class RankGap:
     def gap(self) -> int:
         return self.real_peak - self.formula_peak
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         return {"gap_bytes": self.gap, "peak_unit": self.peak_unit, "sp_gathered_bytes": self.sp_gathered,
                 "causes": [{"cause": c.key, "real_bytes": c.real, "formula_bytes": c.formula, "delta_bytes": c.delta,
                             "why": c.why, "units": [{"unit": u, "role": r, "bytes": b} for u, r, b in c.units],
@@ -102,7 +102,7 @@ def unit_of(path: str, units: tuple[str, ...]) -> str:
 def _arg_sids(op: OpNode) -> list[int]:
     out: list[int] = []
 
-    def walk(a: Any) -> None:
+    def walk(a: object) -> None:
         if isinstance(a, OpNode):
             out.append(a.meta["storage"] if "storage" in a.meta else -1)
         elif isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], OpNode):

@@ -22,13 +22,16 @@ few steps, and what ``nvidia-smi`` shows beside it (DESIGN.md, "the run's memory
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from graphmem.errors import UsageError
 from graphmem.passes.allocator import AllocatorResult, allocator, later_steps_events, simulate
 from graphmem.passes.device_rows import DeviceRow
 from graphmem.passes.later_steps import later_steps_peak
 from graphmem.stepgraph import StepGraph
+
+if TYPE_CHECKING:
+    from graphmem.passes.budget import Parallel
 
 FIGURES = ("allocated", "reserved", "device")
 
@@ -101,7 +104,7 @@ def run_memory(g: StepGraph, first_allocated: int, later_allocated: int, rows: t
                      "steps through one cache for the later steps", rows)
 
 
-def step_memory(g: StepGraph, rows: tuple[DeviceRow, ...] = (), parallel: Any = None) -> RunMemory:
+def step_memory(g: StepGraph, rows: tuple[DeviceRow, ...] = (), parallel: Optional[Parallel] = None) -> RunMemory:
     """``run_memory`` of a step captured again (a plan applied, another size), with the report's
     device ``rows``; under a per-rank formula ``parallel`` (passes/budget.py Parallel), its rank's peaks."""
     from graphmem.passes.budget import Parallel, budget

@@ -18,7 +18,7 @@ of token ids (integers; the vocab-parallel embedding needs all of them on every 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -38,7 +38,7 @@ class TPMarks:
     weights: frozenset[int]  # parameter storage ids split over the ranks
 
 
-def _sid(a: Any) -> Optional[int]:
+def _sid(a: object) -> Optional[int]:
     if isinstance(a, OpNode):
         return a.meta.get("storage")
     if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], OpNode):
@@ -47,7 +47,7 @@ def _sid(a: Any) -> Optional[int]:
     return None
 
 
-def _sids(args: Any) -> Iterator[int]:
+def _sids(args: Iterable[object]) -> Iterator[int]:
     for a in args:
         if isinstance(a, list):
             yield from _sids(a)

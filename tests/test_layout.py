@@ -19,10 +19,10 @@ LAYERS: dict[str, set[str]] = {
     "fake_group": {"errors"},  # torch's fake process group, opened by training/ (DDP) and distributed/
     "training": {"errors", "units", "stepgraph", "chains", "passes", "fake_group"},
     "oprules": set(),  # per-op rules (graphmem/oprules/): below the capture and the passes that read them
-    "passes": {"errors", "stepgraph", "oprules"},
+    "passes": {"errors", "jsontypes", "stepgraph", "oprules"},
     "models": set(),
     "capture": {"errors", "units", "stepgraph", "chains", "training", "models", "oprules"},
-    "distributed": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "models", "fake_group"},
+    "distributed": {"errors", "jsontypes", "units", "stepgraph", "chains", "passes", "capture", "training", "models", "fake_group"},
     "formula": {"errors", "jsontypes", "units", "stepgraph", "chains", "passes", "capture", "training", "analysis", "noise"},
     "titan": {"errors", "capture", "distributed", "stepgraph", "training", "fake_group"},  # a torchtitan job's rank, captured
     "deepspeed": {"errors", "jsontypes", "capture", "distributed", "stepgraph", "training", "passes", "fake_group", "units"},

@@ -25,7 +25,7 @@ and Adafactor do not run on DTensors (refused by graphmem/distributed/spec.py ma
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.nn as nn
@@ -36,7 +36,7 @@ from graphmem.capture.capture import marker
 from graphmem.capture.fakes import Inputs, fake_batch, forward_context
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recorder import _Mode, _Recorder
-from graphmem.capture.session import Recording
+from graphmem.capture.session import Hook, Recording
 from graphmem.capture.target import Target
 from graphmem.distributed.fsdp import fake_copy, local, unsharded_grads, watching
 from graphmem.distributed.process_group import fake_process_group
@@ -44,6 +44,7 @@ from graphmem.distributed.spec import Sharding
 from graphmem.distributed.tensor_parallel import step_context
 from graphmem.distributed.wrappers import apply_wrappers
 from graphmem.stepgraph import StepGraph
+from graphmem.training.batch import Batch
 from graphmem.training.loop import Session, TrainStep, relabel_accumulation
 from graphmem.training.optim import resolved_impl
 from graphmem.training.step import LossFn, default_loss, run_step
@@ -78,9 +79,9 @@ def capture_rank(model: nn.Module, inputs: Inputs, loss_fn: Optional[LossFn], ta
         return _run(rec, wrapped, fake_inputs, loss_fn, param_sid, session, sharding)
 
 
-def _run(rec: Recording, wrapped: nn.Module, fake_inputs: Any, loss_fn: Optional[LossFn], param_sid: dict[str, int],
+def _run(rec: Recording, wrapped: nn.Module, fake_inputs: Batch, loss_fn: Optional[LossFn], param_sid: dict[str, int],
          session: Optional[Session], sharding: Sharding) -> StepGraph:
-    def tagged_loss(out: Any, inputs: Any) -> torch.Tensor:
+    def tagged_loss(out: object, inputs: object) -> torch.Tensor:  # (handed on to the loss)
         loss = (loss_fn or default_loss)(out, inputs)
         if isinstance(loss, torch.Tensor):
             _tag_grad_fns(loss, "")  # the loss's nodes belong to the root
@@ -109,8 +110,8 @@ def _run(rec: Recording, wrapped: nn.Module, fake_inputs: Any, loss_fn: Optional
                          train=session.step if session is not None else None)
 
 
-def rank_placeholders(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, inputs: Any,
-                      target: Target) -> tuple[dict[str, int], Any]:
+def rank_placeholders(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, inputs: Inputs,
+                      target: Target) -> tuple[dict[str, int], Batch]:
     """Rank r's parameters and buffers (their local shards) and the fake batch as ``cap``'s placeholders,
     under ``fake_mode`` (here and graphmem/distributed/trainer_fsdp.py): the storage id of each parameter
     and buffer by name, and the batch."""
@@ -127,8 +128,8 @@ def rank_placeholders(cap: _Recorder, fake_mode: _Mode, wrapped: nn.Module, inpu
     return sids, fake_inputs
 
 
-def rank_running(rec: Recording, wrapped: nn.Module, *more: ContextManager[Any],
-                 saved: Optional[tuple[Any, Any]] = None) -> ContextManager[None]:
+def rank_running(rec: Recording, wrapped: nn.Module, *more: ContextManager[object],
+                 saved: Optional[tuple[Hook, Hook]] = None) -> ContextManager[None]:
     """What a rank's step runs under (here, graphmem/distributed/trainer_fsdp.py and graphmem/deepspeed/capture.py):
     the recording's own (graphmem/capture/session.py; ``saved``: other (pack, unpack) hooks), then transformers'
     real paths, FSDP's watched collectives and the engine's ``more``."""

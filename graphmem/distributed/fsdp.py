@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -35,12 +35,19 @@ from graphmem.chains import find_chain
 from graphmem.distributed.process_group import Meshes
 from graphmem.distributed.spec import Sharding
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPCommContext
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
 
 def fake_copy(model: nn.Module, dtype: Optional[torch.dtype]) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are fresh fake tensors (run under the
     fake mode); tied parameters stay tied, the given module is untouched and nothing real is
     copied (deepcopy's memo hands it the fake tensors)."""
-    memo: dict[int, Any] = {}
+    memo: dict[int, torch.Tensor] = {}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(_fake_like(p, torch.device("cpu"), dtype), requires_grad=p.requires_grad)
     for b in model.buffers():
@@ -118,7 +125,7 @@ def watching(cap: _Recorder) -> Iterator[None]:
 
     init_outputs = _fsdp_param.FSDPParam.init_all_gather_outputs
 
-    def init_all_gather_outputs(self: Any, *args: Any, **kwargs: Any) -> None:
+    def init_all_gather_outputs(self: FSDPParam, *args: Any, **kwargs: Any) -> None:  # (torch's own arguments)
         # over a one-rank mesh FSDP2 gathers nothing: wait_for_unshard copies each shard into these,
         # made here at their full size, the unsharded parameters' storage (_fsdp_param_group.py)
         fresh = not self.all_gather_outputs
@@ -131,11 +138,12 @@ def watching(cap: _Recorder) -> Iterator[None]:
 
     propagate = ShardingPropagator._propagate_tensor_meta_non_cached
 
-    def propagate_paused(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def propagate_paused(self: ShardingPropagator, op_schema: OpSchema
+                         ) -> Union[TensorMeta, Sequence[Optional[TensorMeta]], None]:
         # DTensor learns an op's output shape by running it on fake tensors (torch/distributed/tensor/
         # _sharding_prop.py); a real run does that in a fake mode of its own, so it is no step memory
         with cap.paused():
-            return propagate(self, *args, **kwargs)
+            return propagate(self, op_schema)
 
     named = _Streams(_fsdp_param_group.FSDPCommContext.lazy_init)
     patched = [(_fsdp_param, "alloc_storage", alloc_storage), (_fsdp_param, "free_storage", free_storage),
@@ -184,12 +192,12 @@ class _Streams:
     The stream current when ``watching`` starts is "default"; a stream neither that nor FSDP2's
     is "stream N"."""
 
-    def __init__(self, lazy_init: Any) -> None:
+    def __init__(self, lazy_init: Callable[..., None]) -> None:  # FSDPCommContext.lazy_init
         self.default = torch.cpu.current_stream()
-        self.named: list[tuple[Any, str]] = []
+        self.named: list[tuple[object, str]] = []  # (a stream, its name): told apart by identity
         self._lazy_init = lazy_init
 
-    def lazy_init(self, ctx: Any, *args: Any, **kwargs: Any) -> None:
+    def lazy_init(self, ctx: FSDPCommContext, *args: object, **kwargs: object) -> None:
         self._lazy_init(ctx, *args, **kwargs)
         for attr in _COMM_STREAMS:
             if hasattr(ctx, attr):
@@ -215,7 +223,7 @@ _REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
 _FUNCTIONAL = "_c10d_functional::"  # DTensor's redistributions: all_gather_into_tensor, reduce_scatter_tensor, all_reduce
 
 
-def _label(cap: _Recorder, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+def _label(cap: _Recorder, func: object, args: tuple, kwargs: dict, out: Any) -> None:  # out: the op's output
     schema = getattr(func, "_schema", None)  # a higher-order operator (FlexAttention's) has none
     name = schema.name if schema is not None else ""
     if name.startswith(_FUNCTIONAL) and name != "_c10d_functional::wait_tensor" and isinstance(out, torch.Tensor):

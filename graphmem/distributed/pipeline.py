@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,17 +36,19 @@ from torch.nn.utils.stateless import _reparametrize_module
 from graphmem.capture.autograd_tags import _tag_grad_fns, _tensors
 from graphmem.capture.call_paths import module_names, module_order
 from graphmem.capture.capture import marker
-from graphmem.capture.fakes import _fake_like, fake_batch, fake_state, forward_context
+from graphmem.capture.fakes import Inputs, _fake_like, fake_batch, fake_state, forward_context
 from graphmem.capture.hf_paths import real_paths
 from graphmem.capture.recorder import _Recorder
 from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
+from graphmem.capture.values import Values
 from graphmem.distributed.pipeline_stages import (
     Layout,
     Pipeline,
     block_inputs,
     build_schedule,
     make_pipeline,
+    parent_tensors,
     probe,
     run_model,
     run_schedule,
@@ -58,6 +61,13 @@ from graphmem.training.loop import Session, TrainStep
 from graphmem.training.optim import resolved_impl
 from graphmem.training.step import LossFn
 
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    from graphmem.distributed.pipeline_stages import Schedule
+    from graphmem.passes.liveness import Liveness
+    from graphmem.passes.saved import SavedSet
+
 
 class _Held:
     """A work that holds its tensor until it is destroyed, as gloo's SendWork/RecvWork do
@@ -65,10 +75,10 @@ class _Held:
     nothing, so without this a sent activation would die earlier than in a real run (the
     schedule keeps the last send's works until its next send: Schedule1F1B ``send_work``)."""
 
-    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+    def __init__(self, work: Optional[dist.Work], tensor: torch.Tensor) -> None:
         self.work, self.tensor = work, tensor
 
-    def wait(self, *args: Any) -> Any:
+    def wait(self, *args: timedelta) -> bool:
         return self.work.wait(*args) if self.work is not None else True
 
 
@@ -79,12 +89,12 @@ def _works_hold_tensors() -> Iterator[None]:
     c10d = dist.distributed_c10d
     isend, irecv = c10d.isend, c10d.irecv
 
-    def held(op: Callable[..., Any]) -> Callable[..., Any]:
-        def run(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def held(op: Callable[..., Optional[dist.Work]]) -> Callable[..., _Held]:
+        def run(tensor: torch.Tensor, *args: object, **kwargs: object) -> _Held:
             return _Held(op(tensor, *args, **kwargs), tensor)
         return run
 
-    def batch(ops: list[Any]) -> list[Any]:
+    def batch(ops: list[dist.P2POp]) -> list[object]:  # (each a _Held: the ops' isend/irecv are held's)
         return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
 
     patched = {"isend": held(isend), "irecv": held(irecv), "batch_isend_irecv": batch}
@@ -156,7 +166,7 @@ def in_flight(g: StepGraph, segments: tuple[Segment, ...], peak: int) -> InFligh
     return InFlight(segments, tuple(sum(v.values()) for v in per.values()), len(at), live_bytes, most)
 
 
-def capture_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target: Target,
+def capture_stage(model: nn.Module, inputs: Inputs, loss: Optional[LossFn], target: Target,
                   plan: Pipeline, train: Optional[TrainStep] = None,
                   layout: Optional[Layout] = None) -> tuple[StageGraph, tuple[Segment, ...], Layout]:
     """Record rank ``plan.rank``'s step of the pipeline on fake tensors (see the module docstring);
@@ -190,20 +200,20 @@ class _Stage:
     state (``state``; the parameters by name: ``fakes``, their storage ids: ``param_sid``), the model's own
     tensors its code reads (``root_state``), the stage's optimizer session and the batch."""
 
-    schedule: Any
-    stages: list[Any]
+    schedule: Schedule
+    stages: list[_PipelineStageBase]
     own: nn.ModuleList
-    state: dict[str, Any]
+    state: dict[str, torch.Tensor]
     fakes: dict[str, torch.Tensor]
     param_sid: dict[str, int]
     session: Optional[Session]
-    root_state: dict[str, Any]
+    root_state: dict[str, torch.Tensor]
     batch: torch.Tensor
     consts: tuple[tuple, dict]
 
 
-def _built(model: nn.Module, inputs: Any, loss: Optional[LossFn], plan: Pipeline, train: Optional[TrainStep],
-           layout: Layout, rec: Recording, context: Callable[[], Any]) -> _Stage:
+def _built(model: nn.Module, inputs: Inputs, loss: Optional[LossFn], plan: Pipeline, train: Optional[TrainStep],
+           layout: Layout, rec: Recording, context: Callable[[], ContextManager[object]]) -> _Stage:
     """The schedule and the stages' fake state, under the recording's fake mode (not recorded)."""
     cap, mode, target = rec.cap, rec.mode, rec.target
     device = torch.device("cpu")  # the CUDA target runs on fake CPU tensors (graphmem/capture/target.py)
@@ -222,7 +232,7 @@ def _built(model: nn.Module, inputs: Any, loss: Optional[LossFn], plan: Pipeline
         session = Session(dataclasses.replace(train, micro_batches=1), fakes, target.device) \
             if train is not None and train.optimizer is not None else None
         root_state = {name: state[f"{k}.{attr}"] for k, s in enumerate(stages)  # the model's code reads them
-                      for attr, name in s.submod.parent_tensors.items()}
+                      for attr, name in parent_tensors(s).items()}
         if any(s.is_first or s.is_last for s in stages):
             cap.preexisting(batch, "input", "input")
     return _Stage(schedule, stages, own, state, fakes, param_sid, session, root_state, batch, consts)
@@ -246,7 +256,7 @@ def _run_stage(rec: Recording, model: nn.Module, stage: _Stage) -> tuple[list[in
 
 
 def _stage_state(model: nn.Module, own: nn.ModuleList, cap: _Recorder, device: torch.device,
-                 dtype: Optional[torch.dtype]) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, int]]:
+                 dtype: Optional[torch.dtype]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]:
     """The stages' own parameters and buffers as fakes, held by the recorder from before the step
     and named as in the model: the state to run them with, the parameters by name, and each
     parameter's storage id."""
@@ -295,7 +305,7 @@ def _stage_graph(rec: Recording, segments: list[Segment], model: nn.Module, grad
 
 
 def _consts(model: nn.Module, layout: Layout, batch: torch.Tensor, plan: Pipeline, dtype: Optional[torch.dtype],
-            context: Callable[[], Any], values: Any = None) -> tuple[tuple, dict]:
+            context: Callable[[], ContextManager[object]], values: Optional[Values] = None) -> tuple[tuple, dict]:
     """The first block's inputs besides the hidden state, for stages after the first: the model's
     code before the chain run once before the step (unrecorded) on fake copies of its tensors,
     reading the batch's ``values`` as the stage's step does (graphmem/capture/values.py: no causal
@@ -316,9 +326,10 @@ def _consts(model: nn.Module, layout: Layout, batch: torch.Tensor, plan: Pipelin
 
 
 def _phases(cap: _Recorder, schedule: Any, stages: list[Any], segments: list[Segment],
-            context: Callable[[], Any]) -> None:
+            context: Callable[[], ContextManager[object]]) -> None:
     """Tell the recorder each forward, loss and backward of a micro-batch as the schedule runs
-    it (wrapping this rank's own stage and schedule objects)."""
+    it (wrapping this rank's own stage and schedule objects; ``schedule`` and ``stages``: a Schedule
+    and its PipelineStages, typed Any as their methods are replaced on the instances)."""
     def mark(kind: str, stage: int, mb: int) -> None:
         cap.set_phase(kind)
         segments.append(Segment(kind, stage, mb, len(cap.ops), len(cap.saves)))
@@ -326,19 +337,21 @@ def _phases(cap: _Recorder, schedule: Any, stages: list[Any], segments: list[Seg
     for st in stages:
         fwd, bwd = st.forward_one_chunk, st.backward_one_chunk
 
-        def forward_one_chunk(mb: int, *a: Any, _f: Any = fwd, _s: Any = st, **k: Any) -> Any:
+        def forward_one_chunk(mb: int, *a: object, _f: Callable[..., object] = fwd, _s: _PipelineStageBase = st,
+                              **k: object) -> object:
             mark("forward", _s.stage_index, mb)
             with context():
                 return _f(mb, *a, **k)
 
-        def backward_one_chunk(mb: int, *a: Any, _f: Any = bwd, _s: Any = st, **k: Any) -> Any:
+        def backward_one_chunk(mb: int, *a: object, _f: Callable[..., object] = bwd, _s: _PipelineStageBase = st,
+                               **k: object) -> object:
             mark("backward", _s.stage_index, mb)
             return _f(mb, *a, **k)
 
         st.forward_one_chunk, st.backward_one_chunk = forward_one_chunk, backward_one_chunk
     compute = schedule._compute_loss
 
-    def compute_loss(output: Any, target: Any, *a: Any, **k: Any) -> Any:
+    def compute_loss(output: torch.Tensor, target: torch.Tensor, *a: object, **k: object) -> torch.Tensor:
         last = segments[-1]
         mark("loss", last.stage, last.micro_batch)
         loss = compute(output, target, *a, **k)
@@ -353,15 +366,15 @@ class StageStep:
     """What graphmem.analyze builds rank r's Report from."""
 
     graph: StageGraph
-    liveness: Any  # passes/liveness.py Liveness
-    saved: Any  # passes/saved.py SavedSet
+    liveness: Liveness
+    saved: SavedSet
     notes: tuple[str, ...]
     in_flight: InFlight
     blocks: tuple[tuple[int, int], ...]  # blocks [a, b) of each of this rank's stages
     layout: Layout  # the model's split (probed once; the same for every rank)
 
 
-def analyze_stage(model: nn.Module, inputs: Any, loss: Optional[LossFn], target: Target,
+def analyze_stage(model: nn.Module, inputs: Inputs, loss: Optional[LossFn], target: Target,
                   plan: Pipeline, train: Optional[TrainStep] = None, layout: Optional[Layout] = None) -> StageStep:
     """Rank ``plan.rank``'s step graph, saved set, peak and micro-batches in flight (``train``:
     with its optimizer's step over the stage's parameters)."""

@@ -8,18 +8,26 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
-from graphmem.capture.fakes import fake_batch, fake_state
+from graphmem.capture.fakes import Inputs, fake_batch, fake_state
 from graphmem.capture.hf_paths import real_paths
 from graphmem.chains import Chain, find_chain
 from graphmem.errors import UsageError
+from graphmem.jsontypes import JSON
 from graphmem.training.step import LossFn, default_loss
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    Schedule = Union[PipelineScheduleSingle, PipelineScheduleMulti]  # what build_schedule makes
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
@@ -44,7 +52,7 @@ class Pipeline:
         """The report's scope: which rank, under which schedule (the first line of every view)."""
         return f"pipeline rank {self.rank} of {self.pp}, {self.schedule} schedule, {self.micro_batches} micro-batches"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         return {"kind": "pipeline", "pp": self.pp, "rank": self.rank, "schedule": self.schedule,
                 "micro_batches": self.micro_batches, "stages": list(self.stages)}
 
@@ -92,7 +100,7 @@ class _Stop(Exception):
         self.block_args, self.block_kwargs = args, kwargs
 
 
-def block_inputs(model: nn.Module, chain: Chain, call: Callable[[], Any]) -> tuple[tuple, dict]:
+def block_inputs(model: nn.Module, chain: Chain, call: Callable[[], object]) -> tuple[tuple, dict]:
     """The model's own code up to its first block: the first block's (args, kwargs)."""
     def stop(module: nn.Module, args: tuple, kwargs: dict) -> None:
         raise _Stop(args, kwargs)
@@ -111,7 +119,7 @@ def _blocks(model: nn.Module, chain: Chain) -> list[nn.Module]:
     return list(model.get_submodule(chain.path).children())  # a ModuleList / Sequential (graphmem/chains.py)
 
 
-def run_model(model: nn.Module, x: torch.Tensor) -> Any:
+def run_model(model: nn.Module, x: torch.Tensor) -> object:
     """``model(x)``; with ``use_cache=False`` where its forward takes one (a Hugging Face decoder's
     KV cache would otherwise carry one micro-batch's keys into the next)."""
     if "use_cache" in inspect.signature(model.forward).parameters:
@@ -119,7 +127,7 @@ def run_model(model: nn.Module, x: torch.Tensor) -> Any:
     return model(x)
 
 
-def _first(out: Any) -> torch.Tensor:
+def _first(out: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out[0]  # a block's hidden state (HF blocks may return tuples)
 
 
@@ -158,8 +166,15 @@ class StageModule(nn.Module):
         return h
 
 
-def probe(model: nn.Module, batch: Any, micro_batches: int, dtype: Optional[torch.dtype] = None,
-          context: Callable[[], Any] = contextlib.nullcontext) -> Layout:
+def parent_tensors(stage: _PipelineStageBase) -> dict[str, str]:
+    """The stage's StageModule's ``parent_tensors`` (build_schedule's stages each run one)."""
+    mod = stage.submod
+    assert isinstance(mod, StageModule)
+    return mod.parent_tensors
+
+
+def probe(model: nn.Module, batch: Inputs, micro_batches: int, dtype: Optional[torch.dtype] = None,
+          context: Callable[[], ContextManager[object]] = contextlib.nullcontext) -> Layout:
     """Run the model once on fake tensors (whole batch, no grad; parameters in ``dtype``, forward
     in ``context()``: the target's autocast) and note which modules run before its chain and
     after it, and the shapes and dtypes at the cut for one micro-batch."""
@@ -174,9 +189,9 @@ def probe(model: nn.Module, batch: Any, micro_batches: int, dtype: Optional[torc
     parents = tuple(p for p in parents if p != chain.path)
     order: list[tuple[str, str]] = []  # (when, path)
     where = ["before"]
-    seen: dict[str, Any] = {}
+    seen: dict[str, torch.Tensor] = {}
 
-    def pre(m: nn.Module, args: Any) -> None:
+    def pre(m: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         path = paths.get(id(m))
         if m is first_block:
             where[0] = "chain"
@@ -184,7 +199,7 @@ def probe(model: nn.Module, batch: Any, micro_batches: int, dtype: Optional[torc
         if path is not None and path not in parents and where[0] != "chain":
             order.append((where[0], path))
 
-    def post(m: nn.Module, args: Any, out: Any) -> None:
+    def post(m: nn.Module, args: tuple[torch.Tensor, ...], out: Union[torch.Tensor, Sequence[torch.Tensor]]) -> None:
         if m is last_block:
             where[0] = "after"
             seen["last"] = _first(out)
@@ -220,7 +235,8 @@ def probe(model: nn.Module, batch: Any, micro_batches: int, dtype: Optional[torc
                   per_mb(seen["hidden"]), per_mb(y))
 
 
-def _check_epilogue(chain: str, epilogue: list[str], y: torch.Tensor, out: Any) -> None:
+def _check_epilogue(chain: str, epilogue: list[str], y: torch.Tensor,
+                    out: Union[torch.Tensor, dict[str, torch.Tensor], Sequence[torch.Tensor]]) -> None:
     """The modules after the chain, applied in order to its output, must give the model's output: else the
     model runs other code there, which a stage split cannot see."""
     logits = out if isinstance(out, torch.Tensor) else out["logits"] if isinstance(out, dict) else _first(out)
@@ -252,7 +268,7 @@ def stage_loss(model: nn.Module, loss: Optional[LossFn]) -> Callable[[torch.Tens
 
 def build_schedule(model: nn.Module, layout: Layout, plan: Pipeline, loss: Callable[..., torch.Tensor],
                    device: torch.device, consts: tuple[tuple, dict], example: torch.Tensor,
-                   group: Any = None) -> tuple[Any, list[Any]]:
+                   group: Optional[dist.ProcessGroup] = None) -> tuple[Schedule, list[_PipelineStageBase]]:
     """This rank's PipelineStage(s) and the torch schedule over them (the engine users run)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -260,7 +276,7 @@ def build_schedule(model: nn.Module, layout: Layout, plan: Pipeline, loss: Calla
     if layout.chain.length < n:
         raise UsageError(f"{layout.chain.path} has {layout.chain.length} blocks, fewer than the {n} pipeline stages")
     bounds = layout.bounds(n)
-    stages: list[Any] = []
+    stages: list[_PipelineStageBase] = []
     for s in plan.stages:
         first, last = s == 0, s == n - 1
         mod = StageModule(model, layout, *bounds[s], first, last, consts)
@@ -275,7 +291,7 @@ def build_schedule(model: nn.Module, layout: Layout, plan: Pipeline, loss: Calla
     return cls(stages[0], plan.micro_batches, loss_fn=loss), stages
 
 
-def run_schedule(schedule: Any, stages: list[Any], batch: torch.Tensor) -> list[torch.Tensor]:
+def run_schedule(schedule: Schedule, stages: list[_PipelineStageBase], batch: torch.Tensor) -> list[torch.Tensor]:
     """``schedule.step`` as rank r calls it: the batch on the first stage, the target on the last."""
     first = any(s.is_first for s in stages)
     last = any(s.is_last for s in stages)

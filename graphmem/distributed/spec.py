@@ -12,11 +12,12 @@ through them (optimizer, micro-batches, LoRA: graphmem/training/spec.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from graphmem.errors import UsageError
+from graphmem.jsontypes import JSON
 from graphmem.training.spec import Training
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,7 +44,7 @@ class Sharding:
     def dtype(self, name: Optional[str]) -> Optional[torch.dtype]:
         return _DTYPES[name] if name is not None else None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         return {"world_size": self.world_size, "rank": self.rank, "fsdp": self.fsdp,
                 "reshard_after_forward": self.reshard_after_forward, "param_dtype": self.param_dtype,
                 "reduce_dtype": self.reduce_dtype, "offload": self.offload, "tp": self.tp, "sp": self.sp,

@@ -25,18 +25,21 @@ and Hugging Face models with a TP plan are refused in one line.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, ContextManager
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from graphmem.distributed.process_group import Meshes
 from graphmem.distributed.spec import Sharding
 from graphmem.errors import UsageError
+
+if TYPE_CHECKING:
+    from graphmem.models.gpt2 import Block
 
 
 def parallelize(model: nn.Module, sharding: Sharding, meshes: Meshes) -> None:
@@ -105,7 +108,7 @@ def _parallelize_gpt2(model: nn.Module, sharding: Sharding, meshes: Meshes) -> N
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = sharding.tp
-    blocks: list[Any] = list(model.transformer.h)  # type: ignore[union-attr, arg-type]
+    blocks: list[Block] = list(model.transformer.h)  # type: ignore[union-attr, arg-type]
     for block in blocks:
         if block.attn.n_head % tp:
             raise UsageError(f"`tp={tp}` does not divide the {block.attn.n_head} heads: pick a divisor")
@@ -120,7 +123,7 @@ def _parallelize_gpt2(model: nn.Module, sharding: Sharding, meshes: Meshes) -> N
         block.attn.n_embd //= tp
 
 
-def _head(sp: bool, loss_parallel: bool) -> Any:
+def _head(sp: bool, loss_parallel: bool) -> ParallelStyle:
     """The LM head's plan: its logits gathered whole on every rank, or (loss parallel, torchtitan's
     default with TP: torchtitan/models/llama3/infra/parallelize.py apply_tp) left split over the
     vocabulary as a DTensor for ``loss_parallel()``'s cross-entropy."""
@@ -132,7 +135,7 @@ def _head(sp: bool, loss_parallel: bool) -> Any:
     return ColwiseParallel(input_layouts=inputs, output_layouts=Replicate())
 
 
-def step_context(sharding: Sharding) -> Any:
+def step_context(sharding: Sharding) -> ContextManager[None]:
     """What wraps the loss and backward of rank r's step: ``loss_parallel()`` when the head's
     logits stay split (torch/distributed/tensor/parallel/loss.py: cross-entropy over a vocabulary-
     sharded DTensor, forward and backward), else nothing."""
@@ -145,11 +148,11 @@ def step_context(sharding: Sharding) -> Any:
     return loss_parallel()
 
 
-def _gpt2_root_plan(sp: bool, loss_parallel: bool = False) -> dict[str, Any]:
+def _gpt2_root_plan(sp: bool, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    plan: dict[str, Any] = {"transformer.wte": RowwiseParallel(input_layouts=Replicate())}
+    plan: dict[str, ParallelStyle] = {"transformer.wte": RowwiseParallel(input_layouts=Replicate())}
     if not sp:
         return {**plan, "lm_head": _head(sp, loss_parallel)}
     # the token and position embeddings are summed over the whole sequence; the residual stream is
@@ -161,11 +164,11 @@ def _gpt2_root_plan(sp: bool, loss_parallel: bool = False) -> dict[str, Any]:
             "lm_head": _head(sp, loss_parallel)}
 
 
-def _gpt2_block_plan(sp: bool) -> dict[str, Any]:
+def _gpt2_block_plan(sp: bool) -> dict[str, ParallelStyle]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    plan: dict[str, Any] = {"attn.c_attn": FusedColwise(3), "mlp.c_fc": ColwiseParallel()}
+    plan: dict[str, ParallelStyle] = {"attn.c_attn": FusedColwise(3), "mlp.c_fc": ColwiseParallel()}
     if not sp:
         return {**plan, "attn.c_proj": RowwiseParallel(), "mlp.c_proj": RowwiseParallel()}
     return {**plan,
@@ -193,12 +196,12 @@ class FusedColwise(ColwiseParallel):
                 requires_grad=param.requires_grad))
 
     @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: DTensor,
+    def _prepare_output_fn(output_layouts: tuple[Placement, ...], use_local_output: bool, mod: nn.Module, outputs: DTensor,
                            device_mesh: DeviceMesh) -> torch.Tensor:
         return outputs.to_local()  # (b, s, 3d/T): [q_r, k_r, v_r]
 
 
-def _root_plan(sp: bool, loss_parallel: bool = False) -> dict[str, Any]:
+def _root_plan(sp: bool, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
@@ -210,11 +213,11 @@ def _root_plan(sp: bool, loss_parallel: bool = False) -> dict[str, Any]:
             "output": _head(sp, loss_parallel)}
 
 
-def _block_plan(sp: bool) -> dict[str, Any]:
+def _block_plan(sp: bool) -> dict[str, ParallelStyle]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    plan: dict[str, Any] = {
+    plan: dict[str, ParallelStyle] = {
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
         "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
     }

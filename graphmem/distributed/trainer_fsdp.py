@@ -16,7 +16,7 @@ as on any MULTI_CPU rank (graphmem/training/hf_trainer_ddp.py ``copied_inputs``)
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -25,6 +25,7 @@ from graphmem.capture.autograd_tags import _tag_grad_fns
 from graphmem.capture.call_paths import module_order
 from graphmem.capture.capture import marker
 from graphmem.capture.compiled_blocks import hooks_standing_aside
+from graphmem.capture.fakes import Inputs
 from graphmem.capture.recorder import _Recorder
 from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
@@ -33,12 +34,17 @@ from graphmem.distributed.fsdp import fake_copy, local, unsharded_grads
 from graphmem.distributed.trainer_fsdp_compiled import compiled_as_accelerate, hooks_unseen, named_within, units_entered
 from graphmem.fake_group import fake_group
 from graphmem.stepgraph import StepGraph
+from graphmem.training.batch import Batch
 from graphmem.training.hf_trainer_ddp import copied_inputs
 from graphmem.training.hf_trainer_fsdp import FsdpRunner, TrainerShards, build_trainer, launched_here
 from graphmem.training.loop import relabel_accumulation
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import Trainer
 
-def capture_trainer_rank(module: nn.Module, inputs: Any, target: Target, p: TrainerShards) -> StepGraph:
+
+def capture_trainer_rank(module: nn.Module, inputs: Inputs, target: Target, p: TrainerShards) -> StepGraph:
     """Record rank ``p.rank``'s first Trainer step (the module docstring); the graph's storages are rank r's."""
     with launched_here(p.rank, p.world_size), fake_group(p.rank, p.world_size):
         rec = Recording(target)
@@ -63,8 +69,8 @@ def capture_trainer_rank(module: nn.Module, inputs: Any, target: Target, p: Trai
             _forget_meshes()
 
 
-def _run(rec: Recording, runner: FsdpRunner, wrapped: nn.Module, fake_inputs: Any, param_sid: dict[str, int]) -> StepGraph:
-    def tagged_loss(out: Any, inputs: Any) -> Any:
+def _run(rec: Recording, runner: FsdpRunner, wrapped: nn.Module, fake_inputs: Batch, param_sid: dict[str, int]) -> StepGraph:
+    def tagged_loss(out: torch.Tensor, inputs: object) -> torch.Tensor:  # (the Trainer's loss)
         if isinstance(out, torch.Tensor):
             _tag_grad_fns(out, "")  # the loss's nodes belong to the root
         return out
@@ -85,14 +91,14 @@ def _run(rec: Recording, runner: FsdpRunner, wrapped: nn.Module, fake_inputs: An
 
 
 @contextlib.contextmanager
-def _named_unsharded(cap: _Recorder, trainer: Any) -> Iterator[None]:
+def _named_unsharded(cap: _Recorder, trainer: Any) -> Iterator[None]:  # a Trainer: its training_step replaced
     """Before each micro-step, the unsharded gradients the earlier ones left named "gradient": under
     accelerate's ``no_sync`` (accelerator.py 1166-1171: ``set_requires_gradient_sync(False)`` for an
     FSDP2 model, every micro-batch but the last) FSDP2 keeps them whole on the rank until the last one
     reduce-scatters (graphmem/distributed/capture.py names them the same way)."""
     step = trainer.training_step
 
-    def named(*args: Any, **kwargs: Any) -> Any:
+    def named(*args: object, **kwargs: object) -> torch.Tensor:
         for grad in unsharded_grads(trainer.model):
             cap.relabel(grad, "gradient", "unsharded gradient, accumulated without sync (accelerate's no_sync)")
         return step(*args, **kwargs)
@@ -105,7 +111,7 @@ def _named_unsharded(cap: _Recorder, trainer: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _on_cpu(trainer: Any) -> Iterator[None]:
+def _on_cpu(trainer: Trainer) -> Iterator[None]:
     """``args.device`` read as ``cpu`` in the step. On the rank it is ``cpu:0`` (accelerate's
     ``PartialState.set_device``), the same memory, but a fake tensor on ``cpu:0`` cannot meet the ``cpu``
     shards (FakeTensor's device check): the batch's copy there is ``copied_inputs``' clone, as for DDP,
@@ -130,9 +136,9 @@ def _real_meshes() -> Iterator[None]:
 
     made = _fully_shard._init_default_mesh
 
-    def real(*args: Any, **kwargs: Any) -> Any:
+    def real(mesh_dim_names: Optional[tuple[str, ...]] = None) -> DeviceMesh:
         with unset_fake_temporarily():
-            return made(*args, **kwargs)
+            return made(mesh_dim_names)
 
     _fully_shard._init_default_mesh = real
     try:
@@ -161,7 +167,7 @@ def _pointers() -> Iterator[None]:
         del FakeTensor.data_ptr
 
 
-def _null() -> Any:
+def _null() -> ContextManager[None]:
     return contextlib.nullcontext()
 
 

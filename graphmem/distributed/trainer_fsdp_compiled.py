@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -34,12 +34,18 @@ from graphmem.capture.aot_settings import partition_config, unlogged
 from graphmem.capture.compiled_blocks import _JobBackend
 from graphmem.capture.compiled_cuda import example_values_ruled
 from graphmem.capture.recorder import _Recorder
+from graphmem.capture.session import Hook
 from graphmem.capture.target import Target
 from graphmem.errors import GraphmemError
 
+if TYPE_CHECKING:
+    from torch._dynamo.types import ConvertFrameReturn
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from transformers import TrainingArguments
+
 
 @contextlib.contextmanager
-def compiled_as_accelerate(args: Any, cap: _Recorder, target: Target,
+def compiled_as_accelerate(args: TrainingArguments, cap: _Recorder, target: Target,
                            backends: dict[str, int]) -> Iterator[Optional[_JobBackend]]:
     """Around the Trainer's prepare and step: accelerate's ``torch.compile`` given graphmem's backend,
     dynamo's compilation unrecorded. Yields the backend (None without ``torch_compile``), whose
@@ -55,11 +61,11 @@ def compiled_as_accelerate(args: Any, cap: _Recorder, target: Target,
     backend.tagged_backward = True  # (a unit's backward graph: named from the unit its forward ran in)
     kept_compile, kept_frame = torch.compile, convert_frame._compile
 
-    def compile_ours(model: Any = None, **kwargs: Any) -> Any:
+    def compile_ours(model: Optional[Callable[..., object]] = None, **kwargs: Any) -> Callable[..., object]:  # (torch.compile's options)
         kwargs.pop("backend", None)  # (the plugin's: ``torch_compile_backend``, transformers trainer.py 791-802)
         return kept_compile(model, backend=backend, **kwargs)
 
-    def compile_unrecorded(*a: Any, **kw: Any) -> Any:
+    def compile_unrecorded(*a: Any, **kw: Any) -> ConvertFrameReturn:  # (dynamo's own arguments)
         with cap.paused():
             try:
                 return kept_frame(*a, **kw)
@@ -104,7 +110,8 @@ def units_entered(cap: _Recorder, compiled: bool) -> Iterator[None]:
     kept_pre, kept_post = FSDPParamGroup.pre_forward, FSDPParamGroup.post_forward
     entered: list[bool] = []
 
-    def pre_forward(group: Any, module: nn.Module, args: Any, kwargs: Any) -> Any:
+    def pre_forward(group: FSDPParamGroup, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+                    ) -> tuple[tuple[object, ...], dict[str, object]]:
         names = cap.paths.get(id(module))
         fresh = bool(names) and cap.stack[-1] != call_path(names, cap.stack)  # type: ignore[arg-type]
         if fresh:
@@ -112,7 +119,7 @@ def units_entered(cap: _Recorder, compiled: bool) -> Iterator[None]:
         entered.append(fresh)
         return kept_pre(group, module, args, kwargs)
 
-    def post_forward(group: Any, module: nn.Module, input: Any, output: Any) -> Any:
+    def post_forward(group: FSDPParamGroup, module: nn.Module, input: tuple[object, ...], output: object) -> object:
         if entered.pop():  # (left before the reshard, as graphmem's post hook runs before FSDP2's)
             cap.post_hook(module, input, output)
         return kept_post(group, module, input, output)
@@ -124,7 +131,7 @@ def units_entered(cap: _Recorder, compiled: bool) -> Iterator[None]:
         FSDPParamGroup.pre_forward, FSDPParamGroup.post_forward = kept_pre, kept_post  # type: ignore[method-assign]
 
 
-def hooks_unseen(cap: _Recorder, compiled: Optional[nn.Module]) -> tuple[Any, Any]:
+def hooks_unseen(cap: _Recorder, compiled: Optional[nn.Module]) -> tuple[Hook, Hook]:
     """The recorder's saved-tensor hooks, kept from dynamo under ``torch_compile``: autograd calls them from
     a compiled frame's eager code, where dynamo would compile them as frames of their own (the real rank's
     measuring hook likewise, graphmem/validation/trainer_fsdp_rank.py); the model's graphs are the same either

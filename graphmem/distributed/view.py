@@ -4,9 +4,10 @@ difference split by cause (passes/rank_gap.py): what the wrappers hold that the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from graphmem.distributed.spec import Sharding
+from graphmem.jsontypes import JSON
 from graphmem.passes import Liveness
 from graphmem.passes.budget import Budget, Parallel, budget, later_steps_peak
 from graphmem.passes.rank_gap import RankGap, rank_gap
@@ -84,7 +85,7 @@ class RankView:
             out += _cause_lines(self.later_breakdown, "the later steps' gap")
         return tuple(out)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         return {**self.sharding.to_dict(),
                 "communication_at_peak": [{"unit": u, "name": n, "bytes": b} for u, n, b in self.communication_at_peak],
                 "communication_max_bytes": self.communication_max,

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
+from graphmem.capture.fakes import Inputs
 from graphmem.capture.reuse import capture_reusing, reuses
 from graphmem.capture.target import Target
 from graphmem.distributed import Sharding, capture_rank
@@ -55,7 +56,7 @@ def passes_over(g: StepGraph, training: Optional[Training], module: nn.Module, t
     return Captured(g, lv, sv, budget, module, lora_layers, target, **fields)
 
 
-def capture_rank_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: Target, sharding: Sharding,
+def capture_rank_step(module: nn.Module, make: Inputs, loss: Optional[LossFn], target: Target, sharding: Sharding,
                       training: Training, reuse: bool = True) -> Captured:
     """Rank ``sharding.rank``'s step through PyTorch's own wrappers (fully_shard, DTensor's
     parallelize_module under the fake process group: graphmem/distributed/capture.py), LoRA
@@ -66,7 +67,7 @@ def capture_rank_step(module: nn.Module, make: Any, loss: Optional[LossFn], targ
     if training.keeps_dtypes(module):  # peft's fp32 adapters on a 16-bit model (graphmem/training/spec.py)
         target = dataclasses.replace(target, dtype=None)
     train = training.train if training.train.active else None
-    at: Any = lambda: capture_rank(prepared, make, loss, target, sharding, train)  # noqa: E731
+    at: Callable[[], StepGraph] = lambda: capture_rank(prepared, make, loss, target, sharding, train)  # noqa: E731
     # a deep chain: 5 blocks captured, checked at 6; the optimizer step too, not micro-batches (as on one device)
     reused = capture_reusing(prepared, at) if reuse and reuses(train) else None
     g = reused.graph if reused is not None else at()
@@ -76,7 +77,7 @@ def capture_rank_step(module: nn.Module, make: Any, loss: Optional[LossFn], targ
                        reuse_note=reused.why if reused is not None else "")
 
 
-def capture_stage_step(module: nn.Module, make: Any, loss: Optional[LossFn], target: Target, training: Training,
+def capture_stage_step(module: nn.Module, make: Inputs, loss: Optional[LossFn], target: Target, training: Training,
                        plan: Pipeline, layout: Optional[Layout] = None) -> tuple[Captured, tuple[str, ...], Layout]:
     """Pipeline rank ``plan.rank``'s step under torch.distributed.pipelining's schedule
     (graphmem/distributed/pipeline.py), with the optimizer step over its stage's parameters when

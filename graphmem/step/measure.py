@@ -15,25 +15,27 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch.nn as nn
 
 from graphmem.capture.capture import StepRunner, capture
+from graphmem.capture.fakes import Inputs
 from graphmem.capture.reuse import capture_reusing, reuses
 from graphmem.capture.reuse_compiled import CompiledReused, compiled_reusing
 from graphmem.deepspeed.config import DeepSpeedJob
 from graphmem.deepspeed.trainer import TrainerDeepSpeed
-from graphmem.distributed.pipeline_stages import Layout
+from graphmem.distributed.pipeline_stages import Layout, Pipeline
 from graphmem.distributed.tensor_parallel import tp_engine
-from graphmem.distributed.view import rank_view
+from graphmem.distributed.view import RankView, rank_view
 from graphmem.passes import liveness, notes, saved
+from graphmem.passes.allocator import AllocatorResult
 from graphmem.passes.budget import Parallel
 from graphmem.passes.device_rows import device_rows
 from graphmem.passes.later_steps import later_steps_peak
 from graphmem.passes.run_memory import RunMemory, run_memory
 from graphmem.step.captured import Captured, capture_rank_step, capture_stage_step, passes_over
-from graphmem.step.spec import Formula, Job, Ranks, Single, Stages, StepSpec
+from graphmem.step.spec import Formula, Job, Parallelism, Ranks, Single, Stages, StepSpec
 from graphmem.stepgraph import StepGraph
 from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.loop import TrainStep
@@ -47,7 +49,7 @@ class Measured:
     spec: StepSpec
     step: Captured
     notes: tuple[str, ...] = ()  # the setting's own lines (depth reuse not taken, the rank's view)
-    scope: Any = None  # the rank a per-rank or pipeline-stage step is (graphmem/report/__init__.py's RankScope)
+    scope: Union[RankView, Pipeline, None] = None  # the rank a per-rank or pipeline-stage step is (a RankScope)
     split: Optional[Layout] = None  # a pipeline's split, probed once and passed on to the other ranks
 
     @property
@@ -69,7 +71,7 @@ class Measured:
         """The per-rank figures are the formulas' over the single-device step (no rank captured)."""
         return isinstance(self.spec.parallel, Formula)
 
-    def memory(self, overrides: Optional[dict[str, int]] = None, first: Any = None) -> RunMemory:
+    def memory(self, overrides: Optional[dict[str, int]] = None, first: Optional[AllocatorResult] = None) -> RunMemory:
         """The run's memory of the step (passes/run_memory.py): the exact first and later peaks (the
         per-rank table's when the step has one), on the CUDA target the allocator model's and the
         device rows for the job's process groups. ``first``: the first step's allocator result, when
@@ -168,7 +170,7 @@ def measure_ranks(spec: StepSpec) -> list[Measured]:
     return out
 
 
-def _rank(spec: StepSpec, p: Ranks, make: Any) -> Measured:
+def _rank(spec: StepSpec, p: Ranks, make: Inputs) -> Measured:
     """Rank r's step through the real wrappers, with the per-rank formula over the single-device
     step beside it (graphmem/distributed/view.py)."""
     step = capture_rank_step(spec.module, make, spec.loss, spec.target, p.sharding, spec.training, spec.reuse)
@@ -254,7 +256,7 @@ def deepspeed_job(spec: StepSpec) -> Optional[DeepSpeedJob]:
     return spec.parallel if isinstance(spec.parallel, DeepSpeedJob) else None
 
 
-def process_groups(parallel: Any) -> tuple[tuple[str, int], ...]:
+def process_groups(parallel: Parallelism) -> tuple[tuple[str, int], ...]:
     """The process groups a rank of the job creates, (name, ranks) each: each gets an NCCL
     communicator on its first collective (passes/device_rows.py). A one-dimensional job uses the
     default group; a two-dimensional one (data x tensor parallel) a group per dimension."""

@@ -6,7 +6,7 @@ A Report itself is frozen data; everything that captures again goes through this
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -77,7 +77,7 @@ class Recapture:
         graphmem/step/measure.py ``step_graph``."""
         return step_graph(spec, self.module, train, reuse=reuse, one_compilation=one_compilation)
 
-    def sampler_for(self, base: tuple[int, ...], dims: tuple[int, ...], tick: Any = None) -> Sampler:
+    def sampler_for(self, base: tuple[int, ...], dims: tuple[int, ...], tick: Optional[Callable[[], None]] = None) -> Sampler:
         """A fresh sampler around another base shape, varying only ``dims``."""
         from graphmem.formula.sampler import Sampler  # sympy (0.3 s) is imported only when formulas are asked for
 
@@ -86,7 +86,7 @@ class Recapture:
 
         return Sampler(self.module, graph_at, base, dims, tick or (lambda: None), self.parallel)
 
-    def sampler(self, tick: Any = None) -> Sampler:
+    def sampler(self, tick: Optional[Callable[[], None]] = None) -> Sampler:
         """The report's own sampler (kept, so its captures are reused across calls)."""
         if self._sampler is None:
             self._sampler = self.sampler_for(self.base_shape, self.dims)

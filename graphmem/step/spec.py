@@ -27,11 +27,12 @@ import dataclasses
 import inspect
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, TypedDict, Union
 
 import torch
 import torch.nn as nn
 
+from graphmem.capture.fakes import Inputs as Batchlike
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.hf import batch as hf_inputs
 from graphmem.capture.hf_batch import settings as hf_settings
@@ -44,13 +45,20 @@ from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.spec import Sharding, check_training, make_sharding, wants_wrappers
 from graphmem.errors import UsageError, check_keywords
 from graphmem.passes.budget import Parallel, make_parallel
-from graphmem.training.batch import as_batch, resizer
+from graphmem.training.batch import Batch, as_batch, resizer
 from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.peft_lora import is_hf_model
 from graphmem.training.spec import Training, make_training
 from graphmem.training.step import LossFn
 
+if TYPE_CHECKING:
+    from typing import Unpack  # (Python 3.11; graphmem runs on 3.10)
+
+    from torchtitan.trainer import Trainer as TitanTrainer
+
 ModelLike = Union[nn.Module, str, "os.PathLike[str]"]
+# a batch as the user gives it: what graphmem/training/batch.py as_batch reads (a BatchEncoding is a Mapping)
+UserInputs = Union[torch.Tensor, tuple, list, Mapping[str, object], Batch]
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,7 @@ class Job:
     """Rank ``rank`` of a torchtitan job over ``world_size`` ranks, built and stepped by the job's
     own code (graphmem/titan/): its parallelism is the job config's."""
 
-    config: Any = field(compare=False, repr=False)  # the torchtitan Trainer.Config (graphmem/titan/job.py)
+    config: TitanTrainer.Config = field(compare=False, repr=False)  # the job's config (graphmem/titan/job.py)
     world_size: int = 1
     rank: int = 0
     formula = Parallel()  # the job splits the step itself: no formula over it
@@ -168,19 +176,32 @@ class Inputs:
     """How the step's batch is made: ``make(shape)`` at any first-input shape (formulas, fits and
     sweeps vary it); ``shape`` is the analyzed one."""
 
-    make: Callable[[tuple[int, ...]], Any] = field(compare=False)  # shape -> a tuple, dict or (args, kwargs)
+    make: Callable[[tuple[int, ...]], Union[tuple, dict, Batch]] = field(compare=False)  # shape -> a tuple, dict or (args, kwargs)
     shape: tuple[int, ...]  # the first input's shape in the analyzed step
     given: Any = field(default=None, compare=False)  # the user's own batch, when one was given (made at ``shape``)
     settings: tuple[tuple[str, str], ...] = ()  # the choices in a batch graphmem made (an HF model's padding, use_cache)
 
     @property
-    def captured(self) -> Any:
+    def captured(self) -> Batchlike:
         """What the capture takes: the user's own batch (its values read where the real step reads
         them), or a zero-argument maker at ``shape`` (run under the fake mode)."""
         return self.given if self.given is not None else lambda: self.make(self.shape)
 
     def resized(self, shape: tuple[int, ...]) -> "Inputs":
         return Inputs(self.make, tuple(shape), settings=self.settings)
+
+
+class SpecChanges(TypedDict, total=False):
+    """StepSpec's fields, as ``StepSpec.replace`` takes them."""
+
+    name: str
+    module: nn.Module
+    inputs: Inputs
+    loss: Optional[LossFn]
+    target: Target
+    training: Training
+    parallel: Parallelism
+    reuse: bool
 
 
 @dataclass(frozen=True)
@@ -203,7 +224,7 @@ class StepSpec:
     def shape(self) -> tuple[int, ...]:
         return self.inputs.shape
 
-    def replace(self, **changes: Any) -> "StepSpec":
+    def replace(self, **changes: Unpack[SpecChanges]) -> "StepSpec":
         return dataclasses.replace(self, **changes)
 
     def with_train(self, **changes: Any) -> "StepSpec":
@@ -238,7 +259,8 @@ def make_parallelism(world_size: int = 1, zero: int = 0, fsdp: Optional[str] = N
                      pp: int = 1, schedule: str = "1f1b", rank: Optional[int] = None, reshard_after_forward: bool = True,
                      fsdp_param_dtype: Optional[str] = None, fsdp_reduce_dtype: Optional[str] = None,
                      fsdp_offload: bool = False, fsdp_no_sync: bool = False, loss_parallel: bool = False,
-                     training: Optional[Training] = None, deepspeed: Any = None) -> Parallelism:
+                     training: Optional[Training] = None,
+                     deepspeed: Union[Mapping[str, object], str, "os.PathLike[str]", None] = None) -> Parallelism:
     """The parallel setting the keyword options name, decided here once: ``pp`` > 1 (or another
     schedule) is a pipeline stage; ``rank``, ``fsdp="fully_shard"`` or a fully_shard option is rank
     r through the wrappers; ``zero``/``fsdp="full"|"grad-op"``/``tp`` alone are the formulas; ``deepspeed``
@@ -275,7 +297,7 @@ def shape_of(shape: Union[str, tuple, list]) -> tuple[int, ...]:
     return dims
 
 
-def _loaded(model: Any, target: Target, hf: Optional[HFOptions]) -> tuple[Loaded, Any]:
+def _loaded(model: object, target: Target, hf: Optional[HFOptions]) -> tuple[Loaded, Optional[tuple]]:
     """The model as graphmem loads it, and the exported program's example inputs (if any)."""
     if isinstance(model, (str, os.PathLike)):
         return load(os.fspath(model), target=target, options=hf), None
@@ -293,7 +315,7 @@ def _loaded(model: Any, target: Target, hf: Optional[HFOptions]) -> tuple[Loaded
     return Loaded(type(model).__name__, model, hf_batch, None, batch_settings=settings), None
 
 
-def _inputs(loaded: Loaded, inputs: Any, input_shape: Any) -> Inputs:
+def _inputs(loaded: Loaded, inputs: Optional[UserInputs], input_shape: Union[str, tuple, list, None]) -> Inputs:
     if inputs is None:
         if input_shape is None:
             raise UsageError("no inputs: pass example inputs or `input_shape='32x1024'`")
@@ -319,7 +341,7 @@ def spec_keywords() -> frozenset[str]:
     return frozenset((*own, *TARGET_OPTIONS, *PARALLEL_OPTIONS, "qlora", *loop))
 
 
-def make_spec(model: ModelLike, inputs: Any = None, *, input_shape: Union[str, tuple, list, None] = None,
+def make_spec(model: ModelLike, inputs: Optional[UserInputs] = None, *, input_shape: Union[str, tuple, list, None] = None,
               loss: Optional[LossFn] = None, target: Optional[Target] = None, training: Optional[Training] = None,
               parallel: Optional[Parallelism] = None, reuse: bool = True, hf: Optional[HFOptions] = None,
               **options: Any) -> StepSpec:
