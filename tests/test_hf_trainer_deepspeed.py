@@ -116,8 +116,12 @@ def test_trainer_deepspeed_ranks_match_a_real_gloo_job(tmp_path: Any, job: str) 
     real = measure_trainer_ranks(config, fields)
     for rank, truth in enumerate(real):
         model, batch = decoder()
-        got = _figures(graphmem.analyze(model, batch, training_args=trainer_args(str(tmp_path), config, **fields),
-                                        world_size=2, rank=rank))
+        report = graphmem.analyze(model, batch, training_args=trainer_args(str(tmp_path), config, **fields),
+                                  world_size=2, rank=rank)
+        got = _figures(report)
+        # the residual states and the ZeRO paper's cross-check, as on the direct engine path
+        assert any(n.startswith("DeepSpeed's residual states") for n in report.notes)
+        assert any(n.startswith("the ZeRO paper's model states") for n in report.notes)
         first, later = truth["first"], truth["later"]
         print(json.dumps({"job": job, "rank": rank, "graphmem": got, "real": truth}))  # (shown with -s)
         assert truth["unsettled"] == 0
