@@ -24,7 +24,8 @@ from graphmem.errors import GraphmemError
 from graphmem.passes import liveness, saved
 from graphmem.passes.budget import later_steps_peak
 from graphmem.passes.checkpoint import UNMEASURED, Evaluated
-from graphmem.planning.apply import apply_segments
+from graphmem.planning.apply import SegmentPolicy, apply_segments
+from graphmem.stepgraph import StepGraph
 from graphmem.units import fmt_bytes
 
 MAX_CAPTURES = 10
@@ -67,7 +68,8 @@ Key = tuple[Any, ...]
 class Verifier:
     """Captures of a report's step with plans applied, each plan captured once."""
 
-    def __init__(self, report: AnalysisView, chain: str, policies: Callable[[Evaluated], tuple[Any, ...]]) -> None:
+    def __init__(self, report: AnalysisView, chain: str,
+                 policies: Callable[[Evaluated], tuple[Optional[SegmentPolicy], ...]]) -> None:
         self.report, self.chain, self.policies = report, chain, policies
         self.seen: dict[Key, tuple[int, int, int]] = {}  # plan -> (captured peak, saved bytes, kept bytes)
         self.plans: dict[Key, Evaluated] = {}  # the plans captured
@@ -88,7 +90,7 @@ class Verifier:
 
 
 def capture_plan(report: AnalysisView, chain: str, segments: Sequence[tuple[int, int]],
-                 policies: Optional[Sequence[Any]] = None) -> tuple[int, int, int]:
+                 policies: Optional[Sequence[Optional[SegmentPolicy]]] = None) -> tuple[int, int, int]:
     """(peak, saved bytes, bytes live when the forward ends) of the report's step on fake
     tensors with the segments of ``chain`` checkpointed (as ``plan.apply`` does), at the
     report's own size and depth; the peak is every step's (later steps hold the optimizer
@@ -100,7 +102,7 @@ def capture_plan(report: AnalysisView, chain: str, segments: Sequence[tuple[int,
     return later_steps_peak(g, lv), saved(g).activation_bytes, lv.timeline[forward_end(g)]
 
 
-def forward_end(g: Any) -> int:
+def forward_end(g: StepGraph) -> int:
     """The last op before the loss (the forward's end)."""
     return g.phase_start.get("loss", g.phase_start.get("backward", g.num_ops)) - 1
 
