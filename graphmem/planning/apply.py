@@ -51,6 +51,17 @@ class SegmentPolicy(Protocol):
     def session(self) -> SegmentSession: ...
 
 
+class PlanPolicy(SegmentPolicy, Protocol):
+    """A segment's selective policy as a plan names and writes it (graphmem.planning.OpPolicy)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def literal(self) -> str:
+        """The kept ops as a Python set literal."""
+        ...
+
+
 def _inside() -> bool:
     return getattr(_STATE, "depth", 0) > 0
 

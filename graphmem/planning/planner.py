@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Optional, Union
 
 import torch.nn as nn
 
@@ -24,7 +24,7 @@ from graphmem.passes.checkpoint import (
     segments_of,
     tables,
 )
-from graphmem.planning.apply import Applied, SegmentPolicy, apply_segments, chain_blocks, hf_checkpointed
+from graphmem.planning.apply import Applied, PlanPolicy, apply_segments, chain_blocks, hf_checkpointed
 from graphmem.planning.costs import PlanError, chain_costs, measure
 from graphmem.planning.flops import op_flops
 from graphmem.planning.verify import UNRUNNABLE, Verification, Verifier, forward_end, search
@@ -35,17 +35,6 @@ __all__ = ["CheckpointPlan", "Planner", "PlanSummary", "PlanError", "chain_costs
 
 
 # -- plans -------------------------------------------------------------------------------------------------
-class PlanPolicy(SegmentPolicy, Protocol):
-    """A segment's selective policy as a plan names and writes it (graphmem.planning.OpPolicy)."""
-
-    @property
-    def name(self) -> str: ...
-
-    def literal(self) -> str:
-        """The kept ops as a Python set literal."""
-        ...
-
-
 @dataclass(frozen=True)
 class CheckpointPlan:
     """A checkpoint plan for a report's model: which blocks run as checkpointed segments.
