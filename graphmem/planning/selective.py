@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass
-from typing import Any, ContextManager, Optional
+from typing import ContextManager, Optional
 
 import torch
 from torch._ops import OpOverload
@@ -33,6 +33,7 @@ from torch.utils.checkpoint import (
 from graphmem.analysis import AnalysisView, captured
 from graphmem.chains import find_chain
 from graphmem.errors import GraphmemError, UsageError
+from graphmem.jsontypes import JSON
 from graphmem.passes import selective as sel
 from graphmem.passes.checkpoint import Evaluated
 from graphmem.planning.planner import PlanError, Planner, measure, op_flops
@@ -196,7 +197,7 @@ class Levels:
         ops = [o for o in self.ops if o.key in policy.keep]
         return sum(o.nbytes for o in ops), sum(o.flops for o in ops)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         return {"block": self.block,
                 "ops": [{"op": o.key[0], "index": o.key[1], "module": o.module, "shape": list(o.shape),
                          "bytes": o.nbytes, "flops": o.flops, "keepable": not o.why_not,

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from graphmem.analysis import AnalysisView
 from graphmem.errors import GraphmemError
+from graphmem.jsontypes import JSON
 from graphmem.passes import liveness, saved
 from graphmem.passes.budget import later_steps_peak
 from graphmem.passes.checkpoint import UNMEASURED, Evaluated
@@ -56,7 +57,7 @@ class Verification:
         tail = "proven optimal" if self.proven else f"best of {self.captures} captured plans"
         return f"verified: {how}; {tail}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         return {"predicted_peak_bytes": self.predicted_peak, "captured_peak_bytes": self.captured_peak,
                 "captured_saved_bytes": self.captured_saved, "proven_optimal": self.proven,
                 "plans_captured": self.captures, "problem": self.problem or None}
