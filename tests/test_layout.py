@@ -30,7 +30,7 @@ LAYERS: dict[str, set[str]] = {
     "step": {"errors", "stepgraph", "capture", "formula", "training", "passes", "distributed", "titan", "deepspeed"},
     # what a user hands graphmem, as a StepSpec: a Trainer, a torchtitan job
     "frontends": {"errors", "capture", "step", "training", "titan", "deepspeed"},  # (a DeepSpeed Trainer's rank)
-    "planning": {"errors", "units", "stepgraph", "chains", "passes", "capture", "training", "formula", "analysis",
+    "planning": {"errors", "jsontypes", "units", "stepgraph", "chains", "passes", "capture", "training", "formula", "analysis",
                  "noise"},
     "losses": {"capture", "training"},  # training/lora.py: the head-outside wrapper LoRA adapts whole
     "advise": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "planning", "step",

@@ -16,7 +16,8 @@ with the first bitsandbytes op, so bitsandbytes is never imported for models wit
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Hashable
+from typing import Optional
 
 from graphmem.oprules import (  # noqa: F401  (each registers its family's rules)
     collectives,
@@ -43,18 +44,18 @@ def load_bitsandbytes() -> None:
     import graphmem.oprules.bnb  # noqa: F401
 
 
-def kernel_rule(op: Any, device: str) -> Optional[KernelRule]:
+def kernel_rule(op: Hashable, device: str) -> Optional[KernelRule]:
     """The fake-kernel fix for ``op`` on the target ``device``, if there is one."""
     rule = find("kernel", op, device)
     return rule.fn if rule is not None else None
 
 
-def workspace_outputs(op: Any) -> tuple[int, ...]:
+def workspace_outputs(op: Hashable) -> tuple[int, ...]:
     """The output positions of ``op`` that are kernel workspaces (a kernel rule's ``workspace_outputs``)."""
     return WORKSPACE_OUTPUTS.get(op, ())
 
 
-def scratch(op: Any, device: str, args: tuple, kwargs: dict, out: Any,
+def scratch(op: Hashable, device: str, args: tuple, kwargs: dict, out: object,
             capability: tuple[int, int] = (9, 0)) -> list[Scratch]:
     """What ``op`` allocates and frees inside its kernel on the target ``device`` (empty where no
     rule holds); ``capability``: the target GPU's (Target.capability; the H100's by default)."""
@@ -67,7 +68,7 @@ def scratch(op: Any, device: str, args: tuple, kwargs: dict, out: Any,
     return [s for s in found if s.nbytes > 0]
 
 
-def note_rule(op: Any, device: str) -> Optional[NoteRule]:
+def note_rule(op: Hashable, device: str) -> Optional[NoteRule]:
     """The report's note rule for ``op`` on the target ``device``, if there is one."""
     rule = find("note", op, device)
     return rule.fn if rule is not None else None

@@ -20,11 +20,14 @@ kernel makes a new tensor.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphmem.oprules.registry import Run, Scratch, register_kernel, register_scratch
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 _c10d = torch.ops.c10d
 _functional = torch.ops._c10d_functional
@@ -36,19 +39,19 @@ def _nbytes(t: torch.Tensor) -> int:
 
 @register_scratch(_c10d._allgather_base_.default, _functional.all_gather_into_tensor.default,
                   source="torch/csrc/distributed/c10d/ProcessGroupGloo.cpp _allgather_base (flatOutputTensor)")
-def _gloo_allgather(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _gloo_allgather(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     output = out if isinstance(out, torch.Tensor) else args[0]  # functional: its output; c10d: the output argument
     return [Scratch(_nbytes(output), "gloo all-gather's flat output temporary (ProcessGroupGloo.cpp)")]
 
 
 @register_scratch(_c10d._reduce_scatter_base_.default, _functional.reduce_scatter_tensor.default,
                   source="torch/csrc/distributed/c10d/ProcessGroupGloo.cpp reduce_scatter_tensor_coalesced")
-def _gloo_reduce_scatter(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _gloo_reduce_scatter(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     inp = args[0] if isinstance(out, torch.Tensor) else args[1]  # functional: (input, ...); c10d: (output, input, ...)
     return [Scratch(_nbytes(inp), "gloo reduce-scatter's clone of the input (ProcessGroupGloo.cpp "
                                   "reduce_scatter_tensor_coalesced)")]
 
 
 @register_kernel(_functional.wait_tensor.default, source="torch/csrc/distributed/c10d/Functional.cpp wait_tensor")
-def _wait_tensor(run: Run, args: tuple, kwargs: dict, mode: Any) -> torch.Tensor:
+def _wait_tensor(run: Run, args: tuple, kwargs: dict, mode: FakeTensorMode) -> torch.Tensor:
     return args[0]

@@ -31,17 +31,16 @@ way on an AVX2 CPU. On other CPUs (``conv_gemm.onednn_x64``) the rules decline a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-import torch.fx as fx
 from torch._prims_common import suggest_memory_format
 
 import graphmem.oprules.conv_brgemm as brg
 import graphmem.oprules.conv_dw as dw
 import graphmem.oprules.conv_gemm as gemm
 import graphmem.oprules.conv_jit as jit
-from graphmem.oprules.registry import Scratch, register_note, register_scratch
+from graphmem.oprules.registry import RecordedOp, Scratch, register_note, register_scratch
 
 aten = torch.ops.aten
 WHAT = "oneDNN depthwise convolution, channels-last (mkldnn/Conv.cpp, measured law)"
@@ -111,7 +110,7 @@ def dw_backward_weights_applies(c: Geometry) -> bool:
 
 @register_scratch(aten.convolution.default, source="aten/src/ATen/native/mkldnn/Conv.cpp mkldnn_convolution "
                   "(oneDNN's Goihw16g weight reorder, measured law)")
-def _convolution(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _convolution(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
     b = dict(zip(names, args), **kwargs)
     c = _geometry(b, (out.size(2), out.size(3)) if isinstance(out, torch.Tensor) and out.dim() == 4 else (0, 0))
@@ -153,7 +152,7 @@ def avx2_weights_applies(c: Geometry) -> bool:
 @register_scratch(aten.convolution_backward.default, source="aten/src/ATen/native/mkldnn/Conv.cpp "
                   "mkldnn_convolution_backward; oneDNN jit_uni_dw_conv_kernel_utils.cpp, gemm_convolution_utils.cpp, "
                   "jit_avx512_common_conv_kernel.cpp init_conf")
-def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _convolution_backward(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     names = ("grad_output", "input", "weight", "bias_sizes", "stride", "padding", "dilation", "transposed",
              "output_padding", "groups", "output_mask")
     b = dict(zip(names, args), **kwargs)
@@ -290,7 +289,7 @@ def _avx2_cl_1x1_backward(b: dict) -> list[Scratch]:
 @register_note(aten.convolution.default, aten.convolution_backward.default, devices=("cpu",),
                source="aten/src/ATen/native/mkldnn/Conv.cpp mkldnn_convolution, mkldnn_convolution_backward "
                       "(oneDNN's reorders and scratchpad)")
-def _onednn_conv(node: fx.Node) -> str:
+def _onednn_conv(node: RecordedOp) -> str:
     if node.meta.get("scratch"):  # covered by a rule above (depthwise channels-last; conv_dw.py: depthwise NCHW;
         return ""                 # conv_gemm.py: kernels > 14; conv_jit.py: patch embeddings)
     return ("aten.convolution (CPU): oneDNN's scratch inside the op (weight and activation reorders to its "
@@ -302,6 +301,6 @@ def _onednn_conv(node: fx.Node) -> str:
 
 @register_note(aten.convolution.default, aten.convolution_backward.default, devices=("cuda",),
                source="aten/src/ATen/native/cudnn/Conv_v8.cpp (cuDNN's algorithm search and workspace)")
-def _cudnn_conv(node: fx.Node) -> str:
+def _cudnn_conv(node: RecordedOp) -> str:
     # cuDNN documents no size or bound for it: only a per-algorithm runtime query (cudnnGetConvolution*WorkspaceSize)
     return "aten.convolution (CUDA): cuDNN's workspace (chosen by its algorithm search) is not modelled"

@@ -40,7 +40,7 @@ kernels) have no rule here (graphmem/oprules/conv.py's note stays).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Union
 
 import torch
 
@@ -246,7 +246,7 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
-def expand(values: Any, dims: int) -> list[int]:
+def expand(values: Union[int, list[int], tuple[int, ...]], dims: int) -> list[int]:
     """A convolution parameter per spatial dim (ATen's ``expand_param_if_needed``: one value for all)."""
     values = list(values) if isinstance(values, (list, tuple)) else [values]
     return values * dims if len(values) == 1 else values

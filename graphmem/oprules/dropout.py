@@ -9,7 +9,6 @@ Both follow Dropout.cpp and are checked against the real kernels to the byte, fp
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -24,7 +23,7 @@ def _dense(t: torch.Tensor) -> int:
 
 
 @register_scratch(aten.native_dropout.default, source="aten/src/ATen/native/Dropout.cpp native_dropout_cpu")
-def _native_dropout(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _native_dropout(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     """Dropout.cpp ``native_dropout_cpu``: ``input.mul(mask)`` with the bool mask: TensorIterator
     casts the mask to the input's dtype first (an input-sized temporary); ``mul_(scale)`` is in place."""
     x, train = args[0], (args[2] if len(args) > 2 else kwargs.get("train"))
@@ -34,7 +33,7 @@ def _native_dropout(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
 
 
 @register_scratch(aten.native_dropout_backward.default, source="aten/src/ATen/native/Dropout.cpp native_dropout_backward")
-def _native_dropout_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _native_dropout_backward(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     """Dropout.cpp ``native_dropout_backward``: ``grad * mask * scale``: the mask cast to the
     gradient's dtype, the product ``grad * mask`` (both gradient-sized), then ``scale`` as a
     wrapped double and its cast to the gradient's dtype; the cast dies before the scale is made."""

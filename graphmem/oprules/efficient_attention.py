@@ -39,12 +39,11 @@ report says so (its note, below). Batches above 65,535 (run in chunks) are not m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-import torch.fx as fx
 
-from graphmem.oprules.registry import Scratch, aten_op, register_note, register_scratch
+from graphmem.oprules.registry import RecordedOp, Scratch, aten_op, register_note, register_scratch
 
 HALF = (torch.float16, torch.bfloat16)
 SOURCE = ("aten/src/ATen/native/transformers/cuda/attention_backward.cu _efficient_attention_backward, "
@@ -153,7 +152,7 @@ def backward_scratch(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Ten
 
 @register_scratch(aten_op("_scaled_dot_product_efficient_attention_backward"), devices=("cuda",), per_gpu=True,
                   source=SOURCE)
-def _sdpa_efficient_backward(args: tuple, kwargs: dict, out: Any, capability: tuple[int, int]) -> list[Scratch]:
+def _sdpa_efficient_backward(args: tuple, kwargs: dict, out: object, capability: tuple[int, int]) -> list[Scratch]:
     """``_scaled_dot_product_efficient_attention_backward_cuda``: (B, nH, M, K) in, transposed."""
     names = ("grad_out", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed", "philox_offset",
              "dropout_p")
@@ -166,7 +165,7 @@ def _sdpa_efficient_backward(args: tuple, kwargs: dict, out: Any, capability: tu
 
 @register_scratch(aten_op("_efficient_attention_backward"), devices=("cuda",), per_gpu=True,
                   source=SOURCE)
-def _efficient_backward(args: tuple, kwargs: dict, out: Any, capability: tuple[int, int]) -> list[Scratch]:
+def _efficient_backward(args: tuple, kwargs: dict, out: object, capability: tuple[int, int]) -> list[Scratch]:
     names = ("grad_out", "query", "key", "value", "bias", "out", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
              "max_seqlen_k", "logsumexp", "dropout_p")
     bound = dict(zip(names, args), **kwargs)
@@ -189,20 +188,20 @@ def forward_scratch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
 
 @register_scratch(aten_op("_scaled_dot_product_efficient_attention"), devices=("cuda",), per_gpu=True,
                   source=SOURCE)
-def _sdpa_efficient_forward(args: tuple, kwargs: dict, out: Any, capability: tuple[int, int]) -> list[Scratch]:
+def _sdpa_efficient_forward(args: tuple, kwargs: dict, out: object, capability: tuple[int, int]) -> list[Scratch]:
     q, k, v = (args[i].transpose(1, 2) for i in range(3))  # (B, nH, M, K) in
     return forward_scratch(q, k, v) if capability in MODELLED else []
 
 
 @register_scratch(aten_op("_efficient_attention_forward"), devices=("cuda",), per_gpu=True,
                   source=SOURCE)
-def _efficient_forward(args: tuple, kwargs: dict, out: Any, capability: tuple[int, int]) -> list[Scratch]:
+def _efficient_forward(args: tuple, kwargs: dict, out: object, capability: tuple[int, int]) -> list[Scratch]:
     return forward_scratch(args[0], args[1], args[2]) if capability in MODELLED else []
 
 
 @register_note(aten_op("_scaled_dot_product_efficient_attention_backward"), aten_op("_efficient_attention_backward"),
                devices=("cuda",), source=SOURCE)
-def _efficient_backward_note(node: fx.Node) -> str:
+def _efficient_backward_note(node: RecordedOp) -> str:
     if node.meta.get("scratch"):  # covered by the rules above
         return ""
     return ("memory-efficient attention (CUDA): the kernels' fp32 accumulators (attention_backward.cu workspace, "

@@ -3,8 +3,6 @@ forward and backward, per-thread buffers; the CUDA target's backward (flash_api.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from graphmem.oprules.registry import Scratch, aten_op, register_scratch
@@ -22,7 +20,7 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
 
 @register_scratch(aten_op("_scaled_dot_product_flash_attention_for_cpu"),
                   source="aten/src/ATen/native/cpu/FlashAttentionKernel.cpp cpu_flash_attention")
-def _flash_cpu(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _flash_cpu(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     """FlashAttentionKernel.cpp ``cpu_flash_attention``: per thread, an accumulation-type
     buffer qk (qS·kvS) + max (qS) + sum (qS) + dst (qS·D), and for bf16/fp16 a (qS, kvS)
     buffer in the input type. (fp16 with oneDNN packing, ``could_pack``, also pads K/V in
@@ -38,7 +36,7 @@ def _flash_cpu(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
 
 @register_scratch(aten_op("_scaled_dot_product_flash_attention_for_cpu_backward"),
                   source="aten/src/ATen/native/cpu/FlashAttentionKernel.cpp cpu_flash_attention_backward")
-def _flash_cpu_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _flash_cpu_backward(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     """FlashAttentionKernel.cpp ``cpu_flash_attention_backward``: per thread attn + grad_attn
     (2·qS·kvS, accumulation type; again in the input type for bf16/fp16), a ``dsum`` (qS) in
     each thread that runs a task (one counted, see below), and ``grad_out.contiguous()`` in (b, s, h, d) order when the
@@ -62,7 +60,7 @@ def _flash_cpu_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
 # -- CUDA target: flash attention backward ---------------------------------------------------------
 @register_scratch(aten_op("_scaled_dot_product_flash_attention_backward"), devices=("cuda",),
                   source="aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp mha_bwd")
-def _flash_cuda_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _flash_cuda_backward(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     """aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp ``mha_bwd``: an fp32
     ``softmax_d`` (b, h, ⌈s_q/128⌉·128), the fp32 ``dq_accum`` (b, ⌈s_q/128⌉·128, h, ⌈d/32⌉·32)
     (non-deterministic mode: one split), and for MQA/GQA the expanded dK, dV (b, s_k, h, d)

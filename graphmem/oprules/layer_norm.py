@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -13,7 +12,7 @@ from graphmem.oprules.registry import Scratch, aten_op, register_scratch
 
 @register_scratch(aten_op("native_layer_norm_backward"), source="aten/src/ATen/native/cpu/layer_norm_kernel.cpp "
                   "LayerNormBackwardKernelImplInternal; aten/src/ATen/native/layer_norm.cpp layer_norm_backward_cpu")
-def _layer_norm_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _layer_norm_backward(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     """aten/src/ATen/native/cpu/layer_norm_kernel.cpp ``LayerNormBackwardKernelImplInternal``:
     when dgamma or dbeta is wanted, a zeroed {2, num_threads, N} buffer for the two-pass
     reduction; ``LayerNormBackwardKernelImpl`` first makes ``dY.contiguous()``, and
@@ -33,7 +32,7 @@ def _layer_norm_backward(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
 
 
 @register_scratch(aten_op("native_layer_norm"), source="aten/src/ATen/native/layer_norm.cpp layer_norm_cpu")
-def _layer_norm(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _layer_norm(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     """aten/src/ATen/native/layer_norm.cpp ``layer_norm_cpu``: ``input.expect_contiguous()``, a
     dense copy of a strided input for the kernel, gone when the op returns."""
     x = args[0]

@@ -5,16 +5,19 @@ in place (aten/src/ATen/native/LinearAlgebra.cpp, aten/src/ATen/native/GroupedMM
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphmem.oprules.registry import Run, Scratch, aten_op, register_kernel, register_scratch
 
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
 
 @register_kernel(aten_op("_grouped_mm"), source="aten/src/ATen/native/GroupedMMUtils.h "
                  "_grouped_mm_validate_inputs, create_grouped_gemm_output_tensor")
-def _grouped_mm(run: Run, args: tuple, kwargs: dict, mode: Any) -> torch.Tensor:
+def _grouped_mm(run: Run, args: tuple, kwargs: dict, mode: FakeTensorMode) -> torch.Tensor:
     """The CPU (and CUDA) kernel's own checks and output, where torch/_meta_registrations.py's
     ``meta_grouped_mm`` refuses fp32 (it copies the CUDA fast path's bf16 checks). After
     aten/src/ATen/native/GroupedMMUtils.h: ``_grouped_mm_validate_inputs`` (fp32, bf16 or fp16;
@@ -89,7 +92,7 @@ def _blas_copies(m1: torch.Tensor, m2: torch.Tensor, result: torch.Tensor) -> in
 
 
 @register_scratch(aten_op("mm"), aten_op("addmm"), source="aten/src/ATen/native/LinearAlgebra.cpp addmm_impl_cpu_")
-def _mm(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _mm(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     m1, m2 = (args[0], args[1]) if len(args) < 3 or not isinstance(args[2], torch.Tensor) else (args[1], args[2])
     if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.numel() == 0 or m1.shape[1] == 0 \
             or out.dtype not in (torch.float32, torch.float64):  # bf16/fp16 may take oneDNN's matmul instead

@@ -6,15 +6,18 @@ analyzing process's memory (19 GB for GPT-2 XL), never part of the step's own me
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from graphmem.oprules.registry import Run, aten_op, register_kernel
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 @register_kernel(aten_op("_fused_sgd_"), aten_op("_fused_sgd_", "tensor_lr"),
                  source="aten/src/ATen/native/FusedSGD.cpp _fused_sgd_kernel_cpu_; "
                         "aten/src/ATen/native/cuda/FusedSgdKernel.cu _fused_sgd_kernel_cuda_")
-def _fused_sgd_(run: Run, args: tuple, kwargs: dict, mode: Any) -> None:
+def _fused_sgd_(run: Run, args: tuple, kwargs: dict, mode: FakeTensorMode) -> None:
     """The update runs in place over the parameters, gradients and momentum buffers (the optimizer
     makes those itself on the first step, torch/optim/sgd.py ``_fused_sgd``) and returns nothing.
     The CPU kernel checks the lists' lengths (``_fused_sgd_kernel_cpu_``'s TORCH_CHECKs, kept here)

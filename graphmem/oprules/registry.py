@@ -21,10 +21,15 @@ of the analyzing process: a CPU prediction is for a run with as many threads.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar
 
 import torch
+from torch._ops import OpOverload
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,24 @@ class Scratch:
     what: str  # e.g. "flash attention buffers (FlashAttentionKernel.cpp)"
 
 
+class RecordedOp(Protocol):
+    """What the note rules and the workspace line read of a recorded op (graphmem/stepgraph.py's
+    ``OpNode``, which this layer sits below)."""
+
+    @property
+    def target(self) -> object: ...
+    @property
+    def args(self) -> tuple: ...
+    @property
+    def kwargs(self) -> dict: ...
+    @property
+    def meta(self) -> dict[str, Any]: ...
+
+
 Run = Callable[..., Any]  # the fake kernel: run(*args, **kwargs)
-KernelRule = Callable[[Run, tuple, dict, Any], Any]  # (run, args, kwargs, fake mode to make new tensors under)
+KernelRule = Callable[[Run, tuple, dict, "FakeTensorMode"], object]  # (run, args, kwargs, fake mode to make new tensors under)
 ScratchRule = Callable[..., list[Scratch]]  # (args, kwargs, out), or (args, kwargs, out, capability) when per_gpu
-NoteRule = Callable[[Any], str]  # (the op's fx.Node) -> the note, or "" where another rule covers the op
+NoteRule = Callable[[RecordedOp], str]  # (the op's recorded node) -> the note, or "" where another rule covers the op
 
 
 @dataclass(frozen=True)
@@ -47,7 +66,7 @@ class Rule:
     the kernel source (file and function) it was derived from."""
 
     kind: str  # "kernel", "scratch" or "note"
-    op: Any
+    op: OpOverload
     device: str
     fn: Callable[..., Any]
     source: str
@@ -55,22 +74,26 @@ class Rule:
     per_gpu: bool = False  # a scratch rule told the target GPU's compute capability (Target.capability)
 
 
-RULES: dict[tuple[str, Any, str], Rule] = {}  # (kind, op, device) -> rule
-WORKSPACE_OUTPUTS: dict[Any, tuple[int, ...]] = {}  # op -> output positions that are kernel workspaces
+# keyed by the op (an OpOverload); looked up with whatever target a recorded node has
+RULES: dict[tuple[str, Hashable, str], Rule] = {}  # (kind, op, device) -> rule
+WORKSPACE_OUTPUTS: dict[Hashable, tuple[int, ...]] = {}  # op -> output positions that are kernel workspaces
 
 
-def aten_op(name: str, overload: str = "default") -> Optional[Any]:
+def aten_op(name: str, overload: str = "default") -> Optional[OpOverload]:
     """``torch.ops.aten.<name>.<overload>``, or None where this torch has no such op (its rule is skipped)."""
     packet = getattr(torch.ops.aten, name, None)
     return getattr(packet, overload, None) if packet is not None else None
 
 
-def _register(kind: str, ops: tuple[Any, ...], devices: tuple[str, ...], source: str,
-              per_gpu: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+def _register(kind: str, ops: tuple[Optional[OpOverload], ...], devices: tuple[str, ...], source: str,
+              per_gpu: bool = False) -> Callable[[_F], _F]:
     if not source.strip():
         raise RuntimeError(f"a {kind} rule must name its kernel source (file and function)")
 
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(fn: _F) -> _F:
         for op in ops:
             if op is None:
                 continue
@@ -82,7 +105,7 @@ def _register(kind: str, ops: tuple[Any, ...], devices: tuple[str, ...], source:
     return wrap
 
 
-def register_kernel(*ops: Any, source: str, devices: tuple[str, ...] = ("cpu", "cuda"),
+def register_kernel(*ops: Optional[OpOverload], source: str, devices: tuple[str, ...] = ("cpu", "cuda"),
                     workspace_outputs: tuple[int, ...] = ()) -> Callable[[KernelRule], KernelRule]:
     """Register ``fn(run, args, kwargs, mode) -> outputs`` in place of the fake kernel of ``ops``
     (``run`` is the fake kernel; new tensors are made under ``with mode:``)."""
@@ -94,17 +117,17 @@ def register_kernel(*ops: Any, source: str, devices: tuple[str, ...] = ("cpu", "
     return wrap
 
 
-def register_scratch(*ops: Any, source: str, devices: tuple[str, ...] = ("cpu",),
+def register_scratch(*ops: Optional[OpOverload], source: str, devices: tuple[str, ...] = ("cpu",),
                      per_gpu: bool = False) -> Callable[[ScratchRule], ScratchRule]:
     """Register ``fn(args, kwargs, out) -> [Scratch]``: what ``ops`` allocate inside the kernel;
     ``per_gpu``: ``fn(args, kwargs, out, capability)``, told the target GPU's compute capability."""
     return _register("scratch", ops, devices, source, per_gpu)
 
 
-def register_note(*ops: Any, source: str, devices: tuple[str, ...] = ("cpu", "cuda")) -> Callable[[NoteRule], NoteRule]:
+def register_note(*ops: Optional[OpOverload], source: str, devices: tuple[str, ...] = ("cpu", "cuda")) -> Callable[[NoteRule], NoteRule]:
     """Register ``fn(node) -> str``: the report's note for ``ops`` on ``devices``."""
     return _register("note", ops, devices, source)
 
 
-def find(kind: str, op: Any, device: str) -> Optional[Rule]:
+def find(kind: str, op: Hashable, device: str) -> Optional[Rule]:
     return RULES.get((kind, op, device))

@@ -5,12 +5,23 @@ target, a note for cuDNN's RNN memory, which has no rule.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.fx as fx
 
-from graphmem.oprules.registry import Run, Scratch, aten_op, register_kernel, register_note, register_scratch
+from graphmem.oprules.registry import (
+    RecordedOp,
+    Run,
+    Scratch,
+    aten_op,
+    register_kernel,
+    register_note,
+    register_scratch,
+)
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
 
 
 def _good_ld(dim: int, itemsize: int) -> int:
@@ -50,7 +61,7 @@ def onednn_lstm_workspace(input_size: int, hidden: int, batch: int, steps: int, 
 @register_kernel(aten_op("mkldnn_rnn_layer"), devices=("cpu",), workspace_outputs=(3,),
                  source="aten/src/ATen/native/mkldnn/RNN.cpp mkldnn_rnn_layer; oneDNN src/cpu/rnn/rnn_utils.hpp "
                         "set_workspace_sizes")
-def _mkldnn_rnn_layer(run: Run, args: tuple, kwargs: dict, mode: Any) -> Any:
+def _mkldnn_rnn_layer(run: Run, args: tuple, kwargs: dict, mode: FakeTensorMode) -> tuple[torch.Tensor, ...]:
     """aten/src/ATen/native/mkldnn/RNN.cpp ``mkldnn_rnn_layer``: in training it returns the
     primitive's workspace (uint8, ``workspace_desc().get_size()`` bytes), which autograd saves
     for ``mkldnn_rnn_layer_backward``; the meta kernel returns it empty."""
@@ -87,7 +98,7 @@ def _onednn_lstm_scratch(i: int, h: int, n: int, t: int, e: int) -> tuple[int, i
 
 @register_scratch(aten_op("mkldnn_rnn_layer"), source="aten/src/ATen/native/mkldnn/RNN.cpp mkldnn_rnn_layer; oneDNN "
                   "src/cpu/rnn/rnn_utils.hpp set_workspace_sizes")
-def _mkldnn_rnn_layer_scratch(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _mkldnn_rnn_layer_scratch(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     x, h = args[0], args[10]  # input (T, N, I), hidden_size
     if args[9] != 2:  # LSTM only
         return []
@@ -98,7 +109,7 @@ def _mkldnn_rnn_layer_scratch(args: tuple, kwargs: dict, out: Any) -> list[Scrat
 
 @register_scratch(aten_op("mkldnn_rnn_layer_backward"), source="aten/src/ATen/native/mkldnn/RNN.cpp "
                   "mkldnn_rnn_layer_backward; oneDNN src/cpu/rnn/rnn_utils.hpp set_workspace_sizes")
-def _mkldnn_rnn_layer_backward_scratch(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _mkldnn_rnn_layer_backward_scratch(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     """Beside the forward's reorders and scratchpad: a dense copy of the output gradient
     (T·N·H) when it is not contiguous, grad_hy and grad_cy (N·H each) when autograd left
     either undefined (measured: both are made then), the summed bias, and, where oneDNN's ldgoi layout pads a weight gradient's rows
@@ -122,6 +133,6 @@ def _mkldnn_rnn_layer_backward_scratch(args: tuple, kwargs: dict, out: Any) -> l
 
 @register_note(aten_op("mkldnn_rnn_layer"), devices=("cuda",),
                source="aten/src/ATen/native/cudnn/RNN.cpp _cudnn_rnn (reserve space and workspace)")
-def _cudnn_rnn(node: fx.Node) -> str:
+def _cudnn_rnn(node: RecordedOp) -> str:
     return ("nn.LSTM/nn.GRU on the CUDA target: cuDNN's reserve space (saved for backward) and workspace are "
             "not modelled; the step ran oneDNN's CPU path, whose workspace is left out here")

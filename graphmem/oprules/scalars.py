@@ -18,7 +18,7 @@ Tensor overload (graphmem/capture/wrapped_numbers.py counts those).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Union
 
 import torch
 
@@ -45,7 +45,7 @@ def _common(dtype: torch.dtype, kind: type) -> torch.dtype:
     return dtype
 
 
-def cast_bytes(dtype: torch.dtype, value: Any) -> int:
+def cast_bytes(dtype: torch.dtype, value: Union[bool, int, float, complex]) -> int:
     """Bytes of TensorIterator's copy of ``value``'s wrapped tensor in the common dtype with a tensor of
     ``dtype`` (TensorIterator.cpp ``promote_inputs_to_common_dtype_``): 0 where it is that dtype already."""
     kind = next((k for k in (bool, int, float, complex) if isinstance(value, k)), float)
@@ -53,21 +53,21 @@ def cast_bytes(dtype: torch.dtype, value: Any) -> int:
     return common.itemsize if common != WRAPPED[kind] else 0
 
 
-def _one(t: Any, value: Any) -> int:
+def _one(t: torch.Tensor, value: Union[bool, int, float, complex]) -> int:
     """The wrapped tensor of ``value`` and its cast to the common dtype with ``t``."""
     kind = next((k for k in (bool, int, float, complex) if isinstance(value, k)), float)
     return WRAPPED[kind].itemsize + cast_bytes(t.dtype, value)
 
 
 @register_scratch(*_SCALAR, source="aten/src/ATen/native/BinaryOps.cpp add/sub/mul/div (Scalar): wrapped_scalar_tensor")
-def _scalar(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _scalar(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     t, value = args[0], args[1] if len(args) > 1 else kwargs["other"]
     return [Scratch(_one(t, value), "the Scalar as a 0-d tensor and its cast (BinaryOps.cpp wrapped_scalar_tensor)")]
 
 
 @register_scratch(*_FOREACH, source="aten/src/ATen/native/ForeachOpsKernels.cpp FOREACH_BINARY_OP_SCALAR(LIST) "
                                     "slow path: BinaryOps.cpp wrapped_scalar_tensor per tensor")
-def _foreach(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _foreach(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     tensors = args[0]
     given = args[1] if len(args) > 1 else kwargs.get("scalar", kwargs.get("scalars"))
     values = given if isinstance(given, (list, tuple)) else [given] * len(tensors)

@@ -37,14 +37,21 @@ is in neither max allocated nor max reserved; each allocation also holds a signa
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
+from torch._ops import OpOverload
 
-from graphmem.oprules.registry import Run, Scratch, register_kernel, register_scratch
+from graphmem.oprules.registry import RecordedOp, Run, Scratch, register_kernel, register_scratch
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.distributed_c10d import GroupName
 
 
-def _op(name: str) -> Optional[Any]:
+
+def _op(name: str) -> Optional[OpOverload]:
     try:
         import torch.distributed._symmetric_memory  # noqa: F401  (defines the symm_mem library)
     except ImportError:
@@ -58,11 +65,11 @@ SOURCE = "torch/distributed/_symmetric_memory/__init__.py"
 MULTIMEM_ROWS = 2048  # _should_use_multimem_all_gather_matmul: local_M * group size <= 2048
 
 
-def _nbytes(shape: Any, dtype: torch.dtype) -> int:
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def _group_size(name: Any) -> int:
+def _group_size(name: GroupName) -> int:
     import torch.distributed.distributed_c10d as c10d
 
     return c10d._get_group_size_by_name(name)
@@ -96,7 +103,7 @@ def ag_path(shard_shape: tuple[int, ...], gather_dim: int, return_a: bool, conti
 
 @register_scratch(AG_MM, devices=("cuda",), source=f"{SOURCE} _fused_all_gather_matmul_impl, "
                   "_fused_all_gather_matmul_last_gather_dim_impl, _multimem_all_gather_matmul")
-def _all_gather_matmul(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _all_gather_matmul(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     a_shard, gather_dim, group = args[0], args[2], args[3]
     return_a, size = kwargs.get("return_A", True), _group_size(group)
     path = ag_path(tuple(a_shard.shape), gather_dim, return_a, a_shard.is_contiguous(), size)
@@ -117,7 +124,7 @@ def _all_gather_matmul(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
 
 @register_kernel(AG_MM, devices=("cuda",), source=f"{SOURCE} _fused_all_gather_matmul_impl (outputs, unflatten); "
                  "torch/_inductor/ir.py FlexibleLayout (the pointwise kernels that read them)")
-def _outputs_as_read(run: Run, args: tuple, kwargs: dict, mode: Any) -> Any:
+def _outputs_as_read(run: Run, args: tuple, kwargs: dict, mode: FakeTensorMode) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The matmul outputs laid out contiguously, A as the CUDA implementation lays it out. Both
     are ``(group, rows, ...)``-ordered on the GPU (``unflatten`` moves the gathered dimension
     back, so with a gather dim past 0, as sequence parallel's, and a batch over 1 they are not
@@ -134,7 +141,7 @@ def _outputs_as_read(run: Run, args: tuple, kwargs: dict, mode: Any) -> Any:
 
 
 @register_scratch(MM_RS, devices=("cuda",), source=f"{SOURCE} _fused_matmul_reduce_scatter_impl")
-def _matmul_reduce_scatter(args: tuple, kwargs: dict, out: Any) -> list[Scratch]:
+def _matmul_reduce_scatter(args: tuple, kwargs: dict, out: object) -> list[Scratch]:
     a, b, scatter_dim = args[0], args[1], args[3] % args[0].dim()
     rows = math.prod(a.shape[:-1])
     found = [Scratch(rows * b.shape[1] * a.dtype.itemsize, "fused matmul reduce-scatter's stacked partials "
@@ -145,7 +152,7 @@ def _matmul_reduce_scatter(args: tuple, kwargs: dict, out: Any) -> list[Scratch]
     return found
 
 
-def workspace_bytes(ops: Any) -> int:
+def workspace_bytes(ops: Iterable[RecordedOp]) -> int:
     """The symmetric-memory workspace one TP group's buffer grows to over the recorded ``ops``
     (``get_symm_mem_workspace``'s largest ``min_size``), with its signal pad; 0 without fused ops."""
     from torch._C._distributed_c10d import _SymmetricMemory
@@ -166,7 +173,7 @@ def workspace_bytes(ops: Any) -> int:
     return need + int(_SymmetricMemory.signal_pad_size) if need else 0
 
 
-def _meta(arg: Any) -> tuple[tuple[int, ...], torch.dtype]:
+def _meta(arg: Union[RecordedOp, tuple[RecordedOp, int]]) -> tuple[tuple[int, ...], torch.dtype]:
     """Shape and dtype of a recorded argument: an OpNode, or (OpNode, i) for output i."""
     if isinstance(arg, tuple):
         node, i = arg
@@ -176,7 +183,7 @@ def _meta(arg: Any) -> tuple[tuple[int, ...], torch.dtype]:
     return arg.meta["shape"], arg.meta["dtype"]
 
 
-def workspace_line(ops: Any) -> tuple[str, ...]:
+def workspace_line(ops: Iterable[RecordedOp]) -> tuple[str, ...]:
     """The report's line for the workspace (outside max allocated and max reserved), or none."""
     need = workspace_bytes(ops)
     if not need:

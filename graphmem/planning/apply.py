@@ -22,7 +22,7 @@ import contextlib
 import inspect
 import threading
 import types
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence, TypedDict
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -31,6 +31,35 @@ from graphmem.capture.recompute import recompute_scope
 from graphmem.errors import UsageError
 
 _STATE = threading.local()
+
+
+class SegmentSession(Protocol):
+    """One checkpointed call of a segment under a selective policy (selective.py ``_Session``)."""
+
+    def block(self) -> None:
+        """Called before each block of the segment."""
+        ...
+
+    def contexts(self) -> tuple[ContextManager[object], ContextManager[object]]:
+        """``checkpoint``'s ``context_fn``: a fresh pair from ``create_selective_checkpoint_contexts``."""
+        ...
+
+
+class SegmentPolicy(Protocol):
+    """A segment's selective policy (selective.py ``OpPolicy``): a session per checkpointed call."""
+
+    def session(self) -> SegmentSession: ...
+
+
+class PlanPolicy(SegmentPolicy, Protocol):
+    """A segment's selective policy as a plan names and writes it (graphmem.planning.OpPolicy)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def literal(self) -> str:
+        """The kept ops as a Python set literal."""
+        ...
 
 
 def _inside() -> bool:
@@ -55,18 +84,22 @@ class Applied:
     def __enter__(self) -> "Applied":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+class _Respect(TypedDict, total=False):
+    respect_saved_tensors_hooks: bool
 
 
 # SAC's cached tensors go through the saved-tensor hooks around the step (graphmem's capture,
 # measure_saved) like any saved tensor, where this torch has the opt-in (older ones bypass them)
-_RESPECT: dict[str, Any] = ({"respect_saved_tensors_hooks": True}
-                            if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
+_RESPECT: _Respect = ({"respect_saved_tensors_hooks": True}
+                      if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
 
 
-def _runner(blocks: list[nn.Module], session: Any) -> Any:
-    def run(x: Any, *args: Any, **kwargs: Any) -> Any:
+def _runner(blocks: list[nn.Module], session: Optional[SegmentSession]) -> Callable[..., object]:
+    def run(x: object, *args: object, **kwargs: object) -> object:  # x: the chain's activation
         _STATE.depth = getattr(_STATE, "depth", 0) + 1
         scope = recompute_scope()
         try:
@@ -89,15 +122,16 @@ def _runner(blocks: list[nn.Module], session: Any) -> Any:
 _CACHE_ARGS = {"past_key_values": None, "past_key_value": None, "layer_past": None, "cache": None, "use_cache": False}
 
 
-def _writes_cache(name: str, value: Any) -> bool:
+def _writes_cache(name: str, value: object) -> bool:
     if value is None or value is False:
         return False
     return name != "cache" or hasattr(value, "get_seq_length")  # transformers' Cache classes
 
 
-def _without_cache(forward: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+def _without_cache(forward: Callable[..., object], args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """``args`` / ``kwargs`` of a call of ``forward`` (after its first argument) with the cache
-    arguments that hold something replaced by ``_CACHE_ARGS``; unchanged if there are none."""
+    arguments that hold something replaced by ``_CACHE_ARGS``; unchanged if there are none.
+    (``kwargs`` are the block's own, of any type: they go on through ``checkpoint``'s ``**kwargs``.)"""
     try:
         sig = inspect.signature(forward)
     except (TypeError, ValueError):
@@ -118,8 +152,9 @@ def _without_cache(forward: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[t
     return tuple(bound.args[1:]), dict(bound.kwargs)
 
 
-def _segment_forward(blocks: list[nn.Module], originals: list[Any], policy: Any = None) -> Any:
-    def head(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
+def _segment_forward(blocks: list[nn.Module], originals: list[Callable[..., object]],
+                     policy: Optional[SegmentPolicy] = None) -> Callable[..., object]:
+    def head(self: nn.Module, x: object, *args: object, **kwargs: Any) -> object:
         if _inside():
             return originals[0](x, *args, **kwargs)
         args, kwargs = _without_cache(originals[0], args, kwargs)
@@ -133,8 +168,8 @@ def _segment_forward(blocks: list[nn.Module], originals: list[Any], policy: Any 
     return head
 
 
-def _member_forward(original: Any) -> Any:
-    def member(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
+def _member_forward(original: Callable[..., object]) -> Callable[..., object]:
+    def member(self: nn.Module, x: object, *args: object, **kwargs: object) -> object:
         if _inside():
             return original(x, *args, **kwargs)
         return x  # the segment's first block already ran this one, checkpointed
@@ -157,7 +192,7 @@ def chain_blocks(model: nn.Module, chain: str) -> list[tuple[str, nn.Module]]:
 
 
 def apply_segments(model: nn.Module, chain: str, segments: Sequence[tuple[int, int]],
-                   policies: Optional[Sequence[Any]] = None) -> Applied:
+                   policies: Optional[Sequence[Optional[SegmentPolicy]]] = None) -> Applied:
     """Checkpoint ``model.<chain>[a..b]`` for each ``(a, b)`` in ``segments`` (inclusive;
     ``chain`` may name several holders run in order, see ``chain_blocks``, and a segment may
     span them); ``policies[i]`` (None: plain checkpointing) is segment i's selective policy."""

@@ -12,7 +12,7 @@ captures are repeated at full depth.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch.nn as nn
 
@@ -20,9 +20,10 @@ from graphmem.analysis import AnalysisView, captured
 from graphmem.chains import Chain, find_chain, truncated
 from graphmem.errors import GraphmemError, PassError
 from graphmem.passes.budget import later_steps_peak, made_states
-from graphmem.passes.checkpoint import ChainCosts, Piece, evaluate, level_after, segments_of
-from graphmem.planning.apply import apply_segments, chain_blocks
+from graphmem.passes.checkpoint import ChainCosts, Piece, Segment, evaluate, level_after, segments_of
+from graphmem.planning.apply import SegmentPolicy, apply_segments, chain_blocks
 from graphmem.planning.pieces import Cut, PlanError, assemble, cut_roles, shared_keys, tails
+from graphmem.stepgraph import StepGraph
 
 __all__ = ["DEPTH", "PlanError", "chain_costs", "measure", "stage_chain"]
 
@@ -40,12 +41,13 @@ def _plans(k: int) -> list[tuple[str, list[tuple[int, int]]]]:
     return plans
 
 
-def _entry_plan(plans: Sequence[tuple[str, Any, Cut]]) -> Optional[Cut]:
+def _entry_plan(plans: Sequence[tuple[str, tuple[Segment, ...], Cut]]) -> Optional[Cut]:
     """A capture whose first block is stored and another checkpointed."""
     return next((cut for _, segs, cut in plans if not segs[0][2] and any(ck for _, _, ck in segs)), None)
 
 
-def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional[int], policy: Any = None,
+def chain_costs(model: nn.Module, chain: Chain, capture_at: Callable[[], StepGraph], depth: Optional[int],
+                policy: Optional[SegmentPolicy] = None,
                 micro_steps: int = 1) -> ChainCosts:
     """The chain's pieces from captures (at ``depth`` blocks, or the full chain); with a
     selective ``policy`` (graphmem/planning/selective.py), every checkpointed segment runs under it.
@@ -71,7 +73,7 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
     steps: list[tuple[dict[tuple[int, str], tuple[Piece, int, int]], list, list]] = [({}, [], []) for _ in shared]
     free_heads: list[tuple[Piece, Piece]] = []
     entry_heads: list[tuple[Piece, Piece]] = []
-    peaks: list[tuple[str, Any, int]] = []
+    peaks: list[tuple[str, tuple[Segment, ...], int]] = []
     for n, (what, segs, cut) in enumerate(captured):
         cut.share(kept)
         for (found, fixed, starts), window in zip(steps, cut.windows()):
@@ -103,12 +105,12 @@ def chain_costs(model: nn.Module, chain: Chain, capture_at: Any, depth: Optional
     return _checked(costs, peaks, disagree)
 
 
-def _captures(model: nn.Module, chain: Chain, capture_at: Any, k: int, names: list[str], policy: Any,
-              disagree: list[str]) -> list[tuple[str, Any, Cut]]:
+def _captures(model: nn.Module, chain: Chain, capture_at: Callable[[], StepGraph], k: int, names: list[str],
+              policy: Optional[SegmentPolicy], disagree: list[str]) -> list[tuple[str, tuple[Segment, ...], Cut]]:
     """Each of ``_plans(k)`` captured on the chain truncated to k blocks: (plan, its segments,
     the capture cut at block boundaries). A plan that cannot run is left out, its reason added
     to ``disagree``."""
-    captured: list[tuple[str, Any, Cut]] = []
+    captured: list[tuple[str, tuple[Segment, ...], Cut]] = []
     for n, (what, ck) in enumerate(_plans(k)):
         try:
             with truncated(model, chain, k if k < chain.length else None), \
@@ -125,7 +127,7 @@ def _captures(model: nn.Module, chain: Chain, capture_at: Any, k: int, names: li
     return captured
 
 
-def _checked(costs: ChainCosts, peaks: list[tuple[str, Any, int]], disagree: list[str]) -> ChainCosts:
+def _checked(costs: ChainCosts, peaks: list[tuple[str, tuple[Segment, ...], int]], disagree: list[str]) -> ChainCosts:
     """The costs, marked inexact (with the first problem) unless they pass ``ChainCosts.check``
     and the stitched peak of every captured plan equals its captured peak."""
     try:
@@ -183,7 +185,7 @@ def stage_chain(model: nn.Module) -> Optional[Chain]:
     return best
 
 
-def measure(report: AnalysisView, policy: Any = None) -> tuple[ChainCosts, int]:
+def measure(report: AnalysisView, policy: Optional[SegmentPolicy] = None) -> tuple[ChainCosts, int]:
     """The chain costs of a report's model (captures at depth 4 when the blocks are identical,
     else at full depth) and the depth captured; checkpointed segments run under ``policy``."""
     source = report.source

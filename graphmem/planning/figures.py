@@ -8,7 +8,7 @@ budget is bisected (``ROUNDS`` captures) between its lowest-peak plan and the bu
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from graphmem.analysis import AnalysisView, captured
 from graphmem.passes.later_steps import later_steps_peak
@@ -16,6 +16,9 @@ from graphmem.passes.run_memory import FIGURE_NAMES, RunMemory, figure_for, step
 from graphmem.planning.apply import apply_segments
 from graphmem.planning.pieces import PlanError
 from graphmem.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from graphmem.planning.planner import CheckpointPlan, Planner
 
 ROUNDS = 4
 
@@ -33,7 +36,7 @@ def headroom(report: AnalysisView, figure: str) -> int:
     return max(0, memory.figure(figure) - exact)
 
 
-def plan_memory(report: AnalysisView, plan: Any) -> RunMemory:
+def plan_memory(report: AnalysisView, plan: CheckpointPlan) -> RunMemory:
     """The run memory of the report's step captured with ``plan`` applied."""
     source = report.source
     with apply_segments(source.module, plan.chain, plan.segments, plan.policies or None):
@@ -41,7 +44,7 @@ def plan_memory(report: AnalysisView, plan: Any) -> RunMemory:
     return step_memory(g, report.memory.rows, source.parallel)
 
 
-def _plan(planner: Any, budget: int) -> Any:
+def _plan(planner: Planner, budget: int) -> Any:  # a CheckpointPlan or None (plan_within holds both in one variable)
     """The planner's plan for ``budget``, None where none fits (an inexact chain's program estimates
     its plans' peaks; its captures may then find none under the budget)."""
     try:
@@ -50,7 +53,7 @@ def _plan(planner: Any, budget: int) -> Any:
         return None
 
 
-def plan_within(report: AnalysisView, planner: Any, budget: int, figure: str) -> tuple[Any, int]:
+def plan_within(report: AnalysisView, planner: Planner, budget: int, figure: str) -> tuple[CheckpointPlan, int]:
     """The planner's plan whose ``figure`` (captured) fits ``budget``, and the allocated budget the
     planner was given for it. The first guess lowers the budget by the unplanned step's headroom; when
     that plan is over, or out of reach (the cached segments shrink with the activations), the

@@ -7,7 +7,7 @@ kernels without a CUDA twin in ``_SAME_AS``).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Optional
 
 import torch
 from torch.utils.flop_counter import flop_registry
@@ -15,7 +15,7 @@ from torch.utils.flop_counter import flop_registry
 from graphmem.stepgraph import OpNode
 
 
-def _meta(x: Any) -> Any:
+def _meta(x: object) -> object:  # a recorded argument, its OpNodes as meta tensors
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], OpNode):
         positions = x[0].meta.get("positions")
         shape, dtype, _ = x[0].meta["outputs"][positions.index(x[1]) if positions else x[1]]
@@ -45,10 +45,10 @@ def op_flops(node: OpNode) -> int:
     formula = flop_registry.get(_SAME_AS.get(packet, packet))  # type: ignore[arg-type]
     if formula is None:
         return 0
-    outs: tuple[Any, ...] = tuple(torch.empty(s, dtype=d, device="meta") for s, d, _ in node.meta.get("outputs", ()))
+    outs: tuple[Optional[torch.Tensor], ...] = tuple(torch.empty(s, dtype=d, device="meta") for s, d, _ in node.meta.get("outputs", ()))
     positions = node.meta.get("positions")
     if positions and list(positions) != list(range(len(outs))):  # outputs that are None (a conv's unneeded grad_input)
-        full: list[Any] = [None] * (max(positions) + 1)
+        full: list[Optional[torch.Tensor]] = [None] * (max(positions) + 1)
         for p, t in zip(positions, outs):
             full[p] = t
         outs = tuple(full)

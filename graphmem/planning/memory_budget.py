@@ -11,7 +11,7 @@ so a sweep costs about one compiled analysis per value.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 from graphmem.analysis import AnalysisView
 from graphmem.capture.target import check_memory_budget
@@ -22,11 +22,11 @@ from graphmem.passes.saved import saved
 from graphmem.stepgraph import StepGraph
 
 
-def parse_budgets(values: Any) -> tuple[float, ...]:
+def parse_budgets(values: Union[str, float, Sequence[float]]) -> tuple[float, ...]:
     """``"1,0.8,0.5"``, a number or a sequence of numbers -> distinct budgets in [0, 1], in order."""
     if isinstance(values, str):
         try:
-            items: list[Any] = [float(v) for v in values.split(",") if v.strip()]
+            items: list[float] = [float(v) for v in values.split(",") if v.strip()]
         except ValueError:
             raise UsageError(f"`memory_budget={values!r}`: give fractions in [0, 1], e.g. 0.5 or 1,0.8,0.5,0.2") from None
     elif isinstance(values, (int, float)):
@@ -38,8 +38,8 @@ def parse_budgets(values: Any) -> tuple[float, ...]:
     return tuple(dict.fromkeys(check_memory_budget(v) for v in items))
 
 
-def memory_budgets(report: AnalysisView, values: Any,
-                   tick: Optional[Callable[[], Any]] = None) -> BudgetSweep:
+def memory_budgets(report: AnalysisView, values: Union[str, float, Sequence[float]],
+                   tick: Optional[Callable[[], object]] = None) -> BudgetSweep:
     """One point per budget in ``values``: the report's own capture where its budget is one of
     them, a compiled capture at each other value."""
     source = report.source

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch.nn as nn
 
@@ -24,7 +24,7 @@ from graphmem.passes.checkpoint import (
     segments_of,
     tables,
 )
-from graphmem.planning.apply import Applied, apply_segments, chain_blocks, hf_checkpointed
+from graphmem.planning.apply import Applied, PlanPolicy, apply_segments, chain_blocks, hf_checkpointed
 from graphmem.planning.costs import PlanError, chain_costs, measure
 from graphmem.planning.flops import op_flops
 from graphmem.planning.verify import UNRUNNABLE, Verification, Verifier, forward_end, search
@@ -54,7 +54,7 @@ class CheckpointPlan:
     recompute_flops: int
     step_flops: int
     budget: Optional[int] = None
-    policies: tuple[Any, ...] = ()  # per segment: its selective policy (graphmem.planning.OpPolicy) or None
+    policies: tuple[Optional[PlanPolicy], ...] = ()  # per segment: its selective policy (graphmem.planning.OpPolicy) or None
     max_overhead: Optional[float] = None  # the recompute cap it was chosen under (instead of a budget)
     block_paths: tuple[str, ...] = ()  # module path of each block (chains over several holders)
     # how the peak was checked (a capture with the plan applied, graphmem/planning/verify.py): then peaks are captured
@@ -114,7 +114,7 @@ class CheckpointPlan:
 
 def _policy_code(plan: CheckpointPlan) -> str:
     """Python that applies a plan with selective segments."""
-    used: dict[str, Any] = {}  # name -> graphmem.planning.selective.OpPolicy
+    used: dict[str, PlanPolicy] = {}  # name -> its policy
     for p in plan.policies:
         if p is not None:
             used.setdefault(p.name, p)
@@ -200,7 +200,7 @@ class Planner:
     def _runnable(self, e: Evaluated) -> bool:
         return e.peak_bytes < UNRUNNABLE and self.verifier.measure(e)[0] < UNRUNNABLE
 
-    def _policies(self, e: Evaluated) -> tuple[Any, ...]:
+    def _policies(self, e: Evaluated) -> tuple[Optional[PlanPolicy], ...]:
         return ()
 
     def _optimal(self, budget: int) -> Optional[Evaluated]:
@@ -330,7 +330,7 @@ def _pareto(plans: list[CheckpointPlan]) -> list[CheckpointPlan]:
     return out
 
 
-def parse_limits(budget: Any, max_overhead: Any, required: bool = True) -> tuple[Optional[int], Optional[float]]:
+def parse_limits(budget: Union[int, str, None], max_overhead: Union[float, str, None], required: bool = True) -> tuple[Optional[int], Optional[float]]:
     """("40GiB" | bytes | None, "20%" | 0.2 | None) -> (bytes, fraction); exactly one unless not required."""
 
     if budget is not None and max_overhead is not None:

@@ -19,14 +19,21 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import ContextManager, Optional
 
 import torch
-from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
+from torch._ops import OpOverload
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
 
 from graphmem.analysis import AnalysisView, captured
 from graphmem.chains import find_chain
 from graphmem.errors import GraphmemError, UsageError
+from graphmem.jsontypes import JSON
 from graphmem.passes import selective as sel
 from graphmem.passes.checkpoint import Evaluated
 from graphmem.planning.planner import PlanError, Planner, measure, op_flops
@@ -40,17 +47,17 @@ class _Session:
 
     def __init__(self, keep: frozenset[tuple[str, int]]) -> None:
         self.keep = keep
-        self.seen: collections.Counter[Any] = collections.Counter()
+        self.seen: collections.Counter[OpOverload] = collections.Counter()
 
     def block(self) -> None:
         self.seen.clear()
 
-    def decide(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    def decide(self, ctx: SelectiveCheckpointContext, op: OpOverload, *args: object, **kwargs: object) -> CheckpointPolicy:
         k = self.seen[op]
         self.seen[op] += 1
         return CheckpointPolicy.MUST_SAVE if (str(op), k) in self.keep else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def contexts(self) -> Any:
+    def contexts(self) -> tuple[ContextManager[object], ContextManager[object]]:
         return create_selective_checkpoint_contexts(self.decide)
 
 
@@ -71,7 +78,7 @@ class OpPolicy:
     def session(self) -> _Session:
         return _Session(self.keep)
 
-    def context_fn(self) -> Any:
+    def context_fn(self) -> tuple[ContextManager[object], ContextManager[object]]:
         """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` of one block (fresh counts)."""
         return self.session().contexts()
 
@@ -95,7 +102,7 @@ class BlockOp:
         return f"{self.module + ' ' if self.module else ''}{op}#{self.key[1]}"
 
 
-def _storage(arg: Any) -> Optional[int]:
+def _storage(arg: object) -> Optional[int]:  # a recorded argument
     if isinstance(arg, tuple) and len(arg) == 2 and isinstance(arg[0], OpNode):
         node, i = arg
         positions = node.meta.get("positions")
@@ -107,14 +114,14 @@ def _storage(arg: Any) -> Optional[int]:
     return None
 
 
-def _storages(arg: Any) -> list[int]:
+def _storages(arg: object) -> list[int]:
     if isinstance(arg, (list, tuple)) and not (len(arg) == 2 and isinstance(arg[0], OpNode)):
         return [sid for x in arg for sid in _storages(x)]
     sid = _storage(arg)
     return [] if sid is None else [sid]
 
 
-def _arguments(op: OpNode) -> dict[str, Any]:
+def _arguments(op: OpNode) -> dict[str, object]:
     schema = op.target._schema
     named = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
     named.update({a.name: v for a, v in zip(schema.arguments, op.args)})
@@ -190,7 +197,7 @@ class Levels:
         ops = [o for o in self.ops if o.key in policy.keep]
         return sum(o.nbytes for o in ops), sum(o.flops for o in ops)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         return {"block": self.block,
                 "ops": [{"op": o.key[0], "index": o.key[1], "module": o.module, "shape": list(o.shape),
                          "bytes": o.nbytes, "flops": o.flops, "keepable": not o.why_not,
@@ -264,6 +271,6 @@ class SelectivePlanner(Planner):
             out[f"every block, selective {policy.name}"] = sel.every_block(self.modes, k)
         return out
 
-    def _policies(self, e: Evaluated) -> tuple[Any, ...]:
+    def _policies(self, e: Evaluated) -> tuple[Optional[OpPolicy], ...]:
         pol = (None, *self.levels.policies)
         return tuple(pol[int(m) - 1] for _, _, m in e.segments if m)

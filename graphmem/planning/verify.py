@@ -21,10 +21,12 @@ from typing import Any, Callable, Optional, Sequence
 
 from graphmem.analysis import AnalysisView
 from graphmem.errors import GraphmemError
+from graphmem.jsontypes import JSON
 from graphmem.passes import liveness, saved
 from graphmem.passes.budget import later_steps_peak
 from graphmem.passes.checkpoint import UNMEASURED, Evaluated
-from graphmem.planning.apply import apply_segments
+from graphmem.planning.apply import SegmentPolicy, apply_segments
+from graphmem.stepgraph import StepGraph
 from graphmem.units import fmt_bytes
 
 MAX_CAPTURES = 10
@@ -55,7 +57,7 @@ class Verification:
         tail = "proven optimal" if self.proven else f"best of {self.captures} captured plans"
         return f"verified: {how}; {tail}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         return {"predicted_peak_bytes": self.predicted_peak, "captured_peak_bytes": self.captured_peak,
                 "captured_saved_bytes": self.captured_saved, "proven_optimal": self.proven,
                 "plans_captured": self.captures, "problem": self.problem or None}
@@ -67,7 +69,8 @@ Key = tuple[Any, ...]
 class Verifier:
     """Captures of a report's step with plans applied, each plan captured once."""
 
-    def __init__(self, report: AnalysisView, chain: str, policies: Callable[[Evaluated], tuple[Any, ...]]) -> None:
+    def __init__(self, report: AnalysisView, chain: str,
+                 policies: Callable[[Evaluated], tuple[Optional[SegmentPolicy], ...]]) -> None:
         self.report, self.chain, self.policies = report, chain, policies
         self.seen: dict[Key, tuple[int, int, int]] = {}  # plan -> (captured peak, saved bytes, kept bytes)
         self.plans: dict[Key, Evaluated] = {}  # the plans captured
@@ -88,7 +91,7 @@ class Verifier:
 
 
 def capture_plan(report: AnalysisView, chain: str, segments: Sequence[tuple[int, int]],
-                 policies: Optional[Sequence[Any]] = None) -> tuple[int, int, int]:
+                 policies: Optional[Sequence[Optional[SegmentPolicy]]] = None) -> tuple[int, int, int]:
     """(peak, saved bytes, bytes live when the forward ends) of the report's step on fake
     tensors with the segments of ``chain`` checkpointed (as ``plan.apply`` does), at the
     report's own size and depth; the peak is every step's (later steps hold the optimizer
@@ -100,7 +103,7 @@ def capture_plan(report: AnalysisView, chain: str, segments: Sequence[tuple[int,
     return later_steps_peak(g, lv), saved(g).activation_bytes, lv.timeline[forward_end(g)]
 
 
-def forward_end(g: Any) -> int:
+def forward_end(g: StepGraph) -> int:
     """The last op before the loss (the forward's end)."""
     return g.phase_start.get("loss", g.phase_start.get("backward", g.num_ops)) - 1
 

@@ -39,13 +39,16 @@ Nodes the pass adds carry no module stack; graphmem attributes them to the block
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
+if TYPE_CHECKING:
+    from torchtitan.trainer import Trainer
 
-def runs_pass(cfg: Any) -> bool:
+
+def runs_pass(cfg: Trainer.Config) -> bool:
     """Whether the job's compiled blocks get Inductor's micro-pipeline pass: AsyncTP on, tensor
     parallel on (torchtitan passes no mesh otherwise), the blocks compiled with Inductor."""
     c, p = cfg.compile, cfg.parallelism
@@ -99,7 +102,7 @@ def _layouts_as_inductor(graph: fx.Graph) -> None:
             graph.erase_node(n)
 
 
-def _significantly_equal(x: Any, stride: Any) -> bool:
+def _significantly_equal(x: fx.node.Argument, stride: Sequence[int]) -> bool:
     """``x`` already has the strides asked, on its dimensions of size over 1 (Inductor compares
     significant strides, ir.py ``significant_strides_equal``; the eager prim compares all and
     copies a tensor whose size-1 dimension alone differs)."""
@@ -109,7 +112,7 @@ def _significantly_equal(x: Any, stride: Any) -> bool:
     return all(size == 1 or a == b for size, a, b in zip(t.shape, t.stride(), stride))
 
 
-def _flexible(x: Any) -> bool:
+def _flexible(x: fx.node.Argument) -> bool:
     """A node whose output Inductor computes into a buffer of flexible layout: a pointwise kernel's."""
     return isinstance(x, fx.Node) and x.op == "call_function" and "val" in x.meta \
         and torch.Tag.pointwise in getattr(x.target, "tags", ())
@@ -129,7 +132,7 @@ def async_tp_state() -> Iterator[None]:
         config._micro_pipeline_tp = kept
 
 
-def graph_pass(cfg: Any) -> Optional[Any]:
+def graph_pass(cfg: Trainer.Config) -> Optional[Callable[[fx.GraphModule], None]]:
     """The pass the job's compiled blocks run on each split graph, or None."""
     return micro_pipeline if runs_pass(cfg) else None
 

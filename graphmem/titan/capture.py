@@ -27,7 +27,7 @@ the op's eager autograd also keeps ``max_scores``, which the compiled one does n
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -51,8 +51,13 @@ from graphmem.titan.moe import balanced_routing
 from graphmem.titan.pipeline import stage_phases, static_stages
 from graphmem.training.optim import ScalarReads, state_tensors
 
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.trainer import Trainer
 
-def capture_job(config: Any, world_size: int, rank: int, target: Target) -> StepGraph:
+
+def capture_job(config: Trainer.Config, world_size: int, rank: int, target: Target) -> StepGraph:
     """Record rank ``rank``'s first training step of the torchtitan job ``config`` (a
     ``Trainer.Config``) over ``world_size`` ranks; the graph's storages are rank r's."""
     import torch.distributed as dist
@@ -77,7 +82,7 @@ def capture_job(config: Any, world_size: int, rank: int, target: Target) -> Step
             _forget_meshes()
 
 
-def _capture(cfg: Any, target: Target) -> StepGraph:
+def _capture(cfg: Trainer.Config, target: Target) -> StepGraph:
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.trainer import Trainer
 
@@ -85,14 +90,14 @@ def _capture(cfg: Any, target: Target) -> StepGraph:
     dims.build_mesh()  # outside the fake mode: a DeviceMesh's rank layout is real
 
     class Job(Trainer):
-        def init_distributed(self) -> Any:  # the fake process group is up; its meshes built above
+        def init_distributed(self) -> ParallelDims:  # the fake process group is up; its meshes built above
             return dims
 
     import torchtitan.distributed.utils as dist_utils
 
     determinism = dist_utils.set_determinism
 
-    def seeded(*args: Any, **kwargs: Any) -> Any:  # its seed broadcast is of real tensors
+    def seeded(*args: object, **kwargs: object) -> None:  # its seed broadcast is of real tensors
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily():
@@ -105,7 +110,8 @@ def _capture(cfg: Any, target: Target) -> StepGraph:
         return _run(rec, trainer, root, batches, param_sid)
 
 
-def _built(cfg: Any, cap: _Recorder, fake_mode: _Mode, job: type, seeded: Callable) -> tuple:
+def _built(cfg: Trainer.Config, cap: _Recorder, fake_mode: _Mode, job: type[Trainer],
+           seeded: Callable[..., None]) -> tuple:
     """torchtitan's ``Trainer.__init__`` on fake tensors, the model's parameters and buffers and
     the step's batches held as the graph's inputs."""
     import torchtitan.distributed.utils as dist_utils
@@ -140,7 +146,7 @@ def _built(cfg: Any, cap: _Recorder, fake_mode: _Mode, job: type, seeded: Callab
     return trainer, root, batches, param_sid
 
 
-def _run(rec: Recording, trainer: Any, root: nn.Module, batches: list, param_sid: dict[str, int]) -> StepGraph:
+def _run(rec: Recording, trainer: Trainer, root: nn.Module, batches: list, param_sid: dict[str, int]) -> StepGraph:
     cap = rec.cap
     with rec.hooks(hooks_standing_aside):
         marked: dict[str, list[int]] = {}
@@ -182,7 +188,7 @@ def _step_reads(mode: _Mode) -> Iterator[None]:
         mode.scalar_answer = None
 
 
-def _answer(t: torch.Tensor) -> Any:
+def _answer(t: torch.Tensor) -> Union[bool, float, int]:
     return True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1
 
 
@@ -197,7 +203,8 @@ class _InitReads(ScalarReads):
     the row of the ranks of stage 1, and its parameters came out empty (DTensor's
     ``from_local`` on a mesh without this rank)."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple = (),
+                           kwargs: Optional[dict] = None) -> object:
         if func is torch.ops.aten._local_scalar_dense.default and not is_fake(args[0]):
             return func(*args, **(kwargs or {}))
         if func is torch.ops.aten._local_scalar_dense.default and args[0].dtype == torch.bool:
@@ -216,7 +223,7 @@ def _target_rules(target: Target, backends: dict[str, int], cap: _Recorder) -> I
 
 
 @contextlib.contextmanager
-def _observed(trainer: Any, root: nn.Module, cap: _Recorder,
+def _observed(trainer: Trainer, root: nn.Module, cap: _Recorder,
               mark: Callable[[str, list[tuple[str, torch.Tensor]]], None]) -> Iterator[None]:
     """Phase marks and names around torchtitan's own calls (instance attributes, removed after):
     the loss function (each micro-step's forward ends where it is called; its result's grad_fn
@@ -227,7 +234,7 @@ def _observed(trainer: Any, root: nn.Module, cap: _Recorder,
     loss_fn, clip, step = trainer.loss_fn, dist_utils.clip_grad_norm_, trainer.optimizers.step
     names = {id(p): n for n, p in root.named_parameters()}
 
-    def loss(*args: Any, **kwargs: Any) -> Any:
+    def loss(*args: object, **kwargs: object) -> Union[torch.Tensor, tuple]:
         if cap.phase == "backward":
             cap.set_phase("forward")  # the next micro-step
         cap.set_phase("loss")
@@ -238,13 +245,13 @@ def _observed(trainer: Any, root: nn.Module, cap: _Recorder,
             value.grad_fn.register_prehook(lambda grads: cap.set_phase("backward"))
         return out
 
-    def clipped(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+    def clipped(parameters: Iterable[torch.Tensor], *args: object, **kwargs: object) -> torch.Tensor:
         parameters = list(parameters)
         mark("gradient", [(names.get(id(p), "?"), p.grad) for p in parameters if p.grad is not None])
         cap.set_phase("optimizer")
         return clip(parameters, *args, **kwargs)
 
-    def stepped(*args: Any, **kwargs: Any) -> Any:
+    def stepped(*args: object, **kwargs: object) -> Optional[float]:  # OptimizersContainer.step
         out = step(*args, **kwargs)
         for opt in getattr(trainer.optimizers, "optimizers", [trainer.optimizers]):
             mark("optimizer state", [(f"{names.get(id(p), '?')}:{key}", v) for p, key, v in state_tensors(opt)])
@@ -309,7 +316,7 @@ def _saved_as_compiled() -> None:
         return
     save = hop.save_values_for_backward
 
-    def saved(ctx: Any, args: tuple) -> None:
+    def saved(ctx: torch.autograd.function.FunctionCtx, args: tuple) -> None:
         if type(ctx).__name__.startswith("FlexAttentionAutogradOp") and len(args) > 5:
             args = (*args[:5], None, *args[6:])  # max_scores: unread by the backward
         save(ctx, args)
@@ -337,12 +344,14 @@ def _masks_paused(cap: _Recorder) -> Iterator[None]:
     runs does blockwise; its BlockMask's tensors are counted from their first use in the step.
     torchtitan's builder and context parallel's (each rank's shard of the mask) alike."""
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
+    from torch.nn.attention.flex_attention import BlockMask
     from torchtitan.models.common import attention
 
     kept, kept_cp = attention._compiled_create_block_mask, cp_attention._compiled_create_block_mask
 
-    def pausing(build: Any) -> Callable:
-        def paused(*args: Any, **kwargs: Any) -> Any:
+    # build: create_block_mask; context parallel's module attribute is typed None until its first compile
+    def pausing(build: Any) -> Callable[..., BlockMask]:
+        def paused(*args: object, **kwargs: object) -> BlockMask:
             with cap.paused():
                 return build(*args, **kwargs)
         return paused

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
+import torch.nn as nn
 
 from graphmem.capture.aot_settings import partition_config, unlogged
 from graphmem.capture.compiled import _Backend
@@ -31,15 +32,18 @@ from graphmem.capture.target import Target
 from graphmem.errors import UsageError
 from graphmem.titan.async_tp import async_tp_state, graph_pass, runs_pass
 
+if TYPE_CHECKING:
+    from torchtitan.trainer import Trainer
 
-def compiles_model(cfg: Any) -> bool:
+
+def compiles_model(cfg: Trainer.Config) -> bool:
     """Whether the job compiles its model's blocks (torchtitan's ``compile`` config)."""
     c = cfg.compile
     return bool(getattr(c, "enable", False)) and "model" in getattr(c, "components", ())
 
 
 @contextlib.contextmanager
-def compiled_regions(cfg: Any, cap: _Recorder, target: Target, backends: dict[str, int]) -> Iterator[_Backend | None]:
+def compiled_regions(cfg: Trainer.Config, cap: _Recorder, target: Target, backends: dict[str, int]) -> Iterator[_Backend | None]:
     """Around the job's build and step: graphmem's backend as the job's compile backend, dynamo's
     compilation unrecorded. Yields the backend (None when the job compiles nothing), whose
     ``names`` the caller sets once the model exists."""
@@ -87,7 +91,7 @@ def flex_regions_decided(named: str, backend: _Backend) -> Iterator[None]:
         yield
         return
 
-    def decided(model: Any, _backend: Any) -> Any:
+    def decided(model: nn.Module, _backend: object) -> _Backend:  # the job's backend, answered as graphmem's
         decide(model, named)
         return backend
 

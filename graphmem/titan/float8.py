@@ -32,10 +32,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Iterator, Optional, Sequence
+import types
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from graphmem.capture.target import GPUS
 from graphmem.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+    from torchao.float8.float8_linear import Float8Linear
+    from torchtitan.trainer import Trainer
 
 INSTALL = "pip install torchao (or pip install 'graphmem[float8]')"
 RECIPES = ("rowwise", "rowwise_with_gw_hp")  # torchtitan 0.3.0's Float8LinearConverter.Config.recipe_name
@@ -66,9 +72,9 @@ def answering_as(gpu: Optional[str]) -> Iterator[None]:
     def has_cuda_capability(major: int, minor: int) -> bool:
         return capability >= (major, minor)
 
-    kept = []
+    kept: list[tuple[types.ModuleType, Callable[[int, int], bool]]] = []
     for name in CONVERTER_MODULES:
-        mod: Any = importlib.import_module(name)
+        mod: Any = importlib.import_module(name)  # its has_cuda_capability replaced (not declared on ModuleType)
         kept.append((mod, mod.has_cuda_capability))
         mod.has_cuda_capability = has_cuda_capability
     try:
@@ -78,8 +84,8 @@ def answering_as(gpu: Optional[str]) -> Iterator[None]:
             mod.has_cuda_capability = fn
 
 
-def with_float8(config: Any, recipe: str = "rowwise", emulate: bool = False, filter_fqns: Sequence[str] = (),
-                gpu: Optional[str] = "h100") -> Any:
+def with_float8(config: Trainer.Config, recipe: str = "rowwise", emulate: bool = False, filter_fqns: Sequence[str] = (),
+                gpu: Optional[str] = "h100") -> Trainer.Config:
     """A copy of the job (a torchtitan ``Trainer.Config``) whose model config went through torchtitan's
     own ``Float8LinearConverter`` (recipe ``rowwise`` or ``rowwise_with_gw_hp``, ``emulate``,
     ``filter_fqns``), its gate answered as ``gpu`` would (``None``: as this machine does, which refuses
@@ -105,7 +111,7 @@ def with_float8(config: Any, recipe: str = "rowwise", emulate: bool = False, fil
     return cfg
 
 
-def float8_linears(model: Any) -> list[Any]:
+def float8_linears(model: nn.Module) -> list[Float8Linear]:
     """The torchao ``Float8Linear`` modules of a built model (empty without torchao)."""
     try:
         from torchao.float8.float8_linear import Float8Linear
@@ -114,7 +120,7 @@ def float8_linears(model: Any) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, Float8Linear)]
 
 
-def describe(model: Any) -> str:
+def describe(model: nn.Module) -> str:
     """The report's words for the model's float8 linears ("" without any): how many, and their scaling
     (torchao's ``ScalingGranularity``: axiswise is the rowwise recipes', tensorwise the emulated one's)."""
     found = float8_linears(model)
@@ -126,7 +132,7 @@ def describe(model: Any) -> str:
     return f"{len(found)} float8 linears (torchao, {scaling} scaling{', emulated' if config.emulate else ''})"
 
 
-def check_target(model: Any, device: str) -> None:
+def check_target(model: nn.Module, device: str) -> None:
     """A non-emulated float8 linear runs ``torch._scaled_mm``, a CUDA sm89+ kernel: refused on the CPU
     target, as torchtitan refuses it on a machine without such a GPU."""
     if device == "cpu" and any(not m.config.emulate for m in float8_linears(model)):

@@ -24,21 +24,25 @@ import functools
 import io
 import types
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from graphmem.errors import UsageError
 
+if TYPE_CHECKING:
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.trainer import Trainer
 
-def is_job_config(obj: Any) -> bool:
+
+def is_job_config(obj: object) -> bool:
     """A torchtitan ``Trainer.Config`` (or a subclass's), without importing torchtitan."""
     return any(c.__module__.startswith("torchtitan.") and c.__qualname__.endswith("Trainer.Config")
                for c in type(obj).__mro__)
 
 
 def load_job(name: str, overrides: Sequence[str] = (), module: Optional[str] = None,
-             gpu: Optional[str] = "h100") -> Any:
+             gpu: Optional[str] = "h100") -> Trainer.Config:
     """The ``Trainer.Config`` torchtitan's own launcher builds for ``--config name`` plus its
     command-line ``overrides`` (``["--training.seq_len", "4096", ...]``), parsed by torchtitan's
     ``ConfigManager``. ``module`` (``llama3``, ``deepseek_v3``, ...) defaults to the model family
@@ -104,7 +108,7 @@ def _torchtitan() -> None:
         raise UsageError("torchtitan is not installed: pip install 'graphmem[titan]' (torchtitan 0.3.0)") from None
 
 
-def prepared(config: Any) -> Any:
+def prepared(config: Trainer.Config) -> Trainer.Config:
     """A copy of the job's config with the data, metrics, checkpointing, validation, profiling
     and CUDA graphs replaced or off (the module docstring); the model, parallelism, training
     loop, optimizer, scheduler, loss, activation checkpointing and compile settings untouched."""
@@ -122,7 +126,7 @@ def prepared(config: Any) -> Any:
     return cfg
 
 
-def with_sdpa(config: Any) -> Any:
+def with_sdpa(config: Trainer.Config) -> Trainer.Config:
     """A copy of the job with every FlexAttention inner attention replaced by torchtitan's
     ``ScaledDotProductAttention`` (``is_causal=True``, one document per sequence): the attention
     torchtitan's published Llama 3 runs used (torchtitan/benchmarks/llama3_h100_202412_torchtitan.md: SDPA),
@@ -141,7 +145,7 @@ def with_sdpa(config: Any) -> Any:
     return cfg
 
 
-def _vocab(config: Any) -> int:
+def _vocab(config: Trainer.Config) -> int:
     model = getattr(config.model_spec, "model", None)
     vocab = getattr(model, "vocab_size", None)
     if not isinstance(vocab, int):
@@ -160,7 +164,7 @@ def on_cpu() -> Iterator[None]:
     import torchtitan.models.common.token_dispatcher as token_dispatcher
     import torchtitan.tools.utils as tools
 
-    kept: list[tuple[Any, str, Any]] = []
+    kept: list[tuple[types.ModuleType, str, Union[str, types.ModuleType, Callable[[], torch.device]]]] = []
     cpu = torch.device("cpu")
     for mod in (tools, metrics, parallel_dims, dist_utils, token_dispatcher):
         for name, value in (("device_type", "cpu"), ("device_module", torch.cpu), ("get_local_device", lambda: cpu)):
@@ -174,7 +178,7 @@ def on_cpu() -> Iterator[None]:
             setattr(mod, name, value)
 
 
-def synthetic_batches(config: Any, count: int, seed: int = 0) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+def synthetic_batches(config: Trainer.Config, count: int, seed: int = 0) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
     """``count`` batches as the job's dataloader yields them to ``Trainer.train_step``: for each
     data-parallel micro-step (and each pipeline micro-batch), (local batch or pipeline micro-batch
     size, seq_len) token ids and the next tokens as labels."""
@@ -195,7 +199,7 @@ def _tokens(vocab: int, b: int, s: int, gen: Optional[torch.Generator]) -> tuple
 
 
 @functools.cache
-def _classes() -> Any:
+def _classes() -> types.SimpleNamespace:
     """torchtitan ``Configurable`` components (defined on first use: torchtitan is optional)."""
     from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.config import Configurable
@@ -207,7 +211,7 @@ def _classes() -> Any:
         class Config(Configurable.Config):
             pass
 
-        def __init__(self, config: Any, tokenizer_path: Optional[str] = None) -> None:
+        def __init__(self, config: NoTokenizer.Config, tokenizer_path: Optional[str] = None) -> None:
             self.config = config
 
     class SyntheticTokens(BaseDataLoader):
@@ -217,23 +221,24 @@ def _classes() -> Any:
         class Config(BaseDataLoader.Config):
             vocab_size: int = 2048
 
-        def __init__(self, config: Any, *, seq_len: int, local_batch_size: int, **_: Any) -> None:
+        def __init__(self, config: SyntheticTokens.Config, *, seq_len: int, local_batch_size: int,
+                     **_: object) -> None:
             self.config, self.seq_len, self.batch = config, seq_len, local_batch_size
 
         def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
             while True:
                 yield _tokens(self.config.vocab_size, self.batch, self.seq_len, None)
 
-        def state_dict(self) -> dict[str, Any]:
+        def state_dict(self) -> dict[str, object]:
             return {}
 
-        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        def load_state_dict(self, state_dict: dict[str, object]) -> None:
             pass
 
     return types.SimpleNamespace(NoTokenizer=NoTokenizer, SyntheticTokens=SyntheticTokens, QuietMetrics=_quiet_metrics())
 
 
-def _quiet_metrics() -> Any:
+def _quiet_metrics() -> type[MetricsProcessor]:
     from torchtitan.components.metrics import MetricsProcessor
 
     class QuietMetrics(MetricsProcessor):
@@ -244,7 +249,7 @@ def _quiet_metrics() -> Any:
         class Config(MetricsProcessor.Config):
             pass
 
-        def __init__(self, config: Any, **_: Any) -> None:
+        def __init__(self, config: QuietMetrics.Config, **_: object) -> None:
             self.config = config
             self.ntokens_since_last_log = 0
             self.data_loading_times: list[float] = []
@@ -256,7 +261,7 @@ def _quiet_metrics() -> Any:
         def should_log(self, step: int) -> bool:
             return False
 
-        def log(self, *args: Any, **kwargs: Any) -> None:
+        def log(self, *args: object, **kwargs: object) -> None:
             pass
 
         def close(self) -> None:
@@ -273,7 +278,7 @@ class _NoColor:
 class _NoMonitor:
     device_name = "graphmem"
 
-    def get_peak_stats(self) -> Any:
+    def get_peak_stats(self) -> types.SimpleNamespace:
         return types.SimpleNamespace(max_reserved_gib=0.0, max_reserved_pct=0.0, max_active_gib=0.0,
                                      max_active_pct=0.0, num_alloc_retries=0, num_ooms=0)
 

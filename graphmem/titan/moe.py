@@ -13,7 +13,12 @@ real step whose routing is uneven holds more on the ranks that receive more.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
 
 @contextlib.contextmanager
@@ -25,12 +30,14 @@ def balanced_routing() -> Iterator[list[int]]:
     dispatch, sync = Dispatcher.dispatch, Dispatcher._sync_token_count_exchange
     routed: list[int] = []
 
-    def dispatching(self: Any, x_TD: Any, topk_scores_TK: Any, topk_expert_ids_TK: Any, *args: Any,
-                    **kwargs: Any) -> Any:
+    def dispatching(self: AllToAllTokenDispatcher, x_TD: torch.Tensor, topk_scores_TK: torch.Tensor,
+                    topk_expert_ids_TK: torch.Tensor, *args: object,
+                    **kwargs: object) -> tuple[torch.Tensor, torch.Tensor, object]:  # (..., its dispatch metadata)
         routed.append(topk_expert_ids_TK.numel())  # T tokens x K experts each
         return dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, *args, **kwargs)
 
-    def synced(self: Any, local_E: Any, global_EP_e: Any, ep_size: int) -> Any:
+    def synced(self: AllToAllTokenDispatcher, local_E: torch.Tensor, global_EP_e: torch.Tensor,
+               ep_size: int) -> tuple[torch.Tensor, list[int], list[int]]:
         counts, _, _ = sync(self, local_E, global_EP_e, ep_size)  # its ops as torchtitan runs them
         n, me = routed[-1], self.ep_mesh.get_local_rank()
         sent = [n // ep_size + (i < n % ep_size) for i in range(ep_size)]

@@ -25,11 +25,19 @@ receive buffers), and their saves are not activations.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 import torch
+import torch.nn as nn
 
 from graphmem.capture.recorder import _Recorder
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.pipelining.stage import PipelineStage
+    from torchtitan.trainer import Trainer
 
 
 class _Seen:
@@ -37,17 +45,17 @@ class _Seen:
     module names of every stage, the device, the parallelize function and its arguments."""
 
     def __init__(self) -> None:
-        self.whole: Any = None
+        self.whole: Optional[nn.Module] = None
         self.names: list[list[str]] = []
-        self.device: Any = None
-        self.parallelize: Callable | None = None
-        self.kwargs: dict[str, Any] = {}
+        self.device: Optional[torch.device] = None
+        self.parallelize: Callable[..., nn.Module] | None = None
+        self.kwargs: dict[str, object] = {}
         self.first: tuple | None = None  # the first micro-batch's arguments of stage 0
         self.outputs: dict[int, tuple] = {}  # stage index -> its outputs' metadata
 
 
 @contextlib.contextmanager
-def static_stages(cfg: Any, cap: _Recorder) -> Iterator[None]:
+def static_stages(cfg: Trainer.Config, cap: _Recorder) -> Iterator[None]:
     """Around the building and the step of the job ``cfg`` (a prepared ``Trainer.Config``):
     before the schedule's first step, each local pipeline stage gets its metadata (the module
     docstring) and torch's own inference runs, recorded as the first step's own ops."""
@@ -64,26 +72,26 @@ def static_stages(cfg: Any, cap: _Recorder) -> Iterator[None]:
         yield
         return
 
-    def observed(model: Any, **kwargs: Any) -> Any:
-        parallelize = kwargs["parallelize_fn"]
-
-        def recorded(m: Any, **pkw: Any) -> Any:
-            seen.parallelize, seen.kwargs = parallelize, pkw
-            return parallelize(m, **pkw)
+    def observed(model: nn.Module, *, parallelize_fn: Callable[..., nn.Module],
+                 **kwargs: object) -> tuple[_PipelineSchedule, list[nn.Module], bool, bool]:
+        def recorded(m: nn.Module, **pkw: object) -> nn.Module:
+            seen.parallelize, seen.kwargs = parallelize_fn, pkw
+            return parallelize_fn(m, **pkw)
         return pipelining(model, **{**kwargs, "parallelize_fn": recorded})
 
-    def splitting(whole: Any, pp_mesh: Any, schedule: str, device: Any, names: list[list[str]],
-                  *args: Any, **kwargs: Any) -> Any:
+    def splitting(whole: nn.Module, pp_mesh: DeviceMesh, schedule: str, device: torch.device, names: list[list[str]],
+                  *args: object, **kwargs: object) -> tuple[list[PipelineStage], list[nn.Module]]:
         seen.whole, seen.names, seen.device = whole, names, device
         return split(whole, pp_mesh, schedule, device, names, *args, **kwargs)
 
-    def processed(trainer: Any, *args: Any, **kwargs: Any) -> Any:
+    def processed(trainer: Trainer, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor, dict[str, object]]:
         out = batch(trainer, *args, **kwargs)  # (inputs, labels, extra_kwargs): stage 0 runs on inputs
         if seen.first is None:
             seen.first = (out[0],)
         return out
 
-    def initialized(schedule: Any, stages: list, args: Any, kwargs: Any, *rest: Any, **kw: Any) -> Any:
+    def initialized(schedule: _PipelineSchedule, stages: list, args: object, kwargs: Optional[dict[str, object]],
+                    *rest: Any, **kw: Any) -> object:  # the rest as this torch's _initialize_pp_stages takes them
         if seen.whole is None or not any(getattr(s, "_user_meta", None) is not None
                                          and s._user_meta.inputs is None for s in stages):
             return init(schedule, stages, args, kwargs, *rest, **kw)
@@ -132,7 +140,7 @@ def _kept(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _infer(seen: _Seen, stages: list, args: Any, kwargs: dict[str, Any]) -> None:
+def _infer(seen: _Seen, stages: list, args: object, kwargs: dict[str, object]) -> None:
     """Run stages 0 .. the last local one in order on the first micro-batch (``args``,
     ``kwargs``, as the schedule passes them to every stage) and give each local stage its
     inputs and outputs as static metadata."""
@@ -169,11 +177,11 @@ def _exchanged(outputs: dict[int, tuple]) -> Iterator[None]:
 
     warmup, recv, send = _PipelineSchedule._warmup_p2p, PipelineStage._recv_meta, PipelineStage._send_meta
 
-    def voted(schedule: Any, stages: list, *args: Any, **kwargs: Any) -> None:
+    def voted(schedule: _PipelineSchedule, stages: list[PipelineStage], *args: object, **kwargs: object) -> None:
         for st in stages:  # what the vote decides when some stage lacks static metadata
             st._inference_mode = InferenceMode.DYNAMIC
 
-    def received(stage: Any, src_stage: int) -> Any:
+    def received(stage: PipelineStage, src_stage: int) -> Union[_StageForwardMeta, _StageBackwardMeta]:
         if src_stage < stage.stage_index:
             return _StageForwardMeta(forward_metas=outputs[src_stage])
         return _StageBackwardMeta(backward_metas=outputs[stage.stage_index])  # the next stage's input grads
@@ -198,7 +206,7 @@ def _grads_if_distributed(inputs: tuple, outputs: tuple) -> tuple[tuple, tuple] 
             tuple(t if t.is_floating_point() else None for t in outputs))
 
 
-def _built(seen: _Seen, index: int) -> Any:
+def _built(seen: _Seen, index: int) -> nn.Module:
     """Stage ``index``, held by another rank, built as torchtitan builds a rank's stage."""
     from torchtitan.distributed.pipeline_parallel import _split_module
 
@@ -213,7 +221,7 @@ def _built(seen: _Seen, index: int) -> Any:
 
 
 @contextlib.contextmanager
-def stage_phases(trainer: Any, cap: _Recorder) -> Iterator[None]:
+def stage_phases(trainer: Trainer, cap: _Recorder) -> Iterator[None]:
     """Phase marks for a pipelined step, whose micro-batches' forwards and backwards interleave
     as the schedule orders them: each stage's ``forward_one_chunk`` is a forward,
     ``backward_one_chunk`` / ``backward_weight_one_chunk`` a backward (torch/distributed/
@@ -232,8 +240,8 @@ def stage_phases(trainer: Any, cap: _Recorder) -> Iterator[None]:
                 stage.__dict__.pop(name, None)
 
 
-def _marked(method: Callable, phase: str, cap: _Recorder) -> Callable:
-    def call(*args: Any, **kwargs: Any) -> Any:
+def _marked(method: Callable[..., object], phase: str, cap: _Recorder) -> Callable[..., object]:
+    def call(*args: object, **kwargs: object) -> object:
         cap.set_phase(phase)
         return method(*args, **kwargs)
     return call
