@@ -45,7 +45,7 @@ def _common(dtype: torch.dtype, kind: type) -> torch.dtype:
     return dtype
 
 
-def cast_bytes(dtype: torch.dtype, value: Union[bool, int, float, complex]) -> int:
+def cast_bytes(dtype: torch.dtype, value: object) -> int:
     """Bytes of TensorIterator's copy of ``value``'s wrapped tensor in the common dtype with a tensor of
     ``dtype`` (TensorIterator.cpp ``promote_inputs_to_common_dtype_``): 0 where it is that dtype already."""
     kind = next((k for k in (bool, int, float, complex) if isinstance(value, k)), float)
