@@ -25,7 +25,7 @@ from graphmem.planning.apply import SegmentPolicy, apply_segments, chain_blocks
 from graphmem.planning.pieces import Cut, PlanError, assemble, cut_roles, shared_keys, tails
 from graphmem.stepgraph import StepGraph
 
-__all__ = ["DEPTH", "PlanError", "chain_costs", "measure", "stage_chain"]
+__all__ = ["DEPTH", "PlanError", "chain_costs", "measure_chain", "stage_chain"]
 
 DEPTH = 4  # blocks captured for a chain of identical blocks (first, two interior, last)
 
@@ -185,7 +185,7 @@ def stage_chain(model: nn.Module) -> Optional[Chain]:
     return best
 
 
-def measure(report: AnalysisView, policy: Optional[SegmentPolicy] = None) -> tuple[ChainCosts, int]:
+def measure_chain(report: AnalysisView, policy: Optional[SegmentPolicy] = None) -> tuple[ChainCosts, int]:
     """The chain costs of a report's model (captures at depth 4 when the blocks are identical,
     else at full depth) and the depth captured; checkpointed segments run under ``policy``."""
     source = report.source

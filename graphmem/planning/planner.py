@@ -25,12 +25,12 @@ from graphmem.passes.checkpoint import (
     tables,
 )
 from graphmem.planning.apply import Applied, PlanPolicy, apply_segments, chain_blocks, hf_checkpointed
-from graphmem.planning.costs import PlanError, chain_costs, measure
+from graphmem.planning.costs import PlanError, chain_costs, measure_chain
 from graphmem.planning.flops import op_flops
 from graphmem.planning.verify import UNRUNNABLE, Verification, Verifier, forward_end, search
 from graphmem.units import fmt_bytes, parse_bytes
 
-__all__ = ["CheckpointPlan", "Planner", "PlanSummary", "PlanError", "chain_costs", "measure", "op_flops",
+__all__ = ["CheckpointPlan", "Planner", "PlanSummary", "PlanError", "chain_costs", "measure_chain", "op_flops",
            "parse_limits", "summarize"]
 
 
@@ -149,7 +149,7 @@ class Planner:
 
     def __init__(self, report: AnalysisView, measured: Optional[tuple[ChainCosts, int]] = None) -> None:
         self.report = report
-        self.costs, self.depth = measured or measure(report)
+        self.costs, self.depth = measured or measure_chain(report)
         self.tables = tables(self.costs)
         self.step_flops = step_flops(report.step)
         self._none = evaluate(self.costs, segments_of(self.costs.n, []))

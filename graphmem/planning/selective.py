@@ -36,7 +36,7 @@ from graphmem.errors import GraphmemError, UsageError
 from graphmem.jsontypes import JSON
 from graphmem.passes import selective as sel
 from graphmem.passes.checkpoint import Evaluated
-from graphmem.planning.planner import PlanError, Planner, measure, op_flops
+from graphmem.planning.planner import PlanError, Planner, measure_chain, op_flops
 from graphmem.stepgraph import OpNode, StepGraph
 
 LEVELS = 3  # selective levels measured by default
@@ -235,7 +235,7 @@ class SelectivePlanner(Planner):
         costs = [self.costs]
         for policy in self.levels.policies:
             try:
-                level, _ = measure(report, policy)
+                level, _ = measure_chain(report, policy)
             except GraphmemError as e:
                 raise PlanError(f"selective level {policy.name} (keeping {len(policy.keep)} ops per block) cannot be "
                                 f"measured: {e}; plan without `selective`") from e
