@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Protocol, Union
 
 import torch
 import torch.nn as nn
@@ -55,12 +55,22 @@ from graphmem.training.optim import ScalarReads, state_tensors
 from graphmem.training.step import LossFn
 
 if TYPE_CHECKING:
-    from transformers import Trainer
+    from transformers import Trainer, TrainingArguments
 
 
 def is_trainer(obj: object) -> bool:
     """A ``transformers.Trainer`` (or a subclass: SFTTrainer, Seq2SeqTrainer), without importing transformers."""
     return any(c.__module__.startswith("transformers.") and c.__name__ == "Trainer" for c in type(obj).__mro__)
+
+
+class PlannedTrainer(Protocol):
+    """What ``trainer_step`` reads of a Trainer: a built one, or (a Trainer built per rank) its arguments alone."""
+
+    @property
+    def args(self) -> TrainingArguments: ...
+
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]: ...
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,7 @@ class TrainerStep(TrainStep):
     fsdp: bool = False  # the job is accelerate's FSDP2 (graphmem/training/hf_trainer_fsdp.py), not DDP
     deepspeed: str = ""  # the job is accelerate's DeepSpeed, so named (graphmem/deepspeed/trainer.py)
     # the transformers.Trainer whose step this is (a live object: not in the report's JSON)
-    trainer: Optional[Trainer] = field(default=None, compare=False, repr=False, metadata={"json": False})
+    trainer: Optional[PlannedTrainer] = field(default=None, compare=False, repr=False, metadata={"json": False})
 
     @property
     def external(self) -> Optional[str]:
@@ -113,7 +123,7 @@ class TrainerStep(TrainStep):
                 "fsdp2": job if self.fsdp else None, **({"deepspeed": {"engine": self.deepspeed, **job}} if self.deepspeed else {})}
 
 
-def trainer_step(trainer: Trainer, world_size: int = 1, rank: int = 0) -> TrainerStep:
+def trainer_step(trainer: PlannedTrainer, world_size: int = 1, rank: int = 0) -> TrainerStep:
     """What ``trainer.args`` asks of the loop; ``world_size`` > 1: as rank ``rank`` of a DDP job."""
     args = trainer.args
     precision = "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else "fp32"
@@ -401,4 +411,4 @@ def _phases(trainer: Any, on_phase: Callable[[str], None], loss_fn: Optional[Los
         del trainer.accelerator.backward
 
 
-__all__ = ["COMPILE_BACKENDS", "CompiledModel", "TrainerRunner", "TrainerStep", "check_trainer", "is_trainer", "trainer_step"]
+__all__ = ["COMPILE_BACKENDS", "CompiledModel", "PlannedTrainer", "TrainerRunner", "TrainerStep", "check_trainer", "is_trainer", "trainer_step"]
