@@ -33,7 +33,7 @@ from graphmem.errors import UsageError
 
 # name -> (class, keyword arguments); hyperparameters are torch.optim's defaults (the lr does
 # not change memory; momentum > 0 is what makes SGD keep a momentum buffer)
-OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]] = {
+OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, object]]] = {
     "sgd": (torch.optim.SGD, {"lr": 1e-3}),
     "momentum": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
     "adam": (torch.optim.Adam, {"lr": 1e-3}),
