@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from typing import Callable, Protocol
+from typing import Any, Callable
 
 import torch
 
@@ -16,33 +16,10 @@ from graphmem.training.hf_trainer_fsdp import FsdpRunner, build_trainer
 from graphmem.validation.ranks import _held, _Saves, _storages, profiled, record
 from graphmem.validation.settle import addresses
 
-
-class RankRecipe(Protocol):
-    """What a rank rebuilds the Trainer from (graphmem/validation/trainer_ranks.py ``TrainerJob``)."""
-
-    @property
-    def trainer_class(self) -> tuple[str, str]: ...
-
-    @property
-    def args_class(self) -> tuple[str, str]: ...
-
-    @property
-    def args(self) -> dict[str, object]: ...
-
-    @property
-    def model(self) -> bytes: ...
-
-    @property
-    def batch(self) -> bytes: ...
-
-    @property
-    def compiled(self) -> bool: ...
-
-
 Named = Callable[[tuple[str, str]], type]  # (module, qualified name) -> the class it names
 
 
-def measure_fsdp_rank(job: RankRecipe, named: Named) -> dict[str, int]:
+def measure_fsdp_rank(job: Any, named: Named) -> dict[str, int]:
     """This rank's figures (the module docstring); ``named`` imports a (module, name) pair."""
     kept: list[object] = []
     if job.compiled:  # a Trainer of its own compiles first: the measured steps run dynamo's cached code
@@ -88,7 +65,7 @@ def _compiles() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _compiled_once(job: RankRecipe, named: Named) -> list[object]:
+def _compiled_once(job: Any, named: Named) -> list[object]:
     """One step of a Trainer of the same job, unmeasured: dynamo compiles the model's frames there; its
     objects are kept (freed during a profile they would read as the step's frees)."""
     torch.manual_seed(0)
