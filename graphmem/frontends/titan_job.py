@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, TypedDict, Unpack
+from typing import TYPE_CHECKING, Optional, TypedDict
 
 import torch
 import torch.nn as nn
@@ -23,6 +23,8 @@ from graphmem.training.loop import TrainStep
 from graphmem.training.spec import Training
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     from torchtitan.trainer import Trainer as TitanTrainer
 
     from graphmem.step.measure import Measured

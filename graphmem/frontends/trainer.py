@@ -21,8 +21,9 @@ from graphmem.capture.target import Target, check_device
 from graphmem.errors import UsageError
 from graphmem.step.spec import Inputs, Single, StepSpec, shape_of
 from graphmem.training.batch import Batch, as_batch, resizer
-from graphmem.training.hf_trainer import PlannedTrainer, check_trainer, trainer_step
+from graphmem.training.hf_trainer import check_trainer, trainer_step
 from graphmem.training.hf_trainer_batch import collator_name, drawn_batch, fit_to_shape
+from graphmem.training.loop import PlannedTrainer
 from graphmem.training.spec import Training
 
 if TYPE_CHECKING:

@@ -1,12 +1,11 @@
-"""A transformers ``Trainer``'s own training step, run on fake tensors (the capture) and on real
-ones (graphmem/validation/measure.py) by the same runner.
+"""A transformers ``Trainer``'s own training step, run on fake tensors (the capture) and on real ones
+(graphmem/validation/measure.py) by the same runner.
 
-graphmem's own loop (graphmem/training/loop.py) keeps the output referenced through backward and
-steps a torch.optim optimizer it builds; a ``Trainer`` does neither: ``compute_loss`` returns only
-the loss (the logits die before backward), the optimizer comes from ``args.optim``, gradients are
-clipped through accelerate, and the scheduler steps. So the step is the Trainer's own code, called
-as ``Trainer._inner_training_loop`` / ``_run_epoch`` call it (transformers 5.x
-``transformers/trainer.py``; the line numbers below are 5.24's)::
+graphmem's own loop (graphmem/training/loop.py) keeps the output referenced through backward and steps a torch.optim
+optimizer it builds; a ``Trainer`` does neither: ``compute_loss`` returns only the loss (the logits die before
+backward), the optimizer comes from ``args.optim``, gradients are clipped through accelerate, and the scheduler steps.
+So the step is the Trainer's own code, called as ``Trainer._inner_training_loop`` / ``_run_epoch`` call it
+(transformers 5.x ``transformers/trainer.py``; the line numbers below are 5.24's)::
 
     optimizer (create_optimizer), accelerator.prepare (model, optimizer), create_scheduler   # _prepare_for_training, 1741-1778
     batch_samples, num_items_in_batch = self.get_batch_samples(epoch_iterator, k, device)   # 1881
@@ -18,30 +17,29 @@ as ``Trainer._inner_training_loop`` / ``_run_epoch`` call it (transformers 5.x
 
 Phases are marked by wrapping ``trainer.compute_loss`` (forward, then loss once it returns) and
 ``trainer.accelerator.backward`` (backward), not by copies of them. Precision is accelerate's:
-``accelerator.prepare_model`` wraps the model's forward in autocast when ``bf16``/``fp16`` ask for it
-(undone after the runner's session). Gradient checkpointing is enabled as ``Trainer.train`` does
-(1502-1528) and disabled afterwards if the step turned it on. On the CUDA target the step's device
-bindings go through the target (graphmem/training/hf_trainer_cuda.py).
+``accelerator.prepare_model`` wraps the model's forward in autocast when ``bf16``/``fp16`` ask for it (undone after
+the runner's session). Gradient checkpointing is enabled as ``Trainer.train`` does (1502-1528) and disabled afterwards
+if the step turned it on. On the CUDA target the step's device bindings go through the target
+(graphmem/training/hf_trainer_cuda.py).
 
-``torch_compile=True``: ``Trainer.create_accelerator_and_postprocess`` (806-864, ``_build_accelerator_args``
-791-802) gives accelerate a ``TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)``,
-and ``accelerator.prepare`` ends ``prepare_model`` with ``torch.compile(model, **dynamo_plugin.to_kwargs())``
-(accelerate 1.15 ``accelerator.py`` 2068-2073, after the autocast wrapper). The real runs here step the
-module ``prepare_model`` returns; the capture steps a stand-in (``CompiledModel``) whose calls go to
-graphmem's compiled capture of the same model (graphmem/capture/compiled.py), with the partition of the
-backend asked for (``inductor``: graphmem/capture/inductor_partition.py).
+``torch_compile=True``: ``Trainer.create_accelerator_and_postprocess`` (806-864, ``_build_accelerator_args`` 791-802)
+gives accelerate a ``TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)``, and
+``accelerator.prepare`` ends ``prepare_model`` with ``torch.compile(model, **dynamo_plugin.to_kwargs())`` (accelerate
+1.15 ``accelerator.py`` 2068-2073, after the autocast wrapper). The real runs here step the module ``prepare_model``
+returns; the capture steps a stand-in (``CompiledModel``) whose calls go to graphmem's compiled capture of the same
+model (graphmem/capture/compiled.py), with the partition of the backend asked for (``inductor``:
+graphmem/capture/inductor_partition.py).
 
 Known limitations: a DDP, FSDP2 or DeepSpeed job one rank at a time; ``torch_compile`` with ``COMPILE_BACKENDS``,
 default mode, CPU target only; callbacks and ``include_num_input_tokens_seen`` are not run; ``optimizers=``' scheduler
-is ``args.lr_scheduler_type``'s; within an epoch the real loop keeps the previous step's gradient norm and last loss (4
-B each) into the next.
-"""
+is ``args.lr_scheduler_type``'s; within an epoch the real loop keeps the previous step's gradient norm and last loss
+(4 B each) into the next."""
 from __future__ import annotations
 
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -50,27 +48,17 @@ from graphmem.errors import UsageError
 from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer_cuda import cuda_step, foreach_as_real, mark_states, on_fake_cpu, pin_foreach
 from graphmem.training.hf_trainer_ddp import ranks, wrap_ddp
-from graphmem.training.loop import Mark, OnDevice, TrainStep
+from graphmem.training.loop import Mark, OnDevice, PlannedTrainer, TrainStep
 from graphmem.training.optim import ScalarReads, state_tensors
 from graphmem.training.step import LossFn
 
 if TYPE_CHECKING:
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
 
 def is_trainer(obj: object) -> bool:
     """A ``transformers.Trainer`` (or a subclass: SFTTrainer, Seq2SeqTrainer), without importing transformers."""
     return any(c.__module__.startswith("transformers.") and c.__name__ == "Trainer" for c in type(obj).__mro__)
-
-
-class PlannedTrainer(Protocol):
-    """What ``trainer_step`` reads of a Trainer: a built one, or (a Trainer built per rank) its arguments alone."""
-
-    @property
-    def args(self) -> TrainingArguments: ...
-
-    @property
-    def optimizer(self) -> Optional[torch.optim.Optimizer]: ...
 
 
 @dataclass(frozen=True)
@@ -300,8 +288,7 @@ class TrainerRunner:
                 self._optimizer_step(mark)
         return None, loss
 
-    def _micro_steps(self, model: nn.Module, samples: list, num_items: Optional[Union[torch.Tensor, int]], runs: int,
-                     fake: bool) -> torch.Tensor:
+    def _micro_steps(self, model: nn.Module, samples: list, num_items: Union[torch.Tensor, int, None], runs: int, fake: bool) -> torch.Tensor:
         """_run_epoch's inner loop (1892-1935) over ``model`` (compiled with ``torch_compile``; DeepSpeed: no no_sync, 1904)."""
         t = self.trainer
         assert self.tr_loss is not None
@@ -362,9 +349,8 @@ class CompiledModel(nn.Module):
 
 @contextlib.contextmanager
 def _prepared(trainer: Trainer, model: nn.Module) -> Iterator[nn.Module]:
-    """accelerate's ``prepare_model`` (autocast around forward, outputs back to fp32 under bf16/fp16;
-    last, ``torch.compile`` under ``torch_compile``), yielding the module it returns, undone
-    afterwards so the user's model is left as it was."""
+    """accelerate's ``prepare_model`` (autocast around forward, outputs back to fp32 under bf16/fp16; last, ``torch.compile``
+    under ``torch_compile``), yielding the module it returns, undone afterwards so the user's model is left as it was."""
     acc = trainer.accelerator
     # FSDP2: ``_prepare_fsdp2`` never calls prepare_model (no autocast; its MixedPrecisionPolicy casts)
     if not (acc.native_amp or trainer.args.torch_compile) or hasattr(model, "_original_forward") or trainer.is_fsdp_enabled:
@@ -411,4 +397,4 @@ def _phases(trainer: Any, on_phase: Callable[[str], None], loss_fn: Optional[Los
         del trainer.accelerator.backward
 
 
-__all__ = ["COMPILE_BACKENDS", "CompiledModel", "PlannedTrainer", "TrainerRunner", "TrainerStep", "check_trainer", "is_trainer", "trainer_step"]
+__all__ = ["COMPILE_BACKENDS", "CompiledModel", "TrainerRunner", "TrainerStep", "check_trainer", "is_trainer", "trainer_step"]

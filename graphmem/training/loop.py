@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Protocol
 
 import torch
 
@@ -45,6 +45,9 @@ from graphmem.training.optim import (
 )
 from graphmem.training.step import LossFn, default_loss, run_step
 
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
+
 Mark = Callable[[str, list[tuple[str, torch.Tensor]]], None]  # (kind, [(name, tensor)])
 
 
@@ -61,6 +64,17 @@ class LoopRunner(Protocol):
     def run(self, forward: Callable[..., object], inputs: object, loss_fn: Optional[LossFn],
             on_phase: Callable[[str], None], forward_context: Callable[[], ContextManager[object]],
             mark: Mark = ..., fake: bool = ...) -> tuple[object, torch.Tensor]: ...
+
+
+class PlannedTrainer(Protocol):
+    """What graphmem/training/hf_trainer.py's ``trainer_step`` reads of a transformers Trainer: a built one, or
+    (a Trainer built per rank) its arguments alone."""
+
+    @property
+    def args(self) -> TrainingArguments: ...
+
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]: ...
 
 
 @dataclass(frozen=True)
@@ -271,4 +285,4 @@ def relabel_accumulation(ops: list, saves: list, phase_start: dict[str, int]) ->
     phase_start["accumulate"] = 0
 
 
-__all__ = ["LoopRunner", "OnDevice", "TrainStep", "Session", "make_train_step", "relabel_accumulation", "OPTIMIZERS"]
+__all__ = ["LoopRunner", "OnDevice", "PlannedTrainer", "TrainStep", "Session", "make_train_step", "relabel_accumulation", "OPTIMIZERS"]
