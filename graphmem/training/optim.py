@@ -23,7 +23,7 @@ target does not model: refused there.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -126,7 +126,8 @@ class ScalarReads(TorchDispatchMode):
     a shape or an allocation, so any value gives the same memory. 1 keeps every formula finite
     (the step count is 1 after the first step)."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Sequence[type], args: tuple = (),
+                           kwargs: Optional[dict] = None) -> object:
         if func is torch.ops.aten._local_scalar_dense.default:
             t = args[0]
             return True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union, cast
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union, cast
 
 import torch
 import torch.nn as nn
@@ -169,9 +169,9 @@ class StepBudget:
     def row(self, name: str) -> BudgetRow:
         return self.rank.row(name)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         t = self.training
-        out: dict[str, Any] = {**t.train.to_dict(self.device),
+        out: dict[str, object] = {**t.train.to_dict(self.device),
                                "lora": {**t.lora.to_dict(), "layers": list(self.lora_layers)} if t.lora else None,
                                "quantization": {**(t.quantization.to_dict() if t.quantization else {}),
                                                 **self.quantized.to_dict()} if self.quantized else None,
@@ -186,7 +186,7 @@ class StepBudget:
         return out
 
 
-def _budget_dict(b: Budget) -> dict[str, Any]:
+def _budget_dict(b: Budget) -> dict[str, object]:
     return {
         "rows": {r.name: {"bytes": r.size, "at_peak": r.at_peak} for r in b.rows},
         "model_state_bytes": b.model_state_bytes, "step_counter_bytes": b.step_counter_bytes,
