@@ -10,7 +10,7 @@ measures what it returns, and so does ``graphmem.validate``'s prediction.
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Mapping, Union
 
 from graphmem.errors import UsageError, check_keywords
 from graphmem.step.spec import ModelLike, StepSpec, make_spec, spec_keywords
@@ -71,7 +71,7 @@ def _names_deepspeed(trainer: Any) -> bool:
     return trainer.args.deepspeed is not None
 
 
-def _only(options: dict[str, Any], allowed: frozenset[str], why: str) -> None:
+def _only(options: Mapping[str, object], allowed: frozenset[str], why: str) -> None:
     extra = sorted(set(options) - allowed)
     if extra:
         raise UsageError(f"{why}; drop {', '.join(extra)}")

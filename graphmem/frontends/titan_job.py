@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, TypedDict
 
 import torch
 import torch.nn as nn
@@ -22,7 +22,22 @@ from graphmem.titan.job import _torchtitan, on_cpu, synthetic_batches, with_sdpa
 from graphmem.training.loop import TrainStep
 from graphmem.training.spec import Training
 
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from torchtitan.trainer import Trainer as TitanTrainer
+
+    from graphmem.step.measure import Measured
+
 OPTIONS = {"world_size", "rank", "device", "gpu", "attention"}
+
+
+class JobOptions(TypedDict, total=False):
+    """``job_spec``'s target options, as ``highest`` passes them on."""
+
+    device: str
+    gpu: str
+    attention: Optional[str]
 
 
 @dataclass(frozen=True)
@@ -45,13 +60,13 @@ class TitanStep(TrainStep):
             parts.append(f"{self.checkpointing} activation checkpointing")
         return ", ".join(parts)
 
-    def to_dict(self, device: str = "cpu") -> dict[str, Any]:
+    def to_dict(self, device: str = "cpu") -> dict[str, object]:
         return {"loop": "torchtitan.Trainer", "optimizer": self.optimizer, "impl": None, "master_weights": False,
                 "micro_batches": self.micro_batches, "max_grad_norm": self.max_norm, "precision": self.precision,
                 "activation_checkpointing": self.checkpointing}
 
 
-def job_spec(config: Any, world_size: Optional[int] = None, rank: int = 0, device: str = "cuda", gpu: str = "h100",
+def job_spec(config: TitanTrainer.Config, world_size: Optional[int] = None, rank: int = 0, device: str = "cuda", gpu: str = "h100",
              attention: Optional[str] = None) -> StepSpec:
     """The StepSpec of rank ``rank`` of the torchtitan job ``config`` (a ``Trainer.Config``) over
     ``world_size`` ranks (default: the product of the job's parallel degrees). ``attention="sdpa"``
@@ -77,7 +92,7 @@ def job_spec(config: Any, world_size: Optional[int] = None, rank: int = 0, devic
     return StepSpec(name, model, inputs, None, target, Training(step, None), Job(cfg, world, rank), reuse=False)
 
 
-def stage_ranks(config: Any, world_size: int) -> list[int]:
+def stage_ranks(config: TitanTrainer.Config, world_size: int) -> list[int]:
     """The first rank of each pipeline stage: torchtitan's mesh puts "pp" outermost
     (torchtitan/distributed/parallel_dims.py ``build_mesh``), so stage s's ranks start at
     s * world_size / pp; the ranks of one stage hold equal shards (FSDP2 pads every shard to the
@@ -86,8 +101,8 @@ def stage_ranks(config: Any, world_size: int) -> list[int]:
     return [s * (world_size // pp) for s in range(pp)]
 
 
-def highest(config: Any, world_size: Optional[int] = None, rank: Optional[int] = None, **options: Any
-            ) -> tuple[Any, list[tuple[int, int]]]:
+def highest(config: TitanTrainer.Config, world_size: Optional[int] = None, rank: Optional[int] = None,
+            **options: Unpack[JobOptions]) -> tuple[Measured, list[tuple[int, int]]]:
     """The measured step (graphmem/step/measure.py) of rank ``rank``, or (``rank=None``) of the rank with
     the highest later-steps peak among the pipeline stages' first ranks, and every analyzed rank's
     later-steps peak. ``graphmem.api.report_of`` makes its report."""
@@ -102,7 +117,7 @@ def highest(config: Any, world_size: Optional[int] = None, rank: Optional[int] =
     return measured[top], peaks
 
 
-def _degrees(cfg: Any) -> int:
+def _degrees(cfg: TitanTrainer.Config) -> int:
     p = cfg.parallelism
     dp = p.data_parallel_shard_degree if p.data_parallel_shard_degree > 0 else 1
     # expert parallel borrows the data/context-parallel ranks (torchtitan/distributed/parallel_dims.py): no factor
@@ -110,25 +125,25 @@ def _degrees(cfg: Any) -> int:
         p.context_parallel_degree
 
 
-def _dp(cfg: Any, world: int) -> int:
+def _dp(cfg: TitanTrainer.Config, world: int) -> int:
     p = cfg.parallelism
     return max(world // (p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree), 1)
 
 
-def _optimizer(cfg: Any) -> str:
+def _optimizer(cfg: TitanTrainer.Config) -> str:
     groups = getattr(cfg.optimizer, "param_groups", None) or []
     names = sorted({getattr(g, "optimizer_name", "?") for g in groups}) or [type(cfg.optimizer).__name__]
     return "/".join(names)
 
 
-def _precision(cfg: Any) -> str:
+def _precision(cfg: TitanTrainer.Config) -> str:
     t = cfg.training
     if t.dtype == "bfloat16":
         return "bf16 parameters"
     return f"fp32 parameters, FSDP2 MixedPrecisionPolicy({t.mixed_precision_param}, {t.mixed_precision_reduce})"
 
 
-def _meta_model(cfg: Any) -> nn.Module:
+def _meta_model(cfg: TitanTrainer.Config) -> nn.Module:
     """The job's model as torchtitan builds it before parallelizing: on meta (no memory)."""
     with on_cpu(), torch.device("meta"):
         return dataclasses.replace(cfg.model_spec.model).build()

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, TypeVar, Union
 
 import torch
+import torch.nn as nn
 
 from graphmem.capture.hf import batch as hf_batch
 from graphmem.capture.target import Target, check_device
@@ -22,10 +23,16 @@ from graphmem.step.spec import Inputs, Single, StepSpec, shape_of
 from graphmem.training.batch import Batch, as_batch, resizer
 from graphmem.training.hf_trainer import check_trainer, trainer_step
 from graphmem.training.hf_trainer_batch import collator_name, drawn_batch, fit_to_shape
+from graphmem.training.loop import PlannedTrainer
 from graphmem.training.spec import Training
 
+if TYPE_CHECKING:
+    from transformers import Trainer
 
-def trainer_batch(trainer: Any, shape: tuple[int, ...]) -> dict[str, Any]:
+T = TypeVar("T")
+
+
+def trainer_batch(trainer: Trainer, shape: tuple[int, ...]) -> dict[str, object]:
     """The Trainer's batch at exactly ``shape`` (``input_shape``): the first batch ``train()`` draws from its
     train_dataset (graphmem/training/hf_trainer_batch.py), or without one ``shape[0]`` token samples made
     for its model (graphmem/capture/hf.py) through its collator, resized to ``shape`` (the collator's
@@ -33,8 +40,8 @@ def trainer_batch(trainer: Any, shape: tuple[int, ...]) -> dict[str, Any]:
     return trainer_inputs(trainer, None, shape)[0]
 
 
-def trainer_inputs(trainer: Any, inputs: Any, shape: Optional[tuple[int, ...]], which: str = "first",
-                   world_size: int = 1, rank: int = 0) -> tuple[Any, dict[str, str]]:
+def trainer_inputs(trainer: Any, inputs: Optional[T], shape: Optional[tuple[int, ...]], which: str = "first",
+                   world_size: int = 1, rank: int = 0) -> tuple[Union[T, dict[str, object]], dict[str, str]]:
     """The step's batch and what the report says of it: ``inputs`` as given; else the batch ``train()``
     draws (``which``), at ``shape`` when given."""
     if inputs is not None:
@@ -55,7 +62,7 @@ def trainer_inputs(trainer: Any, inputs: Any, shape: Optional[tuple[int, ...]], 
     return fit_to_shape(batch, shape, "the first batch train() draws"), settings
 
 
-def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None,
+def trainer_spec(trainer: Any, inputs: object = None, input_shape: Union[str, tuple, list, None] = None,
                  world_size: int = 1, rank: Optional[int] = None, device: Optional[str] = None,
                  trainer_batch: str = "first") -> StepSpec:
     """The StepSpec of the step ``trainer.train()`` runs: its model, the batch (``inputs``; else the one
@@ -94,7 +101,7 @@ def trainer_spec(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple
                     target, Training(trainer_step(trainer, world_size, rank or 0), None), Single(), reuse=False)
 
 
-def trainer_device(trainer: Any, device: Optional[str]) -> str:
+def trainer_device(trainer: Trainer, device: Optional[str]) -> str:
     """The target's device for the Trainer's step (``device``, else ``args.device``'s), checked in one line."""
     own = trainer.args.device.type
     device = own if device is None else str(device)
@@ -116,7 +123,7 @@ def trainer_device(trainer: Any, device: Optional[str]) -> str:
     return device
 
 
-def check_ranks(trainer: Any, world_size: Any, rank: Any) -> None:
+def check_ranks(trainer: PlannedTrainer, world_size: object, rank: object) -> None:
     """``world_size`` and ``rank`` of a DDP job, checked; the error names the fix."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"`world_size` must be a positive integer, got {world_size!r}")
@@ -130,7 +137,8 @@ def check_ranks(trainer: Any, world_size: Any, rank: Any) -> None:
                              "split or one graph per rank; set `torch._dynamo.config.optimize_ddp` to True or False")
 
 
-def trainer_from_file(model: Any, path: str, target: Optional[Target] = None, train_dataset: Optional[str] = None) -> Any:
+def trainer_from_file(model: nn.Module, path: str, target: Optional[Target] = None, train_dataset: Optional[str] = None
+                      ) -> Any:
     """A ``transformers.Trainer`` around ``model`` with the TrainingArguments of a JSON or YAML file
     (or, when they ask for FSDP, the TrainingArguments themselves: the Trainer is then built per rank,
     ``fsdp_trainer_spec``)
@@ -239,7 +247,7 @@ def _with_gpu_bf16(target: Optional[Target]) -> Iterator[None]:
         training_args.is_torch_bf16_gpu_available = kept
 
 
-def rank_batch(model: Any, inputs: Any, input_shape: Union[str, tuple, list, None]) -> Batch:
+def rank_batch(model: nn.Module, inputs: object, input_shape: Union[str, tuple, list, None]) -> Batch:
     """A Trainer rank's micro-batch: ``inputs`` (a dict, as its dataloader yields), or ``input_shape``'s samples
     made for the model (graphmem/capture/hf.py) through ``default_data_collator``."""
     from transformers import default_data_collator
@@ -256,9 +264,9 @@ def rank_batch(model: Any, inputs: Any, input_shape: Union[str, tuple, list, Non
     return batch
 
 
-def fsdp_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
+def fsdp_trainer_spec(model: Any, training_args: object, inputs: object = None,
                       input_shape: Union[str, tuple, list, None] = None, world_size: int = 1,
-                      rank: Optional[int] = None, trainer_class: Any = None) -> StepSpec:
+                      rank: Optional[int] = None, trainer_class: Optional[type[Trainer]] = None) -> StepSpec:
     """The StepSpec of rank ``rank`` (default 0) of the Trainer (``trainer_class``, default
     ``transformers.Trainer``) around ``model`` with ``training_args`` that ask for FSDP, launched on
     ``world_size`` processes: the Trainer is built per rank and accelerate's own FSDP2 code wraps the

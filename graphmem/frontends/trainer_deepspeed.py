@@ -8,7 +8,7 @@ captured by graphmem/deepspeed/trainer_capture.py). Three doors lead here: a bui
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from graphmem.capture.target import Target
 from graphmem.errors import UsageError
@@ -16,10 +16,13 @@ from graphmem.step.spec import Inputs, StepSpec, shape_of
 from graphmem.training.batch import resizer
 from graphmem.training.spec import Training
 
+if TYPE_CHECKING:
+    from transformers import Trainer
 
-def deepspeed_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
+
+def deepspeed_trainer_spec(model: Any, training_args: object, inputs: object = None,
                            input_shape: Union[str, tuple, list, None] = None, world_size: int = 1,
-                           rank: Optional[int] = None, trainer_class: Any = None) -> StepSpec:
+                           rank: Optional[int] = None, trainer_class: Optional[type[Trainer]] = None) -> StepSpec:
     """The StepSpec of rank ``rank`` (default 0) of the Trainer (``trainer_class``, default
     ``transformers.Trainer``) around ``model`` with ``training_args`` naming ``deepspeed``, launched on
     ``world_size`` processes. The batch: ``inputs`` (the rank's micro-batch, a dict), or ``input_shape``'s
@@ -55,7 +58,7 @@ def deepspeed_trainer_spec(model: Any, training_args: Any, inputs: Any = None,
                     Target("cpu"), Training(step, None), job, reuse=False)
 
 
-def built_deepspeed_spec(trainer: Any, inputs: Any, input_shape: Any, world_size: int, rank: Optional[int],
+def built_deepspeed_spec(trainer: Any, inputs: object, input_shape: Union[str, tuple, list, None], world_size: int, rank: Optional[int],
                          device: Optional[str]) -> StepSpec:
     """A Trainer built with ``deepspeed`` in its arguments (in one process: accelerate reads DeepSpeed from its
     plugin): rank ``rank`` of ``world_size``, rebuilt per rank from its class, model and arguments; the batch

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable, TypeVar, Union
 
 import torch
 
 FORMS = ("tuple", "dict", "both")
+
+R = TypeVar("R")
+# the batch in the caller's form: a tuple, a dict, or ``(args, kwargs)``
+Given = Union[tuple, dict[str, object], tuple[tuple, dict[str, object]]]
 
 
 @dataclass(frozen=True)
@@ -33,14 +37,14 @@ class Batch:
     """``model(*args, **kwargs)``; ``form`` is how the caller gave it (what the loss sees)."""
 
     args: tuple = ()
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    kwargs: Mapping[str, object] = field(default_factory=dict)
     form: str = "tuple"
 
-    def call(self, fn: Callable[..., Any]) -> Any:
+    def call(self, fn: Callable[..., R]) -> R:
         return fn(*self.args, **self.kwargs)
 
     @property
-    def given(self) -> Any:
+    def given(self) -> Given:
         """The batch in the caller's form: a tuple, a dict, or ``(args, kwargs)``."""
         if self.form == "dict":
             return dict(self.kwargs)
@@ -48,19 +52,19 @@ class Batch:
             return (self.args, dict(self.kwargs))
         return self.args
 
-    def named(self) -> list[tuple[str, Any]]:
+    def named(self) -> list[tuple[str, object]]:
         """Every top-level item with a name: ``input_<i>`` for positional ones, the key for keywords."""
         return [(f"input_{i}", x) for i, x in enumerate(self.args)] + list(self.kwargs.items())
 
     def tensors(self) -> list[torch.Tensor]:
         return [x for _, x in self.named() if isinstance(x, torch.Tensor)]
 
-    def map(self, fn: Callable[[torch.Tensor], Any]) -> "Batch":
+    def map(self, fn: Callable[[torch.Tensor], object]) -> "Batch":
         """The same batch with ``fn`` applied to each top-level tensor, once per tensor: a tensor
         given twice (``labels`` that are ``input_ids``) stays one tensor, as in the real step."""
-        done: dict[int, Any] = {}
+        done: dict[int, object] = {}
 
-        def one(x: Any) -> Any:
+        def one(x: object) -> object:
             if not isinstance(x, torch.Tensor):
                 return x
             if id(x) not in done:
@@ -69,7 +73,7 @@ class Batch:
         return Batch(tuple(one(x) for x in self.args), {k: one(v) for k, v in self.kwargs.items()}, self.form)
 
 
-def as_batch(inputs: Any) -> Batch:
+def as_batch(inputs: object) -> Batch:
     """A tensor, tuple/list, mapping (``BatchEncoding`` too) or ``(args, kwargs)`` as a Batch."""
     if isinstance(inputs, Batch):
         return inputs
@@ -82,7 +86,7 @@ def as_batch(inputs: Any) -> Batch:
     return Batch((inputs,), {}, "tuple")
 
 
-def resizer(example: Any) -> Callable[[tuple[int, ...]], Batch]:
+def resizer(example: object) -> Callable[[tuple[int, ...]], Batch]:
     """Batches like ``example`` at another size of its first tensor (see the module docstring);
     a resized integer or bool tensor (ids, an attention mask) repeats the example's values, so a
     data-dependent read (an all-ones mask: graphmem/capture/values.py) answers as the example's;

@@ -1,12 +1,11 @@
-"""A transformers ``Trainer``'s own training step, run on fake tensors (the capture) and on real
-ones (graphmem/validation/measure.py) by the same runner.
+"""A transformers ``Trainer``'s own training step, run on fake tensors (the capture) and on real ones
+(graphmem/validation/measure.py) by the same runner.
 
-graphmem's own loop (graphmem/training/loop.py) keeps the output referenced through backward and
-steps a torch.optim optimizer it builds; a ``Trainer`` does neither: ``compute_loss`` returns only
-the loss (the logits die before backward), the optimizer comes from ``args.optim``, gradients are
-clipped through accelerate, and the scheduler steps. So the step is the Trainer's own code, called
-as ``Trainer._inner_training_loop`` / ``_run_epoch`` call it (transformers 5.x
-``transformers/trainer.py``; the line numbers below are 5.24's)::
+graphmem's own loop (graphmem/training/loop.py) keeps the output referenced through backward and steps a torch.optim
+optimizer it builds; a ``Trainer`` does neither: ``compute_loss`` returns only the loss (the logits die before
+backward), the optimizer comes from ``args.optim``, gradients are clipped through accelerate, and the scheduler steps.
+So the step is the Trainer's own code, called as ``Trainer._inner_training_loop`` / ``_run_epoch`` call it
+(transformers 5.x ``transformers/trainer.py``; the line numbers below are 5.24's)::
 
     optimizer (create_optimizer), accelerator.prepare (model, optimizer), create_scheduler   # _prepare_for_training, 1741-1778
     batch_samples, num_items_in_batch = self.get_batch_samples(epoch_iterator, k, device)   # 1881
@@ -18,30 +17,29 @@ as ``Trainer._inner_training_loop`` / ``_run_epoch`` call it (transformers 5.x
 
 Phases are marked by wrapping ``trainer.compute_loss`` (forward, then loss once it returns) and
 ``trainer.accelerator.backward`` (backward), not by copies of them. Precision is accelerate's:
-``accelerator.prepare_model`` wraps the model's forward in autocast when ``bf16``/``fp16`` ask for it
-(undone after the runner's session). Gradient checkpointing is enabled as ``Trainer.train`` does
-(1502-1528) and disabled afterwards if the step turned it on. On the CUDA target the step's device
-bindings go through the target (graphmem/training/hf_trainer_cuda.py).
+``accelerator.prepare_model`` wraps the model's forward in autocast when ``bf16``/``fp16`` ask for it (undone after
+the runner's session). Gradient checkpointing is enabled as ``Trainer.train`` does (1502-1528) and disabled afterwards
+if the step turned it on. On the CUDA target the step's device bindings go through the target
+(graphmem/training/hf_trainer_cuda.py).
 
-``torch_compile=True``: ``Trainer.create_accelerator_and_postprocess`` (806-864, ``_build_accelerator_args``
-791-802) gives accelerate a ``TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)``,
-and ``accelerator.prepare`` ends ``prepare_model`` with ``torch.compile(model, **dynamo_plugin.to_kwargs())``
-(accelerate 1.15 ``accelerator.py`` 2068-2073, after the autocast wrapper). The real runs here step the
-module ``prepare_model`` returns; the capture steps a stand-in (``CompiledModel``) whose calls go to
-graphmem's compiled capture of the same model (graphmem/capture/compiled.py), with the partition of the
-backend asked for (``inductor``: graphmem/capture/inductor_partition.py).
+``torch_compile=True``: ``Trainer.create_accelerator_and_postprocess`` (806-864, ``_build_accelerator_args`` 791-802)
+gives accelerate a ``TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)``, and
+``accelerator.prepare`` ends ``prepare_model`` with ``torch.compile(model, **dynamo_plugin.to_kwargs())`` (accelerate
+1.15 ``accelerator.py`` 2068-2073, after the autocast wrapper). The real runs here step the module ``prepare_model``
+returns; the capture steps a stand-in (``CompiledModel``) whose calls go to graphmem's compiled capture of the same
+model (graphmem/capture/compiled.py), with the partition of the backend asked for (``inductor``:
+graphmem/capture/inductor_partition.py).
 
 Known limitations: a DDP, FSDP2 or DeepSpeed job one rank at a time; ``torch_compile`` with ``COMPILE_BACKENDS``,
 default mode, CPU target only; callbacks and ``include_num_input_tokens_seen`` are not run; ``optimizers=``' scheduler
-is ``args.lr_scheduler_type``'s; within an epoch the real loop keeps the previous step's gradient norm and last loss (4
-B each) into the next.
-"""
+is ``args.lr_scheduler_type``'s; within an epoch the real loop keeps the previous step's gradient norm and last loss
+(4 B each) into the next."""
 from __future__ import annotations
 
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -50,12 +48,15 @@ from graphmem.errors import UsageError
 from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer_cuda import cuda_step, foreach_as_real, mark_states, on_fake_cpu, pin_foreach
 from graphmem.training.hf_trainer_ddp import ranks, wrap_ddp
-from graphmem.training.loop import Mark, TrainStep
+from graphmem.training.loop import Mark, OnDevice, PlannedTrainer, TrainStep
 from graphmem.training.optim import ScalarReads, state_tensors
 from graphmem.training.step import LossFn
 
+if TYPE_CHECKING:
+    from transformers import Trainer
 
-def is_trainer(obj: Any) -> bool:
+
+def is_trainer(obj: object) -> bool:
     """A ``transformers.Trainer`` (or a subclass: SFTTrainer, Seq2SeqTrainer), without importing transformers."""
     return any(c.__module__.startswith("transformers.") and c.__name__ == "Trainer" for c in type(obj).__mro__)
 
@@ -74,13 +75,13 @@ class TrainerStep(TrainStep):
     fsdp: bool = False  # the job is accelerate's FSDP2 (graphmem/training/hf_trainer_fsdp.py), not DDP
     deepspeed: str = ""  # the job is accelerate's DeepSpeed, so named (graphmem/deepspeed/trainer.py)
     # the transformers.Trainer whose step this is (a live object: not in the report's JSON)
-    trainer: Any = field(default=None, compare=False, repr=False, metadata={"json": False})
+    trainer: Optional[PlannedTrainer] = field(default=None, compare=False, repr=False, metadata={"json": False})
 
     @property
     def external(self) -> Optional[str]:
         return "the Trainer's compute_loss"
 
-    def runner(self, target: Any = None) -> ContextManager[Any]:
+    def runner(self, target: Optional[OnDevice] = None) -> ContextManager[TrainerRunner]:
         """The Trainer's own step (``TrainerRunner``) on ``target``'s device, the trainer restored after."""
         device = getattr(target, "device", "cpu")
         return TrainerRunner(self.trainer, world_size=self.world_size, rank=self.rank, device=device).session()
@@ -101,7 +102,7 @@ class TrainerStep(TrainStep):
             parts.append(f"{wrapper}, rank {self.rank} of {self.world_size}")
         return ", ".join(parts)
 
-    def to_dict(self, device: str = "cpu") -> dict[str, Any]:
+    def to_dict(self, device: str = "cpu") -> dict[str, object]:
         job = {"world_size": self.world_size, "rank": self.rank}
         return {"loop": "transformers.Trainer", "optimizer": self.optimizer, "impl": None, "master_weights": False,
                 "micro_batches": self.micro_batches, "max_grad_norm": self.max_grad_norm, "precision": self.precision,
@@ -110,7 +111,7 @@ class TrainerStep(TrainStep):
                 "fsdp2": job if self.fsdp else None, **({"deepspeed": {"engine": self.deepspeed, **job}} if self.deepspeed else {})}
 
 
-def trainer_step(trainer: Any, world_size: int = 1, rank: int = 0) -> TrainerStep:
+def trainer_step(trainer: PlannedTrainer, world_size: int = 1, rank: int = 0) -> TrainerStep:
     """What ``trainer.args`` asks of the loop; ``world_size`` > 1: as rank ``rank`` of a DDP job."""
     args = trainer.args
     precision = "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else "fp32"
@@ -128,7 +129,7 @@ def trainer_step(trainer: Any, world_size: int = 1, rank: int = 0) -> TrainerSte
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 
-def check_trainer(trainer: Any, launched: bool = False) -> None:
+def check_trainer(trainer: Trainer, launched: bool = False) -> None:
     """Refuse, in one line naming the fix, what the runner does not run (``launched``: a rank of a real
     multi-process job, graphmem/validation/trainer_ranks.py, where the Trainer sees its world size)."""
     if trainer.model is None:
@@ -218,7 +219,7 @@ class TrainerRunner:
                 self.model.activation_checkpointing_disable()
             self.started, self.ddp = False, None
 
-    def _start(self, forward: Optional[Callable[..., Any]] = None) -> None:
+    def _start(self, forward: Optional[Callable[..., object]] = None) -> None:
         """Trainer._prepare_for_training (1741-1778): create_optimizer, accelerator.prepare, create_scheduler;
         ``forward``: the capture's compiled call, which DDP wraps as accelerate compiles over DDP."""
         t = self.trainer
@@ -241,10 +242,10 @@ class TrainerRunner:
         self.tr_loss = torch.tensor(0.0, device=t.args.device)  # _inner_training_loop 1645
         self.started = True
 
-    def run(self, forward: Callable[..., Any], inputs: Any, loss_fn: Optional[LossFn],
-            on_phase: Callable[[str], None], forward_context: Callable[[], ContextManager[Any]],
+    def run(self, forward: Callable[..., object], inputs: object, loss_fn: Optional[LossFn],
+            on_phase: Callable[[str], None], forward_context: Callable[[], ContextManager[object]],
             mark: Mark = lambda kind, named: None, fake: bool = False,
-            micro_step: Callable[[int, int], None] = lambda i, runs: None) -> tuple[Any, torch.Tensor]:
+            micro_step: Callable[[int, int], None] = lambda i, runs: None) -> tuple[object, torch.Tensor]:
         """One optimizer step of the Trainer (the module docstring). The Trainer calls its model itself,
         under accelerate's autocast (``forward_context`` is not used); with ``torch_compile`` it calls
         ``forward`` (the capture's, wrapped as ``CompiledModel``) where ``fake``, else the module
@@ -260,9 +261,9 @@ class TrainerRunner:
             self.restart()
             raise
 
-    def _run(self, forward: Callable[..., Any], inputs: Any, loss_fn: Optional[LossFn],
+    def _run(self, forward: Callable[..., object], inputs: object, loss_fn: Optional[LossFn],
              on_phase: Callable[[str], None], mark: Mark, fake: bool,
-             rules: Callable[[], ContextManager[Any]]) -> tuple[Any, torch.Tensor]:
+             rules: Callable[[], ContextManager[object]]) -> tuple[object, torch.Tensor]:
         t, model, k = self.trainer, self.model, self.trainer.args.gradient_accumulation_steps
         with _phases(t, on_phase, loss_fn, rules):
             compiled_ddp = fake and t.args.torch_compile and self.world_size > 1  # graphmem/training/hf_trainer_ddp.py
@@ -287,7 +288,7 @@ class TrainerRunner:
                 self._optimizer_step(mark)
         return None, loss
 
-    def _micro_steps(self, model: nn.Module, samples: list, num_items: Any, runs: int, fake: bool) -> torch.Tensor:
+    def _micro_steps(self, model: nn.Module, samples: list, num_items: Union[torch.Tensor, int, None], runs: int, fake: bool) -> torch.Tensor:
         """_run_epoch's inner loop (1892-1935) over ``model`` (compiled with ``torch_compile``; DeepSpeed: no no_sync, 1904)."""
         t = self.trainer
         assert self.tr_loss is not None
@@ -295,7 +296,7 @@ class TrainerRunner:
         for i, inputs in enumerate(samples[:runs]):
             last = i == len(samples) - 1 or i == runs - 1
             t.accelerator.gradient_state._set_sync_gradients(last)
-            sync: Any = contextlib.nullcontext if last or t.is_deepspeed_enabled else self.ddp.no_sync if self.ddp is not None \
+            sync: Callable[[], ContextManager[object]] = contextlib.nullcontext if last or t.is_deepspeed_enabled else self.ddp.no_sync if self.ddp is not None \
                 else functools.partial(t.accelerator.no_sync, model=model)  # (accelerate's no_sync is DDP's on N processes)
             with sync():
                 tr_loss_step = t.training_step(model, inputs, num_items)
@@ -337,20 +338,19 @@ class CompiledModel(nn.Module):
     parameters, ``train()`` and ``zero_grad()`` are the model's, held as ``_orig_mod`` as the
     ``OptimizedModule`` holds it."""
 
-    def __init__(self, model: nn.Module, forward: Callable[..., Any]) -> None:
+    def __init__(self, model: nn.Module, forward: Callable[..., object]) -> None:
         super().__init__()
         self._orig_mod = model
         self.compiled_forward = forward
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         return self.compiled_forward(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def _prepared(trainer: Any, model: nn.Module) -> Iterator[nn.Module]:
-    """accelerate's ``prepare_model`` (autocast around forward, outputs back to fp32 under bf16/fp16;
-    last, ``torch.compile`` under ``torch_compile``), yielding the module it returns, undone
-    afterwards so the user's model is left as it was."""
+def _prepared(trainer: Trainer, model: nn.Module) -> Iterator[nn.Module]:
+    """accelerate's ``prepare_model`` (autocast around forward, outputs back to fp32 under bf16/fp16; last, ``torch.compile``
+    under ``torch_compile``), yielding the module it returns, undone afterwards so the user's model is left as it was."""
     acc = trainer.accelerator
     # FSDP2: ``_prepare_fsdp2`` never calls prepare_model (no autocast; its MixedPrecisionPolicy casts)
     if not (acc.native_amp or trainer.args.torch_compile) or hasattr(model, "_original_forward") or trainer.is_fsdp_enabled:
@@ -368,11 +368,11 @@ def _prepared(trainer: Any, model: nn.Module) -> Iterator[nn.Module]:
 
 @contextlib.contextmanager
 def _phases(trainer: Any, on_phase: Callable[[str], None], loss_fn: Optional[LossFn],
-            rules: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> Iterator[None]:
+            rules: Callable[[], ContextManager[object]] = contextlib.nullcontext) -> Iterator[None]:
     """Phase marks around the Trainer's ``compute_loss`` (in ``rules()``) and accelerate's ``backward``."""
     compute_loss, backward = trainer.compute_loss, trainer.accelerator.backward
 
-    def marked_loss(*args: Any, **kwargs: Any) -> Any:
+    def marked_loss(*args: object, **kwargs: object) -> object:
         on_phase("forward")
         with rules():
             out = compute_loss(*args, **kwargs)
@@ -381,7 +381,7 @@ def _phases(trainer: Any, on_phase: Callable[[str], None], loss_fn: Optional[Los
             loss_fn(out[0] if isinstance(out, tuple) else out, None)  # the capture labels the loss's nodes
         return out
 
-    def marked_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+    def marked_backward(loss: torch.Tensor, **kwargs: object) -> object:
         on_phase("backward")
         return backward(loss, **kwargs)
 

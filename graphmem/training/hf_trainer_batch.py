@@ -29,16 +29,20 @@ torch's global RNG when iterated, so anything that moves the RNG before ``train(
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from graphmem.errors import GraphmemError, UsageError
 
+if TYPE_CHECKING:
+    from transformers import Trainer
+
 CHOICES = ("first", "longest")
 
 
-def drawn_batch(trainer: Any, which: str = "first", world_size: int = 1, rank: int = 0) -> tuple[dict[str, Any], dict[str, str]]:
+def drawn_batch(trainer: Trainer, which: str = "first", world_size: int = 1, rank: int = 0
+                ) -> tuple[dict[str, object], dict[str, str]]:
     """The batch (``which``: ``CHOICES``) ``trainer.train()`` draws for rank ``rank`` of ``world_size``,
     and what the report says of it (``Report.batch``)."""
     if which not in CHOICES:
@@ -64,7 +68,7 @@ def drawn_batch(trainer: Any, which: str = "first", world_size: int = 1, rank: i
     return dict(best), settings
 
 
-def _choose(trainer: Any, which: str, world_size: int, rank: int) -> tuple[Any, int, int]:
+def _choose(trainer: Trainer, which: str, world_size: int, rank: int) -> tuple[Any, int, int]:
     """The chosen batch of rank ``rank``, its number among the rank's batches, and how many it drew; the
     Trainer's own failure to draw one (a collator that cannot stack samples of unequal lengths) in one line."""
     best: Any = None
@@ -89,7 +93,7 @@ def _choose(trainer: Any, which: str, world_size: int, rank: int) -> tuple[Any, 
     return best, index, drawn
 
 
-def _run_batches(trainer: Any, first_only: bool, world_size: int) -> Iterator[Any]:
+def _run_batches(trainer: Trainer, first_only: bool, world_size: int) -> Iterator[Any]:
     """The batches ``train()`` draws, in order, through the Trainer's own dataloader (``first_only``: as
     many as the first batch of each rank needs)."""
     acc, args = trainer.accelerator, trainer.args
@@ -142,7 +146,7 @@ def _length(trainer: Any) -> str:
     return "an iterable of"
 
 
-def _sampler(trainer: Any) -> str:
+def _sampler(trainer: Trainer) -> str:
     """The sampler ``train()`` uses, with its seed where it is a seeded one."""
     args = trainer.args
     seed = args.data_seed if args.data_seed is not None else args.seed if trainer.model_init is not None \
@@ -157,11 +161,11 @@ def _sampler(trainer: Any) -> str:
     return f"(seed {seed})"
 
 
-def collator_name(collator: Any) -> str:
+def collator_name(collator: object) -> str:
     return getattr(collator, "__name__", None) or type(collator).__name__
 
 
-def fit_to_shape(batch: dict[str, Any], shape: tuple[int, ...], made_from: str) -> dict[str, Any]:
+def fit_to_shape(batch: dict[str, object], shape: tuple[int, ...], made_from: str) -> dict[str, object]:
     """``batch`` at ``shape`` (``input_shape`` as given: never changed): every tensor dimension equal to
     the reference tensor's (the first of ``len(shape)`` dimensions) resized with it, integer values
     repeated (graphmem/training/batch.py ``resizer``). A batch with no such tensor is refused in one line."""

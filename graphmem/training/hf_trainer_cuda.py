@@ -29,7 +29,7 @@ accelerate 1.15 ``accelerator.py``/``utils/modeling.py``):
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -37,11 +37,14 @@ import torch.nn as nn
 from graphmem.training.loop import Mark
 from graphmem.training.optim import HOST_STATE, state_tensors
 
+if TYPE_CHECKING:
+    from transformers import Trainer
+
 __all__ = ["cuda_step", "foreach_as_real", "mark_states", "on_fake_cpu", "pin_foreach"]
 
 
 @contextlib.contextmanager
-def on_fake_cpu(trainer: Any) -> Iterator[None]:
+def on_fake_cpu(trainer: Trainer) -> Iterator[None]:
     """``trainer.args.device`` and accelerate's device read ``cpu`` inside (the fake tensors' device)."""
     from accelerate.state import PartialState
 
@@ -62,7 +65,7 @@ def on_fake_cpu(trainer: Any) -> Iterator[None]:
             shared["device"] = kept_state
 
 
-def pin_foreach(optimizer: Any) -> None:
+def pin_foreach(optimizer: object) -> None:
     """``foreach=True`` where a torch.optim group leaves both ``foreach`` and ``fused`` unset: CUDA's pick."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         return
@@ -71,7 +74,7 @@ def pin_foreach(optimizer: Any) -> None:
             group["foreach"] = True
 
 
-def mark_states(mark: Mark, model: nn.Module, optimizer: Any, cuda: bool) -> None:
+def mark_states(mark: Mark, model: nn.Module, optimizer: torch.optim.Optimizer, cuda: bool) -> None:
     """Name the optimizer's states for the capture (``mark``, as graphmem's loop names them); on the CUDA
     target the scalar ``step`` states torch.optim keeps on the host (groups neither fused nor
     capturable) as ``HOST_STATE``: no device bytes."""
@@ -85,7 +88,7 @@ def mark_states(mark: Mark, model: nn.Module, optimizer: Any, cuda: bool) -> Non
 
 @contextlib.contextmanager
 def cuda_step(forward_context: Callable[[], Any], deferred: contextlib.ExitStack,
-              prepare: Optional[Callable[[], ContextManager[Any]]]) -> Iterator[Callable[[], ContextManager[Any]]]:
+              prepare: Optional[Callable[[], ContextManager[object]]]) -> Iterator[Callable[[], ContextManager[object]]]:
     """What the CUDA target changes for one run of the step. ``prepare`` (the first run: accelerate's
     ``prepare_model``) is entered into ``deferred`` (the runner's session) under the target's rules
     (``forward_context()``: one ``CudaRules``), so the autocast it builds is CUDA's. Yields the rules

@@ -42,7 +42,7 @@ count is accelerate's (``rank_threads``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,16 +50,25 @@ import torch.nn as nn
 
 from graphmem.fake_group import fake_group
 
+if TYPE_CHECKING:
+    from transformers import Trainer
+
 BUCKET = "DDP gradient bucket"
 
 
-def ddp_kwargs(trainer: Any) -> dict[str, Any]:
+class Relabels(Protocol):
+    """The capture's recorder as the comm hook uses it (graphmem/capture/recorder.py ``relabel``)."""
+
+    def relabel(self, t: torch.Tensor, kind: str, name: str) -> None: ...
+
+
+def ddp_kwargs(trainer: Trainer) -> dict[str, Any]:
     """What accelerate hands DistributedDataParallel for this Trainer (the module docstring)."""
     handler = trainer.accelerator.ddp_handler
     return handler.to_kwargs() if handler is not None else {}
 
 
-def wrap_ddp(trainer: Any, model: nn.Module, compiled: bool = False) -> nn.Module:
+def wrap_ddp(trainer: Trainer, model: nn.Module, compiled: bool = False) -> nn.Module:
     """``DistributedDataParallel(model, **kwargs)`` over the fake process group, built on the fake
     parameters the capture swapped in, outside the recorded step (its buckets are held before it).
     ``compiled``: ``model`` is the capture's compiled call of the model (``torch_compile``: the module
@@ -93,7 +102,7 @@ def as_parameters(model: nn.Module) -> None:
         p._is_param = True  # type: ignore[attr-defined]
 
 
-def _all_reduce(rec: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+def _all_reduce(rec: Optional[Relabels], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The built-in hook's in-place all-reduce of the bucket, the bucket handed back at once (the
     values are fake: the 1/N scaling is left out)."""
     buffer = bucket.buffer()
@@ -111,7 +120,7 @@ _all_reduce.__annotations__.update({"bucket": dist.GradBucket, "return": torch.f
 
 
 @contextlib.contextmanager
-def ranks(trainer: Any, world_size: int, rank: int) -> Iterator[None]:
+def ranks(trainer: Trainer, world_size: int, rank: int) -> Iterator[None]:
     """The fake process group of ``world_size`` ranks as ``rank``, and the Trainer's inputs copied as
     on a MULTI_CPU job (``copied_inputs``); nothing for one process."""
     if world_size == 1:
@@ -154,7 +163,7 @@ def copied_inputs(trainer: Any) -> Iterator[None]:
     device check), so the copy is a ``clone``: the same bytes, alive as long."""
     prepare = trainer._prepare_input
 
-    def moved(data: Any) -> Any:
+    def moved(data: object) -> object:
         out = prepare(data)
         return out.clone() if isinstance(out, torch.Tensor) else out
 

@@ -38,13 +38,17 @@ import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol
 
 import torch
+import torch.nn as nn
 
 from graphmem.errors import UsageError
 from graphmem.passes.budget import Parallel
 from graphmem.training.hf_trainer import TrainerRunner
+
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainingArguments
 
 # what the fake rank's environment names; nothing connects to it (the fake group is initialized first)
 FAKE_MASTER = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -78,7 +82,8 @@ def launched_here(rank: int, world_size: int) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def build_trainer(trainer_class: type, model: Any, args_class: type, fields: dict[str, Any], place: bool = True) -> Any:
+def build_trainer(trainer_class: type, model: nn.Module, args_class: type, fields: dict[str, object], place: bool = True
+                  ) -> Any:
     """The Trainer as a launched rank builds it (fresh TrainingArguments: their device setup is cached
     per object), set up as accelerate sets up an FSDP job (``as_fsdp_job``). ``place=False`` (the
     analysis's fake copy): ``Trainer.__init__`` leaves the model where it is instead of
@@ -91,7 +96,7 @@ def build_trainer(trainer_class: type, model: Any, args_class: type, fields: dic
     return as_fsdp_job(trainer_class(model=model, args=args_class(**fields)))
 
 
-def as_fsdp_job(trainer: Any) -> Any:
+def as_fsdp_job(trainer: Trainer) -> Trainer:
     """What ``AcceleratorState.__init__`` sets for FSDP where the group's device is an accelerator
     (state.py 1010-1015), set on this CPU rank (the module docstring); the Trainer's flag read after."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -133,7 +138,7 @@ class FsdpRunner(TrainerRunner):
     rank until the last micro-batch reduce-scatters them. The capture traces three micro-steps then
     (the first, a middle one, the last; 4..k repeat the middle: graphmem/distributed/trainer_fsdp.py)."""
 
-    def __init__(self, trainer: Any, trace_micro_steps: int = 2) -> None:
+    def __init__(self, trainer: Trainer, trace_micro_steps: int = 2) -> None:
         super().__init__(trainer, trace_micro_steps, launched=trainer.accelerator)  # (the fake group is the caller's)
         self.prepared = False
 
@@ -150,7 +155,7 @@ class FsdpRunner(TrainerRunner):
             self.compiled = model
         self.prepared = True
 
-    def _start(self, forward: Optional[Callable[..., Any]] = None) -> None:
+    def _start(self, forward: Optional[Callable[..., object]] = None) -> None:
         """The rest of ``_prepare_for_training`` once ``prepare`` has run: the scheduler, ``_tr_loss``
         (``forward``: graphmem's compiled call, never given here: under ``torch_compile`` accelerate's
         ``_prepare_fsdp2`` compiles the model itself, before fully_shard, graphmem/distributed/trainer_fsdp_compiled.py)."""
@@ -162,6 +167,21 @@ class FsdpRunner(TrainerRunner):
         self.started = True
 
 
+class _Target(Protocol):
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def device(self) -> str: ...
+
+
+class Targeted(Protocol):
+    """What ``TrainerShards.check`` reads of the StepSpec (graphmem/step/spec.py): its target's mode and device."""
+
+    @property
+    def target(self) -> _Target: ...
+
+
 @dataclass(frozen=True)
 class TrainerShards:
     """Rank ``rank`` of a Trainer's FSDP2 job over ``world_size`` processes: the Trainer is built per rank
@@ -169,7 +189,7 @@ class TrainerShards:
 
     trainer_class: type = field(compare=False)
     args_class: type = field(compare=False)
-    fields: dict[str, Any] = field(compare=False, repr=False)
+    fields: dict[str, object] = field(compare=False, repr=False)
     world_size: int = 2
     rank: int = 0
     formula = Parallel()  # accelerate's wrapping splits the step itself: no formula over it
@@ -177,13 +197,13 @@ class TrainerShards:
     def describe(self) -> str:
         return f"FSDP2 (accelerate), rank {self.rank} of {self.world_size}"
 
-    def check(self, spec: Any) -> None:
+    def check(self, spec: Targeted) -> None:
         if spec.target.mode == "compiled" or spec.target.device != "cpu":
             raise UsageError("a Trainer's FSDP2 rank runs on the CPU target and compiles as its TrainingArguments say: "
                              "drop `mode='compiled'` (set `torch_compile` in them), set `use_cpu=True`")
 
 
-def shards_of(trainer_class: type, model: Any, args: Any, world_size: int, rank: Optional[int]) -> TrainerShards:
+def shards_of(trainer_class: type, model: nn.Module, args: TrainingArguments, world_size: int, rank: Optional[int]) -> TrainerShards:
     """The per-rank Trainer's recipe: its arguments' init fields (rebuilt per rank: their device setup is cached)."""
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
     return TrainerShards(trainer_class, type(args), fields, world_size, rank or 0)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Protocol
 
 import torch
 
@@ -45,7 +45,36 @@ from graphmem.training.optim import (
 )
 from graphmem.training.step import LossFn, default_loss, run_step
 
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
+
 Mark = Callable[[str, list[tuple[str, torch.Tensor]]], None]  # (kind, [(name, tensor)])
+
+
+class OnDevice(Protocol):
+    """What a trainer's step runner reads of the target it runs for (graphmem/capture/target.py ``Target``)."""
+
+    @property
+    def device(self) -> str: ...
+
+
+class LoopRunner(Protocol):
+    """A trainer's own step in ``Session.run``'s signature (graphmem/training/hf_trainer.py ``TrainerRunner``)."""
+
+    def run(self, forward: Callable[..., object], inputs: object, loss_fn: Optional[LossFn],
+            on_phase: Callable[[str], None], forward_context: Callable[[], ContextManager[object]],
+            mark: Mark = ..., fake: bool = ...) -> tuple[object, torch.Tensor]: ...
+
+
+class PlannedTrainer(Protocol):
+    """What graphmem/training/hf_trainer.py's ``trainer_step`` reads of a transformers Trainer: a built one, or
+    (a Trainer built per rank) its arguments alone."""
+
+    @property
+    def args(self) -> TrainingArguments: ...
+
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]: ...
 
 
 @dataclass(frozen=True)
@@ -71,7 +100,7 @@ class TrainStep:
         captured again by graphmem's loop), as the report's loss line names it; None for graphmem's loop."""
         return None
 
-    def runner(self, target: Any = None) -> ContextManager[Any]:
+    def runner(self, target: Optional[OnDevice] = None) -> ContextManager[Optional[LoopRunner]]:
         """The step runner that replaces graphmem's loop (a trainer's own step: graphmem/training/hf_trainer.py's
         TrainerStep), entered around a capture; None: graphmem's loop (``Session``) runs."""
         return contextlib.nullcontext(None)
@@ -96,7 +125,7 @@ class TrainStep:
                                        self.optimizer_in_backward, self.offload_activations)
         return ", ".join(parts)
 
-    def to_dict(self, device: str = "cpu") -> dict[str, Any]:
+    def to_dict(self, device: str = "cpu") -> dict[str, object]:
         return {"optimizer": self.optimizer, "impl": describe_impl(self.optimizer, self.impl, device) if self.optimizer else None,
                 "master_weights": self.master_weights, "micro_batches": self.micro_batches,
                 "release_output": self.release_output, "clip_grad_norm": self.clip_grad_norm,
@@ -170,11 +199,11 @@ class Session:
             return self.in_backward.states()
         return state_tensors(self.optimizer) if self.optimizer is not None else []
 
-    def run(self, forward: Callable[..., Any], inputs: Any, loss_fn: Optional[LossFn],
-            on_phase: Callable[[str], None], forward_context: Callable[[], ContextManager[Any]],
+    def run(self, forward: Callable[..., object], inputs: object, loss_fn: Optional[LossFn],
+            on_phase: Callable[[str], None], forward_context: Callable[[], ContextManager[object]],
             mark: Mark = lambda kind, named: None, fake: bool = False,
             micro_step: Callable[[int, int], None] = lambda i, runs: None,
-            observe: Observe = PLAIN) -> tuple[Any, torch.Tensor]:
+            observe: Observe = PLAIN) -> tuple[object, torch.Tensor]:
         """Micro-steps, then the optimizer step. ``mark`` is told which tensors are gradients,
         optimizer states and fp32 gradient copies while they exist; ``fake`` runs only
         ``trace_micro_steps`` micro-steps (see _micro_steps) and answers ``.item()``;
@@ -185,8 +214,8 @@ class Session:
         base = loss_fn or default_loss
         scaled: LossFn = base if k == 1 else (lambda out, inp: base(out, inp) / k)
         runs = min(k, self.step.trace_micro_steps) if fake else k
-        out: Any = None
-        loss: Any = None
+        out: object = None
+        loss: Optional[torch.Tensor] = None
         phase = ["forward"]
 
         def told(p: str) -> None:
@@ -203,6 +232,7 @@ class Session:
                 out, loss = run_step(forward, inputs, scaled, told, forward_context, self.step.release_output)
         mark("gradient", [(n, p.grad) for n, p in self.params.items() if p.grad is not None])
         self.optimizer_step(on_phase, mark, fake)
+        assert loss is not None  # runs >= 1 micro-steps
         return out, loss
 
     def optimizer_step(self, on_phase: Callable[[str], None], mark: Mark = lambda kind, named: None,
@@ -255,4 +285,4 @@ def relabel_accumulation(ops: list, saves: list, phase_start: dict[str, int]) ->
     phase_start["accumulate"] = 0
 
 
-__all__ = ["TrainStep", "Session", "make_train_step", "relabel_accumulation", "OPTIMIZERS"]
+__all__ = ["LoopRunner", "OnDevice", "PlannedTrainer", "TrainStep", "Session", "make_train_step", "relabel_accumulation", "OPTIMIZERS"]

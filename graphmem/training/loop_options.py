@@ -27,13 +27,16 @@ a GPU step would hold on the device.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
 
 from graphmem.errors import UsageError
 from graphmem.training.optim import ScalarReads, make_optimizer, state_tensors
+
+if TYPE_CHECKING:
+    from graphmem.stepgraph import Storage
 
 Mark = Callable[[str, list[tuple[str, torch.Tensor]]], None]
 # (pack_as(saved, kept) -> handle autograd holds, unpack(handle) -> kept): the caller's own view of the
@@ -145,7 +148,7 @@ class Offload:
         """Active for the whole step; ``phase[0]`` (kept by the loop) says whether a save is the forward's."""
         seen, unseen = observe
 
-        def pack(t: torch.Tensor) -> Any:
+        def pack(t: torch.Tensor) -> tuple[bool, object]:
             if phase[0] != "forward" or t.untyped_storage()._cdata in self.kept:
                 return False, seen(t, t)
             host = _host_copy(t, fake)
@@ -153,7 +156,7 @@ class Offload:
             mark(OFFLOADED, [("saved tensor (host memory)", host)])
             return True, seen(t, host)
 
-        def unpack(packed: Any) -> torch.Tensor:
+        def unpack(packed: tuple[bool, object]) -> torch.Tensor:
             moved, handle = packed
             t = unseen(handle)
             if not moved:
@@ -166,7 +169,7 @@ class Offload:
             yield
 
 
-def host_bytes_of(storages: Any) -> int:
+def host_bytes_of(storages: Iterable[Storage]) -> int:
     """Bytes the offloaded saves hold in host memory: their storages take none on the device."""
     total = 0
     for s in storages:

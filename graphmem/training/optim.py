@@ -23,7 +23,7 @@ target does not model: refused there.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -33,7 +33,7 @@ from graphmem.errors import UsageError
 
 # name -> (class, keyword arguments); hyperparameters are torch.optim's defaults (the lr does
 # not change memory; momentum > 0 is what makes SGD keep a momentum buffer)
-OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]] = {
+OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, object]]] = {
     "sgd": (torch.optim.SGD, {"lr": 1e-3}),
     "momentum": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
     "adam": (torch.optim.Adam, {"lr": 1e-3}),
@@ -126,7 +126,8 @@ class ScalarReads(TorchDispatchMode):
     a shape or an allocation, so any value gives the same memory. 1 keeps every formula finite
     (the step count is 1 after the first step)."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Sequence[type], args: tuple = (),
+                           kwargs: Optional[dict] = None) -> object:
         if func is torch.ops.aten._local_scalar_dense.default:
             t = args[0]
             return True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1

@@ -9,7 +9,7 @@ A model that already is a peft model (``PeftModel``) is analyzed as it is, witho
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Union
 
 import torch.nn as nn
 
@@ -32,7 +32,7 @@ def apply_peft(model: nn.Module, lora: Any) -> tuple[nn.Module, tuple[str, ...]]
         raise UsageError("LoRA on a Hugging Face model runs through peft: pip install 'graphmem[hf]'") from None
     if any(c.__name__ == "PeftModel" for c in type(model).__mro__):
         raise UsageError("this model already has peft adapters; analyze it as it is, without `lora_rank`")
-    targets: Any = "all-linear" if lora.targets == ("all-linear",) else list(lora.targets)
+    targets: Union[str, list[str]] = "all-linear" if lora.targets == ("all-linear",) else list(lora.targets)
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
     try:
         with warnings.catch_warnings():  # peft's notes for Conv1D (fan_in_fan_out) and deprecations

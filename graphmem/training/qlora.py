@@ -39,6 +39,10 @@ import torch.nn as nn
 from graphmem.errors import UsageError
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from bitsandbytes.functional import QuantState
+
     from graphmem.training.loop import TrainStep
     from graphmem.training.lora import LoRA
 
@@ -84,7 +88,7 @@ def check_quantization(lora: Optional[LoRA], train: TrainStep) -> None:
         raise UsageError("`qlora` keeps the base in 4 bits and the adapters in fp32 (peft): drop `master_weights`")
 
 
-def _bitsandbytes() -> Any:
+def _bitsandbytes() -> ModuleType:
     quiet = logging.getLogger("bitsandbytes")  # its CPU backend logs, on import, a missing inference-only kernel
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -147,7 +151,7 @@ def quant_state_of(p: torch.Tensor) -> Any:
     return p.quant_state if bnb is not None and isinstance(p, bnb.nn.Params4bit) else None
 
 
-def fake_quant_state(qs: Any, make: Callable[[torch.Tensor, str], torch.Tensor]) -> Any:
+def fake_quant_state(qs: QuantState, make: Callable[[torch.Tensor, str], torch.Tensor]) -> QuantState:
     """The same QuantState (bitsandbytes/functional.py) with each tensor replaced by
     ``make(tensor, field)``: the fake capture's copy of a 4-bit weight's state."""
     from bitsandbytes.functional import QuantState

@@ -7,14 +7,14 @@ import contextlib
 import dataclasses
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence, Union, cast
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union, cast
 
 import torch
 import torch.nn as nn
 
 from graphmem.chains import find_chain
 from graphmem.errors import UsageError
-from graphmem.passes.budget import Budget, Parallel, budget
+from graphmem.passes.budget import Budget, BudgetRow, Parallel, budget
 from graphmem.passes.spike import Temporaries, temporaries_at
 from graphmem.training.loop import TrainStep, make_train_step
 from graphmem.training.loop_options import host_bytes_of
@@ -30,6 +30,11 @@ from graphmem.training.qlora import (
     quantize,
     quantized_summary,
 )
+
+if TYPE_CHECKING:
+    from graphmem.passes.liveness import Liveness
+    from graphmem.passes.saved import SavedSet
+    from graphmem.stepgraph import StepGraph
 
 
 @dataclass(frozen=True)
@@ -150,7 +155,7 @@ class StepBudget:
     host_bytes: int = 0  # offload_activations: the saved tensors' copies in host memory (not in the device rows)
 
     @property
-    def rows(self) -> Any:
+    def rows(self) -> tuple[BudgetRow, ...]:
         return self.rank.rows
 
     @property
@@ -161,12 +166,12 @@ class StepBudget:
     def model_state_bytes(self) -> int:
         return self.rank.model_state_bytes
 
-    def row(self, name: str) -> Any:
+    def row(self, name: str) -> BudgetRow:
         return self.rank.row(name)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         t = self.training
-        out: dict[str, Any] = {**t.train.to_dict(self.device),
+        out: dict[str, object] = {**t.train.to_dict(self.device),
                                "lora": {**t.lora.to_dict(), "layers": list(self.lora_layers)} if t.lora else None,
                                "quantization": {**(t.quantization.to_dict() if t.quantization else {}),
                                                 **self.quantized.to_dict()} if self.quantized else None,
@@ -181,7 +186,7 @@ class StepBudget:
         return out
 
 
-def _budget_dict(b: Budget) -> dict[str, Any]:
+def _budget_dict(b: Budget) -> dict[str, object]:
     return {
         "rows": {r.name: {"bytes": r.size, "at_peak": r.at_peak} for r in b.rows},
         "model_state_bytes": b.model_state_bytes, "step_counter_bytes": b.step_counter_bytes,
@@ -194,7 +199,7 @@ def _budget_dict(b: Budget) -> dict[str, Any]:
     }
 
 
-def step_budget(g: Any, lv: Any, sv: Any, training: Training, module: nn.Module, lora_layers: tuple[str, ...],
+def step_budget(g: StepGraph, lv: Liveness, sv: SavedSet, training: Training, module: nn.Module, lora_layers: tuple[str, ...],
                 whose: str = "", layout: Parallel = Parallel()) -> StepBudget:
     """The whole step's table over ``g``: per rank under the formulas' ``layout``, with the
     single-device table beside it when the layout splits the step."""

@@ -19,7 +19,7 @@ from graphmem.training.batch import as_batch
 LossFn = Callable[[Any, Any], torch.Tensor]  # (output, inputs in the form given)
 
 
-def _floating_tensors(obj: Any) -> Iterator[torch.Tensor]:
+def _floating_tensors(obj: object) -> Iterator[torch.Tensor]:
     """Every floating-point tensor in a (nested) output: tuples, lists, dicts, dataclasses.
 
     HF ``ModelOutput`` is an OrderedDict subclass, so the dict branch covers it.
@@ -38,7 +38,7 @@ def _floating_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _floating_tensors(getattr(obj, f.name))
 
 
-def own_loss(output: Any) -> Any:
+def own_loss(output: object) -> Optional[torch.Tensor]:
     """The loss the model computed itself: a ``loss`` field of the output (HF ``ModelOutput``
     given ``labels``, a dict, a dataclass or any object with a ``loss`` attribute) holding a
     scalar tensor; else None."""
@@ -50,7 +50,7 @@ def own_loss(output: Any) -> Any:
     return None
 
 
-def default_loss(output: Any, inputs: Any) -> torch.Tensor:
+def default_loss(output: object, inputs: object) -> torch.Tensor:
     """The model's own loss (an output field ``loss``, see own_loss); else the output itself
     if it is a scalar tensor; else the sum of every floating-point tensor in it."""
     if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
@@ -71,13 +71,13 @@ def default_loss(output: Any, inputs: Any) -> torch.Tensor:
 
 
 def run_step(
-    forward: Callable[..., Any],
-    inputs: Any,
+    forward: Callable[..., object],
+    inputs: object,
     loss_fn: Optional[LossFn],
     on_phase: Callable[[str], None] = lambda phase: None,
-    forward_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    forward_context: Callable[[], ContextManager[object]] = contextlib.nullcontext,
     release_output: bool = False,
-) -> tuple[Any, torch.Tensor]:
+) -> tuple[object, torch.Tensor]:
     """Forward, loss, backward. ``on_phase`` is told when each phase starts; forward and loss
     run inside ``forward_context()`` (autocast, target rules), backward outside it, as in
     ``with autocast(): loss = ...`` followed by ``loss.backward()``. ``inputs``: a tuple, a dict

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -26,11 +26,26 @@ from torch.profiler import ProfilerActivity, profile
 
 from graphmem.capture.sac import through_hooks
 from graphmem.training.batch import as_batch
-from graphmem.training.loop import Session, TrainStep
+from graphmem.training.loop import LoopRunner, Session, TrainStep
 from graphmem.training.qlora import quant_state_tensors
 from graphmem.training.step import LossFn, run_step
 
 Runner = Callable[..., Any]  # Session.run's signature (graphmem/capture/capture.py StepRunner)
+
+
+class StepSession(LoopRunner, Protocol):
+    """What ``measure_peak`` reads of a step runner: graphmem's ``Session`` (graphmem/training/loop.py) or a
+    Trainer's (graphmem/training/hf_trainer.py ``TrainerRunner``)."""
+
+    @property
+    def masters(self) -> dict[str, torch.Tensor]: ...
+
+    @property
+    def host_bytes(self) -> int: ...
+
+    def state_tensors(self) -> list[tuple[torch.Tensor, str, torch.Tensor]]: ...
+
+    def held_tensors(self) -> list[torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -51,14 +66,14 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> tuple[set[int], int]:
     return set(keys), sum(keys.values())
 
 
-def _autocast(amp: Optional[torch.dtype]) -> Callable[[], ContextManager[Any]]:
+def _autocast(amp: Optional[torch.dtype]) -> Callable[[], ContextManager[object]]:
     """The real step's forward context: CPU autocast to ``amp``, or nothing."""
     return (lambda: torch.autocast("cpu", dtype=amp)) if amp is not None else contextlib.nullcontext
 
 
-def measure_saved(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None,
+def measure_saved(model: nn.Module, inputs: object, loss_fn: Optional[LossFn] = None,
                   amp: Optional[torch.dtype] = None,
-                  forward_context: Optional[Callable[[], ContextManager[Any]]] = None,
+                  forward_context: Optional[Callable[[], ContextManager[object]]] = None,
                   runner: Optional[Runner] = None) -> int:
     """Bytes of the distinct storages autograd saves in a real forward + loss (under CPU
     autocast to ``amp`` if given, or under ``forward_context()``: e.g. CUDA autocast and an SDPA
@@ -107,7 +122,7 @@ def _allocation_events(prof: Any) -> list[tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def _quiet_gc() -> Any:
+def _quiet_gc() -> Iterator[None]:
     """No garbage from before the step is freed inside the profiled window: the CPU allocator's
     profiler reporter (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter) remembers the size of
     every block allocated while any profile ran and reports its free as a negative event, so an
@@ -125,9 +140,9 @@ def _quiet_gc() -> Any:
             gc.enable()
 
 
-def measure_peak(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None,
+def measure_peak(model: nn.Module, inputs: object, loss_fn: Optional[LossFn] = None,
                  train: Optional[TrainStep] = None, warm_steps: int = 0,
-                 amp: Optional[torch.dtype] = None, runner: Any = None) -> Measured:
+                 amp: Optional[torch.dtype] = None, runner: Optional[StepSession] = None) -> Measured:
     """Real CPU step under the profiler; the peak from the allocator's events. ``train`` adds
     micro-batches and the optimizer step (graphmem/training/loop.py); ``warm_steps`` runs that many
     whole steps first, unprofiled (the optimizer states then exist before the measured one);
@@ -137,7 +152,7 @@ def measure_peak(model: nn.Module, inputs: Any, loss_fn: Optional[LossFn] = None
     context = _autocast(amp)
     model.train()
     model.zero_grad(set_to_none=True)
-    session = runner if runner is not None else Session(train, dict(model.named_parameters()), "cpu") \
+    session: Optional[StepSession] = runner if runner is not None else Session(train, dict(model.named_parameters()), "cpu") \
         if train is not None else None
     for _ in range(warm_steps):
         if session is not None:

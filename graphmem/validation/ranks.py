@@ -40,7 +40,7 @@ import os
 import pickle
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -55,7 +55,7 @@ from graphmem.distributed.fsdp import local
 from graphmem.distributed.spec import Sharding, make_sharding
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.report.live import Analysis
-from graphmem.step.spec import Ranks, StepSpec, make_spec
+from graphmem.step.spec import ModelLike, Ranks, StepSpec, make_spec
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.loop import Session
 from graphmem.training.spec import Training
@@ -73,7 +73,7 @@ SHARDING: dict[str, Any] = {"world_size": 1, "rank": None, "fsdp": None, "reshar
                             "fsdp_param_dtype": None, "fsdp_reduce_dtype": None, "tp": 1, "sp": False,
                             "fsdp_no_sync": False, "loss_parallel": False}
 # what validate does not run per rank, with their defaults: the formulas have no real wrapper, the rest is not run yet
-UNSUPPORTED: dict[str, Any] = {"zero": 0, "pp": 1, "schedule": "1f1b", "fsdp_offload": False, "parallel": None}
+UNSUPPORTED: dict[str, object] = {"zero": 0, "pp": 1, "schedule": "1f1b", "fsdp_offload": False, "parallel": None}
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class RankJob:
     threads: int
 
 
-def validate_ranks(model: Any, given: Optional[Batch], shape: Optional[tuple[int, ...]], loss: Optional[LossFn],
+def validate_ranks(model: ModelLike, given: Optional[Batch], shape: Optional[tuple[int, ...]], loss: Optional[LossFn],
                    hf: Optional[HFOptions], tol: float, options: dict[str, Any]) -> Validation:
     """The per-rank prediction (``graphmem.analyze(..., rank=r)``) of each rank ``options`` name (``rank``, else
     all of ``world_size``) beside a real gloo run of every rank; rows carry their rank."""
@@ -131,7 +131,7 @@ def _sharding(options: dict[str, Any]) -> Sharding:
                          None, o["loss_parallel"])  # (the loop is checked with it where the spec is built)
 
 
-def _set(value: Any, default: Any) -> bool:
+def _set(value: object, default: object) -> bool:
     """Whether an option is set away from its default (``True == 1``, so the type counts too)."""
     return type(value) is not type(default) or value != default
 
@@ -158,7 +158,7 @@ def _check_budget(reports: dict[int, Analysis], world_size: int) -> None:
                          "smaller `input_shape` or configuration")
 
 
-def _pickled(what: Any, name: str) -> bytes:
+def _pickled(what: object, name: str) -> bytes:
     buf = io.BytesIO()
     try:
         torch.save(what, buf)
@@ -168,7 +168,7 @@ def _pickled(what: Any, name: str) -> bytes:
     return buf.getvalue()
 
 
-def _job(spec: StepSpec, sharding: Sharding, model: Any, given: Optional[Batch], loss: Optional[LossFn], hf: Optional[HFOptions],
+def _job(spec: StepSpec, sharding: Sharding, model: ModelLike, given: Optional[Batch], loss: Optional[LossFn], hf: Optional[HFOptions],
          report: Analysis) -> RankJob:
     batch: Optional[Batch] = given
     if isinstance(model, nn.Module):
@@ -240,7 +240,7 @@ def _measure_rank(job: RankJob, sharding: Sharding) -> dict[str, int]:
     from graphmem.distributed.wrappers import apply_wrappers
 
     meshes = device_meshes(sharding.world_size, sharding.tp, sharding.fsdp)
-    kept: list[Any] = []
+    kept: list[object] = []
     runs = []
     for _ in range(REPEATS):
         model, batch, loss_fn = _real(job)
@@ -297,7 +297,7 @@ def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
 
 
 def _steps(model: nn.Module, batch: Batch, loss_fn: Optional[LossFn], job: RankJob, sharding: Sharding,
-           kept: list[Any]) -> dict[str, int]:
+           kept: list[object]) -> dict[str, int]:
     """One real step (two with an optimizer: the later one starts with its states) of the wrapped model:
     the loop the capture runs (graphmem/training/loop.py), FSDP2's gradient sync as the spec says."""
     from graphmem.distributed.tensor_parallel import step_context
@@ -329,7 +329,8 @@ def _steps(model: nn.Module, batch: Batch, loss_fn: Optional[LossFn], job: RankJ
 
 
 @contextlib.contextmanager
-def profiled(saves: _Saves, pack: Any = None) -> Iterator[Any]:
+def profiled(saves: _Saves, pack: Optional[Callable[[torch.Tensor], object]] = None
+             ) -> Iterator[torch.profiler.profile]:
     """Around one real step on a rank (here and graphmem/validation/trainer_fsdp_rank.py): the CPU
     profiler's memory events (yielded), ``saves`` counting what is saved (through ``pack`` where given:
     its pack hook wrapped), garbage collection held off."""
@@ -339,7 +340,7 @@ def profiled(saves: _Saves, pack: Any = None) -> Iterator[Any]:
         yield prof
 
 
-def record(result: dict[str, int], i: int, prof: Any, held: Any, saves: _Saves, baseline: int,
+def record(result: dict[str, int], i: int, prof: torch.profiler.profile, held: set[int], saves: _Saves, baseline: int,
            states: list[torch.Tensor]) -> None:
     """Step ``i``'s figures into ``result``: its peak is ``baseline`` plus the largest running sum of the
     profile's allocation events (``held``: the addresses alive after it); the first step's saved and

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -54,7 +53,7 @@ def real_inputs(loaded: Loaded, shape: tuple[int, ...], dev: torch.device) -> Ba
     return made.map(lambda x: to_device(x, dev))  # example_inputs may name a device itself
 
 
-def to_device(x: Any, dev: torch.device) -> Any:
+def to_device(x: object, dev: torch.device) -> object:
     if not isinstance(x, torch.Tensor) or x.device == dev:
         return x
     if x.device.type == "meta":

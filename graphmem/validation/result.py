@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Optional
 
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.report.live import Analysis
@@ -83,7 +83,7 @@ class Validation:
         if self.reason:
             raise ValidationError(self.reason)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"model": self.model, "device": self.device, "input_shapes": [list(s) for s in self.input_shapes],
                 "tolerance_percent": self.tolerance, "ok": self.ok, "reason": self.reason,
                 "rows": [{"name": r.name, **({"rank": r.rank} if r.rank is not None else {}), "predicted": r.predicted,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import os
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -36,7 +36,7 @@ UNSETTLED = [0]  # collectives not released within PATIENCE in this process
 class _Done:
     """The work handed back for ``async_op=True``: the collective is already settled."""
 
-    def wait(self, *_: Any) -> bool:
+    def wait(self, *_: object) -> bool:
         return True
 
 
@@ -53,7 +53,7 @@ def _until_released(tensors: list[torch.Tensor], counts: list[int]) -> None:
 
 
 def _settled(collective: Callable) -> Callable:
-    def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+    def call(*args: object, async_op: bool = False, **kwargs: object) -> Optional[_Done]:
         tensors = [t for a in (*args, *kwargs.values())
                    for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
         counts = [t._use_count() for t in tensors]  # type: ignore[attr-defined]
@@ -86,7 +86,7 @@ def _inside(collective: Callable) -> Callable:
     all-gathers a metadata tensor): no reference to wait on, so it runs inside the ``SETTLED`` range
     and ``allocation_events`` puts an unseen free of such a buffer at the call's end."""
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: object, **kwargs: object) -> object:
         with torch.profiler.record_function(SETTLED):
             return collective(*args, **kwargs)
     return call
@@ -104,7 +104,7 @@ def settle_collectives() -> None:
     funcol._maybe_wrap_tensor = _settled_functional(funcol.wait_tensor)
 
 
-def addresses(tensors: Iterable[Any]) -> set[int]:
+def addresses(tensors: Iterable[object]) -> set[int]:
     """Storage addresses of the tensors (a DTensor's local shard) in nested lists, tuples and dicts."""
     from torch.distributed.tensor import DTensor
 

@@ -13,12 +13,12 @@ from graphmem.frontends.trainer import check_ranks, trainer_inputs
 from graphmem.step.spec import shape_of
 from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer import TrainerRunner, check_trainer
-from graphmem.validation.measure import measure_peak
+from graphmem.validation.measure import Measured, measure_peak
 from graphmem.validation.profiler_log import without_profiler_log
 from graphmem.validation.result import NO_GPU, Row, Validation, checked_tolerance, judge
 
 
-def measure_trainer(trainer: Any, inputs: Any, warm_steps: int = 0) -> Any:
+def measure_trainer(trainer: Any, inputs: object, warm_steps: int = 0) -> Measured:
     """The same step run for real on the CPU (graphmem/validation/measure.py with the Trainer's runner).
     With ``torch_compile`` the step is the module accelerate compiled (graphmem/training/hf_trainer.py),
     compiled by a whole step of its own first, so the measured ones run compiled code only; the runner
@@ -41,9 +41,9 @@ def trainer_on_cuda(refusal: str) -> None:
     raise UsageError(refusal)
 
 
-def validate_trainer(trainer: Any, inputs: Any = None, input_shape: Union[str, tuple, list, None] = None,
+def validate_trainer(trainer: Any, inputs: object = None, input_shape: Union[str, tuple, list, None] = None,
                      tolerance: Optional[float] = None, world_size: int = 1, rank: Optional[int] = None,
-                     device: Any = "cpu", trainer_batch: str = "first") -> Any:
+                     device: Union[str, torch.device] = "cpu", trainer_batch: str = "first") -> Validation:
     """``graphmem.validate(trainer)``: the prediction beside the Trainer's step run for real on the CPU by
     the same runner (first step, then a later one whose optimizer states exist before it). The model
     must be real (not on the meta device); its weights change (the real steps are optimizer steps).

@@ -21,7 +21,7 @@ graphmem/validation/trainer_fsdp_rank.py.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -29,10 +29,15 @@ from graphmem.errors import UsageError
 from graphmem.training.batch import as_batch
 from graphmem.validation.result import Row, Validation, checked_tolerance, judge
 
+if TYPE_CHECKING:
+    import torch.nn as nn
+    from transformers import Trainer, TrainingArguments
 
-def validate_fsdp_ranks(model: Any, training_args: Any, inputs: Any = None, input_shape: Any = None,
+
+def validate_fsdp_ranks(model: nn.Module, training_args: TrainingArguments, inputs: object = None,
+                        input_shape: Union[str, tuple, list, None] = None,
                         tolerance: Optional[float] = None, world_size: int = 1, rank: Optional[int] = None,
-                        trainer_class: Any = None) -> Validation:
+                        trainer_class: Optional[type[Trainer]] = None) -> Validation:
     """Each rank's (``rank``, else all ``world_size``) prediction beside the real gloo job; rows carry their rank.
     The model must be real (on the CPU); it is left as it was (each rank shards its own pickled copy)."""
     from graphmem.api import analyze

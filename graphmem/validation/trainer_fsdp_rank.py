@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -16,10 +16,12 @@ from graphmem.training.hf_trainer_fsdp import FsdpRunner, build_trainer
 from graphmem.validation.ranks import _held, _Saves, _storages, profiled, record
 from graphmem.validation.settle import addresses
 
+Named = Callable[[tuple[str, str]], type]  # (module, qualified name) -> the class it names
 
-def measure_fsdp_rank(job: Any, named: Any) -> dict[str, int]:
+
+def measure_fsdp_rank(job: Any, named: Named) -> dict[str, int]:
     """This rank's figures (the module docstring); ``named`` imports a (module, name) pair."""
-    kept: list[Any] = []
+    kept: list[object] = []
     if job.compiled:  # a Trainer of its own compiles first: the measured steps run dynamo's cached code
         kept.append(_compiled_once(job, named))
     torch.manual_seed(0)
@@ -63,7 +65,7 @@ def _compiles() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _compiled_once(job: Any, named: Any) -> list[Any]:
+def _compiled_once(job: Any, named: Named) -> list[object]:
     """One step of a Trainer of the same job, unmeasured: dynamo compiles the model's frames there; its
     objects are kept (freed during a profile they would read as the step's frees)."""
     torch.manual_seed(0)
@@ -77,7 +79,7 @@ def _compiled_once(job: Any, named: Any) -> list[Any]:
     return [trainer, batch, runner, out]
 
 
-_KEPT: list[Any] = []  # a spawned rank's measured objects, alive until it exits (see ``kept``)
+_KEPT: list[object] = []  # a spawned rank's measured objects, alive until it exits (see ``kept``)
 
 
 __all__ = ["measure_fsdp_rank"]

@@ -39,9 +39,10 @@ import os
 import socket
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
+import torch.nn as nn
 
 from graphmem.api import analyze
 from graphmem.errors import GraphmemError, UsageError
@@ -52,6 +53,9 @@ from graphmem.validation.ranks import TRAINER_REPEATS, _check_budget, _pickled
 from graphmem.validation.result import Row, Validation, judge
 from graphmem.validation.settle import PATIENCE, UNSETTLED, settle_collectives
 
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainingArguments
+
 
 @dataclass(frozen=True)
 class TrainerJob:
@@ -59,7 +63,7 @@ class TrainerJob:
 
     trainer_class: tuple[str, str]  # (module, qualified name)
     args_class: tuple[str, str]
-    args: dict[str, Any]  # the TrainingArguments' init fields
+    args: dict[str, object]  # the TrainingArguments' init fields
     model: bytes  # the model, pickled
     batch: bytes  # the batch the prediction used, pickled
     threads: int  # the prediction's thread count (the CPU scratch rules depend on it: graphmem/oprules/)
@@ -67,7 +71,7 @@ class TrainerJob:
     fsdp: bool = False  # the arguments ask for FSDP: accelerate's FSDP2 job (graphmem/validation/trainer_fsdp.py)
 
 
-def validate_trainer_ranks(trainer: Any, inputs: Any, world_size: int, rank: Optional[int], tol: float) -> Validation:
+def validate_trainer_ranks(trainer: Any, inputs: object, world_size: int, rank: Optional[int], tol: float) -> Validation:
     """Each rank's (``rank``, else all ``world_size``) prediction beside the real gloo job; rows carry their rank."""
     job = trainer_job(trainer, inputs)
     ranks = [rank] if rank is not None else list(range(world_size))
@@ -101,7 +105,7 @@ def _importable(cls: type) -> Optional[tuple[str, str]]:
     if "<locals>" in name:
         return None
     try:
-        found: Any = importlib.import_module(cls.__module__)
+        found: object = importlib.import_module(cls.__module__)
         for part in name.split("."):
             found = getattr(found, part)
     except (ImportError, AttributeError):
@@ -109,7 +113,7 @@ def _importable(cls: type) -> Optional[tuple[str, str]]:
     return (cls.__module__, name) if found is cls else None
 
 
-def _args_class(args: Any) -> Optional[tuple[str, str]]:
+def _args_class(args: TrainingArguments) -> Optional[tuple[str, str]]:
     """The arguments' class, or the nearest importable base with the same fields (graphmem/frontends/trainer.py's
     ``InPlace`` only overrides ``place_model_on_device``, which a model built on the CPU does not need)."""
     fields = [f.name for f in dataclasses.fields(args)]
@@ -121,7 +125,7 @@ def _args_class(args: Any) -> Optional[tuple[str, str]]:
     return None
 
 
-def trainer_job(trainer: Any, inputs: Any) -> TrainerJob:
+def trainer_job(trainer: Trainer, inputs: object) -> TrainerJob:
     """What the ranks rebuild the Trainer from; a Trainer that cannot be rebuilt in another process is
     refused in one line naming what to change."""
     trainer_class, args_class = _importable(type(trainer)), _args_class(trainer.args)
@@ -187,7 +191,7 @@ def _rank_main(rank: int, job: TrainerJob, world_size: int, port: int, out: str)
 
 def _named(where: tuple[str, str]) -> Any:
     """The object a (module, qualified name) pair names."""
-    found: Any = importlib.import_module(where[0])
+    found: object = importlib.import_module(where[0])
     for part in where[1].split("."):
         found = getattr(found, part)
     return found
@@ -213,7 +217,7 @@ def _measure_rank(job: TrainerJob, world_size: int) -> dict[str, int]:
             raise GraphmemError(f"gloo's thread did not release {UNSETTLED[0]} collective(s) within {PATIENCE:.0f} s: "
                                 "the machine is too loaded to measure; run validate again on a quieter one")
         return result
-    kept: list[Any] = []
+    kept: list[object] = []
     if job.compiled:  # compiled by a Trainer of its own (as measure_trainer compiles first): the measured steps
         _measured(job, world_size, 0, kept)  # run dynamo's cached code (its guards do not name the model object)
     first = [_measured(job, world_size, 0, kept) for _ in range(TRAINER_REPEATS)]
@@ -228,7 +232,7 @@ def _measure_rank(job: TrainerJob, world_size: int) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _deferred_sync() -> Iterator[list[Callable[[], Any]]]:
+def _deferred_sync() -> Iterator[list[Callable[[], object]]]:
     """DDP's constructor's collectives (torch/nn/parallel/distributed.py: ``_verify_param_shape_across_processes``,
     then ``_sync_module_states``, whose coalesced broadcast buffers may die on gloo's thread, unseen by the
     profiler: measured, rank 1 once read the whole 107,168 B flat buffer as held) recorded, to be run by the
@@ -238,7 +242,7 @@ def _deferred_sync() -> Iterator[list[Callable[[], Any]]]:
 
     names = ("_verify_param_shape_across_processes", "_sync_module_states")
     originals = {n: getattr(ddp_module, n) for n in names}
-    calls: list[Callable[[], Any]] = []
+    calls: list[Callable[[], object]] = []
 
     def recorder(name: str) -> Callable[..., None]:
         return lambda *args, **kwargs: calls.append(lambda: originals[name](*args, **kwargs))
@@ -252,7 +256,7 @@ def _deferred_sync() -> Iterator[list[Callable[[], Any]]]:
             setattr(ddp_module, n, originals[n])
 
 
-def _held_by_ddp(prof: Any, model: Any) -> int:
+def _held_by_ddp(prof: Any, model: nn.Module) -> int:
     """What ``prepare_model`` allocated and still holds, less the model's copies on ``cpu:0`` (the blocks of
     the parameters' and buffers' storages now: made there, each original's free unseen): DDP's buckets and
     used-parameter maps."""
@@ -275,7 +279,7 @@ def _held_by_ddp(prof: Any, model: Any) -> int:
     return sum(size for ptr, size in live.items() if ptr not in moved)
 
 
-def _measured(job: TrainerJob, world_size: int, warm_steps: int, kept: list[Any]) -> dict[str, int]:
+def _measured(job: TrainerJob, world_size: int, warm_steps: int, kept: list[object]) -> dict[str, int]:
     """One fresh Trainer's step (after ``warm_steps`` unmeasured ones), measured as on one device
     (graphmem/validation/measure.py ``measure_peak`` with the Trainer's runner), DDP made by accelerate."""
     import graphmem.validation.measure as measure

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -39,9 +39,9 @@ from graphmem.capture.target import DTYPES, GPUS, Target
 from graphmem.errors import UsageError, check_keywords
 from graphmem.frontends.door import FSDP_TRAINER, TRAINER
 from graphmem.noise import quiet
-from graphmem.passes.allocator import allocator
+from graphmem.passes.allocator import AllocatorResult, allocator
 from graphmem.report.live import Analysis
-from graphmem.step.spec import shape_of, spec_keywords
+from graphmem.step.spec import ModelLike, shape_of, spec_keywords
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.hf_trainer import is_trainer
 from graphmem.training.spec import Training
@@ -61,7 +61,7 @@ GPU_SHARE = 0.9  # of the free device memory: an OOM there is an exception, not 
 @quiet  # third-party warnings about graphmem's own work, not the user's step (graphmem/noise.py)
 def validate(
     model: Union[nn.Module, str, "os.PathLike[str]"],
-    inputs: Any = None,
+    inputs: object = None,
     *,
     input_shape: Union[str, tuple, list, None] = None,
     loss: Optional[LossFn] = None,
@@ -114,7 +114,7 @@ def validate(
     return Validation(report.model, str(dev), shapes, tol, rows, reason, report)
 
 
-def _trainer(model: Any, inputs: Any, input_shape: Union[str, tuple, list, None], loss: Optional[LossFn],
+def _trainer(model: Any, inputs: object, input_shape: Union[str, tuple, list, None], loss: Optional[LossFn],
              device: Union[str, torch.device], tolerance: Optional[float], hf: Optional[HFOptions],
              options: dict[str, Any]) -> Validation:
     """A transformers Trainer (its own step, real on the CPU: graphmem/validation/trainer.py), or a model with
@@ -126,7 +126,7 @@ def _trainer(model: Any, inputs: Any, input_shape: Union[str, tuple, list, None]
         if unknown:
             raise UsageError(f"a Trainer's step is set by its TrainingArguments, not {', '.join(f'`{k}`' for k in unknown)}"
                              ": drop it (`world_size`/`rank` validate its DDP ranks)")
-        return validate_trainer(model, inputs, input_shape, tolerance, device=device, **options)  # type: ignore[no-any-return]
+        return validate_trainer(model, inputs, input_shape, tolerance, device=device, **options)
     from graphmem.validation.trainer_fsdp import validate_fsdp_ranks
 
     unknown = sorted(set(options) - (FSDP_TRAINER - {"input_shape"}))
@@ -137,7 +137,7 @@ def _trainer(model: Any, inputs: Any, input_shape: Union[str, tuple, list, None]
                                options.get("world_size", 1), options.get("rank"), options.get("trainer_class"))
 
 
-def _predict(model: Any, given: Optional[Batch], shape: Optional[tuple[int, ...]], loss: Optional[LossFn],
+def _predict(model: ModelLike, given: Optional[Batch], shape: Optional[tuple[int, ...]], loss: Optional[LossFn],
              dev: torch.device, hf: Optional[HFOptions],
              options: dict[str, Any]) -> tuple[Analysis, Optional[Loaded], Optional[str]]:
     """The prediction, refused if it would not fit the real run's memory; the model as given (a real module) or
@@ -157,7 +157,7 @@ def _predict(model: Any, given: Optional[Batch], shape: Optional[tuple[int, ...]
 
 def _real(report: Analysis, loaded: Optional[Loaded], given: Optional[Batch], shape: Optional[tuple[int, ...]],
           loss: Optional[LossFn], dev: torch.device, hf: Optional[HFOptions],
-          source: Optional[str]) -> tuple[Any, tuple[tuple[int, ...], ...]]:
+          source: Optional[str]) -> tuple[tuple[Row, ...], tuple[tuple[int, ...], ...]]:
     """The real step beside the prediction: the model built (a file or preset, ``spec``) or used as given, the
     same inputs, the same loop; what it measured and the input shapes."""
     assert report.source is not None  # one device's step
@@ -187,7 +187,7 @@ _PARALLEL = ("world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank",
              "fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_offload", "fsdp_no_sync", "loss_parallel", "parallel")
 
 
-def _ranks(model: Any, given: Optional[Batch], shape: Optional[tuple[int, ...]], loss: Optional[LossFn],
+def _ranks(model: ModelLike, given: Optional[Batch], shape: Optional[tuple[int, ...]], loss: Optional[LossFn],
            dev: torch.device, tol: float, hf: Optional[HFOptions], options: dict[str, Any]) -> Validation:
     """Rank r's step through fully_shard/parallelize_module, run on real gloo ranks (graphmem/validation/ranks.py)."""
     from graphmem.validation.ranks import validate_ranks
@@ -199,7 +199,7 @@ def _ranks(model: Any, given: Optional[Batch], shape: Optional[tuple[int, ...]],
     return validate_ranks(model, given, shape, loss, hf, tol, options)
 
 
-def _check_loop(options: dict[str, Any]) -> None:
+def _check_loop(options: Mapping[str, object]) -> None:
     if options.get("qlora") or options.get("quantization"):
         raise UsageError("validate does not run QLoRA's 4-bit step for real yet (its real CPU steps are "
                          "tests/test_qlora.py's): drop `qlora`")
@@ -231,7 +231,7 @@ def _target(dev: torch.device) -> dict[str, Any]:
     return {"device": "cuda", "gpu": exact[0] if exact else known[-1][1] if known else "v100"}
 
 
-def _cuda_model(report: Analysis) -> Any:
+def _cuda_model(report: Analysis) -> AllocatorResult:
     """The caching-allocator model's result for the predicted step (analyze computes it for the
     CUDA target)."""
 
@@ -342,7 +342,7 @@ def _cuda(report: Analysis, module: nn.Module, inputs: Batch, loss_fn: Optional[
         raise UsageError("validate on cuda runs forward and backward only yet (the warm-up step would leave the "
                          "optimizer's states behind): drop `optimizer`/`micro_batches`, or validate on `device='cpu'`")
     amp = DTYPES[target.amp] if target.amp else None
-    context: Any = (lambda: torch.autocast("cuda", dtype=amp)) if amp is not None else contextlib.nullcontext
+    context: Callable[[], ContextManager[object]] = (lambda: torch.autocast("cuda", dtype=amp)) if amp is not None else contextlib.nullcontext
     model = _cuda_model(report)  # the caching allocator replayed over the predicted step
     first = sum(1 for s in report.step.storages.values() if s.created == -1 and s.nbytes)
     model_before = model.timeline[first - 1][0] if first else 0  # parameters, buffers, inputs
