@@ -27,7 +27,7 @@ the op's eager autograd also keeps ``max_scores``, which the compiled one does n
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -203,7 +203,7 @@ class _InitReads(ScalarReads):
     the row of the ranks of stage 1, and its parameters came out empty (DTensor's
     ``from_local`` on a mesh without this rank)."""
 
-    def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple = (),
+    def __torch_dispatch__(self, func: OpOverload, types: Sequence[type], args: tuple = (),
                            kwargs: Optional[dict] = None) -> object:
         if func is torch.ops.aten._local_scalar_dense.default and not is_fake(args[0]):
             return func(*args, **(kwargs or {}))

@@ -10,7 +10,7 @@ import torch
 from graphmem.api import analyze
 from graphmem.errors import UsageError
 from graphmem.frontends.trainer import check_ranks, trainer_inputs
-from graphmem.step.spec import shape_of
+from graphmem.step.spec import UserInputs, shape_of
 from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer import TrainerRunner, check_trainer
 from graphmem.validation.measure import Measured, measure_peak
@@ -41,7 +41,7 @@ def trainer_on_cuda(refusal: str) -> None:
     raise UsageError(refusal)
 
 
-def validate_trainer(trainer: Any, inputs: object = None, input_shape: Union[str, tuple, list, None] = None,
+def validate_trainer(trainer: Any, inputs: Optional[UserInputs] = None, input_shape: Union[str, tuple, list, None] = None,
                      tolerance: Optional[float] = None, world_size: int = 1, rank: Optional[int] = None,
                      device: Union[str, torch.device] = "cpu", trainer_batch: str = "first") -> Validation:
     """``graphmem.validate(trainer)``: the prediction beside the Trainer's step run for real on the CPU by

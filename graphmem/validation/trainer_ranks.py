@@ -47,6 +47,7 @@ import torch.nn as nn
 from graphmem.api import analyze
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.report.live import Analysis
+from graphmem.step.spec import UserInputs
 from graphmem.training.batch import as_batch
 from graphmem.validation.profiler_log import without_profiler_log
 from graphmem.validation.ranks import TRAINER_REPEATS, _check_budget, _pickled
@@ -71,7 +72,7 @@ class TrainerJob:
     fsdp: bool = False  # the arguments ask for FSDP: accelerate's FSDP2 job (graphmem/validation/trainer_fsdp.py)
 
 
-def validate_trainer_ranks(trainer: Any, inputs: object, world_size: int, rank: Optional[int], tol: float) -> Validation:
+def validate_trainer_ranks(trainer: Any, inputs: Optional[UserInputs], world_size: int, rank: Optional[int], tol: float) -> Validation:
     """Each rank's (``rank``, else all ``world_size``) prediction beside the real gloo job; rows carry their rank."""
     job = trainer_job(trainer, inputs)
     ranks = [rank] if rank is not None else list(range(world_size))

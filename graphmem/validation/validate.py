@@ -41,7 +41,7 @@ from graphmem.frontends.door import FSDP_TRAINER, TRAINER
 from graphmem.noise import quiet
 from graphmem.passes.allocator import AllocatorResult, allocator
 from graphmem.report.live import Analysis
-from graphmem.step.spec import ModelLike, shape_of, spec_keywords
+from graphmem.step.spec import ModelLike, UserInputs, shape_of, spec_keywords
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.hf_trainer import is_trainer
 from graphmem.training.spec import Training
@@ -61,7 +61,7 @@ GPU_SHARE = 0.9  # of the free device memory: an OOM there is an exception, not 
 @quiet  # third-party warnings about graphmem's own work, not the user's step (graphmem/noise.py)
 def validate(
     model: Union[nn.Module, str, "os.PathLike[str]"],
-    inputs: object = None,
+    inputs: Optional[UserInputs] = None,
     *,
     input_shape: Union[str, tuple, list, None] = None,
     loss: Optional[LossFn] = None,
@@ -114,7 +114,7 @@ def validate(
     return Validation(report.model, str(dev), shapes, tol, rows, reason, report)
 
 
-def _trainer(model: Any, inputs: object, input_shape: Union[str, tuple, list, None], loss: Optional[LossFn],
+def _trainer(model: Any, inputs: Optional[UserInputs], input_shape: Union[str, tuple, list, None], loss: Optional[LossFn],
              device: Union[str, torch.device], tolerance: Optional[float], hf: Optional[HFOptions],
              options: dict[str, Any]) -> Validation:
     """A transformers Trainer (its own step, real on the CPU: graphmem/validation/trainer.py), or a model with
