@@ -34,6 +34,7 @@ from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
 from graphmem.deepspeed.config import DeepSpeedJob, resolved
 from graphmem.deepspeed.engine import Pins, engine_on_fake, held_tensors, launched, name_host, naming_buckets, staying
+from graphmem.deepspeed.views import fast_view
 from graphmem.distributed.capture import rank_placeholders, rank_running
 from graphmem.distributed.fsdp import fake_copy
 from graphmem.errors import UsageError, one_line
@@ -65,6 +66,12 @@ class _EngineMode(_Mode):
     @property
     def avoid_device_init(self) -> bool:
         return self._avoid
+
+    def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """DeepSpeed's slices and views of a fake tensor by the meta kernel (graphmem/deepspeed/views.py), the
+        rest as FakeTensorMode dispatches it."""
+        out = fast_view(self, func, args, kwargs)
+        return out if out is not None else super().dispatch(func, types, args, kwargs)
 
 
 def kind_of(path: str) -> str:
