@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from graphmem.deepspeed.views import fast_view
+from graphmem.capture.values import VALUE
+from graphmem.deepspeed.views import device_of, fast_view, valueless_view
 
 SLICE, VIEW, DETACH = torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.detach.default
 
@@ -52,6 +53,39 @@ def test_anything_else_is_left_to_the_mode() -> None:
     assert fast_view(mode, SLICE, (torch.empty(8, 8), 0, 1, 2), {}) is None
     assert fast_view(mode, SLICE, (t, 0), {"start": 1}) is None
     assert fast_view(mode, VIEW, (t, [torch.tensor(64)]), {}) is None
+
+
+def test_a_fake_tensors_device_is_the_modes_answer() -> None:
+    """GIVEN fake tensors (on the CPU and on a fake CUDA device)
+    WHEN ``prim.device`` is answered by ``device_of``
+    THEN it is what FakeTensorMode's own dispatch answers, outside a kernel and inside one (the meta device);
+    anything but one fake tensor is left to the mode."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        cpu = torch.empty(4)
+    cuda = FakeTensor(mode, torch.empty(4, device="meta"), torch.device("cuda", 0))
+    device = torch.ops.prim.device.default
+    for t in (cpu, cuda):
+        assert device_of((t,)) == mode.dispatch(device, [FakeTensor], (t,), {}) == t.fake_device
+    mode.in_kernel_invocation = True
+    try:
+        assert device_of((cpu,)) == mode.dispatch(device, [FakeTensor], (cpu,), {}) == torch.device("meta")
+    finally:
+        mode.in_kernel_invocation = False
+    assert device_of((torch.empty(4),)) is None and device_of((cpu, cpu)) is None
+
+
+def test_only_a_view_of_a_tensor_without_values_skips_their_propagation() -> None:
+    """GIVEN a fake tensor with the batch's values (graphmem/capture/values.py) and one without
+    THEN ``valueless_view`` admits the views of the one without only (the other's view carries values on)."""
+    mode = FakeTensorMode()
+    with mode:
+        plain, valued = torch.empty(8, 8), torch.empty(8, 8)
+    setattr(valued, VALUE, torch.zeros(8, 8))
+    assert valueless_view(SLICE, (plain, 0, 1, 4), {}) and valueless_view(VIEW, (plain, [-1]), {})
+    assert not valueless_view(SLICE, (valued, 0, 1, 4), {})
+    assert not valueless_view(torch.ops.aten.add.Tensor, (plain, plain), {})
+    assert not valueless_view(SLICE, (plain, 0), {"start": 1})
 
 
 @pytest.mark.slow  # ~1 min: two ZeRO-3 engines at 4 ranks and their four steps on fake tensors

@@ -16,6 +16,12 @@ of this mode with static sizes, no constant (whose values the mode would propaga
 it, every other argument a plain int or None. The view shares the input's storage, with the sizes, strides
 and offset the Python rule computes (tests/test_deepspeed_views.py checks both, and a DeepSpeed step's
 recorded graph equal op for op, storage for storage with and without it).
+
+Two more per-op costs of the same slices, answered in ``_EngineMode.__torch_dispatch__`` (graphmem/deepspeed/
+capture.py): C++ asks a fake tensor's device three times a slice (``prim.device``: a fake tensor's device is
+Python's to say), which ``device_of`` answers as FakeTensorMode's handler does; and the recorder's propagation of
+the batch's values (graphmem/capture/values.py ``Values.propagate``) has nothing to do for a view of a tensor
+that carries none (``valueless_view``: no value to give, and a view writes nothing whose value it would drop).
 """
 from __future__ import annotations
 
@@ -25,7 +31,16 @@ import torch
 from torch._C import _DisablePythonDispatcher
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
 
+from graphmem.capture.values import VALUE
+
+DEVICE = torch.ops.prim.device.default
 VIEWS = frozenset((torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.detach.default))
+
+
+def _plain(args: Any) -> bool:
+    """Every argument but the first a plain int, None, or a list or tuple of ints."""
+    return all(x is None or type(x) is int or type(x) in (list, tuple) and all(type(i) is int for i in x)
+               for x in args[1:])
 
 
 def fast_view(mode: FakeTensorMode, func: Any, args: Any, kwargs: Any) -> Optional[FakeTensor]:
@@ -35,15 +50,30 @@ def fast_view(mode: FakeTensorMode, func: Any, args: Any, kwargs: Any) -> Option
         return None
     a = args[0]
     if type(a) is not FakeTensor or a.fake_mode is not mode or a.constant is not None \
-            or a.real_tensor is not None or a._has_symbolic_sizes_strides:
+            or a.real_tensor is not None or a._has_symbolic_sizes_strides or not _plain(args):
         return None
-    for x in args[1:]:
-        if not (x is None or type(x) is int or type(x) in (list, tuple) and all(type(i) is int for i in x)):
-            return None
     with _DisablePythonDispatcher(), in_kernel_invocation_manager(mode):
         out = func(*args)
     keys = a.dispatch_keys if func is torch.ops.aten.detach.default else None
     return FakeTensor(mode, out, a.fake_device, dispatch_keys=keys)
 
 
-__all__ = ["VIEWS", "fast_view"]
+def valueless_view(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``func(*args)`` is one of ``VIEWS`` of a fake tensor that carries no batch values (graphmem/capture/
+    values.py ``VALUE``), every other argument plain: the recorder's propagation of values has nothing to give
+    it (its one tensor has none) and nothing to drop (no view writes), so the recorder may skip it."""
+    return func in VIEWS and not kwargs and bool(args) and type(args[0]) is FakeTensor \
+        and getattr(args[0], VALUE, None) is None and _plain(args)
+
+
+def device_of(args: Any) -> Any:
+    """``prim.device`` of a fake tensor as FakeTensorMode answers it (torch/_subclasses/fake_tensor.py
+    ``_device_handler``: the meta device inside a kernel, else the tensor's fake device); None for any other
+    argument (the mode's own dispatch answers). C++ asks it of each tensor an index or a view reads (a fake
+    tensor's device is Python's to say): three times a slice."""
+    if len(args) != 1 or type(args[0]) is not FakeTensor:
+        return None
+    return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+
+
+__all__ = ["DEVICE", "VIEWS", "device_of", "fast_view", "valueless_view"]
