@@ -26,6 +26,7 @@ memory never holds it), and a compiled graph's backward keeps no autograd node p
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable, Optional, Protocol
 
@@ -53,15 +54,19 @@ class _Recording(Protocol):
 
 def _numbers(func: OpOverload, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
     """(argument name, value) of each Python number given where the schema takes a Tensor."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return []
     found = []
-    for i, a in enumerate(schema.arguments):
-        value = args[i] if i < len(args) else kwargs.get(a.name)
-        if type(value) in WRAPPED and str(a.type) == "Tensor":
-            found.append((a.name, value))
+    for i, name in _tensor_arguments(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if type(value) in WRAPPED:
+            found.append((name, value))
     return found
+
+
+@functools.cache
+def _tensor_arguments(func: OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``func``'s schema types as a Tensor (read once an op)."""
+    schema = getattr(func, "_schema", None)
+    return () if schema is None else tuple((i, a.name) for i, a in enumerate(schema.arguments) if str(a.type) == "Tensor")
 
 
 def _cast(args: tuple, value: object) -> int:

@@ -34,6 +34,7 @@ from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
 from graphmem.deepspeed.config import DeepSpeedJob, resolved
 from graphmem.deepspeed.engine import Pins, engine_on_fake, held_tensors, launched, name_host, naming_buckets, staying
+from graphmem.deepspeed.views import DEVICE, device_of, fast_view, valueless_view
 from graphmem.distributed.capture import rank_placeholders, rank_running
 from graphmem.distributed.fsdp import fake_copy
 from graphmem.errors import UsageError, one_line
@@ -56,7 +57,9 @@ class _EngineMode(_Mode):
     ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (deepspeed/__init__.py), after which each ``torch.cuda.is_available()``
     loads NVML again (a ctypes ``dlopen``: torch/cuda/__init__.py ``_raw_device_count_nvml``), and
     FakeTensorMode asks it on each entry and each op its cache misses (``avoid_device_init``): 23,002
-    loads, 4-5 % of a Llama-2-7B ZeRO-3 analysis. The answer does not change within a capture."""
+    loads, 4-5 % of a Llama-2-7B ZeRO-3 analysis. The answer does not change within a capture. DeepSpeed's
+    slices and views, and the device queries C++ makes of fake tensors, are answered without FakeTensorMode's
+    per-op machinery where its answer could be nothing else (graphmem/deepspeed/views.py)."""
 
     def __init__(self, rec: _Recorder) -> None:
         super().__init__(rec)
@@ -65,6 +68,29 @@ class _EngineMode(_Mode):
     @property
     def avoid_device_init(self) -> bool:
         return self._avoid
+
+    def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """DeepSpeed's slices and views of a fake tensor by the meta kernel (graphmem/deepspeed/views.py), the
+        rest as FakeTensorMode dispatches it."""
+        out = fast_view(self, func, args, kwargs)
+        return out if out is not None else super().dispatch(func, types, args, kwargs)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """The recorder's dispatch (``_Mode.__torch_dispatch__``), but a fake tensor's device answered as FakeTensorMode
+        answers it and a view of a tensor without values recorded without the values' propagation, which has
+        nothing to do there (graphmem/deepspeed/views.py ``device_of``, ``valueless_view``)."""
+        if func is DEVICE:
+            device = device_of(args)
+            if device is not None:
+                return device
+        if valueless_view(func, args, kwargs):
+            return self._dispatch(func, types, args, kwargs)
+        return _RECORDERS_DISPATCH(self, func, types, args, kwargs)
+
+
+# (the recorder's own, unwrapped: torch wraps each mode's ``__torch_dispatch__`` to keep dynamo out,
+# torch/utils/_python_dispatch.py ``TorchDispatchMode.__init_subclass__``, and ``_EngineMode``'s is already)
+_RECORDERS_DISPATCH = getattr(_Mode.__dict__["__torch_dispatch__"], "__wrapped__", _Mode.__dict__["__torch_dispatch__"])
 
 
 def kind_of(path: str) -> str:

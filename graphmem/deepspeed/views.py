@@ -1,0 +1,79 @@
+"""DeepSpeed's views of a fake tensor made by the meta kernel directly: the same tensor, without FakeTensorMode's
+per-op machinery.
+
+ZeRO-3 slices every gradient into ``world_size`` chunks as it reduces it (deepspeed/runtime/comm/
+coalesced_collectives.py ``reduce_scatter_coalesced``: ``flattened_tensor[rank * chunk_sz:...]`` for each rank,
+then ``narrow`` for its own), and each all-gathered parameter into partitions; at 64 ranks those slices
+are most of the step's ops (about 2,700 of a 4-layer decoder's 4,900). FakeTensorMode answers each
+``aten.slice.Tensor`` through its Python rule (torch/_subclasses/fake_impls.py ``slice_forward``, written for
+symbolic sizes), which makes an ``aten.as_strided`` that goes through the mode again, each a cache miss (the
+start differs), ~3 ms of CPU a slice on this machine; the meta kernel itself computes the same view in
+microseconds. ``fast_view`` runs it as FakeTensorMode runs a meta kernel (``in_kernel_invocation_manager``,
+torch/_subclasses/fake_tensor.py ``_dispatch_impl``) and wraps the result as ``wrap_meta_outputs_with_default_device_logic``
+does (a FakeTensor of this mode on the input's device; ``detach`` keeps the input's dispatch keys), for the
+views of ``VIEWS`` only and only where FakeTensorMode's answer could be nothing else: the input a fake tensor
+of this mode with static sizes, no constant (whose values the mode would propagate) and no real tensor beside
+it, every other argument a plain int or None. The view shares the input's storage, with the sizes, strides
+and offset the Python rule computes (tests/test_deepspeed_views.py checks both, and a DeepSpeed step's
+recorded graph equal op for op, storage for storage with and without it).
+
+Two more per-op costs of the same slices, answered in ``_EngineMode.__torch_dispatch__`` (graphmem/deepspeed/
+capture.py): C++ asks a fake tensor's device three times a slice (``prim.device``: a fake tensor's device is
+Python's to say), which ``device_of`` answers as FakeTensorMode's handler does; and the recorder's propagation of
+the batch's values (graphmem/capture/values.py ``Values.propagate``) has nothing to do for a view of a tensor
+that carries none (``valueless_view``: no value to give, and a view writes nothing whose value it would drop).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch._C import _DisablePythonDispatcher
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+
+from graphmem.capture.values import VALUE
+
+DEVICE = torch.ops.prim.device.default
+VIEWS = frozenset((torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.detach.default))
+
+
+def _plain(args: Any) -> bool:
+    """Every argument but the first a plain int, None, or a list or tuple of ints."""
+    return all(x is None or type(x) is int or type(x) in (list, tuple) and all(type(i) is int for i in x)
+               for x in args[1:])
+
+
+def fast_view(mode: FakeTensorMode, func: Any, args: Any, kwargs: Any) -> Optional[FakeTensor]:
+    """``func(*args)`` as FakeTensorMode ``mode`` would answer it, where ``func`` is one of ``VIEWS`` and
+    the call is one the module docstring admits; else None (the mode's own dispatch answers)."""
+    if func not in VIEWS or kwargs or not args or mode.shape_env is not None or mode.propagate_real_tensors:
+        return None
+    a = args[0]
+    if type(a) is not FakeTensor or a.fake_mode is not mode or a.constant is not None \
+            or a.real_tensor is not None or a._has_symbolic_sizes_strides or not _plain(args):
+        return None
+    with _DisablePythonDispatcher(), in_kernel_invocation_manager(mode):
+        out = func(*args)
+    keys = a.dispatch_keys if func is torch.ops.aten.detach.default else None
+    return FakeTensor(mode, out, a.fake_device, dispatch_keys=keys)
+
+
+def valueless_view(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``func(*args)`` is one of ``VIEWS`` of a fake tensor that carries no batch values (graphmem/capture/
+    values.py ``VALUE``), every other argument plain: the recorder's propagation of values has nothing to give
+    it (its one tensor has none) and nothing to drop (no view writes), so the recorder may skip it."""
+    return func in VIEWS and not kwargs and bool(args) and type(args[0]) is FakeTensor \
+        and getattr(args[0], VALUE, None) is None and _plain(args)
+
+
+def device_of(args: Any) -> Any:
+    """``prim.device`` of a fake tensor as FakeTensorMode answers it (torch/_subclasses/fake_tensor.py
+    ``_device_handler``: the meta device inside a kernel, else the tensor's fake device); None for any other
+    argument (the mode's own dispatch answers). C++ asks it of each tensor an index or a view reads (a fake
+    tensor's device is Python's to say): three times a slice."""
+    if len(args) != 1 or type(args[0]) is not FakeTensor:
+        return None
+    return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+
+
+__all__ = ["DEVICE", "VIEWS", "device_of", "fast_view", "valueless_view"]
