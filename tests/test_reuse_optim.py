@@ -64,6 +64,10 @@ CASES: dict[str, tuple[Callable[..., tuple[nn.Module, tuple, Any]], Any, str, st
     "hf_llama_cpu_adamw": (lambda n=N: _hf("LlamaConfig:LlamaForCausalLM", n), "cpu", "adamw", "auto"),
     "hf_gpt2_cuda_momentum": (lambda n=N: _hf("GPT2Config:GPT2LMHeadModel", n), CUDA, "momentum", "auto"),
     "peft_lora_llama_cuda_adamw": (lambda n=N: _hf("LlamaConfig:LlamaForCausalLM", n, lora=True), CUDA, "adamw", "auto"),
+    # advise's for-loop lever on a LoRA step: the last parameter stepped is the last block's, and zero_grad frees
+    # every gradient after it (graphmem/capture/widen.py ``freed_at``)
+    "peft_lora_llama_cuda_adamw_forloop": (lambda n=N: _hf("LlamaConfig:LlamaForCausalLM", n, lora=True), CUDA, "adamw",
+                                           "forloop"),
 }
 
 

@@ -116,12 +116,21 @@ class _Copier(Widen):
             st = self.g.storages[tsid]
             j = self.owner(st)
             out[new] = Storage(
-                new, st.nbytes, st.kind, self.index(st.created, b, j), self.index(st.freed, b, j),  # type: ignore[arg-type]
+                new, st.nbytes, st.kind, self.index(st.created, b, j), self.freed_at(st.freed, b, j),  # type: ignore[arg-type]
                 rename(st.module, prefix, j, b), rename(st.name, prefix, j, b) if st.created < 0 or st.owner is not None else st.name,
                 st.dtype, st.shape, self.sid(st.source, b, j) if st.source is not None else None,
                 self.sid(st.owner, b, j) if st.owner is not None else None,
                 tuple(self.sid(o, b, j) for o in st.owners), st.cache_freed, st.stream)
         return out
+
+    def freed_at(self, u: Optional[int], b: Optional[int], j: Optional[int]) -> Optional[int]:
+        """Where a storage dies in the widened step. Dead after the step's last op is also what the
+        recorder writes for a free after it (``zero_grad(set_to_none=True)`` dropping every
+        gradient, graphmem/training/loop.py): the widened step's last op, whichever block that
+        op works for (a for-loop optimizer's last parameter is the last block's under LoRA)."""
+        if u is not None and u == self.nops - 1:
+            return self.total - 1
+        return self.index(u, b, j)
 
     def placeholders(self) -> list[OpNode]:
         out: list[OpNode] = []

@@ -8,6 +8,7 @@ budget is bisected (``ROUNDS`` captures) between its lowest-peak plan and the bu
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 from graphmem.analysis import AnalysisView, captured
@@ -36,12 +37,25 @@ def headroom(report: AnalysisView, figure: str) -> int:
     return max(0, memory.figure(figure) - exact)
 
 
+# what each plan's capture gave, per report source (its module and step): the bisection may land on a plan
+# twice, and advise asks for the lowest-peak plan again after plan_within found that none fits
+_CAPTURED: "weakref.WeakKeyDictionary[Any, dict[tuple, RunMemory]]" = weakref.WeakKeyDictionary()
+
+
 def plan_memory(report: AnalysisView, plan: CheckpointPlan) -> RunMemory:
-    """The run memory of the report's step captured with ``plan`` applied."""
+    """The run memory of the report's step captured with ``plan`` applied (once per plan and report source)."""
     source = report.source
+    key = (plan.chain, plan.segments, tuple(plan.policies), report.memory.rows, source.parallel)
+    memo = _CAPTURED.setdefault(source, {})
+    try:
+        if key in memo:
+            return memo[key]
+    except TypeError:  # an unhashable selective policy: captured every time
+        memo = {}
     with apply_segments(source.module, plan.chain, plan.segments, plan.policies or None):
         g = source.capture()
-    return step_memory(g, report.memory.rows, source.parallel)
+    memo[key] = out = step_memory(g, report.memory.rows, source.parallel)
+    return out
 
 
 def _plan(planner: Planner, budget: int) -> Any:  # a CheckpointPlan or None (plan_within holds both in one variable)

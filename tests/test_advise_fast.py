@@ -1,0 +1,72 @@
+"""What advise no longer captures twice changes none of its answers: each checkpoint plan's capture is kept
+per report (graphmem/planning/figures.py ``plan_memory``: the lowest-peak plan is asked again after no plan
+fits), and the advice is the same, row for row, as when every plan is captured each time it is asked."""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import pytest
+from cases import MODELS, build
+
+import graphmem
+import graphmem.planning.figures as figures
+from graphmem.step.recapture import Recapture
+
+
+class _NoMemo(weakref.WeakKeyDictionary[Any, Any]):
+    """Every plan captured each time it is asked (what plan_memory did before it kept them)."""
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        return {}
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    capture = Recapture.capture
+
+    def spy(self: Recapture, shape: Any = None) -> Any:
+        calls.append(1)
+        return capture(self, shape)
+
+    monkeypatch.setattr(Recapture, "capture", spy)
+    return calls
+
+
+def _report() -> Any:
+    module, inputs, loss = build(MODELS, "gpt2_sdpa")
+    return graphmem.analyze(module, inputs, loss=loss, device="cuda", optimizer="adamw")
+
+
+def test_a_plan_is_captured_once_per_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a report and its planner's lowest-peak plan
+    report = _report()
+    plan = report.plan(max_overhead=1.0)
+    calls = _counting(monkeypatch)
+    # WHEN the plan's run memory is asked twice, and once more with nothing kept
+    first, again = figures.plan_memory(report, plan), figures.plan_memory(report, plan)
+    monkeypatch.setattr(figures, "_CAPTURED", _NoMemo())
+    fresh = figures.plan_memory(report, plan)
+    # THEN the step with the plan applied was captured once for the first two, and they are the capture's
+    assert len(calls) == 2
+    assert first == again == fresh
+
+
+@pytest.mark.slow  # every lever of a small GPT-2 captured twice
+def test_advice_is_the_same_when_each_plan_is_captured_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a GPT-2 step with AdamW on the CUDA target, in memory above its lowest-peak plan's tensors but
+    # below that plan's device total: plan_within captures the plan, finds it over, and advise asks for it again
+    probe = _report()
+    lowest = probe.plan(max_overhead=1.0)
+    memory = (lowest.peak_bytes + figures.plan_memory(probe, lowest).figure("device")) // 2
+    calls = _counting(monkeypatch)
+    # WHEN it is advised with every plan captured each time it is asked, then with each plan's capture kept
+    with monkeypatch.context() as m:
+        m.setattr(figures, "_CAPTURED", _NoMemo())
+        before = _report().advise(memory=memory)
+    captured_before = len(calls)
+    after = _report().advise(memory=memory)
+    # THEN the advice is the same, row for row, with one capture fewer
+    assert any(r.kind == "checkpoint" for r in (*before.levers, *before.left_out))  # (weighed: a row or why not)
+    assert before.to_dict() == after.to_dict()
+    assert len(calls) - captured_before == captured_before - 1
