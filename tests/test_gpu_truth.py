@@ -88,6 +88,7 @@ def test_time_guard() -> None:
 
 
 @pytest.mark.slow  # two spawned processes import torch (~70 s on a loaded 2-core machine)
+@pytest.mark.heavy  # (CI time) the benchmark's pool plumbing; the dry rows and anchors run in CI
 def test_process_pool() -> None:
     """--jobs 2: graphmem's side in spawned processes (as on the GPU host), the same figures as in-process."""
     argv = ["--dry", "--models", "nn_gru", "--variants", "fp32,bf16", "--anchors", "none", "--no-docs"]
