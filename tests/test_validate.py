@@ -128,9 +128,9 @@ def test_cli_json_has_exact_integers(capfd: pytest.CaptureFixture[str]) -> None:
 def _patched_measure(monkeypatch: pytest.MonkeyPatch, saved: int = 0, peak: int = 0) -> None:
     real = measure.measure_peak
 
-    def fake(*args: Any, **kwargs: Any) -> measure.Measured:
+    def fake(*args: Any, **kwargs: Any) -> measure.RealStep:
         m = real(*args, **kwargs)
-        return measure.Measured(m.saved_bytes + saved, m.peak_bytes + peak, m.baseline_bytes, m.allocations)
+        return measure.RealStep(m.saved_bytes + saved, m.peak_bytes + peak, m.baseline_bytes, m.allocations)
 
     monkeypatch.setattr(measure, "measure_peak", fake)
 

@@ -49,7 +49,7 @@ class StepSession(LoopRunner, Protocol):
 
 
 @dataclass(frozen=True)
-class Measured:
+class RealStep:
     saved_bytes: int  # distinct non-parameter storages saved for backward (forward + loss)
     peak_bytes: int  # baseline + largest running sum of allocator events
     baseline_bytes: int  # parameters, buffers and inputs, live before the step
@@ -142,7 +142,7 @@ def _quiet_gc() -> Iterator[None]:
 
 def measure_peak(model: nn.Module, inputs: object, loss_fn: Optional[LossFn] = None,
                  train: Optional[TrainStep] = None, warm_steps: int = 0,
-                 amp: Optional[torch.dtype] = None, runner: Optional[StepSession] = None) -> Measured:
+                 amp: Optional[torch.dtype] = None, runner: Optional[StepSession] = None) -> RealStep:
     """Real CPU step under the profiler; the peak from the allocator's events. ``train`` adds
     micro-batches and the optimizer step (graphmem/training/loop.py); ``warm_steps`` runs that many
     whole steps first, unprofiled (the optimizer states then exist before the measured one);
@@ -183,4 +183,4 @@ def measure_peak(model: nn.Module, inputs: object, loss_fn: Optional[LossFn] = N
         high = max(high, running)
     model.zero_grad(set_to_none=True)
     saved = measure_saved(model, inputs, loss_fn, amp, runner=runner.run if runner is not None else None)
-    return Measured(saved, baseline + high, baseline, len(events), state_bytes, host_bytes)
+    return RealStep(saved, baseline + high, baseline, len(events), state_bytes, host_bytes)

@@ -13,12 +13,12 @@ from graphmem.frontends.trainer import check_ranks, trainer_inputs
 from graphmem.step.spec import UserInputs, shape_of
 from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer import TrainerRunner, check_trainer
-from graphmem.validation.measure import Measured, measure_peak
+from graphmem.validation.measure import RealStep, measure_peak
 from graphmem.validation.profiler_log import without_profiler_log
 from graphmem.validation.result import NO_GPU, Row, Validation, checked_tolerance, judge
 
 
-def measure_trainer(trainer: Any, inputs: object, warm_steps: int = 0) -> Measured:
+def measure_trainer(trainer: Any, inputs: object, warm_steps: int = 0) -> RealStep:
     """The same step run for real on the CPU (graphmem/validation/measure.py with the Trainer's runner).
     With ``torch_compile`` the step is the module accelerate compiled (graphmem/training/hf_trainer.py),
     compiled by a whole step of its own first, so the measured ones run compiled code only; the runner
