@@ -52,7 +52,8 @@ def test_a_plan_is_captured_once_per_report(monkeypatch: pytest.MonkeyPatch) -> 
     assert first == again == fresh
 
 
-@pytest.mark.slow  # every lever of a small GPT-2 captured twice
+@pytest.mark.slow  # every lever of a small GPT-2 captured twice (~90 s)
+@pytest.mark.heavy  # (CI time) the quick test above holds a kept plan capture equal to a fresh one
 def test_advice_is_the_same_when_each_plan_is_captured_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # GIVEN a GPT-2 step with AdamW on the CUDA target, in memory above its lowest-peak plan's tensors but
     # below that plan's device total: plan_within captures the plan, finds it over, and advise asks for it again
