@@ -3,6 +3,8 @@ per report (graphmem/planning/figures.py ``plan_memory``: the lowest-peak plan i
 fits), and the advice is the same, row for row, as when every plan is captured each time it is asked."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import weakref
 from typing import Any
 
@@ -71,3 +73,15 @@ def test_advice_is_the_same_when_each_plan_is_captured_once(monkeypatch: pytest.
     assert any(r.kind == "checkpoint" for r in (*before.levers, *before.left_out))  # (weighed: a row or why not)
     assert before.to_dict() == after.to_dict()
     assert len(calls) - captured_before == captured_before - 1
+
+
+def test_a_plan_whose_policy_is_unhashable_is_captured_each_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a plan whose policies cannot be a key (a selective policy may hold a list)
+    report = _report()
+    plan = report.plan(max_overhead=1.0)
+    unhashable = dataclasses.replace(plan, policies=[[]] * len(plan.policies) if plan.policies else [[]])
+    monkeypatch.setattr(figures, "apply_segments", lambda *a, **k: contextlib.nullcontext())
+    calls = _counting(monkeypatch)
+    # WHEN its run memory is asked twice: THEN each is captured, and neither fails on the memo
+    first, again = figures.plan_memory(report, unhashable), figures.plan_memory(report, unhashable)
+    assert len(calls) == 2 and first == again

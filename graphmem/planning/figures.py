@@ -46,15 +46,18 @@ def plan_memory(report: AnalysisView, plan: CheckpointPlan) -> RunMemory:
     """The run memory of the report's step captured with ``plan`` applied (once per plan and report source)."""
     source = report.source
     key = (plan.chain, plan.segments, tuple(plan.policies), report.memory.rows, source.parallel)
-    memo = _CAPTURED.setdefault(source, {})
+    memo: Optional[dict[tuple, RunMemory]] = _CAPTURED.setdefault(source, {})
     try:
-        if key in memo:
-            return memo[key]
+        hash(key)
     except TypeError:  # an unhashable selective policy: captured every time
-        memo = {}
+        memo = None
+    if memo is not None and key in memo:
+        return memo[key]
     with apply_segments(source.module, plan.chain, plan.segments, plan.policies or None):
         g = source.capture()
-    memo[key] = out = step_memory(g, report.memory.rows, source.parallel)
+    out = step_memory(g, report.memory.rows, source.parallel)
+    if memo is not None:
+        memo[key] = out
     return out
 
 
