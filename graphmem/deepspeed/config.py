@@ -114,11 +114,8 @@ class DeepSpeedJob:
                              "`optimizer='adamw'` (a torch.optim class passed to deepspeed.initialize)")
         if train.optimizer is not None and "optimizer" in self.config:
             raise UsageError("the DeepSpeed config names an optimizer and so does `optimizer`: give one")
-        if train.optimizer is not None and _offloads(self.config, "offload_optimizer") \
-                and self.config.get("zero_force_ds_cpu_optimizer", True) is not False:
-            raise UsageError("DeepSpeed refuses a torch optimizer with CPU offload unless the config sets "
-                             "`\"zero_force_ds_cpu_optimizer\": false` (its DeepSpeedCPUAdam, a C++ op, does not run "
-                             "on fake tensors): add it")
+        if train.optimizer is not None:
+            check_torch_optimizer_offload(self.config)
 
 def _load(config: object) -> dict[str, Any]:
     if isinstance(config, dict):
@@ -164,6 +161,16 @@ def _check_keys(c: dict[str, Any]) -> None:
             raise UsageError(f"`zero_optimization.{part}.device` \"nvme\" (ZeRO-Infinity) is not analyzed: its "
                              "buffers live in files and pinned host memory outside torch's allocator; use \"cpu\" or none")
     _check_offload(c, zero)
+
+
+def check_torch_optimizer_offload(c: dict[str, Any]) -> None:
+    """A torch optimizer (``optimizer=``, or a Trainer's) under CPU offload: DeepSpeed raises
+    ``ZeRORuntimeException`` unless the config sets ``zero_force_ds_cpu_optimizer`` false
+    (deepspeed/runtime/engine.py ``_configure_basic_optimizer``), in one line."""
+    if _offloads(c, "offload_optimizer") and c.get("zero_force_ds_cpu_optimizer", True) is not False:
+        raise UsageError("DeepSpeed refuses a torch optimizer with CPU offload unless the config sets "
+                         "`\"zero_force_ds_cpu_optimizer\": false` (its DeepSpeedCPUAdam, a C++ op, does not run "
+                         "on fake tensors): add it")
 
 
 def _offloads(c: dict[str, Any], part: str) -> bool:
@@ -273,5 +280,5 @@ def resolved(job: DeepSpeedJob, model: nn.Module, micro_batch: int) -> dict[str,
         _set(c, "zero_optimization.stage3_param_persistence_threshold", 10 * hidden)
     return c
 
-__all__ = ["DeepSpeedJob", "make_job", "resolved"]
+__all__ = ["DeepSpeedJob", "check_torch_optimizer_offload", "make_job", "resolved"]
 

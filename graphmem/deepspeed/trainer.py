@@ -40,6 +40,7 @@ from graphmem.deepspeed.config import DeepSpeedJob, SpecView
 from graphmem.errors import UsageError
 from graphmem.passes.budget import Parallel
 from graphmem.training.hf_trainer import TrainerRunner
+from graphmem.training.hf_trainer_cuda import bf16_check_answered
 from graphmem.training.loop import Mark
 from graphmem.training.step import LossFn
 
@@ -77,7 +78,7 @@ def deepspeed_of(trainer_class: type, args: TrainingArguments, world_size: int, 
     runs as on the direct engine path (graphmem/deepspeed/engine.py ``host_tensors``): the Trainer's torch
     optimizer steps the host partitions where the config sets ``zero_force_ds_cpu_optimizer: false``, else
     DeepSpeed's own refusal is the one line."""
-    from graphmem.deepspeed.config import _offloads, make_job
+    from graphmem.deepspeed.config import check_torch_optimizer_offload, make_job
 
     if args.fp16:  # TrainingArguments' fp16 sets the config's fp16.enabled (trainer_config_process)
         raise UsageError("fp16 with DeepSpeed (`fp16=True` in the TrainingArguments) is not run on DeepSpeed's CPU "
@@ -86,11 +87,8 @@ def deepspeed_of(trainer_class: type, args: TrainingArguments, world_size: int, 
     # batch sizes, accumulation, clipping); those of the model's hidden size stay "auto" until the engine is built
     filled = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
     job = make_job(filled if isinstance(filled, dict) else args.deepspeed, world_size, rank)
-    if _offloads(job.config, "offload_optimizer") and "optimizer" not in job.config \
-            and job.config.get("zero_force_ds_cpu_optimizer", True) is not False:  # the Trainer's torch AdamW
-        raise UsageError("DeepSpeed refuses the Trainer's torch optimizer with CPU offload unless the config sets "
-                         "`\"zero_force_ds_cpu_optimizer\": false` (its DeepSpeedCPUAdam, a C++ op, does not run on "
-                         "fake tensors): add it")
+    if "optimizer" not in job.config:  # the Trainer's torch optimizer (``create_optimizer``)
+        check_torch_optimizer_offload(job.config)
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
     return TrainerDeepSpeed(trainer_class, type(args), fields, world_size, job.rank, job.stage, job)
 
@@ -134,14 +132,8 @@ def bf16_by_deepspeed() -> Iterator[None]:
     ``trainer_config_process``; the model cast and the optimizer wrapped by DeepSpeed), which DeepSpeed's CPU
     accelerator runs (deepspeed/accelerator/cpu_accelerator.py ``is_bf16_supported``: True), and ``use_cpu``, the
     check's way out, turns DeepSpeed off. The arguments were valid where the user built them (a GPU machine)."""
-    import transformers.training_args as training_args
-
-    kept = training_args.is_torch_bf16_gpu_available
-    training_args.is_torch_bf16_gpu_available = lambda *a, **k: True
-    try:
+    with bf16_check_answered(True):
         yield
-    finally:
-        training_args.is_torch_bf16_gpu_available = kept
 
 
 class DeepSpeedRunner(TrainerRunner):
