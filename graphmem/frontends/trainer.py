@@ -23,6 +23,7 @@ from graphmem.step.spec import Inputs, Single, StepSpec, shape_of
 from graphmem.training.batch import Batch, as_batch, resizer
 from graphmem.training.hf_trainer import check_trainer, trainer_step
 from graphmem.training.hf_trainer_batch import collator_name, drawn_batch, fit_to_shape
+from graphmem.training.hf_trainer_cuda import bf16_check_answered
 from graphmem.training.loop import PlannedTrainer
 from graphmem.training.spec import Training
 
@@ -237,14 +238,8 @@ def _with_gpu_bf16(target: Optional[Target]) -> Iterator[None]:
     if target is None or target.device != "cuda":
         yield
         return
-    import transformers.training_args as training_args
-
-    kept = training_args.is_torch_bf16_gpu_available
-    training_args.is_torch_bf16_gpu_available = lambda *a, **k: target.capability >= (8, 0)  # type: ignore[assignment]
-    try:
+    with bf16_check_answered(target.capability >= (8, 0)):
         yield
-    finally:
-        training_args.is_torch_bf16_gpu_available = kept
 
 
 def rank_batch(model: nn.Module, inputs: object, input_shape: Union[str, tuple, list, None]) -> Batch:

@@ -40,7 +40,7 @@ from graphmem.training.optim import HOST_STATE, state_tensors
 if TYPE_CHECKING:
     from transformers import Trainer
 
-__all__ = ["cuda_step", "foreach_as_real", "mark_states", "on_fake_cpu", "pin_foreach"]
+__all__ = ["bf16_check_answered", "cuda_step", "foreach_as_real", "mark_states", "on_fake_cpu", "pin_foreach"]
 
 
 @contextlib.contextmanager
@@ -130,3 +130,18 @@ def foreach_as_real(fake: bool) -> Iterator[None]:
     finally:
         if added:
             types.remove(FakeTensor)
+
+
+@contextlib.contextmanager
+def bf16_check_answered(answer: bool) -> Iterator[None]:
+    """TrainingArguments' bf16 check (transformers training_args.py ``_validate_args``: "Your setup doesn't
+    support bf16/gpu" unless ``is_torch_bf16_gpu_available()`` or ``use_cpu``) answered ``answer`` while
+    arguments are built here, for the machine they were written for rather than this one."""
+    import transformers.training_args as training_args
+
+    kept = training_args.is_torch_bf16_gpu_available
+    training_args.is_torch_bf16_gpu_available = lambda *a, **k: answer
+    try:
+        yield
+    finally:
+        training_args.is_torch_bf16_gpu_available = kept
