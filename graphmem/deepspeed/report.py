@@ -249,12 +249,15 @@ def zero_paper(psi: int, job: DeepSpeedJob, held: dict[str, int], states: int) -
                      "the step counters (4 B a parameter group) and " + _PADDING))
 
 
+_ADAM = ("adam", "adamw", "adamw_torch", "adamw_torch_fused")  # graphmem's names, and a Trainer's torch AdamW's (optim)
+
+
 def paper_check(module: nn.Module, job: DeepSpeedJob, g: StepGraph, optimizer: Optional[str],
                 rows: tuple[BudgetRow, ...]) -> tuple[str, ...]:
     """The report's cross-check line for rank r's step ``g`` (``rows``: its budget's rows), where the paper's
     accounting applies: Adam over every parameter of ``module`` under ZeRO 1-3; else none."""
     params = list(module.parameters())
-    if job.stage == 0 or optimizer not in ("adam", "adamw") or not all(q.requires_grad for q in params):
+    if job.stage == 0 or optimizer not in _ADAM or not all(q.requires_grad for q in params):
         return ()
     states = next((r.size for r in rows if r.name == "optimizer states"), 0)
     return paper_lines(zero_paper(sum(q.numel() for q in params), job, held_by_origin(g), states))

@@ -245,10 +245,8 @@ def _deepspeed(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Meas
     step = dataclasses.replace(first, budget=budget)
     # the residual states and the ZeRO paper's cross-check read the job's config (a Trainer's is its arguments')
     job = p if isinstance(p, DeepSpeedJob) else p.job
-    optimizer = spec.training.train.optimizer  # (a Trainer's torch AdamW by its ``optim`` name)
-    optimizer = "adamw" if optimizer in ("adamw_torch", "adamw_torch_fused") else optimizer
     own = residual_lines(residual(g, lv, spec.module, job)) + paper_check(
-        spec.module, job, g, optimizer, budget.rank.rows) if job is not None else ()
+        spec.module, job, g, spec.training.train.optimizer, budget.rank.rows) if job is not None else ()
     return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv) + own)
 
 
