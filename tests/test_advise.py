@@ -200,9 +200,21 @@ def test_cli_bad_input_is_one_line(argv: list[str], message: str, capsys: pytest
     assert len(err.splitlines()) == 1 and message in err, err
 
 
-@pytest.mark.slow
-def test_cli_json_is_the_api(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # a small GPT (the bundled gpt2 family at 3 layers, width 32): the CLI's JSON is the API's advice, lever by lever
+@pytest.mark.slow  # ~1 min: advise of a 3-block GPT with AdamW (13 captures)
+def test_cli_json_is_the_api(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # a small GPT (the bundled gpt2 family at 3 layers, width 32): the CLI's JSON is the API's advice, lever by
+    # lever: the CLI analyzes what graphmem.analyze does, asks Analysis.advise with the memory given, and writes
+    # that Advice (the advice itself is computed once, by the CLI; a spy keeps it)
+    from graphmem.report.live import Analysis
+    asked: list[tuple[Analysis, object, Any]] = []
+    advise = Analysis.advise
+
+    def spy(self: Analysis, memory: Any, **kw: Any) -> Any:
+        advice = advise(self, memory, **kw)
+        asked.append((self, memory, advice))
+        return advice
+
+    monkeypatch.setattr(Analysis, "advise", spy)
     model = tmp_path / "tiny_gpt.py"
     model.write_text("from graphmem.models import gpt2\n"
                      "cfg = gpt2.GPTConfig(vocab_size=101, block_size=64, n_layer=3, n_head=2, n_embd=32)\n"
@@ -210,8 +222,9 @@ def test_cli_json_is_the_api(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     argv = ["advise", str(model), "--input-shape", "2x64", "--memory", "600KiB", "--optimizer", "adamw", "--json"]
     status = main(argv)
     out = json.loads(capsys.readouterr().out)
+    (cli_report, memory, advice), = asked
     report = graphmem.analyze(str(model), input_shape=(2, 64), optimizer="adamw")
-    advice = report.advise(memory="600KiB")
+    assert cli_report.to_dict() == report.to_dict() and memory == "600KiB"
     assert out["levers"] == [r.to_dict() for r in advice.levers] and len(out["levers"]) >= 3
     assert out["answer"] == advice.answer
     assert status == (0 if advice.choice is not None else 1)

@@ -133,6 +133,7 @@ def _validated_exact(make: Any) -> Any:
 
 
 @pytest.mark.slow  # ~150 s: graphmem.validate's own gloo job, 7 compiled Trainers per rank
+@pytest.mark.heavy  # (CI time) CI runs the same compiled ranks against a real job (above) and validate's uncompiled ranks
 def test_validate_runs_the_real_compiled_ranks() -> None:
     """graphmem.validate(trainer, world_size=2) of a compiled Trainer: each rank's real module is
     ``torch.compile`` over accelerate's DDP; saved, before-step and state bytes exact, peaks within 1 %."""

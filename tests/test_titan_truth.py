@@ -110,6 +110,7 @@ def test_compiled_blocks(backend: str) -> None:
     assert ranks[0]["saved_bytes"] < eager.activation_bytes
 
 
+@pytest.mark.heavy  # (CI time, ~50 s) tensor parallel runs in CI inside test_fsdp_tp and test_tp_pp
 def test_tp() -> None:
     overrides = {"parallelism.tensor_parallel_degree": 2}
     ranks = real_titan(small_llama3, 2, overrides)
@@ -136,7 +137,8 @@ def test_fsdp_tp() -> None:
         assert len({r[key] for r in ranks}) == 1, key
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "GPipe"])
+# heavy (CI time, ~50 s): GPipe; CI runs 1F1B and the interleaved schedule (two stages per rank)
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", pytest.param("GPipe", marks=pytest.mark.heavy)])
 def test_pp(schedule: str) -> None:
     """Each stage rank's step with torch's pipeline schedules, as torchtitan builds them. A first
     step also runs torch's metadata inference, each stage's forward and backward once more
