@@ -39,6 +39,27 @@ class OpNode:
         return f"OpNode({self.name}: {self.target})"
 
 
+def arg_sids(op: OpNode) -> list[int]:
+    """The storage of each tensor argument of ``op`` (lists flattened; -1 where an argument's storage is unknown)."""
+    out: list[int] = []
+
+    def walk(a: object) -> None:
+        if isinstance(a, OpNode):
+            out.append(a.meta["storage"] if "storage" in a.meta else -1)
+        elif isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], OpNode):
+            outs = a[0].meta.get("outputs", ())
+            positions = a[0].meta.get("positions")
+            i = positions.index(a[1]) if positions is not None and a[1] in positions else a[1]
+            out.append(outs[i][2] if isinstance(i, int) and i < len(outs) else -1)
+        elif isinstance(a, list):
+            for x in a:
+                walk(x)
+
+    for a in (*op.args, *op.kwargs.values()):
+        walk(a)
+    return out
+
+
 @dataclass
 class Storage:
     """One storage (allocation) seen during the step."""
@@ -61,6 +82,9 @@ class Storage:
     # the stream current when it was allocated: "default", or one of FSDP2's own (graphmem/distributed/
     # fsdp.py ``watching``); the CUDA caching allocator keeps each stream's free blocks apart (passes/allocator.py)
     stream: str = "default"
+    # bytes it holds in the host's memory, not the device's (the CUDA target's offloaded tensors: DeepSpeed's CPU
+    # offload, graphmem/deepspeed/host.py); ``nbytes`` is then 0, what it takes of the device
+    host: int = 0
 
 
 @dataclass

@@ -16,14 +16,13 @@ Every storage of the step keeps its traced size and lifetime; a rank holds a fra
 Partitions are padded to equal sizes (as DeepSpeed and FSDP do), so every rank holds the same:
 one table describes each rank. Buffers, scalar step counters and integer inputs are replicated.
 
-The first step creates the optimizer states lazily, in the optimizer phase; from the second
-step on they exist from the start (the previous step's outputs released), so the pass also
-gives the later steps' peak: each op's live bytes plus the states not yet created at that op.
-(The ops of a later step are the first step's minus the state creation: torch.optim's
-``_init_group`` only adds states.) The one-device later-steps peak is passes/later_steps.py.
-"""
+The first step creates the optimizer states lazily, in the optimizer phase; from the second step on they exist from the
+start (the previous step's outputs released), so the pass also gives the later steps' peak: each op's live bytes plus the
+states not yet created at that op (a later step's ops are the first's minus the state creation: torch.optim's
+``_init_group`` only adds states). The one-device later-steps peak is passes/later_steps.py."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable, Optional
@@ -35,14 +34,14 @@ from graphmem.passes.saved import SavedSet
 from graphmem.passes.tensor_parallel import TPMarks, tp_marks
 from graphmem.stepgraph import StepGraph, Storage
 
-__all__ = ["ROWS", "Budget", "BudgetRow", "Parallel", "budget", "later_steps_peak", "later_steps_peak_at",
-           "made_states", "make_parallel", "rank_share"]
+__all__ = ["COMMUNICATION", "HOST", "KIND_ROW", "ROWS", "Budget", "BudgetRow", "Parallel", "budget", "later_steps_peak",
+           "later_steps_peak_at", "made_states", "make_parallel", "rank_share"]
 
 ROWS = ("parameters", "buffers", "gradients", "optimizer states", "master copies", "activations", "temporaries")
 COMMUNICATION = "communication buffers"  # a row of its own where the step has any (at the peak, as temporaries)
 COMM_NOTE = "the wrappers' collective buffers live at the peak (DDP's gradient buckets, held for the job; FSDP2's all-gather and reduce-scatter buffers)"
-_KIND_ROW = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradients",
-             "optimizer state": "optimizer states", "master": "master copies", "communication": COMMUNICATION}
+KIND_ROW = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradients", "optimizer state": "optimizer states",
+            "master": "master copies", "communication": COMMUNICATION}
 
 
 @dataclass(frozen=True)
@@ -97,6 +96,10 @@ class BudgetRow:
     size: int  # bytes one rank holds of this kind (temporaries: at the peak)
     at_peak: int  # bytes of this kind live at the rank's peak
     note: str = ""
+    within: str = ""  # a row of ``Budget.details``: the row it details, or HOST; "" in ``Budget.rows`` (which partition the peak)
+
+
+HOST = "host memory"  # the ``within`` of a detail row in host memory (DeepSpeed's CPU offload: graphmem/deepspeed/report.py)
 
 
 @dataclass(frozen=True)
@@ -121,18 +124,15 @@ class Budget:
     gather_bytes: int = 0  # its gathered parameters on one rank
     tp_split: tuple[int, int] = (0, 0)  # (column-parallel, row-parallel) linear ops in the (last micro-step's) forward
     timeline: tuple[int, ...] = field(default=(), repr=False)  # one rank's live bytes per op
-    # bytes per row (and "gathered parameters") live at the later steps' peak, the states made later included
-    later_at_peak: tuple[tuple[str, int], ...] = ()
+    later_at_peak: tuple[tuple[str, int], ...] = ()  # bytes per row live at the later steps' peak (states made later too)
+    details: tuple[BudgetRow, ...] = ()  # rows detailing those above, not adding to them (deepspeed/report.py residual_rows)
 
     def row(self, name: str) -> BudgetRow:
         return next(r for r in self.rows if r.name == name)
 
 
 def _numel(s: Storage) -> int:
-    n = 1
-    for d in s.shape:
-        n *= d
-    return n
+    return math.prod(s.shape)
 
 
 def _ceil(num: int, den: int) -> int:
@@ -175,8 +175,8 @@ class _Shares:
         return self.parallel.zero == 3 or self.parallel.fsdp is not None
 
     def row_of(self, s: Storage) -> str:
-        if s.kind in _KIND_ROW:
-            return _KIND_ROW[s.kind]
+        if s.kind in KIND_ROW:
+            return KIND_ROW[s.kind]
         return "activations" if s.sid in self.saved_sids else "temporaries"
 
     def tp_part(self, s: Storage) -> int:  # numerator after tensor parallelism (over den)

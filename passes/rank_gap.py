@@ -46,7 +46,7 @@ from graphmem.jsontypes import JSON
 from graphmem.passes.budget import Budget, later_steps_peak_at
 from graphmem.passes.liveness import Liveness
 from graphmem.passes.saved import SavedSet
-from graphmem.stepgraph import OpNode, StepGraph, Storage
+from graphmem.stepgraph import StepGraph, Storage, arg_sids
 
 _ALL_GATHER = "all-gather buffer"
 _RS_INPUT = "reduce-scatter input"
@@ -99,33 +99,13 @@ def unit_of(path: str, units: tuple[str, ...]) -> str:
     return ""
 
 
-def _arg_sids(op: OpNode) -> list[int]:
-    out: list[int] = []
-
-    def walk(a: object) -> None:
-        if isinstance(a, OpNode):
-            out.append(a.meta["storage"] if "storage" in a.meta else -1)
-        elif isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], OpNode):
-            outs = a[0].meta.get("outputs", ())
-            positions = a[0].meta.get("positions")
-            i = positions.index(a[1]) if positions is not None and a[1] in positions else a[1]
-            out.append(outs[i][2] if isinstance(i, int) and i < len(outs) else -1)
-        elif isinstance(a, list):
-            for x in a:
-                walk(x)
-
-    for a in (*op.args, *op.kwargs.values()):
-        walk(a)
-    return out
-
-
 def buffer_units(g: StepGraph, units: tuple[str, ...]) -> dict[int, str]:
     """Communication storage id -> the unit it belongs to (see the module docstring)."""
     param_unit = {s.sid: unit_of(s.name, units) for s in g.storages.values() if s.kind == "parameter"}
     comm = {s.sid for s in g.storages.values() if s.kind in ("communication", "gathered parameter")}
     out: dict[int, str] = {}
     for op in g.ops:
-        sids = _arg_sids(op) + [x for _, _, x in op.meta.get("outputs", ())]
+        sids = arg_sids(op) + [x for _, _, x in op.meta.get("outputs", ())]
         mine = [x for x in sids if x in comm]
         if not mine:
             continue
@@ -165,7 +145,7 @@ def rank_gap(g: StepGraph, lv: Liveness, sv: SavedSet, formula: Budget, units: t
     running = unit_of(g.ops[index].meta.get("module", ""), units) if index >= 0 else ""
     backward = g.phase_of(index) == "backward"
     owners = buffer_units(g, units)
-    pending = {x for op in g.ops if str(op.target) == _CHUNK_CAT for x in _arg_sids(op)}
+    pending = {x for op in g.ops if str(op.target) == _CHUNK_CAT for x in arg_sids(op)}
     gathered = _gathered_by_dtensor(g)
     real: dict[str, int] = {}
     by_unit: dict[tuple[str, str], int] = {}
@@ -217,7 +197,7 @@ def _gathered_by_dtensor(g: StepGraph) -> set[int]:
     buffer: torch/distributed/_functional_collectives.py, ``all_gather_tensor``)."""
     out = {s.sid for s in g.storages.values() if s.name.startswith(_FUNCTIONAL_GATHER)}
     for op in g.ops:
-        args = _arg_sids(op)
+        args = arg_sids(op)
         if str(op.target) == "aten.cat.default" and args and all(x in out for x in args):
             out.update(x for _, _, x in op.meta.get("outputs", ()))
     return out

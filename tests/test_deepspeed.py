@@ -87,7 +87,8 @@ def _analyzed(config: dict, rank: int, world_size: int = 2) -> dict:
     host = {k: dict(zip(("pinned", "pageable"), v)) for k, v in (("before", res.host.before), ("after", res.host.after))}
     return {"saved": r.activation_bytes, "before": lv.baseline_bytes, "after": lv.end_bytes, "peak": r.peak_bytes,
             "later": r.budget.rank.later_peak_bytes, "host": host, "flat": sum(b for _, b in res.flat),
-            "padding": [b for _, b in res.padding], "buckets": res.buckets, "notes": r.notes}
+            "padding": [b for _, b in res.padding], "buckets": res.buckets, "notes": r.notes,
+            "rows": {d.name: d.size for d in r.budget.rank.details}}
 
 
 def _match_real(configs: list[dict], later: float = 0.02, residuals: bool = False, world_size: int = 2) -> None:
@@ -123,6 +124,14 @@ def _match_residual(config: dict, rank: int, got: dict, real: dict) -> None:
     stage = config["zero_optimization"]["stage"]
     assert got["padding"] == ([e * real["flat_padding"], 4 * real["padding"]] if stage < 3
                               else [e * real["padding"], 4 * real["padding"]]), (config, rank)
+    # the budget's detail rows (graphmem/deepspeed/report.py ``residual_rows``) say the same: the flat partitions
+    # (on the CPU target, the host's too), the padding, and the host bytes held when the step ends
+    rows = got["rows"]
+    assert sum(b for k, b in rows.items() if k.startswith("flat partition ")) == real["flat"], (config, rank, rows)
+    assert [b for k, b in rows.items() if k.startswith("alignment padding")] == got["padding"]
+    if any(got["host"]["after"].values()):
+        assert (rows["host (pinned)"], rows["host (pageable)"]) == \
+            (got["host"]["after"]["pinned"], got["host"]["after"]["pageable"])
 
 
 # CI runs fp32 ZeRO-3 (ZeRO-2 fp32 in the settings and offload cases, ZeRO-1 and 2 in bf16); stages 1 and 2 in fp32
@@ -271,6 +280,10 @@ def test_the_zero_papers_model_states_beside_the_engines(stage: int, bf16: bool)
     # (in fp32 training DeepSpeed keeps an fp32 partition the paper's fp32 accounting has no row for: paper 0 B)
     assert [(x.paper, x.engine) for x in rows] == list(zip(paper, engine))
     assert all(x.difference > 0 for x in rows)  # Ψ = 29 is never aligned
+    # the padding is a budget row of its own, under the parameters' row and the master copies' (rank 0: its share)
+    details = {d.name: (d.within, d.size) for d in r.budget.rank.details}
+    assert [details[f"alignment padding ({what})"] for what, _ in padding(model, r.source.spec.parallel)] == \
+        [(w, b) for w, (_, b) in zip(("parameters", "master copies"), padding(model, r.source.spec.parallel))]
     line = next(x for x in r.notes if x.startswith("the ZeRO paper's model states"))
     assert f"paper {rows[0].paper} B, DeepSpeed {rows[0].engine} B" in line and "alignment padding" in line
     # the residual states' padding per rank, by the same rules: the last rank's partitions hold it
@@ -361,3 +374,62 @@ def test_llama2_70b_zero3_at_64_ranks_stays_under_one_and_a_half_gigabytes() -> 
     later, rss = int(out[-2]), int(out[-1])
     assert later > 0
     assert rss <= 1.5e9, rss
+
+
+@pytest.mark.slow  # ~40 s: four ZeRO-2 engines on fake tensors, two steps each
+def test_the_cuda_target_keeps_the_offloaded_optimizer_off_the_gpu() -> None:
+    """GIVEN the decoder under ZeRO-2 with ``offload_optimizer`` to the CPU (pinned), torch's AdamW, rank 0 of 2
+    WHEN analyzed on the CUDA target (graphmem/deepspeed/host.py)
+    THEN what DeepSpeed keeps on the host (the fp32 partition, its gradients, the pinned buffers, Adam's states)
+    is host memory, outside the GPU's figures: the host bytes before and after the step are the CPU target's (which
+    equal real DeepSpeed's: ``test_cpu_offload_matches_real_deepspeed``); nothing forward or backward makes is on the
+    host, and what the optimizer's step makes from host tensors only is; the GPU holds no master copy and no optimizer
+    state, and its later steps' peak drops below the same job's without offload by at least the host's states."""
+    pytest.importorskip("deepspeed")
+    import graphmem
+    from graphmem.deepspeed.host import host_sids
+    from graphmem.deepspeed.report import host_bytes
+    from graphmem.passes import liveness
+    from tests.deepspeed_truth import decoder
+
+    def analyzed(config: dict, device: str) -> object:
+        model, batch = decoder()
+        return graphmem.analyze(model, batch, deepspeed=config, world_size=2, rank=0, optimizer="adamw", device=device)
+
+    gpu, cpu = analyzed(OFFLOAD[0], "cuda"), analyzed(OFFLOAD[0], "cpu")
+    plain = analyzed(_config(2), "cuda")
+    g = gpu.step
+    h, h_cpu = host_bytes(g), host_bytes(cpu.step)
+    assert (h.before, h.after) == (h_cpu.before, h_cpu.after) and sum(h.after) > 0
+    host = {sid for sid, s in g.storages.items() if s.host}
+    assert host == host_sids(g) and all(g.storages[sid].nbytes == 0 for sid in host)
+    optimizer = g.phase_start["optimizer"]
+    made = {sid for sid in host if g.storages[sid].created >= 0}
+    assert made and all(g.storages[sid].created >= optimizer for sid in made)  # the optimizer's step on the host
+    rows = {r.name: r for r in gpu.budget.rank.rows}
+    assert rows["master copies"].size == rows["optimizer states"].size == 0
+    states = sum(s.host for s in g.storages.values() if s.kind in ("optimizer state", "master") and s.freed is None)
+    # both later peaks fall in backward (op 248): the GPU is spared the states and masters, less the device buffer
+    # offload adds for the gradients' copies to the host (stage_1_and_2.py ``temp_grad_buffer_for_gpu_offload``)
+    added = sum(s.nbytes for s in g.storages.values() if s.name.startswith("optimizer.temp_grad_buffer_for_gpu_offload"))
+    assert plain.budget.rank.later_peak_bytes - gpu.budget.rank.later_peak_bytes == states - added > 0
+    assert liveness(g).peak_bytes == gpu.budget.rank.peak_bytes  # (the device's own figures)
+    details = {d.name: d for d in gpu.budget.rank.details}
+    assert (details["host (pinned)"].size, details["host (pageable)"].size) == h.after
+    assert details["host (at most at once)"].size == h.peak >= sum(h.after)
+    assert any("outside the GPU's figures" in n for n in gpu.notes)
+
+
+def test_the_cuda_target_refuses_offload_param_and_the_trainers_rank(tmp_path: object) -> None:
+    """ZeRO-3's ``offload_param`` on the CUDA target (its gathers copy each host partition to the GPU, a copy the CPU
+    accelerator never makes) and a Trainer's DeepSpeed rank on the CUDA target are one-line refusals."""
+    import graphmem
+    from tests.deepspeed_truth import decoder
+
+    model, batch = decoder()
+    with pytest.raises(UsageError, match="`offload_param` is analyzed on `device='cpu'` only"):
+        graphmem.analyze(model, batch, deepspeed=OFFLOAD[1], world_size=2, optimizer="adamw", device="cuda")
+    transformers = pytest.importorskip("transformers")
+    args = transformers.TrainingArguments(str(tmp_path), report_to=[], deepspeed=_config(2))
+    with pytest.raises(UsageError, match="CPU target only yet.*device='cuda'"):
+        graphmem.analyze(model, batch, training_args=args, world_size=2, device="cuda")

@@ -56,7 +56,7 @@ def signature(g: StepGraph) -> tuple:
                  repr({k: ref(v) for k, v in op.kwargs.items()})) for op in g.ops)
     storages = tuple(sorted((order[s.sid], s.nbytes, s.kind, s.created, s.freed if s.freed is not None else -2, s.module,
                              s.name, s.dtype, s.shape, order.get(s.source, -1) if s.source is not None else -1,
-                             order.get(s.owner, -1) if s.owner is not None else -1, s.cache_freed, s.stream)
+                             order.get(s.owner, -1) if s.owner is not None else -1, s.cache_freed, s.stream, s.host)
                             for s in g.storages.values()))
     saves = tuple(sorted((order[e.sid], e.packed_at, e.released_at if e.released_at is not None else -2, e.module,
                           e.phase, e.shape, e.dtype, e.grad_fn) for e in g.saves))

@@ -120,7 +120,7 @@ class _Copier(Widen):
                 rename(st.module, prefix, j, b), rename(st.name, prefix, j, b) if st.created < 0 or st.owner is not None else st.name,
                 st.dtype, st.shape, self.sid(st.source, b, j) if st.source is not None else None,
                 self.sid(st.owner, b, j) if st.owner is not None else None,
-                tuple(self.sid(o, b, j) for o in st.owners), st.cache_freed, st.stream)
+                tuple(self.sid(o, b, j) for o in st.owners), st.cache_freed, st.stream, st.host)
         return out
 
     def freed_at(self, u: Optional[int], b: Optional[int], j: Optional[int]) -> Optional[int]:

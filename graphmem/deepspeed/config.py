@@ -107,8 +107,10 @@ class DeepSpeedJob:
             raise UsageError("a DeepSpeed job's step is its config's: give `gradient_accumulation_steps`, "
                              "`gradient_clipping`, `bf16`/`fp16` there, and drop `micro_batches`, `master_weights`, "
                              "`lora_rank`, `qlora`, the loop options and `mode='compiled'`")
-        if spec.target.device != "cpu":
-            raise UsageError("a DeepSpeed job is analyzed on `device='cpu'` (DeepSpeed's CPU accelerator, gloo) only yet")
+        if spec.target.device == "cuda" and _offloads(self.config, "offload_param"):
+            raise UsageError("`offload_param` is analyzed on `device='cpu'` only yet: on a GPU, ZeRO-3 copies each "
+                             "host partition to the device before its all-gather, a copy DeepSpeed's CPU accelerator, "
+                             "which graphmem runs, never makes (graphmem/deepspeed/host.py)")
         if train.optimizer is None and "optimizer" not in self.config:
             raise UsageError("a DeepSpeed job needs an optimizer: an `optimizer` section in its config, or "
                              "`optimizer='adamw'` (a torch.optim class passed to deepspeed.initialize)")

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from graphmem.deepspeed.config import DeepSpeedJob
 from graphmem.deepspeed.engine import PAGEABLE, PINNED
-from graphmem.passes.budget import COMMUNICATION, BudgetRow
+from graphmem.passes.budget import COMMUNICATION, HOST, KIND_ROW, BudgetRow
 from graphmem.passes.liveness import Liveness
 from graphmem.stepgraph import StepGraph
 from graphmem.units import fmt_bytes
@@ -38,12 +38,13 @@ def origin(name: str) -> str:
     return re.sub(r"\[[^\]]*\]", "", name)
 
 
-def held_by_origin(g: StepGraph) -> dict[str, int]:
-    """Bytes held before the step, by origin (largest first)."""
+def held_by_origin(g: StepGraph, host: bool = False) -> dict[str, int]:
+    """Bytes held before the step, by origin (largest first): the device's (the CUDA target's host bytes are
+    ``host_lines``'), or with ``host`` the host's too."""
     out: dict[str, int] = {}
     for s in g.storages.values():
-        if s.created < 0 and s.kind != "input":
-            out[origin(s.name)] = out.get(origin(s.name), 0) + s.nbytes
+        if s.created < 0 and s.kind != "input" and (host or not s.host):
+            out[origin(s.name)] = out.get(origin(s.name), 0) + s.nbytes + (s.host if host else 0)
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
@@ -83,6 +84,7 @@ class HostBytes:
     before: tuple[int, int]  # (pinned, pageable) bytes held before the step
     after: tuple[int, int]  # (pinned, pageable) bytes held when the step ends
     owners: tuple[tuple[str, str, int], ...]  # (origin, "pinned" | "pageable", bytes) held when the step ends
+    peak: Optional[int] = None  # the CUDA target: the most host bytes live at once (the CPU target: None, one memory)
 
     @property
     def total_after(self) -> int:
@@ -90,7 +92,9 @@ class HostBytes:
 
 
 def host_bytes(g: StepGraph) -> HostBytes:
-    """The host bytes of rank r's step ``g`` (its storages named by graphmem/deepspeed/engine.py ``name_host``)."""
+    """The host bytes of rank r's step ``g`` (its storages named by graphmem/deepspeed/engine.py ``name_host``; on
+    the CUDA target, their bytes are ``Storage.host``: graphmem/deepspeed/host.py), and on the CUDA target the most
+    host bytes live at once, the host temporaries of the optimizer's step included."""
     before, after = [0, 0], [0, 0]
     owners: dict[tuple[str, str], int] = {}
     for s in g.storages.values():
@@ -98,22 +102,45 @@ def host_bytes(g: StepGraph) -> HostBytes:
         if where is None:
             continue
         if s.created < 0:
-            before[where] += s.nbytes
+            before[where] += s.host or s.nbytes
         if s.freed is None:
-            after[where] += s.nbytes
+            after[where] += s.host or s.nbytes
             key = (origin(s.name), ("pinned", "pageable")[where])
-            owners[key] = owners.get(key, 0) + s.nbytes
+            owners[key] = owners.get(key, 0) + (s.host or s.nbytes)
     return HostBytes((before[0], before[1]), (after[0], after[1]),
-                     tuple((o, w, b) for (o, w), b in sorted(owners.items(), key=lambda kv: -kv[1])))
+                     tuple((o, w, b) for (o, w), b in sorted(owners.items(), key=lambda kv: -kv[1])), _host_peak(g))
+
+
+def _host_peak(g: StepGraph) -> Optional[int]:
+    """The most bytes in host memory at once over the step, where the step's host storages are split from the
+    device's (the CUDA target), else None (the CPU target: one memory, the report's own peak)."""
+    host = [s for s in g.storages.values() if s.host]
+    if not host:
+        return None
+    diff = [0] * (g.num_ops + 2)
+    for s in host:
+        diff[max(s.created, 0)] += s.host
+        diff[(g.num_ops if s.freed is None else s.freed) + 1] -= s.host
+    live = peak = 0
+    for d in diff:
+        live += d
+        peak = max(peak, live)
+    return peak
 
 
 def host_lines(g: StepGraph, lv: Liveness) -> tuple[str, ...]:
     """One line where the job offloads to the CPU: host (pinned) and host (pageable) bytes before and after the
-    step, their owners, and the rest (the accelerator's)."""
+    step, their owners, and the rest (the accelerator's); on the CUDA target, outside the device's figures, with
+    the host's own peak."""
     h = host_bytes(g)
     if not any(h.before + h.after):
         return ()
     owners = ", ".join(f"{o} {fmt_bytes(b)} ({w})" for o, w, b in h.owners)
+    if h.peak is not None:
+        return (f"host memory (DeepSpeed's CPU offload; outside the GPU's figures above): before the step host (pinned) "
+                f"{fmt_bytes(h.before[0])}, host (pageable) {fmt_bytes(h.before[1])}; when it ends host (pinned) "
+                f"{fmt_bytes(h.after[0])}, host (pageable) {fmt_bytes(h.after[1])}; at most "
+                f"{fmt_bytes(h.peak)} at once (the optimizer's step on the host included); on the host: {owners}",)
     return (f"host memory (DeepSpeed's CPU offload; inside the figures above, which count the CPU's bytes alike): "
             f"before the step host (pinned) {fmt_bytes(h.before[0])}, host (pageable) {fmt_bytes(h.before[1])}, "
             f"the rest {fmt_bytes(lv.baseline_bytes - sum(h.before))} (with the batch); when it ends host (pinned) "
@@ -188,9 +215,59 @@ def residual(g: StepGraph, lv: Liveness, module: nn.Module, job: DeepSpeedJob) -
     flat: dict[str, int] = {}
     for s in g.storages.values():
         if s.freed is None and origin(s.name) in _FLAT:  # (not the fp32 partitions' .grad)
-            flat[origin(s.name)] = flat.get(origin(s.name), 0) + s.nbytes
+            flat[origin(s.name)] = flat.get(origin(s.name), 0) + s.nbytes + s.host
     return Residual(tuple(flat.items()), *most_live(g, lv, "communication"), *most_live(g, lv, "gathered parameter"),
                     padding(module, job), host_bytes(g))
+
+
+def _live_at(lv: Liveness, sid: int, index: int) -> bool:
+    a, b = lv.intervals.get(sid, (1, 0))
+    return a <= max(index, 0) <= b
+
+
+def residual_rows(g: StepGraph, lv: Liveness, r: Residual) -> tuple[BudgetRow, ...]:
+    """The budget's detail rows for DeepSpeed's residual states (``Budget.details``), each under the row whose bytes
+    it details: each flat partition on the device under its kind's row, the alignment padding under the
+    parameters' and master copies' rows, the reduce buckets under the communication buffers', ZeRO-3's all-gathered
+    parameters under the temporaries', and the host bytes under host memory (the CUDA target: outside the GPU's
+    figures; the CPU target: inside the rows, one memory). "size" is what is held when the step ends (the buckets and
+    gathered parameters: the most live at once), "live at the peak" at the step's peak."""
+    rows: list[BudgetRow] = []
+    flat: dict[str, list[int]] = {}  # origin -> [kind row, bytes when the step ends, bytes at the peak]
+    for s in g.storages.values():
+        o = origin(s.name)
+        if o in _FLAT and s.freed is None and s.nbytes:
+            row = flat.setdefault(o, [KIND_ROW.get(s.kind, "buffers"), 0, 0])
+            row[1] += s.nbytes
+            row[2] += s.nbytes if _live_at(lv, s.sid, lv.peak_index) else 0
+    rows += [BudgetRow(f"flat partition {o.removeprefix('optimizer.')}", b, at, "DeepSpeed's flat partition", within)
+             for o, (within, b, at) in flat.items()]
+    offloaded = {o for o, w, _ in r.host.owners}
+    for what, b in r.padding:
+        within = "master copies" if what.startswith("fp32") else "parameters"
+        on_host = r.host.peak is not None and any(o in offloaded for o in _MASTER) and within == "master copies"
+        rows.append(BudgetRow(f"alignment padding ({what})", b, 0 if on_host else b,
+                              "DeepSpeed's alignment padding, by its own rules",
+                              HOST if on_host else within))
+    rows.append(BudgetRow("reduce buckets and collective outputs", r.buckets, r.buckets_at_peak,
+                          "DeepSpeed's ipg buckets and collective outputs, the most live at once", COMMUNICATION))
+    if r.gathered:
+        rows.append(BudgetRow("all-gathered parameters", r.gathered, r.gathered_at_peak,
+                              "ZeRO-3's gathered (and prefetched) parameters, the most live at once; in activations "
+                              "where a layer saves its weight", "temporaries"))
+    h = r.host
+    if any(h.before + h.after):
+        for i, where in enumerate(("pinned", "pageable")):
+            at = sum(s.host or s.nbytes for s in g.storages.values() if s.name.endswith((PINNED, PAGEABLE)[i])
+                     and _live_at(lv, s.sid, lv.peak_index))
+            owners = ", ".join(f"{o} {fmt_bytes(b)}" for o, w, b in h.owners if w == where)
+            rows.append(BudgetRow(f"host ({where})", h.after[i], at,
+                                  ("outside the GPU's figures" if h.peak is not None else "inside the rows above (one "
+                                   "memory on the CPU)") + (f": {owners}" if owners else ""), HOST))
+        if h.peak is not None:
+            rows.append(BudgetRow("host (at most at once)", h.peak, 0, "the host's own peak, the optimizer's step on "
+                                  "the host included", HOST))
+    return tuple(rows)
 
 
 def residual_lines(r: Residual) -> tuple[str, ...]:
@@ -259,8 +336,9 @@ def paper_check(module: nn.Module, job: DeepSpeedJob, g: StepGraph, optimizer: O
     params = list(module.parameters())
     if job.stage == 0 or optimizer not in _ADAM or not all(q.requires_grad for q in params):
         return ()
-    states = next((r.size for r in rows if r.name == "optimizer states"), 0)
-    return paper_lines(zero_paper(sum(q.numel() for q in params), job, held_by_origin(g), states))
+    states = next((r.size for r in rows if r.name == "optimizer states"), 0)  # (the device's)
+    states += sum(s.host for s in g.storages.values() if s.kind == "optimizer state" and s.freed is None)
+    return paper_lines(zero_paper(sum(q.numel() for q in params), job, held_by_origin(g, host=True), states))
 
 
 def paper_lines(rows: tuple[PaperRow, ...]) -> tuple[str, ...]:
@@ -273,5 +351,5 @@ def paper_lines(rows: tuple[PaperRow, ...]) -> tuple[str, ...]:
             + "; ".join(one(r) for r in rows),)
 
 
-__all__ = ["HostBytes", "PaperRow", "Residual", "engine_lines", "host_bytes", "host_lines", "most_live", "padding", "residual", "residual_lines", "with_own_notes", "held_by_origin", "made_in_step", "origin", "paper_check", "paper_lines",
+__all__ = ["HostBytes", "PaperRow", "Residual", "engine_lines", "host_bytes", "host_lines", "most_live", "padding", "residual", "residual_lines", "residual_rows", "with_own_notes", "held_by_origin", "made_in_step", "origin", "paper_check", "paper_lines",
            "zero_paper"]

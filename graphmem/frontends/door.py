@@ -41,8 +41,10 @@ def spec_for(subject: Union[ModelLike, StepSpec, Any], inputs: Any = None, *, ca
                             options.get("rank"), options.get("device"), options.get("trainer_batch", "first"))
     if "training_args" in options:  # a Trainer built per rank: FSDP (graphmem/training/hf_trainer_fsdp.py) or DeepSpeed
         from graphmem.frontends.trainer import fsdp_trainer_spec
-        from graphmem.frontends.trainer_deepspeed import deepspeed_trainer_spec
+        from graphmem.frontends.trainer_deepspeed import NO_CUDA, deepspeed_trainer_spec
 
+        if getattr(options["training_args"], "deepspeed", None) is not None and options.get("device") == "cuda":
+            raise UsageError(NO_CUDA)
         _only(options, FSDP_TRAINER, "a Trainer's step comes from its TrainingArguments (and `world_size`/`rank`)")
         if getattr(options["training_args"], "deepspeed", None) is not None:
             return deepspeed_trainer_spec(subject, options["training_args"], inputs, options.get("input_shape"),

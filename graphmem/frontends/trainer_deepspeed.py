@@ -20,6 +20,13 @@ if TYPE_CHECKING:
     from transformers import Trainer
 
 
+# the CUDA target runs on the direct engine path (graphmem/deepspeed/host.py); accelerate's DeepSpeed prepare under the
+# CUDA target's Trainer patches (graphmem/training/hf_trainer_cuda.py) is not built yet
+NO_CUDA = ("a Trainer's DeepSpeed rank is analyzed on the CPU target only yet: drop `device`, or analyze the same "
+           "job on the CUDA target through DeepSpeed's engine: graphmem.analyze(model, batch, deepspeed=config, "
+           "world_size=N, rank=r, optimizer='adamw', device='cuda')")
+
+
 def deepspeed_trainer_spec(model: Any, training_args: object, inputs: object = None,
                            input_shape: Union[str, tuple, list, None] = None, world_size: int = 1,
                            rank: Optional[int] = None, trainer_class: Optional[type[Trainer]] = None) -> StepSpec:
@@ -66,7 +73,7 @@ def built_deepspeed_spec(trainer: Any, inputs: object, input_shape: Union[str, t
     from graphmem.frontends.trainer import trainer_inputs
 
     if device not in (None, "cpu"):
-        raise UsageError("a Trainer's DeepSpeed rank runs on the CPU target (DeepSpeed's CPU accelerator): drop `device`")
+        raise UsageError(NO_CUDA)
     if trainer.args.deepspeed is None:
         raise UsageError("the Trainer runs DeepSpeed from accelerate's own config (accelerate launch), not from its "
                          "TrainingArguments: set `deepspeed` in them")
@@ -76,4 +83,4 @@ def built_deepspeed_spec(trainer: Any, inputs: object, input_shape: Union[str, t
     return deepspeed_trainer_spec(trainer.model, trainer.args, inputs, None, world_size, rank, type(trainer))
 
 
-__all__ = ["built_deepspeed_spec", "deepspeed_trainer_spec"]
+__all__ = ["NO_CUDA", "built_deepspeed_spec", "deepspeed_trainer_spec"]

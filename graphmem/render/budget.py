@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
+from graphmem.passes.budget import HOST, BudgetRow
 from graphmem.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -67,6 +68,8 @@ def budget_table(b: StepBudget) -> tuple[list[str], list[list[str]]]:
         if row.name == "temporaries":
             note = "at the peak: inputs, outputs, backward and optimizer intermediates"
         rows.append(line + [fmt_bytes(row.size), fmt_bytes(row.at_peak), note])
+        rows += [_detail(d, single is not None) for d in r.details if d.within == row.name]
+    rows += [_detail(d, single is not None) for d in r.details if d.within == HOST]
     # the step's peaks, one row each: (name, one device's, this rank's, where)
     peaks = [("peak (first step)", single.peak_bytes if single is not None else None, r.peak_bytes,
               f"op {r.peak_index} ({r.peak_phase}, {r.peak_op})"),
@@ -75,6 +78,12 @@ def budget_table(b: StepBudget) -> tuple[list[str], list[list[str]]]:
     for name, one, mine, where in peaks:
         rows.append([name] + ([fmt_bytes(one or 0)] if single is not None else []) + [fmt_bytes(mine), "", where])
     return headers, rows
+
+
+def _detail(d: BudgetRow, single: bool) -> list[str]:
+    """A detail row, under the row it details (``BudgetRow.within``), marked "· "; host memory's unmarked."""
+    return [d.name if d.within == HOST else "· " + d.name] + (["-"] if single else []) + \
+        [fmt_bytes(d.size), fmt_bytes(d.at_peak), d.note]
 
 
 def render_budget(b: StepBudget) -> str:

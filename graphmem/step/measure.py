@@ -220,7 +220,15 @@ def _deepspeed(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Meas
     and accelerate (``TrainerDeepSpeed``: graphmem/deepspeed/trainer_capture.py): the whole step's table over
     rank r's graph, DeepSpeed's held tensors by where it keeps them beside it."""
     from graphmem.deepspeed.capture import capture_engine_steps
-    from graphmem.deepspeed.report import engine_lines, paper_check, residual, residual_lines, with_own_notes
+    from graphmem.deepspeed.host import split_host
+    from graphmem.deepspeed.report import (
+        engine_lines,
+        paper_check,
+        residual,
+        residual_lines,
+        residual_rows,
+        with_own_notes,
+    )
     from graphmem.deepspeed.trainer_capture import capture_trainer_engine
 
     # the second step recorded after the first: what DeepSpeed keeps and frees across steps as it does (one engine
@@ -230,6 +238,8 @@ def _deepspeed(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Meas
         later = capture_trainer_engine(spec.module, spec.inputs.captured, spec.target, p, warm=True)
     else:
         g, later = capture_engine_steps(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
+    if spec.target.device == "cuda":  # what CPU offload keeps in host memory leaves the GPU's figures
+        g, later = split_host(g), split_host(later)
     g.train = spec.training.train
     first = passes_over(g, spec.training, spec.module, spec.target, (), p.describe())
     lv, budget = first.liveness, first.budget
@@ -242,11 +252,15 @@ def _deepspeed(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Meas
         # the model's parameters, not the flat buffers DeepSpeed keeps them in (whose gradients have no single owner)
         parameters=sum(q.numel() for q in spec.module.parameters()),
         trainable=sum(q.numel() for q in spec.module.parameters() if q.requires_grad)))
-    step = dataclasses.replace(first, budget=budget)
-    # the residual states and the ZeRO paper's cross-check read the job's config (a Trainer's is its arguments')
+    # the residual states (their own detail rows) and the ZeRO paper's cross-check read the job's config (a Trainer's
+    # is its arguments')
     job = p if isinstance(p, DeepSpeedJob) else p.job
-    own = residual_lines(residual(g, lv, spec.module, job)) + paper_check(
-        spec.module, job, g, spec.training.train.optimizer, budget.rank.rows) if job is not None else ()
+    own: tuple[str, ...] = ()
+    if job is not None:
+        res = residual(g, lv, spec.module, job)
+        budget = dataclasses.replace(budget, rank=dataclasses.replace(budget.rank, details=residual_rows(g, lv, res)))
+        own = residual_lines(res) + paper_check(spec.module, job, g, spec.training.train.optimizer, budget.rank.rows)
+    step = dataclasses.replace(first, budget=budget)
     return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv) + own)
 
 

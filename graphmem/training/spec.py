@@ -196,6 +196,8 @@ def _budget_dict(b: Budget) -> dict[str, object]:
         "later_steps_peak": {"bytes": b.later_peak_bytes, "index": b.later_peak_index, "phase": b.later_peak_phase},
         **({"gathered_unit": b.largest_unit, "gather_bytes": b.gather_bytes} if b.gather_bytes else {}),
         **({"tp_linears": {"column": b.tp_split[0], "row": b.tp_split[1]}} if b.tp_split != (0, 0) else {}),
+        **({"details": [{"name": d.name, "within": d.within, "bytes": d.size, "at_peak": d.at_peak, "note": d.note}
+                        for d in b.details]} if b.details else {}),
     }
 
 
