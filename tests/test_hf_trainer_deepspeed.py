@@ -164,3 +164,65 @@ def test_a_built_trainer_and_the_cli_file_reach_the_same_rank(tmp_path: Any, mon
     path.write_text(json.dumps({"output_dir": str(tmp_path), "report_to": [], "bf16": True}))
     with pytest.raises(UsageError, match="bf16"):
         trainer_from_file(model, str(path))
+
+
+@pytest.mark.slow  # ~40 s: four Trainer ranks through DeepSpeed on fake tensors
+def test_the_trainers_offloaded_optimizer_stays_off_the_gpu_on_the_cuda_target(tmp_path: Any) -> None:
+    """GIVEN the Trainer's ZeRO-2 job with ``offload_optimizer`` (the zero2-offload job above, whose CPU figures equal
+    a real Trainer's to the byte)
+    WHEN analyzed with ``device='cuda'`` (the CUDA target's kernel rules around the Trainer's compute_loss)
+    THEN the host bytes are the CPU target's, outside the GPU's figures (graphmem/deepspeed/host.py): the GPU's
+    peaks drop by the host's share, no master copy or optimizer state is on it, the device total is shown; and
+    without offload the inner torch AdamW steps foreach, torch.optim's pick for CUDA tensors."""
+    import graphmem
+    from graphmem.deepspeed.report import host_bytes
+    from tests.deepspeed_trainer_truth import trainer_args
+    from tests.deepspeed_truth import decoder
+
+    stage, own, zero, fields = JOBS["zero2-offload"]
+    config = ds_config(stage, **own)
+    config["zero_optimization"].update(zero)
+
+    def analyzed(config: dict, device: str) -> Any:
+        model, batch = decoder()
+        return graphmem.analyze(model, batch, training_args=trainer_args(str(tmp_path), config, **fields),
+                                world_size=2, rank=0, device=device)
+
+    cpu, gpu = analyzed(config, "cpu"), analyzed(config, "cuda")
+    h, h_cpu = host_bytes(gpu.step), host_bytes(cpu.step)
+    assert (h.before, h.after) == (h_cpu.before, h_cpu.after) and sum(h.after) > 0
+    rows = {r.name: r.size for r in gpu.budget.rank.rows}
+    assert rows["master copies"] == rows["optimizer states"] == 0
+    # (not to the byte: the CUDA target's attention kernel saves other tensors than the CPU's)
+    assert gpu.budget.rank.later_peak_bytes < cpu.budget.rank.later_peak_bytes - sum(h.after) // 2
+    assert gpu.memory is not None and gpu.memory.device_total > gpu.memory.run_max_reserved
+    plain = analyzed(ds_config(2), "cuda")
+    inner = plain.step.ops[plain.step.phase_start["optimizer"]:]
+    assert any(str(op.target).startswith("aten._foreach_") for op in inner)  # foreach on the GPU
+
+
+@pytest.mark.slow  # ~25 s: two Trainer ranks through DeepSpeed on fake tensors
+def test_cli_training_args_with_deepspeed_on_the_cuda_target(tmp_path: Any, capsys: Any) -> None:
+    """``--training-args`` naming ``deepspeed`` with ``--device cuda``: the CUDA target's figures (its device total,
+    the offloaded optimizer as host rows outside them), as graphmem.analyze(device='cuda') gives them."""
+    import graphmem
+    from tests.deepspeed_trainer_truth import trainer_args
+    from tests.deepspeed_truth import decoder
+
+    model, batch = decoder()
+    model.config.to_json_file(str(tmp_path / "config.json"))
+    stage, own, zero, _ = JOBS["zero2-offload"]
+    config = ds_config(stage, **own)
+    config["zero_optimization"].update(zero)
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"output_dir": str(tmp_path), "report_to": [], "per_device_train_batch_size": 2,
+                                "deepspeed": config}))
+    assert main(["analyze", str(tmp_path / "config.json"), "--input-shape", "2x32", "--training-args", str(args),
+                 "--world-size", "2", "--device", "cuda", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["exact"]["device"] == "cuda"
+    api = graphmem.analyze(model, batch, training_args=trainer_args(str(tmp_path), config), world_size=2, device="cuda")
+    details = {d["name"]: d["bytes"] for d in out["budget"]["per_rank"]["details"]}
+    assert (details["host (pinned)"], details["host (pageable)"]) == \
+        next((d.size, e.size) for d in api.budget.rank.details for e in api.budget.rank.details
+             if d.name == "host (pinned)" and e.name == "host (pageable)")

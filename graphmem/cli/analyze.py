@@ -106,7 +106,10 @@ def trainer_report(args: argparse.Namespace) -> Analysis:
     target = target_of(args)
     loaded = load(args.model, target=target, options=hf_of(args))
     trainer = trainer_from_file(loaded.module, args.training_args, target, args.train_dataset)
-    if not is_trainer(trainer):  # FSDP arguments: the Trainer is built per rank (graphmem/training/hf_trainer_fsdp.py)
+    if not is_trainer(trainer):  # FSDP or DeepSpeed arguments: the Trainer is built per rank (frontends/door.py)
+        if getattr(trainer, "deepspeed", None) is not None and target.device == "cuda":  # (DeepSpeed's: any target)
+            return analyze(loaded.module, training_args=trainer, input_shape=args.input_shape,
+                           world_size=args.world_size, rank=args.rank, device="cuda", gpu=target.gpu)
         return analyze(loaded.module, training_args=trainer, input_shape=args.input_shape, world_size=args.world_size,
                        rank=args.rank)
     device = "cuda" if target.device == "cuda" else None  # else the Trainer's own (cuda where built on a GPU)

@@ -132,8 +132,10 @@ def _engine_steps(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], tar
         with fake_mode, engine_on_fake(fake_mode, pins):
             wrapped = fake_copy(module, None)  # DeepSpeed casts to bf16/fp16 itself (its config)
             config = resolved(job, module, _micro_batch(inputs))
+            # (torch.optim's pick for the target's tensors: the step's TrainStep says "forloop" where DeepSpeed's
+            # CPU offload steps host partitions, graphmem/step/measure.py ``_host_stepped``)
             optimizer = make_optimizer(train.optimizer, train.impl, [p for p in wrapped.parameters() if p.requires_grad],
-                                       "cpu") if train.optimizer is not None else None
+                                       target.device) if train.optimizer is not None else None
             with staying(wrapped):
                 engine = _initialized(deepspeed, wrapped, optimizer, config)
         del wrapped, optimizer  # (the engine holds them)

@@ -98,6 +98,17 @@ class DeepSpeedJob:
                                                        else ""))
         return f"DeepSpeed ZeRO-{self.stage} ({', '.join(parts)}), rank {self.rank} of {self.world_size}"
 
+    def check_cuda(self) -> None:
+        """What of the job the CUDA target does not run yet (graphmem/deepspeed/host.py), in one line."""
+        if _offloads(self.config, "offload_param"):
+            raise UsageError("`offload_param` is analyzed on `device='cpu'` only yet: on a GPU, ZeRO-3 copies each "
+                             "host partition to the device before its all-gather, a copy DeepSpeed's CPU accelerator, "
+                             "which graphmem runs, never makes (graphmem/deepspeed/host.py)")
+
+    def offloads(self, part: str) -> bool:
+        """Its config offloads ``part`` ("offload_optimizer" or "offload_param") to the CPU."""
+        return _offloads(self.config, part)
+
     def check(self, spec: SpecView) -> None:
         """What of graphmem's own loop does not combine with DeepSpeed's (its config says it)."""
         tr = spec.training
@@ -107,10 +118,8 @@ class DeepSpeedJob:
             raise UsageError("a DeepSpeed job's step is its config's: give `gradient_accumulation_steps`, "
                              "`gradient_clipping`, `bf16`/`fp16` there, and drop `micro_batches`, `master_weights`, "
                              "`lora_rank`, `qlora`, the loop options and `mode='compiled'`")
-        if spec.target.device == "cuda" and _offloads(self.config, "offload_param"):
-            raise UsageError("`offload_param` is analyzed on `device='cpu'` only yet: on a GPU, ZeRO-3 copies each "
-                             "host partition to the device before its all-gather, a copy DeepSpeed's CPU accelerator, "
-                             "which graphmem runs, never makes (graphmem/deepspeed/host.py)")
+        if spec.target.device == "cuda":
+            self.check_cuda()
         if train.optimizer is None and "optimizer" not in self.config:
             raise UsageError("a DeepSpeed job needs an optimizer: an `optimizer` section in its config, or "
                              "`optimizer='adamw'` (a torch.optim class passed to deepspeed.initialize)")

@@ -40,7 +40,7 @@ from graphmem.deepspeed.config import DeepSpeedJob, SpecView
 from graphmem.errors import UsageError
 from graphmem.passes.budget import Parallel
 from graphmem.training.hf_trainer import TrainerRunner
-from graphmem.training.hf_trainer_cuda import bf16_check_answered
+from graphmem.training.hf_trainer_cuda import bf16_check_answered, pin_foreach
 from graphmem.training.loop import Mark
 from graphmem.training.step import LossFn
 
@@ -67,9 +67,10 @@ class TrainerDeepSpeed:
         return f"DeepSpeed ZeRO-{self.stage} (accelerate), rank {self.rank} of {self.world_size}"
 
     def check(self, spec: SpecView) -> None:
-        if spec.target.mode == "compiled" or spec.target.device != "cpu":
-            raise UsageError("a Trainer's DeepSpeed rank runs on the CPU target in eager mode: drop `mode='compiled'` "
-                             "and `device`")
+        if spec.target.mode == "compiled":
+            raise UsageError("a Trainer's DeepSpeed rank runs in eager mode: drop `mode='compiled'`")
+        if self.job is not None and spec.target.device == "cuda":
+            self.job.check_cuda()
 
 
 def deepspeed_of(trainer_class: type, args: TrainingArguments, world_size: int, rank: Optional[int]) -> TrainerDeepSpeed:
@@ -142,15 +143,22 @@ class DeepSpeedRunner(TrainerRunner):
     (inside ``accelerator.backward`` on the boundary) starts the optimizer phase: the gradients DeepSpeed
     holds then are marked, its optimizer's states after."""
 
-    def __init__(self, trainer: Trainer, trace_micro_steps: int = 2) -> None:
+    def __init__(self, trainer: Trainer, trace_micro_steps: int = 2,
+                 rules: Optional[Callable[[], ContextManager[object]]] = None, foreach: bool = False) -> None:
+        """``rules``: the CUDA target's kernel rules around each ``compute_loss`` (graphmem/capture/fakes.py
+        ``forward_context``; DeepSpeed's bf16 is its engine's cast, not autocast); ``foreach``: the inner torch
+        optimizer pinned to foreach, torch.optim's pick for CUDA tensors (not under CPU offload: host partitions)."""
         super().__init__(trainer, trace_micro_steps, launched=trainer.accelerator)  # (the process group is the caller's)
         self.engine: Optional[DeepSpeedEngine] = None
+        self.rules, self.foreach = rules, foreach
 
     def prepare(self) -> None:
         """``Trainer._prepare_for_training`` (deepspeed_init, accelerator.prepare, create_scheduler), as train() calls it."""
         t = self.trainer
         t.optimizer, t.lr_scheduler, t._created_lr_scheduler = None, None, False
         self.engine, _ = t._prepare_for_training(max(t.args.max_steps, 1), None, None)
+        if self.foreach:
+            pin_foreach(inner_optimizer(self.engine))
 
     @property
     def optimizer(self) -> Optional[torch.optim.Optimizer]:
@@ -177,7 +185,7 @@ class DeepSpeedRunner(TrainerRunner):
                 on_phase(name)
 
         with _stepping(self.engine, phase, mark):
-            return super()._run(forward, inputs, loss_fn, phase, mark, fake, rules)
+            return super()._run(forward, inputs, loss_fn, phase, mark, fake, self.rules or rules)
 
     def _optimizer_step(self, mark: Mark) -> None:
         """What ``_run_epoch`` runs after the boundary's backward (1937-1954), over the engine (``model`` there):

@@ -20,7 +20,7 @@ import torch.nn as nn
 from graphmem.capture.autograd_tags import _tag_grad_fns
 from graphmem.capture.call_paths import module_order
 from graphmem.capture.capture import marker
-from graphmem.capture.fakes import fake_batch
+from graphmem.capture.fakes import fake_batch, forward_context
 from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
 from graphmem.deepspeed.capture import _gathered, kind_of
@@ -43,14 +43,19 @@ def capture_trainer_engine(module: nn.Module, inputs: Any, target: Target, p: Tr
         with fake_mode, engine_on_fake(fake_mode, pins):
             wrapped = fake_copy(module, None)  # DeepSpeed casts to bf16 itself (its config)
             trainer = build_ds_trainer(p, wrapped)
-        runner = DeepSpeedRunner(trainer)
+        cuda = target.device == "cuda"  # (the CUDA target: its kernel rules, torch.optim's CUDA pick off the host)
+        rules = forward_context(target, rec.backends, cap.clearing_cache) if cuda else None
+        runner = DeepSpeedRunner(trainer, rules=rules, foreach=cuda and not (p.job is not None
+                                                                               and p.job.offloads("offload_optimizer")))
         with runner.session():
             with fake_mode, engine_on_fake(fake_mode, pins):
                 with staying(wrapped):
                     runner.prepare()
                 if warm:  # the first step, unrecorded; its loss dropped as the loop drops it
                     batch = fake_batch(inputs, fake_mode, torch.device("cpu"), target.param_dtype, fake_mode.values)
+                    runner.rules = forward_context(target, {}) if cuda else None  # (its SDPA picks not the step's)
                     runner.run(wrapped, batch, None, lambda phase: None, lambda: _null(), fake=True)
+                    runner.rules = rules
                 for path, t in held_tensors(runner.engine) + [("_tr_loss", t) for t in runner.held_tensors()]:
                     if t.untyped_storage().nbytes():
                         cap.preexisting(t, kind_of(path), path)

@@ -41,14 +41,15 @@ def spec_for(subject: Union[ModelLike, StepSpec, Any], inputs: Any = None, *, ca
                             options.get("rank"), options.get("device"), options.get("trainer_batch", "first"))
     if "training_args" in options:  # a Trainer built per rank: FSDP (graphmem/training/hf_trainer_fsdp.py) or DeepSpeed
         from graphmem.frontends.trainer import fsdp_trainer_spec
-        from graphmem.frontends.trainer_deepspeed import NO_CUDA, deepspeed_trainer_spec
+        from graphmem.frontends.trainer_deepspeed import deepspeed_trainer_spec
 
-        if getattr(options["training_args"], "deepspeed", None) is not None and options.get("device") == "cuda":
-            raise UsageError(NO_CUDA)
-        _only(options, FSDP_TRAINER, "a Trainer's step comes from its TrainingArguments (and `world_size`/`rank`)")
-        if getattr(options["training_args"], "deepspeed", None) is not None:
+        if getattr(options["training_args"], "deepspeed", None) is not None:  # (and the target: DeepSpeed's CPU accelerator
+            _only(options, FSDP_TRAINER | {"device", "gpu"},  # runs under the CUDA target's rules)
+                  "a DeepSpeed Trainer's step comes from its TrainingArguments (and `world_size`/`rank`, `device`)")
             return deepspeed_trainer_spec(subject, options["training_args"], inputs, options.get("input_shape"),
-                                          options.get("world_size", 1), options.get("rank"), options.get("trainer_class"))
+                                          options.get("world_size", 1), options.get("rank"), options.get("trainer_class"),
+                                          options.get("device"), options.get("gpu"))
+        _only(options, FSDP_TRAINER, "a Trainer's step comes from its TrainingArguments (and `world_size`/`rank`)")
         return fsdp_trainer_spec(subject, options["training_args"], inputs, options.get("input_shape"),
                                  options.get("world_size", 1), options.get("rank"), options.get("trainer_class"))
     if is_job_config(subject):  # a torchtitan Trainer.Config: the job's own code per rank (graphmem/titan/)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from graphmem.capture.target import Target
+from graphmem.capture.target import make_target
 from graphmem.errors import UsageError
 from graphmem.step.spec import Inputs, StepSpec, shape_of
 from graphmem.training.batch import resizer
@@ -20,16 +20,10 @@ if TYPE_CHECKING:
     from transformers import Trainer
 
 
-# the CUDA target runs on the direct engine path (graphmem/deepspeed/host.py); accelerate's DeepSpeed prepare under the
-# CUDA target's Trainer patches (graphmem/training/hf_trainer_cuda.py) is not built yet
-NO_CUDA = ("a Trainer's DeepSpeed rank is analyzed on the CPU target only yet: drop `device`, or analyze the same "
-           "job on the CUDA target through DeepSpeed's engine: graphmem.analyze(model, batch, deepspeed=config, "
-           "world_size=N, rank=r, optimizer='adamw', device='cuda')")
-
-
 def deepspeed_trainer_spec(model: Any, training_args: object, inputs: object = None,
                            input_shape: Union[str, tuple, list, None] = None, world_size: int = 1,
-                           rank: Optional[int] = None, trainer_class: Optional[type[Trainer]] = None) -> StepSpec:
+                           rank: Optional[int] = None, trainer_class: Optional[type[Trainer]] = None,
+                           device: Optional[str] = None, gpu: Optional[str] = None) -> StepSpec:
     """The StepSpec of rank ``rank`` (default 0) of the Trainer (``trainer_class``, default
     ``transformers.Trainer``) around ``model`` with ``training_args`` naming ``deepspeed``, launched on
     ``world_size`` processes. The batch: ``inputs`` (the rank's micro-batch, a dict), or ``input_shape``'s
@@ -62,7 +56,8 @@ def deepspeed_trainer_spec(model: Any, training_args: object, inputs: object = N
                                precision="bf16 (DeepSpeed's bf16 engine)" if training_args.bf16 else "fp32")
     first = batch.tensors()[0]
     return StepSpec(type(model).__name__, model, Inputs(resizer(batch), tuple(first.shape), batch), None,
-                    Target("cpu"), Training(step, None), job, reuse=False)
+                    make_target(device=device or "cpu", gpu=gpu or "h100"), Training(step, None), job,
+                    reuse=False)
 
 
 def built_deepspeed_spec(trainer: Any, inputs: object, input_shape: Union[str, tuple, list, None], world_size: int, rank: Optional[int],
@@ -72,15 +67,13 @@ def built_deepspeed_spec(trainer: Any, inputs: object, input_shape: Union[str, t
     ``inputs``, else ``input_shape``'s, else the first batch its train_dataset gives."""
     from graphmem.frontends.trainer import trainer_inputs
 
-    if device not in (None, "cpu"):
-        raise UsageError(NO_CUDA)
     if trainer.args.deepspeed is None:
         raise UsageError("the Trainer runs DeepSpeed from accelerate's own config (accelerate launch), not from its "
                          "TrainingArguments: set `deepspeed` in them")
     if inputs is None:
         shape = shape_of(input_shape) if input_shape is not None else None
         inputs, _ = trainer_inputs(trainer, None, shape)
-    return deepspeed_trainer_spec(trainer.model, trainer.args, inputs, None, world_size, rank, type(trainer))
+    return deepspeed_trainer_spec(trainer.model, trainer.args, inputs, None, world_size, rank, type(trainer), device)
 
 
-__all__ = ["NO_CUDA", "built_deepspeed_spec", "deepspeed_trainer_spec"]
+__all__ = ["built_deepspeed_spec", "deepspeed_trainer_spec"]

@@ -39,7 +39,7 @@ from graphmem.step.spec import Formula, Job, Parallelism, Ranks, Single, Stages,
 from graphmem.stepgraph import StepGraph
 from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.loop import TrainStep
-from graphmem.training.spec import prepare, units_of
+from graphmem.training.spec import Training, prepare, units_of
 
 
 @dataclass(frozen=True)
@@ -233,15 +233,16 @@ def _deepspeed(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Meas
 
     # the second step recorded after the first: what DeepSpeed keeps and frees across steps as it does (one engine
     # records both; a Trainer's second is recorded after an unrecorded first)
+    training = _host_stepped(spec, p)
     if isinstance(p, TrainerDeepSpeed):
         g = capture_trainer_engine(spec.module, spec.inputs.captured, spec.target, p)
         later = capture_trainer_engine(spec.module, spec.inputs.captured, spec.target, p, warm=True)
     else:
-        g, later = capture_engine_steps(spec.module, spec.inputs.captured, spec.loss, spec.target, p, spec.training.train)
+        g, later = capture_engine_steps(spec.module, spec.inputs.captured, spec.loss, spec.target, p, training.train)
     if spec.target.device == "cuda":  # what CPU offload keeps in host memory leaves the GPU's figures
         g, later = split_host(g), split_host(later)
-    g.train = spec.training.train
-    first = passes_over(g, spec.training, spec.module, spec.target, (), p.describe())
+    g.train = training.train
+    first = passes_over(g, training, spec.module, spec.target, (), p.describe())
     lv, budget = first.liveness, first.budget
     assert budget is not None  # (a training spec was given)
     lv_later = liveness(later)
@@ -262,6 +263,16 @@ def _deepspeed(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Meas
         own = residual_lines(res) + paper_check(spec.module, job, g, spec.training.train.optimizer, budget.rank.rows)
     step = dataclasses.replace(first, budget=budget)
     return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv) + own)
+
+
+def _host_stepped(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Training:
+    """The step's training, its optimizer's implementation as torch.optim picks it for the tensors it steps: under
+    DeepSpeed's ``offload_optimizer`` on the CUDA target, host partitions (``forloop``, the CPU's pick), not the GPU's."""
+    job = p if isinstance(p, DeepSpeedJob) else p.job
+    train = spec.training.train
+    if spec.target.device != "cuda" or job is None or train.impl != "auto" or not job.offloads("offload_optimizer"):
+        return spec.training
+    return dataclasses.replace(spec.training, train=dataclasses.replace(train, impl="forloop"))
 
 
 def deepspeed_job(spec: StepSpec) -> Optional[DeepSpeedJob]:
