@@ -121,3 +121,25 @@ def test_the_cli_refuses_deepspeed_with_formula_sharding(tmp_path: Any, capsys: 
                  "--zero", "2", "--optimizer", "adamw", "--memory", "1GB"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "zero_optimization.stage" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow  # ~30 s: the job and its levers through DeepSpeed's engine on the CUDA target
+def test_the_offload_lever_on_the_cuda_target_is_the_gpus_figure() -> None:
+    """GIVEN ZeRO-1 with small buckets on the CUDA target, a limit just under the job's later steps' peak
+    WHEN advised on the allocated figure
+    THEN the offload row is ``graphmem.analyze(device='cuda')`` of the job with the optimizer on the host: the GPU's
+    figure, the host's bytes outside it (graphmem/deepspeed/host.py), below the job's by the host's states."""
+    import graphmem
+    from tests.deepspeed_truth import decoder
+
+    buckets = {"reduce_bucket_size": 10000, "allgather_bucket_size": 10000}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1, **buckets}}
+    report = graphmem.analyze(*decoder(), deepspeed=config, world_size=2, rank=0, optimizer="adamw", device="cuda")
+    advice = report.advise(memory=report.budget.rank.later_peak_bytes - 1000, figure="allocated")
+    row = next(r for r in advice.levers if r.name == "optimizer offloaded to the CPU")
+    offloaded = {**config, "zero_force_ds_cpu_optimizer": False,
+                 "zero_optimization": {**config["zero_optimization"], "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    gpu = graphmem.analyze(*decoder(), deepspeed=offloaded, world_size=2, rank=0, optimizer="adamw", device="cuda")
+    assert row.peak_bytes == gpu.memory.figure("allocated") and row.fits
+    host = next(d.size for d in gpu.budget.rank.details if d.name == "host (pinned)")
+    assert gpu.memory.figure("allocated") < report.memory.figure("allocated") and host > 0

@@ -269,8 +269,8 @@ def not_applicable(base: StepSpec) -> list[LeftOut]:
                     "model.gradient_checkpointing_enable() are not weighed yet)"),
             LeftOut("batch", f"not applicable: graphmem fit's formula {one}; the micro-batch rows keep the samples per "
                     "step (a smaller train_micro_batch_size_per_gpu changes the run)"),
-            LeftOut("attention", "not applicable: the SDPA backend is a CUDA kernel choice; a DeepSpeed job is "
-                    "analyzed on the CPU target")]
+            LeftOut("attention", "not weighed: the SDPA backend's lever is the module's target option; a DeepSpeed "
+                    "job's rows change its config only")]
 
 
 __all__ = ["NOTE", "deepspeed_levers", "job_of"]

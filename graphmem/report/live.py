@@ -256,6 +256,7 @@ class Analysis(Report):
         return dataclasses.replace(summarize(p, inner, None, points=points), chosen=chosen)
 
     # -- what to change (graphmem/advise) and compiled mode's budget knob
+    @quiet
     def advise(self, memory: Memory, ranks: int = 8, lora_rank: int = 16, tick: Tick = None, combine: bool = False,
                figure: Optional[str] = None) -> Advice:
         """What to change so the step's peak fits ``memory`` (bytes or "80GiB"): a
