@@ -76,7 +76,7 @@ def _step(runner: Any, batch: dict, kept: list) -> dict[str, int]:
     return {"saved": sum(saved.values()), "before": before, "after": after, "peak": before + high(prof, held)}
 
 
-def _worker(rank: int, world_size: int, init: str, config: dict, fields: dict, out: str) -> None:
+def _worker(rank: int, world_size: int, init: str, config: dict, fields: dict, out: str, kind: str = "llama") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
                       OMP_NUM_THREADS=str(torch.get_num_threads()), TORCH_EXTENSIONS_DIR=EXTENSIONS)
@@ -95,7 +95,7 @@ def _worker(rank: int, world_size: int, init: str, config: dict, fields: dict, o
         kept: list = [[t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.device.type != "meta"]]
         pinned: list = []
         _recording_pins(pinned)
-        model, batch = decoder()
+        model, batch = decoder(kind=kind)
         args = trainer_args(os.path.dirname(out), config, **fields)
         trainer = Trainer(model=model, args=args)
         assert trainer.is_deepspeed_enabled
@@ -112,12 +112,12 @@ def _worker(rank: int, world_size: int, init: str, config: dict, fields: dict, o
         dist.destroy_process_group()
 
 
-def measure_trainer_ranks(config: dict, fields: dict, world_size: int = 2) -> list[dict]:
+def measure_trainer_ranks(config: dict, fields: dict, world_size: int = 2, kind: str = "llama") -> list[dict]:
     """Each rank's {"first", "later": {"saved", "before", "after", "peak"}, "unsettled", "host": {"before", "after":
     {"pinned", "pageable"}}} (the host bytes under CPU offload, tests/deepspeed_truth.py ``host_bytes``), one job."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result")
-        mp.spawn(_worker, args=(world_size, f"file://{os.path.join(tmp, 'store')}", config, fields, out),
+        mp.spawn(_worker, args=(world_size, f"file://{os.path.join(tmp, 'store')}", config, fields, out, kind),
                  nprocs=world_size, join=True)
         return [torch.load(f"{out}.{r}") for r in range(world_size)]
 

@@ -29,15 +29,22 @@ from tests.dist_truth import _profiled
 from tests.settle import COLLECTIVES, addresses, high, settle
 
 
-def decoder(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """A tiny transformers Llama (2 layers, hidden 64) and its batch (2 x 32 tokens, labels = inputs)."""
+def decoder(dtype: torch.dtype = torch.float32, kind: str = "llama") -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A tiny transformers Llama (2 layers, hidden 64), or with ``kind="gpt2"`` a tiny GPT-2 (2 layers, hidden 64, 4
+    heads, its dropouts at transformers' 0.1, lm_head tied to the token embedding), and its batch (2 x 32 tokens,
+    labels = inputs)."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if kind == "gpt2":
+        model: torch.nn.Module = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64))
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    return transformers.LlamaForCausalLM(config).train(), {"input_ids": ids, "labels": ids}
+    return model.train(), {"input_ids": ids, "labels": ids}
 
 
 def held_bytes(kept: list) -> int:
@@ -175,7 +182,7 @@ def _recording_pins(pinned: list) -> None:
     acc.pin_memory = recorded
 
 
-def _worker(rank: int, world_size: int, init: str, cases: list[dict], out: str) -> None:
+def _worker(rank: int, world_size: int, init: str, cases: list[dict], out: str, kind: str = "llama") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
@@ -188,7 +195,7 @@ def _worker(rank: int, world_size: int, init: str, cases: list[dict], out: str) 
     try:
         results = []
         for config in cases:
-            model, batch = decoder()
+            model, batch = decoder(kind=kind)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
             kept: list = []
@@ -204,8 +211,8 @@ def _worker(rank: int, world_size: int, init: str, cases: list[dict], out: str) 
         dist.destroy_process_group()
 
 
-def measure_ds_ranks(cases: list[dict], world_size: int = 2) -> list[list[dict]]:
-    """For each DeepSpeed config, each rank's {"first", "later": {"saved", "before", "after", "peak"}}, one
+def measure_ds_ranks(cases: list[dict], world_size: int = 2, kind: str = "llama") -> list[list[dict]]:
+    """For each DeepSpeed config, ``kind``'s decoder (``decoder``), each rank's {"first", "later": {"saved", "before", "after", "peak"}}, one
     job per config: DeepSpeed keeps references of an engine in module globals, so a second engine in the
     same process would find the first one's tensors alive (ZeRO-3 after ZeRO-1 read +904 KB held)."""
     results = []
@@ -213,6 +220,6 @@ def measure_ds_ranks(cases: list[dict], world_size: int = 2) -> list[list[dict]]
         with tempfile.TemporaryDirectory() as tmp:
             init = f"file://{os.path.join(tmp, 'store')}"
             out = os.path.join(tmp, "result")
-            mp.spawn(_worker, args=(world_size, init, [config], out), nprocs=world_size, join=True)
+            mp.spawn(_worker, args=(world_size, init, [config], out, kind), nprocs=world_size, join=True)
             results.append([torch.load(f"{out}.{r}")[0] for r in range(world_size)])
     return results
