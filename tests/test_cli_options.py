@@ -8,15 +8,42 @@ import sys
 from graphmem.capture import target
 from graphmem.cli import options
 from graphmem.cli.main import parser
+from graphmem.step import options as table
 from graphmem.training import optim
 
 
 def test_choices_are_the_librarys() -> None:
-    assert options.DTYPES == tuple(target.DTYPES)
-    assert options.ATTENTION == target.ATTENTION
-    assert options.MODES == target.MODES
-    assert options.OPTIMIZERS == optim.NAMES  # torch.optim's, then bitsandbytes'
-    assert options.IMPLS == optim.IMPLS
+    assert table.DTYPES == tuple(target.DTYPES)
+    assert table.ATTENTION == target.ATTENTION
+    assert table.MODES == target.MODES
+    assert table.OPTIMIZERS == optim.NAMES  # torch.optim's, then bitsandbytes'
+    assert table.IMPLS == optim.IMPLS
+
+
+def test_the_option_table_is_the_library_keywords_and_the_cli_flags() -> None:
+    """graphmem/step/options.py is the one table: each keyword is one make_spec takes (through the builder the table
+    names), each flag is the parser's with the table's doc as its help, and no flag of the shared groups is declared
+    outside it."""
+    import dataclasses
+    import inspect
+
+    from graphmem.capture.hf import HFOptions
+    from graphmem.step.spec import PARALLEL_OPTIONS, TARGET_OPTIONS, make_parallelism, spec_keywords
+    from graphmem.training.spec import make_training
+
+    assert {o.name for o in table.OPTIONS if o.takes != table.HF} <= spec_keywords()
+    assert set(table.names(table.HF)) == {f.name for f in dataclasses.fields(HFOptions)}  # (make_spec's ``hf``)
+    assert TARGET_OPTIONS == table.names(table.TARGET) == tuple(inspect.signature(target.make_target).parameters)
+    assert set(PARALLEL_OPTIONS) == set(inspect.signature(make_parallelism).parameters) - {"training"}
+    assert set(table.names(table.TRAINING)) == set(inspect.signature(make_training).parameters) - {"dtype"}
+    analyze = parser()._subparsers._group_actions[0].choices["analyze"]  # type: ignore[union-attr]
+    actions = {a.option_strings[0]: a for a in analyze._actions if a.option_strings}
+    given = vars(analyze.parse_args(["gpt2", "--input-shape", "2x16"]))
+    for o in table.OPTIONS:
+        action = actions[o.cli_flag]
+        assert action.help == o.help, o.name
+        value = given[action.dest]  # the keyword's value when the flag is not given: the table's default
+        assert (not value if o.negated and o.cli.get("action") == "store_true" else value) == table.default(o.name), o.name
 
 
 def test_options_become_one_target_and_one_training_spec() -> None:

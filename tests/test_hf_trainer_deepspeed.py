@@ -44,7 +44,11 @@ JOBS = {  # (ZeRO stage, the config's own settings, the zero_optimization settin
     "zero1-bf16-accumulation-overlap": (1, {}, {"overlap_comm": True, "contiguous_gradients": True},
                                         {"bf16": True, "gradient_accumulation_steps": 2}),
     "zero2-offload": (2, {"zero_force_ds_cpu_optimizer": False}, OFFLOAD, {}),  # the Trainer's torch AdamW on the host
+    "gpt2-zero3": (3, {}, {}, {}),  # the tiny GPT-2 (tests/deepspeed_truth.py decoder(kind="gpt2"))
+    "zero2-4-processes": (2, {}, {}, {}),  # four ranks
 }
+# the decoder and the number of processes where not the Llama on 2
+SHAPES = {"gpt2-zero3": ("gpt2", 2), "zero2-4-processes": ("llama", 4)}
 
 
 @pytest.mark.parametrize("config, fields, message", [
@@ -97,12 +101,14 @@ def test_cli_training_args_with_deepspeed_refuses_in_one_line(tmp_path: Any, cap
 
 @pytest.mark.slow  # a real 2-process gloo job and 4 captures each: 3-8 min each on 2 shared cores
 @pytest.mark.parametrize("job", [pytest.param("zero2", marks=pytest.mark.heavy),  # (CI time: ZeRO-2 fp32 runs with offload)
-                                 "zero3", "zero1-bf16-accumulation-overlap", "zero2-offload"])
+                                 "zero3", "zero1-bf16-accumulation-overlap", "zero2-offload",
+                                 pytest.param("gpt2-zero3", marks=pytest.mark.heavy),  # (CI time: the direct engine's
+                                 pytest.param("zero2-4-processes", marks=pytest.mark.heavy)])  # GPT-2 and 4-rank jobs)
 def test_trainer_deepspeed_ranks_match_a_real_gloo_job(tmp_path: Any, job: str) -> None:
-    """GIVEN the tiny Llama (2 layers, hidden 64), 2 x 32 tokens a rank, the Trainer's default AdamW, clipping 1.0,
-    and ``job``'s DeepSpeed settings and TrainingArguments (bf16: DeepSpeed's bf16 engine; accumulation: the
+    """GIVEN the tiny Llama (2 layers, hidden 64; or the tiny GPT-2), 2 x 32 tokens a rank, the Trainer's default
+    AdamW, clipping 1.0, and ``job``'s DeepSpeed settings and TrainingArguments (bf16: DeepSpeed's bf16 engine; accumulation: the
     Trainer's own micro-steps; offload: the optimizer's partitions on the host)
-    WHEN the real Trainer runs it through accelerate on 2 gloo CPU processes and graphmem captures each rank
+    WHEN the real Trainer runs it through accelerate on 2 (or 4) gloo CPU processes and graphmem captures each rank
     through the same Trainer code on fake tensors
     THEN saved bytes, the bytes held before and after the first step, both steps' peaks and the host bytes (pinned
     and pageable, before and after) are equal to the byte on both ranks (docs/deepspeed.md "Through the Trainer")."""
@@ -111,13 +117,14 @@ def test_trainer_deepspeed_ranks_match_a_real_gloo_job(tmp_path: Any, job: str) 
     from tests.deepspeed_truth import decoder
 
     stage, own, zero, fields = JOBS[job]
+    kind, world_size = SHAPES.get(job, ("llama", 2))
     config = ds_config(stage, **own)
     config["zero_optimization"].update(zero)
-    real = measure_trainer_ranks(config, fields)
+    real = measure_trainer_ranks(config, fields, world_size, kind)
     for rank, truth in enumerate(real):
-        model, batch = decoder()
+        model, batch = decoder(kind=kind)
         report = graphmem.analyze(model, batch, training_args=trainer_args(str(tmp_path), config, **fields),
-                                  world_size=2, rank=rank)
+                                  world_size=world_size, rank=rank)
         got = _figures(report)
         # the residual states and the ZeRO paper's cross-check, as on the direct engine path
         assert any(n.startswith("DeepSpeed's residual states") for n in report.notes)

@@ -6,24 +6,20 @@ from __future__ import annotations
 
 import re
 
-# API option -> CLI flag (where the two names differ only by '_' vs '-', the flag is derived)
-_RENAMED = {"reuse": "--no-reuse", "reshard_after_forward": "--no-reshard-after-forward", "quantization": "--qlora",
-            "clip_foreach": "--no-clip-foreach"}
-_NEGATED = {"reuse", "reshard_after_forward", "clip_foreach"}  # ``reuse=False`` is ``--no-reuse``
-_BARE = {"fsdp": "fully_shard"}  # ``fsdp='fully_shard'`` is bare ``--fsdp``
+from graphmem.step.options import OPTIONS as STEP_OPTIONS
+
+# the step options' flags from their table (graphmem/step/options.py): a flag other than the name with dashes, a flag
+# that sets the keyword False (``reuse=False`` is ``--no-reuse``), a bare flag's value (``fsdp='fully_shard'``)
+_RENAMED = {o.name: o.flag for o in STEP_OPTIONS if o.flag}
+_NEGATED = {o.name for o in STEP_OPTIONS if o.negated}
+_BARE = {o.name: o.bare for o in STEP_OPTIONS if o.bare}
 _OPTION = re.compile(r"`([a-z_]+)(?:=([^`]*))?`")
-# the API's option names (``graphmem.analyze``'s keywords and the commands' own); any other name in
-# backticks is code (```model```, ```loss(output, inputs)```) and stays as it is
-OPTIONS = frozenset({
-    "input_shape", "device", "dtype", "amp", "attention", "gpu", "mode", "memory_budget", "reuse", "optimizer",
-    "optimizer_impl", "master_weights", "micro_batches", "lora_rank", "lora_targets", "lora_alpha", "qlora",
-    "quantization", "world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank", "reshard_after_forward",
-    "fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_offload", "fsdp_no_sync", "loss_parallel", "decoder_length",
-    "config", "trust_remote_code", "budget", "max_overhead", "selective", "points", "tolerance", "ranks", "memory",
-    "seq", "batch", "debug", "json", "plan", "formula", "release_output", "clip_grad_norm", "clip_foreach",
-    "optimizer_in_backward", "offload_activations", "training_args", "deepspeed", "padding", "use_cache", "d_model", "n_heads",
-    "train_dataset", "trainer_batch",
-})
+# the API's option names (the step's, and the commands' own: ``graphmem.analyze``'s and the questions'); any other
+# name in backticks is code (```model```, ```loss(output, inputs)```) and stays as it is
+OPTIONS = frozenset({o.name for o in STEP_OPTIONS} | {
+    "input_shape", "qlora", "budget", "max_overhead", "selective", "points", "tolerance", "ranks", "memory", "seq",
+    "batch", "debug", "json", "plan", "formula", "training_args", "d_model", "n_heads", "train_dataset",
+    "trainer_batch"})
 
 
 def flag(name: str) -> str:

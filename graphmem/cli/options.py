@@ -9,6 +9,19 @@ import argparse
 from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from graphmem.errors import UsageError
+from graphmem.step.options import (
+    FORMULA_GROUP,
+    HF_GROUP,
+    LOOP_GROUP,
+    PARALLEL,
+    PIPELINE_GROUP,
+    TARGET_GROUP,
+    TRAINER_LOOP_GROUP,
+    WRAPPER_GROUP,
+    default,
+    in_group,
+    names,
+)
 from graphmem.units import parse_bytes
 
 if TYPE_CHECKING:  # (torch is imported only when an option object is built)
@@ -21,13 +34,12 @@ if TYPE_CHECKING:  # (torch is imported only when an option object is built)
 # a parser or one of its argument groups: what ``add_argument`` is called on
 Arguments = argparse._ActionsContainer
 
-DEVICES = ("cpu", "cuda")
-DTYPES = ("fp32", "bf16", "fp16")
-AMP = ("bf16", "fp16")
-ATTENTION = ("auto", "flash", "efficient", "cudnn", "math", "eager")
-MODES = ("eager", "compiled", "compiled-blocks")
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adafactor", "adam8bit", "adamw8bit", "paged_adamw8bit")
-IMPLS = ("auto", "foreach", "forloop", "fused")
+
+
+def add_options(g: Arguments, group: str) -> None:
+    """The flags of the step options the table declares in ``group`` (graphmem/step/options.py), each with its doc."""
+    for o in in_group(group):
+        g.add_argument(o.cli_flag, help=o.help, **o.cli)  # type: ignore[arg-type]
 
 
 def add_model_arguments(p: argparse.ArgumentParser, shape_required: bool = True, real: bool = False,
@@ -39,19 +51,7 @@ def add_model_arguments(p: argparse.ArgumentParser, shape_required: bool = True,
                    "Hugging Face hub id, config.json or model directory" + ("; built for real" if real else ""))
     p.add_argument("--input-shape", required=shape_required, metavar="SHAPE",
                    help="e.g. 32x1024 (tokens) or 8x3x224x224" + (" (keep it small: this allocates)" if real else ""))
-    g = p.add_argument_group("Hugging Face models (pip install 'graphmem[hf]')")
-    g.add_argument("--config", metavar="PATH", help="the model's config.json (or its directory), instead of resolving "
-                   "MODEL locally, in the cache or on the hub")
-    g.add_argument("--trust-remote-code", action="store_true",
-                   help="allow a config that names the repository's own code (auto_map), as transformers does")
-    g.add_argument("--decoder-length", type=int, metavar="T",
-                   help="encoder-decoder models: the labels' length (default: the input length; speech models need it)")
-    g.add_argument("--padding", choices=("none", "first-token"), default="none",
-                   help="the attention mask of the batch made for --input-shape: none (all ones, as a tokenizer "
-                   "gives equal-length sequences; default) or first-token (the first sequence's first token is padding)")
-    g.add_argument("--use-cache", choices=("config", "on", "off"), default="config",
-                   help="use_cache in the training step (default: as the model's config says, as from_pretrained "
-                   "leaves it)")
+    add_options(p.add_argument_group("Hugging Face models (pip install 'graphmem[hf]')"), HF_GROUP)
 
 
 def add_step_arguments(p: argparse.ArgumentParser, job: bool = False) -> None:
@@ -74,28 +74,11 @@ def add_depth_argument(p: Arguments) -> None:
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
     """--device/--dtype/--amp/--attention/--gpu/--mode/--memory-budget/--no-reuse."""
     g = p.add_argument_group("target")
-    g.add_argument("--device", default="cpu", choices=DEVICES, help="target device (default cpu)")
-    g.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default: as built, fp32)")
-    g.add_argument("--amp", choices=AMP, help="autocast with fp32 parameters")
-    g.add_argument("--attention", default="auto", choices=ATTENTION,
-                   help="SDPA backend (default auto: PyTorch's own choice for the target); a Hugging Face model runs "
-                   "attn_implementation='sdpa' with it, or its own softmax attention with eager")
-    g.add_argument("--gpu", default="h100", metavar="GPU",
-                   help="the card (default h100): its CUDA rules (compute capability) and its capacity (--memory gpu): "
-                   "v100, v100-32gb, t4, a100 (80GB), a100-40gb, a10, l4, h100, h200, b200")
-    g.add_argument("--mode", default="eager", choices=MODES,
-                   help="eager autograd (default), torch.compile's step (AOTAutograd, min-cut partition), shown beside eager, or "
-                   "compiled-blocks: each block of the model's chain and the loss compiled, the loop eager (as torchtune compiles)")
-    g.add_argument("--memory-budget", metavar="F[,F...]",
-                   help="with --mode compiled: torch.compile's activation_memory_budget (0-1) for the partitioner; "
-                   "several values, e.g. 1,0.8,0.5,0.2, also print a sweep table (the report is at the first value)")
+    add_options(g, TARGET_GROUP)
     g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE",
                    help="replace a device row's figure in the device total, e.g. cuda_context=600MiB (rows: "
                    "cuda_context, cublas_workspace, cudnn_workspace, nccl (each communicator), torch_distributed); "
                    "repeat for several")
-    g.add_argument("--no-reuse", action="store_true",
-                   help="capture every block of a deep chain (default: 5 captured and copied, checked at depth 6; "
-                   "with --mode compiled, also that the partition repeats at full depth)")
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,72 +90,25 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
 def add_loop_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The loop around forward and backward: optimizer, precision recipe, micro-batches, LoRA/QLoRA."""
     g = p.add_argument_group("training step (any of these adds the per-rank budget table)")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, help="run this optimizer after backward, then zero_grad: torch.optim, or bitsandbytes' 8-bit Adam (adam8bit, adamw8bit, paged_adamw8bit)")
-    g.add_argument("--optimizer-impl", default="auto", choices=IMPLS,
-                   help="auto (torch.optim's choice on the target: foreach on cuda, for-loop on cpu), foreach, forloop, fused")
-    g.add_argument("--master-weights", action="store_true",
-                   help="fp32 master copy of the 16-bit parameters for the optimizer (with --dtype bf16/fp16: ZeRO's 16-psi recipe)")
-    g.add_argument("--micro-batches", type=int, default=1, metavar="K", help="gradient accumulation: K micro-steps of --input-shape")
-    g.add_argument("--lora-rank", type=int, metavar="R", help="LoRA adapters of rank R; every other parameter frozen")
-    g.add_argument("--lora-targets", metavar="NAMES", help="comma-separated module-name substrings of the layers to "
-                   "adapt, e.g. q_proj,v_proj or c_attn,c_proj, or all-linear (Hugging Face models: through peft)")
-    g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default 8, peft's; memory does not depend on it)")
-    g.add_argument("--qlora", dest="quantization", action="store_const", const="nf4",
-                   help="QLoRA: the linear layers in 4-bit NF4 with double quantization and bf16 compute through "
-                   "bitsandbytes (Hugging Face models, with --lora-rank; pip install 'graphmem[qlora]')")
+    add_options(g, LOOP_GROUP)
     add_trainer_loop_arguments(g)
     return g
 
 
 def add_parallel_arguments(p: argparse.ArgumentParser, g: Arguments) -> None:
     """How the step is split: the per-rank formulas (in group ``g``) and rank r through the wrappers."""
-    g.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (data parallel x tensor parallel)")
-    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage over the data-parallel ranks")
-    g.add_argument("--fsdp", nargs="?", const="fully_shard", choices=["fully_shard", "full", "grad-op"],
-                   help="alone: rank --rank's step through PyTorch's fully_shard (FSDP2) per block; full (FULL_SHARD) "
-                   "or grad-op (SHARD_GRAD_OP): the per-rank formula over the single-device step")
-    g.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size: with --rank, DTensor's "
-                   "parallelize_module runs; without, Megatron's column/row split of the graph's linears (formula)")
-    g.add_argument("--sp", action="store_true", help="sequence parallel with --tp: the tensors outside the TP regions split too")
-    d = p.add_argument_group("per rank through PyTorch's own wrappers (docs/distributed.md)")
-    d.add_argument("--rank", type=int, metavar="R", help="analyze rank R's step as fully_shard / parallelize_module run "
-                   "it under a fake process group of --world-size ranks (bare --fsdp implies --rank 0); with "
-                   "--training-args, rank R of the Trainer's DDP job")
-    d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
-                   help="fully_shard(reshard_after_forward=False): keep each block's gathered parameters until backward")
-    d.add_argument("--fsdp-param-dtype", choices=["fp32", "bf16", "fp16"], help="MixedPrecisionPolicy(param_dtype=...)")
-    d.add_argument("--fsdp-reduce-dtype", choices=["fp32", "bf16", "fp16"], help="MixedPrecisionPolicy(reduce_dtype=...)")
-    d.add_argument("--fsdp-offload", action="store_true", help="CPUOffloadPolicy: sharded parameters and gradients in host memory")
-    d.add_argument("--fsdp-no-sync", action="store_true", help="with --micro-batches: set_requires_gradient_sync(False) for "
-                   "all but the last micro-batch (unsharded gradients accumulate; one reduce-scatter per step)")
-    d.add_argument("--deepspeed", metavar="DS_CONFIG", help="a DeepSpeed config (JSON): rank --rank of --world-size "
-                   "through DeepSpeed's own engine (deepspeed.initialize, engine.backward, engine.step) on fake tensors; "
-                   "with offload_optimizer/offload_param to \"cpu\" (and zero_force_ds_cpu_optimizer false) the notes give "
-                   "its host (pinned) and host (pageable) bytes (docs/deepspeed.md)")
-    d.add_argument("--loss-parallel", action="store_true", help="with --tp: the LM head's logits stay split over the "
-                   "vocabulary into torch's loss_parallel() cross-entropy (torchtitan's default), not gathered whole")
+    add_options(g, FORMULA_GROUP)
+    add_options(p.add_argument_group("per rank through PyTorch's own wrappers (docs/distributed.md)"), WRAPPER_GROUP)
 
 
 def add_trainer_loop_arguments(g: Arguments) -> None:
     """The loop options real trainers use (graphmem/training/loop_options.py, docs/loop.md)."""
-    g.add_argument("--release-output", action="store_true", help="drop the model's output before backward, keep only "
-                   "the loss (HF Trainer's compute_loss, torchtune's del logits)")
-    g.add_argument("--clip-grad-norm", type=float, metavar="MAX", help="torch.nn.utils.clip_grad_norm_(params, MAX) "
-                   "before the optimizer step")
-    g.add_argument("--no-clip-foreach", dest="clip_foreach", action="store_false",
-                   help="clip_grad_norm_(foreach=False): one norm per gradient instead of one _foreach_norm")
-    g.add_argument("--optimizer-in-backward", action="store_true", help="per-parameter optimizers stepped from "
-                   "post-accumulate-grad hooks in backward, each gradient freed right after (torchtune)")
-    g.add_argument("--offload-activations", action="store_true", help="the forward's saved tensors to host memory "
-                   "and back in backward (torch.autograd.graph.save_on_cpu's hooks); host bytes reported apart")
+    add_options(g, TRAINER_LOOP_GROUP)
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("pipeline parallel (torch.distributed.pipelining's schedules, rank r's step)")
-    g.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline ranks: the chain of blocks split evenly "
-                   "over P stages; the report is rank --rank's (default 0; --micro-batches: the schedule's micro-batches)")
-    g.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"],
-                   help="Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B (two stages per rank)")
+    add_options(p.add_argument_group("pipeline parallel (torch.distributed.pipelining's schedules, rank r's step)"),
+                PIPELINE_GROUP)
 
 
 def add_trainer_batch_arguments(p: argparse.ArgumentParser) -> None:
@@ -286,10 +222,8 @@ def loop_options(args: argparse.Namespace) -> LoopOptions:
 def per_rank_options(args: argparse.Namespace) -> dict[str, Any]:  # (those given: any of validate's keywords)
     """The parallel options given on the command line (left at their defaults: none), as
     ``graphmem.validate`` keywords: any of them runs the ranks for real (graphmem/validation/ranks.py)."""
-    defaults = {"world_size": 1, "zero": 0, "fsdp": None, "tp": 1, "sp": False, "rank": None,
-                "reshard_after_forward": True, "fsdp_param_dtype": None, "fsdp_reduce_dtype": None,
-                "fsdp_offload": False, "fsdp_no_sync": False, "loss_parallel": False}
-    return {k: getattr(args, k) for k, d in defaults.items() if getattr(args, k) != d}
+    kept = [k for k in names(PARALLEL) if k not in ("pp", "schedule", "deepspeed")]  # (validate's: not its flags)
+    return {k: getattr(args, k) for k in kept if getattr(args, k) != default(k)}
 
 
 def training_of(args: argparse.Namespace) -> Training:

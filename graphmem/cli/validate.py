@@ -10,8 +10,6 @@ import json
 import sys
 
 from graphmem.cli.options import (
-    AMP,
-    DTYPES,
     add_debug_argument,
     add_loop_arguments,
     add_model_arguments,
@@ -22,6 +20,7 @@ from graphmem.cli.options import (
     per_rank_options,
 )
 from graphmem.errors import UsageError
+from graphmem.step.options import AMP, DTYPES
 
 
 class Validate:

@@ -45,6 +45,7 @@ from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.spec import Sharding, check_training, make_sharding, wants_wrappers
 from graphmem.errors import UsageError, check_keywords
 from graphmem.passes.budget import Parallel, make_parallel
+from graphmem.step.options import PARALLEL, TARGET, names
 from graphmem.training.batch import Batch, as_batch, resizer
 from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.peft_lora import is_hf_model
@@ -328,9 +329,8 @@ def _inputs(loaded: Loaded, inputs: Optional[UserInputs], input_shape: Union[str
     return Inputs(resizer(batch), tuple(first.shape), batch)
 
 
-TARGET_OPTIONS = ("device", "dtype", "amp", "attention", "gpu", "mode", "memory_budget")  # make_target's
-PARALLEL_OPTIONS = ("world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank", "reshard_after_forward",
-                    "fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_offload", "fsdp_no_sync", "loss_parallel", "deepspeed")
+TARGET_OPTIONS = names(TARGET)  # make_target's (graphmem/step/options.py: the one table of the step's options)
+PARALLEL_OPTIONS = names(PARALLEL)  # make_parallelism's
 
 
 def spec_keywords() -> frozenset[str]:
