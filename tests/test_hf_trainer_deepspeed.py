@@ -102,8 +102,8 @@ def test_cli_training_args_with_deepspeed_refuses_in_one_line(tmp_path: Any, cap
 @pytest.mark.slow  # a real 2-process gloo job and 4 captures each: 3-8 min each on 2 shared cores
 @pytest.mark.parametrize("job", [pytest.param("zero2", marks=pytest.mark.heavy),  # (CI time: ZeRO-2 fp32 runs with offload)
                                  "zero3", "zero1-bf16-accumulation-overlap", "zero2-offload",
-                                 pytest.param("gpt2-zero3", marks=pytest.mark.heavy),  # (CI time: the direct engine's
-                                 pytest.param("zero2-4-processes", marks=pytest.mark.heavy)])  # GPT-2 and 4-rank jobs)
+                                 "gpt2-zero3",  # (heavy, CI time: 4 processes; the direct engine's 4-rank jobs too)
+                                 pytest.param("zero2-4-processes", marks=pytest.mark.heavy)])
 def test_trainer_deepspeed_ranks_match_a_real_gloo_job(tmp_path: Any, job: str) -> None:
     """GIVEN the tiny Llama (2 layers, hidden 64; or the tiny GPT-2), 2 x 32 tokens a rank, the Trainer's default
     AdamW, clipping 1.0, and ``job``'s DeepSpeed settings and TrainingArguments (bf16: DeepSpeed's bf16 engine; accumulation: the
