@@ -20,7 +20,7 @@ from graphmem.losses import ChunkedCausalLM, ChunkedNextToken
 from graphmem.training.loop import TrainStep
 from graphmem.validation.measure import measure_peak
 
-LM_TOLERANCE = 0.001  # as tests/test_training.py: the real CPU step's peak, allocator rounding included
+LM_TOLERANCE = 0.001  # as tests/trainers/test_training.py: the real CPU step's peak, allocator rounding included
 
 
 def _close(predicted: int, real: int) -> None:
@@ -92,7 +92,7 @@ def test_every_lever_is_analyze_with_the_change(name: str, head: str, opts: dict
     for row in advice.levers:
         assert row.saving_bytes == _peak(report) - row.peak_bytes
         if row.kind == "checkpoint":
-            continue  # the planner's verified plan: tested in tests/test_checkpoint_plans.py
+            continue  # the planner's verified plan: tested in tests/planning/test_checkpoint_plans.py
         expected = _analyze(module, inputs, loss, *_options(row, opts), head)
         assert row.peak_bytes == _peak(expected), row.name
     for combo in advice.combinations:  # each combination: analyze with all its levers' options

@@ -14,7 +14,7 @@ from graphmem.models import llama
 def test_advice_is_the_same_with_and_without_depth_reuse() -> None:
     # GIVEN a 16-block Llama on the CUDA target with AdamW (deep enough for reuse), in too little memory,
     # so every lever that applies is captured (one rank: the sharded steps are compared in
-    # tests/test_reuse_optim.py)
+    # tests/capture/test_reuse_optim.py)
     model = llama.build(llama.LlamaConfig(vocab_size=101, dim=32, n_layers=16, n_heads=4, n_kv_heads=2,
                                           ffn_hidden=64, max_seq_len=32))
     x = (torch.randint(0, 101, (1, 32), generator=torch.Generator().manual_seed(1)),)

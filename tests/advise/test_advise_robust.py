@@ -79,7 +79,7 @@ def test_the_chunked_loss_lever_under_graphmems_lora_is_a_real_step() -> None:
     assert row is not None, [x.why for x in advice.left_out if x.kind == "loss"]
     predicted, real, saved = _validated(ChunkedNextToken(copy.deepcopy(module)), inputs, LORA)
     assert saved == 0 and predicted == row.peak_bytes
-    assert 0 <= real - predicted <= 0.001 * real, (predicted, real)  # tests/test_advise.py's LM tolerance
+    assert 0 <= real - predicted <= 0.001 * real, (predicted, real)  # tests/advise/test_advise.py's LM tolerance
 
 
 @pytest.mark.slow  # as above, on a transformers Llama through peft
@@ -97,7 +97,7 @@ def test_the_chunked_loss_lever_under_peft_lora_is_a_real_step() -> None:
     predicted, real, saved = _validated(ChunkedCausalLM(copy.deepcopy(model)), batch, LORA)
     assert saved == 0 and predicted == row.peak_bytes
     # peft's LoRA linears multiply by the Python float ``scaling``: a 0-dim float64 (8 B) MulBackward0 keeps,
-    # invisible to fake tensors (tests/test_advise_truth.py's LoRA lever): at most 8 B per adapted linear
+    # invisible to fake tensors (tests/advise/test_advise_truth.py's LoRA lever): at most 8 B per adapted linear
     adapted = sum(1 for n, _ in model.named_modules() if n.endswith(("_proj",)))
     assert 0 <= real - predicted <= 8 * adapted, (predicted, real)
 
@@ -107,7 +107,7 @@ def test_no_fused_optimizer_runs_fake_tensors_real_fallback(device: str, monkeyp
     """FakeTensorMode runs an op without a fake kernel for real over zero-filled copies of its inputs
     (torch/_subclasses/fake_tensor.py run_fallback_kernel): for fused SGD, every parameter, gradient and
     momentum buffer, 19 GB of the analyzing process for GPT-2 XL. graphmem/oprules/optim.py's rule
-    replaces it; the step's numbers are the same (tests/test_training.py checks fused SGD against a
+    replaces it; the step's numbers are the same (tests/trainers/test_training.py checks fused SGD against a
     real step)."""
     import torch._subclasses.fake_tensor as fake_tensor
 

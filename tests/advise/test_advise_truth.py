@@ -2,7 +2,7 @@
 
 GIVEN a step and ``report.advise(memory=...)``'s levers (graphmem/advise/levers.py)
 WHEN the lever's change is made by hand and the changed step runs for real on the CPU
-(``graphmem.validate`` with the options the row names, parsed from its name as tests/test_advise.py
+(``graphmem.validate`` with the options the row names, parsed from its name as tests/advise/test_advise.py
 does: the real step is torch.optim's over the real model, measured by graphmem/validation/measure.py
 from the allocator's events under torch.profiler; the inputs of a smaller batch are copied, not
 sliced views, so they hold what the changed step's inputs hold)
@@ -116,7 +116,7 @@ def test_the_lora_lever_is_a_real_step() -> None:
     assert saved == 0 and predicted == row.peak_bytes
     # peft's LoRA linears multiply by the Python float ``scaling`` (peft/tuners/lora/layer.py), which
     # eager wraps in a 0-dim float64 tensor (8 B) that MulBackward0 keeps until the backward, invisible
-    # to fake tensors (as tests/test_distributed_step.py measures): at most 8 B per adapted linear.
+    # to fake tensors (as tests/distributed/test_distributed_step.py measures): at most 8 B per adapted linear.
     # Measured: 104 B = 13 of the 14 (q, k, v, o, gate, up, down of 2 layers) at the peak, in backward.
     adapted = 7 * model.config.num_hidden_layers
     assert 0 <= real - row.peak_bytes <= 8 * adapted, (real, row.peak_bytes)

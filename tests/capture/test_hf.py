@@ -20,7 +20,7 @@ from graphmem.validation.measure import measure_peak, measure_saved
 
 transformers = pytest.importorskip("transformers")
 
-LM_TOLERANCE = 0.001  # as tests/test_ground_truth.py: CPU kernels' scratch inside one op, unseen by fake tensors
+LM_TOLERANCE = 0.001  # as tests/capture/test_ground_truth.py: CPU kernels' scratch inside one op, unseen by fake tensors
 
 
 def assert_peak(report: graphmem.Report, real_peak: int, toy: bool = False) -> None:

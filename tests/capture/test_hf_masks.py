@@ -10,7 +10,7 @@ storage; the peak from the CPU allocator's events), tiny configs, random weights
 Before the values (saved bytes over the real step): Qwen2 with an all-ones mask +20,480 B, OLMo
 +4,096 B, BART +12,288 B (ones) / +4,096 B (padded, absent: its decoder's own all-ones mask); the
 other families already matched. Now every case is 0 B off; the peak is at most 48 B (GPT-2) under
-the real one, one CPU kernel's scratch inside an op (0.1 % is the bound, as tests/test_hf.py).
+the real one, one CPU kernel's scratch inside an op (0.1 % is the bound, as tests/capture/test_hf.py).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from graphmem.validation.measure import measure_peak
 transformers = pytest.importorskip("transformers")
 
 V, B, S = 128, 2, 16
-PEAK_TOLERANCE = 0.001  # one CPU kernel's scratch inside an op, unseen by fake tensors (tests/test_hf.py)
+PEAK_TOLERANCE = 0.001  # one CPU kernel's scratch inside an op, unseen by fake tensors (tests/capture/test_hf.py)
 _DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=V, num_key_value_heads=2, **_DECODER)),

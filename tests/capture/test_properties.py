@@ -120,7 +120,7 @@ def _build(kinds: list[str], b: int, s: int, d: int, tokens: bool, dtype: torch.
 def square_loss(out: torch.Tensor, inputs: tuple) -> torch.Tensor:
     """A dense output gradient: ``sum()``'s is an expanded (stride-0) tensor, for which some CPU
     elementwise backward kernels (gelu_backward, ...) allocate an output-sized temporary that
-    graphmem has no rule for (tests/test_ground_truth.py uses the same loss for blocks)."""
+    graphmem has no rule for (tests/capture/test_ground_truth.py uses the same loss for blocks)."""
     return (out.float() * out.float()).sum()
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from cases import tiny_gpt
 from conftest import check_golden
+from paths import TESTS
 
 import graphmem
 from graphmem import cli
@@ -15,7 +16,7 @@ from graphmem.render import fmt_bytes, render_json
 from graphmem.render.compare import render_comparison
 from graphmem.report.compare import SavedGroup, compare
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = TESTS / "golden"
 MLP_MODEL = """\
 from graphmem.models.mlp import MLP, MLPConfig, example_inputs, loss
 model = lambda: MLP(MLPConfig(in_features=16, hidden=(32,), out_features=4, activation={act!r}))

@@ -18,6 +18,7 @@ from types import ModuleType
 
 import pytest
 import torch.nn as nn
+from paths import TESTS
 
 import graphmem
 from graphmem import cli
@@ -30,7 +31,7 @@ from graphmem.errors import (
     UsageError,
 )
 
-BAD = Path(__file__).parent / "badmodels"
+BAD = TESTS / "badmodels"
 
 
 def bad(name: str) -> str:

@@ -12,10 +12,9 @@ import warnings
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from graphmem.noise import quiet_third_party
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _record(name: str, level: int, pathname: str = __file__) -> logging.LogRecord:

@@ -8,13 +8,13 @@ deduplicated by storage, parameters excluded: graphmem.validation.measure.measur
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 from cases import MODELS, build
+from paths import TESTS
 
 import graphmem
 from graphmem import cli
@@ -135,7 +135,7 @@ def test_unknown_mode_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_data_dependent_model_names_the_fix() -> None:
     """`.item()` in forward: dynamo breaks the graph there, and the eager `.item()` needs values."""
-    item = Path(__file__).parent / "badmodels" / "item.py"
+    item = TESTS / "badmodels" / "item.py"
     with pytest.raises(DataDependentError, match="item"):
         graphmem.analyze(str(item), input_shape=(2, 4), mode="compiled")
 

@@ -2,7 +2,7 @@
 LayerNorm's fp32 statistics, autocast's CUDA cast lists) hold in the graphs AOTAutograd partitions.
 
 No GPU here, so the check is against the eager CUDA-target rules (themselves checked in
-tests/test_targets.py), op by op, where the two must agree: models the partitioner recomputes
+tests/capture/test_targets.py), op by op, where the two must agree: models the partitioner recomputes
 nothing in, whose compiled saved set is then the eager one tensor for tensor.
 """
 from __future__ import annotations
@@ -181,8 +181,8 @@ def test_compiled_amp_runs_mha_and_the_models_autocast_regions_under_the_cuda_ru
     """Dynamo keeps ``F.multi_head_attention_forward`` as one node, and the model's
     ``torch.autocast(x.device.type, enabled=False)`` as ``_enter_autocast``/``_exit_autocast``
     nodes: under the CUDA rules the compiled saved set is the one CUDA autocast's lists give
-    (tests/test_targets.py), tensor for tensor."""
-    from test_targets import Attention, AutocastOff, autocast_off_expected, encoder, encoder_expected
+    (tests/capture/test_targets.py), tensor for tensor."""
+    from tests.capture.test_targets import Attention, AutocastOff, autocast_off_expected, encoder, encoder_expected
 
     torch.manual_seed(0)
     module, inputs, expected = {
@@ -203,7 +203,7 @@ def test_compiled_amp_runs_mha_and_the_models_autocast_regions_under_the_cuda_ru
 def test_compiled_amp_opens_transformers_maybe_autocast_regions(nothing_recomputed: None) -> None:
     """Dynamo traces transformers' ``maybe_autocast`` question (``torch.is_autocast_enabled`` about
     the fake tensors' device type) as the model sees it in eager: GPT-2's upcast q and k stay fp32."""
-    from test_targets import upcast_gpt2
+    from tests.capture.test_targets import upcast_gpt2
 
     module, inputs, upcast = upcast_gpt2()
     eager, compiled = _amp_pair(module, inputs)

@@ -11,12 +11,12 @@ later steps' peaks are the real ones to the byte (the table in docs/loop.md, "Co
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
+from paths import ROOT
 
 import graphmem
 from graphmem.capture.compiled_per_block import blocks_compiled
@@ -25,7 +25,7 @@ from graphmem.training.loop import make_train_step
 from graphmem.training.step import run_step
 from graphmem.validation.measure import measure_peak
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from compiled_loop import MODELS, ROWS, predicted, real  # noqa: E402
 
 # (model, row) -> measured |predicted - real| of the first and later peaks, where they are not 0 B: bitsandbytes'

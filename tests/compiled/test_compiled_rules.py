@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_workspace import _op_scratch
 from zoo import ACCURACY
 
 import graphmem
 from graphmem.oprules import scratch
 from graphmem.training.step import run_step
 from graphmem.validation.measure import measure_peak
+from tests.oprules.test_workspace import _op_scratch
 
 aten = torch.ops.aten
 

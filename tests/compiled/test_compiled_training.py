@@ -6,7 +6,7 @@ one) with graphmem/training/loop.py's loop around it (micro-steps, ``optimizer.s
 ``zero_grad(set_to_none=True)``), measured by graphmem/validation/measure.py,
 WHEN graphmem analyzes the same step with ``mode="compiled"`` and the training options,
 THEN the optimizer states are the real ones to the byte, and the first and a later step's peaks
-(the states then exist before the step) are the real ones within tests/test_training.py's
+(the states then exist before the step) are the real ones within tests/trainers/test_training.py's
 tolerance, never above. Measured: 0 B in forward and backward; 12 B where the peak is inside an
 Adam step (for-loop and foreach), the gap the eager step of the same model has (a Python scalar of
 the update wrapped in an 8-byte double and copied to a 4-byte float32 tensor, invisible to fake
@@ -24,7 +24,7 @@ from graphmem.training.loop import TrainStep
 from graphmem.training.step import run_step
 from graphmem.validation.measure import measure_peak
 
-TOLERANCE = 0.001  # tests/test_training.py's LM tolerance; the measured gaps are named in the docstring
+TOLERANCE = 0.001  # tests/trainers/test_training.py's LM tolerance; the measured gaps are named in the docstring
 
 
 def _real(name: str, train: TrainStep) -> tuple[int, int, int]:

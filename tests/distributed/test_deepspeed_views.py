@@ -100,7 +100,7 @@ def test_a_zero3_step_records_the_same_graph_with_and_without_fast_views(monkeyp
     from graphmem.capture.reuse import signature
     from graphmem.deepspeed.capture import capture_engine_steps
     from tests.deepspeed_truth import decoder
-    from tests.test_deepspeed import _by_order, _config
+    from tests.distributed.test_deepspeed import _by_order, _config
 
     model, batch = decoder()
     config = _config(3, bf16={"enabled": True})

@@ -1,6 +1,6 @@
 """Per-rank captures on fake tensors (graphmem/distributed/): what each rank holds follows FSDP2's
 own sharding rule, the collectives' buffers are their own category, and mistakes are one line.
-(The real-run ground truth is tests/test_distributed.py.)"""
+(The real-run ground truth is tests/distributed/test_distributed.py.)"""
 from __future__ import annotations
 
 import math

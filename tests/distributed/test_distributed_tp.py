@@ -1,6 +1,6 @@
 """Tensor parallel on fake tensors (graphmem/distributed/tensor_parallel.py, tensor_parallel_hf.py):
 each rank holds Megatron's split of every weight, runs its own heads, and mistakes are one line.
-(The real gloo ground truth is tests/test_distributed.py.)
+(The real gloo ground truth is tests/distributed/test_distributed.py.)
 
 GIVEN a Hugging Face decoder split by transformers' own TP plan (apply_tensor_parallelism), or the
 bundled GPT-2 with its fused c_attn

@@ -96,7 +96,7 @@ def test_zero1_per_rank_against_zero_redundancy_optimizer(index: int, real: list
 # fully_shard (FSDP2) is the nearest real step (reshard_after_forward True: FULL_SHARD, False: SHARD_GRAD_OP).
 # Its per-rank model states are the formula's rows; its peaks are higher by FSDP2's all-gather and
 # reduce-scatter buffers, which the formula does not have (graphmem's own fully_shard capture,
-# `fsdp='fully_shard'` with `rank`, counts them: tests/test_distributed_step.py). Measured on the bundled
+# `fsdp='fully_shard'` with `rank`, counts them: tests/distributed/test_distributed_step.py). Measured on the bundled
 # GPT-2 (2 ranks, AdamW): 293,888 B above the formula (reshard) and 302,072 B (no reshard), first and later
 # steps alike. The formula's peaks stay unchecked against a real ZeRO-3 (docs/validation.md).
 FSDP_CASES: list[tuple[bool, dict[str, Any]]] = [(True, {"zero": 3}), (False, {"fsdp": "grad-op"})]

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 import sympy
 import torch
 from cases import tiny_gpt
+from paths import TESTS
 
 import graphmem
 from graphmem.cli.main import main
@@ -20,7 +20,7 @@ from graphmem.formula.fit import MIN_SIZE, NotPolynomialError
 from graphmem.models import gpt2, llama, mlp, resnet
 from graphmem.passes.coefficients import PeakModel, degree_of, interpolate, split_block, terms
 
-HERE = Path(__file__).parent
+HERE = TESTS
 B, S = sympy.symbols("b s")
 
 

@@ -3,14 +3,13 @@ thread count (or the default dtype) changed fails, and the tests after it run as
 started; changes made through ``torch_settings`` / ``one_thread`` are restored and pass."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from paths import TESTS
 
 pytest_plugins = ["pytester"]
 
-HERE = Path(__file__).parent
+HERE = TESTS
 
 
 def test_leaked_thread_count_fails_the_test_that_leaked_it(pytester: pytest.Pytester) -> None:

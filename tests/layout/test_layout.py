@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 import networkx as nx
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"graphmem": ROOT / "graphmem", "graphmem.passes": ROOT / "passes", "graphmem.models": ROOT / "models"}
 
 # what each layer may import (besides itself); the top-level modules are named by file

@@ -2,7 +2,7 @@
 kernel, to the byte over random shapes, and real models whose peak it decides.
 
 The per-op ground truth is the CPU allocator's events inside ``aten::convolution_backward``
-(tests/test_workspace.py ``_op_scratch``); the thread count, which sizes oneDNN's per-thread
+(tests/oprules/test_workspace.py ``_op_scratch``); the thread count, which sizes oneDNN's per-thread
 buffers, is drawn per shape and restored afterwards."""
 from __future__ import annotations
 

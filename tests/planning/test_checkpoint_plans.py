@@ -34,7 +34,7 @@ from graphmem.planning.apply import apply_segments
 from graphmem.planning.planner import chain_costs
 from graphmem.validation.measure import measure_peak
 
-LM_TOLERANCE = 0.001  # as tests/test_ground_truth.py: the real CPU peak, LMs
+LM_TOLERANCE = 0.001  # as tests/capture/test_ground_truth.py: the real CPU peak, LMs
 
 
 # -- the program -----------------------------------------------------------------------------------

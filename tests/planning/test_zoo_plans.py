@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paths import TESTS
 from zoo import ZOO, build
 
 import graphmem
@@ -137,12 +138,11 @@ def test_cli_plans_a_transformers_model_file_and_says_how_it_verified(capsys: py
     pytest.importorskip("transformers")
     import importlib.util
     import json
-    from pathlib import Path
 
     import graphmem.planning as gc
     from graphmem.cli import main
 
-    path = str(Path(__file__).parent / "plan_models" / "hf_llama.py")
+    path = str(TESTS / "plan_models" / "hf_llama.py")
     args = ["analyze", path, "--input-shape", "2x64", "--plan", "--budget", "4MiB"]
     assert main(args) == 0
     text = capsys.readouterr().out

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from paths import ROOT
 
 import graphmem
 from graphmem import cli
@@ -17,7 +18,7 @@ from graphmem.errors import UsageError
 from graphmem.report import Report
 from graphmem.units import fmt_bytes
 
-MLP_FILE = Path(__file__).resolve().parent.parent / "models" / "mlp.py"
+MLP_FILE = ROOT / "models" / "mlp.py"
 
 
 def _mlp(act: nn.Module) -> Report:
@@ -126,7 +127,7 @@ def test_peak_marker_sits_on_the_curve_of_a_long_step() -> None:
 def test_the_runs_peak_is_drawn_when_later_steps_hold_more() -> None:
     """GIVEN an MLP stepped by AdamW, whose later steps hold the states from their start
     WHEN it is plotted THEN a dotted line sits at the run's peak (report.run_peak_bytes, held equal
-    to a real second step in tests/test_run_memory.py), above the first step's marker."""
+    to a real second step in tests/passes/test_run_memory.py), above the first step's marker."""
     pytest.importorskip("matplotlib")
     from graphmem.render.plot import timeline_figure
 

@@ -1,7 +1,7 @@
 """Renderers: golden text output, JSON with exact integers, human units.
 
 Golden files live in tests/golden/. After an intended change to the text layout, rewrite them
-with ``GRAPHMEM_UPDATE_GOLDEN=1 pytest tests/test_render.py`` and check the diff by hand: every
+with ``GRAPHMEM_UPDATE_GOLDEN=1 pytest tests/render/test_render.py`` and check the diff by hand: every
 number in them was derived by hand once (see the ``*_by_hand`` tests below).
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import check_golden
+from paths import ROOT, TESTS
 
 import graphmem
 import graphmem.render.text
@@ -21,8 +22,8 @@ from graphmem import cli
 from graphmem.render import fmt_bytes, render_json, render_text
 from graphmem.report import Report
 
-GOLDEN = Path(__file__).parent / "golden"
-MLP_FILE = Path(__file__).resolve().parent.parent / "models" / "mlp.py"
+GOLDEN = TESTS / "golden"
+MLP_FILE = ROOT / "models" / "mlp.py"
 
 
 # -- tiny deterministic models ----------------------------------------------------------------

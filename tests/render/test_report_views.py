@@ -2,7 +2,7 @@
 output flags (--format, --json, --tree, --plot, --snapshot).
 
 Golden files are tests/golden/*_tree.txt and *.md; rewrite them with
-``GRAPHMEM_UPDATE_GOLDEN=1 pytest tests/test_report_views.py`` after an intended layout change
+``GRAPHMEM_UPDATE_GOLDEN=1 pytest tests/render/test_report_views.py`` after an intended layout change
 and check the diff by hand.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import check_golden
+from paths import ROOT, TESTS
 from test_render import MODELS, analyze
 
 import graphmem
@@ -21,8 +22,8 @@ from graphmem.render import render_text
 from graphmem.render.markdown import render_markdown
 from graphmem.render.tree import render_tree
 
-GOLDEN = Path(__file__).parent / "golden"
-MLP_FILE = Path(__file__).resolve().parent.parent / "models" / "mlp.py"
+GOLDEN = TESTS / "golden"
+MLP_FILE = ROOT / "models" / "mlp.py"
 
 
 def _check_golden(filename: str, text: str) -> None:

@@ -1,6 +1,6 @@
 """torchtitan jobs (graphmem/titan/): the job's own Trainer per rank on fake tensors, through the
 API and the CLI; the per-rank figures against real gloo runs of the same jobs are in
-tests/test_titan_truth.py."""
+tests/titan/test_titan_truth.py."""
 from __future__ import annotations
 
 import json
@@ -58,7 +58,7 @@ def test_selective_ac_keeps_are_activations(fsdp4):
     """The debug job's SelectiveAC keeps every other ``aten.mm`` of a block (the 1st, 3rd, ... in
     forward: torchtitan/distributed/activation_checkpoint.py ``SelectiveAC._wrap_block``) in
     checkpoint's cache until backward: saved for backward, activations (graphmem/capture/sac.py;
-    the bytes against a real run: tests/test_titan_truth.py ``test_fsdp_selective_ac``)."""
+    the bytes against a real run: tests/titan/test_titan_truth.py ``test_fsdp_selective_ac``)."""
     _, report = fsdp4
     g = report.step
     saved = {t.sid: t for t in report.saved}

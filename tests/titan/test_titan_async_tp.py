@@ -2,7 +2,7 @@
 micro-pipeline pass on each compiled block's split graphs (graphmem/titan/async_tp.py) and the
 fused ops' CUDA allocations (graphmem/oprules/symm_mem.py). No CPU runs symmetric memory, so
 the async job is checked against the same job without AsyncTP, whose figures are checked against
-real gloo runs (tests/test_titan_truth.py): every difference is computed here from shapes."""
+real gloo runs (tests/titan/test_titan_truth.py): every difference is computed here from shapes."""
 from __future__ import annotations
 
 import collections

@@ -3,7 +3,7 @@ target: graphmem runs torch's own context parallel, as torchtitan applies it, pe
 tensors. No CPU can run it for real (torch's ring attention handles CUDA's SDPA kernels only,
 torch/distributed/tensor/experimental/_context_parallel/_attention.py, and FlexAttention has no
 CPU backward), so each rank is checked against the same job without context parallel at the
-rank's share of the sequence, whose figures the gloo truths check (tests/test_titan_truth.py):
+rank's share of the sequence, whose figures the gloo truths check (tests/titan/test_titan_truth.py):
 what differs is what torch's context parallel code makes, named tensor by tensor."""
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def test_emulated_against_gloo(torchao: Any, degree: str) -> None:
     """FSDP2 and TP over 2 gloo ranks, float8 emulated: 1,531,176 B (FSDP2) and 856,456 B (TP2)
     saved on each rank, the same as the job with plain linears (torchao saves the high-precision
     input and weight)."""
-    from tests.test_titan_truth import _as_predicted, _consistent, _predicted
+    from tests.titan.test_titan_truth import _as_predicted, _consistent, _predicted
     from tests.titan_truth import real_titan, small_llama3
 
     overrides = {f"parallelism.{degree}": 2}

@@ -2,7 +2,7 @@
 own step over the model accelerate compiles, captured in compiled mode with the backend's partition,
 against the same step run for real on the CPU over the module accelerate's ``prepare_model`` compiled.
 
-Ground truth as in tests/test_hf_trainer.py (graphmem/validation/measure.py with the same runner):
+Ground truth as in tests/trainers/test_hf_trainer.py (graphmem/validation/measure.py with the same runner):
 saved bytes by ``saved_tensors_hooks`` around the real compiled step (AOTAutograd's runtime saves what
 the compiled forward returns for backward with ``ctx.save_for_backward``, whatever the backend), the
 optimizer states, and the peaks from the CPU allocator's events; the real module is compiled by a
@@ -24,7 +24,7 @@ predicted / real, bytes before the step exact everywhere:
   581,900 B; ``inductor`` saved 31,636 / 31,636 B, later steps 592,140 / 587,084 B (0.9 % above).
 
 The first step's peak is AdamW's update (eager code): exact, with the 8 B double and 4 B cast that
-tests/test_hf_trainer.py's docstring traces (the Inductor rows above were measured before they were
+tests/trainers/test_hf_trainer.py's docstring traces (the Inductor rows above were measured before they were
 counted: 12 B under then).
 """
 from __future__ import annotations
@@ -40,10 +40,10 @@ import graphmem
 from graphmem.frontends.trainer import trainer_batch
 from graphmem.render import render_json, render_text
 from graphmem.validation.trainer import measure_trainer
-from tests.test_hf_trainer import _gpt2, _llama, _lora_llama  # the same tiny configs as the eager Trainer's checks
+from tests.trainers.test_hf_trainer import _gpt2, _llama, _lora_llama  # the eager Trainer checks' tiny configs
 
 transformers = pytest.importorskip("transformers")
-PEAK_TOLERANCE = 0.001  # as tests/test_hf_trainer.py; the gaps measured: module docstring
+PEAK_TOLERANCE = 0.001  # as tests/trainers/test_hf_trainer.py; the gaps measured: module docstring
 
 
 

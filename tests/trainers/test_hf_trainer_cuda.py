@@ -32,7 +32,7 @@ from graphmem.cli.main import main
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.frontends.trainer import trainer_batch
 from graphmem.validation.result import NO_GPU
-from tests.test_hf_trainer import _gpt2, _llama
+from tests.trainers.test_hf_trainer import _gpt2, _llama
 
 transformers = pytest.importorskip("transformers")
 TOKEN_COUNT = ("aten.div.Tensor", "", (), "float32", 4)  # the Trainer's num_items_in_batch, kept by DivBackward0

@@ -15,7 +15,7 @@ import graphmem
 from graphmem.cli.main import main
 from graphmem.errors import UsageError
 from graphmem.render.validate import render_validation
-from tests.test_hf_trainer import _gpt2, _llama
+from tests.trainers.test_hf_trainer import _gpt2, _llama
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,14 +16,14 @@ from graphmem.errors import UsageError
 from graphmem.frontends.trainer import trainer_batch
 from graphmem.render import render_text
 from graphmem.training.hf_trainer_ddp import BUCKET
-from tests.test_hf_trainer import _gpt2, _llama  # the one-process Trainer tests' tiny models
+from tests.trainers.test_hf_trainer import _gpt2, _llama  # the one-process Trainer tests' tiny models
 
 transformers = pytest.importorskip("transformers")
 PEAK_TOLERANCE = 0.01  # the brief's 1 %; the gaps measured are bytes (docs/trainer.md)
 
 
 def llama_trainer(out: str) -> Any:
-    """The tiny Llama of tests/test_hf_trainer.py, AdamW, clipping, 2 accumulation steps (module level:
+    """The tiny Llama of tests/trainers/test_hf_trainer.py, AdamW, clipping, 2 accumulation steps (module level:
     spawned ranks build it)."""
     torch.manual_seed(0)
     args = transformers.TrainingArguments(output_dir=out, report_to=[], use_cpu=True,
@@ -128,5 +128,5 @@ def test_training_args_file_with_world_size_from_the_cli(tmp_path: Any, capsys: 
     fsdp.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True, "report_to": [], "fsdp": "full_shard",
                                 "fsdp_config": {"fsdp_version": 2}}))
     assert main(["analyze", "hf-gpt2", "--input-shape", "2x32", "--training-args", str(fsdp)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()  # (per rank they run: tests/test_hf_trainer_fsdp.py)
+    err = capsys.readouterr().err.strip().splitlines()  # (per rank they run: tests/trainers/test_hf_trainer_fsdp.py)
     assert len(err) == 1 and "FSDP" in err[0] and "--world-size" in err[0]

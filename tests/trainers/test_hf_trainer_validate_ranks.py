@@ -16,8 +16,8 @@ from graphmem.cli.main import main
 from graphmem.errors import UsageError
 from graphmem.frontends.trainer import trainer_batch
 from graphmem.render.validate import render_validation
-from tests.test_hf_trainer import _llama
-from tests.test_hf_trainer_ranks import llama_trainer
+from tests.trainers.test_hf_trainer import _llama
+from tests.trainers.test_hf_trainer_ranks import llama_trainer
 
 transformers = pytest.importorskip("transformers")
 

@@ -24,7 +24,7 @@ bnb = pytest.importorskip("bitsandbytes")
 T = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-LM_TOLERANCE = 0.001  # tests/test_ground_truth.py: LMs, the prediction never above the real peak
+LM_TOLERANCE = 0.001  # tests/capture/test_ground_truth.py: LMs, the prediction never above the real peak
 V = 128
 
 

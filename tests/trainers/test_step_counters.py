@@ -1,7 +1,7 @@
 """Where torch.optim keeps Adam/AdamW's step counters (torch/optim/adam.py ``_init_group``):
 ``torch.tensor(0.0, device="cpu")`` for the for-loop and foreach implementations (host memory
 whatever the parameters' device), ``torch.zeros((), device=p.device)`` when fused. On the CPU
-target every counter is CPU memory (4 B each, as a real CPU step has: tests/test_training.py);
+target every counter is CPU memory (4 B each, as a real CPU step has: tests/trainers/test_training.py);
 on the CUDA target only fused ones take device bytes."""
 from __future__ import annotations
 

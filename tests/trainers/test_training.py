@@ -1,5 +1,5 @@
 """The whole training step against real CPU runs: optimizer states to the byte, peaks within the
-foundation's tolerance (tests/test_ground_truth.py: LMs and MLP 0.1 %, the prediction never
+foundation's tolerance (tests/capture/test_ground_truth.py: LMs and MLP 0.1 %, the prediction never
 above), micro-batches, master weights, LoRA and frozen parameters.
 
 The real runs use graphmem/training/loop.py's loop itself (graphmem/validation/measure.py), so both sides run

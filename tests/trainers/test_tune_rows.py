@@ -8,17 +8,17 @@ tensors: graphmem/capture/wrapped_numbers.py, graphmem/oprules/bnb.py).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from paths import ROOT
 
 import graphmem
 from graphmem.training.loop import make_train_step
 from graphmem.validation.measure import measure_peak
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import tune_rows  # noqa: E402
 
 transformers = pytest.importorskip("transformers")

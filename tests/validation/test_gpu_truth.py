@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_truth  # noqa: E402
 import gpu_truth_anchors as anchors  # noqa: E402

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from paths import TESTS
 from torch import nn
 
 import graphmem
@@ -24,7 +24,7 @@ from graphmem.validation.result import judge
 from graphmem.validation.validate import NO_GPU, Validation, ValidationError, validate
 
 validate_module = importlib.import_module("graphmem.validation.validate")
-MODELS = Path(__file__).parent / "validate_models"
+MODELS = TESTS / "validate_models"
 TINY = {"tiny_gpt2": (2, 16), "tiny_llama": (2, 16), "tiny_mlp": (4, 64)}
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -329,7 +329,7 @@ def test_garbage_profiled_earlier_is_not_freed_inside_the_measured_step() -> Non
     dict(optimizer="adamw", micro_batches=2),  # the optimizer, its states, a second step's peak
     dict(optimizer="sgd", lora_rank=4, lora_targets="c_attn,c_proj"),  # adapters on a copy, the rest frozen
     dict(optimizer="adam", dtype="bf16", master_weights=True),  # 16-bit parameters, fp32 masters
-])  # (amp="bf16" on the CPU: oneDNN's bf16 GEMM scratch is not modelled, tests/test_checkpoint_plans.py measures it)
+])  # (amp="bf16" on the CPU: oneDNN's bf16 GEMM scratch is not modelled, tests/planning/test_checkpoint_plans.py measures it)
 def test_validate_runs_the_loop_the_spec_names(options: dict) -> None:
     # GIVEN a real module and the loop as analyze takes it
     from cases import tiny_gpt, tokens
@@ -352,7 +352,7 @@ def test_validate_runs_the_loop_the_spec_names(options: dict) -> None:
 
 def test_validate_names_what_it_does_not_run_for_real() -> None:
     module = nn.Linear(4, 4)
-    with pytest.raises(UsageError, match="not `zero`"):  # a formula: no wrapper to run per rank (tests/test_validate_ranks.py)
+    with pytest.raises(UsageError, match="not `zero`"):  # a formula: no wrapper to run per rank (tests/validation/test_validate_ranks.py)
         validate(module, (torch.randn(2, 4),), world_size=2, zero=1)
 
 

@@ -9,8 +9,8 @@ resharding after forward), or the bundled Llama as a model file (TP 2 + SP)
 WHEN validate runs the ranks for real
 THEN every rank's saved-for-backward, before-step and optimizer-state bytes equal graphmem.analyze(...,
 rank=r)'s to the byte, and each peak is within validate's tolerance (1 % of the measured peak, never
-below it: the per-rank gaps the gloo truth tests bound, tests/test_distributed.py SINGLE_GAP and
-tests/test_distributed_step.py OPTIMIZER_GAP, are 0 to 96 B on these models, far inside it);
+below it: the per-rank gaps the gloo truth tests bound, tests/distributed/test_distributed.py SINGLE_GAP and
+tests/distributed/test_distributed_step.py OPTIMIZER_GAP, are 0 to 96 B on these models, far inside it);
 and a per-rank setting validate does not run for real is refused in one line that names it.
 Every rank runs with one thread (the one_thread fixture: the prediction's thread count is passed on).
 """
@@ -27,7 +27,7 @@ from graphmem import cli
 from graphmem.errors import UsageError
 from graphmem.validation.result import DEFAULT_TOLERANCE, Validation
 from graphmem.validation.validate import validate
-from tests.test_validate import model_file, run_cli
+from tests.validation.test_validate import model_file, run_cli
 from tests.zoo import build
 
 pytestmark = pytest.mark.usefixtures("one_thread")
