@@ -10,7 +10,7 @@ holds it as ``$ graphmem ...``, else the first fenced block after the one that h
 output lines the block quotes: ``Screen`` (the whole output, its long tables cut to their first rows and
 ``...``) or ``Pick`` (the first line matching each pattern, ``...`` between lines the output does not
 print together). ``Quote`` ties a number in the README's prose to the output's. The README itself is
-changed only inside those blocks and quotes. tests/test_readme_figures.py runs the check.
+changed only inside those blocks and quotes. tests/layout/test_readme_figures.py runs the check.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``AnalysisView``: what the layers below graphmem/report/ (formula, planning, advise) read of a live
 analysis, as a Protocol, so that they take a typed value without importing graphmem.report
-(tests/test_layout.py: the report layer sits above them). graphmem/report/live.py ``Analysis`` satisfies it.
+(tests/layout/test_layout.py: the report layer sits above them). graphmem/report/live.py ``Analysis`` satisfies it.
 
 ``step``, ``liveness`` and ``source`` are the live capture: the step graph, its liveness and the
 graphmem/step/recapture.py Recapture that captures the same step again (at other sizes, with a plan

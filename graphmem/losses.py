@@ -5,7 +5,7 @@ the same again in backward: on GPT-2 at 8x1024 each fp32 (tokens, vocab) tensor 
 ``chunked_cross_entropy`` takes the hidden states and the head's weight instead and runs the
 head + loss for ``chunk`` tokens at a time under ``torch.utils.checkpoint`` (non-reentrant), so
 forward keeps only each chunk's hidden states and backward recomputes one chunk's logits at a
-time. The loss and the gradients equal the plain ones (tests/test_losses.py).
+time. The loss and the gradients equal the plain ones (tests/trainers/test_losses.py).
 
     from graphmem.losses import chunked_cross_entropy
     head = model.lm_head
@@ -86,7 +86,7 @@ def _head(module: nn.Module, where: str) -> nn.Module:
 
 
 def _head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
-    if type(head) is nn.Linear:  # the weight itself: the function users call (tests/test_losses.py)
+    if type(head) is nn.Linear:  # the weight itself: the function users call (tests/trainers/test_losses.py)
         return chunked_cross_entropy(hidden, head.weight, targets, head.bias, chunk)
     return chunked_head_loss(hidden, head, targets, chunk)
 

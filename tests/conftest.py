@@ -157,8 +157,8 @@ def _settings_kept(request: pytest.FixtureRequest) -> Iterator[None]:
 # plans, whose real peak is 24 B above the plan's (on AVX-512 inside the test's allowance for oneDNN's
 # bf16 GEMM scratch, which AVX2 kernels do not run).
 AVX512_KERNELS = (
-    "tests/test_compiled_rules.py::test_compiled_peak_equals_real_compiled_step[timm_convnext_atto]",
-    "tests/test_checkpoint_plans.py::test_autocast_plans_match_real_cpu_autocast_runs[gpt2-cpu]",
+    "tests/compiled/test_compiled_rules.py::test_compiled_peak_equals_real_compiled_step[timm_convnext_atto]",
+    "tests/planning/test_checkpoint_plans.py::test_autocast_plans_match_real_cpu_autocast_runs[gpt2-cpu]",
 )
 
 # Real bf16 steps compared to the byte: they hold where bf16 GEMMs run ATen's own kernel (AVX2, or any
@@ -168,28 +168,28 @@ AVX512_KERNELS = (
 # measured on an AVX-512-BF16 AMD EPYC, 7,808 B on both peaks of the first test, -2.92 % and -4.94 % on
 # rank 0 of the gloo jobs.
 ONEDNN_BF16_GEMM = (
-    "tests/test_hf_trainer.py::test_bf16_autocast_through_accelerate_matches_a_real_step",
-    "tests/test_hf_trainer_fsdp.py::test_gpt2_fsdp_ranks_in_bf16_against_a_real_gloo_job",
-    "tests/test_hf_trainer_fsdp.py::test_tiny_llama_fsdp_ranks_compiled_against_a_real_gloo_job[aot_eager-True]",
+    "tests/trainers/test_hf_trainer.py::test_bf16_autocast_through_accelerate_matches_a_real_step",
+    "tests/trainers/test_hf_trainer_fsdp.py::test_gpt2_fsdp_ranks_in_bf16_against_a_real_gloo_job",
+    "tests/trainers/test_hf_trainer_fsdp.py::test_tiny_llama_fsdp_ranks_compiled_against_a_real_gloo_job[aot_eager-True]",
 )
 
 # The per-op comparisons: oneDNN's x86-64 kernels (AVX-512 or AVX2); on other CPUs the rules decline
 # (graphmem/oprules/conv_gemm.py ``onednn_x64``), so these are skipped there.
 X64_KERNELS = (
-    "tests/test_workspace.py::test_onednn_lstm_workspace_equals_real_kernel",
-    "tests/test_workspace.py::test_flash_attention_cpu_scratch",
-    "tests/test_workspace_conv.py::test_depthwise",
-    "tests/test_workspace_conv_dw.py::test_plain_depthwise",
-    "tests/test_workspace_conv_gemm.py::test_gemm_convolution_backward_equals_real_kernel",
-    "tests/test_workspace_conv_gemm.py::test_conv_models_peak_within_one_percent_of_real_step",
-    "tests/test_workspace_conv_jit.py::test_",
-    "tests/test_compiled_rules.py::test_compiled_peak_equals_real_compiled_step[timm_convnext_atto]",
-    "tests/test_zoo_accuracy.py::test_zoo_saved_exact_and_peak_within_named_tolerance[timm_convnext_atto]",
-    "tests/test_zoo_plans.py::test_a_plan_holds_on_a_real_step[convnext]",
-    "tests/test_checkpoint_plans.py::test_autocast_plans_match_real_cpu_autocast_runs",
-    "tests/test_zoo_accuracy.py::test_zoo_saved_exact_and_peak_within_named_tolerance[timm_resnet18]",
-    "tests/test_zoo_accuracy.py::test_zoo_saved_exact_and_peak_within_named_tolerance[torchvision_resnet18]",
-    "tests/test_hf_trainer.py::test_gpt2_bf16_with_gradient_checkpointing_later_steps",
+    "tests/oprules/test_workspace.py::test_onednn_lstm_workspace_equals_real_kernel",
+    "tests/oprules/test_workspace.py::test_flash_attention_cpu_scratch",
+    "tests/oprules/test_workspace_conv.py::test_depthwise",
+    "tests/oprules/test_workspace_conv_dw.py::test_plain_depthwise",
+    "tests/oprules/test_workspace_conv_gemm.py::test_gemm_convolution_backward_equals_real_kernel",
+    "tests/oprules/test_workspace_conv_gemm.py::test_conv_models_peak_within_one_percent_of_real_step",
+    "tests/oprules/test_workspace_conv_jit.py::test_",
+    "tests/compiled/test_compiled_rules.py::test_compiled_peak_equals_real_compiled_step[timm_convnext_atto]",
+    "tests/capture/test_zoo_accuracy.py::test_zoo_saved_exact_and_peak_within_named_tolerance[timm_convnext_atto]",
+    "tests/planning/test_zoo_plans.py::test_a_plan_holds_on_a_real_step[convnext]",
+    "tests/planning/test_checkpoint_plans.py::test_autocast_plans_match_real_cpu_autocast_runs",
+    "tests/capture/test_zoo_accuracy.py::test_zoo_saved_exact_and_peak_within_named_tolerance[timm_resnet18]",
+    "tests/capture/test_zoo_accuracy.py::test_zoo_saved_exact_and_peak_within_named_tolerance[torchvision_resnet18]",
+    "tests/trainers/test_hf_trainer.py::test_gpt2_bf16_with_gradient_checkpointing_later_steps",
 )
 
 
@@ -198,109 +198,109 @@ X64_KERNELS = (
 # so the full command (CI) still runs them. Each is a real-step or re-capture comparison that also runs
 # on smaller shapes or other models in the quick set.
 SLOW_ON_TWO_CORES = (
-    "tests/test_compiled_budget.py::test_sweep_matches_real_compiled_steps[hf_llama]",  # 65 s
-    "tests/test_compiled_budget.py::test_sweep_matches_real_compiled_steps[hf_gpt2]",  # 51 s
-    "tests/test_advise.py::test_the_chosen_combination_fits_when_no_single_lever_does",  # 43 s
-    "tests/test_coefficients.py::test_analyze_formula_flag_adds_the_formula_to_text_json_and_markdown",  # 38 s
-    "tests/test_selective.py::test_selective_plans_over_micro_batches_equal_recaptured_peaks",  # 32 s
-    "tests/test_advise.py::test_hf_causal_lm_loss_lever_is_analyze_and_a_real_step",  # 32 s
-    "tests/test_validate.py::test_cli_validate_takes_the_loop_options",  # 28 s
-    "tests/test_compiled_budget.py::test_sweep_matches_real_compiled_steps[gpt2_explicit]",  # 27 s
-    "tests/test_gpu_truth.py::test_dry_subset",  # 27 s
-    "tests/test_selective.py::test_selective_plans_under_autocast_equal_recaptured_peaks",  # 25 s
-    "tests/test_checkpoint_plans.py::test_cli_plan_text_and_json",  # 25 s
-    "tests/test_coefficients.py::test_polynomial_reproduces_captured_bytes_at_five_held_out_points[llama]",  # 24 s
-    "tests/test_coefficients.py::test_polynomial_reproduces_captured_bytes_at_five_held_out_points[resnet]",  # 24 s
-    "tests/test_checkpoint_plans.py::test_autocast_plans_equal_recaptured_peaks[llama-cpu]",  # 23 s
-    "tests/test_coefficients.py::test_formula_cli_text_and_json",  # 22 s
-    "tests/test_checkpoint_plans.py::test_plans_over_unlike_blocks_in_several_stages",  # 21 s
-    "tests/test_checkpoint_plans.py::test_plan_peaks_equal_recaptured_peaks[llama]",  # 21 s
-    "tests/test_checkpoint_plans.py::test_plans_with_tensors_only_checkpoints_keep[2]",  # 20 s
-    "tests/test_checkpoint_plans.py::test_plans_over_micro_batches_equal_recaptured_peaks_and_real_steps[2-adam]",  # 20 s
-    "tests/test_advise.py::test_the_pipeline_lever_is_every_ranks_stage_with_its_optimizer",  # 20 s
-    "tests/test_checkpoint_plans.py::test_plans_over_micro_batches_equal_recaptured_peaks_and_real_steps[3-None]",  # 19 s
-    "tests/test_advise.py::test_lora_and_qlora_levers_are_analyze_with_those_options",  # 19 s
-    "tests/test_coefficients.py::test_sweep_cli_table_and_json",  # 18 s
-    "tests/test_coefficients.py::test_fit_sequence_length_for_a_fixed_batch",  # 17 s
-    "tests/test_coefficients.py::test_fit_gpt2_xl_80gib_seq_1024_answer_fits_and_next_does_not",  # 17 s
-    "tests/test_korthikanti.py::test_megatron_block_fp16_cuda_alpha_34_beta_5[True]",  # 17 s
-    "tests/test_advise.py::test_loss_and_optimizer_levers_match_a_real_cpu_step",  # 17 s
-    "tests/test_advise.py::test_attention_lever_on_the_cuda_target",  # 16 s
-    "tests/test_coefficients.py::test_llama_grouped_query_attention_alpha_by_hand",  # 16 s
-    "tests/test_coefficients.py::test_gpt2_explicit_attention_with_dropout_alpha_beta_by_hand",  # 16 s
-    "tests/test_selective.py::test_selective_plan_peaks_equal_recaptured_peaks[llama]",  # 15 s
-    "tests/test_selective.py::test_selective_plans_beat_plain_checkpointing[llama]",  # 15 s
-    "tests/test_checkpoint_plans.py::test_autocast_plans_equal_recaptured_peaks[gpt2-cuda]",  # 15 s
-    "tests/test_checkpoint_plans.py::test_plans_with_tensors_only_checkpoints_keep[1]",  # 14 s
-    "tests/test_coefficients.py::test_polynomial_reproduces_captured_bytes_at_five_held_out_points[gpt2]",  # 14 s
-    "tests/test_checkpoint_plans.py::test_autocast_plans_equal_recaptured_peaks[gpt2-cpu]",  # 14 s
-    "tests/test_distributed_tp.py::test_cli_loss_parallel_keeps_the_logits_split",  # 14 s
-    "tests/test_checkpoint_plans.py::test_plans_with_the_optimizer_step_equal_recaptured_peaks",  # 14 s
-    "tests/test_checkpoint_plans.py::test_plan_peaks_equal_recaptured_peaks[gpt2]",  # 13 s
-    "tests/test_compiled_training.py::test_transformers_models_compiled_with_adamw_are_real_steps[gpt2_sdpa]",  # 13 s
+    "tests/compiled/test_compiled_budget.py::test_sweep_matches_real_compiled_steps[hf_llama]",  # 65 s
+    "tests/compiled/test_compiled_budget.py::test_sweep_matches_real_compiled_steps[hf_gpt2]",  # 51 s
+    "tests/advise/test_advise.py::test_the_chosen_combination_fits_when_no_single_lever_does",  # 43 s
+    "tests/formula/test_coefficients.py::test_analyze_formula_flag_adds_the_formula_to_text_json_and_markdown",  # 38 s
+    "tests/planning/test_selective.py::test_selective_plans_over_micro_batches_equal_recaptured_peaks",  # 32 s
+    "tests/advise/test_advise.py::test_hf_causal_lm_loss_lever_is_analyze_and_a_real_step",  # 32 s
+    "tests/validation/test_validate.py::test_cli_validate_takes_the_loop_options",  # 28 s
+    "tests/compiled/test_compiled_budget.py::test_sweep_matches_real_compiled_steps[gpt2_explicit]",  # 27 s
+    "tests/validation/test_gpu_truth.py::test_dry_subset",  # 27 s
+    "tests/planning/test_selective.py::test_selective_plans_under_autocast_equal_recaptured_peaks",  # 25 s
+    "tests/planning/test_checkpoint_plans.py::test_cli_plan_text_and_json",  # 25 s
+    "tests/formula/test_coefficients.py::test_polynomial_reproduces_captured_bytes_at_five_held_out_points[llama]",  # 24 s
+    "tests/formula/test_coefficients.py::test_polynomial_reproduces_captured_bytes_at_five_held_out_points[resnet]",  # 24 s
+    "tests/planning/test_checkpoint_plans.py::test_autocast_plans_equal_recaptured_peaks[llama-cpu]",  # 23 s
+    "tests/formula/test_coefficients.py::test_formula_cli_text_and_json",  # 22 s
+    "tests/planning/test_checkpoint_plans.py::test_plans_over_unlike_blocks_in_several_stages",  # 21 s
+    "tests/planning/test_checkpoint_plans.py::test_plan_peaks_equal_recaptured_peaks[llama]",  # 21 s
+    "tests/planning/test_checkpoint_plans.py::test_plans_with_tensors_only_checkpoints_keep[2]",  # 20 s
+    "tests/planning/test_checkpoint_plans.py::test_plans_over_micro_batches_equal_recaptured_peaks_and_real_steps[2-adam]",  # 20 s
+    "tests/advise/test_advise.py::test_the_pipeline_lever_is_every_ranks_stage_with_its_optimizer",  # 20 s
+    "tests/planning/test_checkpoint_plans.py::test_plans_over_micro_batches_equal_recaptured_peaks_and_real_steps[3-None]",  # 19 s
+    "tests/advise/test_advise.py::test_lora_and_qlora_levers_are_analyze_with_those_options",  # 19 s
+    "tests/formula/test_coefficients.py::test_sweep_cli_table_and_json",  # 18 s
+    "tests/formula/test_coefficients.py::test_fit_sequence_length_for_a_fixed_batch",  # 17 s
+    "tests/formula/test_coefficients.py::test_fit_gpt2_xl_80gib_seq_1024_answer_fits_and_next_does_not",  # 17 s
+    "tests/formula/test_korthikanti.py::test_megatron_block_fp16_cuda_alpha_34_beta_5[True]",  # 17 s
+    "tests/advise/test_advise.py::test_loss_and_optimizer_levers_match_a_real_cpu_step",  # 17 s
+    "tests/advise/test_advise.py::test_attention_lever_on_the_cuda_target",  # 16 s
+    "tests/formula/test_coefficients.py::test_llama_grouped_query_attention_alpha_by_hand",  # 16 s
+    "tests/formula/test_coefficients.py::test_gpt2_explicit_attention_with_dropout_alpha_beta_by_hand",  # 16 s
+    "tests/planning/test_selective.py::test_selective_plan_peaks_equal_recaptured_peaks[llama]",  # 15 s
+    "tests/planning/test_selective.py::test_selective_plans_beat_plain_checkpointing[llama]",  # 15 s
+    "tests/planning/test_checkpoint_plans.py::test_autocast_plans_equal_recaptured_peaks[gpt2-cuda]",  # 15 s
+    "tests/planning/test_checkpoint_plans.py::test_plans_with_tensors_only_checkpoints_keep[1]",  # 14 s
+    "tests/formula/test_coefficients.py::test_polynomial_reproduces_captured_bytes_at_five_held_out_points[gpt2]",  # 14 s
+    "tests/planning/test_checkpoint_plans.py::test_autocast_plans_equal_recaptured_peaks[gpt2-cpu]",  # 14 s
+    "tests/distributed/test_distributed_tp.py::test_cli_loss_parallel_keeps_the_logits_split",  # 14 s
+    "tests/planning/test_checkpoint_plans.py::test_plans_with_the_optimizer_step_equal_recaptured_peaks",  # 14 s
+    "tests/planning/test_checkpoint_plans.py::test_plan_peaks_equal_recaptured_peaks[gpt2]",  # 13 s
+    "tests/compiled/test_compiled_training.py::test_transformers_models_compiled_with_adamw_are_real_steps[gpt2_sdpa]",  # 13 s
     # measured 2026-11-29 (1,002 quick tests in 17 min 2 s on two shared AVX2 cores): the slowest quick tests
-    "tests/test_advise.py::test_the_batch_lever_is_the_largest_batch_whose_captured_step_fits[opts1]",  # 42 s
-    "tests/test_advise_truth.py::test_the_batch_lever_is_a_real_step[opts1]",  # 32 s
-    "tests/test_compiled_training.py::test_transformers_models_compiled_with_adamw_are_real_steps[llama_gqa]",  # 31 s
-    "tests/test_korthikanti.py::test_megatron_block_fp16_cuda_alpha_34_beta_5[False]",  # 26 s
-    "tests/test_checkpoint_plans.py::test_plans_that_are_not_made_say_so_in_one_line",  # 25 s
-    "tests/test_advise_truth.py::test_the_batch_lever_is_a_real_step[opts0]",  # 25 s
-    "tests/test_advise.py::test_the_batch_lever_is_the_largest_batch_whose_captured_step_fits[opts0]",  # 25 s
-    "tests/test_checkpoint_plans.py::test_cli_plan_mistakes_are_one_line",  # 21 s
-    "tests/test_compiled.py::test_compiled_saved_bytes_exact[resnet_small]",  # 21 s
-    "tests/test_hf_trainer_compiled.py::test_aot_eager_compiled_trainer_step_without_an_attention_mask_saves_what_a_real_one_saves",  # 20 s
-    "tests/test_hf_trainer_compiled.py::test_aot_eager_compiled_trainer_step_matches_a_real_one",  # 19 s
-    "tests/test_hf_trainer_compiled_ranks.py::test_compiled_training_args_with_world_size_from_the_cli",  # 17 s
-    "tests/test_gpu_truth.py::test_gpu_run_plumbing",  # 17 s
-    "tests/test_properties.py::test_random_models_match_a_real_cpu_step",  # 17 s
-    "tests/test_coefficients.py::test_gpt2_sdpa_without_attention_dropout_has_beta_zero_on_cpu",  # 16 s
-    "tests/test_report_roundtrip.py::test_kept_answers_round_trip_and_render",  # 15 s
-    "tests/test_compiled.py::test_compiled_saved_bytes_exact[llama_sdpa]",  # 14 s
-    "tests/test_compiled_training.py::test_a_compiled_step_with_its_optimizer_is_a_real_one[gpt2-adamw-foreach-3mb]",  # 14 s
-    "tests/test_checkpoint_plans.py::test_identical_blocks_are_measured_at_depth_4_exactly[llama]",  # 14 s
-    "tests/test_compiled_training.py::test_a_compiled_step_with_its_optimizer_is_a_real_one[llama-adam-foreach]",  # 13 s
-    "tests/test_checkpoint_plans.py::test_program_equals_brute_force_on_random_chains[0]",  # 13 s
-    "tests/test_compiled.py::test_compiled_peak_matches_a_real_compiled_step[gpt2_explicit]",  # 13 s
-    "tests/test_compiled.py::test_compiled_peak_matches_a_real_compiled_step[llama_sdpa]",  # 13 s
-    "tests/test_no_allocation.py::test_gpt2_xl_32x1024_analyzed_in_under_2_gb_rss",  # 12 s
-    "tests/test_run_memory.py::test_device_total_rows_for_a_per_rank_nccl_job",  # 12 s
-    "tests/test_checkpoint_plans.py::test_apply_refuses_bad_segments",  # 12 s
-    "tests/test_zoo_plans.py::test_pieces_that_compose_without_the_kv_cache_give_a_proven_plan",  # 12 s
-    "tests/test_compiled_cuda.py::test_compiled_amp_opens_transformers_maybe_autocast_regions",  # 12 s
-    "tests/test_errors.py::test_console_script_exit_code_and_single_stderr_line",  # 12 s
-    "tests/test_compiled_budget.py::test_nonmonotonic_peak_on_gpt2_is_reported",  # 11 s
-    "tests/test_distributed_capture.py::test_each_rank_holds_its_padded_shards[8-llama_gqa]",  # 11 s
-    "tests/test_checkpoint_plans.py::test_autocast_plan_cli_prints_a_plan",  # 11 s
-    "tests/test_titan_float8.py::test_scaled_mm_on_the_cuda_target[rowwise]",  # 11 s
-    "tests/test_pipeline.py::test_1f1b_holds_min_m_p_minus_r_micro_batches_gpipe_all[4-8-gpt2]",  # 11 s
-    "tests/test_hygiene.py::test_leaked_thread_count_fails_the_test_that_leaked_it",  # 11 s
-    "tests/test_selective.py::test_selective_plans_beat_plain_checkpointing[gpt2]",  # 11 s
-    "tests/test_selective.py::test_selective_plan_peaks_equal_recaptured_peaks[gpt2]",  # 11 s
-    "tests/test_checkpoint_plans.py::test_a_plan_fits_every_step_not_only_the_first[adam]",  # 11 s
-    "tests/test_bnb_optim.py::test_8bit_adamw_stepped_in_backward[gpt2_explicit]",  # 10 s
-    "tests/test_distributed_capture.py::test_reshard_after_forward_frees_gathered_blocks_and_the_formula_is_beside_it",  # 10 s
-    "tests/test_distributed_capture.py::test_rank_optimizer_states_are_the_zero3_formulas_row[llama_gqa]",  # 10 s
-    "tests/test_compiled_cuda.py::test_compiled_amp_saved_set_is_the_eager_cuda_autocast[timm_vit-bf16]",  # 10 s
-    "tests/test_capacity.py::test_advise_on_cuda_judges_each_setting_on_its_device_total",  # 10 s
-    "tests/test_selective.py::test_cli_selective",  # 10 s
-    "tests/test_compiled.py::test_compiled_saved_bytes_exact[gpt2_explicit]",  # 10 s
-    "tests/test_checkpoint_plans.py::test_apply_is_real_checkpointing_and_remove_restores",  # 10 s
-    "tests/test_distributed_capture.py::test_rank_lora_holds_half_the_adapters_and_their_states[llama_gqa-q_proj,v_proj]",  # 10 s
-    "tests/test_hf_trainer.py::test_bitsandbytes_8bit_adamw_matches_a_real_step[adamw_bnb_8bit]",  # 9 s
-    "tests/test_checkpoint_plans.py::test_autocast_plans_match_real_cpu_autocast_runs[llama-cpu]",  # 9 s
-    "tests/test_advise_robust.py::test_a_combination_that_cannot_run_is_left_out_with_its_reason_and_the_rest_ranked",  # 9 s
-    "tests/test_compiled_training.py::test_a_compiled_step_with_its_optimizer_is_a_real_one[gpt2-adamw]",  # 9 s
-    "tests/test_hf_trainer.py::test_trainer_step_matches_a_real_trainer_step[llama-lora]",  # 9 s
-    "tests/test_distributed_capture.py::test_each_rank_holds_its_padded_shards[2-llama_gqa]",  # 9 s
-    "tests/test_compiled.py::test_recomputed_ops_are_the_real_partitioners",  # 9 s
-    "tests/test_checkpoint_plans.py::test_plan_limits_are_checked",  # 9 s
-    "tests/test_reuse_distributed.py::test_widened_rank_is_the_full_capture[fsdp_x_tp_sp_cuda]",  # 9 s
-    "tests/test_checkpoint_plans.py::test_identical_blocks_are_measured_at_depth_4_exactly[gpt2]",  # 9 s
-    "tests/test_loop_options.py::test_cli_flags",  # 9 s
-    "tests/test_compiled.py::test_formula_in_compiled_mode_matches_a_real_run",  # 8 s
-    "tests/test_loop_options.py::test_options_change_the_peak_as_real_steps_do[hf_llama]",  # 8 s
-    "tests/test_checkpoint_plans.py::test_plan_peaks_match_real_cpu_runs[llama]",  # 8 s
-    "tests/test_hf_trainer.py::test_trainer_step_matches_a_real_trainer_step[bert-classifier]",  # 8 s
+    "tests/advise/test_advise.py::test_the_batch_lever_is_the_largest_batch_whose_captured_step_fits[opts1]",  # 42 s
+    "tests/advise/test_advise_truth.py::test_the_batch_lever_is_a_real_step[opts1]",  # 32 s
+    "tests/compiled/test_compiled_training.py::test_transformers_models_compiled_with_adamw_are_real_steps[llama_gqa]",  # 31 s
+    "tests/formula/test_korthikanti.py::test_megatron_block_fp16_cuda_alpha_34_beta_5[False]",  # 26 s
+    "tests/planning/test_checkpoint_plans.py::test_plans_that_are_not_made_say_so_in_one_line",  # 25 s
+    "tests/advise/test_advise_truth.py::test_the_batch_lever_is_a_real_step[opts0]",  # 25 s
+    "tests/advise/test_advise.py::test_the_batch_lever_is_the_largest_batch_whose_captured_step_fits[opts0]",  # 25 s
+    "tests/planning/test_checkpoint_plans.py::test_cli_plan_mistakes_are_one_line",  # 21 s
+    "tests/compiled/test_compiled.py::test_compiled_saved_bytes_exact[resnet_small]",  # 21 s
+    "tests/trainers/test_hf_trainer_compiled.py::test_aot_eager_compiled_trainer_step_without_an_attention_mask_saves_what_a_real_one_saves",  # 20 s
+    "tests/trainers/test_hf_trainer_compiled.py::test_aot_eager_compiled_trainer_step_matches_a_real_one",  # 19 s
+    "tests/trainers/test_hf_trainer_compiled_ranks.py::test_compiled_training_args_with_world_size_from_the_cli",  # 17 s
+    "tests/validation/test_gpu_truth.py::test_gpu_run_plumbing",  # 17 s
+    "tests/capture/test_properties.py::test_random_models_match_a_real_cpu_step",  # 17 s
+    "tests/formula/test_coefficients.py::test_gpt2_sdpa_without_attention_dropout_has_beta_zero_on_cpu",  # 16 s
+    "tests/render/test_report_roundtrip.py::test_kept_answers_round_trip_and_render",  # 15 s
+    "tests/compiled/test_compiled.py::test_compiled_saved_bytes_exact[llama_sdpa]",  # 14 s
+    "tests/compiled/test_compiled_training.py::test_a_compiled_step_with_its_optimizer_is_a_real_one[gpt2-adamw-foreach-3mb]",  # 14 s
+    "tests/planning/test_checkpoint_plans.py::test_identical_blocks_are_measured_at_depth_4_exactly[llama]",  # 14 s
+    "tests/compiled/test_compiled_training.py::test_a_compiled_step_with_its_optimizer_is_a_real_one[llama-adam-foreach]",  # 13 s
+    "tests/planning/test_checkpoint_plans.py::test_program_equals_brute_force_on_random_chains[0]",  # 13 s
+    "tests/compiled/test_compiled.py::test_compiled_peak_matches_a_real_compiled_step[gpt2_explicit]",  # 13 s
+    "tests/compiled/test_compiled.py::test_compiled_peak_matches_a_real_compiled_step[llama_sdpa]",  # 13 s
+    "tests/capture/test_no_allocation.py::test_gpt2_xl_32x1024_analyzed_in_under_2_gb_rss",  # 12 s
+    "tests/passes/test_run_memory.py::test_device_total_rows_for_a_per_rank_nccl_job",  # 12 s
+    "tests/planning/test_checkpoint_plans.py::test_apply_refuses_bad_segments",  # 12 s
+    "tests/planning/test_zoo_plans.py::test_pieces_that_compose_without_the_kv_cache_give_a_proven_plan",  # 12 s
+    "tests/compiled/test_compiled_cuda.py::test_compiled_amp_opens_transformers_maybe_autocast_regions",  # 12 s
+    "tests/cli/test_errors.py::test_console_script_exit_code_and_single_stderr_line",  # 12 s
+    "tests/compiled/test_compiled_budget.py::test_nonmonotonic_peak_on_gpt2_is_reported",  # 11 s
+    "tests/distributed/test_distributed_capture.py::test_each_rank_holds_its_padded_shards[8-llama_gqa]",  # 11 s
+    "tests/planning/test_checkpoint_plans.py::test_autocast_plan_cli_prints_a_plan",  # 11 s
+    "tests/titan/test_titan_float8.py::test_scaled_mm_on_the_cuda_target[rowwise]",  # 11 s
+    "tests/distributed/test_pipeline.py::test_1f1b_holds_min_m_p_minus_r_micro_batches_gpipe_all[4-8-gpt2]",  # 11 s
+    "tests/layout/test_hygiene.py::test_leaked_thread_count_fails_the_test_that_leaked_it",  # 11 s
+    "tests/planning/test_selective.py::test_selective_plans_beat_plain_checkpointing[gpt2]",  # 11 s
+    "tests/planning/test_selective.py::test_selective_plan_peaks_equal_recaptured_peaks[gpt2]",  # 11 s
+    "tests/planning/test_checkpoint_plans.py::test_a_plan_fits_every_step_not_only_the_first[adam]",  # 11 s
+    "tests/trainers/test_bnb_optim.py::test_8bit_adamw_stepped_in_backward[gpt2_explicit]",  # 10 s
+    "tests/distributed/test_distributed_capture.py::test_reshard_after_forward_frees_gathered_blocks_and_the_formula_is_beside_it",  # 10 s
+    "tests/distributed/test_distributed_capture.py::test_rank_optimizer_states_are_the_zero3_formulas_row[llama_gqa]",  # 10 s
+    "tests/compiled/test_compiled_cuda.py::test_compiled_amp_saved_set_is_the_eager_cuda_autocast[timm_vit-bf16]",  # 10 s
+    "tests/planning/test_capacity.py::test_advise_on_cuda_judges_each_setting_on_its_device_total",  # 10 s
+    "tests/planning/test_selective.py::test_cli_selective",  # 10 s
+    "tests/compiled/test_compiled.py::test_compiled_saved_bytes_exact[gpt2_explicit]",  # 10 s
+    "tests/planning/test_checkpoint_plans.py::test_apply_is_real_checkpointing_and_remove_restores",  # 10 s
+    "tests/distributed/test_distributed_capture.py::test_rank_lora_holds_half_the_adapters_and_their_states[llama_gqa-q_proj,v_proj]",  # 10 s
+    "tests/trainers/test_hf_trainer.py::test_bitsandbytes_8bit_adamw_matches_a_real_step[adamw_bnb_8bit]",  # 9 s
+    "tests/planning/test_checkpoint_plans.py::test_autocast_plans_match_real_cpu_autocast_runs[llama-cpu]",  # 9 s
+    "tests/advise/test_advise_robust.py::test_a_combination_that_cannot_run_is_left_out_with_its_reason_and_the_rest_ranked",  # 9 s
+    "tests/compiled/test_compiled_training.py::test_a_compiled_step_with_its_optimizer_is_a_real_one[gpt2-adamw]",  # 9 s
+    "tests/trainers/test_hf_trainer.py::test_trainer_step_matches_a_real_trainer_step[llama-lora]",  # 9 s
+    "tests/distributed/test_distributed_capture.py::test_each_rank_holds_its_padded_shards[2-llama_gqa]",  # 9 s
+    "tests/compiled/test_compiled.py::test_recomputed_ops_are_the_real_partitioners",  # 9 s
+    "tests/planning/test_checkpoint_plans.py::test_plan_limits_are_checked",  # 9 s
+    "tests/distributed/test_reuse_distributed.py::test_widened_rank_is_the_full_capture[fsdp_x_tp_sp_cuda]",  # 9 s
+    "tests/planning/test_checkpoint_plans.py::test_identical_blocks_are_measured_at_depth_4_exactly[gpt2]",  # 9 s
+    "tests/trainers/test_loop_options.py::test_cli_flags",  # 9 s
+    "tests/compiled/test_compiled.py::test_formula_in_compiled_mode_matches_a_real_run",  # 8 s
+    "tests/trainers/test_loop_options.py::test_options_change_the_peak_as_real_steps_do[hf_llama]",  # 8 s
+    "tests/planning/test_checkpoint_plans.py::test_plan_peaks_match_real_cpu_runs[llama]",  # 8 s
+    "tests/trainers/test_hf_trainer.py::test_trainer_step_matches_a_real_trainer_step[bert-classifier]",  # 8 s
 )
 
 

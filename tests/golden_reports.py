@@ -1,4 +1,4 @@
-"""The golden reports (tests/report_cases.py) as tests/test_report_golden.py checks them and
+"""The golden reports (tests/report_cases.py) as tests/render/test_report_golden.py checks them and
 tests/golden/regen.py writes them: each case analyzed under a named oneDNN ISA (graphmem/oprules/isa.py
 ``assume``) and two CPU threads, so a golden file is the same on every machine; compared with its file
 up to the numbering of storage ids.

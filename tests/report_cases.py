@@ -1,7 +1,7 @@
 """The golden reports: every model of the real-model zoo (tests/zoo.py) and the bundled models
 under each way a step is set up (one device, the per-rank formulas, rank r through fully_shard,
 a pipeline stage, the CUDA target, compiled mode, LoRA, an optimizer with micro-batches),
-analyzed and written as ``Report.to_dict()`` JSON to tests/golden/reports/. tests/test_report_golden.py
+analyzed and written as ``Report.to_dict()`` JSON to tests/golden/reports/. tests/render/test_report_golden.py
 checks each report against its file field by field, so a change to how a step is described or
 captured that moves any number is seen (``GRAPHMEM_UPDATE_GOLDEN=1`` rewrites them: check the diff).
 """

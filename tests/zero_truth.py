@@ -7,7 +7,7 @@ over gloo (torch.multiprocessing.spawn) running plain PyTorch's ZeRO-1, written 
         out = model(*batch); loss = loss_fn(out, batch); loss.backward()
         optimizer.step(); optimizer.zero_grad(set_to_none=True)
 
-Nothing of graphmem's wrappers runs here (tests/test_layout.py). Each rank measures, from the CPU
+Nothing of graphmem's wrappers runs here (tests/layout/test_layout.py). Each rank measures, from the CPU
 allocator's events under one torch.profiler window that spans the wrapping and both steps (as
 tests/dist_truth.py measures, the garbage collector paused): the bytes held once DDP and the
 optimizer are built (DDP's gradient buckets), the bytes held between the steps, each step's peak,

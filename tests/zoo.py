@@ -3,9 +3,9 @@ weights, CPU, built by one set of helpers. Each builder returns (module, positio
 are called positionally with input_ids; graphmem.analyze takes a tuple.
 
 - ``ZOO`` (name -> (the package it needs, builder)) and ``build(name)``: the checkpoint-plan zoo,
-  tests/test_zoo_plans.py;
+  tests/planning/test_zoo_plans.py;
 - ``ACCURACY`` (name -> (builder, peak tolerance, the kernel that explains any gap)): the accuracy
-  zoo, tests/test_zoo_accuracy.py and tests/test_compiled_rules.py. Its builders skip the test when
+  zoo, tests/capture/test_zoo_accuracy.py and tests/compiled/test_compiled_rules.py. Its builders skip the test when
   their library is missing (pytest.importorskip) and seed their own weights.
 """
 from __future__ import annotations

@@ -24,7 +24,7 @@ The loop stays in Python around the compiled regions (graphmem/training/loop.py)
   ``saved_tensors_hooks_are_inlineable``), so they apply to what ``CompiledFunction.forward`` saves with
   ``ctx.save_for_backward`` (runtime_wrappers.py ``_AutogradSavedState.save_from_forward``): the partitioner's
   saved set, moved to the host and back. Measured on real CPU steps of the bundled GPT-2
-  (tests/test_compiled_loop.py): eager saves 226,164 B and the hooks move 210,560 B; with compiled blocks
+  (tests/compiled/test_compiled_loop.py): eager saves 226,164 B and the hooks move 210,560 B; with compiled blocks
   201,588 B and 185,984 B, 24,576 B less of each.
 - 8-bit optimizers (bitsandbytes): the optimizer step runs eagerly after the compiled backward, as any optimizer.
 

@@ -2,7 +2,7 @@
 library takes: a Target (graphmem/capture/target.py) and a Training spec
 (graphmem/training/spec.py). Torch is imported only when an option object is built, so
 ``graphmem --help`` and usage errors answer fast. The choices below are the library's own
-(tests/test_cli_options.py checks they agree)."""
+(tests/cli/test_cli_options.py checks they agree)."""
 from __future__ import annotations
 
 import argparse

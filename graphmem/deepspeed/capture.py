@@ -110,7 +110,7 @@ def capture_engine_steps(module: nn.Module, inputs: Any, loss_fn: Optional[LossF
                          job: DeepSpeedJob, train: TrainStep) -> tuple[StepGraph, StepGraph]:
     """The first step and the second, recorded one after the other from one engine: the second's recorder
     starts from what the engine holds after the first, as ``capture_engine(warm=True)`` starts from what it
-    holds after an unrecorded first step (tests/test_deepspeed.py checks the two equal, op for op; the ops
+    holds after an unrecorded first step (tests/distributed/test_deepspeed.py checks the two equal, op for op; the ops
     DeepSpeed's gradient hooks run on the AccumulateGrad nodes it keeps are named by the module, as in the first
     step, where an unrecorded first step left them the root's ""), for one ``deepspeed.initialize`` and two
     steps instead of two and three."""

@@ -14,7 +14,7 @@ does (a FakeTensor of this mode on the input's device; ``detach`` keeps the inpu
 views of ``VIEWS`` only and only where FakeTensorMode's answer could be nothing else: the input a fake tensor
 of this mode with static sizes, no constant (whose values the mode would propagate) and no real tensor beside
 it, every other argument a plain int or None. The view shares the input's storage, with the sizes, strides
-and offset the Python rule computes (tests/test_deepspeed_views.py checks both, and a DeepSpeed step's
+and offset the Python rule computes (tests/distributed/test_deepspeed_views.py checks both, and a DeepSpeed step's
 recorded graph equal op for op, storage for storage with and without it).
 
 Two more per-op costs of the same slices, answered in ``_EngineMode.__torch_dispatch__`` (graphmem/deepspeed/

@@ -8,7 +8,7 @@ for deep models: whole(L) = rest + L * block, checked against full-depth capture
 
 The per-block polynomial and alpha/beta/gamma are the marginal cost of one more block, the
 whole step at 3 blocks minus at 2 (a short chain: at L minus at L - 1), as Korthikanti et al.
-count (a block's input belongs to the block; tests/test_korthikanti.py). The per-module table
+count (a block's input belongs to the block; tests/formula/test_korthikanti.py). The per-module table
 (passes/saved.py) stays module attribution: the bytes made inside each module.
 
 The result type is graphmem/formula/coefficients.py; the largest size that fits a memory, read

@@ -16,7 +16,7 @@ ideep's ``convolution_backward_weights::compute_v2``, which computes the weight 
 primitive's own weight format (``pd.diff_weights_desc()``) and reorders it into the dense output.
 
 Measured on oneDNN v3.12 (torch 2.14, AVX-512), to the byte over random shapes, 1 or 2 threads
-(tests/test_workspace_conv.py); an AVX2 CPU runs oneDNN's AVX2 kernels, 8 channels wide where these
+(tests/oprules/test_workspace_conv.py); an AVX2 CPU runs oneDNN's AVX2 kernels, 8 channels wide where these
 are 16 (conv_gemm.simd_w; each function below says where that changes the bytes), checked the same
 way on an AVX2 CPU. On other CPUs (``conv_gemm.onednn_x64``) the rules decline and the note stays:
 

@@ -34,7 +34,7 @@ PyTorch's side (aten/src/ATen/native/mkldnn/Conv.cpp ``mkldnn_convolution_backwa
 layout): ideep reorders the output gradient to ``nhwc`` and the weight, allocates the ``nhwc``
 input gradient and the scratchpad, runs the primitive, frees the scratchpad and the reorders, then
 copies the gradient into the dense output (measured: two input-sized buffers beside it at once).
-Checked against the allocator on random shapes (tests/test_workspace_conv_brgemm.py).
+Checked against the allocator on random shapes (tests/oprules/test_workspace_conv_brgemm.py).
 """
 from __future__ import annotations
 

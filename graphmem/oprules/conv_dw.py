@@ -21,7 +21,7 @@ oneDNN's side (fp32; ``ch_block`` 16 with AVX-512, 8 with AVX2, ``init_conf``'s 
   mb)``) per-thread reduction buffers of the weight and bias gradients when ``nthr_mb > 1``;
 - else the gemm convolution (graphmem/oprules/conv_gemm.py) in the plain layout.
 
-Checked against the allocator on random 2-d and 1-d shapes (tests/test_workspace_conv_dw.py).
+Checked against the allocator on random 2-d and 1-d shapes (tests/oprules/test_workspace_conv_dw.py).
 """
 from __future__ import annotations
 

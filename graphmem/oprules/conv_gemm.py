@@ -5,7 +5,7 @@ at patch 16 or 32), wide 1-d convolutions, wav2vec2's grouped positional convolu
 
 Which kernel runs (fp32, AVX-512; read in oneDNN's source at a March 2025 commit, checked on the
 v3.12 torch 2.14 links with ``torch.backends.mkldnn.verbose`` and against the allocator on 200
-random shapes, tests/test_workspace_conv_gemm.py): src/cpu/cpu_convolution_list.cpp tries, for
+random shapes, tests/oprules/test_workspace_conv_gemm.py): src/cpu/cpu_convolution_list.cpp tries, for
 ``backward_weights``, the inner-product form (unit stride, kernel = input), the depthwise and
 1x1 kernels, ``jit_avx512_common_convolution_bwd_weights`` (src/cpu/x64/
 jit_avx512_common_conv_kernel.cpp ``init_conf``: ``if (!jcp.is_hw_transp && jcp.kw > 14) return
@@ -129,7 +129,7 @@ def data_by_gemm(c: Conv, pads: tuple[int, int], dilated: bool, channels_last: b
     above its unroll ``ur_w`` (at most 28 registers) unless ``large_w_filter`` (``kw < 20``).
     The AVX2 kernels need ``kw < 14``. One group is left out: the brgemm kernel computing the input
     gradient as a forward convolution takes some of those (measured: one input channel, kernel 32).
-    Checked on random shapes (tests/test_workspace_conv_gemm.py)."""
+    Checked on random shapes (tests/oprules/test_workspace_conv_gemm.py)."""
     blocks_refused = c.ic % 4 != 0 or c.oc % 4 != 0
     overflow_refused = c.kw >= 20 and c.kw - 1 - pads[1] > 28
     return (weights_by_gemm(c, pads, dilated, channels_last) and c.kw > 14 and c.sh == c.sw == 1 and c.groups > 1
@@ -222,7 +222,7 @@ def avx2_gemm_weights(c: Conv, pads: tuple[int, int], dilated: bool, channels_la
     1x1 and 2x2 maps): jit_avx2_conv_kernel_f32.cpp ``jit_avx2_conv_bwd_weights_kernel_f32::
     init_conf`` refuses it (``params_ok``: ``kh <= ih``), so the gemm convolution computes the weight
     gradient, while ``jit_avx2_conv_bwd_data_kernel_f32`` computes the input gradient. The domain
-    checked against the allocator (tests/test_workspace_conv_gemm.py); strided ones are left out."""
+    checked against the allocator (tests/oprules/test_workspace_conv_gemm.py); strided ones are left out."""
     return (not avx512() and c.groups == 1 and not channels_last and not dilated and c.sh == c.sw == 1
             and c.kh == c.kw < 14 and pads == (c.kh // 2, c.kw // 2) and c.kh > c.ih)
 

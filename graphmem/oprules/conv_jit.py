@@ -14,7 +14,7 @@ alignment (src/common/memory_tracking.hpp).
 PyTorch's side (aten/src/ATen/native/mkldnn/Conv.cpp ``mkldnn_convolution_backward_weights``):
 ideep reorders the output gradient, allocates the blocked weight gradient, the bias gradient and
 the scratchpad, runs the primitive, frees the reorder and the scratchpad, then copies both
-gradients into the dense outputs. Checked on random shapes (tests/test_workspace_conv_jit.py).
+gradients into the dense outputs. Checked on random shapes (tests/oprules/test_workspace_conv_jit.py).
 
 Known limitations: with a bias gradient and ``nthr_mb > 1`` the v3.12 kernel books 12,352 B more
 than the (March 2025) source read here explains (measured, one output-channel block); the rule

@@ -3,7 +3,7 @@
 Eager CPU dropout never calls them (aten/src/ATen/native/Dropout.cpp ``dropout``: the fused
 kernel only for CUDA-like devices, ``is_fused_kernel_acceptable``); AOTAutograd's decomposition
 does, so they matter in compiled mode (``mode="compiled"``), where the backward's temporaries
-can make the step's peak (tests/test_workspace.py: a compiled nn.TransformerEncoder step).
+can make the step's peak (tests/oprules/test_workspace.py: a compiled nn.TransformerEncoder step).
 Both follow Dropout.cpp and are checked against the real kernels to the byte, fp32/bf16/fp16.
 """
 from __future__ import annotations

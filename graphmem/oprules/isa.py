@@ -14,7 +14,7 @@ same thing: ``ATEN_CPU_CAPABILITY`` moves it without moving oneDNN, so it is rea
 CPU's flags cannot be (no /proc/cpuinfo).
 
 ``assume(isa)`` computes the rules for a named ISA on any machine: the golden reports of both ISAs are
-checked everywhere (tests/test_report_golden.py), and the rules' own tests can name theirs.
+checked everywhere (tests/render/test_report_golden.py), and the rules' own tests can name theirs.
 
 Known limitations: x86-64 only (another CPU gets ``OTHER``: the rules decline there and the report's
 note stays); an ``ONEDNN_MAX_CPU_ISA`` changed after oneDNN's first use is seen here but not by

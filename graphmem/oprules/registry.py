@@ -16,7 +16,7 @@ read from. Three kinds:
 
 The rules live in one module per kernel family (graphmem/oprules/__init__.py lists them), each
 derived from the kernel's source and tested against real CPU runs where the kernel runs here
-(tests/test_workspace*.py). Sizes that depend on the thread count use ``torch.get_num_threads()``
+(tests/oprules/test_workspace*.py). Sizes that depend on the thread count use ``torch.get_num_threads()``
 of the analyzing process: a CPU prediction is for a run with as many threads.
 """
 from __future__ import annotations

@@ -45,7 +45,7 @@ def onednn_lstm_workspace(input_size: int, hidden: int, batch: int, steps: int, 
     passes: the input's), and the diff states layer / iter / iter_c for backward in the fp32
     accumulation type. With L = 1 layer, states hold 2 rows. In the oneDNN v3.12 that
     torch 2.14 links, the iteration states share the layer states' part (checked against real
-    runs of 80 random shapes, fp32 and bf16, tests/test_workspace.py)."""
+    runs of 80 random shapes, fp32 and bf16, tests/oprules/test_workspace.py)."""
     t, n, i, h = steps, batch, input_size, hidden
     e = dtype.itemsize  # gates, h_t, states and c in the data type; diff states in fp32
     parts = [t * n * _good_ld(4 * h, e) * e,                 # ws_gates

@@ -41,7 +41,7 @@ class RankScope(Protocol):
     """Which rank of a parallel step a report is (``Report.sharding``): graphmem/distributed/view.py's
     RankView (its wrappers, the formula beside it) or graphmem/distributed/pipeline_stages.py's
     Pipeline (its schedule). Defined here, not there: the report layer imports no
-    graphmem.distributed (tests/test_layout.py)."""
+    graphmem.distributed (tests/layout/test_layout.py)."""
 
     def describe(self) -> str:
         """One line naming the rank and how the step is split (the first line of every view)."""

@@ -1,7 +1,7 @@
 """The step's option vocabulary, in one typed table: each option's keyword (``graphmem.analyze``'s), which of the
 spec's builders takes it, its command-line flag with the flag's argparse settings, and its doc (the CLI's help).
 graphmem/step/spec.py reads the builders' keyword sets from it, graphmem/cli/options.py declares the flags from it,
-graphmem/cli/flags.py rewrites an error's ```option=value``` into the flag from it (tests/test_cli_options.py checks
+graphmem/cli/flags.py rewrites an error's ```option=value``` into the flag from it (tests/cli/test_cli_options.py checks
 that each flag is the parser's and each keyword ``make_spec``'s). The choices are the library's own (the targets',
 optimizers' and implementations' lists in the modules that check them)."""
 from __future__ import annotations

@@ -127,7 +127,7 @@ def _quiet_gc() -> Iterator[None]:
     profiler reporter (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter) remembers the size of
     every block allocated while any profile ran and reports its free as a negative event, so an
     earlier step's cyclic garbage (a Hugging Face model's) collected during this step lowered the
-    measured peak (tests/test_zoo_plans.py on T5: 427,776 B under, after other tests in the same
+    measured peak (tests/planning/test_zoo_plans.py on T5: 427,776 B under, after other tests in the same
     process). Collected before the window, the collector paused inside it (reference counting
     still frees the step's own tensors as they die)."""
     was = gc.isenabled()

@@ -27,8 +27,8 @@ c10/core/CPUAllocator.cpp, remembers blocks allocated while profiling: a block f
 profile would be reported in another's).
 
 The tolerance is validate's (percent of the measured peak, default 1): the per-rank gaps measured
-against real gloo jobs are the single-device ones, a few bytes (tests/test_distributed.py
-SINGLE_GAP: 0 B, or 96 B for transformers' GPT-2's GELU scalars; tests/test_distributed_step.py
+against real gloo jobs are the single-device ones, a few bytes (tests/distributed/test_distributed.py
+SINGLE_GAP: 0 B, or 96 B for transformers' GPT-2's GELU scalars; tests/distributed/test_distributed_step.py
 OPTIMIZER_GAP: 12 B in the for-loop AdamW's step), and the prediction is never above the real peak.
 """
 from __future__ import annotations

@@ -202,7 +202,7 @@ def _ranks(model: ModelLike, given: Optional[Batch], shape: Optional[tuple[int, 
 def _check_loop(options: Mapping[str, object]) -> None:
     if options.get("qlora") or options.get("quantization"):
         raise UsageError("validate does not run QLoRA's 4-bit step for real yet (its real CPU steps are "
-                         "tests/test_qlora.py's): drop `qlora`")
+                         "tests/trainers/test_qlora.py's): drop `qlora`")
 
 
 def _device(device: Union[str, torch.device]) -> torch.device:

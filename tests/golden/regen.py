@@ -2,10 +2,10 @@
 
     python tests/golden/regen.py                      # every golden report, AVX-512 and AVX2 rules
     python tests/golden/regen.py acc_timm_resnet18    # the named cases (both ISAs where they differ)
-    python tests/golden/regen.py --text               # also the text views (tests/test_render.py,
-                                                      # tests/test_report_views.py)
+    python tests/golden/regen.py --text               # also the text views (tests/render/test_render.py,
+                                                      # tests/render/test_report_views.py)
 
-The reports are made as tests/test_report_golden.py checks them (tests/golden_reports.py: a named
+The reports are made as tests/render/test_report_golden.py checks them (tests/golden_reports.py: a named
 oneDNN ISA, two threads), so one run gives the files every machine checks. Each written file whose
 content changed is listed, with how many fields moved beyond storage-id numbering: look at the diff
 (``git diff tests/golden``) before committing it.
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent
-TEXT_TESTS = ("tests/test_render.py", "tests/test_report_views.py")
+TEXT_TESTS = ("tests/render/test_render.py", "tests/render/test_report_views.py")
 
 
 def _reports(names: list[str]) -> int:
