@@ -8,7 +8,6 @@ budget is bisected (``ROUNDS`` captures) between its lowest-peak plan and the bu
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 from graphmem.analysis import AnalysisView, captured
@@ -37,16 +36,12 @@ def headroom(report: AnalysisView, figure: str) -> int:
     return max(0, memory.figure(figure) - exact)
 
 
-# what each plan's capture gave, per report source (its module and step): the bisection may land on a plan
-# twice, and advise asks for the lowest-peak plan again after plan_within found that none fits
-_CAPTURED: "weakref.WeakKeyDictionary[Any, dict[tuple, RunMemory]]" = weakref.WeakKeyDictionary()
-
-
 def plan_memory(report: AnalysisView, plan: CheckpointPlan) -> RunMemory:
-    """The run memory of the report's step captured with ``plan`` applied (once per plan and report source)."""
+    """The run memory of the report's step captured with ``plan`` applied (once per plan: kept by the report's source,
+    graphmem/step/recapture.py ``Recapture.plan_memories``)."""
     source = report.source
     key = (plan.chain, plan.segments, tuple(plan.policies), report.memory.rows, source.parallel)
-    memo: Optional[dict[tuple, RunMemory]] = _CAPTURED.setdefault(source, {})
+    memo: Optional[dict[tuple, RunMemory]] = source.plan_memories
     try:
         hash(key)
     except TypeError:  # an unhashable selective policy: captured every time

@@ -21,6 +21,7 @@ from graphmem.training.loop import TrainStep
 
 if TYPE_CHECKING:
     from graphmem.formula.sampler import Sampler
+    from graphmem.passes.run_memory import RunMemory
 
 
 def variables_of(example: tuple) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -59,6 +60,9 @@ class Recapture:
         self.parallel: Parallel = spec.parallel.formula  # formulas are one rank's under tensor parallelism
         self.names, self.dims = variables_of(example)
         self._sampler: Optional[Sampler] = None
+        # each checkpoint plan's run memory, captured with it applied (graphmem/planning/figures.py ``plan_memory``):
+        # a bisection may land on a plan twice, and advise asks for the lowest-peak plan after plan_within did
+        self.plan_memories: dict[tuple, RunMemory] = {}
 
     @property
     def train(self) -> Optional[TrainStep]:

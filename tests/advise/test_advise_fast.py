@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from typing import Any
 
 import pytest
@@ -16,11 +15,22 @@ import graphmem.planning.figures as figures
 from graphmem.step.recapture import Recapture
 
 
-class _NoMemo(weakref.WeakKeyDictionary[Any, Any]):
-    """Every plan captured each time it is asked (what plan_memory did before it kept them)."""
+class _NoMemo(dict[Any, Any]):
+    """Every plan captured each time it is asked (what plan_memory did before it kept them): a memo that keeps none."""
 
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        return {}
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
+def _forgetting(m: pytest.MonkeyPatch) -> None:
+    """Every report's source made from now on keeps no plan's run memory (``Recapture.plan_memories``)."""
+    init = Recapture.__init__
+
+    def forgetful(self: Recapture, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.plan_memories = _NoMemo()
+
+    m.setattr(Recapture, "__init__", forgetful)
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -47,7 +57,7 @@ def test_a_plan_is_captured_once_per_report(monkeypatch: pytest.MonkeyPatch) -> 
     calls = _counting(monkeypatch)
     # WHEN the plan's run memory is asked twice, and once more with nothing kept
     first, again = figures.plan_memory(report, plan), figures.plan_memory(report, plan)
-    monkeypatch.setattr(figures, "_CAPTURED", _NoMemo())
+    monkeypatch.setattr(report.source, "plan_memories", _NoMemo())
     fresh = figures.plan_memory(report, plan)
     # THEN the step with the plan applied was captured once for the first two, and they are the capture's
     assert len(calls) == 2
@@ -65,7 +75,7 @@ def test_advice_is_the_same_when_each_plan_is_captured_once(monkeypatch: pytest.
     calls = _counting(monkeypatch)
     # WHEN it is advised with every plan captured each time it is asked, then with each plan's capture kept
     with monkeypatch.context() as m:
-        m.setattr(figures, "_CAPTURED", _NoMemo())
+        _forgetting(m)
         before = _report().advise(memory=memory)
     captured_before = len(calls)
     after = _report().advise(memory=memory)
