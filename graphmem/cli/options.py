@@ -222,7 +222,7 @@ def loop_options(args: argparse.Namespace) -> LoopOptions:
 def per_rank_options(args: argparse.Namespace) -> dict[str, Any]:  # (those given: any of validate's keywords)
     """The parallel options given on the command line (left at their defaults: none), as
     ``graphmem.validate`` keywords: any of them runs the ranks for real (graphmem/validation/ranks.py)."""
-    kept = [k for k in names(PARALLEL) if k not in ("pp", "schedule", "deepspeed")]  # (validate's: not its flags)
+    kept = [k for k in names(PARALLEL) if k not in ("pp", "schedule")]  # (validate's: not its flags)
     return {k: getattr(args, k) for k in kept if getattr(args, k) != default(k)}
 
 

@@ -190,13 +190,13 @@ def _initialized(deepspeed: Any, model: nn.Module, optimizer: Any, config: dict[
 
 
 def _warm_step(engine: Any, inputs: Any, loss_fn: Optional[LossFn], target: Target, fake_mode: _Mode) -> None:
-    """The job's first step (``_micro_steps``), run on fake tensors and not recorded; its output and loss
+    """The job's first step (``micro_steps``), run on fake tensors and not recorded; its output and loss
     dropped, as a loop drops them. What DeepSpeed keeps from it (the optimizer states, ZeRO-3's persistent
     parameters gathered again after the step: deepspeed/runtime/zero/stage3.py ``_post_step``) is what the
     next step starts with."""
     batch = fake_batch(inputs() if callable(inputs) else inputs, fake_mode, torch.device("cpu"), target.param_dtype,
                        fake_mode.values)  # (the SDPA backends it picks are counted in the recorded step)
-    _micro_steps(engine, batch, loss_fn, forward_context(target, {}), lambda name: None, lambda: None)
+    micro_steps(engine, batch, loss_fn, forward_context(target, {}), lambda name: None, lambda: None)
 
 
 def _micro_batch(inputs: Any) -> int:
@@ -214,7 +214,7 @@ def _run(rec: Recording, engine: Any, fake_inputs: Any, loss_fn: Optional[LossFn
         with rank_running(rec, module, engine_on_fake(rec.mode, pins)), naming_buckets(cap, engine):
             marked: dict[str, list[int]] = {}
             mark = marker(cap, param_sid, marked)
-            out = _micro_steps(engine, as_batch(fake_inputs), loss_fn,  # (alive until the step ends, as in a loop)
+            out = micro_steps(engine, as_batch(fake_inputs), loss_fn,  # (alive until the step ends, as in a loop)
                                lambda: forward_context(target, backends, cap.clearing_cache)(), cap.set_phase,
                                lambda: mark("gradient", [(p, t) for p, t in held_tensors(engine)
                                                          if kind_of(p) == "gradient"]))
@@ -228,7 +228,7 @@ def _run(rec: Recording, engine: Any, fake_inputs: Any, loss_fn: Optional[LossFn
     return graph
 
 
-def _micro_steps(engine: Any, batch: Any, loss_fn: Optional[LossFn], context: Callable[[], Any],
+def micro_steps(engine: Any, batch: Any, loss_fn: Optional[LossFn], context: Callable[[], Any],
                  phase: Callable[[str], None], reduced: Callable[[], None]) -> tuple[Any, Any]:
     """One optimizer step as a user's loop runs it: the config's ``gradient_accumulation_steps`` micro-steps of
     ``out = engine(batch); loss = loss_fn(out); engine.backward(loss); engine.step()``, the engine stepping
@@ -270,4 +270,4 @@ def _removed(handle: Any) -> Iterator[None]:
         handle.remove()
 
 
-__all__ = ["capture_engine", "capture_engine_steps", "kind_of"]
+__all__ = ["capture_engine", "capture_engine_steps", "kind_of", "micro_steps"]

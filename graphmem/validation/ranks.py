@@ -111,14 +111,20 @@ def validate_ranks(model: ModelLike, given: Optional[Batch], shape: Optional[tup
     spec = make_spec(model, given, input_shape=shape, loss=loss, hf=hf, device="cpu", parallel=Ranks(sharding), **loop)
     ranks = [options["rank"]] if options.get("rank") is not None else list(range(sharding.world_size))
     reports = {r: analyze(spec.replace(parallel=Ranks(dataclasses.replace(sharding, rank=r)))) for r in ranks}
-    _check_budget(reports, sharding.world_size)
+    check_budget(reports, sharding.world_size)
     job = _job(spec, sharding, model, given, loss, hf, reports[ranks[0]])
     measured = run_ranks(job, sharding.world_size)  # (each rank drops kineto's log lines itself)
+    return ranked(reports, measured, tol, _rows)
+
+
+def ranked(reports: dict[int, Analysis], measured: list[dict[str, int]], tol: float,
+           rows_of: Callable[[Analysis, dict[str, int], int], list[Row]]) -> Validation:
+    """The Validation of each rank's report beside its measurement (``rows_of``: its rows), judged at ``tol``."""
     rows: list[Row] = []
     for r, report in reports.items():
-        rows.extend(_rows(report, measured[r], r))
+        rows.extend(rows_of(report, measured[r], r))
     judged, reason = judge(tuple(rows), tol)
-    first = reports[ranks[0]]
+    first = next(iter(reports.values()))
     return Validation(first.model, "cpu", tuple(tuple(s) for s in first.input_shapes), tol, judged, reason, first)
 
 
@@ -147,7 +153,7 @@ def _rows(report: Analysis, m: dict[str, int], rank: int) -> list[Row]:
     return rows
 
 
-def _check_budget(reports: dict[int, Analysis], world_size: int) -> None:
+def check_budget(reports: dict[int, Analysis], world_size: int) -> None:
     """All ranks run on this machine: refuse a job whose predicted peaks exceed half the available RAM."""
     per_rank = max(max(r.peak_bytes, r.budget.rank.later_peak_bytes if r.budget is not None else 0)
                    for r in reports.values())
@@ -158,7 +164,7 @@ def _check_budget(reports: dict[int, Analysis], world_size: int) -> None:
                          "smaller `input_shape` or configuration")
 
 
-def _pickled(what: object, name: str) -> bytes:
+def pickled(what: object, name: str) -> bytes:
     buf = io.BytesIO()
     try:
         torch.save(what, buf)
@@ -168,33 +174,43 @@ def _pickled(what: object, name: str) -> bytes:
     return buf.getvalue()
 
 
-def _job(spec: StepSpec, sharding: Sharding, model: ModelLike, given: Optional[Batch], loss: Optional[LossFn], hf: Optional[HFOptions],
-         report: Analysis) -> RankJob:
+def sources(spec: StepSpec, model: ModelLike, given: Optional[Batch]) -> tuple[Union[str, bytes], Optional[Batch]]:
+    """What each spawned rank builds the model and batch from: a module pickled (and the batch the analysis made for
+    the shape, an HF model's own, made for real here, seed 0), or the model file or preset (each rank makes the batch
+    from it when none is given)."""
     batch: Optional[Batch] = given
     if isinstance(model, nn.Module):
-        source: Union[str, bytes] = _pickled(model, "the model")
-        if batch is None:  # the batch the analysis made for the shape (an HF model's own), made for real here
+        source: Union[str, bytes] = pickled(model, "the model")
+        if batch is None:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
                 batch = as_batch(spec.inputs.make(spec.shape))
     else:
         spec_name = os.fspath(model)
         source = os.path.abspath(spec_name) if os.path.exists(spec_name) else spec_name
+    return source, batch
+
+
+def _job(spec: StepSpec, sharding: Sharding, model: ModelLike, given: Optional[Batch], loss: Optional[LossFn], hf: Optional[HFOptions],
+         report: Analysis) -> RankJob:
+    source, batch = sources(spec, model, given)
     if loss is not None:
-        _pickled(loss, "`loss`")
+        pickled(loss, "`loss`")
     built = report.step.target if report.step is not None else None
-    return RankJob(source, hf, built, None if batch is None else _pickled(batch, "the inputs"), spec.shape, loss,
+    return RankJob(source, hf, built, None if batch is None else pickled(batch, "the inputs"), spec.shape, loss,
                    spec.training, spec.target, sharding, torch.get_num_threads())
 
 
-def run_ranks(job: RankJob, world_size: int) -> list[dict[str, int]]:
-    """Each rank's measurement (see ``_measure_rank``) from one real gloo job of ``world_size`` processes."""
+def run_ranks(job: Any, world_size: int, rank_main: Optional[Callable[..., None]] = None) -> list[dict[str, int]]:
+    """Each rank's measurement (see ``_measure_rank``) from one real gloo job of ``world_size`` processes:
+    ``rank_main(rank, job, world_size, init, out)`` in each (default ``_rank_main``: the wrappers' job; a DeepSpeed
+    job's, graphmem/validation/deepspeed_ranks.py), each writing its figures and ``"unsettled"`` to ``out.{rank}``."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         init, out = f"file://{os.path.join(tmp, 'store')}", os.path.join(tmp, "result")
         try:
-            mp.spawn(_rank_main, args=(job, world_size, init, out), nprocs=world_size, join=True)
+            mp.spawn(rank_main or _rank_main, args=(job, world_size, init, out), nprocs=world_size, join=True)
         except mp.ProcessRaisedException as e:
             last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
             raise GraphmemError(f"the real gloo run failed on a rank: {last}") from None
@@ -269,7 +285,7 @@ def _real(job: RankJob) -> tuple[nn.Module, Batch, Optional[LossFn]]:
     return prepared(module, job.training, job.target).train(), batch, loss
 
 
-class _Saves:
+class Saves:
     """saved_tensors_hooks counting the distinct storages saved in forward and loss (a DTensor's local
     shard), the model's parameters and buffers as registered at that moment excluded."""
 
@@ -305,7 +321,7 @@ def _steps(model: nn.Module, batch: Batch, loss_fn: Optional[LossFn], job: RankJ
     train = job.training.train if job.training.train.active else None
     session = Session(train, dict(model.named_parameters()), "cpu") if train is not None else None
     context = measure._autocast(DTYPES[job.target.amp] if job.target.amp else None)
-    saves, result = _Saves(model), dict[str, int]()
+    saves, result = Saves(model), dict[str, int]()
 
     def sync(i: int, runs: int) -> None:
         if sharding.no_sync and sharding.fsdp:
@@ -329,7 +345,7 @@ def _steps(model: nn.Module, batch: Batch, loss_fn: Optional[LossFn], job: RankJ
 
 
 @contextlib.contextmanager
-def profiled(saves: _Saves, pack: Optional[Callable[[torch.Tensor], object]] = None
+def profiled(saves: Saves, pack: Optional[Callable[[torch.Tensor], object]] = None
              ) -> Iterator[torch.profiler.profile]:
     """Around one real step on a rank (here and graphmem/validation/trainer_fsdp_rank.py): the CPU
     profiler's memory events (yielded), ``saves`` counting what is saved (through ``pack`` where given:
@@ -340,7 +356,7 @@ def profiled(saves: _Saves, pack: Optional[Callable[[torch.Tensor], object]] = N
         yield prof
 
 
-def record(result: dict[str, int], i: int, prof: torch.profiler.profile, held: set[int], saves: _Saves, baseline: int,
+def record(result: dict[str, int], i: int, prof: torch.profiler.profile, held: set[int], saves: Saves, baseline: int,
            states: list[torch.Tensor]) -> None:
     """Step ``i``'s figures into ``result``: its peak is ``baseline`` plus the largest running sum of the
     profile's allocation events (``held``: the addresses alive after it); the first step's saved and

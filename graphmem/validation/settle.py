@@ -92,12 +92,13 @@ def _inside(collective: Callable) -> Callable:
     return call
 
 
-def settle_collectives() -> None:
-    """Settle the ``COLLECTIVES`` of torch.distributed, DDP's C++ ones and the functional ones in this process."""
+def settle_collectives(more: tuple[str, ...] = ()) -> None:
+    """Settle the ``COLLECTIVES`` of torch.distributed (and ``more`` of them), DDP's C++ ones and the functional
+    ones in this process."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    for name in COLLECTIVES:
+    for name in (*COLLECTIVES, *more):
         setattr(dist, name, _settled(getattr(dist, name)))
     for name in ("_broadcast_coalesced", "_verify_params_across_processes"):
         setattr(dist, name, _inside(getattr(dist, name)))

@@ -42,7 +42,7 @@ def validate_fsdp_ranks(model: nn.Module, training_args: TrainingArguments, inpu
     The model must be real (on the CPU); it is left as it was (each rank shards its own pickled copy)."""
     from graphmem.api import analyze
     from graphmem.frontends.trainer import fsdp_trainer_spec
-    from graphmem.validation.ranks import _check_budget, _pickled
+    from graphmem.validation.ranks import check_budget, pickled
     from graphmem.validation.trainer_ranks import TrainerJob, _args_class, _importable, _rows, run_trainer_ranks
 
     tol = checked_tolerance(tolerance)
@@ -55,13 +55,13 @@ def validate_fsdp_ranks(model: nn.Module, training_args: TrainingArguments, inpu
     if trainer_named is None or args_named is None:
         raise UsageError("each gloo rank builds the Trainer by its class and the TrainingArguments by theirs: define "
                          "them at module level of an importable module")
-    _pickled(shards.fields, "the TrainingArguments")
-    job = TrainerJob(trainer_named, args_named, shards.fields, _pickled(model, "the model"),
-                     _pickled(dict(batch), "the inputs"), torch.get_num_threads(), compiled=bool(training_args.torch_compile), fsdp=True)
+    pickled(shards.fields, "the TrainingArguments")
+    job = TrainerJob(trainer_named, args_named, shards.fields, pickled(model, "the model"),
+                     pickled(dict(batch), "the inputs"), torch.get_num_threads(), compiled=bool(training_args.torch_compile), fsdp=True)
     ranks = [rank] if rank is not None else list(range(world_size))
     reports = {r: analyze(model, dict(batch), training_args=training_args, world_size=world_size, rank=r,
                           trainer_class=shards.trainer_class) for r in ranks}
-    _check_budget(reports, world_size)
+    check_budget(reports, world_size)
     measured = run_trainer_ranks(job, world_size)
     rows: list[Row] = []
     # Inductor's fused kernels lower a compiled step's peak below its graphs run op by op (graphmem/validation/trainer.py)

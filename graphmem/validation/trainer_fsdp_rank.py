@@ -13,7 +13,7 @@ import graphmem.validation.measure as measure
 from graphmem.errors import GraphmemError
 from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer_fsdp import FsdpRunner, build_trainer
-from graphmem.validation.ranks import _held, _Saves, _storages, profiled, record
+from graphmem.validation.ranks import Saves, _held, _storages, profiled, record
 from graphmem.validation.settle import addresses
 
 Named = Callable[[tuple[str, str]], type]  # (module, qualified name) -> the class it names
@@ -36,7 +36,7 @@ def measure_fsdp_rank(job: Any, named: Named) -> dict[str, int]:
         with measure._quiet_gc():
             runner.prepare()  # accelerate's _prepare_fsdp2: the call the capture makes
         wrapped = trainer.model
-        saves = _Saves(wrapped)
+        saves = Saves(wrapped)
         states = lambda: [t for _, _, t in runner.state_tensors()]  # noqa: E731
         # (compiled: autograd calls the hook from a compiled frame's eager code, where dynamo would compile it too)
         pack = torch._dynamo.disable(saves.pack) if job.compiled else saves.pack

@@ -50,7 +50,7 @@ from graphmem.report.live import Analysis
 from graphmem.step.spec import UserInputs
 from graphmem.training.batch import as_batch
 from graphmem.validation.profiler_log import without_profiler_log
-from graphmem.validation.ranks import TRAINER_REPEATS, _check_budget, _pickled
+from graphmem.validation.ranks import TRAINER_REPEATS, check_budget, pickled
 from graphmem.validation.result import Row, Validation, judge
 from graphmem.validation.settle import PATIENCE, UNSETTLED, settle_collectives
 
@@ -77,7 +77,7 @@ def validate_trainer_ranks(trainer: Any, inputs: Optional[UserInputs], world_siz
     job = trainer_job(trainer, inputs)
     ranks = [rank] if rank is not None else list(range(world_size))
     reports = {r: analyze(trainer, inputs, world_size=world_size, rank=r) for r in ranks}
-    _check_budget(reports, world_size)
+    check_budget(reports, world_size)
     measured = run_trainer_ranks(job, world_size)
     rows: list[Row] = []
     # Inductor's fused kernels lower a compiled step's peak below its graphs run op by op (graphmem/validation/trainer.py)
@@ -144,9 +144,9 @@ def trainer_job(trainer: Trainer, inputs: object) -> TrainerJob:
         raise UsageError("each gloo rank rebuilds the Trainer from its model and TrainingArguments, not from objects "
                          "given to it: drop `compute_loss_func`, or override compute_loss in an importable subclass")
     args = {f.name: getattr(trainer.args, f.name) for f in dataclasses.fields(trainer.args) if f.init}
-    _pickled(args, "the TrainingArguments")
-    return TrainerJob(trainer_class, args_class, args, _pickled(trainer.model, "the model"),
-                      _pickled(inputs, "the inputs"), torch.get_num_threads(), bool(trainer.args.torch_compile))
+    pickled(args, "the TrainingArguments")
+    return TrainerJob(trainer_class, args_class, args, pickled(trainer.model, "the model"),
+                      pickled(inputs, "the inputs"), torch.get_num_threads(), bool(trainer.args.torch_compile))
 
 
 def _free_port() -> int:

@@ -184,18 +184,23 @@ def _real(report: Analysis, loaded: Optional[Loaded], given: Optional[Batch], sh
 # -- the real model and inputs ----------------------------------------------------------------
 
 _PARALLEL = ("world_size", "zero", "fsdp", "tp", "sp", "pp", "schedule", "rank", "reshard_after_forward",
-             "fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_offload", "fsdp_no_sync", "loss_parallel", "parallel")
+             "fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_offload", "fsdp_no_sync", "loss_parallel", "parallel",
+             "deepspeed")
 
 
 def _ranks(model: ModelLike, given: Optional[Batch], shape: Optional[tuple[int, ...]], loss: Optional[LossFn],
            dev: torch.device, tol: float, hf: Optional[HFOptions], options: dict[str, Any]) -> Validation:
-    """Rank r's step through fully_shard/parallelize_module, run on real gloo ranks (graphmem/validation/ranks.py)."""
+    """Rank r's step through fully_shard/parallelize_module (graphmem/validation/ranks.py) or DeepSpeed's engine
+    (graphmem/validation/deepspeed_ranks.py), run on real gloo ranks."""
+    from graphmem.validation.deepspeed_ranks import validate_deepspeed
     from graphmem.validation.ranks import validate_ranks
 
     if dev.type != "cpu":
         raise UsageError("validate runs the ranks' real steps as CPU processes over gloo: use `device='cpu'`")
     if isinstance(model, nn.Module):
         _check_real(model, dev)
+    if options.get("deepspeed") is not None:
+        return validate_deepspeed(model, given, shape, loss, hf, tol, options)
     return validate_ranks(model, given, shape, loss, hf, tol, options)
 
 

@@ -43,7 +43,8 @@ LAYERS: dict[str, set[str]] = {
     "api": {"errors", "units", "stepgraph", "passes", "capture", "training", "formula", "report",
             "distributed", "step", "frontends", "titan", "noise"},
     "validation": {"errors", "units", "stepgraph", "passes", "capture", "training", "report", "api", "step", "frontends",
-                   "distributed", "noise"},  # per-rank validate runs the same wrappers for real (graphmem/validation/ranks.py)
+                   "distributed", "noise", "deepspeed"},  # per-rank validate runs the same wrappers (graphmem/validation/ranks.py)
+    # and DeepSpeed's engine with the capture's config and loop (deepspeed_ranks.py) for real
     "ci": {"errors", "units", "api", "report", "render", "training", "capture"},
     "noise": set(),  # third-party warnings and logs silenced at the front doors (api, validation, cli)
     "cli": {"errors", "jsontypes", "units", "api", "report", "render", "capture", "training", "formula", "planning",
