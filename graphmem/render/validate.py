@@ -40,15 +40,19 @@ def render_validation(v: Validation) -> str:
     ddp = getattr(budget.training.train, "world_size", 1) if ranked and budget is not None else 1  # a Trainer's DDP
     fsdp = bool(getattr(budget.training.train, "fsdp", False)) if budget is not None else False  # accelerate's FSDP2
     wrapper = "FSDP2 (accelerate)" if fsdp else "DistributedDataParallel"
-    deepspeed = budget.whose if budget is not None and budget.whose.startswith("DeepSpeed") else ""  # a DeepSpeed job
-    where = f"{v.device}, {sharding.sharding.world_size} gloo processes: {sharding.wrappers()}" \
-        if sharding is not None else f"{v.device}, {ddp} gloo processes: {wrapper}" if ddp > 1 else \
-        f"{v.device}, gloo processes: {deepspeed.split(', rank ')[0]}" if deepspeed else v.device
+    # a DeepSpeed job's rank ("DeepSpeed ZeRO-2 (fp32), rank 0 of 2"; through a Trainer "... (accelerate), ...")
+    deepspeed = budget.whose if budget is not None and budget.whose.startswith("DeepSpeed") else ""
+    job, _, of = deepspeed.partition(", rank ")
+    where = f"{v.device}, {of.rpartition(' of ')[2]} gloo processes: {job}" if deepspeed else \
+        f"{v.device}, {sharding.sharding.world_size} gloo processes: {sharding.wrappers()}" \
+        if sharding is not None else f"{v.device}, {ddp} gloo processes: {wrapper}" if ddp > 1 else v.device
     if ranked:
-        wrapped = f"rebuilding the Trainer as a torchrun rank does, accelerate wrapping {'FSDP2' if fsdp else 'DDP'}" \
-            if ddp > 1 else "running DeepSpeed's engine on its CPU accelerator with the capture's optimizer, config " \
-            "and loop" if deepspeed else "wrapped by the per-rank analysis's own call"
-        repeats = TRAINER_REPEATS if ddp > 1 and not fsdp else REPEATS
+        wrapped = ("rebuilding the Trainer as a torchrun rank does, accelerate running DeepSpeed's engine"
+                   if "(accelerate)" in job else "running DeepSpeed's engine on its CPU accelerator with the capture's "
+                   "optimizer, config and loop") if deepspeed else \
+            f"rebuilding the Trainer as a torchrun rank does, accelerate wrapping {'FSDP2' if fsdp else 'DDP'}" \
+            if ddp > 1 else "wrapped by the per-rank analysis's own call"
+        repeats = TRAINER_REPEATS if ddp > 1 and not fsdp and not deepspeed else REPEATS
         how += (f" Each rank is a real process (gloo) {wrapped}; its collectives are held until gloo's thread has "
                 "released them, so their buffers' frees are all seen"
                 + ("." if repeats == 1 else f", and its least peak of {repeats} fresh steps is kept."))

@@ -20,12 +20,13 @@ within validate's tolerance (measured equal to the byte: tests/distributed/test_
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import io
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -33,7 +34,8 @@ import torch.nn as nn
 from graphmem.api import analyze
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import load
-from graphmem.deepspeed.config import make_job, resolved
+from graphmem.deepspeed.config import DeepSpeedJob, make_job, resolved
+from graphmem.deepspeed.trainer import TrainerDeepSpeed
 from graphmem.errors import UsageError
 from graphmem.noise import quiet_third_party
 from graphmem.report.live import Analysis
@@ -74,7 +76,7 @@ def validate_deepspeed(model: ModelLike, given: Optional[Batch], shape: Optional
     spec = make_spec(model, given, input_shape=shape, loss=loss, hf=hf, device="cpu", deepspeed=options["deepspeed"],
                      world_size=world_size, rank=0, **loop)
     job = spec.parallel
-    assert hasattr(job, "config")  # (make_spec made the DeepSpeedJob: graphmem/deepspeed/config.py)
+    assert isinstance(job, DeepSpeedJob)  # (make_spec made it: graphmem/deepspeed/config.py)
     ranks = [rank] if rank is not None else list(range(world_size))
     reports = {r: analyze(spec.replace(parallel=make_job(job.config, world_size, r))) for r in ranks}
     check_budget(reports, world_size)
@@ -86,6 +88,41 @@ def validate_deepspeed(model: ModelLike, given: Optional[Batch], shape: Optional
     real = _Job(source, hf, None if batch is None else pickled(batch, "the inputs"), spec.shape, loss,
                 train.optimizer, train.impl, config, torch.get_num_threads())
     return ranked(reports, run_ranks(real, world_size, _rank_main), tol, _rows)
+
+
+def validate_deepspeed_trainer(model: nn.Module, training_args: object, inputs: object,
+                               input_shape: Union[str, tuple, list, None], tol: float, world_size: int,
+                               rank: Optional[int], trainer_class: Optional[type] = None) -> Validation:
+    """A Trainer whose ``training_args`` name ``deepspeed``: each rank's prediction (the Trainer built per rank,
+    accelerate running DeepSpeed: graphmem/deepspeed/trainer_capture.py) beside the real Trainer on ``world_size``
+    gloo CPU processes, each building it from the same class and arguments (graphmem/deepspeed/trainer.py
+    ``build_ds_trainer``) and stepping it with the runner the capture runs (``DeepSpeedRunner``: the Trainer's
+    ``training_step``, accelerate's backward into ``engine.backward`` and ``engine.step``, clipping, the scheduler),
+    twice; measured as the module docstring says."""
+    from graphmem.frontends.trainer_deepspeed import deepspeed_trainer_spec
+
+    ranks = [rank] if rank is not None else list(range(world_size))
+    specs = {r: deepspeed_trainer_spec(model, training_args, inputs, input_shape, world_size, r, trainer_class)
+             for r in ranks}  # (each rank's own job: its padding and partitions)
+    reports = {r: analyze(s) for r, s in specs.items()}
+    spec = specs[ranks[0]]
+    p = spec.parallel
+    assert isinstance(p, TrainerDeepSpeed)  # (deepspeed_trainer_spec made it: graphmem/deepspeed/trainer.py)
+    check_budget(reports, world_size)
+    # (the CLI's file reader parses into a local subclass of TrainingArguments, which cannot be pickled: its first
+    # importable base, whose DeepSpeed Trainer places the model on no device either)
+    args_class = next(c for c in p.args_class.__mro__ if "<locals>" not in c.__qualname__)
+    job = _TrainerJob(pickled(model, "the model"), pickled(spec.inputs.captured, "the inputs"),
+                      dataclasses.replace(p, args_class=args_class), torch.get_num_threads())
+    return ranked(reports, run_ranks(job, world_size, _trainer_rank_main), tol, _rows)
+
+
+@dataclass(frozen=True)
+class _TrainerJob:
+    model: bytes
+    batch: bytes
+    recipe: Any  # the TrainerDeepSpeed: the Trainer's class, its arguments' class and fields
+    threads: int
 
 
 def _rows(report: Analysis, m: dict[str, int], rank: int) -> list[Row]:
@@ -102,21 +139,53 @@ def _rows(report: Analysis, m: dict[str, int], rank: int) -> list[Row]:
 
 
 def _rank_main(rank: int, job: _Job, world_size: int, init: str, out: str) -> None:
-    """A spawned rank: the launcher's environment, the gloo job, DeepSpeed's CPU accelerator; step and measure."""
+    _ranked(rank, world_size, init, out, job.threads, lambda: _measure(job))
+
+
+def _ranked(rank: int, world_size: int, init: str, out: str, threads: int, measure: Callable[[], dict[str, int]]) -> None:
+    """A spawned rank: the launcher's environment (torchrun's, and DeepSpeed's CPU accelerator), the gloo job, its
+    collectives settled; ``measure``'s figures written for the parent."""
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
+                      LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29500")
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
-    torch.set_num_threads(job.threads)
+    torch.set_num_threads(threads)
     UNSETTLED[0] = 0
     settle_collectives(_MORE)
     try:
         with without_profiler_log(), quiet_third_party():  # (DeepSpeed's calls of torch's deprecated names)
-            result = _measure(job)
+            result = measure()
         torch.save({**result, "unsettled": UNSETTLED[0]}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+
+
+def _trainer_rank_main(rank: int, job: _TrainerJob, world_size: int, init: str, out: str) -> None:
+    _ranked(rank, world_size, init, out, job.threads, lambda: _measure_trainer(job, rank))
+
+
+def _measure_trainer(job: _TrainerJob, rank: int) -> dict[str, int]:
+    import accelerate.utils.deepspeed  # noqa: F401
+    import transformers.integrations.deepspeed  # noqa: F401
+    from transformers import Trainer  # noqa: F401  (its imports' module-level tensors: not the rank's)
+
+    from graphmem.deepspeed.trainer import DeepSpeedRunner, build_ds_trainer
+
+    before_job = _before_job()
+    torch.manual_seed(0)
+    model = torch.load(io.BytesIO(job.model), weights_only=False)
+    batch = torch.load(io.BytesIO(job.batch), weights_only=False)
+    trainer = build_ds_trainer(dataclasses.replace(job.recipe, rank=rank), model.train())
+    runner = DeepSpeedRunner(trainer)
+    with runner.session():
+        runner.prepare()
+        assert runner.engine is not None
+        module = runner.engine.module
+        # (the Trainer's loop drops each step's loss: tr_loss, which it keeps, is the runner's)
+        return _two_steps(module, before_job, lambda saves: runner.run(module, batch, None, saves.set_phase, _nothing),
+                          output_held=False)
 
 
 def _measure(job: _Job) -> dict[str, int]:
@@ -125,23 +194,38 @@ def _measure(job: _Job) -> dict[str, int]:
     from graphmem.deepspeed.capture import micro_steps
     from graphmem.training.optim import make_optimizer
 
-    comm: Any = sys.modules["deepspeed.comm.torch"]
-    comm.build_shm_op = lambda: None  # (the module docstring)
-    before_job = set(_alive())  # what the imports left alive: not the rank's
+    before_job = _before_job()
     torch.manual_seed(0)
     module, batch, loss = _real(job)
     optimizer = make_optimizer(job.optimizer, job.impl, [p for p in module.parameters() if p.requires_grad], "cpu") \
         if job.optimizer is not None else None
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=job.config)
     del module, optimizer
+    return _two_steps(engine.module, before_job,
+                      lambda saves: micro_steps(engine, batch, loss, _nothing, saves.set_phase, lambda: None))
+
+
+def _before_job() -> set[int]:
+    """What the imports left alive (not the rank's), DeepSpeed's inference-only op unbuilt (the module docstring)."""
+    import deepspeed  # noqa: F401
+
+    comm: Any = sys.modules["deepspeed.comm.torch"]
+    comm.build_shm_op = lambda: None
+    return set(_alive())
+
+
+def _two_steps(module: nn.Module, before_job: set[int], step: Callable[[Saves], object],
+               output_held: bool = True) -> dict[str, int]:
+    """Two steps measured (the module docstring): the first's figures, the second's peak; ``output_held``: the
+    step's output and loss are alive when it ends (a user's loop; a Trainer's drops them)."""
     kept: list[object] = []
     result: dict[str, int] = {}
     for i in range(2):
         before = _held(before_job, kept)
-        saves = Saves(engine.module)
+        saves = Saves(module)
         with profiled(saves) as prof:
-            out = micro_steps(engine, batch, loss, _nothing, saves.set_phase, lambda: None)
-        after = _held(before_job, kept)  # (its output and loss alive, as the step leaves them in a loop)
+            out = step(saves)
+        after = _held(before_job, kept if output_held else [*kept, out])
         kept.append(out)  # (the previous step's output, alive until the next one returns; left out of the bytes held)
         high = running = 0
         for _, size in allocation_events(prof, set(_alive())):
@@ -216,4 +300,4 @@ def _walked(kept: list[object]) -> set[int]:
     return found
 
 
-__all__ = ["validate_deepspeed"]
+__all__ = ["validate_deepspeed", "validate_deepspeed_trainer"]

@@ -127,12 +127,17 @@ def _trainer(model: Any, inputs: Optional[UserInputs], input_shape: Union[str, t
             raise UsageError(f"a Trainer's step is set by its TrainingArguments, not {', '.join(f'`{k}`' for k in unknown)}"
                              ": drop it (`world_size`/`rank` validate its DDP ranks)")
         return validate_trainer(model, inputs, input_shape, tolerance, device=device, **options)
+    from graphmem.validation.deepspeed_ranks import validate_deepspeed_trainer
     from graphmem.validation.trainer_fsdp import validate_fsdp_ranks
 
     unknown = sorted(set(options) - (FSDP_TRAINER - {"input_shape"}))
     if unknown or loss is not None or hf is not None:
         raise UsageError("a Trainer's step is set by its TrainingArguments: give `training_args`, `world_size`, `rank` "
                          "(and `trainer_class`) only")
+    if getattr(options["training_args"], "deepspeed", None) is not None:  # DeepSpeed through accelerate, per rank
+        return validate_deepspeed_trainer(model, options["training_args"], inputs, input_shape,
+                                          checked_tolerance(tolerance), options.get("world_size", 1), options.get("rank"),
+                                          options.get("trainer_class"))
     return validate_fsdp_ranks(model, options["training_args"], inputs, input_shape, tolerance,
                                options.get("world_size", 1), options.get("rank"), options.get("trainer_class"))
 

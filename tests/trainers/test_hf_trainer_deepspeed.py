@@ -233,3 +233,22 @@ def test_cli_training_args_with_deepspeed_on_the_cuda_target(tmp_path: Any, caps
     assert (details["host (pinned)"], details["host (pageable)"]) == \
         next((d.size, e.size) for d in api.budget.rank.details for e in api.budget.rank.details
              if d.name == "host (pinned)" and e.name == "host (pageable)")
+
+
+@pytest.mark.slow  # ~50 s: a real 2-process Trainer job and two ranks captured
+def test_validate_runs_the_real_trainers_deepspeed_ranks(tmp_path: Any) -> None:
+    """graphmem.validate(model, batch, training_args=args naming deepspeed, world_size=2): each rank's prediction
+    beside the real Trainer on 2 gloo processes (graphmem/validation/deepspeed_ranks.py
+    ``validate_deepspeed_trainer``), ZeRO-3 here: every row of both ranks equal to the byte."""
+    import graphmem
+    from graphmem.render.validate import render_validation
+    from tests.deepspeed_trainer_truth import trainer_args
+    from tests.deepspeed_truth import decoder
+
+    model, batch = decoder()
+    v = graphmem.validate(model, batch, training_args=trainer_args(str(tmp_path), ds_config(3)), world_size=2)
+    assert v.ok, v.reason
+    for rank in (0, 1):
+        for name in ("saved for backward", "before the step", "after the step", "peak", "peak (later steps)"):
+            assert v.row(name, rank).difference == 0, (name, rank)
+    assert "2 gloo processes: DeepSpeed ZeRO-3 (accelerate)" in render_validation(v)
