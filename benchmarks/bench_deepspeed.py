@@ -11,6 +11,7 @@ first engine cost a few seconds once). The peak RSS of the process is read from 
 
     python benchmarks/bench_deepspeed.py                                   # llama-2-70b 1x4096, ZeRO-3 bf16, 64 ranks
     python benchmarks/bench_deepspeed.py --case llama-2-7b:1x512 --world-size 8 --profile /tmp/ds.prof
+    python benchmarks/bench_deepspeed.py --device cuda                     # the same on the CUDA target
 
 Nothing is asserted: it is a benchmark. The goals are printed next to the figures.
 """
@@ -45,6 +46,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--fp32", dest="bf16", action="store_false")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="the target (cuda: the GPU's figures, the device total; graphmem/deepspeed/host.py)")
     p.add_argument("--profile", help="write cProfile's statistics of the timed analysis to this file")
     args = p.parse_args()
     preset, shape = args.case.split(":")
@@ -54,7 +57,7 @@ def main() -> None:
     from graphmem.models.llama import LlamaConfig, Transformer  # the warm-up's 2-layer model
 
     options = dict(deepspeed=config(args.stage, args.bf16), world_size=args.world_size, rank=args.rank,
-                   optimizer="adamw")
+                   optimizer="adamw", device=args.device)
     with torch.device("meta"):
         small = Transformer(LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, ffn_hidden=128))
     graphmem.analyze(small, input_shape="1x16", **options)  # warm-up
@@ -77,6 +80,9 @@ def main() -> None:
     later = report.budget.rank.later_peak_bytes if report.budget is not None else report.peak_bytes
     print(f"  rank's peak {fmt_bytes(report.peak_bytes)} (first step), {fmt_bytes(later)} "
           f"(later steps); activations {fmt_bytes(report.activation_bytes)}")
+    if report.memory is not None and report.memory.rows:  # the CUDA target: what nvidia-smi would show
+        print(f"  device total {fmt_bytes(report.memory.device_total)} (reserved {fmt_bytes(report.memory.run_max_reserved)}"
+              f" + the rows outside the caching allocator) on {report.target.gpu if report.target else 'the card'}")
 
 
 if __name__ == "__main__":

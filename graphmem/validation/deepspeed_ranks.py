@@ -34,8 +34,8 @@ import torch.nn as nn
 from graphmem.api import analyze
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import load
-from graphmem.deepspeed.config import DeepSpeedJob, make_job, resolved
-from graphmem.deepspeed.trainer import TrainerDeepSpeed
+from graphmem.deepspeed.config import make_job, resolved
+from graphmem.deepspeed.trainer import deepspeed_of
 from graphmem.errors import UsageError
 from graphmem.noise import quiet_third_party
 from graphmem.report.live import Analysis
@@ -73,10 +73,8 @@ def validate_deepspeed(model: ModelLike, given: Optional[Batch], shape: Optional
     docstring); rows carry their rank."""
     world_size, rank = options.get("world_size", 1), options.get("rank")
     loop = {k: v for k, v in options.items() if k not in ("world_size", "rank", "deepspeed")}
-    spec = make_spec(model, given, input_shape=shape, loss=loss, hf=hf, device="cpu", deepspeed=options["deepspeed"],
-                     world_size=world_size, rank=0, **loop)
-    job = spec.parallel
-    assert isinstance(job, DeepSpeedJob)  # (make_spec made it: graphmem/deepspeed/config.py)
+    job = make_job(options["deepspeed"], world_size, 0)
+    spec = make_spec(model, given, input_shape=shape, loss=loss, hf=hf, device="cpu", parallel=job, **loop)
     ranks = [rank] if rank is not None else list(range(world_size))
     reports = {r: analyze(spec.replace(parallel=make_job(job.config, world_size, r))) for r in ranks}
     check_budget(reports, world_size)
@@ -99,15 +97,19 @@ def validate_deepspeed_trainer(model: nn.Module, training_args: object, inputs: 
     ``build_ds_trainer``) and stepping it with the runner the capture runs (``DeepSpeedRunner``: the Trainer's
     ``training_step``, accelerate's backward into ``engine.backward`` and ``engine.step``, clipping, the scheduler),
     twice; measured as the module docstring says."""
+    from transformers import Trainer, TrainingArguments
+
     from graphmem.frontends.trainer_deepspeed import deepspeed_trainer_spec
+
+    if not isinstance(training_args, TrainingArguments):
+        raise UsageError(f"`training_args` is {type(training_args).__name__}, not transformers.TrainingArguments")
 
     ranks = [rank] if rank is not None else list(range(world_size))
     specs = {r: deepspeed_trainer_spec(model, training_args, inputs, input_shape, world_size, r, trainer_class)
              for r in ranks}  # (each rank's own job: its padding and partitions)
     reports = {r: analyze(s) for r, s in specs.items()}
     spec = specs[ranks[0]]
-    p = spec.parallel
-    assert isinstance(p, TrainerDeepSpeed)  # (deepspeed_trainer_spec made it: graphmem/deepspeed/trainer.py)
+    p = deepspeed_of(trainer_class or Trainer, training_args, world_size, ranks[0])  # (the spec's recipe)
     check_budget(reports, world_size)
     # (the CLI's file reader parses into a local subclass of TrainingArguments, which cannot be pickled: its first
     # importable base, whose DeepSpeed Trainer places the model on no device either)
