@@ -17,9 +17,8 @@ _OPTION = re.compile(r"`([a-z_]+)(?:=([^`]*))?`")
 # the API's option names (the step's, and the commands' own: ``graphmem.analyze``'s and the questions'); any other
 # name in backticks is code (```model```, ```loss(output, inputs)```) and stays as it is
 OPTIONS = frozenset({o.name for o in STEP_OPTIONS} | {
-    "input_shape", "qlora", "budget", "max_overhead", "selective", "points", "tolerance", "ranks", "memory", "seq",
-    "batch", "debug", "json", "plan", "formula", "training_args", "d_model", "n_heads", "train_dataset",
-    "trainer_batch"})
+    "input_shape", "qlora", "tolerance", "ranks", "memory", "seq", "batch", "debug", "json", "plan", "formula",
+    "training_args", "d_model", "n_heads"})
 
 
 def flag(name: str) -> str:

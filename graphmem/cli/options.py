@@ -10,12 +10,15 @@ from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from graphmem.errors import UsageError
 from graphmem.step.options import (
+    FIGURE_GROUP,
     FORMULA_GROUP,
     HF_GROUP,
     LOOP_GROUP,
     PARALLEL,
     PIPELINE_GROUP,
+    PLAN_GROUP,
     TARGET_GROUP,
+    TRAINER_BATCH_GROUP,
     TRAINER_LOOP_GROUP,
     WRAPPER_GROUP,
     default,
@@ -113,13 +116,7 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_trainer_batch_arguments(p: argparse.ArgumentParser) -> None:
     """--train-dataset/--trainer-batch: the batch a Trainer's dataloader yields (with --training-args)."""
-    p.add_argument("--train-dataset", metavar="PATH",
-                   help="with --training-args: the Trainer's train_dataset (a JSON Lines file of samples, or a "
-                        "directory saved by datasets' save_to_disk); without --input-shape the step runs the "
-                        "first batch train() draws from it")
-    p.add_argument("--trainer-batch", choices=["first", "longest"], default="first",
-                   help="with --train-dataset: the first batch train() draws (default), or the longest of the "
-                        "run's (a padding collator's worst case)")
+    add_options(p, TRAINER_BATCH_GROUP)
 
 
 def check_pipeline_arguments(args: argparse.Namespace) -> None:
@@ -131,23 +128,13 @@ def check_pipeline_arguments(args: argparse.Namespace) -> None:
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoint plans")
-    g.add_argument("--budget", metavar="MEM", help="memory budget for the step's peak, e.g. 40GiB (gpu: the --gpu "
-                   "card's capacity, on --device cuda): the plan with the fewest recompute FLOPs that fits")
-    g.add_argument("--max-overhead", metavar="PCT", help="recompute cap, e.g. 20%%: the plan with the lowest peak "
-                   "whose recompute stays within it")
-    g.add_argument("--selective", nargs="?", const=True, default=False, type=int, metavar="LEVELS",
-                   help="selective checkpointing: a checkpointed segment may also keep some ops' outputs (the knapsack's "
-                   "choice at LEVELS memory levels, default 3), measured like plain checkpointing")
-    g.add_argument("--points", type=int, default=50, help="budgets tried for the Pareto frontier (default 50)")
+    add_options(g, PLAN_GROUP)
     add_figure_argument(g)
 
 
 def add_figure_argument(g: Arguments) -> None:
     """--figure: which of the run's figures a verdict compares with the memory given."""
-    g.add_argument("--figure", choices=("allocated", "reserved", "device"),
-                   help="the run's figure compared with the budget: allocated (max_memory_allocated), reserved "
-                   "(max_memory_reserved) or device (reserved + CUDA context, cuBLAS, NCCL: nvidia-smi); default "
-                   "device on --device cuda, allocated on cpu (no caching allocator, no device rows)")
+    add_options(g, FIGURE_GROUP)
 
 
 def check_plan_arguments(args: argparse.Namespace, planning: bool) -> None:

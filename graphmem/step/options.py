@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-# which builder takes the keyword (graphmem/step/spec.py ``make_spec``)
-SPEC, HF, TARGET, TRAINING, PARALLEL = "spec", "hf", "target", "training", "parallel"
+# which builder takes the keyword (graphmem/step/spec.py ``make_spec``), or which question: PLAN, ``Analysis.plans``
+# (and ``plan``; ``figure`` advise's too); TRAINER, a Trainer's batch (graphmem/frontends/trainer.py)
+SPEC, HF, TARGET, TRAINING, PARALLEL, PLAN, TRAINER = "spec", "hf", "target", "training", "parallel", "plan", "trainer"
 # the command line's argument groups (graphmem/cli/options.py; a command's own flags are its own)
 HF_GROUP, TARGET_GROUP, LOOP_GROUP, TRAINER_LOOP_GROUP = "hf", "target", "loop", "trainer loop"
 FORMULA_GROUP, WRAPPER_GROUP, PIPELINE_GROUP = "formula", "wrappers", "pipeline"
+PLAN_GROUP, FIGURE_GROUP, TRAINER_BATCH_GROUP = "plan", "figure", "trainer batch"
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -141,6 +143,26 @@ OPTIONS: tuple[Option, ...] = (
            {"type": int, "default": 1, "metavar": "P"}),
     Option("schedule", PARALLEL, PIPELINE_GROUP, "Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B (two stages "
            "per rank)", {"default": "1f1b", "choices": ("1f1b", "gpipe", "interleaved")}),
+    # checkpoint plans (graphmem/report/live.py Analysis.plans)
+    Option("budget", PLAN, PLAN_GROUP, "memory budget for the step's peak, e.g. 40GiB (gpu: the --gpu card's capacity, "
+           "on --device cuda): the plan with the fewest recompute FLOPs that fits", {"metavar": "MEM"}),
+    Option("max_overhead", PLAN, PLAN_GROUP, "recompute cap, e.g. 20%%: the plan with the lowest peak whose recompute "
+           "stays within it", {"metavar": "PCT"}),
+    Option("selective", PLAN, PLAN_GROUP, "selective checkpointing: a checkpointed segment may also keep some ops' "
+           "outputs (the knapsack's choice at LEVELS memory levels, default 3), measured like plain checkpointing",
+           {"nargs": "?", "const": True, "default": False, "type": int, "metavar": "LEVELS"}),
+    Option("points", PLAN, PLAN_GROUP, "budgets tried for the Pareto frontier (default 50)", {"type": int, "default": 50}),
+    Option("figure", PLAN, FIGURE_GROUP, "the run's figure compared with the budget: allocated (max_memory_allocated), "
+           "reserved (max_memory_reserved) or device (reserved + CUDA context, cuBLAS, NCCL: nvidia-smi); default "
+           "device on --device cuda, allocated on cpu (no caching allocator, no device rows)",
+           {"choices": ("allocated", "reserved", "device")}),
+    # a Trainer's batch (--training-args)
+    Option("train_dataset", TRAINER, TRAINER_BATCH_GROUP, "with --training-args: the Trainer's train_dataset (a JSON "
+           "Lines file of samples, or a directory saved by datasets' save_to_disk); without --input-shape the step runs "
+           "the first batch train() draws from it", {"metavar": "PATH"}),
+    Option("trainer_batch", TRAINER, TRAINER_BATCH_GROUP, "with --train-dataset: the first batch train() draws "
+           "(default), or the longest of the run's (a padding collator's worst case)",
+           {"choices": ("first", "longest"), "default": "first"}),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 

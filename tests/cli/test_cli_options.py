@@ -28,10 +28,15 @@ def test_the_option_table_is_the_library_keywords_and_the_cli_flags() -> None:
     import inspect
 
     from graphmem.capture.hf import HFOptions
+    from graphmem.frontends.door import TRAINER
+    from graphmem.report.live import Analysis
     from graphmem.step.spec import PARALLEL_OPTIONS, TARGET_OPTIONS, make_parallelism, spec_keywords
     from graphmem.training.spec import make_training
 
-    assert {o.name for o in table.OPTIONS if o.takes != table.HF} <= spec_keywords()
+    keywords = {o.name for o in table.OPTIONS if o.takes in (table.SPEC, table.TARGET, table.TRAINING, table.PARALLEL)}
+    assert keywords <= spec_keywords()
+    assert set(table.names(table.PLAN)) <= set(inspect.signature(Analysis.plans).parameters)  # (the questions')
+    assert set(table.names(table.TRAINER)) - {"train_dataset"} <= TRAINER  # (train_dataset: the CLI's file)
     assert set(table.names(table.HF)) == {f.name for f in dataclasses.fields(HFOptions)}  # (make_spec's ``hf``)
     assert TARGET_OPTIONS == table.names(table.TARGET) == tuple(inspect.signature(target.make_target).parameters)
     assert set(PARALLEL_OPTIONS) == set(inspect.signature(make_parallelism).parameters) - {"training"}
