@@ -166,7 +166,8 @@ def test_zero_stages_match_real_deepspeed_on_four_gloo_ranks() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [pytest.param(_config(2, gradient_clipping=1.0), id="zero2-clipping"),
+@pytest.mark.parametrize("config", [pytest.param(_config(2, gradient_clipping=1.0), id="zero2-clipping",
+                                                 marks=pytest.mark.heavy),  # (CI time: ZeRO-3 bf16 runs in CI)
                                     pytest.param(_config(3, bf16={"enabled": True}), id="zero3-bf16")])
 def test_gpt2_matches_real_deepspeed(config: dict) -> None:
     """GIVEN a tiny transformers GPT-2 (2 layers, hidden 64; its dropouts on; lm_head tied to the token embedding,
@@ -448,6 +449,7 @@ def test_the_cuda_target_refuses_offload_param(tmp_path: object) -> None:
 
 
 @pytest.mark.slow  # ~40 s: a real 2-process DeepSpeed job and two ranks captured
+@pytest.mark.heavy  # (CI time) the command line's twin below runs in CI
 def test_validate_runs_the_real_deepspeed_ranks() -> None:
     """graphmem.validate(model, batch, deepspeed=config, world_size=2): each rank's prediction beside real DeepSpeed
     on 2 gloo processes (graphmem/validation/deepspeed_ranks.py: the capture's optimizer, resolved config and loop,

@@ -209,6 +209,7 @@ def test_the_trainers_offloaded_optimizer_stays_off_the_gpu_on_the_cuda_target(t
 
 
 @pytest.mark.slow  # ~25 s: two Trainer ranks through DeepSpeed on fake tensors
+@pytest.mark.heavy  # (CI time) the API's twin above runs in CI
 def test_cli_training_args_with_deepspeed_on_the_cuda_target(tmp_path: Any, capsys: Any) -> None:
     """``--training-args`` naming ``deepspeed`` with ``--device cuda``: the CUDA target's figures (its device total,
     the offloaded optimizer as host rows outside them), as graphmem.analyze(device='cuda') gives them."""
