@@ -80,6 +80,8 @@ def validate_deepspeed(model: ModelLike, given: Optional[Batch], shape: Optional
     check_budget(reports, world_size)
     train = spec.training.train
     source, batch = sources(spec, model, given)
+    if loss is not None:
+        pickled(loss, "`loss`")  # (a one-line refusal here, not a traceback from the spawn)
     first = next(iter(as_batch(batch).tensors()), None) if batch is not None else None
     micro = int(first.shape[0]) if first is not None and first.dim() else spec.shape[0]
     config = resolved(make_job(copy.deepcopy(job.config), world_size, 0), spec.module, micro)

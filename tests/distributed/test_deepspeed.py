@@ -483,3 +483,17 @@ def test_cli_validates_a_deepspeed_config(tmp_path: object, capsys: pytest.Captu
     rows = json.loads(capsys.readouterr().out)["validation"]["rows"]
     assert {(r["rank"], r["name"]) for r in rows} >= {(k, "after the step") for k in (0, 1)}
     assert all(r["ok"] for r in rows) and all(r["predicted"] == r["measured"] for r in rows)
+
+
+@pytest.mark.slow  # ~10 s: rank 0 analyzed before the refusal
+def test_validate_refuses_a_loss_the_ranks_cannot_unpickle() -> None:
+    """A ``loss`` the spawned DeepSpeed ranks cannot unpickle (a lambda) is a one-line refusal before any rank starts."""
+    pytest.importorskip("deepspeed")
+    import graphmem
+    from tests.deepspeed_truth import decoder
+
+    model, batch = decoder()
+    with pytest.raises(UsageError, match="`loss` pickled") as e:
+        graphmem.validate(model, batch, deepspeed=_config(2), world_size=2, rank=0, optimizer="adamw",
+                          loss=lambda out, given: out.loss)
+    assert "\n" not in str(e.value)
