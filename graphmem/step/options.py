@@ -167,10 +167,6 @@ OPTIONS: tuple[Option, ...] = (
 _BY_NAME = {o.name: o for o in OPTIONS}
 
 
-def option(name: str) -> Option:
-    return _BY_NAME[name]
-
-
 def names(takes: str) -> tuple[str, ...]:
     """The keywords builder ``takes`` takes, in the table's order."""
     return tuple(o.name for o in OPTIONS if o.takes == takes)
@@ -194,4 +190,4 @@ def default(name: str) -> object:
 
 
 __all__ = ["AMP", "ATTENTION", "DEVICES", "DTYPES", "IMPLS", "MODES", "OPTIMIZERS", "OPTIONS", "Option", "default",
-           "in_group", "names", "option"]
+           "in_group", "names"]

@@ -19,6 +19,7 @@ capture: ``deepspeed.comm.torch.build_shm_op`` returns None (DeepSpeed JIT-compi
 within validate's tolerance (measured equal to the byte: tests/distributed/test_deepspeed.py)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -33,7 +34,7 @@ import torch.nn as nn
 
 from graphmem.api import analyze
 from graphmem.capture.hf import HFOptions
-from graphmem.capture.load import load
+from graphmem.capture.target import Target
 from graphmem.deepspeed.config import make_job, resolved
 from graphmem.deepspeed.trainer import deepspeed_of
 from graphmem.errors import UsageError
@@ -43,8 +44,16 @@ from graphmem.step.spec import ModelLike, make_spec
 from graphmem.training.batch import Batch, as_batch
 from graphmem.training.step import LossFn
 from graphmem.validation.profiler_log import without_profiler_log
-from graphmem.validation.ranks import Saves, check_budget, pickled, profiled, ranked, run_ranks, sources
-from graphmem.validation.real import real_inputs
+from graphmem.validation.ranks import (
+    Saves,
+    built_for_real,
+    check_budget,
+    pickled,
+    profiled,
+    ranked,
+    run_ranks,
+    sources,
+)
 from graphmem.validation.result import Row, Validation
 from graphmem.validation.settle import UNSETTLED, addresses, allocation_events, settle_collectives
 
@@ -58,6 +67,7 @@ class _Job:
 
     model: Union[str, bytes]  # a model file or preset (each rank builds it) or a module, pickled
     hf: Optional[HFOptions]
+    built: Optional[Target]  # load()'s target: a Hugging Face model's dtype and attention, as the prediction built it
     batch: Optional[bytes]  # the batch, pickled; None: each rank makes it for ``shape`` from the model file
     shape: tuple[int, ...]
     loss: Optional[LossFn]
@@ -85,7 +95,8 @@ def validate_deepspeed(model: ModelLike, given: Optional[Batch], shape: Optional
     first = next(iter(as_batch(batch).tensors()), None) if batch is not None else None
     micro = int(first.shape[0]) if first is not None and first.dim() else spec.shape[0]
     config = resolved(make_job(copy.deepcopy(job.config), world_size, 0), spec.module, micro)
-    real = _Job(source, hf, None if batch is None else pickled(batch, "the inputs"), spec.shape, loss,
+    built = reports[ranks[0]].step.target if reports[ranks[0]].step is not None else None
+    real = _Job(source, hf, built, None if batch is None else pickled(batch, "the inputs"), spec.shape, loss,
                 train.optimizer, train.impl, config, torch.get_num_threads())
     return ranked(reports, run_ranks(real, world_size, _rank_main), tol, _rows)
 
@@ -188,7 +199,7 @@ def _measure_trainer(job: _TrainerJob, rank: int) -> dict[str, int]:
         assert runner.engine is not None
         module = runner.engine.module
         # (the Trainer's loop drops each step's loss: tr_loss, which it keeps, is the runner's)
-        return _two_steps(module, before_job, lambda saves: runner.run(module, batch, None, saves.set_phase, _nothing),
+        return _two_steps(module, before_job, lambda saves: runner.run(module, batch, None, saves.set_phase, contextlib.nullcontext),
                           output_held=False)
 
 
@@ -200,13 +211,13 @@ def _measure(job: _Job) -> dict[str, int]:
 
     before_job = _before_job()
     torch.manual_seed(0)
-    module, batch, loss = _real(job)
+    module, batch, loss = built_for_real(job.model, job.hf, job.built, job.batch, job.shape, job.loss)
     optimizer = make_optimizer(job.optimizer, job.impl, [p for p in module.parameters() if p.requires_grad], "cpu") \
         if job.optimizer is not None else None
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=job.config)
     del module, optimizer
     return _two_steps(engine.module, before_job,
-                      lambda saves: micro_steps(engine, batch, loss, _nothing, saves.set_phase, lambda: None))
+                      lambda saves: micro_steps(engine, batch, loss, contextlib.nullcontext, saves.set_phase, lambda: None))
 
 
 def _before_job() -> set[int]:
@@ -240,30 +251,6 @@ def _two_steps(module: nn.Module, before_job: set[int], step: Callable[[Saves], 
         else:
             result.update(later=before + high)
     return result
-
-
-def _nothing() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
-def _real(job: _Job) -> tuple[nn.Module, Batch, Optional[LossFn]]:
-    """The model, batch and loss, built for real on this rank as validate builds them on one device."""
-    loss = job.loss
-    if isinstance(job.model, bytes):
-        module = torch.load(io.BytesIO(job.model), weights_only=False)
-        loaded = None
-    else:
-        loaded = load(job.model, device="cpu", options=job.hf)
-        module, loss = loaded.module, loss or loaded.loss
-    if job.batch is not None:
-        batch = as_batch(torch.load(io.BytesIO(job.batch), weights_only=False))
-    elif loaded is not None:
-        batch = real_inputs(loaded, job.shape, torch.device("cpu"))
-    else:
-        raise UsageError("give the inputs (or `input_shape`) for the real DeepSpeed ranks")
-    return module.train(), batch, loss
 
 
 def _alive() -> dict[int, int]:

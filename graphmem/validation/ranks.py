@@ -270,19 +270,27 @@ def _measure_rank(job: RankJob, sharding: Sharding) -> dict[str, int]:
 
 
 def _real(job: RankJob) -> tuple[nn.Module, Batch, Optional[LossFn]]:
-    """The model, batch and loss, built for real on this rank as validate builds them on one device (seed 0)."""
-    torch.manual_seed(0)
-    loss = job.loss
-    if isinstance(job.model, bytes):
-        module = torch.load(io.BytesIO(job.model), weights_only=False)
-    else:
-        loaded = load(job.model, device="cpu", target=job.built, options=job.hf)
-        module, loss = loaded.module, loss or loaded.loss
-    if job.batch is not None:
-        batch = torch.load(io.BytesIO(job.batch), weights_only=False)
-    else:
-        batch = real_inputs(loaded, job.shape, torch.device("cpu"))
+    """The model (its dtype, LoRA, quantization as the spec says), batch and loss, built for real on this rank."""
+    module, batch, loss = built_for_real(job.model, job.hf, job.built, job.batch, job.shape, job.loss)
     return prepared(module, job.training, job.target).train(), batch, loss
+
+
+def built_for_real(model: Union[str, bytes], hf: Optional[HFOptions], built: Optional[Target], batch: Optional[bytes],
+                   shape: tuple[int, ...], loss: Optional[LossFn]) -> tuple[nn.Module, Batch, Optional[LossFn]]:
+    """A spawned rank's model (in training mode), batch and loss (``sources``'), built for real as validate builds
+    them on one device (seed 0): the module unpickled, or the file or preset loaded for ``built`` (load()'s target:
+    a Hugging Face model's dtype and attention); the batch unpickled, or made for ``shape`` from the model file."""
+    torch.manual_seed(0)
+    if isinstance(model, bytes):
+        module, loaded = torch.load(io.BytesIO(model), weights_only=False), None
+    else:
+        loaded = load(model, device="cpu", target=built, options=hf)
+        module, loss = loaded.module, loss or loaded.loss
+    if batch is not None:
+        return module.train(), as_batch(torch.load(io.BytesIO(batch), weights_only=False)), loss
+    if loaded is None:  # (``sources`` pickles a batch with every module)
+        raise UsageError("give the inputs (or `input_shape`) for the real ranks")
+    return module.train(), real_inputs(loaded, shape, torch.device("cpu")), loss
 
 
 class Saves:
