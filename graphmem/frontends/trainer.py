@@ -24,6 +24,7 @@ from graphmem.training.batch import Batch, as_batch, resizer
 from graphmem.training.hf_trainer import check_trainer, trainer_step
 from graphmem.training.hf_trainer_batch import collator_name, drawn_batch, fit_to_shape
 from graphmem.training.hf_trainer_cuda import bf16_check_answered
+from graphmem.training.hf_trainer_ddp import TrainerDDP
 from graphmem.training.loop import PlannedTrainer
 from graphmem.training.spec import Training
 
@@ -99,7 +100,8 @@ def trainer_spec(trainer: Any, inputs: object = None, input_shape: Union[str, tu
         if args.torch_compile else Target(device, amp=amp)
     return StepSpec(type(trainer.model).__name__, trainer.model,
                     Inputs(resizer(batch), tuple(first.shape), batch, tuple(settings.items())), None,
-                    target, Training(trainer_step(trainer, world_size, rank or 0), None), Single(), reuse=False)
+                    target, Training(trainer_step(trainer, world_size, rank or 0), None),
+                    TrainerDDP(world_size, rank or 0) if world_size > 1 else Single(), reuse=False)
 
 
 def trainer_device(trainer: Trainer, device: Optional[str]) -> str:

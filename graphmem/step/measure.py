@@ -7,6 +7,7 @@ re-captures behind plans, formulas and fits all come through here.
 - ``Ranks``: rank r through PyTorch's wrappers (graphmem/step/captured.py ``capture_rank_step``), with the per-rank formula
   over the single-device step beside it (graphmem/distributed/view.py);
 - ``Stages``: pipeline rank r under torch's schedule (``capture_stage_step``);
+- ``TrainerDDP``: rank r of a Trainer's DDP job, the Trainer's own step with torch's DDP around the model;
 - ``Job``: rank r of a torchtitan job, built and stepped by the job's own code (graphmem/titan/);
 - ``DeepSpeedJob``: rank r of a DeepSpeed job through DeepSpeed's own engine (graphmem/deepspeed/);
   ``TrainerDeepSpeed``: the same through a Trainer and accelerate (graphmem/deepspeed/trainer_capture.py).
@@ -37,6 +38,7 @@ from graphmem.passes.run_memory import RunMemory, run_memory
 from graphmem.step.captured import Captured, capture_rank_step, capture_stage_step, passes_over
 from graphmem.step.spec import Formula, Job, Parallelism, Ranks, Single, Stages, StepSpec
 from graphmem.stepgraph import StepGraph
+from graphmem.training.hf_trainer_ddp import TrainerDDP
 from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.loop import TrainStep
 from graphmem.training.spec import Training, prepare, units_of
@@ -95,7 +97,7 @@ def measure(spec: StepSpec) -> Measured:
     """Capture ``spec``'s step (no real allocation) and run the passes on it."""
     p = spec.parallel
     make = spec.inputs.captured
-    if isinstance(p, (Single, Formula)):
+    if isinstance(p, (Single, Formula, TrainerDDP)):  # (a Trainer's DDP rank: its own step, DDP run by its runner)
         step = capture_step(spec, p.formula)
         slow = (f"depth reuse not taken ({step.reuse_note}): every block was compiled and captured",) \
             if step.reuse_note and spec.target.mode == "compiled" else ()
@@ -293,7 +295,7 @@ def process_groups(parallel: Parallelism) -> tuple[tuple[str, int], ...]:
         dims = (("pipeline", parallel.pipeline.pp),)
     elif isinstance(parallel, Job):
         dims = _job_groups(parallel)
-    elif isinstance(parallel, TrainerShards):
+    elif isinstance(parallel, (TrainerDDP, TrainerShards)):
         dims = (("world", parallel.world_size),)
     elif isinstance(parallel, (DeepSpeedJob, TrainerDeepSpeed)):
         dims = (("world", parallel.world_size),)

@@ -47,6 +47,7 @@ from graphmem.errors import UsageError, check_keywords
 from graphmem.passes.budget import Parallel, make_parallel
 from graphmem.step.options import PARALLEL, TARGET, names
 from graphmem.training.batch import Batch, as_batch, resizer
+from graphmem.training.hf_trainer_ddp import TrainerDDP
 from graphmem.training.hf_trainer_fsdp import TrainerShards
 from graphmem.training.peft_lora import is_hf_model
 from graphmem.training.spec import Training, make_training
@@ -167,9 +168,10 @@ class Job:
                              "`device='cuda'`")
 
 
-# every way a step is split: a Trainer's FSDP2 rank (TrainerShards, graphmem/training/hf_trainer_fsdp.py) and a
-# DeepSpeed engine's rank (DeepSpeedJob, graphmem/deepspeed/config.py) are variants too
-Parallelism = Union[Single, Formula, Ranks, Stages, Job, DeepSpeedJob, TrainerShards, TrainerDeepSpeed]
+# every way a step is split: a Trainer's DDP rank (TrainerDDP, graphmem/training/hf_trainer_ddp.py) and FSDP2 rank
+# (TrainerShards, graphmem/training/hf_trainer_fsdp.py), a DeepSpeed engine's rank (DeepSpeedJob,
+# graphmem/deepspeed/config.py) and a Trainer's DeepSpeed rank (TrainerDeepSpeed) are variants too
+Parallelism = Union[Single, Formula, Ranks, Stages, Job, DeepSpeedJob, TrainerDDP, TrainerShards, TrainerDeepSpeed]
 
 
 @dataclass(frozen=True)

@@ -42,18 +42,63 @@ count is accelerate's (``rank_threads``).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from graphmem.errors import UsageError
 from graphmem.fake_group import fake_group
+from graphmem.passes.budget import Parallel
 
 if TYPE_CHECKING:
     from transformers import Trainer
 
 BUCKET = "DDP gradient bucket"
+
+
+class _Loop(Protocol):
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+
+class _Training(Protocol):
+    @property
+    def train(self) -> _Loop: ...
+
+
+class Trained(Protocol):
+    """What ``TrainerDDP.check`` reads of the StepSpec (graphmem/step/spec.py): the loop its Trainer runs."""
+
+    @property
+    def training(self) -> _Training: ...
+
+
+@dataclass(frozen=True)
+class TrainerDDP:
+    """Rank ``rank`` of a Trainer launched on ``world_size`` processes without FSDP or DeepSpeed: accelerate's
+    ``DistributedDataParallel`` around the model, run by the Trainer's step (graphmem/training/hf_trainer.py
+    TrainerRunner wraps it as ``prepare_model`` does: ``wrap_ddp``). The step is rank r's own (its batch, DDP's
+    buckets), so no formula splits it; on the CUDA target the job's one process group gets its NCCL rows."""
+
+    world_size: int = 2
+    rank: int = 0
+    formula = Parallel()  # DDP replicates the step: each rank's is captured whole, no formula over it
+
+    def describe(self) -> str:
+        return f"DDP (accelerate), rank {self.rank} of {self.world_size}"
+
+    def check(self, spec: Trained) -> None:
+        """The Trainer's step runs as this rank (graphmem/frontends/trainer.py builds both from one world size)."""
+        train = spec.training.train
+        if (getattr(train, "world_size", None), getattr(train, "rank", None)) != (self.world_size, self.rank):
+            raise UsageError(f"a Trainer's DDP rank {self.rank} of {self.world_size} needs the Trainer's step built for "
+                             "it: build the spec with graphmem.analyze(trainer, world_size=..., rank=...)")
 
 
 class Relabels(Protocol):
@@ -174,4 +219,4 @@ def copied_inputs(trainer: Any) -> Iterator[None]:
         del trainer._prepare_input
 
 
-__all__ = ["BUCKET", "as_parameters", "copied_inputs", "ddp_kwargs", "rank_threads", "ranks", "wrap_ddp"]
+__all__ = ["BUCKET", "TrainerDDP", "as_parameters", "copied_inputs", "ddp_kwargs", "rank_threads", "ranks", "wrap_ddp"]

@@ -137,7 +137,7 @@ def test_every_package_is_installed() -> None:
     assert folders | {"graphmem", "graphmem.passes", "graphmem.models"} == listed
 
 
-PARALLEL = {"Single", "Formula", "Ranks", "Stages", "Job", "DeepSpeedJob", "TrainerShards", "TrainerDeepSpeed"}  # graphmem/step/spec.py's parallel settings
+PARALLEL = {"Single", "Formula", "Ranks", "Stages", "Job", "DeepSpeedJob", "TrainerDDP", "TrainerShards", "TrainerDeepSpeed"}  # graphmem/step/spec.py's parallel settings
 
 
 def _dispatches(tree: ast.AST) -> bool:

@@ -77,6 +77,27 @@ def test_ddp_rank_holds_the_buckets_and_names_them() -> None:
     assert d["ddp"] == {"world_size": 2, "rank": 1} and "DistributedDataParallel, rank 1 of 2" in render_text(rank1)
 
 
+def test_ddp_rank_is_its_own_parallel_setting() -> None:
+    """A Trainer's DDP rank is a Parallelism variant (graphmem/training/hf_trainer_ddp.py TrainerDDP), not one
+    device: the spec says which rank of how many, and on the CUDA target the job's process group gets its NCCL
+    communicator's row, which one device's step does not have."""
+    from graphmem.frontends.door import spec_for
+    from graphmem.step.spec import Single
+    from graphmem.training.hf_trainer_ddp import TrainerDDP
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = llama_trainer(out)
+        batch = trainer_batch(trainer, (2, 16))
+        assert spec_for(trainer, batch, world_size=2, rank=1).parallel == TrainerDDP(2, 1)
+        assert spec_for(trainer, batch).parallel == Single()
+        rows = {n: [r.name for r in graphmem.analyze(trainer, batch, device="cuda", **o).memory.rows]
+                for n, o in (("one", {}), ("rank", {"world_size": 2, "rank": 1}))}
+        spec = spec_for(trainer, batch, world_size=2, rank=1)
+    assert [n for n in rows["rank"] if n not in rows["one"]] == ["nccl world", "torch_distributed"]
+    with pytest.raises(UsageError, match="needs the Trainer's step built for it"):
+        spec.replace(parallel=TrainerDDP(4, 1))  # the step runs as rank 1 of 2: no other rank can be claimed
+
+
 def test_bad_ranks_are_one_line() -> None:
     with tempfile.TemporaryDirectory() as out:
         trainer = llama_trainer(out)
