@@ -59,17 +59,9 @@ if TYPE_CHECKING:
 BUCKET = "DDP gradient bucket"
 
 
-class _Loop(Protocol):
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def rank(self) -> int: ...
-
-
 class _Training(Protocol):
     @property
-    def train(self) -> _Loop: ...
+    def train(self) -> object: ...  # graphmem/training/hf_trainer.py TrainerStep for a Trainer's step
 
 
 class Trained(Protocol):
