@@ -53,24 +53,49 @@ class RankScope(Protocol):
 
 
 @dataclass(frozen=True)
+class Held:
+    """The bytes the step holds by kind: parameters, buffers and the batch from before it (its first op), and
+    the gradients it makes (distinct storages, each once)."""
+
+    parameters: int
+    buffers: int
+    inputs: int
+    gradients: int
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The first step's peak: its bytes, where it falls (op index, phase, op, module), the tensors live there
+    and the bytes held before the step (parameters, buffers, the batch)."""
+
+    bytes: int
+    index: int
+    phase: str
+    op: str
+    module: str
+    live: tuple[LiveTensor, ...]
+    baseline_bytes: int
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Answers asked for and kept with the report (``Report.keeping``): renderers and ``to_dict`` show them."""
+
+    coefficients: Optional[AnyCoefficients] = None
+    plans: Optional[PlanSummary] = None
+    memory_budgets: Optional[BudgetSweep] = None
+
+
+@dataclass(frozen=True)
 class Report:
     model: str
     device: str
     input_shapes: tuple[tuple[int, ...], ...]
     loss: str  # how the loss was made
-    parameter_bytes: int
-    buffer_bytes: int
-    input_bytes: int
-    gradient_bytes: int
-    activation_bytes: int
-    by_category: dict[str, int]
-    peak_bytes: int  # the FIRST step's peak (``first_step_peak_bytes``); the run's is ``run_peak_bytes``
-    peak_index: int
-    peak_phase: str
-    peak_op: str
-    peak_module: str
-    live_at_peak: tuple[LiveTensor, ...]
-    baseline_bytes: int
+    held: Held  # parameters, buffers, the batch, the gradients (the ``*_bytes`` properties read it)
+    activation_bytes: int  # saved for backward (distinct storages)
+    by_category: dict[str, int]  # activation bytes by kind of saved tensor
+    peak: Peak  # the FIRST step's peak (``peak_bytes``, ``first_step_peak_bytes``); the run's is ``run_peak_bytes``
     saved: tuple[SavedTensor, ...]
     modules: tuple[ModuleSaved, ...]
     num_ops: int
@@ -83,11 +108,79 @@ class Report:
     compiled: Optional[ModeComparison] = None  # compiled mode: eager beside compiled
     sharding: Optional[RankScope] = None  # the rank this report is (a per-rank or pipeline-stage capture)
     memory: Optional[RunMemory] = None  # the run: first and later steps, allocated, reserved, device total
-    # answers asked for and kept with the report (``keeping``): renderers and to_dict show them
-    known_coefficients: Optional[AnyCoefficients] = None
-    known_plans: Optional[PlanSummary] = None
-    known_memory_budgets: Optional[BudgetSweep] = None
+    kept: Kept = Kept()  # answers asked for and kept with the report (``keeping``)
     batch: dict[str, str] = field(default_factory=dict)  # choices in the batch graphmem made (hf_batch.settings)
+
+    # the groups' figures under the names the JSON, the renderers and the layers below read (AnalysisView)
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes of parameters, held before the step."""
+        return self.held.parameters
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of buffers, held before the step."""
+        return self.held.buffers
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of the batch, held before the step."""
+        return self.held.inputs
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of the gradients the step makes."""
+        return self.held.gradients
+
+    @property
+    def peak_bytes(self) -> int:
+        """The first step's peak (``first_step_peak_bytes``)."""
+        return self.peak.bytes
+
+    @property
+    def peak_index(self) -> int:
+        """The op at the first step's peak (-1: before the step)."""
+        return self.peak.index
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase of the op at the peak."""
+        return self.peak.phase
+
+    @property
+    def peak_op(self) -> str:
+        """The op at the peak."""
+        return self.peak.op
+
+    @property
+    def peak_module(self) -> str:
+        """The module running at the peak."""
+        return self.peak.module
+
+    @property
+    def live_at_peak(self) -> tuple[LiveTensor, ...]:
+        """The tensors live at the peak."""
+        return self.peak.live
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Bytes held before the step."""
+        return self.peak.baseline_bytes
+
+    @property
+    def known_coefficients(self) -> Optional[AnyCoefficients]:
+        """Formulas kept with the report."""
+        return self.kept.coefficients
+
+    @property
+    def known_plans(self) -> Optional[PlanSummary]:
+        """A plan summary kept with the report."""
+        return self.kept.plans
+
+    @property
+    def known_memory_budgets(self) -> Optional[BudgetSweep]:
+        """A budget sweep kept with the report."""
+        return self.kept.memory_budgets
 
     def __eq__(self, other: object) -> bool:
         """Field by field, over the Report's own fields: a report read back from JSON equals the live
@@ -138,10 +231,10 @@ class Report:
 
         >>> report = report.keeping(plans=report.plans(budget="40GiB"))  # doctest: +SKIP
         """
-        return dataclasses.replace(
-            self, known_coefficients=coefficients if coefficients is not None else self.known_coefficients,
-            known_plans=plans if plans is not None else self.known_plans,
-            known_memory_budgets=memory_budgets if memory_budgets is not None else self.known_memory_budgets)
+        k = self.kept
+        return dataclasses.replace(self, kept=Kept(coefficients if coefficients is not None else k.coefficients,
+                                                   plans if plans is not None else k.plans,
+                                                   memory_budgets if memory_budgets is not None else k.memory_budgets))
 
     def to_dict(self) -> dict[str, JSON]:
         """JSON-ready: exact integers, no units."""
@@ -207,17 +300,18 @@ class Report:
     def _from_dict(d: dict[str, Any]) -> "Report":
         p, exact = d["peak"], d["exact"]
         live = tuple(from_json(LiveTensor, {**t, "nbytes": t["bytes"]}) for t in p["live"])
+        known = {name: from_json(_FIELD_TYPES[name], exact.get(name)) for name in EXACT}
         return Report(
             model=d["model"], input_shapes=tuple(tuple(s) for s in d["input_shapes"]), loss=d["loss"],
-            parameter_bytes=d["parameter_bytes"], buffer_bytes=d["buffer_bytes"], input_bytes=d["input_bytes"],
-            gradient_bytes=d["gradient_bytes"], activation_bytes=d["activation_bytes"],
-            by_category=dict(d["by_category"]), peak_bytes=d["peak_bytes"], peak_index=p["index"],
-            peak_phase=p["phase"], peak_op=p["op"], peak_module=p["module"], live_at_peak=live,
-            baseline_bytes=p["baseline_bytes"], saved=tuple(from_json(SavedTensor, t) for t in d["saved"]),
+            held=Held(d["parameter_bytes"], d["buffer_bytes"], d["input_bytes"], d["gradient_bytes"]),
+            activation_bytes=d["activation_bytes"], by_category=dict(d["by_category"]),
+            peak=Peak(d["peak_bytes"], p["index"], p["phase"], p["op"], p["module"], live, p["baseline_bytes"]),
+            saved=tuple(from_json(SavedTensor, t) for t in d["saved"]),
             modules=tuple(from_json(ModuleSaved, m) for m in d["modules"]), num_ops=d["num_ops"],
             phase_start=dict(d["phases"]), notes=tuple(d["notes"]),
             attention_backends=dict(d["target"]["attention_backends"]),
-            **{name: from_json(_FIELD_TYPES[name], exact.get(name)) for name in EXACT})
+            kept=Kept(*(known.pop(f"known_{k}") for k in ("coefficients", "plans", "memory_budgets"))), **known)
 
 
-_FIELD_TYPES = field_types(Report)
+# each EXACT name's declared type (the kept answers' under their ``known_`` names)
+_FIELD_TYPES = {**field_types(Report), **{f"known_{k}": t for k, t in field_types(Kept).items()}}

@@ -27,7 +27,7 @@ from graphmem.planning.figures import figure_of, plan_within
 from graphmem.planning.pieces import PlanError
 from graphmem.planning.planner import CheckpointPlan, Planner, PlanSummary, parse_limits, summarize
 from graphmem.planning.selective import LEVELS, SelectivePlanner
-from graphmem.report import RankScope, Report
+from graphmem.report import Held, Peak, RankScope, Report
 from graphmem.step.recapture import Recapture
 from graphmem.stepgraph import StepGraph
 from graphmem.training.spec import StepBudget
@@ -67,14 +67,12 @@ class Analysis(Report):
         node = g.ops[lv.peak_index] if lv.peak_index >= 0 else None
         return Analysis(
             model=model, device=g.device, input_shapes=input_shapes, loss=loss,
-            parameter_bytes=kinds.get("parameter", 0), buffer_bytes=kinds.get("buffer", 0),
-            input_bytes=kinds.get("input", 0),
-            gradient_bytes=sum(g.storages[s].nbytes for s in g.gradients),
+            held=Held(kinds.get("parameter", 0), kinds.get("buffer", 0), kinds.get("input", 0),
+                      sum(g.storages[s].nbytes for s in g.gradients)),
             activation_bytes=sv.activation_bytes, by_category=dict(sv.by_category),
-            peak_bytes=lv.peak_bytes, peak_index=lv.peak_index, peak_phase=lv.peak_phase,
-            peak_op=str(node.target) if node is not None else "(before the step)",
-            peak_module=node.meta["module"] if node is not None else "",
-            live_at_peak=lv.live_at_peak, baseline_bytes=lv.baseline_bytes,
+            peak=Peak(lv.peak_bytes, lv.peak_index, lv.peak_phase,
+                      str(node.target) if node is not None else "(before the step)",
+                      node.meta["module"] if node is not None else "", lv.live_at_peak, lv.baseline_bytes),
             saved=sv.tensors, modules=sv.modules, num_ops=g.num_ops,
             phase_start=dict(g.phase_start), notes=notes, target=g.target,
             attention_backends=dict(g.attention_backends), cuda_allocator=cuda_allocator, budget=budget,
