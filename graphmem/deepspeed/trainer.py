@@ -57,11 +57,25 @@ class TrainerDeepSpeed:
     trainer_class: type = field(compare=False)
     args_class: type = field(compare=False)
     fields: dict[str, object] = field(compare=False, repr=False)
-    world_size: int = 2
-    rank: int = 0
-    stage: int = 0  # the config's ZeRO stage
-    job: Optional[DeepSpeedJob] = field(default=None, compare=False, repr=False)  # its config as the arguments fill it
+    job: DeepSpeedJob  # its config as the arguments fill it, the world size and the rank (compared by them)
     formula = Parallel()  # DeepSpeed's engine splits the step itself: no formula over it
+
+    @property
+    def world_size(self) -> int:
+        return self.job.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.job.rank
+
+    @property
+    def stage(self) -> int:
+        """The config's ZeRO stage."""
+        return self.job.stage
+
+    def at_rank(self, rank: int) -> "TrainerDeepSpeed":
+        """The same job's rank ``rank``."""
+        return dataclasses.replace(self, job=dataclasses.replace(self.job, rank=rank))
 
     def describe(self) -> str:
         return f"DeepSpeed ZeRO-{self.stage} (accelerate), rank {self.rank} of {self.world_size}"
@@ -69,7 +83,7 @@ class TrainerDeepSpeed:
     def check(self, spec: SpecView) -> None:
         if spec.target.mode == "compiled":
             raise UsageError("a Trainer's DeepSpeed rank runs in eager mode: drop `mode='compiled'`")
-        if self.job is not None and spec.target.device == "cuda":
+        if spec.target.device == "cuda":
             self.job.check_cuda()
 
 
@@ -91,7 +105,7 @@ def deepspeed_of(trainer_class: type, args: TrainingArguments, world_size: int, 
     if "optimizer" not in job.config:  # the Trainer's torch optimizer (``create_optimizer``)
         check_torch_optimizer_offload(job.config)
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
-    return TrainerDeepSpeed(trainer_class, type(args), fields, world_size, job.rank, job.stage, job)
+    return TrainerDeepSpeed(trainer_class, type(args), fields, job)
 
 
 @contextlib.contextmanager

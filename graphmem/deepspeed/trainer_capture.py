@@ -45,8 +45,7 @@ def capture_trainer_engine(module: nn.Module, inputs: Any, target: Target, p: Tr
             trainer = build_ds_trainer(p, wrapped)
         cuda = target.device == "cuda"  # (the CUDA target: its kernel rules, torch.optim's CUDA pick off the host)
         rules = forward_context(target, rec.backends, cap.clearing_cache) if cuda else None
-        runner = DeepSpeedRunner(trainer, rules=rules, foreach=cuda and not (p.job is not None
-                                                                               and p.job.offloads("offload_optimizer")))
+        runner = DeepSpeedRunner(trainer, rules=rules, foreach=cuda and not p.job.offloads("offload_optimizer"))
         with runner.session():
             with fake_mode, engine_on_fake(fake_mode, pins):
                 with staying(wrapped):

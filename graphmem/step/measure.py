@@ -258,11 +258,9 @@ def _deepspeed(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Meas
     # the residual states (their own detail rows) and the ZeRO paper's cross-check read the job's config (a Trainer's
     # is its arguments')
     job = p if isinstance(p, DeepSpeedJob) else p.job
-    own: tuple[str, ...] = ()
-    if job is not None:
-        res = residual(g, lv, spec.module, job)
-        budget = dataclasses.replace(budget, rank=dataclasses.replace(budget.rank, details=residual_rows(g, lv, res)))
-        own = residual_lines(res) + paper_check(spec.module, job, g, spec.training.train.optimizer, budget.rank.rows)
+    res = residual(g, lv, spec.module, job)
+    budget = dataclasses.replace(budget, rank=dataclasses.replace(budget.rank, details=residual_rows(g, lv, res)))
+    own = residual_lines(res) + paper_check(spec.module, job, g, spec.training.train.optimizer, budget.rank.rows)
     step = dataclasses.replace(first, budget=budget)
     return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv) + own)
 
@@ -272,7 +270,7 @@ def _host_stepped(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> T
     DeepSpeed's ``offload_optimizer`` on the CUDA target, host partitions (``forloop``, the CPU's pick), not the GPU's."""
     job = p if isinstance(p, DeepSpeedJob) else p.job
     train = spec.training.train
-    if spec.target.device != "cuda" or job is None or train.impl != "auto" or not job.offloads("offload_optimizer"):
+    if spec.target.device != "cuda" or train.impl != "auto" or not job.offloads("offload_optimizer"):
         return spec.training
     return dataclasses.replace(spec.training, train=dataclasses.replace(train, impl="forloop"))
 

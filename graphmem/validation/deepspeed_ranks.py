@@ -192,7 +192,7 @@ def _measure_trainer(job: _TrainerJob, rank: int) -> dict[str, int]:
     torch.manual_seed(0)
     model = torch.load(io.BytesIO(job.model), weights_only=False)
     batch = torch.load(io.BytesIO(job.batch), weights_only=False)
-    trainer = build_ds_trainer(dataclasses.replace(job.recipe, rank=rank), model.train())
+    trainer = build_ds_trainer(job.recipe.at_rank(rank), model.train())
     runner = DeepSpeedRunner(trainer)
     with runner.session():
         runner.prepare()
