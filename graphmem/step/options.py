@@ -56,7 +56,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("use_cache", HF, HF_GROUP, "use_cache in the training step (default: as the model's config says, as "
            "from_pretrained leaves it)", {"choices": ("config", "on", "off"), "default": "config"}),
     # the target (graphmem/capture/target.py make_target)
-    Option("device", TARGET, TARGET_GROUP, "target device (default cpu)", {"default": "cpu", "choices": DEVICES}),
+    Option("device", TARGET, TARGET_GROUP, "target device (default cpu; cuda for a --deepspeed job, whose ranks are "
+           "GPUs: graphmem/step/spec.py default_device)", {"choices": DEVICES}),
     Option("dtype", TARGET, TARGET_GROUP, "parameter dtype (default: as built, fp32)", {"choices": DTYPES}),
     Option("amp", TARGET, TARGET_GROUP, "autocast with fp32 parameters", {"choices": AMP}),
     Option("attention", TARGET, TARGET_GROUP, "SDPA backend (default auto: PyTorch's own choice for the target); a "
@@ -189,5 +190,13 @@ def default(name: str) -> object:
     return True if action == "store_false" else None
 
 
-__all__ = ["AMP", "ATTENTION", "DEVICES", "DTYPES", "IMPLS", "MODES", "OPTIMIZERS", "OPTIONS", "Option", "default",
+def default_device(deepspeed: object = None) -> str:
+    """The target's device when none is given: the CPU's, but a DeepSpeed job's ranks are GPUs, so its step is
+    analyzed on the CUDA target (its kernel rules, the caching allocator, the device total), as a torchtitan
+    job's is (graphmem/frontends/titan_job.py); ``device='cpu'`` analyzes the job's CPU run (DeepSpeed's CPU
+    accelerator), which graphmem.validate runs for real."""
+    return "cuda" if deepspeed is not None else "cpu"
+
+
+__all__ = ["AMP", "ATTENTION", "DEVICES", "DTYPES", "IMPLS", "MODES", "OPTIMIZERS", "OPTIONS", "Option", "default", "default_device",
            "in_group", "names"]

@@ -45,7 +45,7 @@ from graphmem.distributed.pipeline_stages import Layout
 from graphmem.distributed.spec import Sharding, check_training, make_sharding, wants_wrappers
 from graphmem.errors import UsageError, check_keywords
 from graphmem.passes.budget import Parallel, make_parallel
-from graphmem.step.options import PARALLEL, TARGET, names
+from graphmem.step.options import PARALLEL, TARGET, default_device, names
 from graphmem.training.batch import Batch, as_batch, resizer
 from graphmem.training.hf_trainer_ddp import TrainerDDP
 from graphmem.training.hf_trainer_fsdp import TrainerShards
@@ -363,7 +363,7 @@ def make_spec(model: ModelLike, inputs: Optional[UserInputs] = None, *, input_sh
     if "quantization" not in options and qlora:
         options["quantization"] = "nf4"
     if target is None:
-        t_opts["device"] = torch.device(t_opts.get("device", "cpu")).type
+        t_opts["device"] = torch.device(t_opts.get("device") or default_device(p_opts.get("deepspeed"))).type
         target = make_target(**t_opts)
     elif t_opts:
         raise UsageError(f"give target= or its options ({', '.join(t_opts)}), not both")

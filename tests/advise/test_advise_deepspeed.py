@@ -25,7 +25,7 @@ def advised() -> Any:
     from tests.deepspeed_truth import decoder
 
     model, batch = decoder()
-    report = graphmem.analyze(model, batch, deepspeed=CONFIG, world_size=2, rank=0, optimizer="adamw")
+    report = graphmem.analyze(model, batch, device="cpu", deepspeed=CONFIG, world_size=2, rank=0, optimizer="adamw")
     return report, report.advise(memory=LIMIT)
 
 
@@ -55,20 +55,20 @@ def test_each_deepspeed_lever_is_the_changed_job_analyzed(advised: Any) -> None:
         if name.startswith("2 micro-batches"):
             ids = batch["input_ids"][:1].clone()
             batch = {"input_ids": ids, "labels": ids}  # (one tensor, as decoder()'s and graphmem's resized batch)
-        r = graphmem.analyze(model, batch, deepspeed=config, world_size=2, rank=0, optimizer="adamw")
+        r = graphmem.analyze(model, batch, device="cpu", deepspeed=config, world_size=2, rank=0, optimizer="adamw")
         assert rows[name].peak_bytes == r.memory.figure("allocated"), name
         key = next(k for k in ("stage", "reduce_bucket_size", "bf16", "gradient_accumulation_steps", "offload_optimizer")
                    if k in rows[name].how)
         assert rows[name].how.startswith("DeepSpeed config") and key in rows[name].how
     why = {x.kind: x.why for x in advice.left_out}
     # ZeRO-3 keeps DeepSpeed's default 5e8-element reduce bucket: captured, and left out as its peak does not drop
-    zero3 = graphmem.analyze(*decoder(), deepspeed=_changed(stage=3), world_size=2, rank=0, optimizer="adamw")
+    zero3 = graphmem.analyze(*decoder(), device="cpu", deepspeed=_changed(stage=3), world_size=2, rank=0, optimizer="adamw")
     assert why["zero stage"] == f"ZeRO-3 instead of ZeRO-2: the peak does not drop " \
         f"({fmt_bytes(zero3.memory.figure('allocated'))})"
     assert "not applicable" in why["sharding"] and "not applicable" in why["checkpoint"]
     # CPU offload: the job with its torch optimizer on the host, captured (on the CPU target the host bytes are the
     # allocator's too: a row where its peak drops, else left out with that peak)
-    offloaded = graphmem.analyze(*decoder(), deepspeed={**_changed(offload_optimizer={"device": "cpu", "pin_memory": True}),
+    offloaded = graphmem.analyze(*decoder(), device="cpu", deepspeed={**_changed(offload_optimizer={"device": "cpu", "pin_memory": True}),
                                                        "zero_force_ds_cpu_optimizer": False},
                                  world_size=2, rank=0, optimizer="adamw").memory.figure("allocated")
     row = rows.get("optimizer offloaded to the CPU")
@@ -107,7 +107,7 @@ def test_deepspeed_refusing_a_combination_is_one_line() -> None:
 
     model, batch = decoder()
     with pytest.raises(UsageError) as e:
-        graphmem.analyze(model, batch, deepspeed=CONFIG, world_size=2, rank=0, optimizer="adafactor")
+        graphmem.analyze(model, batch, device="cpu", deepspeed=CONFIG, world_size=2, rank=0, optimizer="adafactor")
     assert "zero_allow_untested_optimizer" in str(e.value) and "\n" not in str(e.value)
 
 

@@ -47,6 +47,56 @@ def test_a_torch_optimizer_with_offload_needs_deepspeeds_flag() -> None:
     assert "optimizer on the host (pinned)" in make_job(config | {"zero_force_ds_cpu_optimizer": False}).describe()
 
 
+def test_a_deepspeed_job_is_analyzed_on_the_cuda_target_by_default(tmp_path: object, capsys: object) -> None:
+    """A DeepSpeed job's ranks are GPUs: without ``device`` its step is the CUDA target's (kernel rules, caching
+    allocator, device total), on the API and the command line; ``device='cpu'`` is DeepSpeed's CPU run, and
+    ``validate`` (which runs the job for real here) stays on the CPU."""
+    import argparse
+    import importlib
+
+    import graphmem
+
+    cli = importlib.import_module("graphmem.cli.main")  # (graphmem.cli.main, the attribute, is the function)
+
+    config = _config(2)
+    job = {"deepspeed": config, "world_size": 2, "optimizer": "adamw"}
+    assert graphmem.spec_for(torch_net(), (torch_input(),), **job).target.device == "cuda"
+    assert graphmem.spec_for(torch_net(), (torch_input(),), device="cpu", **job).target.device == "cpu"
+    assert graphmem.spec_for(torch_net(), (torch_input(),)).target.device == "cpu"
+    seen: dict[str, str] = {}
+
+    def spy(args: argparse.Namespace) -> int:
+        seen[args.command] = args.device
+        return 0
+
+    ds = tmp_path / "ds.json"  # type: ignore[operator]
+    ds.write_text(json.dumps(config))
+    parser = cli.parser
+    base = ["models/mlp.py", "--input-shape", "4x6"]
+    ds_job = ["--deepspeed", str(ds), "--world-size", "2"]
+    try:
+        cli.parser = lambda: _spying(parser(), spy)  # type: ignore[assignment]
+        for argv, device in ((["analyze", *base, *ds_job], "cuda"), (["advise", *base, *ds_job, "--memory", "1GB"], "cuda"),
+                             (["analyze", *base, *ds_job, "--device", "cpu"], "cpu"), (["validate", *base, *ds_job], "cpu"),
+                             (["analyze", *base], "cpu")):
+            seen.clear()
+            assert cli.main(argv) == 0 and seen == {argv[0]: device}, (argv, seen)
+    finally:
+        cli.parser = parser  # type: ignore[assignment]
+
+
+def _spying(p: object, spy: object) -> object:
+    """The CLI's parser with every command's ``run`` replaced by ``spy`` (what the command would be given)."""
+    parse = p.parse_args  # type: ignore[attr-defined]
+
+    def parse_args(argv: object = None) -> object:
+        args = parse(argv)
+        args.run = spy
+        return args
+    p.parse_args = parse_args  # type: ignore[attr-defined]
+    return p
+
+
 def torch_net() -> object:
     import torch
 
@@ -81,7 +131,7 @@ def _analyzed(config: dict, rank: int, world_size: int = 2, kind: str = "llama")
     from tests.deepspeed_truth import decoder
 
     model, batch = decoder(kind=kind)
-    r = graphmem.analyze(model, batch, deepspeed=config, world_size=world_size, rank=rank, optimizer="adamw")
+    r = graphmem.analyze(model, batch, device="cpu", deepspeed=config, world_size=world_size, rank=rank, optimizer="adamw")
     lv = liveness(r.step)
     res = residual(r.step, lv, model, r.source.spec.parallel)
     host = {k: dict(zip(("pinned", "pageable"), v)) for k, v in (("before", res.host.before), ("after", res.host.after))}
@@ -280,7 +330,7 @@ def test_the_zero_papers_model_states_beside_the_engines(stage: int, bf16: bool)
     config = _config(stage, {"reduce_bucket_size": 1000, "allgather_bucket_size": 1000},
                      **({"bf16": {"enabled": True}} if bf16 else {}))
     config["train_micro_batch_size_per_gpu"] = 4
-    r = graphmem.analyze(model, (torch.randn(4, 6),), deepspeed=config, world_size=n, rank=0, optimizer="adamw")
+    r = graphmem.analyze(model, (torch.randn(4, 6),), device="cpu", deepspeed=config, world_size=n, rank=0, optimizer="adamw")
     states = next(row.size for row in r.budget.rank.rows if row.name == "optimizer states")
     rows = zero_paper(psi, r.source.spec.parallel, held_by_origin(r.step), states)
     if stage < 3:
@@ -332,7 +382,7 @@ def test_one_engine_records_both_steps_as_two_engines_do(config: dict) -> None:
     from tests.deepspeed_truth import decoder
 
     model, batch = decoder()
-    spec = graphmem.spec_for(model, batch, deepspeed=config, world_size=2, rank=1, optimizer="adamw")
+    spec = graphmem.spec_for(model, batch, device="cpu", deepspeed=config, world_size=2, rank=1, optimizer="adamw")
     args = (spec.module, spec.inputs.captured, spec.loss, spec.target, spec.parallel, spec.training.train)
     first, later = capture_engine_steps(*args)
     alone = capture_engine(*args)

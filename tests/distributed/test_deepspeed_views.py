@@ -104,7 +104,7 @@ def test_a_zero3_step_records_the_same_graph_with_and_without_fast_views(monkeyp
 
     model, batch = decoder()
     config = _config(3, bf16={"enabled": True})
-    spec = graphmem.spec_for(model, batch, deepspeed=config, world_size=4, rank=1, optimizer="adamw")
+    spec = graphmem.spec_for(model, batch, device="cpu", deepspeed=config, world_size=4, rank=1, optimizer="adamw")
     args = (spec.module, spec.inputs.captured, spec.loss, spec.target, spec.parallel, spec.training.train)
     fast = [signature(_by_order(g)) for g in capture_engine_steps(*args)]
     monkeypatch.setattr(views, "VIEWS", frozenset())
