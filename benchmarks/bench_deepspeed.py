@@ -11,7 +11,7 @@ first engine cost a few seconds once). The peak RSS of the process is read from 
 
     python benchmarks/bench_deepspeed.py                                   # llama-2-70b 1x4096, ZeRO-3 bf16, 64 ranks
     python benchmarks/bench_deepspeed.py --case llama-2-7b:1x512 --world-size 8 --profile /tmp/ds.prof
-    python benchmarks/bench_deepspeed.py --device cuda                     # the same on the CUDA target
+    python benchmarks/bench_deepspeed.py --device cpu                      # the same on the CPU target
 
 Nothing is asserted: it is a benchmark. The goals are printed next to the figures.
 """
@@ -46,8 +46,9 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--fp32", dest="bf16", action="store_false")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="the target (cuda: the GPU's figures, the device total; graphmem/deepspeed/host.py)")
+    p.add_argument("--device", default="cuda", choices=("cpu", "cuda"),
+                   help="the target (cuda, a DeepSpeed job's default: the GPU's figures, the device total; cpu: "
+                        "DeepSpeed's CPU run)")
     p.add_argument("--profile", help="write cProfile's statistics of the timed analysis to this file")
     args = p.parse_args()
     preset, shape = args.case.split(":")

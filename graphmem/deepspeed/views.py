@@ -35,6 +35,10 @@ from graphmem.capture.values import VALUE
 
 DEVICE = torch.ops.prim.device.default
 VIEWS = frozenset((torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.detach.default))
+# ops that make a new tensor of fake tensors, answered by the meta kernel as for the views: ZeRO-3's flat buffer of
+# each reduce-scatter, ``torch.cat`` of ``world_size`` slices of every gradient it reduces (coalesced_collectives.py),
+# whose cache key FakeTensorMode hashes over every slice (torch/_subclasses/fake_tensor.py ``_prep_args_for_hash``)
+FRESH = frozenset((torch.ops.aten.cat.default,))
 
 
 def _plain(args: Any) -> bool:
@@ -43,19 +47,45 @@ def _plain(args: Any) -> bool:
                for x in args[1:])
 
 
+def _own(mode: FakeTensorMode, a: object) -> bool:
+    """``a`` is a fake tensor of ``mode`` whose answer the mode could not change: static sizes, no constant
+    (whose values it propagates), no real tensor beside it."""
+    return type(a) is FakeTensor and a.fake_mode is mode and a.constant is None and a.real_tensor is None \
+        and not a._has_symbolic_sizes_strides
+
+
 def fast_view(mode: FakeTensorMode, func: Any, args: Any, kwargs: Any) -> Optional[FakeTensor]:
-    """``func(*args)`` as FakeTensorMode ``mode`` would answer it, where ``func`` is one of ``VIEWS`` and
-    the call is one the module docstring admits; else None (the mode's own dispatch answers)."""
-    if func not in VIEWS or kwargs or not args or mode.shape_env is not None or mode.propagate_real_tensors:
+    """``func(*args)`` as FakeTensorMode ``mode`` would answer it, where ``func`` is one of ``VIEWS`` (or
+    ``FRESH``: ``fast_cat``) and the call is one the module docstring admits; else None (the mode's own
+    dispatch answers)."""
+    if kwargs or not args or mode.shape_env is not None or mode.propagate_real_tensors:
         return None
+    if func in FRESH:
+        return fast_cat(mode, func, args)
     a = args[0]
-    if type(a) is not FakeTensor or a.fake_mode is not mode or a.constant is not None \
-            or a.real_tensor is not None or a._has_symbolic_sizes_strides or not _plain(args):
+    if func not in VIEWS or not _own(mode, a) or not _plain(args):
         return None
     with _DisablePythonDispatcher(), in_kernel_invocation_manager(mode):
         out = func(*args)
     keys = a.dispatch_keys if func is torch.ops.aten.detach.default else None
     return FakeTensor(mode, out, a.fake_device, dispatch_keys=keys)
+
+
+def fast_cat(mode: FakeTensorMode, func: Any, args: Any) -> Optional[FakeTensor]:
+    """``torch.cat`` of fake tensors of ``mode`` on one device (``FRESH``), as the mode answers it: its meta kernel
+    run as ``_dispatch_impl`` runs one, the new tensor wrapped on that device (``wrap_meta_outputs_with_default_
+    device_logic``: the inputs' common device); None for anything else (a tensor of another mode or device, a
+    constant, a dim that is not a plain int)."""
+    tensors = args[0]
+    if type(tensors) not in (list, tuple) or not tensors or not _plain(args) \
+            or not all(_own(mode, t) for t in tensors):
+        return None
+    device = tensors[0].fake_device
+    if any(t.fake_device != device for t in tensors):
+        return None
+    with _DisablePythonDispatcher(), in_kernel_invocation_manager(mode):
+        out = func(*args)
+    return FakeTensor(mode, out, device)
 
 
 def valueless_view(func: Any, args: Any, kwargs: Any) -> bool:
@@ -76,4 +106,4 @@ def device_of(args: Any) -> Any:
     return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
 
 
-__all__ = ["DEVICE", "VIEWS", "device_of", "fast_view", "valueless_view"]
+__all__ = ["DEVICE", "FRESH", "VIEWS", "device_of", "fast_cat", "fast_view", "valueless_view"]

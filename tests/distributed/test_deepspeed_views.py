@@ -1,4 +1,4 @@
-"""DeepSpeed's views by the meta kernel (graphmem/deepspeed/views.py) are FakeTensorMode's own answer."""
+"""DeepSpeed's views and cats by the meta kernel (graphmem/deepspeed/views.py) are FakeTensorMode's own answer."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +34,29 @@ def test_a_view_is_what_fake_tensor_mode_makes(func: object, args: tuple) -> Non
     assert _described(fast) == _described(slow) and fast.untyped_storage()._cdata == base.untyped_storage()._cdata
     if func is DETACH:
         assert fast.dispatch_keys == slow.dispatch_keys
+
+
+def test_a_cat_is_what_fake_tensor_mode_makes() -> None:
+    """GIVEN fake bf16 slices of one flat tensor and a padding tensor (a ZeRO-3 reduce-scatter's pieces,
+    coalesced_collectives.py), 2-d tensors joined along either dim, and tensors on a fake CUDA device
+    WHEN ``torch.cat`` is made by ``fast_view`` (``fast_cat``) and by FakeTensorMode's own dispatch
+    THEN both are fake tensors of the mode on the same device, with the same sizes, strides, dtype and bytes, each in
+    a storage of its own; inputs of two devices are left to the mode."""
+    cat = torch.ops.aten.cat.default
+    mode = FakeTensorMode()
+    with mode:
+        flat = torch.empty(4096, 32, dtype=torch.bfloat16).view(-1)
+        pieces = [flat[i * 100:(i + 1) * 100] for i in range(64)] + [torch.empty(7, dtype=torch.bfloat16)]
+        rows = [torch.empty(3, 5), torch.empty(2, 5)]
+    cuda = [FakeTensor(mode, torch.empty(3, 4, device="meta"), torch.device("cuda", 0)) for _ in range(3)]
+    for args in ((pieces,), (rows, 0), (rows,), (cuda, 1), ([r.t() for r in rows], 1)):
+        fast = fast_view(mode, cat, args, {})
+        with mode:
+            slow = cat(*args)
+        assert fast is not None and fast.fake_mode is mode
+        assert _described(fast)[:7] == _described(slow)[:7] and _described(fast)[8] == _described(slow)[8]
+        assert fast.untyped_storage()._cdata not in {t.untyped_storage()._cdata for t in args[0]}
+    assert fast_view(mode, cat, ([cuda[0], rows[0].t()[:, :3]], 0), {}) is None
 
 
 def test_anything_else_is_left_to_the_mode() -> None:
@@ -108,6 +131,8 @@ def test_a_zero3_step_records_the_same_graph_with_and_without_fast_views(monkeyp
     args = (spec.module, spec.inputs.captured, spec.loss, spec.target, spec.parallel, spec.training.train)
     fast = [signature(_by_order(g)) for g in capture_engine_steps(*args)]
     monkeypatch.setattr(views, "VIEWS", frozenset())
+    monkeypatch.setattr(views, "FRESH", frozenset())
     slow = [signature(_by_order(g)) for g in capture_engine_steps(*args)]
     assert fast == slow
     assert sum(1 for op in fast[0][0] if op[0] == "aten.slice.Tensor") > 100  # (the views it is about)
+    assert sum(1 for op in fast[0][0] if op[0] == "aten.cat.default") > 3  # (and the reduce-scatters' flat buffers)
