@@ -99,6 +99,8 @@ def measure(spec: StepSpec) -> Measured:
     make = spec.inputs.captured
     if isinstance(p, (Single, Formula, TrainerDDP)):  # (a Trainer's DDP rank: its own step, DDP run by its runner)
         step = capture_step(spec, p.formula)
+        if isinstance(p, TrainerDDP) and step.budget is not None:  # the budget is that rank's, so named
+            step = dataclasses.replace(step, budget=dataclasses.replace(step.budget, whose=p.describe()))
         slow = (f"depth reuse not taken ({step.reuse_note}): every block was compiled and captured",) \
             if step.reuse_note and spec.target.mode == "compiled" else ()
         return Measured(spec, step, notes(step.graph) + slow)

@@ -75,6 +75,9 @@ def test_ddp_rank_holds_the_buckets_and_names_them() -> None:
     assert "communication buffers" not in [r.name for r in one.budget.rows]
     d = rank1.to_dict()["budget"]
     assert d["ddp"] == {"world_size": 2, "rank": 1} and "DistributedDataParallel, rank 1 of 2" in render_text(rank1)
+    # the budget is rank 1's, so named (graphmem/training/hf_trainer_ddp.py TrainerDDP), not one device's "1 rank"
+    assert rank1.budget.whose == "DDP (accelerate), rank 1 of 2" and d["rank"] == rank1.budget.whose
+    assert "· 1 rank" not in render_text(rank1) and one.budget.whose == ""
 
 
 def test_ddp_rank_is_its_own_parallel_setting() -> None:
