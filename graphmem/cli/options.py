@@ -22,6 +22,7 @@ from graphmem.step.options import (
     TRAINER_LOOP_GROUP,
     WRAPPER_GROUP,
     default,
+    default_device,
     in_group,
     names,
 )
@@ -154,11 +155,20 @@ def check_memory(args: argparse.Namespace, value: Optional[str], flag: str) -> N
     """``value`` is a size, or ``gpu`` (or nothing, for a required one) on ``--device cuda``: the card's capacity
     (graphmem/capture/target.py ``CAPACITY``); a bad one fails before the analysis."""
     if value is None or str(value).strip().lower() == "gpu":
-        if getattr(args, "device", "cpu") != "cuda":
+        if device_of(args) != "cuda":
             raise UsageError(f"give {flag} a size, e.g. {flag} 24GiB (`{flag} gpu`, the card's capacity, needs "
                              "--device cuda)")
         return
     parse_bytes(value)
+
+
+def device_of(args: argparse.Namespace) -> str:
+    """``--device``, or when not given the CPU's, but a ``--deepspeed`` job's GPUs (graphmem/step/options.py
+    ``default_device``), except for ``validate``, which runs the job for real on this machine's CPU."""
+    device = getattr(args, "device", None)
+    if device is not None:
+        return str(device)
+    return "cpu" if getattr(args, "command", None) == "validate" else default_device(getattr(args, "deepspeed", None))
 
 
 def target_of(args: argparse.Namespace) -> Target:
@@ -166,7 +176,7 @@ def target_of(args: argparse.Namespace) -> Target:
     from graphmem.capture.target import make_target
 
     budgets = memory_budgets_of(args)
-    return make_target(args.device, args.dtype, args.amp, args.attention, args.gpu, args.mode,
+    return make_target(device_of(args), args.dtype, args.amp, args.attention, args.gpu, args.mode,
                        budgets[0] if budgets else None)
 
 

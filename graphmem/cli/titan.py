@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from graphmem.cli.options import device_of
 from graphmem.errors import UsageError
 
 if TYPE_CHECKING:
@@ -44,13 +45,13 @@ def job_report(args: argparse.Namespace, overrides: Sequence[str]) -> Analysis:
     from graphmem.titan import load_job
 
     _check(args)
-    job = load_job(args.torchtitan, list(overrides), gpu=args.gpu if args.device == "cuda" else None)
+    job = load_job(args.torchtitan, list(overrides), gpu=args.gpu if device_of(args) == "cuda" else None)
     if args.attention not in ("auto", None):
         raise UsageError("--torchtitan takes its attention from the job; --sdpa swaps FlexAttention for SDPA: "
                          "drop --attention")
     attention = "sdpa" if args.sdpa else None
     measured, peaks = highest(job, world_size=args.world_size if args.world_size > 1 else None, rank=args.rank,
-                            device=args.device, gpu=args.gpu, attention=attention)
+                            device=device_of(args), gpu=args.gpu, attention=attention)
     if len(peaks) > 1:
         print("graphmem: later steps' peak by rank: " + "; ".join(f"rank {r}: {p:,} B" for r, p in peaks),
               file=sys.stderr)

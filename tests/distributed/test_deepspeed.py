@@ -83,6 +83,10 @@ def test_a_deepspeed_job_is_analyzed_on_the_cuda_target_by_default(tmp_path: obj
             assert cli.main(argv) == 0 and seen == {argv[0]: device}, (argv, seen)
     finally:
         cli.parser = parser  # type: ignore[assignment]
+    from graphmem.cli.options import target_of  # (a parser's args read without main: the same default)
+
+    assert target_of(parser().parse_args(["analyze", *base, *ds_job])).device == "cuda"
+    assert target_of(parser().parse_args(["analyze", *base])).device == "cpu"
 
 
 def _spying(p: object, spy: object) -> object:
