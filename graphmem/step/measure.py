@@ -264,7 +264,10 @@ def _deepspeed(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Meas
     budget = dataclasses.replace(budget, rank=dataclasses.replace(budget.rank, details=residual_rows(g, lv, res)))
     own = residual_lines(res) + paper_check(spec.module, job, g, spec.training.train.optimizer, budget.rank.rows)
     step = dataclasses.replace(first, budget=budget)
-    return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv) + own)
+    cpu_param_offload = ("offload_param: analyzed on the CPU target, DeepSpeed's CPU run (the CUDA target does not "
+                         "model ZeRO-3's host-to-device copy of each partition before its all-gather yet)",) \
+        if spec.target.device == "cpu" and job.offloads("offload_param") else ()
+    return Measured(spec, step, notes(g) + (p.describe(),) + engine_lines(g, lv) + own + cpu_param_offload)
 
 
 def _host_stepped(spec: StepSpec, p: Union[DeepSpeedJob, TrainerDeepSpeed]) -> Training:

@@ -194,8 +194,29 @@ def default_device(deepspeed: object = None) -> str:
     """The target's device when none is given: the CPU's, but a DeepSpeed job's ranks are GPUs, so its step is
     analyzed on the CUDA target (its kernel rules, the caching allocator, the device total), as a torchtitan
     job's is (graphmem/frontends/titan_job.py); ``device='cpu'`` analyzes the job's CPU run (DeepSpeed's CPU
-    accelerator), which graphmem.validate runs for real."""
-    return "cuda" if deepspeed is not None else "cpu"
+    accelerator), which graphmem.validate runs for real. A job whose config offloads ZeRO-3's parameters
+    (``offload_param``) stays on the CPU target, which runs it (the CUDA target does not yet: graphmem/deepspeed/
+    config.py ``check_cuda``; its report says so)."""
+    if deepspeed is None:
+        return "cpu"
+    return "cpu" if _offloads_parameters(deepspeed) else "cuda"
+
+
+def _offloads_parameters(config: object) -> bool:
+    """A DeepSpeed config (a dict or a JSON path) whose ``zero_optimization.offload_param`` puts the parameters on
+    the CPU; False where it cannot be read (graphmem/deepspeed/config.py says why, in one line, where it is loaded)."""
+    import json
+    import os
+
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return False
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    param = zero.get("offload_param") if isinstance(zero, dict) else None
+    return isinstance(param, dict) and param.get("device") == "cpu"
 
 
 __all__ = ["AMP", "ATTENTION", "DEVICES", "DTYPES", "IMPLS", "MODES", "OPTIMIZERS", "OPTIONS", "Option", "default", "default_device",

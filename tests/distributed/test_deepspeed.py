@@ -63,6 +63,9 @@ def test_a_deepspeed_job_is_analyzed_on_the_cuda_target_by_default(tmp_path: obj
     assert graphmem.spec_for(torch_net(), (torch_input(),), **job).target.device == "cuda"
     assert graphmem.spec_for(torch_net(), (torch_input(),), device="cpu", **job).target.device == "cpu"
     assert graphmem.spec_for(torch_net(), (torch_input(),)).target.device == "cpu"
+    # ZeRO-3's parameter offload runs on the CPU target only yet: its default stays there (the report says why)
+    params_off = _config(3, {"offload_param": {"device": "cpu"}}, zero_force_ds_cpu_optimizer=False)
+    assert graphmem.spec_for(torch_net(), (torch_input(),), **{**job, "deepspeed": params_off}).target.device == "cpu"
     seen: dict[str, str] = {}
 
     def spy(args: argparse.Namespace) -> int:
@@ -500,6 +503,19 @@ def test_the_cuda_target_refuses_offload_param(tmp_path: object) -> None:
     args = transformers.TrainingArguments(str(tmp_path), report_to=[], deepspeed=OFFLOAD[1])
     with pytest.raises(UsageError, match="`offload_param` is analyzed on `device='cpu'` only"):
         graphmem.analyze(model, batch, training_args=args, world_size=2, device="cuda")
+
+
+@pytest.mark.slow  # ~10 s: a ZeRO-3 engine's two steps on fake tensors
+def test_offload_param_answers_on_the_cpu_target_by_default() -> None:
+    """GIVEN ZeRO-3 with ``offload_param`` and no ``device`` (a DeepSpeed job's default target is the CUDA target,
+    which does not run parameter offload yet)
+    THEN the job is analyzed on the CPU target, which runs it, and the report says why."""
+    import graphmem
+    from tests.deepspeed_truth import decoder
+
+    report = graphmem.analyze(*decoder(), deepspeed=OFFLOAD[1], world_size=2, optimizer="adamw")
+    assert report.target is not None and report.target.device == "cpu"
+    assert any(n.startswith("offload_param: analyzed on the CPU target") for n in report.notes)
 
 
 @pytest.mark.slow  # ~40 s: a real 2-process DeepSpeed job and two ranks captured
