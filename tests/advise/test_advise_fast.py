@@ -1,7 +1,8 @@
 """What advise no longer captures twice changes none of its answers: each checkpoint plan's capture is kept
 per report (graphmem/planning/figures.py ``plan_memory``: the lowest-peak plan is asked again after no plan
 fits; the planner's verifier keeps its lowest-peak plan's), and the advice is the same, row for row, as when
-every plan is captured each time it is asked."""
+every plan is captured each time it is asked; the FSDP2 rows capture the single-device step beside rank 0's
+once (graphmem/step/measure.py ``single_steps_once``)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,10 @@ from cases import MODELS, build
 import graphmem
 import graphmem.planning.figures as figures
 import graphmem.planning.verify as verify
+import graphmem.step.measure as measure
+from graphmem.distributed.spec import Sharding
 from graphmem.step.recapture import Recapture
+from graphmem.step.spec import Ranks
 
 
 class _NoMemo(dict[Any, Any]):
@@ -98,3 +102,22 @@ def test_a_plan_whose_policy_is_unhashable_is_captured_each_time(monkeypatch: py
     # WHEN its run memory is asked twice: THEN each is captured, and neither fails on the memo
     first, again = figures.plan_memory(report, unhashable), figures.plan_memory(report, unhashable)
     assert len(calls) == 2 and first == again
+
+
+def test_the_fsdp2_rows_capture_the_single_device_step_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a report's step as FSDP2's rank 0 of 2, resharded after forward and not (advise's two rows)
+    report = _report()
+    specs = [report.source.spec.replace(parallel=Ranks(Sharding(2, 0, fsdp=True, reshard_after_forward=r)))
+             for r in (True, False)]
+    singles: list[int] = []
+    step_graph = measure.step_graph
+    monkeypatch.setattr(measure, "step_graph", lambda *a, **k: singles.append(1) or step_graph(*a, **k))
+    # WHEN both are measured within single_steps_once, then each without
+    with measure.single_steps_once():
+        shared = [measure.measure(s) for s in specs]
+    once = len(singles)
+    apart = [measure.measure(s) for s in specs]
+    # THEN the single-device step beside rank 0's was captured once, not twice, and the rows are the same
+    assert once == 1 and len(singles) == 3
+    assert [m.notes for m in shared] == [m.notes for m in apart]
+    assert [m.scope for m in shared] == [m.scope for m in apart]
