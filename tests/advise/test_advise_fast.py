@@ -121,3 +121,34 @@ def test_the_fsdp2_rows_capture_the_single_device_step_once(monkeypatch: pytest.
     assert once == 1 and len(singles) == 3
     assert [m.notes for m in shared] == [m.notes for m in apart]
     assert [m.scope for m in shared] == [m.scope for m in apart]
+
+
+@pytest.mark.slow  # a 16-layer Llama's advice twice (~150 s)
+@pytest.mark.heavy  # (CI time) tests/capture/test_reuse_units.py holds each widened plan equal to its whole capture
+def test_advice_is_the_same_with_plans_widened(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN transformers' Llama, 16 layers, LoRA, AdamW on the CUDA target: its chain's pieces do not compose (the
+    # KV cache), so the planner's verifier captures up to 10 plans, some of them with a long run of alike segments
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=16,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+    def advice() -> Any:
+        import torch
+
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        report = graphmem.analyze(model, input_shape="1x256", device="cuda", optimizer="adamw", lora_rank=4,
+                                  lora_targets="all-linear")
+        return report.advise("1MiB", figure="allocated")
+
+    widened: list[bool] = []
+    plan_graph = verify.plan_graph
+    monkeypatch.setattr(verify, "plan_graph", lambda *a, **k: widened.append((r := plan_graph(*a, **k)).used) or r)
+    # WHEN it is advised with plans widened where they repeat, then with every plan captured whole
+    after = advice()
+    with monkeypatch.context() as m:
+        m.setattr(verify, "capture_units", lambda model, chain, sizes, kinds, at: verify.Reused(at(), False, "off"))
+        before = advice()
+    # THEN some plans were widened, and the advice is the same, row for row
+    assert any(widened)
+    assert before.to_dict() == after.to_dict()
