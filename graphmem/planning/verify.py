@@ -121,7 +121,9 @@ def plan_graph(source: Any, chain: str, segments: Sequence[tuple[int, int]],
 def run_memory_key(report: AnalysisView, chain: str, segments: Sequence[tuple[int, int]],
                    policies: Sequence[object]) -> Optional[tuple]:
     """A plan's key among the run memories a report's source keeps (``Recapture.plan_memories``), None for
-    one that cannot be a key (an unhashable selective policy)."""
+    one that cannot be a key (an unhashable selective policy) or a report without the run's figures."""
+    if report.memory is None:
+        return None
     key = (chain, tuple(segments), tuple(policies), report.memory.rows, report.source.parallel)
     try:
         hash(key)
