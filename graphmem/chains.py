@@ -41,3 +41,17 @@ def truncated(model: nn.Module, chain: Optional[Chain], k: Optional[int]) -> Ite
         yield
     finally:
         holder._modules = original
+
+
+@contextlib.contextmanager
+def selected(model: nn.Module, chain: Chain, blocks: list[int]) -> Iterator[None]:
+    """Run the model with only the chain's ``blocks`` (their indices, in order), renumbered from 0 as
+    the chain's own: a chain cut in the middle as ``truncated`` cuts its end (restored afterwards)."""
+    holder = model.get_submodule(chain.path)
+    original = holder._modules
+    items = list(original.values())
+    holder._modules = OrderedDict((str(n), items[i]) for n, i in enumerate(blocks))
+    try:
+        yield
+    finally:
+        holder._modules = original

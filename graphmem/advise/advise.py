@@ -17,6 +17,7 @@ from graphmem.errors import GraphmemError
 from graphmem.passes.budget import later_steps_peak
 from graphmem.passes.run_memory import FIGURE_NAMES
 from graphmem.planning.figures import figure_of, plan_memory
+from graphmem.step.measure import single_steps_once
 from graphmem.step.spec import StepSpec
 from graphmem.training.spec import preparing_once
 from graphmem.units import fmt_bytes
@@ -115,7 +116,8 @@ def advise(report: AnalysisView, memory: Any, ranks: int = 8, lora_rank: int = 1
     """The levers of ``report``'s step, each captured, ranked, and the best few combined (when no
     single lever fits, or ``combine``); every setting judged on ``figure`` of its run (the device
     total on the CUDA target, allocated on the CPU's: graphmem/planning/figures.py)."""
-    with preparing_once():  # one adapted (LoRA, QLoRA) model for every lever that keeps the model
+    # one adapted (LoRA, QLoRA) model for every lever that keeps the model, one single-device step beside the FSDP2 rows
+    with preparing_once(), single_steps_once():
         return _advise(report, memory_limit(memory, report.target), memory if isinstance(memory, str) else None, ranks, lora_rank,
                        tick, combine, figure_of(report, figure))
 

@@ -95,9 +95,10 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def blocks_alike(model: nn.Module, chain: Chain) -> bool:
+def blocks_alike(model: nn.Module, chain: Chain, ignore: frozenset[str] = frozenset()) -> bool:
     """Every block of the chain holds the same settings as block 1 (a block that knows its
-    own index, e.g. a ``layer_id`` that changes what it does, is not copied)."""
+    own index, e.g. a ``layer_id`` that changes what it does, is not copied); attributes named in
+    ``ignore`` are not compared."""
     blocks = list(model.get_submodule(chain.path).children()) if chain.path else list(model.children())
     first = list(blocks[1].named_modules())
     for blk in blocks[1:]:
@@ -105,8 +106,8 @@ def blocks_alike(model: nn.Module, chain: Chain) -> bool:
         if [n for n, _ in mods] != [n for n, _ in first]:
             return False
         for (_, a), (_, b) in zip(first, mods):
-            va = {k: v for k, v in vars(a).items() if k not in _MODULE_STATE and k not in _CACHE_INDEX}
-            vb = {k: v for k, v in vars(b).items() if k not in _MODULE_STATE and k not in _CACHE_INDEX}
+            va = {k: v for k, v in vars(a).items() if k not in _MODULE_STATE and k not in _CACHE_INDEX and k not in ignore}
+            vb = {k: v for k, v in vars(b).items() if k not in _MODULE_STATE and k not in _CACHE_INDEX and k not in ignore}
             if type(a) is not type(b) or va.keys() != vb.keys() or not all(_same(va[k], vb[k]) for k in va):
                 return False
     return True

@@ -106,7 +106,7 @@ class Values:
         """Give ``out`` the values ``func`` makes from its inputs' values, when it can."""
         if not hasattr(func, "_schema"):  # a higher-order operator (FlexAttention's): its own ops carry values
             return
-        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        outs = [out] if isinstance(out, torch.Tensor) else [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         real = None
         if outs and torch.Tag.nondeterministic_seeded not in func.tags and "empty" not in func.__name__ and \
                 all(o.numel() <= self.limit for o in outs):
@@ -130,6 +130,8 @@ class Values:
 
     def _reals(self, args: tuple, kwargs: Optional[dict]) -> Optional[tuple[tuple, dict]]:
         """``(args, kwargs)`` with every tensor replaced by its value; None if one has none."""
+        if any(isinstance(a, torch.Tensor) and self.of(a) is None for a in args):  # (most ops: an activation, at once)
+            return None
         flat = [x for x in tree_flatten((args, kwargs or {}))[0] if isinstance(x, torch.Tensor)]
         if not all(self.of(x) is not None for x in flat):
             return None

@@ -14,17 +14,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from graphmem.capture.widen_map import NotReusable, Regions, Widen, rename
+from graphmem.capture.widen_map import NotReusable, Regions, Widen
 from graphmem.capture.widen_spans import Spans
+from graphmem.capture.widen_units import Layout
 from graphmem.chains import Chain
 from graphmem.stepgraph import OpNode, SaveEvent, StepGraph, Storage
 
 __all__ = ["NotReusable", "widen"]
 
 
-def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str]) -> StepGraph:
-    """The step of the model with n blocks, from its capture with k identical blocks."""
-    w = _Copier(g, Regions(g, chain, k), n)
+def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str], layout: Optional[Layout] = None) -> StepGraph:
+    """The step of the model with n blocks, from its capture with k identical blocks; with ``layout``
+    (graphmem/capture/widen_units.py), the chain's units as captured (k) and widened (n) instead, a unit
+    that is a checkpointed segment recomputed before its backward."""
+    lay = layout if layout is not None else Layout.blocks(k, n)
+    w = _Copier(g, Regions(g, chain, lay.k, lay, recomputed=layout is not None), lay.n)
     storages = w.storages()
     placeholders = w.placeholders()
     ops = w.ops()
@@ -88,7 +92,7 @@ class _Copier(Widen):
         if j == t:
             return tsid
         if st.created < 0:
-            other = self.by_name.get(rename(st.name, self.prefix, j, t))
+            other = self.by_name.get(self.as_captured(st.name, j, t))
             if other is None:
                 raise NotReusable("a parameter has no counterpart")
             return other
@@ -111,13 +115,12 @@ class _Copier(Widen):
 
     def storages(self) -> dict[int, Storage]:
         out: dict[int, Storage] = {}
-        prefix = self.prefix
         for (tsid, b), new in sorted(self.sid_of.items(), key=lambda x: x[1]):
             st = self.g.storages[tsid]
             j = self.owner(st)
             out[new] = Storage(
                 new, st.nbytes, st.kind, self.index(st.created, b, j), self.freed_at(st.freed, b, j),  # type: ignore[arg-type]
-                rename(st.module, prefix, j, b), rename(st.name, prefix, j, b) if st.created < 0 or st.owner is not None else st.name,
+                self.renamed(st.module, j, b), self.renamed(st.name, j, b) if st.created < 0 or st.owner is not None else st.name,
                 st.dtype, st.shape, self.sid(st.source, b, j) if st.source is not None else None,
                 self.sid(st.owner, b, j) if st.owner is not None else None,
                 tuple(self.sid(o, b, j) for o in st.owners), st.cache_freed, st.stream, st.host)
@@ -135,7 +138,7 @@ class _Copier(Widen):
     def placeholders(self) -> list[OpNode]:
         out: list[OpNode] = []
         for p, b, j in self.planned:
-            name = rename(p.target, self.prefix, j, b)
+            name = self.renamed(p.target, j, b)
             q = OpNode("placeholder", name, (), {}, name.replace(".", "_"))
             q.meta.update(p.meta, storage=self.sid(p.meta["storage"], b, j))
             out.append(q)
@@ -161,7 +164,7 @@ class _Copier(Widen):
             if a.op == "placeholder":
                 j = self.r.block_of(a.target) if isinstance(a.target, str) else None
                 b = self.block(j, ctx_b, ctx_j)
-                name = rename(a.target, self.prefix, j, self.template(b)) if b is not None else a.target
+                name = self.as_captured(a.target, j, self.template(b)) if b is not None else a.target
                 q = self.ph_of.get((name, b))
                 if q is None:
                     raise NotReusable("a placeholder has no counterpart")
@@ -191,15 +194,15 @@ class _Copier(Widen):
                 op = g.ops[u]
                 i = base + u - s
                 tw = self.twin(kind, t, u - s)
-                self.guide = next((a for a in op.args if isinstance(a, list) and any(isinstance(x, OpNode) or isinstance(x, tuple)
-                                                                                   for x in a)), None)
+                self.guide = None if t is not None else next(  # (read only outside the blocks: ``arg``)
+                    (a for a in op.args if isinstance(a, list) and any(isinstance(x, (OpNode, tuple)) for x in a)), None)
                 targs = tw.args if tw is not None and len(tw.args) == len(op.args) else (None,) * len(op.args)
                 node = OpNode(op.op, op.target, tuple(self.arg(a, b, t, o) for a, o in zip(op.args, targs)),
                               {key: self.arg(v, b, t, tw.kwargs.get(key) if tw is not None else None)
                                for key, v in op.kwargs.items()}, f"op{i}")
                 meta = dict(op.meta)
                 meta["index"] = i
-                meta["module"] = rename(op.meta.get("module", ""), self.prefix, t, b)
+                meta["module"] = self.renamed(op.meta.get("module", ""), t, b)
                 if t is None and u in self.spans.outputs:  # an op over several blocks: its outputs widen too
                     meta["outputs"] = tuple((shape, dtype, self.sid(x, b2, j2))
                                             for (shape, dtype, x), b2, j2 in self.spans.outputs[u])
@@ -230,7 +233,7 @@ class _Copier(Widen):
                 for b in self.copies(j):
                     out.append(SaveEvent(self.sid(ev.sid, None, None) if common else self.sid(ev.sid, b, j),
                                          self.index(ev.packed_at, b, j), self.index(ev.released_at, b, j),  # type: ignore[arg-type]
-                                         rename(ev.module, self.prefix, j, b), ev.phase, ev.shape, ev.dtype, ev.grad_fn))
+                                         self.renamed(ev.module, j, b), ev.phase, ev.shape, ev.dtype, ev.grad_fn))
         out.sort(key=lambda e: e.packed_at)
         return out
 
@@ -261,5 +264,5 @@ class _Copier(Widen):
                 out[path] = shape
             else:
                 for b in self.copies(j):
-                    out[rename(path, self.prefix, j, b)] = shape
+                    out[self.renamed(path, j, b)] = shape
         return out

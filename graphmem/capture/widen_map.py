@@ -10,6 +10,7 @@ from typing import Optional
 
 from graphmem.capture.glue import NotBlockByBlock, Region, absorb, cut, expand
 from graphmem.capture.widen_optim import OptimizerBlocks
+from graphmem.capture.widen_units import Layout, block_copies  # (block_copies: compiled.py's)
 from graphmem.chains import Chain
 from graphmem.stepgraph import StepGraph
 
@@ -19,14 +20,19 @@ class NotReusable(Exception):
 
 
 class Regions:
-    """A capture cut into: prefix, F0..F(k-1), head, B(k-1)..B0, tail (each a range of ops)."""
+    """A capture cut into: prefix, F0..F(k-1), head, B(k-1)..B0, tail (each a range of ops), by the
+    chain's units (``layout``; default: each block a unit). A unit that is a checkpointed segment
+    recomputes its forward right before its backward: with ``recomputed``, that is part of its
+    backward region; without, a recompute inside the blocks refuses the reuse."""
 
-    def __init__(self, g: StepGraph, chain: Chain, k: int) -> None:
+    def __init__(self, g: StepGraph, chain: Chain, k: int, layout: Optional[Layout] = None, recomputed: bool = False) -> None:
         prefix = f"{chain.path}." if chain.path else ""
-        self.prefix, self.k = prefix, k
+        self.layout = layout if layout is not None else Layout.blocks(k, k)
+        self.prefix, self.k = prefix, self.layout.k
+        k = self.k
         back = g.phase_start.get("backward", g.num_ops)
         labels = [self.block_of(op.meta.get("module", "")) for op in g.ops]
-        if any(op.meta.get("recompute") and labels[i] is not None for i, op in enumerate(g.ops)):
+        if not recomputed and any(op.meta.get("recompute") and labels[i] is not None for i, op in enumerate(g.ops)):
             raise NotReusable("checkpointed")  # (a checkpointed head or loss, outside the blocks, is copied once)
         fwd = [i for i in range(back) if labels[i] is not None]
         bwd = [i for i in range(back, g.num_ops) if labels[i] is not None]
@@ -82,7 +88,7 @@ class Regions:
         if not path.startswith(self.prefix):
             return None
         head = path[len(self.prefix):].split(".", 1)[0]
-        return int(head) if head.isdigit() else None
+        return self.layout.unit_of(int(head)) if head.isdigit() else None
 
     def region(self, kind: str, block: Optional[int]) -> tuple[int, int]:
         try:
@@ -91,19 +97,10 @@ class Regions:
             raise NotReusable(f"no region {kind}{block}") from None
 
 
-def block_copies(j: int, k: int, n: int) -> list[int]:
-    """The blocks of an n-block step that block j of a k-block capture becomes: the first two
-    and last two are their own, block 2 is every other one."""
-    if j in (0, 1):
-        return [j]
-    if j >= k - 2:
-        return [n - (k - j)]
-    return list(range(2, n - 2)) if j == 2 else []
-
-
 class Widen:
     def __init__(self, g: StepGraph, r: Regions, n: int) -> None:
-        self.g, self.r, self.n, self.k = g, r, n, r.k
+        self.layout = r.layout
+        self.g, self.r, self.n, self.k = g, r, self.layout.n, r.k
         self.nops = g.num_ops
         # synthesized regions in order: (kind, block, template block)
         order = self.glue(r.prefix_regions)
@@ -123,25 +120,28 @@ class Widen:
 
     def glue(self, regions: list[Region]) -> list[tuple[str, Optional[int], Optional[int]]]:
         try:
-            stretch = expand(regions, self.r.directions, lambda j: block_copies(j, self.k, self.n))
+            stretch = expand(regions, self.r.directions, self.layout.copies)
         except NotBlockByBlock as e:
             raise NotReusable(str(e)) from None
         return [(kind, b, None if b is None else self.template(b)) for kind, b in stretch]
 
     def template(self, b: int) -> int:
-        """The captured block that block b copies: the ends and their neighbours are their own
+        """The captured block (unit) that block b copies: the ends and their neighbours are their own
         (they touch what is around the chain), every other block copies block 2, whose
-        neighbours are blocks like it."""
-        n, k = self.n, self.k
-        if b in (0, 1):
-            return b
-        if b >= n - 2:
-            return k - (n - b)
-        return 2
+        neighbours are blocks like it (graphmem/capture/widen_units.py ``Layout.template``)."""
+        return self.layout.template(b)
+
+    def renamed(self, path: str, j: Optional[int], b: Optional[int]) -> str:
+        """A module path of captured unit j as widened unit b's."""
+        return self.layout.rename(path, self.r.prefix, j, b)
+
+    def as_captured(self, path: str, j: Optional[int], t: Optional[int]) -> str:
+        """A module path of captured unit j as captured unit t's."""
+        return self.layout.rename(path, self.r.prefix, j, t, captured=True)
 
     def copies(self, j: Optional[int]) -> list[Optional[int]]:
         """The blocks that captured block j becomes."""
-        return [None] if j is None else list(block_copies(j, self.k, self.n))
+        return [None] if j is None else list[Optional[int]](self.layout.copies(j))
 
     def block(self, j: Optional[int], ctx_b: Optional[int], ctx_j: Optional[int]) -> Optional[int]:
         """The synthesized block that template block j is, seen from template block ctx_j
@@ -185,6 +185,9 @@ class Widen:
             u = self.same_op(u, b)
             pos = self.r.where[u][2]
         return self.start[(kind, b)] + pos
+
+
+__all__ = ["NotReusable", "Regions", "Widen", "block_copies", "rename"]
 
 
 def rename(path: str, prefix: str, j: Optional[int], b: Optional[int]) -> str:

@@ -22,7 +22,7 @@ import contextlib
 import inspect
 import threading
 import types
-from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence, TypedDict
+from typing import Any, Callable, ContextManager, Hashable, Optional, Protocol, Sequence, TypedDict, cast
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -229,3 +229,32 @@ def hf_checkpointed(block: nn.Module) -> bool:
     """Whether transformers' gradient checkpointing is on for this layer (a
     ``GradientCheckpointingLayer`` after ``model.gradient_checkpointing_enable()``)."""
     return vars(block).get("gradient_checkpointing") is True and hasattr(block, "_gradient_checkpointing_func")
+
+
+def plan_units(n: int, segments: Sequence[tuple[int, int]],
+               policies: Optional[Sequence[Optional[SegmentPolicy]]] = None) -> tuple[list[int], list[Hashable]]:
+    """A chain of n blocks with ``segments`` checkpointed, as units (graphmem/capture/reuse_units.py): the
+    blocks of each unit and its kind. A segment is one unit (its blocks run forward together and are
+    recomputed together), of its length and policy; every other block is a unit of its own."""
+    pols = list(policies) if policies is not None else [None] * len(segments)
+    starts = {a: (b, p) for (a, b), p in zip(segments, pols)}
+    sizes: list[int] = []
+    kinds: list[Hashable] = []
+    i = 0
+    while i < n:
+        if i not in starts:
+            sizes.append(1)
+            kinds.append("stored")
+            i += 1
+            continue
+        b, p = starts[i]
+        try:
+            hash(p)
+        except TypeError:  # (a policy that cannot be a key is its own kind)
+            policy: Hashable = id(p)
+        else:
+            policy = cast(Hashable, p)
+        sizes.append(b - i + 1)
+        kinds.append(("checkpointed", b - i + 1, policy))
+        i = b + 1
+    return sizes, kinds

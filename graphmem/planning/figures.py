@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from graphmem.analysis import AnalysisView, captured
 from graphmem.passes.later_steps import later_steps_peak
 from graphmem.passes.run_memory import FIGURE_NAMES, RunMemory, figure_for, step_memory
-from graphmem.planning.apply import apply_segments
 from graphmem.planning.pieces import PlanError
+from graphmem.planning.verify import plan_graph, run_memory_key
 from graphmem.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -38,20 +38,16 @@ def headroom(report: AnalysisView, figure: str) -> int:
 
 def plan_memory(report: AnalysisView, plan: CheckpointPlan) -> RunMemory:
     """The run memory of the report's step captured with ``plan`` applied (once per plan: kept by the report's source,
-    graphmem/step/recapture.py ``Recapture.plan_memories``)."""
+    graphmem/step/recapture.py ``Recapture.plan_memories``, where the planner's verifier also keeps its lowest-peak
+    plan's: graphmem/planning/verify.py)."""
     source = report.source
-    key = (plan.chain, plan.segments, tuple(plan.policies), report.memory.rows, source.parallel)
-    memo: Optional[dict[tuple, RunMemory]] = source.plan_memories
-    try:
-        hash(key)
-    except TypeError:  # an unhashable selective policy: captured every time
-        memo = None
-    if memo is not None and key in memo:
+    key = run_memory_key(report, plan.chain, plan.segments, plan.policies)  # (None: captured every time)
+    memo: dict[tuple, RunMemory] = source.plan_memories
+    if key is not None and key in memo:
         return memo[key]
-    with apply_segments(source.module, plan.chain, plan.segments, plan.policies or None):
-        g = source.capture()
+    g = plan_graph(source, plan.chain, plan.segments, plan.policies or None).graph
     out = step_memory(g, report.memory.rows, source.parallel)
-    if memo is not None:
+    if key is not None:
         memo[key] = out
     return out
 

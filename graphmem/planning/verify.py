@@ -20,12 +20,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from graphmem.analysis import AnalysisView
+from graphmem.capture.reuse import MIN_LENGTH, Reused, reuses
+from graphmem.capture.reuse_units import capture_units
 from graphmem.errors import GraphmemError
 from graphmem.jsontypes import JSON
 from graphmem.passes import liveness, saved
 from graphmem.passes.budget import later_steps_peak
 from graphmem.passes.checkpoint import UNMEASURED, Evaluated
-from graphmem.planning.apply import SegmentPolicy, apply_segments
+from graphmem.passes.run_memory import step_memory
+from graphmem.planning.apply import SegmentPolicy, apply_segments, chain_blocks, plan_units
 from graphmem.stepgraph import StepGraph
 from graphmem.units import fmt_bytes
 
@@ -79,28 +82,54 @@ class Verifier:
         return (e.segments, tuple(getattr(p, "name", None) for p in self.policies(e)))
 
     def measure(self, e: Evaluated) -> tuple[int, int, int]:
-        """(peak, saved bytes, bytes live when the forward ends) of the report's step captured with plan ``e`` applied."""
+        """(peak, saved bytes, bytes live when the forward ends) of the report's step captured with plan ``e`` applied.
+        The run memory of the lowest-peak plan captured so far is kept for graphmem/planning/figures.py
+        ``plan_memory`` (the plan a search without a fitting plan answers, asked for again there)."""
         k = self.key(e)
         if k not in self.seen:
             try:
-                self.seen[k] = capture_plan(self.report, self.chain, e.checkpointed, self.policies(e) or None)
+                g = plan_graph(self.report.source, self.chain, e.checkpointed, self.policies(e) or None).graph
             except GraphmemError:  # the plan cannot run on this model (it is never chosen)
                 self.seen[k] = (UNRUNNABLE, 0, 0)
+            else:
+                lv = liveness(g)
+                lowest = all(later_steps_peak(g, lv) <= p for p, _, _ in self.seen.values())
+                self.seen[k] = (later_steps_peak(g, lv), saved(g).activation_bytes, lv.timeline[forward_end(g)])
+                memo_key = run_memory_key(self.report, self.chain, e.checkpointed, self.policies(e))
+                if lowest and memo_key is not None:
+                    self.report.source.plan_memories[memo_key] = step_memory(g, self.report.memory.rows,
+                                                                             self.report.source.parallel)
             self.plans[k] = e
         return self.seen[k]
 
 
-def capture_plan(report: AnalysisView, chain: str, segments: Sequence[tuple[int, int]],
-                 policies: Optional[Sequence[Optional[SegmentPolicy]]] = None) -> tuple[int, int, int]:
-    """(peak, saved bytes, bytes live when the forward ends) of the report's step on fake
-    tensors with the segments of ``chain`` checkpointed (as ``plan.apply`` does), at the
-    report's own size and depth; the peak is every step's (later steps hold the optimizer
-    states from their start)."""
-    source = report.source
-    with apply_segments(source.module, chain, segments, policies):
-        g = source.capture()
-    lv = liveness(g)
-    return later_steps_peak(g, lv), saved(g).activation_bytes, lv.timeline[forward_end(g)]
+def plan_graph(source: Any, chain: str, segments: Sequence[tuple[int, int]],
+               policies: Optional[Sequence[Optional[SegmentPolicy]]] = None) -> Reused:
+    """The step of a report's ``source`` (graphmem/step/recapture.py ``Recapture``) on fake tensors with the
+    segments of ``chain`` checkpointed (as ``plan.apply`` does), at the report's own size and depth: widened
+    from a shorter capture where the plan's units repeat (graphmem/capture/reuse_units.py, checked against a
+    capture one unit deeper each time), else captured whole (``Reused.why`` says why)."""
+    model = source.module
+    with apply_segments(model, chain, segments, policies):
+        n = len(chain_blocks(model, chain))
+        if not source.reuse or not reuses(source.train) or n < MIN_LENGTH:
+            return Reused(source.capture(), False, "" if source.reuse and reuses(source.train) else "reuse is off")
+        sizes, kinds = plan_units(n, segments, policies)
+        return capture_units(model, chain, sizes, kinds, source.capture)
+
+
+def run_memory_key(report: AnalysisView, chain: str, segments: Sequence[tuple[int, int]],
+                   policies: Sequence[object]) -> Optional[tuple]:
+    """A plan's key among the run memories a report's source keeps (``Recapture.plan_memories``), None for
+    one that cannot be a key (an unhashable selective policy) or a report without the run's figures."""
+    if report.memory is None:
+        return None
+    key = (chain, tuple(segments), tuple(policies), report.memory.rows, report.source.parallel)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def forward_end(g: StepGraph) -> int:

@@ -14,9 +14,11 @@ re-captures behind plans, formulas and fits all come through here.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch.nn as nn
 
@@ -182,13 +184,41 @@ def _rank(spec: StepSpec, p: Ranks, make: Inputs) -> Measured:
     slow = (f"depth reuse not taken ({step.reuse_note}): every block was captured",) if step.reuse_note else ()
     train = spec.training.train if spec.training.train.active else None
     # the same step on one device (the module the rank ran, LoRA applied)
-    single = step_graph(spec.replace(parallel=Single(), target=step.target), module, train,
-                        reuse=spec.reuse and (train is None or (step.target.mode != "compiled" and reuses(train)))).graph
+    single = _single_step(spec.replace(parallel=Single(), target=step.target), module, train,
+                          spec.reuse and (train is None or (step.target.mode != "compiled" and reuses(train))))
     view = rank_view(g, step.liveness, step.saved, p.sharding, (single, liveness(single), saved(single)),
                      units_of(module), tp_engine(module))
     if step.budget is not None:
         step = dataclasses.replace(step, budget=dataclasses.replace(step.budget, whose=view.describe()))
     return Measured(spec, step, notes(g) + slow + view.lines(), view)
+
+
+# (spec, module id, loop, reuse) -> (the module, kept alive so its id is not reused; the single-device step)
+_SINGLE_STEPS: ContextVar[Optional[dict[tuple, tuple[nn.Module, StepGraph]]]] = ContextVar("single_steps", default=None)
+
+
+@contextlib.contextmanager
+def single_steps_once() -> Iterator[None]:
+    """Within it, the single-device step that rank r's capture puts beside its own (``_rank``, for the per-rank
+    formula's cross-check) is captured once per spec and module: advise's FSDP2 rows (resharded after forward
+    or not) differ in the wrapping only, and capture the same step on one device."""
+    token = _SINGLE_STEPS.set({})
+    try:
+        yield
+    finally:
+        _SINGLE_STEPS.reset(token)
+
+
+def _single_step(spec: StepSpec, module: nn.Module, train: Optional[TrainStep], reuse: bool) -> StepGraph:
+    """``spec``'s step on one device on ``module`` (``step_graph``), captured once within ``single_steps_once``."""
+    memo = _SINGLE_STEPS.get()
+    key = (spec, id(module), train, reuse)
+    if memo is not None and key in memo:
+        return memo[key][1]
+    g = step_graph(spec, module, train, reuse=reuse).graph
+    if memo is not None:
+        memo[key] = (module, g)
+    return g
 
 
 def _job(spec: StepSpec, p: Job) -> Measured:
