@@ -14,7 +14,6 @@ from graphmem.cli.command import Command
 from graphmem.cli.compare import Compare
 from graphmem.cli.flags import to_flags
 from graphmem.cli.formula import Fit, Formula, Sweep
-from graphmem.cli.options import device_of
 from graphmem.cli.plan import Plan
 from graphmem.cli.titan import split_overrides
 from graphmem.cli.validate import Validate
@@ -72,8 +71,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p = parser()
         args = p.parse_args(_negative_values(argv, _valued(p)))
         args.job_overrides = overrides
-        if hasattr(args, "device"):  # not given: the CPU's, a DeepSpeed job's GPUs (validate: the CPU run)
-            args.device = device_of(args)
         with quiet_third_party():  # torch's, transformers', torchtitan's notes on graphmem's own work
             return int(args.run(args))
     except GraphmemError as e:

@@ -164,11 +164,9 @@ def check_memory(args: argparse.Namespace, value: Optional[str], flag: str) -> N
 
 def device_of(args: argparse.Namespace) -> str:
     """``--device``, or when not given the CPU's, but a ``--deepspeed`` job's GPUs (graphmem/step/options.py
-    ``default_device``), except for ``validate``, which runs the job for real on this machine's CPU."""
+    ``default_device``). (``validate`` declares its own ``--device``, default cpu: it runs the job for real here.)"""
     device = getattr(args, "device", None)
-    if device is not None:
-        return str(device)
-    return "cpu" if getattr(args, "command", None) == "validate" else default_device(getattr(args, "deepspeed", None))
+    return str(device) if device is not None else default_device(getattr(args, "deepspeed", None))
 
 
 def target_of(args: argparse.Namespace) -> Target:

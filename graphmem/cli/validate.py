@@ -15,7 +15,6 @@ from graphmem.cli.options import (
     add_model_arguments,
     add_parallel_arguments,
     add_trainer_batch_arguments,
-    device_of,
     hf_of,
     loop_options,
     per_rank_options,
@@ -65,7 +64,7 @@ def _validate(args: argparse.Namespace) -> int:
             from graphmem.training.hf_trainer import is_trainer
             from graphmem.validation.trainer import trainer_on_cuda, validate_trainer
 
-            if device_of(args) != "cpu":  # on a machine without a GPU, first say so (as validate --device cuda does)
+            if args.device != "cpu":  # on a machine without a GPU, first say so (as validate --device cuda does)
                 trainer_on_cuda("--training-args validates the Trainer's step on the CPU only yet: drop --device cuda "
                                 "(analyze --device cuda predicts its CUDA step)")
             split = sorted(set(per_rank_options(args)) - {"world_size", "rank"})
@@ -81,7 +80,7 @@ def _validate(args: argparse.Namespace) -> int:
                 result = validate(module, input_shape=args.input_shape, tolerance=args.tolerance, training_args=trainer,
                                   world_size=args.world_size, rank=args.rank)
         else:
-            result = validate(args.model, input_shape=args.input_shape, device=device_of(args), tolerance=args.tolerance,
+            result = validate(args.model, input_shape=args.input_shape, device=args.device, tolerance=args.tolerance,
                               hf=hf_of(args), dtype=args.dtype, amp=args.amp, **loop_options(args),
                               **per_rank_options(args))
     sys.stdout.write(json.dumps({"validation": result.to_dict()}, indent=2) + "\n" if args.json

@@ -184,6 +184,15 @@ def check_torch_optimizer_offload(c: dict[str, Any]) -> None:
                          "on fake tensors): add it")
 
 
+def offloads_parameters(config: object) -> bool:
+    """A DeepSpeed config (a dict or a JSON path, as ``make_job`` takes it) that offloads ZeRO-3's parameters to the
+    CPU; False where it cannot be read or is malformed (``make_job`` says why, in one line, where the job is built)."""
+    try:
+        return _offloads(_load(config), "offload_param")
+    except (UsageError, OSError, AttributeError):
+        return False
+
+
 def _offloads(c: dict[str, Any], part: str) -> bool:
     return (c.get("zero_optimization", {}).get(part) or {}).get("device") == "cpu"
 
@@ -291,5 +300,5 @@ def resolved(job: DeepSpeedJob, model: nn.Module, micro_batch: int) -> dict[str,
         _set(c, "zero_optimization.stage3_param_persistence_threshold", 10 * hidden)
     return c
 
-__all__ = ["DeepSpeedJob", "check_torch_optimizer_offload", "make_job", "resolved"]
+__all__ = ["DeepSpeedJob", "check_torch_optimizer_offload", "make_job", "offloads_parameters", "resolved"]
 

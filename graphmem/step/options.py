@@ -199,24 +199,9 @@ def default_device(deepspeed: object = None) -> str:
     config.py ``check_cuda``; its report says so)."""
     if deepspeed is None:
         return "cpu"
-    return "cpu" if _offloads_parameters(deepspeed) else "cuda"
+    from graphmem.deepspeed.config import offloads_parameters  # (torch's import: not for --help)
 
-
-def _offloads_parameters(config: object) -> bool:
-    """A DeepSpeed config (a dict or a JSON path) whose ``zero_optimization.offload_param`` puts the parameters on
-    the CPU; False where it cannot be read (graphmem/deepspeed/config.py says why, in one line, where it is loaded)."""
-    import json
-    import os
-
-    if isinstance(config, (str, os.PathLike)):
-        try:
-            with open(config, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError):
-            return False
-    zero = config.get("zero_optimization") if isinstance(config, dict) else None
-    param = zero.get("offload_param") if isinstance(zero, dict) else None
-    return isinstance(param, dict) and param.get("device") == "cpu"
+    return "cpu" if offloads_parameters(deepspeed) else "cuda"
 
 
 __all__ = ["AMP", "ATTENTION", "DEVICES", "DTYPES", "IMPLS", "MODES", "OPTIMIZERS", "OPTIONS", "Option", "default", "default_device",

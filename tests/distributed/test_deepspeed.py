@@ -55,6 +55,7 @@ def test_a_deepspeed_job_is_analyzed_on_the_cuda_target_by_default(tmp_path: obj
     import importlib
 
     import graphmem
+    from graphmem.cli.options import device_of
 
     cli = importlib.import_module("graphmem.cli.main")  # (graphmem.cli.main, the attribute, is the function)
 
@@ -68,8 +69,8 @@ def test_a_deepspeed_job_is_analyzed_on_the_cuda_target_by_default(tmp_path: obj
     assert graphmem.spec_for(torch_net(), (torch_input(),), **{**job, "deepspeed": params_off}).target.device == "cpu"
     seen: dict[str, str] = {}
 
-    def spy(args: argparse.Namespace) -> int:
-        seen[args.command] = args.device
+    def spy(args: argparse.Namespace) -> int:  # (the device each command reads: graphmem/cli/options.py device_of)
+        seen[args.command] = device_of(args)
         return 0
 
     ds = tmp_path / "ds.json"  # type: ignore[operator]
