@@ -256,7 +256,7 @@ class _Recorder:
         index = len(self.ops)
         # torch.tensor(...) under the fake mode makes a real constant that lift_fresh turns into a
         # fake one: the lifted tensor is the allocation a real run makes, the constant is not
-        node = OpNode("call_function", func, () if func in _LIFTS else tuple(self._arg(a) for a in args),
+        node = OpNode("call_function", func, () if func in _LIFTS else tuple([self._arg(a) for a in args]),
                       {k: self._arg(v) for k, v in kwargs.items()} if kwargs else {}, f"op{index}")
         self.ops.append(node)
         module = self.module_now()
@@ -269,7 +269,7 @@ class _Recorder:
         for i, t in enumerate(outs):
             if not isinstance(t, torch.Tensor):
                 continue
-            s = self.storage(t, "activation", str(func), index, module)
+            s = self.live.get(t.untyped_storage()._cdata) or self.storage(t, "activation", str(func), index, module)
             if s.created == index:
                 new_bytes += s.nbytes
                 if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):

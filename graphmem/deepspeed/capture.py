@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from graphmem.capture.autograd_tags import _tag_grad_fns
 from graphmem.capture.call_paths import module_order
@@ -61,6 +61,14 @@ class _EngineMode(_Mode):
     slices and views, and the device queries C++ makes of fake tensors, are answered without FakeTensorMode's
     per-op machinery where its answer could be nothing else (graphmem/deepspeed/views.py)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No dynamo wrapper around this mode's ``__torch_dispatch__`` (torch/utils/_python_dispatch.py
+        ``TorchDispatchMode.__init_subclass__`` wraps it in ``torch._disable_dynamo``, which saves and restores
+        the frame evaluator on every call, ~1.5 µs, 5 calls a slice): a DeepSpeed step is captured eagerly,
+        with no frame dynamo evaluates."""
+        return False
+
     def __init__(self, rec: _Recorder) -> None:
         super().__init__(rec)
         self._avoid = bool(_Mode.avoid_device_init.fget(self))  # type: ignore[attr-defined]
@@ -84,12 +92,21 @@ class _EngineMode(_Mode):
             if device is not None:
                 return device
         if valueless_view(func, args, kwargs):
+            rec = self.rec
+            if rec.recording and not rec.depth and not rec.real_bookkeeping:  # (``_Mode._dispatch``'s checks: no
+                return rec.record(self._view, func, args, kwargs)  # view has a kernel rule or a wrapper subclass)
             return self._dispatch(func, types, args, kwargs)
         return _RECORDERS_DISPATCH(self, func, types, args, kwargs)
 
+    def _view(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """A view recorded: the meta kernel's answer (``fast_view``), else FakeTensorMode's own dispatch."""
+        out = fast_view(self, func, args, kwargs)
+        return out if out is not None else _FAKE_DISPATCH(self, func, (FakeTensor,), args, kwargs)
+
 
 # (the recorder's own, unwrapped: torch wraps each mode's ``__torch_dispatch__`` to keep dynamo out,
-# torch/utils/_python_dispatch.py ``TorchDispatchMode.__init_subclass__``, and ``_EngineMode``'s is already)
+# torch/utils/_python_dispatch.py ``TorchDispatchMode.__init_subclass__``; ``_EngineMode``'s is not)
+_FAKE_DISPATCH = FakeTensorMode.__torch_dispatch__
 _RECORDERS_DISPATCH = getattr(_Mode.__dict__["__torch_dispatch__"], "__wrapped__", _Mode.__dict__["__torch_dispatch__"])
 
 

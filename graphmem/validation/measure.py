@@ -15,9 +15,8 @@ These functions allocate real memory: use small shapes.
 from __future__ import annotations
 
 import contextlib
-import gc
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
+from typing import Any, Callable, ContextManager, Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -25,6 +24,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from graphmem.capture.sac import through_hooks
+from graphmem.capture.session import quiet_gc
 from graphmem.training.batch import as_batch
 from graphmem.training.loop import LoopRunner, Session, TrainStep
 from graphmem.training.qlora import quant_state_tensors
@@ -121,23 +121,11 @@ def _allocation_events(prof: Any) -> list[tuple[int, int]]:
     return events
 
 
-@contextlib.contextmanager
-def _quiet_gc() -> Iterator[None]:
-    """No garbage from before the step is freed inside the profiled window: the CPU allocator's
-    profiler reporter (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter) remembers the size of
-    every block allocated while any profile ran and reports its free as a negative event, so an
-    earlier step's cyclic garbage (a Hugging Face model's) collected during this step lowered the
-    measured peak (tests/planning/test_zoo_plans.py on T5: 427,776 B under, after other tests in the same
-    process). Collected before the window, the collector paused inside it (reference counting
-    still frees the step's own tensors as they die)."""
-    was = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
+# (no garbage from before the step is freed inside the profiled window: the CPU allocator's profiler reporter,
+# c10/core/CPUAllocator.cpp ProfiledCPUMemoryReporter, remembers the size of every block allocated while any profile
+# ran and reports its free as a negative event, so an earlier step's cyclic garbage (a Hugging Face model's)
+# collected during this step lowered the measured peak: tests/planning/test_zoo_plans.py on T5, 427,776 B under)
+_quiet_gc = quiet_gc
 
 
 def measure_peak(model: nn.Module, inputs: object, loss_fn: Optional[LossFn] = None,

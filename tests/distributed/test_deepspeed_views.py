@@ -23,7 +23,8 @@ def _described(t: torch.Tensor) -> tuple:
 def test_a_view_is_what_fake_tensor_mode_makes(func: object, args: tuple) -> None:
     """GIVEN a fake bf16 tensor (a view of a larger one, as DeepSpeed's flattened gradients are)
     WHEN a slice, view or detach is made by ``fast_view`` and by FakeTensorMode's own dispatch
-    THEN both are fake tensors of the mode, with the same sizes, strides, offset, dtype, device and storage."""
+    THEN both are fake tensors of the mode, with the same sizes, strides, offset, dtype, device and storage, and the
+    same attributes (``wrap``: those FakeTensor's constructor gives)."""
     mode = FakeTensorMode()
     with mode:
         base = torch.empty(4096, 32, dtype=torch.bfloat16)[8:]
@@ -32,6 +33,7 @@ def test_a_view_is_what_fake_tensor_mode_makes(func: object, args: tuple) -> Non
         slow = func(base, *args)
     assert fast is not None and isinstance(slow, FakeTensor) and fast.fake_mode is mode
     assert _described(fast) == _described(slow) and fast.untyped_storage()._cdata == base.untyped_storage()._cdata
+    assert vars(fast) == vars(slow)
     if func is DETACH:
         assert fast.dispatch_keys == slow.dispatch_keys
 
