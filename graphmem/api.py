@@ -6,6 +6,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from graphmem.capture.session import gc_paused
 from graphmem.errors import UsageError
 from graphmem.frontends.door import spec_for
 from graphmem.noise import quiet
@@ -61,7 +62,8 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Optional[UserInputs] = No
     1536
     """
     given = parse_overheads(overheads)
-    return report_of(measure(spec_for(model, inputs, **options)), given)
+    with gc_paused():  # (each recorded step still starts from a collection: graphmem/capture/session.py)
+        return report_of(measure(spec_for(model, inputs, **options)), given)
 
 
 def parse_overheads(overheads: Optional[dict[str, Any]]) -> dict[str, int]:

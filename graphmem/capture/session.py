@@ -51,6 +51,21 @@ def quiet_gc() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic collector not run on its own inside (an explicit ``gc.collect()`` still runs: each recorded
+    step's ``quiet_gc``): for graphmem's own work on a large step (``graphmem.analyze``; DeepSpeed's engine and its
+    two recorded steps), where each automatic full collection traverses every recorded op again (~1 s at
+    Llama-2-70B's 200,000: between the steps, in the allocator's replay after them)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.contextmanager
 def _cache_clears(cap: _Recorder) -> Iterator[None]:
     """Mark what CPU autocast's cache clears free (``torch.autocast.__exit__`` calls
     ``torch.clear_autocast_cache`` when the outermost context exits, in forward and in a

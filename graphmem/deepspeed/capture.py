@@ -30,7 +30,7 @@ from graphmem.capture.call_paths import module_order
 from graphmem.capture.capture import marker
 from graphmem.capture.fakes import fake_batch, forward_context
 from graphmem.capture.recorder import _NODE, _Mode, _Recorder
-from graphmem.capture.session import Recording
+from graphmem.capture.session import Recording, gc_paused
 from graphmem.capture.target import Target
 from graphmem.deepspeed.config import DeepSpeedJob, resolved
 from graphmem.deepspeed.engine import Pins, engine_on_fake, held_tensors, launched, name_host, naming_buckets, staying
@@ -140,7 +140,7 @@ def _engine_steps(module: nn.Module, inputs: Any, loss_fn: Optional[LossFn], tar
     """One engine, then a step per entry of ``recorded``: a StepGraph for each True (a recorder of its own),
     the step run unrecorded for each False."""
     graphs: list[StepGraph] = []
-    with launched(job.rank, job.world_size), fake_group(job.rank, job.world_size):
+    with gc_paused(), launched(job.rank, job.world_size), fake_group(job.rank, job.world_size):
         import deepspeed
 
         rec = Recording(target)
