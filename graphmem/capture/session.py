@@ -33,15 +33,17 @@ Hook = Callable[..., Any]
 
 
 @contextlib.contextmanager
-def quiet_gc() -> Iterator[None]:
+def quiet_gc(generation: int = 2) -> Iterator[None]:
     """Python's cyclic collector quiet for a step, as graphmem measures a real one (graphmem/validation/
-    measure.py): the garbage from before collected first, the collector paused inside (reference counting
-    still frees each tensor as it dies). A recorded step runs under it too: cyclic garbage is then freed
-    where the real measured step frees it (after), not at whatever op the collector happened to run, and
-    the recorder's growing graph is not traversed again by each full collection (6 of them, ~1.6 s of a
-    Llama-2-7B ZeRO-3 rank's 12 s)."""
+    measure.py): the garbage from before collected first (``gc.collect(generation)``), the collector paused
+    inside (reference counting still frees each tensor as it dies). A recorded step runs under it too
+    (``generation=1``): cyclic garbage is then freed where the real measured step frees it (after), not at
+    whatever op the collector happened to run, and the recorder's growing graph is not traversed again by each
+    full collection (6 of them, ~1.6 s of a Llama-2-7B ZeRO-3 rank's 12 s). Its collection before is of the young
+    generations only: garbage reachable from nothing the recorder names cannot change what it records, and a
+    full collection before each of a Llama-2-70B DeepSpeed rank's two steps costs ~0.5-0.9 s."""
     was = gc.isenabled()
-    gc.collect()
+    gc.collect(generation)
     gc.disable()
     try:
         yield
@@ -130,7 +132,7 @@ class Recording:
         cap = self.cap
         pack, unpack = saved if saved is not None else (cap.pack, cap.unpack)
         try:
-            with quiet_gc(), self.mode, torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
+            with quiet_gc(1), self.mode, torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
                     rng_states(cap, self.target.device == "cpu"), _cache_clears(cap), contextlib.ExitStack() as stack:
                 for context in around:
                     stack.enter_context(context)
