@@ -8,9 +8,10 @@ are most of the step's ops (about 2,700 of a 4-layer decoder's 4,900). FakeTenso
 ``aten.slice.Tensor`` through its Python rule (torch/_subclasses/fake_impls.py ``slice_forward``, written for
 symbolic sizes), which makes an ``aten.as_strided`` that goes through the mode again, each a cache miss (the
 start differs), ~3 ms of CPU a slice on this machine; the meta kernel itself computes the same view in
-microseconds. ``fast_view`` runs it as FakeTensorMode runs a meta kernel (``in_kernel_invocation_manager``,
-torch/_subclasses/fake_tensor.py ``_dispatch_impl``) and wraps the result as ``wrap_meta_outputs_with_default_device_logic``
-does (a FakeTensor of this mode on the input's device; ``detach`` keeps the input's dispatch keys), for the
+microseconds. ``fast_view`` runs it on a plain meta alias of the input (``_meta_alias``: its storage, offset, sizes
+and strides, so the kernel asks no fake tensor its device) and wraps the result as
+``wrap_meta_outputs_with_default_device_logic`` does (``wrap``: a FakeTensor of this mode on the input's device, with
+the attributes FakeTensor's constructor gives; ``detach`` keeps the input's dispatch keys), for the
 views of ``VIEWS`` only and only where FakeTensorMode's answer could be nothing else: the input a fake tensor
 of this mode with static sizes, no constant (whose values the mode would propagate) and no real tensor beside
 it, every other argument a plain int or None. The view shares the input's storage, with the sizes, strides
