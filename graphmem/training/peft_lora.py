@@ -2,9 +2,9 @@
 ``LoraConfig``): the adapters, the frozen base and the forward are peft's, so GPT-2's
 ``Conv1D``, fused projections and ``all-linear`` (every linear layer but the output head) work
 as in a user's fine-tuning script. Applied to graphmem's meta copy of the model; peft puts the
-adapters on the base layer's (meta) device. Where every parameter is on the meta device in torch's
-default dtype, peft makes the adapters there in the first place (``adapters_on_meta``): the same
-adapters, without initializing a CPU copy of each first (an 8B model's 224 adapters: ~2.5 s of CPU).
+adapters on the base layer's (meta) device. Where every parameter is on the meta device in fp32, fp16 or
+bf16, peft makes the adapters there in the first place (``adapters_on_meta``): the same adapters,
+without initializing a CPU copy of each first (an 8B model's 224 adapters: ~2.5 s of CPU).
 
 A model that already is a peft model (``PeftModel``) is analyzed as it is, without options.
 """
@@ -54,13 +54,19 @@ def apply_peft(model: nn.Module, lora: Any) -> tuple[nn.Module, tuple[str, ...]]
 
 
 def adapters_on_meta(model: nn.Module) -> ContextManager[object]:
-    """Where ``model``'s parameters are all on the meta device in torch's default dtype: a context in which
-    peft makes each adapter's layers on the meta device. peft makes them on the default device, initializes
-    them there (kaiming_uniform_ and zeros_ on real CPU memory) and then moves them to the base layer's
-    device and dtype (peft/tuners/tuners_utils.py ``_move_adapter_to_device_of_base_layer``, which leaves an
-    adapter already on the meta device where it is): on a meta model in the default dtype both ways end with
-    the same meta adapters. Elsewhere (a 16-bit or quantized base: peft casts, or real weights) nothing changes."""
+    """Where ``model``'s parameters are all on the meta device in fp32, fp16 or bf16 (and torch's default
+    dtype is fp32): a context in which peft makes each adapter's layers on the meta device. peft makes them
+    on the default device in the default dtype, initializes them there (kaiming_uniform_ and zeros_ on
+    real CPU memory), moves them to the base layer's device and dtype (peft/tuners/tuners_utils.py
+    ``_move_adapter_to_device_of_base_layer``, which leaves an adapter already on the meta device as it is)
+    and then upcasts fp16 and bf16 adapters to fp32 (``cast_adapter_dtype``, get_peft_model's
+    ``autocast_adapter_dtype=True``, graphmem's call): on such a model both ways end with the same fp32 meta
+    adapters. Elsewhere (another dtype, a quantized base, real weights) nothing changes."""
     params = list(model.parameters())
-    if params and all(p.device.type == "meta" and p.dtype == torch.get_default_dtype() for p in params):
+    if params and torch.get_default_dtype() == torch.float32 and all(
+            p.device.type == "meta" and p.dtype in _ADAPTED_AS_FP32 for p in params):
         return torch.device("meta")
     return contextlib.nullcontext()
+
+
+_ADAPTED_AS_FP32 = (torch.float32, torch.float16, torch.bfloat16)

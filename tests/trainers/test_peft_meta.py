@@ -1,7 +1,7 @@
 """peft's adapters made on the meta device (graphmem/training/peft_lora.py ``adapters_on_meta``) are the
 adapters peft makes on the CPU and moves to the meta base: the same modules, parameters (name, shape,
-dtype, device, requires_grad) and buffers, on transformers' Llama and GPT-2 (Conv1D); a 16-bit base is
-left to peft's own path."""
+dtype, device, requires_grad) and buffers, on transformers' Llama and GPT-2 (Conv1D), in fp32 and in bf16
+(peft upcasts a 16-bit base's adapters to fp32); a float64 or real base is left to peft's own path."""
 from __future__ import annotations
 
 import contextlib
@@ -34,20 +34,23 @@ def _described(model: nn.Module) -> tuple:
     return params, buffers, tuple((n, type(m).__name__) for n, m in model.named_modules())
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_adapters_made_on_meta_are_peft_own(kind: str) -> None:
-    # GIVEN a meta model in fp32 and LoRA on every linear layer
+@pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("gpt2", torch.float32), ("llama", torch.bfloat16),
+                                        ("gpt2", torch.float16)])
+def test_adapters_made_on_meta_are_peft_own(kind: str, dtype: torch.dtype) -> None:
+    # GIVEN a meta model in fp32 or 16 bits and LoRA on every linear layer
     lora = LoRA(rank=4, targets=("all-linear",))
-    assert not isinstance(peft_lora.adapters_on_meta(_model(kind)), contextlib.nullcontext)
+    assert not isinstance(peft_lora.adapters_on_meta(_model(kind).to(dtype)), contextlib.nullcontext)
     # WHEN peft adapts it made on the meta device, and the usual way (on the CPU, then moved)
-    fast, names = peft_lora.apply_peft(_model(kind), lora)
+    fast, names = peft_lora.apply_peft(_model(kind).to(dtype), lora)
     with mock.patch.object(peft_lora, "adapters_on_meta", lambda m: contextlib.nullcontext()):
-        usual, usual_names = peft_lora.apply_peft(_model(kind), lora)
+        usual, usual_names = peft_lora.apply_peft(_model(kind).to(dtype), lora)
     # THEN the two are the same, every adapter on the meta device
     assert names == usual_names and names
     assert _described(fast) == _described(usual)
     assert all(p.device.type == "meta" for p in fast.parameters())
+    assert all(p.dtype == torch.float32 for n, p in fast.named_parameters() if "lora_" in n)
 
 
-def test_a_16_bit_base_takes_peft_own_path() -> None:
-    assert isinstance(peft_lora.adapters_on_meta(_model("llama").to(torch.bfloat16)), contextlib.nullcontext)
+def test_a_float64_or_real_base_takes_peft_own_path() -> None:
+    assert isinstance(peft_lora.adapters_on_meta(_model("llama").to(torch.float64)), contextlib.nullcontext)
+    assert isinstance(peft_lora.adapters_on_meta(nn.Linear(4, 4)), contextlib.nullcontext)
