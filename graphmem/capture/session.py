@@ -14,7 +14,6 @@ graphmem/titan/capture.py (a torchtitan job's rank), graphmem/deepspeed/capture.
 from __future__ import annotations
 
 import contextlib
-import gc
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn as nn
 from graphmem.capture.autograd_tags import _unique_counts
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import translate_error
+from graphmem.capture.old_objects import old_objects_frozen, quiet_gc
 from graphmem.capture.recorder import _Mode, _Recorder
 from graphmem.capture.rng_states import rng_states
 from graphmem.capture.target import Target
@@ -30,41 +30,6 @@ from graphmem.errors import GraphmemError
 from graphmem.stepgraph import StepGraph
 
 Hook = Callable[..., Any]
-
-
-@contextlib.contextmanager
-def quiet_gc(generation: int = 2) -> Iterator[None]:
-    """Python's cyclic collector quiet for a step, as graphmem measures a real one (graphmem/validation/
-    measure.py): the garbage from before collected first (``gc.collect(generation)``), the collector paused
-    inside (reference counting still frees each tensor as it dies). A recorded step runs under it too
-    (``generation=1``): cyclic garbage is then freed where the real measured step frees it (after), not at
-    whatever op the collector happened to run, and the recorder's growing graph is not traversed again by each
-    full collection (6 of them, ~1.6 s of a Llama-2-7B ZeRO-3 rank's 12 s). Its collection before is of the young
-    generations only: garbage reachable from nothing the recorder names cannot change what it records, and a
-    full collection before each of a Llama-2-70B DeepSpeed rank's two steps costs ~0.5-0.9 s."""
-    was = gc.isenabled()
-    gc.collect(generation)
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic collector not run on its own inside (an explicit ``gc.collect()`` still runs: each recorded
-    step's ``quiet_gc``): for graphmem's own work on a large step (``graphmem.analyze``; DeepSpeed's engine and its
-    two recorded steps), where each automatic full collection traverses every recorded op again (~1 s at
-    Llama-2-70B's 200,000: between the steps, in the allocator's replay after them)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 @contextlib.contextmanager
@@ -125,14 +90,15 @@ class Recording:
     @contextlib.contextmanager
     def running(self, root: str, *around: ContextManager[object],
                 saved: Optional[tuple[Hook, Hook]] = None) -> Iterator[None]:
-        """What a recorded step runs under: the fake mode, the recorder's saved_tensors_hooks (or
+        """What a recorded step runs under: Python's collector paused after a collection of its young
+        generations, the objects alive before spared its scans (graphmem/capture/old_objects.py), the fake mode, the recorder's saved_tensors_hooks (or
         ``saved``: (pack, unpack)), the CPU target's RNG states, autocast's cache clears, then the
         engine's own contexts ``around`` (entered in order); recording from there on. What fails
         inside is translated into a one-line error naming the fix (``root``: the model's name)."""
         cap = self.cap
         pack, unpack = saved if saved is not None else (cap.pack, cap.unpack)
         try:
-            with quiet_gc(1), self.mode, torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
+            with quiet_gc(1), old_objects_frozen(), self.mode, torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
                     rng_states(cap, self.target.device == "cpu"), _cache_clears(cap), contextlib.ExitStack() as stack:
                 for context in around:
                     stack.enter_context(context)

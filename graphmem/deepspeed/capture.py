@@ -29,8 +29,9 @@ from graphmem.capture.autograd_tags import _tag_grad_fns
 from graphmem.capture.call_paths import module_order
 from graphmem.capture.capture import marker
 from graphmem.capture.fakes import fake_batch, forward_context
+from graphmem.capture.old_objects import gc_paused
 from graphmem.capture.recorder import _NODE, _Mode, _Recorder
-from graphmem.capture.session import Recording, gc_paused
+from graphmem.capture.session import Recording
 from graphmem.capture.target import Target
 from graphmem.deepspeed.config import DeepSpeedJob, resolved
 from graphmem.deepspeed.engine import Pins, engine_on_fake, held_tensors, launched, name_host, naming_buckets, staying

@@ -23,8 +23,8 @@ import torch.nn as nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from graphmem.capture.old_objects import quiet_gc
 from graphmem.capture.sac import through_hooks
-from graphmem.capture.session import quiet_gc
 from graphmem.training.batch import as_batch
 from graphmem.training.loop import LoopRunner, Session, TrainStep
 from graphmem.training.qlora import quant_state_tensors
