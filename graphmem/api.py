@@ -6,7 +6,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from graphmem.capture.old_objects import gc_paused, old_objects_frozen
+from graphmem.capture.collector import gc_paused
 from graphmem.errors import UsageError
 from graphmem.frontends.door import spec_for
 from graphmem.noise import quiet
@@ -21,7 +21,6 @@ from graphmem.units import parse_bytes
 
 
 @quiet  # third-party warnings about graphmem's own work, not the user's step (graphmem/noise.py)
-@old_objects_frozen()  # the collector spares the objects alive before (graphmem/capture/old_objects.py)
 def analyze(model: Union[ModelLike, StepSpec], inputs: Optional[UserInputs] = None, *,
             overheads: Optional[dict[str, Any]] = None, **options: Any) -> Analysis:
     """Analyze one training step (forward, loss, backward) on fake tensors.
@@ -63,7 +62,7 @@ def analyze(model: Union[ModelLike, StepSpec], inputs: Optional[UserInputs] = No
     1536
     """
     given = parse_overheads(overheads)
-    with gc_paused():  # (each recorded step still starts from a collection: graphmem/capture/session.py)
+    with gc_paused():  # (each recorded step still starts from a collection: graphmem/capture/collector.py)
         return report_of(measure(spec_for(model, inputs, **options)), given)
 
 

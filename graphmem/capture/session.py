@@ -20,9 +20,9 @@ import torch
 import torch.nn as nn
 
 from graphmem.capture.autograd_tags import _unique_counts
+from graphmem.capture.collector import quiet_gc
 from graphmem.capture.cuda_rules import CudaRules
 from graphmem.capture.fakes import translate_error
-from graphmem.capture.old_objects import old_objects_frozen, quiet_gc
 from graphmem.capture.recorder import _Mode, _Recorder
 from graphmem.capture.rng_states import rng_states
 from graphmem.capture.target import Target
@@ -91,14 +91,15 @@ class Recording:
     def running(self, root: str, *around: ContextManager[object],
                 saved: Optional[tuple[Hook, Hook]] = None) -> Iterator[None]:
         """What a recorded step runs under: Python's collector paused after a collection of its young
-        generations, the objects alive before spared its scans (graphmem/capture/old_objects.py), the fake mode, the recorder's saved_tensors_hooks (or
+        generations (graphmem/capture/collector.py ``quiet_gc``; nothing frozen: an explicit collection the engine
+        makes inside, as DeepSpeed's, frees what it frees in the real step), the fake mode, the recorder's saved_tensors_hooks (or
         ``saved``: (pack, unpack)), the CPU target's RNG states, autocast's cache clears, then the
         engine's own contexts ``around`` (entered in order); recording from there on. What fails
         inside is translated into a one-line error naming the fix (``root``: the model's name)."""
         cap = self.cap
         pack, unpack = saved if saved is not None else (cap.pack, cap.unpack)
         try:
-            with quiet_gc(1), old_objects_frozen(), self.mode, torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
+            with quiet_gc(1), self.mode, torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
                     rng_states(cap, self.target.device == "cpu"), _cache_clears(cap), contextlib.ExitStack() as stack:
                 for context in around:
                     stack.enter_context(context)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from graphmem.capture.old_objects import old_objects_frozen
 from graphmem.capture.widen_map import NotReusable, Regions, Widen
 from graphmem.capture.widen_spans import Spans
 from graphmem.capture.widen_units import Layout
@@ -28,8 +27,7 @@ def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str], layout
     """The step of the model with n blocks, from its capture with k identical blocks; with ``layout``
     (graphmem/capture/widen_units.py), the chain's units as captured (k) and widened (n) instead, a unit
     that is a checkpointed segment recomputed before its backward."""
-    with old_objects_frozen():  # (many new objects, kept: graphmem/capture/old_objects.py)
-        return _widened(g, chain, k, n, modules, layout)
+    return _widened(g, chain, k, n, modules, layout)
 
 
 def _widened(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str], layout: Optional[Layout]) -> StepGraph:

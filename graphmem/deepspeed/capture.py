@@ -28,8 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from graphmem.capture.autograd_tags import _tag_grad_fns
 from graphmem.capture.call_paths import module_order
 from graphmem.capture.capture import marker
+from graphmem.capture.collector import gc_paused
 from graphmem.capture.fakes import fake_batch, forward_context
-from graphmem.capture.old_objects import gc_paused
 from graphmem.capture.recorder import _NODE, _Mode, _Recorder
 from graphmem.capture.session import Recording
 from graphmem.capture.target import Target

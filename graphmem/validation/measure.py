@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from graphmem.capture.old_objects import quiet_gc
+from graphmem.capture.collector import quiet_gc
 from graphmem.capture.sac import through_hooks
 from graphmem.training.batch import as_batch
 from graphmem.training.loop import LoopRunner, Session, TrainStep

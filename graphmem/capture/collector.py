@@ -6,7 +6,7 @@ metadata) and keep most of them, and the passes between them make more; torch's 
 garbage on each call (``tree_flatten``'s recursive helper: a function, its cells and their annotations).
 CPython's collector then ran its full collections again and again over everything the process holds: the
 model, the report's graphs, every lever's and plan's graph (~15 s of the 8B LoRA advice's ~90 s of CPU,
-benchmarks/README.md ``--l4-lora``; 3.2 s of a Llama-2-70B DeepSpeed rank's 32 s). Three regions:
+benchmarks/README.md ``--l4-lora``; 3.2 s of a Llama-2-70B DeepSpeed rank's 32 s). Two regions:
 
 - ``quiet_gc``: a step as graphmem measures a real one (graphmem/validation/measure.py): the garbage from
   before collected first, the collector paused inside (reference counting still frees each tensor as it
@@ -17,41 +17,22 @@ benchmarks/README.md ``--l4-lora``; 3.2 s of a Llama-2-70B DeepSpeed rank's 32 s
 - ``gc_paused``: no automatic collection inside (the front doors that capture: graphmem/api.py ``analyze``,
   graphmem/report/live.py; DeepSpeed's engine and its two recorded steps); the recorded steps' own
   collections of the young generations free the garbage made between them.
-- ``old_objects_frozen``: the objects alive on entry moved to the collector's permanent generation
-  (``gc.freeze``), as CPython's documentation suggests for a long-lived heap
-  (https://docs.python.org/3/library/gc.html#gc.freeze), and back when the outermost region ends
-  (``gc.unfreeze``): a full collection inside (DeepSpeed's own ``gc.collect()`` in ``defragment``) skips them.
 
-Known limitations: process-wide, like the collector; cyclic garbage among frozen objects waits for
-the outermost region's end (peak RSS of the 8B LoRA advice 1.37 -> 1.59 GiB). A process that froze objects
-itself (``gc.get_freeze_count()`` > 0) or turned the collector off is left as it is by ``old_objects_frozen``;
-``quiet_gc`` and ``gc_paused`` leave a collector that was off, off.
+Not taken: ``gc.freeze`` of the objects alive before a front door's work (tried: the collector's full collections
+then skip them). Frozen, what became garbage inside waited for a full collection after the front door, and an object
+a library reaches through a weak reference stayed alive: after an analysis a DeepSpeed validation built its model
+under ZeRO-3's ``deepspeed.zero.Init`` (tests/distributed/test_deepspeed.py ``test_cli_validates_a_deepspeed_config``);
+frozen at a recorded step's start, the buffers DeepSpeed's own ``gc.collect()`` frees there were not (the later peak
+32,752 B under real DeepSpeed's: ``test_cpu_offload_matches_real_deepspeed``).
+
+Known limitations: process-wide, like the collector; cyclic garbage made inside a front door waits for the next
+recorded step's collection or the door's end. ``quiet_gc`` and ``gc_paused`` leave a collector that was off, off.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 from typing import Iterator
-
-_depth = 0  # regions entered (0: the collector is as the process set it)
-
-
-@contextlib.contextmanager
-def old_objects_frozen() -> Iterator[None]:
-    """Within: the objects alive on entry left out of the collector's scans, until the outermost region
-    ends (see the module docstring). Also a decorator: ``@old_objects_frozen()``."""
-    global _depth
-    if _depth == 0 and (not gc.isenabled() or gc.get_freeze_count()):
-        yield
-        return
-    _depth += 1
-    gc.freeze()
-    try:
-        yield
-    finally:
-        _depth -= 1
-        if _depth == 0:
-            gc.unfreeze()
 
 
 @contextlib.contextmanager
@@ -64,14 +45,9 @@ def quiet_gc(generation: int = 2) -> Iterator[None]:
     full collection (6 of them, ~1.6 s of a Llama-2-7B ZeRO-3 rank's 12 s). Its collection before is of the young
     generations only: garbage reachable from nothing the recorder names cannot change what it records, and a
     full collection before each of a Llama-2-70B DeepSpeed rank's two steps costs ~0.5-0.9 s."""
-    was = gc.isenabled()
     gc.collect(generation)
-    gc.disable()
-    try:
+    with gc_paused():
         yield
-    finally:
-        if was:
-            gc.enable()
 
 
 @contextlib.contextmanager
