@@ -541,6 +541,7 @@ def test_validate_runs_the_real_deepspeed_ranks() -> None:
 def test_cli_validates_a_deepspeed_config(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
     """``graphmem validate MODEL --deepspeed ds.json --world-size 2``: every row of both ranks, the job named."""
     pytest.importorskip("deepspeed")
+    capsys.readouterr()  # (DeepSpeed's first import prints its accelerator on stdout: the test's, not the command's)
     from graphmem.cli.main import main
     from tests.deepspeed_truth import decoder
 
