@@ -14,9 +14,12 @@ benchmarks/README.md ``--l4-lora``; 3.2 s of a Llama-2-70B DeepSpeed rank's 32 s
   real measured step frees it (after), not at whatever op the collector happened to run, and the recorder's
   growing graph is not traversed by collections inside the step. Its collection before is of the young
   generations only: garbage reachable from nothing the recorder names cannot change what it records.
-- ``gc_paused``: no automatic collection inside (the front doors that capture: graphmem/api.py ``analyze``,
-  graphmem/report/live.py; DeepSpeed's engine and its two recorded steps); the recorded steps' own
-  collections of the young generations free the garbage made between them.
+- ``gc_paused``: no automatic collection inside (graphmem/api.py ``analyze``; DeepSpeed's engine and its two
+  recorded steps); the recorded steps' own collections of the young generations free the garbage made between
+  them. Not the report's answers (advise, plan, fit: graphmem/report/live.py), which capture dozens of steps: what a
+  step's collection finds alive goes to the oldest generation, and with no full collection each capture's graph
+  stayed there after it died (GPT-2's advice: 4.14 GiB peak RSS, tests/advise/test_advise_robust.py
+  ``test_advise_peak_rss_stays_under_2_gib``).
 
 Not taken: ``gc.freeze`` of the objects alive before a front door's work (tried: the collector's full collections
 then skip them). Frozen, what became garbage inside waited for a full collection after the front door, and an object

@@ -11,7 +11,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence, Union
 
-from graphmem.capture.collector import gc_paused
 from graphmem.capture.target import CARD, memory_limit
 from graphmem.errors import GraphmemError, UsageError, no_source
 from graphmem.formula import AnyCoefficients, FitAnswer, NotPolynomialError, Sweep, largest_fitting
@@ -98,7 +97,6 @@ class Analysis(Report):
         return self.answers.coefficients
 
     @quiet
-    @gc_paused()  # (graphmem's own work: graphmem/capture/collector.py)
     def formula(self, d_model: Optional[int] = None, n_heads: Optional[int] = None, checks: int = 5,
                 tick: Tick = None) -> AnyCoefficients:
         """Fit the exact formulas (see ``coefficients``), with overrides; ``report.keeping(coefficients=...)``
@@ -115,7 +113,6 @@ class Analysis(Report):
                                 source.base_shape, window, checks, d_model=d_model, n_heads=n_heads)
 
     @quiet
-    @gc_paused()  # (graphmem's own work: graphmem/capture/collector.py)
     def fit(self, memory: Memory, seq: Optional[int] = None, batch: Optional[int] = None, tick: Tick = None,
             figure: Optional[str] = None) -> FitAnswer:
         """The largest batch (at sequence length ``seq``, default: this report's) or, given
@@ -187,7 +184,6 @@ class Analysis(Report):
         return int(self.fit(memory, seq=seq).value)
 
     @quiet
-    @gc_paused()  # (graphmem's own work: graphmem/capture/collector.py)
     def sweep(self, batches: Iterable[int], seqs: Iterable[int], tick: Tick = None) -> Sweep:
         """Activation and peak bytes over a grid of (batch, seq) from the exact formulas, with
         the first point spot-checked by a capture: a graphmem.formula.Sweep."""
@@ -219,7 +215,6 @@ class Analysis(Report):
             budget.strip().lower() == CARD else budget
 
     @quiet
-    @gc_paused()  # (graphmem's own work: graphmem/capture/collector.py)
     def plan(self, budget: Memory = None, max_overhead: Union[float, str, None] = None,
              selective: Union[bool, int, None] = False,
              figure: Optional[str] = None) -> CheckpointPlan:
@@ -242,7 +237,6 @@ class Analysis(Report):
         return plan_within(self, p, limit, figure_of(self, figure))[0]
 
     @quiet
-    @gc_paused()  # (graphmem's own work: graphmem/capture/collector.py)
     def plans(self, budget: Memory = None, max_overhead: Union[float, str, None] = None, points: int = 50,
               selective: Union[bool, int, None] = False,
               figure: Optional[str] = None) -> PlanSummary:
@@ -261,7 +255,6 @@ class Analysis(Report):
 
     # -- what to change (graphmem/advise) and compiled mode's budget knob
     @quiet
-    @gc_paused()  # (graphmem's own work: graphmem/capture/collector.py)
     def advise(self, memory: Memory, ranks: int = 8, lora_rank: int = 16, tick: Tick = None, combine: bool = False,
                figure: Optional[str] = None) -> Advice:
         """What to change so the step's peak fits ``memory`` (bytes or "80GiB"): a
