@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.profiler import ProfilerActivity, profile
 
+from graphmem.capture.collector import quiet_gc
 from graphmem.capture.sac import through_hooks
-from graphmem.validation.measure import _quiet_gc
 from tests.settle import addresses, high, settle
 
 LATER = 3  # later steps measured: the least of their peaks (a free the profiler misses only raises one)
@@ -207,7 +207,7 @@ def _step(trainer: Any, data: Iterator, later: bool = False) -> dict[str, int]:
     before = _storage_bytes(_held(trainer))
     held_before = {t.untyped_storage().data_ptr() for t in _held(trainer)}
     trainer.step += 1  # as Trainer.train counts steps
-    with _quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
+    with quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), through_hooks():  # SAC's kept tensors too
         trainer.train_step(data)
     unheld = _unheld_before(prof, held_before) if later else 0

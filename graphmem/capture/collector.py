@@ -10,7 +10,9 @@ benchmarks/README.md ``--l4-lora``; 3.2 s of a Llama-2-70B DeepSpeed rank's 32 s
 
 - ``quiet_gc``: a step as graphmem measures a real one (graphmem/validation/measure.py): the garbage from
   before collected first, the collector paused inside (reference counting still frees each tensor as it
-  dies). Every recorded step runs under it too (``generation=1``): cyclic garbage is then freed where the
+  dies). Garbage collected inside a profiled window lowered the measured peak: the CPU allocator's profiler
+  reporter (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter) reports the free of every block allocated
+  while any profile ran (tests/planning/test_zoo_plans.py on T5: 427,776 B under, after other tests). Every recorded step runs under it too (``generation=1``): cyclic garbage is then freed where the
   real measured step frees it (after), not at whatever op the collector happened to run, and the recorder's
   growing graph is not traversed by collections inside the step. Its collection before is of the young
   generations only: garbage reachable from nothing the recorder names cannot change what it records.
@@ -40,14 +42,9 @@ from typing import Iterator
 
 @contextlib.contextmanager
 def quiet_gc(generation: int = 2) -> Iterator[None]:
-    """Python's cyclic collector quiet for a step, as graphmem measures a real one (graphmem/validation/
-    measure.py): the garbage from before collected first (``gc.collect(generation)``), the collector paused
-    inside (reference counting still frees each tensor as it dies). A recorded step runs under it too
-    (``generation=1``): cyclic garbage is then freed where the real measured step frees it (after), not at
-    whatever op the collector happened to run, and the recorder's growing graph is not traversed again by each
-    full collection (6 of them, ~1.6 s of a Llama-2-7B ZeRO-3 rank's 12 s). Its collection before is of the young
-    generations only: garbage reachable from nothing the recorder names cannot change what it records, and a
-    full collection before each of a Llama-2-70B DeepSpeed rank's two steps costs ~0.5-0.9 s."""
+    """The garbage from before collected (``gc.collect(generation)``), then the collector paused inside
+    (``gc_paused``): a step measured for real (the full collection) or recorded (``generation=1``), as the
+    module docstring says."""
     gc.collect(generation)
     with gc_paused():
         yield

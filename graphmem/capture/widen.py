@@ -27,10 +27,6 @@ def widen(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str], layout
     """The step of the model with n blocks, from its capture with k identical blocks; with ``layout``
     (graphmem/capture/widen_units.py), the chain's units as captured (k) and widened (n) instead, a unit
     that is a checkpointed segment recomputed before its backward."""
-    return _widened(g, chain, k, n, modules, layout)
-
-
-def _widened(g: StepGraph, chain: Chain, k: int, n: int, modules: list[str], layout: Optional[Layout]) -> StepGraph:
     lay = layout if layout is not None else Layout.blocks(k, n)
     w = _Copier(g, Regions(g, chain, lay.k, lay, recomputed=layout is not None), lay.n)
     storages = w.storages()

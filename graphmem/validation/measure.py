@@ -121,13 +121,6 @@ def _allocation_events(prof: Any) -> list[tuple[int, int]]:
     return events
 
 
-# (no garbage from before the step is freed inside the profiled window: the CPU allocator's profiler reporter,
-# c10/core/CPUAllocator.cpp ProfiledCPUMemoryReporter, remembers the size of every block allocated while any profile
-# ran and reports its free as a negative event, so an earlier step's cyclic garbage (a Hugging Face model's)
-# collected during this step lowered the measured peak: tests/planning/test_zoo_plans.py on T5, 427,776 B under)
-_quiet_gc = quiet_gc
-
-
 def measure_peak(model: nn.Module, inputs: object, loss_fn: Optional[LossFn] = None,
                  train: Optional[TrainStep] = None, warm_steps: int = 0,
                  amp: Optional[torch.dtype] = None, runner: Optional[StepSession] = None) -> RealStep:
@@ -154,7 +147,7 @@ def measure_peak(model: nn.Module, inputs: object, loss_fn: Optional[LossFn] = N
                *masters, *states, *held]
     _, baseline = _storage_bytes(tensors)
     moved = session.host_bytes if session is not None else 0  # by the warm steps
-    with _quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         if session is None:
             out, loss = run_step(model, inputs, loss_fn, forward_context=context)
         else:

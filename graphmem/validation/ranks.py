@@ -47,6 +47,7 @@ import torch.nn as nn
 
 import graphmem.validation.measure as measure
 from graphmem.api import analyze
+from graphmem.capture.collector import quiet_gc
 from graphmem.capture.hf import HFOptions
 from graphmem.capture.load import load
 from graphmem.capture.sac import through_hooks
@@ -358,7 +359,7 @@ def profiled(saves: Saves, pack: Optional[Callable[[torch.Tensor], object]] = No
     """Around one real step on a rank (here and graphmem/validation/trainer_fsdp_rank.py): the CPU
     profiler's memory events (yielded), ``saves`` counting what is saved (through ``pack`` where given:
     its pack hook wrapped), garbage collection held off."""
-    with measure._quiet_gc(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+    with quiet_gc(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                      profile_memory=True) as prof, \
             torch.autograd.graph.saved_tensors_hooks(pack or saves.pack, lambda t: t), through_hooks():
         yield prof

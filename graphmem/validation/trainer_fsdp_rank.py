@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-import graphmem.validation.measure as measure
+from graphmem.capture.collector import quiet_gc
 from graphmem.errors import GraphmemError
 from graphmem.training.batch import as_batch
 from graphmem.training.hf_trainer_fsdp import FsdpRunner, build_trainer
@@ -33,7 +33,7 @@ def measure_fsdp_rank(job: Any, named: Named) -> dict[str, int]:
     compiles = _compiles()
     result: dict[str, int] = {}
     with runner.session():
-        with measure._quiet_gc():
+        with quiet_gc():
             runner.prepare()  # accelerate's _prepare_fsdp2: the call the capture makes
         wrapped = trainer.model
         saves = Saves(wrapped)

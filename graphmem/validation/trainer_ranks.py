@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from graphmem.api import analyze
+from graphmem.capture.collector import quiet_gc
 from graphmem.errors import GraphmemError, UsageError
 from graphmem.report.live import Analysis
 from graphmem.step.spec import UserInputs
@@ -292,7 +293,7 @@ def _measured(job: TrainerJob, world_size: int, warm_steps: int, kept: list[obje
         raise GraphmemError(f"the rebuilt Trainer's accelerator is {acc.distributed_type.value} on {acc.num_processes} "
                             f"processes, not MULTI_CPU on {world_size}")
     batch, model = torch.load(io.BytesIO(job.batch), weights_only=False), trainer.model
-    with measure._quiet_gc(), _deferred_sync() as calls, \
+    with quiet_gc(), _deferred_sync() as calls, \
             torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         ddp = acc.prepare_model(model)
     held = _held_by_ddp(prof, model)

@@ -299,7 +299,7 @@ def test_garbage_profiled_earlier_is_not_freed_inside_the_measured_step() -> Non
     forward hook; in the suite, the collector's own schedule), WHEN the step is measured, THEN
     its peak is the one measured without that garbage: the CPU allocator's profiler reporter
     reports the block's free as a negative event, which inside the window lowered the peak
-    (graphmem/validation/measure.py _quiet_gc collects before the window)."""
+    (graphmem/capture/collector.py quiet_gc collects before the window)."""
     import gc
 
     from torch.profiler import ProfilerActivity, profile
