@@ -7,7 +7,9 @@ fake process group (ZeRO partitions every parameter as on rank r of N), the firs
 later steps' capture (a second engine, its first step run unrecorded: graphmem/deepspeed/capture.py), the
 passes and the report. Timed once, after ``import deepspeed`` (15-35 s on this machine, once per process) and
 a warm-up analysis of a 2-layer model with the same config (the first FakeTensorMode use and DeepSpeed's
-first engine cost a few seconds once). The peak RSS of the process is read from ``resource.getrusage``.
+first engine cost a few seconds once). The peak RSS of the process is read from ``/proc/self/status``, with the
+process's own share (its peak less the shared libraries' file pages, which the kernel's page cache decides:
+benchmarks/process_memory.py) beside it.
 
     python benchmarks/bench_deepspeed.py                                   # llama-2-70b 1x4096, ZeRO-3 bf16, 64 ranks
     python benchmarks/bench_deepspeed.py --case llama-2-7b:1x512 --world-size 8 --profile /tmp/ds.prof
@@ -21,11 +23,11 @@ import argparse
 import cProfile
 import gc
 import platform
-import resource
 import time
 import warnings
 
 import torch
+from process_memory import PeakMemory
 
 import graphmem
 from graphmem.units import fmt_bytes
@@ -63,6 +65,7 @@ def main() -> None:
         small = Transformer(LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, ffn_hidden=128))
     graphmem.analyze(small, input_shape="1x16", **options)  # warm-up
     gc.collect()
+    memory = PeakMemory()  # the libraries are mapped by now
     profile = cProfile.Profile() if args.profile else None
     start, cpu = time.perf_counter(), time.process_time()
     if profile is not None:
@@ -72,12 +75,12 @@ def main() -> None:
         profile.disable()
         profile.dump_stats(args.profile)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"deepspeed {deepspeed.__version__}")
     print(f"{preset} {shape}: {report.source.spec.parallel.describe()}, AdamW")
-    print(f"  analyze: {seconds:.1f} s wall, {cpu:.1f} s CPU (goal <= {GOAL_SECONDS:.0f} s), peak RSS {fmt_bytes(rss)} "
-          f"(goal <= {GOAL_RSS / 1e9:.1f} GB), {report.num_ops} ops")
+    print(f"  analyze: {seconds:.1f} s wall, {cpu:.1f} s CPU (goal <= {GOAL_SECONDS:.0f} s), peak RSS {fmt_bytes(memory.total())} "
+          f"(goal <= {GOAL_RSS / 1e9:.1f} GB), of which the process's own {fmt_bytes(memory.own())} and the libraries' "
+          f"file pages {fmt_bytes(memory.files())}; {report.num_ops} ops")
     later = report.budget.rank.later_peak_bytes if report.budget is not None else report.peak_bytes
     print(f"  rank's peak {fmt_bytes(report.peak_bytes)} (first step), {fmt_bytes(later)} "
           f"(later steps); activations {fmt_bytes(report.activation_bytes)}")
