@@ -77,6 +77,8 @@ class Applied:
         for blk in self._blocks:
             if "forward" in vars(blk) and getattr(blk.forward, "_graphmem_checkpoint", False):
                 del blk.forward
+                vars(blk).pop(_SEGMENT, None)
+                vars(blk).pop(_ORIGINAL, None)
         for blk in self._switched:
             blk.gradient_checkpointing = True  # type: ignore[assignment]  # a flag, not a submodule
         self._blocks, self._switched = [], []
@@ -152,9 +154,15 @@ def _without_cache(forward: Callable[..., object], args: tuple, kwargs: dict[str
     return tuple(bound.args[1:]), dict(bound.kwargs)
 
 
-def _segment_forward(blocks: list[nn.Module], originals: list[Callable[..., object]],
-                     policy: Optional[SegmentPolicy] = None) -> Callable[..., object]:
+# A patched block finds its segment's blocks and their forwards through its own attributes, not a closure: a
+# deepcopy of the model (an optimizer's copy, an EMA model, graphmem.validate's real step) then runs its own
+# blocks (the copy's attributes point at the copied blocks and at forwards bound to them), not the original's.
+_SEGMENT, _ORIGINAL = "_graphmem_segment", "_graphmem_original"
+
+
+def _segment_forward(policy: Optional[SegmentPolicy] = None) -> Callable[..., object]:
     def head(self: nn.Module, x: object, *args: object, **kwargs: Any) -> object:
+        blocks, originals = vars(self)[_SEGMENT]
         if _inside():
             return originals[0](x, *args, **kwargs)
         args, kwargs = _without_cache(originals[0], args, kwargs)
@@ -168,10 +176,10 @@ def _segment_forward(blocks: list[nn.Module], originals: list[Callable[..., obje
     return head
 
 
-def _member_forward(original: Callable[..., object]) -> Callable[..., object]:
+def _member_forward() -> Callable[..., object]:
     def member(self: nn.Module, x: object, *args: object, **kwargs: object) -> object:
         if _inside():
-            return original(x, *args, **kwargs)
+            return vars(self)[_ORIGINAL](x, *args, **kwargs)
         return x  # the segment's first block already ran this one, checkpointed
 
     member._graphmem_checkpoint = True  # type: ignore[attr-defined]
@@ -218,9 +226,11 @@ def apply_segments(model: nn.Module, chain: str, segments: Sequence[tuple[int, i
     for (a, b), policy in zip(segments, policies):
         members = blocks[a:b + 1]
         originals = [m.forward for m in members]
-        members[0].forward = types.MethodType(_segment_forward(members, originals, policy), members[0])
+        vars(members[0])[_SEGMENT] = (members, originals)  # plain attributes (nn.Module registers no submodule)
+        members[0].forward = types.MethodType(_segment_forward(policy), members[0])
         for m, orig in zip(members[1:], originals[1:]):
-            m.forward = types.MethodType(_member_forward(orig), m)
+            vars(m)[_ORIGINAL] = orig
+            m.forward = types.MethodType(_member_forward(), m)
         changed.extend(members)
     return Applied(changed, switched)
 

@@ -216,6 +216,33 @@ def test_apply_is_real_checkpointing_and_remove_restores() -> None:
     assert all("forward" not in vars(b) for b in model.transformer.h)
 
 
+def test_a_deepcopy_of_a_planned_model_runs_its_own_blocks() -> None:
+    """GIVEN a plan applied to a model (segments of two and three blocks: heads and members patched)
+    WHEN the model is deep-copied (an optimizer's or EMA copy; graphmem.validate's real step trains a copy) and the
+    copy runs a step
+    THEN the copy's own parameters get every gradient, the original's none (the patched forwards used to close over
+    the original blocks: the copy's checkpointed blocks ran the original's, and its optimizer had no states for
+    them), and the copy's plan is removed like the original's."""
+    import copy
+
+    model, x, loss = _gpt(6)
+    torch.manual_seed(1)
+    ref = loss(model(*x), x)
+    ref.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    handle = apply_segments(model, "transformer.h", [(0, 1), (3, 5)])
+    twin = copy.deepcopy(model)
+    torch.manual_seed(1)
+    out = loss(twin(*x), x)
+    out.backward()
+    assert torch.equal(out, ref)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None and torch.allclose(p.grad, g) for p, g in zip(twin.parameters(), ref_grads))
+    handle.remove()
+    assert all("forward" not in vars(b) and "_graphmem_segment" not in vars(b) for b in model.transformer.h)
+
+
 def test_apply_refuses_bad_segments() -> None:
     model, x, loss = _gpt(4)
     with pytest.raises(UsageError, match="overlaps"):
