@@ -17,7 +17,7 @@ from graphmem.errors import GraphmemError
 from graphmem.passes.budget import later_steps_peak
 from graphmem.passes.run_memory import FIGURE_NAMES
 from graphmem.planning.figures import figure_of, plan_memory
-from graphmem.step.measure import single_steps_once
+from graphmem.step.measure import Measured, single_steps_once
 from graphmem.step.spec import StepSpec
 from graphmem.training.spec import preparing_once
 from graphmem.units import fmt_bytes
@@ -130,7 +130,8 @@ def _advise(report: AnalysisView, limit: int, budget: Optional[str], ranks: int,
     changes: list[Change] = []
     left_out: list[LeftOut] = []
     levers: tuple[tuple[str, Callable[[], tuple[list[Change], list[LeftOut]]]], ...] = (
-        ("loss", lambda: L.loss(report, base, measurer.source.make)), ("attention", lambda: L.attention(report, base)),
+        ("loss", lambda: L.loss(report, base, measurer.source.make)), ("cache", lambda: L.cache(report, base)),
+        ("attention", lambda: L.attention(report, base)),
         ("precision", lambda: L.precision(report, base)), ("optimizer", lambda: L.optimizer(report, base)),
         ("micro-batches", lambda: L.micro_batches(report, base)), ("sharding", lambda: L.sharding(report, base, ranks)),
         ("pipeline", lambda: L.pipeline(report, base, ranks)), ("lora", lambda: L.lora(report, base, lora_rank))) \
@@ -237,9 +238,19 @@ def _batch_lever(report: AnalysisView, measurer: Measurer, limit: int, base_peak
 
 def _plan_lever(report: AnalysisView, measurer: Measurer, limit: int, budget: str, base_peak: int,
                 figure: str) -> tuple[Optional[Lever], Optional[LeftOut]]:
-    """The planner's cheapest plan whose ``figure`` fits (else its lowest-peak plan), verified by a capture."""
+    """The planner's cheapest plan whose ``figure`` fits (else its lowest-peak plan), verified by a capture.
+    A transformers decoder whose step fills its KV cache is planned with the cache off (``--use-cache off``), as
+    transformers' own gradient checkpointing runs it: the cache keeps only the stored blocks' keys and values to the
+    step's end, so with it the blocks' memory does not add up block by block and every plan is a search among
+    captured plans (graphmem/planning/verify.py); without it the plan is the proven optimum, confirmed by one capture."""
+    spec, off = measurer.base, L.without_cache(measurer.base)
+    if off is not None:
+        try:
+            report, spec = _report_of(measurer, off), off
+        except GraphmemError:  # the step does not run without its cache: planned with it
+            off = None
     one_device = later_steps_peak(report.step, report.liveness)  # what the planner plans: every step's peak
-    allocated = measurer.peak(measurer.base)
+    allocated = measurer.peak(spec)
     if allocated != one_device:
         return None, LeftOut("checkpoint", f"the step's peak is one rank's ({fmt_bytes(allocated)}); the planner plans "
                              f"the step on one device ({fmt_bytes(one_device)}): run graphmem plan without the "
@@ -259,12 +270,20 @@ def _plan_lever(report: AnalysisView, measurer: Measurer, limit: int, budget: st
         return None, LeftOut("checkpoint", f"no checkpoint plan of {plan.chain} lowers the peak (at {report.peak_op}, "
                              f"{report.peak_phase}): checkpoints free activations, not what is live there")
     segments = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in plan.segments) or "none"
-    how = (f"graphmem plan ... --budget {budget} (or {call}.apply(model)): torch.utils.checkpoint over "
-           f"{plan.chain} blocks {segments}")
+    cache = " --use-cache off" if off is not None else ""
+    how = (f"graphmem plan ...{cache} --budget {budget} (or {call}.apply(model)): torch.utils.checkpoint over "
+           f"{plan.chain} blocks {segments}" +
+           (", the model called with use_cache=False (as transformers' gradient checkpointing calls it)" if cache else ""))
     cost = f"recompute {plan.overhead:.1%} of the step's FLOPs"
     count = len(plan.segments)
-    return _row("checkpoint", f"checkpoint plan ({count} segment{'s' if count != 1 else ''})", how, peak, base_peak,
-                limit, cost, "recompute", extent=plan.overhead), None
+    name = f"checkpoint plan ({count} segment{'s' if count != 1 else ''})" + (", KV cache off" if cache else "")
+    return _row("checkpoint", name, how, peak, base_peak, limit, cost, "recompute", extent=plan.overhead), None
+
+
+def _report_of(measurer: Measurer, spec: StepSpec) -> AnalysisView:
+    """The report ``graphmem.analyze`` gives for ``spec``, made from the measurer's capture of it (one capture)."""
+    from graphmem.api import report_of  # the front door's report (graphmem/api.py, a layer above): loaded on use
+    return report_of(Measured(spec, measurer.captured(spec)), measurer.overrides)
 
 
 def _combinations(measurer: Measurer, base: StepSpec, measured: dict[str, tuple[Change, int]], base_peak: int,

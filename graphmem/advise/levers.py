@@ -8,7 +8,7 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, cast
+from typing import Any, Callable, Optional, cast
 
 import torch
 
@@ -17,9 +17,11 @@ from graphmem.analysis import AnalysisView
 from graphmem.chains import find_chain
 from graphmem.distributed.pipeline import Pipeline
 from graphmem.distributed.spec import Sharding
+from graphmem.errors import UsageError
 from graphmem.models import gpt2, llama
 from graphmem.passes.budget import make_parallel
-from graphmem.step.spec import Formula, Ranks, Single, Stages, StepSpec
+from graphmem.step.spec import Formula, Inputs, Ranks, Single, Stages, StepSpec
+from graphmem.training.batch import Batch
 from graphmem.training.lora import make_lora, meta_copy
 from graphmem.training.optim import resolved_impl
 from graphmem.training.peft_lora import is_hf_model
@@ -32,7 +34,7 @@ COST_RANK = {"none": 0, "trade-off": 1, "recompute": 2, "communication": 3, "cha
 
 @dataclass(frozen=True)
 class Change:
-    kind: str  # loss | attention | precision | optimizer | micro-batches | sharding | pipeline | lora
+    kind: str  # loss | cache | attention | precision | optimizer | micro-batches | sharding | pipeline | lora
     name: str  # the row's label
     how: str  # the exact change: options, or a few lines of code
     cost: str  # what it costs, in words
@@ -126,6 +128,43 @@ def loss(report: AnalysisView, base: StepSpec, make: Callable[[tuple[int, ...]],
     return [Change("loss", "chunked LM head + cross-entropy", how,
                    "the head's forward again in backward, one chunk at a time", "recompute",
                    _module(wrapped))], []
+
+
+def without_cache(spec: StepSpec) -> Optional[StepSpec]:
+    """``spec`` with its Hugging Face model called with ``use_cache=False`` (``--use-cache off``), or None when
+    there is no cache to turn off: the model's forward takes no ``use_cache``, the cache is already off, or the
+    batch is not graphmem's to change (the user's own batch, a Trainer's step)."""
+    settings = dict(spec.inputs.settings)
+    if not settings.get("use_cache", "").startswith("on") or spec.inputs.given is not None \
+            or spec.training.train.external is not None:
+        return None
+    make = spec.inputs.make
+
+    def off(shape: tuple[int, ...]) -> Any:
+        batch = make(shape)
+        if isinstance(batch, Batch):  # graphmem's Hugging Face batches: model(**kwargs) (capture/hf_batch.py)
+            return dataclasses.replace(batch, kwargs={**batch.kwargs, "use_cache": False})
+        if isinstance(batch, dict):
+            return {**batch, "use_cache": False}
+        raise UsageError(f"the batch is a {type(batch).__name__}, not the keyword batch graphmem makes for a "
+                         "transformers model: pass use_cache=False in it yourself")
+
+    settings["use_cache"] = "off"
+    return spec.replace(inputs=Inputs(off, spec.inputs.shape, settings=tuple(settings.items())))
+
+
+def cache(report: AnalysisView, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
+    """A transformers decoder called with ``use_cache`` on (its config's default, as ``from_pretrained`` leaves
+    it) fills a DynamicCache with every layer's keys and values, which the output holds to the step's end; a
+    training step never reads it (transformers' own gradient checkpointing turns it off)."""
+    if without_cache(base) is None:
+        why = "the step has no key/value cache to turn off" if not dict(base.inputs.settings).get(
+            "use_cache", "").startswith("on") else "the batch is not graphmem's to change: pass use_cache=False in it"
+        return [], [LeftOut("cache", why)]
+    return [Change("cache", "KV cache off", "--use-cache off: model(**batch, use_cache=False), or "
+                   "model.config.use_cache = False before training",
+                   "none: a training step never reads the cache (transformers' gradient checkpointing turns it off "
+                   "too)", "none", lambda s: without_cache(s) or s)], []
 
 
 def attention(report: AnalysisView, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:

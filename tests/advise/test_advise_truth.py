@@ -120,3 +120,48 @@ def test_the_lora_lever_is_a_real_step() -> None:
     # Measured: 104 B = 13 of the 14 (q, k, v, o, gate, up, down of 2 layers) at the peak, in backward.
     adapted = 7 * model.config.num_hidden_layers
     assert 0 <= real - row.peak_bytes <= 8 * adapted, (real, row.peak_bytes)
+
+
+@pytest.mark.slow  # every lever weighed on a 4-layer Llama, then 2 real steps: about 40 s here
+def test_the_kv_cache_lever_and_the_plan_without_the_cache_are_real_steps() -> None:
+    """GIVEN a transformers Llama whose config leaves ``use_cache`` on (as from_pretrained does), analyzed from
+    ``input_shape`` with AdamW, and advised in too little memory
+    WHEN the "KV cache off" row and the checkpoint plan's row (planned with the cache off, as transformers'
+    gradient checkpointing runs it) are made by hand: the same batch with ``use_cache=False``, the plan applied
+    THEN each row's peak is graphmem.validate's prediction and the real CPU step's peak, and saved bytes are 0 B
+    off; the plan is the proven optimum (the blocks' memory adds up without the cache)."""
+    import transformers
+
+    from graphmem.capture.hf import HFOptions
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    assert model.config.use_cache
+    opts = {"optimizer": "adamw"}
+    report = graphmem.analyze(model, input_shape="2x32", **opts)
+    assert report.batch["use_cache"].startswith("on")
+    without = graphmem.analyze(model, input_shape="2x32", hf=HFOptions(use_cache=False), **opts)
+    advice = report.advise(memory=(_peak(report) + without.plan(max_overhead=1.0).peak_bytes) // 2)  # a plan fits
+    rows = {r.kind: r for r in advice.levers}
+    batch = dict(report.source.spec.inputs.make((2, 32)).kwargs)  # the batch graphmem made (labels a copy of the ids)
+    off = {**batch, "use_cache": False}
+    # the lever: the same step with the cache off
+    cache = rows.get("cache") or next(x for x in advice.left_out if x.kind == "cache")
+    predicted, real, saved = _real(model, off, None, opts)  # type: ignore[arg-type]
+    print(f"KV cache off: predicted {predicted:,} real {real:,}")
+    assert saved == 0 and real == predicted
+    if isinstance(cache, type(advice.levers[0])):
+        assert cache.name == "KV cache off" and cache.peak_bytes == predicted
+    else:
+        assert f"({fmt_bytes(predicted)})" in cache.why, cache.why
+    # the plan: planned on the step without the cache, proven optimal, its row the real step's
+    plan_row = rows["checkpoint"]
+    assert plan_row.name.endswith(", KV cache off") and "--use-cache off" in plan_row.how, plan_row
+    plan = without.plan(budget=advice.memory)
+    assert plan.verification is not None and plan.verification.proven
+    with plan.apply(model):
+        predicted, real, saved = _real(model, off, None, opts)  # type: ignore[arg-type]
+    print(f"{plan_row.name}: row {plan_row.peak_bytes:,} predicted {predicted:,} real {real:,}")
+    assert saved == 0 and predicted == plan_row.peak_bytes == real
