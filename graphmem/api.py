@@ -1,22 +1,16 @@
 """The public entry point: ``graphmem.analyze``."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional, Union
-
-import torch
 
 from graphmem.capture.collector import gc_paused
 from graphmem.errors import UsageError
 from graphmem.frontends.door import spec_for
 from graphmem.noise import quiet
-from graphmem.passes import allocator, compare_modes, saved
 from graphmem.passes.device_rows import NAMES, check_overrides
-from graphmem.report.live import Analysis
-from graphmem.step.measure import Measured, measure, step_graph
-from graphmem.step.recapture import Recapture
-from graphmem.step.spec import ModelLike, Single, StepSpec, UserInputs
-from graphmem.stepgraph import StepGraph
+from graphmem.report.live import Analysis, report_of
+from graphmem.step.measure import measure
+from graphmem.step.spec import ModelLike, StepSpec, UserInputs
 from graphmem.units import parse_bytes
 
 
@@ -87,38 +81,4 @@ def parse_overheads(overheads: Optional[dict[str, Any]]) -> dict[str, int]:
     return out
 
 
-def report_of(m: Measured, overrides: Optional[dict[str, int]] = None) -> Analysis:
-    """The Report of a measured step: the passes' results, the spec it came from (``source``:
-    what plans, formulas and fits capture again) and, in compiled mode, eager beside it."""
-    spec, step = m.spec, m.step
-    g = step.graph
-    shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
-    example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")
-    source: Optional[Recapture] = None
-    if example and m.recapturable:
-        probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
-        source = Recapture(spec, step, probe)
-    alloc = allocator(g) if step.target.device == "cuda" else None  # the caching allocator's view of the step
-    report = Analysis.build(g, step.liveness, step.saved, spec.name, shapes, m.loss_name, m.notes, source, alloc,
-                          budget=step.budget, sharding=m.scope, memory=m.memory(overrides, alloc))
-    if spec.inputs.settings:  # the choices in a batch graphmem made for an input shape (graphmem/capture/hf_batch.py)
-        report = dataclasses.replace(report, batch=dict(spec.inputs.settings))
-    if spec.target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
-        report = _beside_eager(report, spec, step.eager if step.module is spec.module else None)
-    return report
-
-
-def _beside_eager(report: Analysis, spec: StepSpec, eager: Optional[StepGraph] = None) -> Analysis:
-    """``report`` (compiled mode) with ``compiled``: the same step captured eagerly, side by side
-    (``eager``: already captured by compiled depth reuse's check, graphmem/capture/reuse_compiled.py;
-    a trainer's step, ``train.runner()``: its own step, run eagerly)."""
-    g = report.step
-    assert g is not None  # analyze keeps the step graph
-    twin = spec.replace(parallel=Single(), target=dataclasses.replace(g.target, mode="eager", compile_backend="aot_eager"))
-    train = spec.training.train
-    with train.runner(twin.target) as runner:
-        if eager is None and runner is not None:  # a transformers Trainer's step (graphmem/training/hf_trainer.py)
-            eager = step_graph(twin, runner=runner.run).graph
-    if eager is None:
-        eager = step_graph(twin, reuse=True).graph
-    return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager)))
+__all__ = ["analyze", "parse_overheads", "report_of"]

@@ -22,6 +22,9 @@ from graphmem.step.spec import StepSpec
 from graphmem.training.spec import preparing_once
 from graphmem.units import fmt_bytes
 
+# a changed setting's capture -> its report (graphmem/report/live.py report_of), with the user's device rows
+ReportFor = Callable[[Measured, dict[str, int]], AnalysisView]
+
 COSTS_NOTE = ("costs are graphmem's measures (recompute FLOPs from the recorded ops, bytes moved by collectives) "
               "or a stated trade-off, not times")
 SHARDING_NOTE = ("sharding rows: FSDP2 is rank 0's step captured through torch.distributed's fully_shard under a fake "
@@ -112,18 +115,21 @@ class Advice:
 
 
 def advise(report: AnalysisView, memory: Any, ranks: int = 8, lora_rank: int = 16,
-           tick: Optional[Callable[[], None]] = None, combine: bool = False, figure: Optional[str] = None) -> Advice:
+           tick: Optional[Callable[[], None]] = None, combine: bool = False, figure: Optional[str] = None,
+           report_for: Optional[ReportFor] = None) -> Advice:
     """The levers of ``report``'s step, each captured, ranked, and the best few combined (when no
     single lever fits, or ``combine``); every setting judged on ``figure`` of its run (the device
-    total on the CUDA target, allocated on the CPU's: graphmem/planning/figures.py)."""
+    total on the CUDA target, allocated on the CPU's: graphmem/planning/figures.py). ``report_for`` makes the
+    report of a changed setting's capture (graphmem/report/live.py ``report_of``, handed down by
+    ``Analysis.advise``): the checkpoint plan of a step whose KV cache is turned off is that report's plan."""
     # one adapted (LoRA, QLoRA) model for every lever that keeps the model, one single-device step beside the FSDP2 rows
     with preparing_once(), single_steps_once():
         return _advise(report, memory_limit(memory, report.target), memory if isinstance(memory, str) else None, ranks, lora_rank,
-                       tick, combine, figure_of(report, figure))
+                       tick, combine, figure_of(report, figure), report_for)
 
 
 def _advise(report: AnalysisView, limit: int, budget: Optional[str], ranks: int, lora_rank: int,
-            tick: Optional[Callable[[], None]], combine: bool, figure: str) -> Advice:
+            tick: Optional[Callable[[], None]], combine: bool, figure: str, report_for: Optional[ReportFor]) -> Advice:
     measurer = Measurer(report, tick)
     base = measurer.base
     base_peak = measurer.figure(base, figure)
@@ -145,7 +151,7 @@ def _advise(report: AnalysisView, limit: int, budget: Optional[str], ranks: int,
         left_out += why
     rows, measured = _singles(measurer, changes, base_peak, limit, left_out, figure)
     if job_of(base) is None:  # (a DeepSpeed job's rows say why the planner and the batch formula do not apply)
-        rows, left_out = _formula_levers(report, measurer, limit, budget, base_peak, figure, rows, left_out)
+        rows, left_out = _formula_levers(report, measurer, limit, budget, base_peak, figure, rows, left_out, report_for)
     # combinations only when no single lever fits: the answer needs them then, and each is a capture
     fits = base_peak <= limit or any(r.fits for r in rows)
     combos = [] if fits and not combine else _combinations(measurer, base, measured, base_peak, limit, left_out, figure)
@@ -155,13 +161,14 @@ def _advise(report: AnalysisView, limit: int, budget: Optional[str], ranks: int,
 
 
 def _formula_levers(report: AnalysisView, measurer: Measurer, limit: int, budget: Optional[str], base_peak: int,
-                    figure: str, rows: list[Lever], left_out: list[LeftOut]) -> tuple[list[Lever], list[LeftOut]]:
+                    figure: str, rows: list[Lever], left_out: list[LeftOut],
+                    report_for: Optional[ReportFor] = None) -> tuple[list[Lever], list[LeftOut]]:
     """The batch (when the step does not fit) and the checkpoint plan: the fit's formula and the planner."""
     if base_peak > limit:
         row, skipped = _batch_lever(report, measurer, limit, base_peak, figure)
         rows += [row] if row is not None else []
         left_out += [skipped] if skipped is not None else []
-    plan, skipped = _plan_lever(report, measurer, limit, budget or f"{limit}B", base_peak, figure)
+    plan, skipped = _plan_lever(report, measurer, limit, budget or f"{limit}B", base_peak, figure, report_for)
     rows += [plan] if plan is not None else []
     left_out += [skipped] if skipped is not None else []
     return rows, left_out
@@ -237,16 +244,16 @@ def _batch_lever(report: AnalysisView, measurer: Measurer, limit: int, base_peak
 
 
 def _plan_lever(report: AnalysisView, measurer: Measurer, limit: int, budget: str, base_peak: int,
-                figure: str) -> tuple[Optional[Lever], Optional[LeftOut]]:
+                figure: str, report_for: Optional[ReportFor] = None) -> tuple[Optional[Lever], Optional[LeftOut]]:
     """The planner's cheapest plan whose ``figure`` fits (else its lowest-peak plan), verified by a capture.
     A transformers decoder whose step fills its KV cache is planned with the cache off (``--use-cache off``), as
     transformers' own gradient checkpointing runs it: the cache keeps only the stored blocks' keys and values to the
     step's end, so with it the blocks' memory does not add up block by block and every plan is a search among
     captured plans (graphmem/planning/verify.py); without it the plan is the proven optimum, confirmed by one capture."""
-    spec, off = measurer.base, L.without_cache(measurer.base)
-    if off is not None:
+    spec, off = measurer.base, L.without_cache(measurer.base) if report_for is not None else None
+    if off is not None and report_for is not None:
         try:
-            report, spec = _report_of(measurer, off), off
+            report, spec = report_for(Measured(off, measurer.captured(off)), measurer.overrides), off
         except GraphmemError:  # the step does not run without its cache: planned with it
             off = None
     one_device = later_steps_peak(report.step, report.liveness)  # what the planner plans: every step's peak
@@ -278,12 +285,6 @@ def _plan_lever(report: AnalysisView, measurer: Measurer, limit: int, budget: st
     count = len(plan.segments)
     name = f"checkpoint plan ({count} segment{'s' if count != 1 else ''})" + (", KV cache off" if cache else "")
     return _row("checkpoint", name, how, peak, base_peak, limit, cost, "recompute", extent=plan.overhead), None
-
-
-def _report_of(measurer: Measurer, spec: StepSpec) -> AnalysisView:
-    """The report ``graphmem.analyze`` gives for ``spec``, made from the measurer's capture of it (one capture)."""
-    from graphmem.api import report_of  # the front door's report (graphmem/api.py, a layer above): loaded on use
-    return report_of(Measured(spec, measurer.captured(spec)), measurer.overrides)
 
 
 def _combinations(measurer: Measurer, base: StepSpec, measured: dict[str, tuple[Change, int]], base_peak: int,

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence, Union
 
+import torch
+
 from graphmem.capture.target import CARD, memory_limit
 from graphmem.errors import GraphmemError, UsageError, no_source
 from graphmem.formula import AnyCoefficients, FitAnswer, NotPolynomialError, Sweep, largest_fitting
@@ -18,7 +20,7 @@ from graphmem.formula.fit import fit as fit_formula
 from graphmem.formula.piecewise import fit_windowed, window_of
 from graphmem.formula.sweep import sweep as sweep_formula
 from graphmem.noise import quiet  # third-party notes on the captures these answers run (graphmem/noise.py)
-from graphmem.passes import Liveness, SavedSet
+from graphmem.passes import Liveness, SavedSet, allocator, compare_modes, saved
 from graphmem.passes.allocator import AllocatorResult
 from graphmem.passes.memory_budget import BudgetSweep
 from graphmem.passes.run_memory import RunMemory, figure_for, step_memory
@@ -28,7 +30,9 @@ from graphmem.planning.pieces import PlanError
 from graphmem.planning.planner import CheckpointPlan, Planner, PlanSummary, parse_limits, summarize
 from graphmem.planning.selective import LEVELS, SelectivePlanner
 from graphmem.report import Held, Peak, RankScope, Report
+from graphmem.step.measure import Measured, step_graph
 from graphmem.step.recapture import Recapture
+from graphmem.step.spec import Single, StepSpec
 from graphmem.stepgraph import StepGraph
 from graphmem.training.spec import StepBudget
 
@@ -271,7 +275,7 @@ class Analysis(Report):
         """
         from graphmem.advise import advise  # captures again: loaded on use
 
-        return advise(self, memory, ranks, lora_rank, tick, combine, figure)
+        return advise(self, memory, ranks, lora_rank, tick, combine, figure, report_of)
 
     def memory_budgets(self, values: Union[str, float, Sequence[float]], tick: Tick = None) -> BudgetSweep:
         """Compiled mode: the step at each value of torch.compile's activation memory budget
@@ -286,4 +290,44 @@ class Analysis(Report):
         return memory_budget_api.memory_budgets(self, values, tick)
 
 
-__all__ = ["Analysis", "Answers"]
+
+
+# -- the report of a measured step: what graphmem.analyze returns, and what advise makes of a changed setting
+def report_of(m: Measured, overrides: Optional[dict[str, int]] = None) -> Analysis:
+    """The Report of a measured step: the passes' results, the spec it came from (``source``:
+    what plans, formulas and fits capture again) and, in compiled mode, eager beside it."""
+    spec, step = m.spec, m.step
+    g = step.graph
+    shapes = tuple(g.storages[n.meta["storage"]].shape for n in g.placeholders if n.meta.get("kind") == "input")
+    example = tuple(g.storages[n.meta["storage"]] for n in g.placeholders if n.meta.get("kind") == "input")
+    source: Optional[Recapture] = None
+    if example and m.recapturable:
+        probe = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in example)
+        source = Recapture(spec, step, probe)
+    alloc = allocator(g) if step.target.device == "cuda" else None  # the caching allocator's view of the step
+    report = Analysis.build(g, step.liveness, step.saved, spec.name, shapes, m.loss_name, m.notes, source, alloc,
+                          budget=step.budget, sharding=m.scope, memory=m.memory(overrides, alloc))
+    if spec.inputs.settings:  # the choices in a batch graphmem made for an input shape (graphmem/capture/hf_batch.py)
+        report = dataclasses.replace(report, batch=dict(spec.inputs.settings))
+    if spec.target.mode == "compiled":  # eager beside it: saved bytes per module, what was recomputed
+        report = _beside_eager(report, spec, step.eager if step.module is spec.module else None)
+    return report
+
+
+def _beside_eager(report: Analysis, spec: StepSpec, eager: Optional[StepGraph] = None) -> Analysis:
+    """``report`` (compiled mode) with ``compiled``: the same step captured eagerly, side by side
+    (``eager``: already captured by compiled depth reuse's check, graphmem/capture/reuse_compiled.py;
+    a trainer's step, ``train.runner()``: its own step, run eagerly)."""
+    g = report.step
+    assert g is not None  # analyze keeps the step graph
+    twin = spec.replace(parallel=Single(), target=dataclasses.replace(g.target, mode="eager", compile_backend="aot_eager"))
+    train = spec.training.train
+    with train.runner(twin.target) as runner:
+        if eager is None and runner is not None:  # a transformers Trainer's step (graphmem/training/hf_trainer.py)
+            eager = step_graph(twin, runner=runner.run).graph
+    if eager is None:
+        eager = step_graph(twin, reuse=True).graph
+    return dataclasses.replace(report, compiled=compare_modes(g, saved(g), saved(eager)))
+
+
+__all__ = ["Analysis", "Answers", "report_of"]
