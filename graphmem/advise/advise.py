@@ -195,6 +195,8 @@ def _singles(measurer: Measurer, changes: list[Change], base_peak: int, limit: i
         except GraphmemError as e:
             left_out.append(LeftOut(change.kind, f"{change.name}: not applicable: {e}"))
             continue
+        if change.kind != "cache":  # (the step without the KV cache is the checkpoint plan's: _plan_lever)
+            measurer.release(spec)
         if peak >= base_peak:  # measured, and the step's peak does not drop: not a lever here
             left_out.append(LeftOut(change.kind, f"{change.name}: the peak does not drop ({fmt_bytes(peak)})"))
             continue
@@ -320,6 +322,7 @@ def _combinations(measurer: Measurer, base: StepSpec, measured: dict[str, tuple[
         except GraphmemError as e:
             left_out.append(LeftOut("combination", f"{' + '.join(c.name for c in trying)}: not applicable: {e}"))
             continue
+        measurer.release(trial)
         if peak >= peak_now:  # this lever does not help on top of the others
             continue
         setting, peak_now, parts = trial, peak, trying

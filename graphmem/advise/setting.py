@@ -37,8 +37,8 @@ class Measurer:
         self.base: StepSpec = self.source.spec
         self.tick = tick or (lambda: None)
         self.captures = 0  # captures run (the report's own is not counted)
-        self._flops: dict[int, int] = {}
-        self._memory: dict[tuple[StepSpec, int], RunMemory] = {}
+        self._flops: dict[StepSpec, int] = {}  # by the capture's key
+        self._runs: dict[StepSpec, list[RunMemory]] = {}  # the run's memory of each rank captured (one but a pipeline's)
         rows = report.memory.rows if report.memory is not None else ()
         self.overrides = {r.name: r.bytes for r in rows if r.overridden}  # the user's row sizes, on every lever
         step, lv = captured(report)
@@ -76,19 +76,25 @@ class Measurer:
         """``name`` of the run of ``spec`` (passes/run_memory.py: "allocated", "reserved" or "device"),
         as ``graphmem.analyze`` gives it for that setting (graphmem/step/measure.py ``Measured.memory``); a
         pipeline's highest rank."""
-        c = self.captured(spec)
-        steps = self._cache[_key(spec)] if len(self._cache[_key(spec)]) > 1 else [c]
-        for i, step in enumerate(steps):
-            if (spec, i) not in self._memory:
-                self._memory[(spec, i)] = Measured(spec, step).memory(self.overrides)
-        return max(self._memory[(spec, i)].figure(name) for i in range(len(steps)))
+        if spec not in self._runs:
+            c = self.captured(spec)
+            steps = self._cache[_key(spec)] if len(self._cache[_key(spec)]) > 1 else [c]
+            self._runs[spec] = [Measured(spec, step).memory(self.overrides) for step in steps]
+        return max(m.figure(name) for m in self._runs[spec])
 
     def flops(self, spec: StepSpec) -> int:
         """FLOPs of the step's recorded ops (planning/planner.py's ``step_flops``), counted once a step."""
-        graph = self.captured(spec).graph
-        if id(graph) not in self._flops:  # the graph is held by the cache: its id is not reused
-            self._flops[id(graph)] = step_flops(graph)
-        return self._flops[id(graph)]
+        key = _key(spec)
+        if key not in self._flops:
+            self._flops[key] = step_flops(self.captured(spec).graph)
+        return self._flops[key]
+
+    def release(self, spec: StepSpec) -> None:
+        """``spec``'s captured steps dropped once what advise reads of them is read (its run's figures and FLOPs
+        stay): every lever's graph held to the advice's end made each of Python's full collections traverse them
+        all, and the process held them all. Asked for again, the step is captured again; the report's own is kept."""
+        if _key(spec) != _key(self.base):
+            self._cache.pop(_key(spec), None)
 
 
 def step_peak(step: Captured) -> int:
