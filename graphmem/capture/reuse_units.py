@@ -28,8 +28,9 @@ from graphmem.capture.widen_units import Layout
 from graphmem.chains import Chain, find_chain, selected
 from graphmem.stepgraph import StepGraph
 
-# a plan's blocks carry their segment's forward (graphmem/planning/apply.py): a unit's kind says what it runs
-_PLAN_ATTRIBUTES = frozenset({"forward"})
+# a plan's blocks carry their segment's forward, and the segment's blocks and original forwards it runs
+# (graphmem/planning/apply.py): a unit's kind says what it runs
+_PLAN_ATTRIBUTES = frozenset({"forward", "_graphmem_segment", "_graphmem_original"})
 
 
 def layout_for(sizes: Sequence[int], kinds: Sequence[Hashable]) -> Union[Layout, str]:
