@@ -162,7 +162,7 @@ def _advise(report: AnalysisView, limit: int, budget: Optional[str], ranks: int,
 
 def _formula_levers(report: AnalysisView, measurer: Measurer, limit: int, budget: Optional[str], base_peak: int,
                     figure: str, rows: list[Lever], left_out: list[LeftOut],
-                    report_for: Optional[ReportFor] = None) -> tuple[list[Lever], list[LeftOut]]:
+                    report_for: Optional[ReportFor]) -> tuple[list[Lever], list[LeftOut]]:
     """The batch (when the step does not fit) and the checkpoint plan: the fit's formula and the planner."""
     if base_peak > limit:
         row, skipped = _batch_lever(report, measurer, limit, base_peak, figure)
@@ -246,14 +246,14 @@ def _batch_lever(report: AnalysisView, measurer: Measurer, limit: int, base_peak
 
 
 def _plan_lever(report: AnalysisView, measurer: Measurer, limit: int, budget: str, base_peak: int,
-                figure: str, report_for: Optional[ReportFor] = None) -> tuple[Optional[Lever], Optional[LeftOut]]:
+                figure: str, report_for: Optional[ReportFor]) -> tuple[Optional[Lever], Optional[LeftOut]]:
     """The planner's cheapest plan whose ``figure`` fits (else its lowest-peak plan), verified by a capture.
     A transformers decoder whose step fills its KV cache is planned with the cache off (``--use-cache off``), as
     transformers' own gradient checkpointing runs it: the cache keeps only the stored blocks' keys and values to the
     step's end, so with it the blocks' memory does not add up block by block and every plan is a search among
     captured plans (graphmem/planning/verify.py); without it the plan is the proven optimum, confirmed by one capture."""
-    spec, off = measurer.base, L.without_cache(measurer.base) if report_for is not None else None
-    if off is not None and report_for is not None:
+    spec, off = measurer.base, None
+    if report_for is not None and (off := L.without_cache(measurer.base)) is not None:
         try:
             report, spec = report_for(Measured(off, measurer.captured(off)), measurer.overrides), off
         except GraphmemError:  # the step does not run without its cache: planned with it

@@ -134,9 +134,7 @@ def without_cache(spec: StepSpec) -> Optional[StepSpec]:
     """``spec`` with its Hugging Face model called with ``use_cache=False`` (``--use-cache off``), or None when
     there is no cache to turn off: the model's forward takes no ``use_cache``, the cache is already off, or the
     batch is not graphmem's to change (the user's own batch, a Trainer's step)."""
-    settings = dict(spec.inputs.settings)
-    if not settings.get("use_cache", "").startswith("on") or spec.inputs.given is not None \
-            or spec.training.train.external is not None:
+    if not _cache_on(spec) or spec.inputs.given is not None or spec.training.train.external is not None:
         return None
     make = spec.inputs.make
 
@@ -149,8 +147,14 @@ def without_cache(spec: StepSpec) -> Optional[StepSpec]:
         raise UsageError(f"the batch is a {type(batch).__name__}, not the keyword batch graphmem makes for a "
                          "transformers model: pass use_cache=False in it yourself")
 
-    settings["use_cache"] = "off"
+    settings = {**dict(spec.inputs.settings), "use_cache": "off"}
     return spec.replace(inputs=Inputs(off, spec.inputs.shape, settings=tuple(settings.items())))
+
+
+def _cache_on(spec: StepSpec) -> bool:
+    """The batch graphmem made calls the model with its KV cache on (capture/hf_batch.py ``settings``: "on", or
+    "on (the model's config)")."""
+    return dict(spec.inputs.settings).get("use_cache", "").startswith("on")
 
 
 def cache(report: AnalysisView, base: StepSpec) -> tuple[list[Change], list[LeftOut]]:
@@ -158,8 +162,8 @@ def cache(report: AnalysisView, base: StepSpec) -> tuple[list[Change], list[Left
     it) fills a DynamicCache with every layer's keys and values, which the output holds to the step's end; a
     training step never reads it (transformers' own gradient checkpointing turns it off)."""
     if without_cache(base) is None:
-        why = "the step has no key/value cache to turn off" if not dict(base.inputs.settings).get(
-            "use_cache", "").startswith("on") else "the batch is not graphmem's to change: pass use_cache=False in it"
+        why = "the batch is not graphmem's to change: pass use_cache=False in it" if _cache_on(base) \
+            else "the step has no key/value cache to turn off"
         return [], [LeftOut("cache", why)]
     return [Change("cache", "KV cache off", "--use-cache off: model(**batch, use_cache=False), or "
                    "model.config.use_cache = False before training",
